@@ -1,0 +1,205 @@
+"""Loading specs: bundled presets, our YAML/JSON schema, Hugging Face ``config.json`` and plan files.
+
+Every failure raises :class:`SpecError` whose lines each name the field (or file) and the fix;
+the CLI prints them and exits 2. YAML is read with ``yaml.safe_load`` only.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from planner.specs import HardwareSpec, ModelSpec, Scenario
+
+T = TypeVar("T", bound=BaseModel)
+
+_PKG = Path(__file__).resolve().parent
+MODEL_DIRNAME = "model_specs"
+HARDWARE_DIRNAME = "hardware_profiles"
+
+
+class SpecError(Exception):
+    """Bad user input. ``lines`` are printed one per line, without a traceback."""
+
+    def __init__(self, lines: list[str] | str):
+        self.lines = [lines] if isinstance(lines, str) else list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+def preset_dir(kind: str) -> Path:
+    """The folder of bundled presets: inside the installed package (wheel), else the source tree."""
+    for base in (_PKG, _PKG.parent):
+        if (base / kind).is_dir():
+            return base / kind
+    raise SpecError(f"{kind}: bundled presets not found next to {_PKG}; reinstall plan3d")
+
+
+def preset_names(kind: str) -> list[str]:
+    return sorted(p.stem for p in preset_dir(kind).glob("*.yaml"))
+
+
+def validation_lines(err: ValidationError, source: str) -> list[str]:
+    """One line per pydantic error: ``source: field.path: message``."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or check its spelling"
+        for part in msg.split("\n"):
+            lines.append(f"{source}: {loc + ': ' if loc else ''}{part}")
+    return lines
+
+
+def build(cls: type[T], data: Any, source: str) -> T:
+    """Validate ``data`` as ``cls``, turning every problem into a SpecError line."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(validation_lines(err, source)) from None
+    except ValueError as err:  # raised by a property used in validation
+        raise SpecError(f"{source}: {err}") from None
+
+
+def read_document(path: Path) -> Any:
+    """Parse a YAML or JSON file (safe loader), naming the file and line on a syntax error."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(f"{path}: cannot read: {err.__class__.__name__}: {err}") from None
+    try:
+        if path.suffix == ".json":
+            return json.loads(text)
+        return yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecError(f"{path}{where}: invalid YAML: {problem}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: document nested too deeply") from None
+
+
+def _resolve(ref: str, kind: str, option: str) -> Path:
+    path = Path(ref)
+    if path.suffix in (".yaml", ".yml", ".json") or "/" in ref:
+        if not path.is_file():
+            raise SpecError(f"{option}: file {ref} does not exist")
+        return path
+    names = preset_names(kind)
+    if ref in names:
+        return preset_dir(kind) / f"{ref}.yaml"
+    close = difflib.get_close_matches(ref, names, n=4, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else f"choose one of {', '.join(names)}"
+    raise SpecError(f"{option}: unknown preset '{ref}'; {hint} (or give a path to a .yaml/.json file)")
+
+
+def load_model(ref: str) -> ModelSpec:
+    """A model from a preset name, our YAML/JSON schema, or a Hugging Face ``config.json``."""
+    path = _resolve(ref, MODEL_DIRNAME, "--model")
+    data = read_document(path)
+    if isinstance(data, dict) and is_hf_config(data):
+        data = hf_to_model(data, default_name=path.parent.name or path.stem, source=str(path))
+    return build(ModelSpec, data, str(path))
+
+
+def load_hardware(ref: str) -> HardwareSpec:
+    """A hardware profile from a preset name or a YAML/JSON file."""
+    path = _resolve(ref, HARDWARE_DIRNAME, "--hardware")
+    return build(HardwareSpec, read_document(path), str(path))
+
+
+def load_any(ref: str) -> ModelSpec | HardwareSpec:
+    """For `plan3d show`: a model or hardware preset or file, whichever it is."""
+    if ref in preset_names(MODEL_DIRNAME):
+        return load_model(ref)
+    if ref in preset_names(HARDWARE_DIRNAME):
+        return load_hardware(ref)
+    path = Path(ref)
+    if path.is_file():
+        data = read_document(path)
+        if isinstance(data, dict) and ("gpu_memory_gib" in data or "peak_bf16_tflops" in data):
+            return build(HardwareSpec, data, str(path))
+        return load_model(ref)
+    names = preset_names(MODEL_DIRNAME) + preset_names(HARDWARE_DIRNAME)
+    close = difflib.get_close_matches(ref, names, n=4, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else "see `plan3d models` and `plan3d hardware`"
+    raise SpecError(f"NAME: '{ref}' is neither a preset nor a file; {hint}")
+
+
+def load_scenario(path_str: str) -> Scenario:
+    """A plan file: ``{model, hardware, training, plan}`` as `plan3d search --out` writes it."""
+    path = Path(path_str)
+    if not path.is_file():
+        raise SpecError(f"PLAN: file {path_str} does not exist")
+    data = read_document(path)
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping with keys model, hardware, training, plan")
+    return build(Scenario, data, str(path))
+
+
+# --- Hugging Face config.json -------------------------------------------------------------------
+
+_HF_ARCH_KEYS = ("model_type", "architectures")
+
+
+def is_hf_config(data: dict) -> bool:
+    return any(k in data for k in _HF_ARCH_KEYS) or "n_embd" in data or "num_hidden_layers" in data
+
+
+def _get(data: dict, source: str, *keys: str, default: Any = ...) -> Any:
+    for k in keys:
+        if k in data and data[k] is not None:
+            return data[k]
+    if default is ...:
+        raise SpecError(f"{source}: missing key {' or '.join(keys)} in the Hugging Face config")
+    return default
+
+
+def hf_to_model(data: dict, default_name: str, source: str) -> dict:
+    """Map a Hugging Face ``config.json`` to ModelSpec fields.
+
+    Key names: Llama / Mistral / Qwen2 (``LlamaConfig``), GPT-NeoX (``GPTNeoXConfig``), GPT-2
+    (``GPT2Config``), as in the ``transformers`` configuration classes.
+    """
+    mtype = str(data.get("model_type", "")).lower()
+    if mtype == "gpt2" or "n_embd" in data:
+        h = _get(data, source, "n_embd")
+        return {
+            "name": data.get("_name_or_path") or default_name,
+            "num_layers": _get(data, source, "n_layer"), "hidden_size": h,
+            "num_attention_heads": _get(data, source, "n_head"),
+            "ffn_hidden_size": _get(data, source, "n_inner", default=4 * h) if isinstance(h, int) else None,
+            "vocab_size": _get(data, source, "vocab_size"), "max_seq_len": _get(data, source, "n_positions"),
+            "activation": "gelu", "norm": "layernorm", "tied_embeddings": bool(data.get("tie_word_embeddings", True)),
+            "position_embedding": "learned", "linear_bias": True, "dropout": True,
+        }
+    neox = mtype == "gpt_neox"
+    act = str(data.get("hidden_act", "silu")).lower()
+    return {
+        "name": data.get("_name_or_path") or default_name,
+        "num_layers": _get(data, source, "num_hidden_layers"),
+        "hidden_size": _get(data, source, "hidden_size"),
+        "num_attention_heads": _get(data, source, "num_attention_heads"),
+        "num_kv_heads": _get(data, source, "num_key_value_heads", default=None),
+        "head_dim": _get(data, source, "head_dim", default=None),
+        "ffn_hidden_size": _get(data, source, "intermediate_size"),
+        "vocab_size": _get(data, source, "vocab_size"),
+        "max_seq_len": _get(data, source, "max_position_embeddings", default=None),
+        "activation": "gelu" if neox or act.startswith("gelu") else "swiglu",
+        "norm": "layernorm" if neox else "rmsnorm",
+        "tied_embeddings": bool(data.get("tie_word_embeddings", False)),
+        "position_embedding": "rope",
+        "linear_bias": bool(data.get("use_bias", neox)) or bool(data.get("mlp_bias", False)),
+        "qkv_bias": True if mtype == "qwen2" else bool(data.get("attention_bias", neox)),
+        "dropout": float(data.get("attention_dropout", 0.0) or 0.0) > 0 or float(data.get("hidden_dropout", 0.0) or 0.0) > 0,
+    }
