@@ -102,6 +102,113 @@ def show(name: Annotated[str, typer.Argument(help="Preset name or path to a mode
         console().print(render.spec_table(spec))
 
 
+# --- plan options shared by estimate / search ---------------------------------------------------
+TpOpt = Annotated[Optional[int], typer.Option("--tp", min=1, help="Tensor-parallel degree.", rich_help_panel="Plan")]
+PpOpt = Annotated[Optional[int], typer.Option("--pp", min=1, help="Pipeline-parallel degree.", rich_help_panel="Plan")]
+VppOpt = Annotated[Optional[int], typer.Option("--vpp", min=1, help="Virtual stages per pipeline rank (interleaved 1F1B).", rich_help_panel="Plan")]
+CpOpt = Annotated[Optional[int], typer.Option("--cp", min=1, help="Context-parallel degree.", rich_help_panel="Plan")]
+MbsOpt = Annotated[Optional[int], typer.Option("--micro-batch-size", min=1, help="Sequences per micro-batch.", rich_help_panel="Plan")]
+RecomputeOpt = Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.", rich_help_panel="Plan")]
+SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel="Plan")]
+ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", min=0, max=3, help="0-3; 1 = distributed optimizer.", rich_help_panel="Plan")]
+AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (default) or materialized attention scores.", rich_help_panel="Job")]
+
+
+def _required(value, option: str):
+    if value is None:
+        raise SpecError(f"{option}: required (or give a PLAN file)")
+    return value
+
+
+def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], hardware: Optional[str],
+                          gpus: Optional[int], global_batch: Optional[int], seq_len: Optional[int],
+                          precision: Optional[str], attention: Optional[str] = None, **plan_opts):
+    """Build a Scenario from a plan file and/or flags; flags win over the file."""
+    from planner import presets
+    from planner.specs import Scenario
+
+    data: dict = {"training": {}, "plan": {}}
+    source = ""
+    if plan_file:
+        doc = presets.read_document(_existing(plan_file))
+        if not isinstance(doc, dict):
+            raise SpecError(f"{plan_file}: expected a mapping with keys model, hardware, training, plan")
+        data = {**data, **doc}
+        source = plan_file
+    if model is not None or not plan_file:
+        data["model"] = presets.load_model(_required(model, "--model")).model_dump()
+    if hardware is not None or not plan_file:
+        data["hardware"] = presets.load_hardware(_required(hardware, "--hardware")).model_dump()
+    training = dict(data.get("training") or {})
+    for key, value in (("num_gpus", gpus), ("global_batch_size", global_batch), ("seq_len", seq_len),
+                       ("precision", precision), ("attention", attention)):
+        if value is not None:
+            training[key] = value
+    if not plan_file:
+        _required(gpus, "--gpus"), _required(global_batch, "--global-batch"), _required(seq_len, "--seq-len")
+    plan = dict(data.get("plan") or {})
+    given = {k: v for k, v in plan_opts.items() if v is not None}
+    if given and plan_file:
+        plan.pop("num_microbatches", None)  # re-derived after an override
+    plan.update(given)
+    if not plan_file:
+        _required(plan.get("tp"), "--tp"), _required(plan.get("pp"), "--pp")
+        plan.setdefault("micro_batch_size", 1)
+    if "dp" not in plan or gpus is not None or given:
+        plan["dp"] = _derive_dp(training.get("num_gpus"), plan)
+    data["training"], data["plan"] = training, plan
+    return presets.build(Scenario, data, source)
+
+
+def _existing(path: str):
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise SpecError(f"PLAN: file {path} does not exist")
+    return Path(path)
+
+
+def _derive_dp(num_gpus, plan: dict) -> int:
+    """dp = gpus / (tp * pp * cp), with an error that prints every factor."""
+    tp, pp, cp = plan.get("tp", 1), plan.get("pp", 1), plan.get("cp", 1)
+    if not all(isinstance(x, int) and x >= 1 for x in (num_gpus, tp, pp, cp)):
+        return plan.get("dp", 1)  # the spec validation names the bad field
+    if num_gpus % (tp * pp * cp):
+        raise SpecError(f"--gpus: {num_gpus} is not divisible by tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp}")
+    return num_gpus // (tp * pp * cp)
+
+
+@app.command()
+@handle_errors
+def estimate(
+    plan_file: Annotated[Optional[str], typer.Argument(metavar="[PLAN]", help="Plan file written by `plan3d search --out`.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model preset, YAML/JSON spec or HF config.json.", rich_help_panel="Job")] = None,
+    hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile file.", rich_help_panel="Job")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, help="Number of GPUs.", rich_help_panel="Job")] = None,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", min=1, help="Global batch in sequences.", rich_help_panel="Job")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=1, help="Sequence length.", rich_help_panel="Job")] = None,
+    precision: Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")] = None,
+    attention: AttentionOpt = None,
+    tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
+    micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
+    zero_stage: ZeroOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Memory per pipeline stage, FLOPs and step time of one plan."""
+    from planner import render
+    from planner.estimate import estimate as run_estimate
+
+    sc = scenario_from_options(plan_file, model=model, hardware=hardware, gpus=gpus, global_batch=global_batch,
+                               seq_len=seq_len, precision=precision, attention=attention, tp=tp, pp=pp, vpp=vpp,
+                               cp=cp, micro_batch_size=micro_batch_size, recompute=recompute,
+                               sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+    est = run_estimate(sc)
+    if json_out:
+        render.print_json(est.to_dict())
+    else:
+        render.print_estimate(console(), est)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

@@ -52,20 +52,21 @@ def validation_lines(err: ValidationError, source: str) -> list[str]:
         if e["type"] == "extra_forbidden":
             msg = "unknown key; remove it or check its spelling"
         for part in msg.split("\n"):
-            lines.append(f"{source}: {loc + ': ' if loc else ''}{part}")
+            prefix = "".join(f"{x}: " for x in (source, loc) if x)
+            lines.append(f"{prefix}{part}")
     return lines
 
 
 def build(cls: type[T], data: Any, source: str) -> T:
     """Validate ``data`` as ``cls``, turning every problem into a SpecError line."""
     if not isinstance(data, dict):
-        raise SpecError(f"{source}: expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
+        raise SpecError(f"{source or 'input'}: expected a mapping of {cls.__name__} fields, got {type(data).__name__}")
     try:
         return cls.model_validate(data)
     except ValidationError as err:
         raise SpecError(validation_lines(err, source)) from None
     except ValueError as err:  # raised by a property used in validation
-        raise SpecError(f"{source}: {err}") from None
+        raise SpecError(f"{source or 'input'}: {err}") from None
 
 
 def read_document(path: Path) -> Any:
@@ -108,7 +109,8 @@ def load_model(ref: str) -> ModelSpec:
     path = _resolve(ref, MODEL_DIRNAME, "--model")
     data = read_document(path)
     if isinstance(data, dict) and is_hf_config(data):
-        data = hf_to_model(data, default_name=path.parent.name or path.stem, source=str(path))
+        name = path.parent.name if path.stem == "config" else path.stem.removesuffix(".config")
+        data = hf_to_model(data, default_name=name or "model", source=str(path))
     return build(ModelSpec, data, str(path))
 
 
@@ -166,6 +168,14 @@ def _get(data: dict, source: str, *keys: str, default: Any = ...) -> Any:
 
 
 def hf_to_model(data: dict, default_name: str, source: str) -> dict:
+    """Map a Hugging Face ``config.json`` to ModelSpec fields (see :func:`_hf_fields`)."""
+    try:
+        return _hf_fields(data, default_name, source)
+    except (TypeError, ValueError) as err:
+        raise SpecError(f"{source}: unreadable Hugging Face config value: {err}") from None
+
+
+def _hf_fields(data: dict, default_name: str, source: str) -> dict:
     """Map a Hugging Face ``config.json`` to ModelSpec fields.
 
     Key names: Llama / Mistral / Qwen2 (``LlamaConfig``), GPT-NeoX (``GPTNeoXConfig``), GPT-2

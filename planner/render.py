@@ -63,3 +63,59 @@ def spec_table(spec: ModelSpec | HardwareSpec) -> Table:
         shown = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
         t.add_row(f"[bold]{key}[/bold] (derived)" if key in derived else key, shown)
     return t
+
+
+def plan_line(plan: dict) -> str:
+    extras = [f"vpp {plan['vpp']}"] if plan["vpp"] > 1 else []
+    extras += [f"cp {plan['cp']}"] if plan["cp"] > 1 else []
+    extras += ["sequence parallel"] if plan["sequence_parallel"] else []
+    extras += [f"ZeRO-{plan['zero_stage']}"] if plan["zero_stage"] else []
+    return (f"TP {plan['tp']} x PP {plan['pp']} x DP {plan['dp']}" + "".join(f", {x}" for x in extras) +
+            f"; micro-batch {plan['micro_batch_size']} x {plan['num_microbatches']}; recompute {plan['recompute']}")
+
+
+def memory_table(mem: dict, title: str = "Memory per GPU of each pipeline stage (GiB)") -> Table:
+    t = Table(title=title)
+    for col in ("stage", "layers", "weights", "grads", "optimizer", "activations", "other", "total", "of usable", "fits"):
+        t.add_column(col, justify="right")
+    usable = mem["usable_gib"]
+    for s in mem["stages"]:
+        ok = s["total_gib"] <= usable
+        t.add_row(str(s["stage"]), str(s["layers"]),
+                  *(f"{s[k]:.2f}" for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib", "other_gib")),
+                  f"[bold]{s['total_gib']:.2f}[/bold]", f"{100 * s['total_gib'] / usable:.0f}%",
+                  "[green]yes[/green]" if ok else "[red]NO[/red]")
+    t.caption = (f"capacity {mem['capacity_gib']:.1f} GiB, usable {usable:.1f} GiB "
+                 f"(after CUDA context, NCCL buffers and fragmentation headroom); peak stage {mem['peak_stage']}")
+    return t
+
+
+def print_estimate(con, est) -> None:
+    """The table view of `plan3d estimate`."""
+    d = est.to_dict()
+    sc = est.scenario
+    con.print(f"[bold]{sc.model.name}[/bold] on {sc.training.num_gpus} x {sc.hardware.name}, "
+              f"global batch {sc.training.global_batch_size} x {sc.training.seq_len} tokens, {sc.training.precision}")
+    con.print(f"Plan: {plan_line(d['plan'])}")
+    con.print(memory_table(d["memory"]))
+    verdict = "[green]fits[/green]" if d["memory"]["fits"] else "[red]does NOT fit[/red]"
+    con.print(f"Peak {d['memory']['peak_gib']:.2f} GiB of {d['memory']['usable_gib']:.2f} GiB usable: {verdict}")
+    f = d["flops"]
+    con.print(f"Model FLOPs per step {f['model_flops_per_step']:.3e}; hardware FLOPs (with recompute) "
+              f"{f['hardware_flops_per_step']:.3e}")
+    if "time" in d:
+        print_time(con, d["time"])
+
+
+def print_time(con, time: dict) -> None:
+    t = Table(title="Step time")
+    t.add_column("term")
+    t.add_column("seconds", justify="right")
+    t.add_column("share", justify="right")
+    step = time["step_time_s"]
+    for k, v in time["breakdown"].items():
+        t.add_row(k, f"{v:.4f}", f"{100 * v / step:.1f}%" if step else "-")
+    t.add_row("[bold]step[/bold]", f"[bold]{step:.4f}[/bold]", "100%")
+    con.print(t)
+    con.print(f"{time['tokens_per_s']:,.0f} tokens/s, {time['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
+              f"MFU {100 * time['mfu']:.1f}%, HFU {100 * time['hfu']:.1f}%")

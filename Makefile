@@ -1,0 +1,32 @@
+# plan3d: `make demo` runs the main job on the bundled presets, `make test` runs the test suite.
+# Both create .venv on first use. torch is pinned to the CPU build on this machine's disk before
+# the project's extras are installed, so the extras' range (torch>=2.4) is already met.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/plan3d models
+	$(VENV)/bin/plan3d estimate --model gpt3-175b --hardware a100-80gb --gpus 64 --global-batch 64 \
+		--seq-len 2048 --tp 8 --pp 8 --vpp 3 --sequence-parallel --recompute selective
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	for f in benchmarks/*.py; do $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

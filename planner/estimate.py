@@ -1,0 +1,47 @@
+"""One estimate of a scenario: memory per stage, FLOPs and (with the cost model) step time.
+
+``Estimate.to_dict`` is the JSON contract of ``plan3d estimate --json`` (docs/estimate-json.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner import flops
+from planner.memory import MemoryEstimate, estimate_memory
+from planner.specs import Scenario
+
+PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute",
+             "sequence_parallel", "zero_stage", "layers_per_stage")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    scenario: Scenario
+    memory: MemoryEstimate
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+
+    def plan_dict(self) -> dict:
+        plan = self.scenario.resolved_plan().model_dump()
+        return {k: (list(plan[k]) if k == "layers_per_stage" else plan[k]) for k in PLAN_KEYS}
+
+    def to_dict(self) -> dict:
+        return {
+            "plan": self.plan_dict(),
+            "memory": self.memory.to_dict(),
+            "flops": {"model_flops_per_step": self.model_flops_per_step,
+                      "hardware_flops_per_step": self.hardware_flops_per_step},
+        }
+
+
+def estimate(sc: Scenario) -> Estimate:
+    """Memory and FLOPs of a scenario (pure)."""
+    tr, plan = sc.training, sc.plan
+    return Estimate(
+        scenario=sc,
+        memory=estimate_memory(sc.model, sc.hardware, tr, plan),
+        model_flops_per_step=flops.model_flops_per_step(sc.model, tr.global_batch_size, tr.seq_len),
+        hardware_flops_per_step=flops.hardware_flops_per_step(sc.model, tr.global_batch_size, tr.seq_len,
+                                                              plan.recompute),
+    )

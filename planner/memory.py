@@ -1,0 +1,317 @@
+"""Memory per pipeline stage: weights, gradients, optimizer states, activations, other.
+
+Choices where sources disagree (formulas.md, "Contradictions"):
+
+* **Bytes per parameter** (contradiction 1): Megatron-LM's defaults for bf16 training, 2 B bf16
+  weights + 4 B fp32 gradient buffer (``main_grad``) + 12 B optimizer (fp32 master, Adam m, v) =
+  18 B, because plan3d emits Megatron launch flags. ZeRO sharding divides by the size of the group
+  that holds identical weights, DP x CP (Megatron's distributed optimizer uses the DP group with
+  context parallel), never by the total GPU count as DeepSpeed's and EleutherAI's estimators do.
+  ZeRO-1 is Megatron's distributed optimizer (``6 + 12/d`` B/param), ZeRO-2 also shards gradients,
+  ZeRO-3 also weights (FSDP) and keeps the working set of two gathered layers.
+* **Activations** (contradiction 4): Korthikanti et al. 2022 section 4.1 accounting, term by term
+  (see :func:`layer_activation_terms`), generalised to GQA, SwiGLU, no-dropout and FlashAttention
+  by the same rule (formulas.md A3, "Modern-model adjustments"). No blanket x1.05 factor: every
+  term is named.
+* **Logits** (contradiction 5): the last stage holds ``6 * s * b * V / t`` bytes for one
+  micro-batch: Megatron's vocab-parallel cross entropy upcasts the bf16 logits to fp32 (2 + 4 B
+  per logit live together in forward; the fp32 gradient and its bf16 cast in backward).
+* **In-flight micro-batches** (A4): 1F1B stage ``r`` holds ``min(m, p - r)``; the interleaved
+  schedule holds ``min(m*v, 2*(p - r - 1) + (v - 1)*p + 1)`` chunk-micro-batches on rank ``r``
+  (Megatron ``schedules.py`` warm-up count + 1).
+
+All functions are pure; sizes are bytes per GPU unless the name says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
+
+WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
+GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
+OPTIMIZER_BYTES = 12  # fp32 master weights 4 + Adam m 4 + v 4 (ZeRO paper section 3.1, K = 12)
+ACT_BYTES = 2  # bf16 activations
+FP32_BYTES = 4
+TOKEN_ID_BYTES = 8  # int64 input ids and labels (Korthikanti section 4.3)
+LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast in cross entropy (module docstring)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Memory of one GPU of pipeline stage ``stage`` (all its TP/CP/DP peers are identical)."""
+
+    stage: int
+    layers: int
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    other_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.other_bytes
+
+    def as_gib(self) -> dict:
+        return {"stage": self.stage, "layers": self.layers,
+                **{f"{k}_gib": getattr(self, f"{k}_bytes") / GIB
+                   for k in ("weights", "grads", "optimizer", "activations", "other", "total")}}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    capacity_gib: float
+    usable_gib: float
+    stages: tuple[StageMemory, ...] = field(default_factory=tuple)
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total_bytes)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak.total_bytes / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= self.usable_gib
+
+    def to_dict(self) -> dict:
+        return {"capacity_gib": self.capacity_gib, "usable_gib": self.usable_gib, "peak_gib": self.peak_gib,
+                "peak_stage": self.peak.stage, "fits": self.fits, "stages": [s.as_gib() for s in self.stages]}
+
+
+# --- parameters ---------------------------------------------------------------------------------
+
+def kv_heads_per_rank(model: ModelSpec, tp: int) -> float:
+    """KV heads on one TP rank: ``g / t``, or 1 when ``t > g`` and the KV heads are replicated."""
+    return max(model.kv_heads / tp, 1.0)
+
+
+def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
+    """Parameters of one layer on one TP rank.
+
+    Megatron-LM sharding (formulas.md A2): QKV and FC1 are column-parallel (weights and biases
+    / t), the output projection and FC2 row-parallel (weights / t, biases replicated); norms are
+    replicated. Replicated KV heads (``t > g``) are stored on every rank that uses them.
+    """
+    h, q, f, d = model.hidden_size, model.q_size, model.ffn_size, model.kv_channels
+    kv = 2 * d * kv_heads_per_rank(model, tp)  # K and V widths on this rank
+    mlp_in = (2 if model.activation == "swiglu" else 1) * f / tp  # FC1 (gate + up) output width
+    matrices = h * (q / tp + kv) + (q / tp) * h + h * mlp_in + (f / tp) * h
+    bias = (q / tp + kv if model.has_qkv_bias else 0) + ((mlp_in + 2 * h) if model.linear_bias else 0)
+    return matrices + bias + 2 * model.norm_params
+
+
+def stage_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:
+    """Parameters held by one GPU of pipeline stage ``stage``.
+
+    Word embedding (vocab-parallel, padded as Megatron pads it) on the first stage, output layer
+    on the last; a tied embedding is duplicated on the last stage when ``pp > 1``
+    (``language_module.py::setup_embeddings_and_output_layer``). Learned position embeddings and
+    the embedding norm are replicated across TP.
+    """
+    t, p = plan.tp, plan.pp
+    v_pad = padded_vocab_size(model.vocab_size, t)
+    h = model.hidden_size
+    params = layers * layer_params_per_rank(model, t)
+    if stage == 0:
+        params += v_pad * h / t + model.embedding_params() - model.vocab_size * h
+    if stage == p - 1:
+        params += model.norm_params
+        if not model.tied_embeddings or p > 1:
+            params += v_pad * h / t
+    return params
+
+
+def state_bytes_per_param(zero_stage: int, shards: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter under ZeRO over ``shards`` replicas.
+
+    ZeRO paper (Rajbhandari et al. 2020, section 5): stage 1 shards optimizer states, 2 also
+    gradients, 3 also weights; Megatron bytes (2, 4, 12) as the module docstring says.
+    """
+    n = max(shards, 1)
+    w = WEIGHT_BYTES / (n if zero_stage >= 3 else 1)
+    g = GRAD_BYTES / (n if zero_stage >= 2 else 1)
+    o = OPTIMIZER_BYTES / (n if zero_stage >= 1 else 1)
+    return w, g, o
+
+
+def zero_working_set_bytes(model: ModelSpec, plan: Plan, layers: int) -> tuple[float, float]:
+    """Extra (weights, gradients) bytes that ZeRO-2/3 keep unsharded while a layer runs.
+
+    ZeRO-3 / FSDP gathers the current layer and prefetches the next (2 layers of bf16 weights);
+    ZeRO-2/3 reduce-scatter one layer's fp32 gradients at a time (DeepSpeed
+    ``estimate_zero3_model_states_mem_needs``: ``4 * largest_layer_params``). Capped so that a
+    higher stage never needs more than the stage below it holds unsharded.
+    """
+    shards = plan.dp * plan.cp
+    if shards == 1:
+        return 0.0, 0.0
+    per_layer = layer_params_per_rank(model, plan.tp)
+    w = WEIGHT_BYTES * min(2, layers) * per_layer if plan.zero_stage >= 3 else 0.0
+    g = GRAD_BYTES * per_layer if plan.zero_stage >= 2 else 0.0
+    return w, g
+
+
+# --- activations --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ActTerm:
+    """One tensor one layer saves for backward, per GPU and micro-batch."""
+
+    name: str
+    bytes: float
+    core: bool = False  # inside the attention core (dropped by selective recompute)
+    layer_input: bool = False  # the layer's input (the only tensor kept under full recompute)
+
+
+def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:
+    """Tensors one transformer layer saves for backward, per GPU and micro-batch.
+
+    Korthikanti et al. 2022 (arXiv:2205.05198) section 4.1: attention ``11 sbh + 5 a s^2 b``,
+    MLP ``19 sbh``, norms ``4 sbh`` with GeLU, f = 4h, MHA and dropout; the terms below reduce to
+    exactly that. Generalised by the same rule (formulas.md A3): K and V are ``g*d_h`` wide (GQA),
+    SwiGLU stores its two FC1 outputs and the FC2 input, no masks without dropout, and
+    FlashAttention stores the fp32 log-sum-exp instead of the ``s x s`` scores (Dao et al. 2022).
+    TP divides what lies inside the column/row-parallel region; sequence parallelism also divides
+    the norm and dropout regions (Table 2); CP divides the sequence (context_parallel.md). With
+    fp8 the four GEMM inputs are saved in fp8 (1 B), as Transformer Engine does. The per-token
+    fp32 norm statistics (mean, rstd) are included.
+    """
+    t, e = plan.tp, ACT_BYTES
+    sp = t if plan.sequence_parallel else 1
+    lin = 1 if training.precision == "fp8" else e
+    s, b, h, f = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size, model.ffn_size
+    a_r, q_r = model.num_attention_heads / t, model.q_size / t
+    kv_r = kv_heads_per_rank(model, t) * model.kv_channels
+    sb = s * b
+    stats = sb * FP32_BYTES * (2 if model.norm == "layernorm" else 1)
+    drop = model.dropout
+    terms = [
+        ActTerm("norm1 input", sb * h * e / sp, layer_input=True),
+        ActTerm("norm1 statistics", stats / sp),
+        ActTerm("QKV input", sb * h * lin / sp),
+        ActTerm("Q", sb * q_r * e),
+        ActTerm("K, V", 2 * sb * kv_r * e),
+        ActTerm("out-proj input", sb * q_r * lin),
+    ]
+    if training.attention == "flash":
+        terms.append(ActTerm("softmax log-sum-exp", sb * a_r * FP32_BYTES, core=True))
+        if lin != e:
+            terms.append(ActTerm("attention output (bf16)", sb * q_r * e, core=True))
+    else:
+        s_kv = training.seq_len  # keys seen by each local query (all of them with CP ring attention)
+        terms.append(ActTerm("softmax output", a_r * sb * s_kv * e, core=True))
+        if drop:
+            terms.append(ActTerm("attention dropout mask", a_r * sb * s_kv, core=True))
+            terms.append(ActTerm("attention dropout output", a_r * sb * s_kv * e, core=True))
+    if drop:
+        terms.append(ActTerm("attention residual dropout mask", sb * h / sp))
+    fc1_out = (2 if model.activation == "swiglu" else 1) * sb * f / t
+    terms += [
+        ActTerm("norm2 input", sb * h * e / sp),
+        ActTerm("norm2 statistics", stats / sp),
+        ActTerm("FC1 input", sb * h * lin / sp),
+        ActTerm("activation input (FC1 output)", fc1_out * e),
+        ActTerm("FC2 input", sb * f / t * lin),
+    ]
+    if drop:
+        terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
+    return terms
+
+
+def saved_bytes_per_layer(terms: list[ActTerm], recompute: str) -> float:
+    """Bytes a layer keeps between its forward and backward under ``recompute``.
+
+    none: every term; selective: all but the attention core (Korthikanti section 5); full: the
+    layer input only (``2 sbh``, / t with SP; Korthikanti Table 2).
+    """
+    if recompute == "full":
+        return sum(x.bytes for x in terms if x.layer_input)
+    if recompute == "selective":
+        return sum(x.bytes for x in terms if not x.core)
+    return sum(x.bytes for x in terms)
+
+
+def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
+    """Bytes recomputed for one layer during its backward, live on top of what is saved."""
+    return sum(x.bytes for x in terms) - saved_bytes_per_layer(terms, recompute)
+
+
+def in_flight_chunks(plan: Plan, num_microbatches: int, stage: int) -> int:
+    """Micro-batches (chunk-micro-batches when ``vpp > 1``) whose activations stage ``stage`` holds at peak.
+
+    1F1B: ``min(m, p - r)`` (Megatron ``schedules.py``: ``p - r - 1`` warm-up forwards + 1).
+    Interleaved: warm-up ``2 (p - r - 1) + (v - 1) p`` chunk forwards + 1, at most ``m v``.
+    """
+    p, v, m, r = plan.pp, plan.vpp, num_microbatches, stage
+    if v == 1:
+        return min(m, p - r)
+    return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+
+
+def stage_activation_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
+                           stage: int, layers: int) -> float:
+    """Saved activations of stage ``stage`` at its peak, plus one layer's recompute working set."""
+    terms = layer_activation_terms(model, training, plan)
+    layers_in_flight = in_flight_chunks(plan, num_microbatches, stage) * layers / plan.vpp
+    return layers_in_flight * saved_bytes_per_layer(terms, plan.recompute) + \
+        recompute_working_bytes(terms, plan.recompute)
+
+
+def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
+                      stage: int) -> float:
+    """Activations outside the transformer layers.
+
+    First stage (Korthikanti section 4.3; Megatron ``compute_activation_memory``): int64 input ids
+    and the embedding dropout mask for every in-flight micro-batch. Last stage: the final norm's
+    input and the output layer's input, plus the logits and cross-entropy spike of one micro-batch
+    (module docstring). Labels (int64) live on the last stage.
+    """
+    t, p = plan.tp, plan.pp
+    sp = t if plan.sequence_parallel else 1
+    s, b, h = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size
+    v_pad = padded_vocab_size(model.vocab_size, t)
+    other = 0.0
+    if stage == 0:
+        mbs_in_flight = math.ceil(in_flight_chunks(plan, num_microbatches, 0) / plan.vpp)
+        per_mb = s * b * TOKEN_ID_BYTES + (s * b * h / sp if model.dropout else 0.0)
+        other += mbs_in_flight * per_mb
+    if stage == p - 1:
+        other += 2 * s * b * h * ACT_BYTES / sp  # final-norm input and output-layer input
+        other += LOGITS_BYTES_PER_ELEMENT * s * b * v_pad / t + s * b * TOKEN_ID_BYTES
+    return other
+
+
+# --- the estimate -------------------------------------------------------------------------------
+
+def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
+                 stage: int, layers: int) -> StageMemory:
+    """Every component of one GPU of stage ``stage``."""
+    params = stage_params_per_rank(model, plan, stage, layers)
+    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp)
+    w_work, g_work = zero_working_set_bytes(model, plan, layers)
+    return StageMemory(
+        stage=stage, layers=layers,
+        weights_bytes=min(params * w + w_work, params * WEIGHT_BYTES),
+        grads_bytes=min(params * g + g_work, params * GRAD_BYTES),
+        optimizer_bytes=params * o,
+        activations_bytes=stage_activation_bytes(model, training, plan, num_microbatches, stage, layers),
+        other_bytes=stage_other_bytes(model, training, plan, num_microbatches, stage),
+    )
+
+
+def estimate_memory(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, plan: Plan) -> MemoryEstimate:
+    """Memory of every pipeline stage against the usable memory of one GPU."""
+    m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
+    stages = tuple(stage_memory(model, training, plan, m, r, n)
+                   for r, n in enumerate(plan.stage_layers(model.num_layers)))
+    return MemoryEstimate(capacity_gib=hardware.gpu_memory_gib, usable_gib=hardware.usable_memory_gib, stages=stages)
+
+
+def estimate_scenario_memory(sc: Scenario) -> MemoryEstimate:
+    return estimate_memory(sc.model, sc.hardware, sc.training, sc.plan)

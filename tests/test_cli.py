@@ -1,0 +1,116 @@
+"""CLI tests through typer's CliRunner: listings, show, estimate, and every bad-input case."""
+
+import json
+
+import pytest
+
+from planner.cli import app
+
+JOB = ["--model", "llama3-8b", "--hardware", "a100-80gb", "--gpus", "8", "--global-batch", "64", "--seq-len", "4096"]
+
+
+def _bad(runner, args, *needles):
+    res = runner.invoke(app, args)
+    out = res.output
+    assert res.exit_code == 2, out
+    assert "Traceback" not in out
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    for needle in needles:
+        assert needle in out, out
+    return out
+
+
+def test_help(runner):
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0 and "estimate" in res.output and "models" in res.output
+
+
+def test_models_lists_presets(runner):
+    res = runner.invoke(app, ["models"])
+    assert res.exit_code == 0
+    assert "llama3-70b" in res.output and "megatron-gpt-1t" in res.output
+
+
+def test_models_json(runner):
+    res = runner.invoke(app, ["models", "--json"])
+    data = {m["name"]: m for m in json.loads(res.output)}
+    assert data["llama2-7b"]["num_params"] == 6_738_415_616
+
+
+def test_hardware_lists_presets(runner):
+    res = runner.invoke(app, ["hardware"])
+    assert res.exit_code == 0 and "h100-sxm-80gb" in res.output and "cpu-gloo" in res.output
+
+
+def test_show_model_prints_param_count(runner):
+    res = runner.invoke(app, ["show", "llama3-8b"])
+    assert res.exit_code == 0 and "8,030,261,248" in res.output
+
+
+def test_show_hardware_and_path(runner):
+    assert "usable_memory_gib" in runner.invoke(app, ["show", "h100-sxm-80gb"]).output
+    res = runner.invoke(app, ["show", "tests/data/mistral-7b.config.json", "--json"])
+    assert json.loads(res.output)["num_params"] == 7_241_732_096
+
+
+def test_unknown_preset_lists_close_names(runner):
+    _bad(runner, ["show", "llama3-9b"], "llama3-8b")
+    _bad(runner, ["estimate", *JOB[:1], "lama3-8b", *JOB[2:], "--tp", "1", "--pp", "1"], "--model", "llama3-8b")
+    _bad(runner, ["estimate", "--model", "llama3-8b", "--hardware", "h100", *JOB[4:], "--tp", "1", "--pp", "1"],
+         "--hardware", "h100-sxm-80gb")
+
+
+def test_yaml_with_wrong_key(runner, tmp_path):
+    f = tmp_path / "m.yaml"
+    f.write_text("name: x\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nvocab_size: 100\nnum_layer: 3\n")
+    _bad(runner, ["show", str(f)], "num_layer: unknown key")
+
+
+def test_yaml_with_wrong_type(runner, tmp_path):
+    f = tmp_path / "m.yaml"
+    f.write_text("name: x\nnum_layers: many\nhidden_size: 64\nnum_attention_heads: 4\nvocab_size: 100\n")
+    _bad(runner, ["show", str(f)], "num_layers", "integer")
+
+
+def test_yaml_syntax_error_names_line(runner, tmp_path):
+    f = tmp_path / "m.yaml"
+    f.write_text("name: x\nnum_layers: [2\nhidden_size: 64\n")
+    _bad(runner, ["show", str(f)], str(f), "invalid YAML")
+
+
+def test_hardware_file_with_negative_memory(runner, tmp_path):
+    f = tmp_path / "hw.yaml"
+    f.write_text("name: h\ngpu_memory_gib: -80\npeak_bf16_tflops: 1\nhbm_bandwidth_gbps: 1\ngpus_per_node: 8\n"
+                 "intra_node_bandwidth_gbps: 1\nintra_node_latency_us: 1\ninter_node_bandwidth_gbps: 1\n"
+                 "inter_node_latency_us: 1\n")
+    _bad(runner, ["show", str(f)], "gpu_memory_gib", "greater than 0")
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--global-batch", "--seq-len", "--tp", "--pp"])
+@pytest.mark.parametrize("value", ["0", "-4"])
+def test_zero_or_negative_sizes(runner, flag, value):
+    args = JOB + ["--tp", "2", "--pp", "1"]
+    i = args.index(flag) if flag in args else None
+    args[i + 1] = value
+    _bad(runner, ["estimate", *args], flag)
+
+
+def test_indivisible_degrees(runner):
+    _bad(runner, ["estimate", *JOB, "--tp", "3", "--pp", "1"], "--gpus: 8 is not divisible by tp(3)")
+    _bad(runner, ["estimate", *JOB, "--tp", "8", "--pp", "1", "--micro-batch-size", "3"],
+         "global_batch_size: 64 is not divisible by micro_batch_size(3) * dp(1) = 3")
+    _bad(runner, ["estimate", *JOB[:5], "8", *JOB[6:], "--tp", "1", "--pp", "8", "--vpp", "3"],
+         "num_layers(32) is not divisible by pp(8) * vpp(3) = 24")
+
+
+def test_bad_choice(runner):
+    _bad(runner, ["estimate", *JOB, "--tp", "2", "--pp", "1", "--recompute", "some"], "recompute")
+    _bad(runner, ["estimate", *JOB, "--tp", "2", "--pp", "1", "--precision", "fp4"], "precision")
+
+
+def test_missing_required_option(runner):
+    _bad(runner, ["estimate", "--model", "llama3-8b"], "--hardware: required")
+
+
+def test_missing_plan_file(runner):
+    _bad(runner, ["estimate", "nope.json"], "nope.json does not exist")
