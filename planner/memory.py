@@ -176,7 +176,9 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     MLP ``19 sbh``, norms ``4 sbh`` with GeLU, f = 4h, MHA and dropout; the terms below reduce to
     exactly that. Generalised by the same rule (formulas.md A3): K and V are ``g*d_h`` wide (GQA),
     SwiGLU stores its two FC1 outputs and the FC2 input, no masks without dropout, and
-    FlashAttention stores the fp32 log-sum-exp instead of the ``s x s`` scores (Dao et al. 2022).
+    FlashAttention stores the fp32 log-sum-exp instead of the ``s x s`` scores (Dao et al. 2022);
+    materialised attention with GQA also keeps K and V repeated to all query heads (Megatron
+    ``DotProductAttention``).
     TP divides what lies inside the column/row-parallel region; sequence parallelism also divides
     the norm and dropout regions (Table 2); CP divides the sequence (context_parallel.md). With
     fp8 the four GEMM inputs are saved in fp8 (1 B), as Transformer Engine does. The per-token
@@ -205,6 +207,8 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
             terms.append(ActTerm("attention output (bf16)", sb * q_r * e, core=True))
     else:
         s_kv = training.seq_len  # keys seen by each local query (all of them with CP ring attention)
+        if kv_r < q_r:  # GQA: Megatron's unfused DotProductAttention repeat_interleaves K and V to a heads
+            terms.append(ActTerm("K, V expanded to query heads", 2 * sb * q_r * e, core=True))
         terms.append(ActTerm("softmax output", a_r * sb * s_kv * e, core=True))
         if drop:
             terms.append(ActTerm("attention dropout mask", a_r * sb * s_kv, core=True))

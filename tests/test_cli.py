@@ -114,3 +114,69 @@ def test_missing_required_option(runner):
 
 def test_missing_plan_file(runner):
     _bad(runner, ["estimate", "nope.json"], "nope.json does not exist")
+
+
+GPT3 = ["--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", "64", "--global-batch", "64", "--seq-len", "2048",
+        "--tp", "8", "--pp", "8", "--vpp", "3", "--sequence-parallel", "--recompute", "selective"]
+
+
+def test_estimate_json_contract(runner):
+    res = runner.invoke(app, ["estimate", *GPT3, "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert set(d["plan"]) >= {"tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute",
+                              "sequence_parallel", "zero_stage", "layers_per_stage"}
+    assert d["plan"]["num_microbatches"] == 64 and d["plan"]["layers_per_stage"] == [12] * 8
+    mem = d["memory"]
+    assert set(mem) >= {"capacity_gib", "usable_gib", "peak_gib", "fits", "stages"}
+    assert len(mem["stages"]) == 8
+    for s in mem["stages"]:
+        assert set(s) >= {"stage", "layers", "weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
+                          "other_gib", "total_gib"}
+    assert mem["peak_gib"] == max(s["total_gib"] for s in mem["stages"])
+    assert mem["fits"] is True
+    assert set(d["flops"]) >= {"model_flops_per_step", "hardware_flops_per_step"}
+    assert d["flops"]["hardware_flops_per_step"] > d["flops"]["model_flops_per_step"]
+
+
+def test_estimate_table_shows_every_stage_and_verdict(runner):
+    res = runner.invoke(app, ["estimate", *GPT3])
+    assert res.exit_code == 0
+    assert "fits" in res.output and "usable" in res.output
+    rows = [line for line in res.output.splitlines() if line.startswith("│")]
+    assert len(rows) >= 8
+
+
+def test_estimate_does_not_fit_verdict(runner):
+    res = runner.invoke(app,
+                        ["estimate", "--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", "16",
+                         "--global-batch", "64", "--seq-len", "2048", "--tp", "8", "--pp", "2", "--json"])
+    assert res.exit_code == 0
+    assert json.loads(res.output)["memory"]["fits"] is False
+    table = runner.invoke(app, ["estimate", "--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", "16",
+                                "--global-batch", "64", "--seq-len", "2048", "--tp", "8", "--pp", "2"])
+    assert "does NOT fit" in table.output
+
+
+def test_estimate_from_plan_file_and_override(runner, tmp_path):
+    from planner.presets import load_hardware, load_model
+
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({
+        "model": load_model("llama3-8b").model_dump(), "hardware": load_hardware("h100-sxm-80gb").model_dump(),
+        "training": {"num_gpus": 16, "global_batch_size": 64, "seq_len": 8192},
+        "plan": {"tp": 2, "pp": 2, "dp": 4, "micro_batch_size": 1, "recompute": "selective"}}))
+    res = runner.invoke(app, ["estimate", str(plan_file), "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["plan"]["dp"] == 4 and d["plan"]["num_microbatches"] == 16
+    res = runner.invoke(app, ["estimate", str(plan_file), "--tp", "4", "--json"])
+    d2 = json.loads(res.output)
+    assert d2["plan"]["tp"] == 4 and d2["plan"]["dp"] == 2
+    assert d2["memory"]["stages"][0]["weights_gib"] < d["memory"]["stages"][0]["weights_gib"]
+
+
+def test_bad_plan_file_names_file_and_field(runner, tmp_path):
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text('{"model": "x", "hardware": {}, "training": {}, "plan": {"tp": 0}}')
+    _bad(runner, ["estimate", str(plan_file)], str(plan_file), "plan.tp")

@@ -1,0 +1,240 @@
+"""A reference transformer layer in plain torch, built as one tensor-parallel rank of Megatron-LM builds it.
+
+Used by tests/test_memory_torch.py to measure what the estimator predicts: parameter bytes,
+saved-activation bytes (``torch.autograd.graph.saved_tensors_hooks``) and FLOPs
+(``torch.utils.flop_counter.FlopCounterMode``).
+
+Layout is batch-first ``[b, s, h]``; one rank holds ``heads / tp`` query heads, ``max(g / tp, 1)``
+KV heads, ``f / tp`` of the MLP. Sequence parallelism is simulated in one process: the norms
+and dropouts see ``s / tp`` tokens; the column-parallel linear saves its sequence-sharded input
+and re-gathers it in backward, as Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``
+does; the row-parallel output is "reduce-scattered" to ``s / tp`` tokens. Values are not those of
+a real multi-rank run, shapes and saved tensors are.
+
+Kernel assumptions, where this differs from Megatron on a GPU:
+
+* Dropout saves a 1-byte bool mask, as CUDA's ``native_dropout`` does (the CPU kernel would keep a
+  mask in the activation dtype).
+* RMSNorm and SwiGLU are autograd Functions that save what the fused GPU kernels (Apex/TE
+  RMSNorm, Megatron ``bias_swiglu``) save: input + rstd, and the FC1 output only.
+* ``torch.nn.functional.layer_norm`` on a bf16 CPU tensor saves mean/rstd in bf16, where Apex/TE
+  keep them in fp32 (4 B per token less here; the estimator counts fp32).
+* Attention is ``scaled_dot_product_attention``: on the CPU its flash kernel
+  (``_scaled_dot_product_flash_attention_for_cpu``) saves q, k, v, the output and the fp32
+  log-sum-exp, like FlashAttention-2 on a GPU. ``FlopCounterMode`` does not count that CPU kernel,
+  so FLOPs are measured on the ``materialized`` path (two batched matmuls, no causal saving).
+* No RoPE: Megatron's fused RoPE saves nothing extra; an unfused RoPE would keep rotated copies of Q, K.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.specs import ModelSpec
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return (x.float() * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        xf, gf = x.float(), grad.float()
+        xhat = xf * rstd
+        gw = (gf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gx_hat = gf * weight.float()
+        gx = rstd * (gx_hat - xhat * (gx_hat * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, saving only the FC1 output (Megatron ``bias_swiglu_impl``)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        gate, up = y.float().chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        g = grad.float()
+        d_gate = g * up * sig * (1 + gate * (1 - sig))
+        d_up = g * gate * sig
+        return torch.cat([d_gate, d_up], dim=-1).to(y.dtype)
+
+
+class _Dropout(torch.autograd.Function):
+    """Dropout that saves a 1-byte bool mask, as CUDA's ``native_dropout`` does (the CPU kernel keeps a bf16 mask)."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        mask = torch.rand_like(x, dtype=torch.float32) >= p
+        ctx.scale = 1.0 / (1.0 - p)
+        ctx.save_for_backward(mask)
+        return x * mask * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return grad * mask * ctx.scale, None
+
+
+class _SPColumnLinear(torch.autograd.Function):
+    """Sequence-parallel column linear: saves the s/t shard, all-gathers (here: repeats) in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, tp):
+        ctx.tp = tp
+        ctx.save_for_backward(x_shard, weight)
+        return F.linear(x_shard.repeat(1, tp, 1), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_shard, weight = ctx.saved_tensors
+        x_full = x_shard.repeat(1, ctx.tp, 1)
+        gw = grad.reshape(-1, grad.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
+        gx = (grad @ weight).reshape(grad.shape[0], ctx.tp, -1, weight.shape[1]).sum(1)
+        return gx, gw, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Row-parallel output to s/t tokens (stands in for the reduce-scatter); saves nothing."""
+
+    @staticmethod
+    def forward(ctx, y, tp):
+        ctx.tp = tp
+        return y.reshape(y.shape[0], tp, -1, y.shape[-1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.repeat(1, ctx.tp, 1), None
+
+
+class RefLayer(nn.Module):
+    """One transformer layer as one TP rank holds it."""
+
+    def __init__(self, model: ModelSpec, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+                 attention: str = "flash", dtype=torch.bfloat16, device="cpu"):
+        super().__init__()
+        self.m, self.tp, self.sp, self.recompute, self.attention = model, tp, sequence_parallel, recompute, attention
+        h, d = model.hidden_size, model.kv_channels
+        self.heads = model.num_attention_heads // tp
+        self.kv = max(model.kv_heads // tp, 1)
+        f = model.ffn_size // tp
+        fc1 = 2 * f if model.activation == "swiglu" else f
+        kw = dict(dtype=dtype, device=device)
+        ln = model.norm == "layernorm"
+        self.norm1_w = nn.Parameter(torch.ones(h, **kw))
+        self.norm1_b = nn.Parameter(torch.zeros(h, **kw)) if ln else None
+        self.norm2_w = nn.Parameter(torch.ones(h, **kw))
+        self.norm2_b = nn.Parameter(torch.zeros(h, **kw)) if ln else None
+        self.qkv = nn.Linear(h, (self.heads + 2 * self.kv) * d, bias=model.has_qkv_bias, **kw)
+        self.proj = nn.Linear(self.heads * d, h, bias=model.linear_bias, **kw)
+        self.fc1 = nn.Linear(h, fc1, bias=model.linear_bias, **kw)
+        self.fc2 = nn.Linear(f, h, bias=model.linear_bias, **kw)
+        if device != "meta":
+            for p in self.parameters():
+                if p.dim() == 2:
+                    nn.init.normal_(p, std=0.02)
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _norm(self, x, w, b):
+        if b is not None:
+            return F.layer_norm(x, (x.shape[-1],), w, b)
+        return _RMSNorm.apply(x, w, 1e-5)
+
+    def _column(self, x, lin):
+        if self.sp:
+            out = _SPColumnLinear.apply(x, lin.weight, self.tp)
+            return out + lin.bias if lin.bias is not None else out
+        return lin(x)
+
+    def _row(self, x, lin):
+        out = F.linear(x, lin.weight)
+        if self.sp:
+            out = _ReduceScatterSeq.apply(out, self.tp)
+        return out + lin.bias if lin.bias is not None else out
+
+    def _dropout(self, x):
+        return _Dropout.apply(x, 0.1) if self.m.dropout else x
+
+    def core_attention(self, q, k, v):
+        """[b, a, s, d] -> [b, a, s, d] (flash) or the materialised scores path."""
+        if self.attention == "flash":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.heads)
+        if self.kv != self.heads:
+            k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
+        s = q.shape[2]
+        mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        scores = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1])) + mask
+        probs = self._dropout(torch.softmax(scores, dim=-1))
+        return probs @ v
+
+    def attention_block(self, x):
+        b = x.shape[0]
+        d = self.m.kv_channels
+        y = self._column(self._norm(x, self.norm1_w, self.norm1_b), self.qkv)
+        s = y.shape[1]
+        q, k, v = y.split([self.heads * d, self.kv * d, self.kv * d], dim=-1)
+        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        if self.recompute == "selective":
+            o = checkpoint(self.core_attention, q, k, v, use_reentrant=True)
+        else:
+            o = self.core_attention(q, k, v)
+        o = o.transpose(1, 2).reshape(b, s, self.heads * d)
+        return x + self._dropout(self._row(o, self.proj))
+
+    def mlp_block(self, x):
+        y = self._column(self._norm(x, self.norm2_w, self.norm2_b), self.fc1)
+        y = _SwiGLU.apply(y) if self.m.activation == "swiglu" else F.gelu(y)
+        return x + self._dropout(self._row(y, self.fc2))
+
+    def _layer(self, x):
+        return self.mlp_block(self.attention_block(x))
+
+    def forward(self, x):
+        if self.recompute == "full":
+            return checkpoint(self._layer, x, use_reentrant=True)
+        return self._layer(x)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # the StorageImpl: views of one buffer share it (fake tensors too)
+
+
+def saved_activation_bytes(module: nn.Module, x: torch.Tensor, backward: bool = True) -> int:
+    """Bytes of distinct storages the forward saves for backward, parameters excluded.
+
+    With ``backward=False`` it works under ``FakeTensorMode`` (real shapes, no memory).
+    """
+    params = {_storage_key(p) for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if _storage_key(t) not in params:
+            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    if backward:
+        out.float().sum().backward()
+    return sum(seen.values())
+
+
+def layer_input(model: ModelSpec, seq_len: int, batch: int, tp: int, sequence_parallel: bool, dtype=torch.bfloat16):
+    s = seq_len // tp if sequence_parallel else seq_len
+    return torch.randn(batch, s, model.hidden_size, dtype=dtype, requires_grad=True)
