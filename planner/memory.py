@@ -127,7 +127,12 @@ def stage_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int)
     return params
 
 
-def state_bytes_per_param(zero_stage: int, shards: int) -> tuple[float, float, float]:
+def grad_bytes(training: TrainingSpec) -> int:
+    """Bytes per gradient: fp32 main grads, or 16-bit with ``grad_reduce_in_bf16`` (formulas.md A1, C4)."""
+    return 2 if training.grad_reduce_in_bf16 else GRAD_BYTES
+
+
+def state_bytes_per_param(zero_stage: int, shards: int, grad_bytes_per_param: int = GRAD_BYTES) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter under ZeRO over ``shards`` replicas.
 
     ZeRO paper (Rajbhandari et al. 2020, section 5): stage 1 shards optimizer states, 2 also
@@ -135,12 +140,12 @@ def state_bytes_per_param(zero_stage: int, shards: int) -> tuple[float, float, f
     """
     n = max(shards, 1)
     w = WEIGHT_BYTES / (n if zero_stage >= 3 else 1)
-    g = GRAD_BYTES / (n if zero_stage >= 2 else 1)
+    g = grad_bytes_per_param / (n if zero_stage >= 2 else 1)
     o = OPTIMIZER_BYTES / (n if zero_stage >= 1 else 1)
     return w, g, o
 
 
-def zero_working_set_bytes(model: ModelSpec, plan: Plan, layers: int) -> tuple[float, float]:
+def zero_working_set_bytes(model: ModelSpec, plan: Plan, layers: int, grad_bytes_per_param: int = GRAD_BYTES) -> tuple[float, float]:
     """Extra (weights, gradients) bytes that ZeRO-2/3 keep unsharded while a layer runs.
 
     ZeRO-3 / FSDP gathers the current layer and prefetches the next (2 layers of bf16 weights);
@@ -153,7 +158,7 @@ def zero_working_set_bytes(model: ModelSpec, plan: Plan, layers: int) -> tuple[f
         return 0.0, 0.0
     per_layer = layer_params_per_rank(model, plan.tp)
     w = WEIGHT_BYTES * min(2, layers) * per_layer if plan.zero_stage >= 3 else 0.0
-    g = GRAD_BYTES * per_layer if plan.zero_stage >= 2 else 0.0
+    g = grad_bytes_per_param * per_layer if plan.zero_stage >= 2 else 0.0
     return w, g
 
 
@@ -297,12 +302,13 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
                  stage: int, layers: int) -> StageMemory:
     """Every component of one GPU of stage ``stage``."""
     params = stage_params_per_rank(model, plan, stage, layers)
-    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp)
-    w_work, g_work = zero_working_set_bytes(model, plan, layers)
+    gb = grad_bytes(training)
+    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, gb)
+    w_work, g_work = zero_working_set_bytes(model, plan, layers, gb)
     return StageMemory(
         stage=stage, layers=layers,
         weights_bytes=min(params * w + w_work, params * WEIGHT_BYTES),
-        grads_bytes=min(params * g + g_work, params * GRAD_BYTES),
+        grads_bytes=min(params * g + g_work, params * gb),
         optimizer_bytes=params * o,
         activations_bytes=stage_activation_bytes(model, training, plan, num_microbatches, stage, layers),
         other_bytes=stage_other_bytes(model, training, plan, num_microbatches, stage),

@@ -180,11 +180,23 @@ class HardwareSpec(_Spec):
     fragmentation_headroom: float = Field(
         default=0.05, ge=0, lt=1, description="Fraction of memory kept free for allocator fragmentation.")
     gemm_efficiency_max: float = Field(
-        default=0.8, gt=0, le=1, description="Achieved fraction of peak on large, well-shaped GEMMs.")
-    gemm_efficiency_half_flops: float = Field(
-        default=2e9, ge=0,
-        description="GEMM size (FLOPs) at which efficiency falls to half of gemm_efficiency_max; models "
-                    "the launch and tail cost that makes small (TP-sliced) GEMMs slower.")
+        default=0.8, gt=0, le=1,
+        description="Maximum achievable matmul FLOP/s over the dense peak (MAMF: best shape, measured).")
+    sustained_fraction: float = Field(
+        default=1.0, gt=0, le=1,
+        description="Fraction of the burst (MAMF) compute rate a GPU holds through a long training run: "
+                    "power-capped clocks and kernel gaps. Calibrated, see docs/cost-model.md.")
+    sm_count: int = Field(
+        default=108, ge=1, description="Streaming multiprocessors (compute units): sets GEMM wave quantisation.")
+    nccl_channels: int = Field(
+        default=16, ge=0,
+        description="SMs a running NCCL collective occupies (one thread block per channel): compute that "
+                    "overlaps communication loses this share of the GPU.")
+    kernel_overhead_us: float = Field(
+        default=5.0, ge=0, description="Fixed cost per GEMM kernel (launch, prologue, epilogue), us.")
+    attention_efficiency: float = Field(
+        default=0.5, gt=0, le=1,
+        description="Achieved fraction of peak in the fused (flash) attention forward kernel.")
     hbm_efficiency: float = Field(
         default=0.7, gt=0, le=1, description="Achieved fraction of HBM bandwidth in memory-bound kernels.")
 
@@ -216,6 +228,14 @@ class TrainingSpec(_Spec):
         default="flash",
         description="flash: fused attention that stores no s x s scores (Dao et al. 2022); "
                     "materialized: the scores and softmax are stored, as in Korthikanti et al. 2022.")
+    overlap_grad_reduce: bool = Field(
+        default=True,
+        description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "
+                    "(Megatron --overlap-grad-reduce, since 2023; Megatron-LM 2021 did not).")
+    grad_reduce_in_bf16: bool = Field(
+        default=False,
+        description="Keep and reduce gradients in 16 bits (Megatron --grad-reduce-in-bf16; fp16 training "
+                    "in 2021); default fp32 main grads.")
 
 
 class Plan(_Spec):

@@ -1,0 +1,118 @@
+"""Rank layout: which GPUs form each TP, CP, DP and PP group, and which link each group uses.
+
+The layout is an explicit order string, fastest-varying axis first, as Megatron-LM's
+``RankGenerator(order="tp-cp-ep-dp-pp")`` (``megatron/core/parallel_state.py``); plan3d has no
+expert parallelism, so the default order is ``"tp-cp-dp-pp"``. Ranks are laid out with
+``np.arange(world).reshape(...)`` and groups are slices of that grid (as nanotron does).
+
+Worked example: 16 GPUs on 2 nodes of 8, TP=2, PP=4, DP=2 (order tp-cp-dp-pp)::
+
+    node 0: g0  g1  g2  g3  g4  g5  g6  g7      node 1: g8  g9  g10 g11 g12 g13 g14 g15
+    TP groups: [g0,g1] [g2,g3] [g4,g5] [g6,g7] [g8,g9] [g10,g11] [g12,g13] [g14,g15]
+    DP groups: [g0,g2] [g1,g3] [g4,g6] [g5,g7] [g8,g10] [g9,g11] [g12,g14] [g13,g15]
+    PP groups: [g0,g4,g8,g12] [g1,g5,g9,g13] [g2,g6,g10,g14] [g3,g7,g11,g15]
+
+TP pairs sit on NVLink; the DP pairs here share a node too (intra-node all-reduce); pipeline
+stage 0 -> 1 stays in node 0 while 1 -> 2 crosses to node 1, so the slowest PP hop is inter-node.
+A group whose ranks span several nodes with several ranks on each node is "mixed": its
+collectives run hierarchically (intra-node first, then across nodes; see ``planner.comm``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.specs import Plan
+
+AXES = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    axes = tuple(order.split("-"))
+    if sorted(axes) != sorted(AXES):
+        raise ValueError(f"order: '{order}' must name each of {', '.join(AXES)} once, e.g. {DEFAULT_ORDER}")
+    return axes
+
+
+def rank_grid(plan: Plan, order: str = DEFAULT_ORDER) -> np.ndarray:
+    """World ranks as an array indexed ``[tp, cp, dp, pp]`` (always this index order).
+
+    ``order`` names the axes from fastest- to slowest-varying rank, as Megatron's RankGenerator.
+    """
+    axes = parse_order(order)
+    sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
+    # reshape is row-major (last index fastest), so reverse the fastest-first order
+    grid = np.arange(plan.world_size).reshape([sizes[a] for a in reversed(axes)])
+    return np.transpose(grid, [list(reversed(axes)).index(a) for a in AXES])
+
+
+def groups(plan: Plan, axis: str, order: str = DEFAULT_ORDER) -> list[list[int]]:
+    """Every group of ``axis``: the ranks that differ only in that axis's coordinate."""
+    grid = rank_grid(plan, order)
+    k = AXES.index(axis)
+    moved = np.moveaxis(grid, k, -1).reshape(-1, grid.shape[k])
+    return [list(map(int, row)) for row in moved]
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """How one communication group sits on the nodes."""
+
+    size: int  # ranks in the group
+    nodes: int  # distinct nodes it touches
+    per_node: int  # ranks of the group on each node (the largest count)
+
+    @property
+    def intra_node(self) -> bool:
+        return self.nodes == 1
+
+    @property
+    def mixed(self) -> bool:
+        """Spans nodes with more than one rank per node: hierarchical collectives."""
+        return self.nodes > 1 and self.per_node > 1
+
+
+def span(ranks: list[int], gpus_per_node: int) -> GroupSpan:
+    nodes = [r // gpus_per_node for r in ranks]
+    counts = np.bincount(nodes)
+    return GroupSpan(size=len(ranks), nodes=int((counts > 0).sum()), per_node=int(counts.max()))
+
+
+def _worst(spans) -> GroupSpan:
+    return max(spans, key=lambda s: (s.nodes, -s.per_node))
+
+
+def group_span(plan: Plan, axis: str, gpus_per_node: int, order: str = DEFAULT_ORDER) -> GroupSpan:
+    """The worst-placed group of ``axis`` (most nodes touched), from the full grid."""
+    return _worst(span(g, gpus_per_node) for g in groups(plan, axis, order))
+
+
+def axis_span(plan: Plan, axis: str, gpus_per_node: int, order: str = DEFAULT_ORDER) -> GroupSpan:
+    """Same as :func:`group_span` without building the grid (fast enough for the search).
+
+    A group of ``axis`` is the progression ``r0 + k * stride`` (``k < n``), where ``stride`` is the
+    product of the faster axes' sizes. Its placement depends only on ``r0 mod gpus_per_node``;
+    ``r0`` takes every offset below ``stride`` plus multiples of ``stride * n``.
+    """
+    axes = parse_order(order)
+    sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
+    stride = int(np.prod([sizes[a] for a in axes[:axes.index(axis)]]))
+    return _progression_span(stride, sizes[axis], gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _progression_span(stride: int, n: int, g: int) -> GroupSpan:
+    starts = {(a + b * stride * n) % g for a in range(min(stride, g)) for b in range(g)}
+    k = np.arange(n)
+    return _worst(span(list(r0 + k * stride), g) for r0 in sorted(starts))
+
+
+def pp_hop_crosses_nodes(plan: Plan, gpus_per_node: int, order: str = DEFAULT_ORDER) -> bool:
+    """Whether some consecutive pipeline stages sit on different nodes (then P2P uses the network)."""
+    # the ranks of a PP group increase along the pipeline, so it crosses a node boundary
+    # between some pair of consecutive stages exactly when it touches more than one node
+    return axis_span(plan, "pp", gpus_per_node, order).nodes > 1
