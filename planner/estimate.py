@@ -1,4 +1,4 @@
-"""One estimate of a scenario: memory per stage, FLOPs and (with the cost model) step time.
+"""One estimate of a scenario: memory per stage, FLOPs and step time.
 
 ``Estimate.to_dict`` is the JSON contract of ``plan3d estimate --json`` (docs/estimate-json.md).
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner import flops
+from planner.cost import TimeEstimate, estimate_time
 from planner.memory import MemoryEstimate, estimate_memory
 from planner.specs import Scenario
 
@@ -21,6 +22,7 @@ class Estimate:
     memory: MemoryEstimate
     model_flops_per_step: float
     hardware_flops_per_step: float
+    time: TimeEstimate
 
     def plan_dict(self) -> dict:
         plan = self.scenario.resolved_plan().model_dump()
@@ -32,11 +34,12 @@ class Estimate:
             "memory": self.memory.to_dict(),
             "flops": {"model_flops_per_step": self.model_flops_per_step,
                       "hardware_flops_per_step": self.hardware_flops_per_step},
+            "time": self.time.to_dict(),
         }
 
 
 def estimate(sc: Scenario) -> Estimate:
-    """Memory and FLOPs of a scenario (pure)."""
+    """Memory, FLOPs and step time of a scenario (pure)."""
     tr, plan = sc.training, sc.plan
     return Estimate(
         scenario=sc,
@@ -44,4 +47,5 @@ def estimate(sc: Scenario) -> Estimate:
         model_flops_per_step=flops.model_flops_per_step(sc.model, tr.global_batch_size, tr.seq_len),
         hardware_flops_per_step=flops.hardware_flops_per_step(sc.model, tr.global_batch_size, tr.seq_len,
                                                               plan.recompute),
+        time=estimate_time(sc.model, sc.hardware, tr, plan),
     )

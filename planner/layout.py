@@ -96,17 +96,18 @@ def axis_span(plan: Plan, axis: str, gpus_per_node: int, order: str = DEFAULT_OR
 
     A group of ``axis`` is the progression ``r0 + k * stride`` (``k < n``), where ``stride`` is the
     product of the faster axes' sizes. Its placement depends only on ``r0 mod gpus_per_node``;
-    ``r0`` takes every offset below ``stride`` plus multiples of ``stride * n``.
+    ``r0`` takes every offset below ``stride`` plus the multiples of ``stride * n`` below the world size.
     """
     axes = parse_order(order)
     sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
     stride = int(np.prod([sizes[a] for a in axes[:axes.index(axis)]]))
-    return _progression_span(stride, sizes[axis], gpus_per_node)
+    outer = plan.world_size // (stride * sizes[axis])
+    return _progression_span(stride, sizes[axis], outer, gpus_per_node)
 
 
 @functools.lru_cache(maxsize=4096)
-def _progression_span(stride: int, n: int, g: int) -> GroupSpan:
-    starts = {(a + b * stride * n) % g for a in range(min(stride, g)) for b in range(g)}
+def _progression_span(stride: int, n: int, outer: int, g: int) -> GroupSpan:
+    starts = {(a + b * stride * n) % g for a in range(min(stride, g)) for b in range(min(outer, g))}
     k = np.arange(n)
     return _worst(span(list(r0 + k * stride), g) for r0 in sorted(starts))
 

@@ -137,12 +137,19 @@ def test_estimate_json_contract(runner):
     assert mem["fits"] is True
     assert set(d["flops"]) >= {"model_flops_per_step", "hardware_flops_per_step"}
     assert d["flops"]["hardware_flops_per_step"] > d["flops"]["model_flops_per_step"]
+    t = d["time"]
+    assert set(t) >= {"step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "breakdown"}
+    assert set(t["breakdown"]) == {"compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble",
+                                   "dp_comm_exposed", "optimizer"}
+    assert abs(sum(t["breakdown"].values()) - t["step_time_s"]) < 1e-9
+    assert 0 < t["mfu"] <= t["hfu"] < 1
 
 
 def test_estimate_table_shows_every_stage_and_verdict(runner):
     res = runner.invoke(app, ["estimate", *GPT3])
     assert res.exit_code == 0
     assert "fits" in res.output and "usable" in res.output
+    assert "Step time" in res.output and "bubble" in res.output and "MFU" in res.output
     rows = [line for line in res.output.splitlines() if line.startswith("│")]
     assert len(rows) >= 8
 

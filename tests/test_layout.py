@@ -1,0 +1,62 @@
+"""Rank layout: groups are a partition of the ranks, TP stays inside a node, the docstring example holds."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.layout import axis_span, group_span, groups, pp_hop_crosses_nodes, rank_grid
+from planner.specs import Plan
+
+
+def _plan(tp, pp, dp, cp=1):
+    return Plan(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=1)
+
+
+def test_worked_16_gpu_example_from_docstring():
+    plan = _plan(2, 4, 2)
+    assert sorted(groups(plan, "tp")) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert sorted(groups(plan, "dp")) == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert sorted(groups(plan, "pp")) == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert group_span(plan, "tp", 8).intra_node and group_span(plan, "dp", 8).intra_node
+    assert pp_hop_crosses_nodes(plan, 8)
+
+
+def test_megatron_order_string():
+    plan = _plan(2, 2, 2)
+    # order dp-fastest puts DP peers next to each other instead of TP peers
+    assert sorted(groups(plan, "dp", order="dp-tp-cp-pp"))[0] == [0, 1]
+    assert rank_grid(plan).shape == (2, 1, 2, 2)
+
+
+plans = st.builds(_plan, tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 3, 4]),
+                  dp=st.sampled_from([1, 2, 3, 4, 8]), cp=st.sampled_from([1, 2]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans, st.sampled_from([4, 8]))
+def test_every_rank_in_exactly_one_group_of_each_kind(plan, gpus_per_node):
+    for axis in ("tp", "cp", "dp", "pp"):
+        ranks = sorted(r for g in groups(plan, axis) for r in g)
+        assert ranks == list(range(plan.world_size))
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans, st.sampled_from([4, 8]))
+def test_tp_groups_never_cross_a_node(plan, gpus_per_node):
+    if plan.tp <= gpus_per_node:
+        for g in groups(plan, "tp"):
+            assert len({r // gpus_per_node for r in g}) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans, st.sampled_from([2, 4, 8]))
+def test_fast_span_equals_grid_span(plan, gpus_per_node):
+    for axis in ("tp", "cp", "dp", "pp"):
+        assert axis_span(plan, axis, gpus_per_node) == group_span(plan, axis, gpus_per_node)
+
+
+def test_dp_group_mixed_when_peers_share_nodes():
+    plan = _plan(2, 1, 16)  # 32 GPUs on 4 nodes: each DP group has 4 ranks on each of 4 nodes
+    s = axis_span(plan, "dp", 8)
+    assert (s.size, s.nodes, s.per_node, s.mixed) == (16, 4, 4, True)
+    s8 = axis_span(_plan(8, 1, 4), "dp", 8)
+    assert (s8.nodes, s8.per_node, s8.mixed) == (4, 1, False)
