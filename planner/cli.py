@@ -209,6 +209,163 @@ def estimate(
         render.print_estimate(console(), est)
 
 
+EXIT_INFEASIBLE = 3
+
+
+def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],
+                     attention: Optional[str]):
+    """(ModelSpec, HardwareSpec, TrainingSpec) from the shared job options."""
+    from planner import presets
+    from planner.specs import TrainingSpec
+
+    training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
+    training |= {k: v for k, v in (("precision", precision), ("attention", attention)) if v is not None}
+    spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
+    tr = presets.build(TrainingSpec, training, "")
+    if tr.precision == "fp8" and spec_hw.peak_fp8_tflops is None:
+        raise SpecError(f"--precision: {spec_hw.name} has no fp8 peak (peak_fp8_tflops); use bf16")
+    return spec_model, spec_hw, tr
+
+
+def write_atomic(path: str, text: str, force: bool, option: str = "--out") -> None:
+    """Write ``text`` to ``path`` via a temporary file and rename; never replace a file without ``force``."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    target = Path(path)
+    if target.exists() and not force:
+        raise SpecError(f"{option}: {path} exists; pass --force to overwrite it")
+    if not target.parent.is_dir():
+        raise SpecError(f"{option}: folder {target.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _spinner(quiet: bool, text: str):
+    import contextlib
+
+    if quiet:
+        return contextlib.nullcontext()
+    return console(stderr=True).status(text, spinner="dots")
+
+
+@app.command()
+@handle_errors
+def search(
+    model: ModelOpt, hardware: HardwareOpt,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPU count, a list (64,128,256) or a doubling range (64..4096).", rich_help_panel="Job")],
+    global_batch: GlobalBatchOpt, seq_len: SeqLenOpt,
+    precision: Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")] = None,
+    attention: AttentionOpt = None,
+    tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
+    micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
+    zero_stage: ZeroOpt = None,
+    top: Annotated[int, typer.Option("--top", min=0, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+    json_out: JsonOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner.")] = False,
+) -> None:
+    """Find the fastest plan that fits: CP-SAT over TP x PP x DP x CP, micro-batches, schedule, recompute, SP, ZeRO."""
+    from planner import render
+    from planner.candidates import Pins, SearchSpace
+    from planner.search import parse_gpu_counts
+
+    try:
+        counts = parse_gpu_counts(gpus)
+    except ValueError as err:
+        raise SpecError(f"--gpus: {err}") from None
+    if recompute is not None and recompute not in ("none", "selective", "full"):
+        raise SpecError(f"--recompute: '{recompute}' is not one of none, selective, full")
+    pins = Pins(tp=tp, pp=pp, cp=cp, vpp=vpp, micro_batch_size=micro_batch_size, recompute=recompute,
+                sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+    space = SearchSpace(pins=pins)
+    spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision, attention)
+    quiet = quiet or json_out
+    if len(counts) > 1:
+        if out:
+            raise SpecError("--out: give a single --gpus value to write a plan file")
+        rows = _sweep(spec_model, spec_hw, training, space, counts, quiet)
+        render.print_json(render.sweep_dict(rows)) if json_out else render.print_sweep(console(), rows)
+        if not any(r["estimate"] for r in rows):
+            raise typer.Exit(EXIT_INFEASIBLE)
+        return
+    result = _run_search(spec_model, spec_hw, training, space, top, exhaustive, quiet)
+    if result["best"] is None:
+        for line in result["message"]:
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(EXIT_INFEASIBLE)
+    if out:
+        write_atomic(out, render.scenario_json(result["best"].scenario), force)
+    if json_out:
+        render.print_json(render.search_dict(result))
+    else:
+        render.print_search(console(), result)
+        if out:
+            console().print(f"Plan written to {out}")
+
+
+def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: bool) -> dict:
+    """Solve (or enumerate), then estimate the winners with the reference functions."""
+    import time
+
+    from planner import search as S
+    from planner.estimate import estimate
+    from planner.memory import estimate_memory
+    from planner.specs import Scenario
+
+    t0 = time.perf_counter()
+    with _spinner(quiet, f"Searching plans for {model.name} on {training.num_gpus} x {hw.name}..."):
+        if exhaustive:
+            best, _, n = S.exhaustive(model, hw, training, space)
+            res = S.SearchResult(best=best, status="EXHAUSTIVE" if best else "INFEASIBLE", candidates=n)
+        else:
+            res = S.search(model, hw, training, space, top_k=top)
+        wall = time.perf_counter() - t0
+        scen = lambda p: estimate(Scenario(model=model, hardware=hw, training=training, plan=p))  # noqa: E731
+        out = {"best": scen(res.best) if res.best else None, "alternatives": [scen(p) for p in res.alternatives],
+               "solver": {"status": res.status, "wall_s": wall, "candidates": res.candidates}, "message": []}
+        if res.best is None:
+            msg = ["no plan fits"]
+            if res.closest is not None:
+                mem = estimate_memory(model, hw, training, res.closest)
+                peak = mem.peak
+                msg = [f"no plan fits {model.name} on {training.num_gpus} x {hw.name}: the closest, "
+                       f"{res.closest.label()} (recompute {res.closest.recompute}, ZeRO-{res.closest.zero_stage}), "
+                       f"has stage {peak.stage} needing {mem.peak_gib:.1f} GiB of {mem.usable_gib:.1f} GiB usable"]
+            elif res.candidates == 0:
+                msg = [f"no legal plan for {training.num_gpus} GPUs with these pins: check --tp/--pp/--cp/--vpp/"
+                       "--micro-batch-size against the model's heads and layers, --gpus and --global-batch"]
+            smallest = S.smallest_fitting_gpus(model, hw, training, space)
+            msg.append(f"the smallest GPU count that fits is {smallest}" if smallest else
+                       "no GPU count up to 4096x this one fits")
+            out["message"] = msg
+    return out
+
+
+def _sweep(model, hw, training, space, counts: list[int], quiet: bool) -> list[dict]:
+    from planner import search as S
+    from planner.estimate import estimate
+    from planner.specs import Scenario
+
+    rows = []
+    with _spinner(quiet, "Sweeping GPU counts..."):
+        for n in counts:
+            tr = training.model_copy(update={"num_gpus": n})
+            res = S.search(model, hw, tr, space)
+            est = estimate(Scenario(model=model, hardware=hw, training=tr, plan=res.best)) if res.best else None
+            rows.append({"gpus": n, "estimate": est, "status": res.status})
+    return rows
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

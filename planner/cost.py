@@ -299,12 +299,13 @@ def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
         comm.collective_time_s("all_gather", params * ACT_BYTES, group, hw)
 
 
-def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, layers: int, order: str = DEFAULT_ORDER) -> float:
+def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, layers: int,
+                   order: str = DEFAULT_ORDER) -> float:
     """ZeRO-3 / FSDP: all-gather the stage's weights in forward and again in backward, per micro-batch."""
     if plan.zero_stage < 3 or plan.dp * plan.cp == 1:
         return 0.0
     group = axis_span(plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1}), "dp", hw.gpus_per_node, order)
-    params = stage_params_per_rank(model, plan, 0, layers)
+    params = stage_params_per_rank(model, plan, stage, layers)
     return 2 * comm.collective_time_s("all_gather", params * ACT_BYTES, group, hw)
 
 
@@ -317,7 +318,8 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     layers = plan.stage_layers(model.num_layers)
     # ZeRO-3 gathers overlap the micro-batch's compute (prefetch); what does not fit is exposed
     c = contention(hw)
-    z3 = [overlapped_s(zero3_gather_s(model, hw, plan, n, order), st.compute, c) for st, n in zip(stages, layers)]
+    z3 = [overlapped_s(zero3_gather_s(model, hw, plan, r, n, order), st.compute, c)
+          for r, (st, n) in enumerate(zip(stages, layers))]
     per_mb = [st.total + z for st, z in zip(stages, z3)]
     pace = max(range(p), key=lambda r: per_mb[r])
     bubble = (p - 1) * (sum(per_mb) / p) / v

@@ -25,8 +25,10 @@ All functions are pure; sizes are bytes per GPU unless the name says otherwise.
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
@@ -91,6 +93,7 @@ def kv_heads_per_rank(model: ModelSpec, tp: int) -> float:
     return max(model.kv_heads / tp, 1.0)
 
 
+@functools.lru_cache(maxsize=1024)
 def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
     """Parameters of one layer on one TP rank.
 
@@ -251,16 +254,17 @@ def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
     return sum(x.bytes for x in terms) - saved_bytes_per_layer(terms, recompute)
 
 
-def in_flight_chunks(plan: Plan, num_microbatches: int, stage: int) -> int:
+def in_flight_chunks(plan: Plan, num_microbatches, stage: int):
     """Micro-batches (chunk-micro-batches when ``vpp > 1``) whose activations stage ``stage`` holds at peak.
 
     1F1B: ``min(m, p - r)`` (Megatron ``schedules.py``: ``p - r - 1`` warm-up forwards + 1).
     Interleaved: warm-up ``2 (p - r - 1) + (v - 1) p`` chunk forwards + 1, at most ``m v``.
+    ``num_microbatches`` may be a numpy array (the search evaluates many at once).
     """
     p, v, m, r = plan.pp, plan.vpp, num_microbatches, stage
     if v == 1:
-        return min(m, p - r)
-    return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+        return np.minimum(m, p - r)
+    return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
 
 
 def stage_activation_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
@@ -268,31 +272,39 @@ def stage_activation_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan,
     """Saved activations of stage ``stage`` at its peak, plus one layer's recompute working set."""
     terms = layer_activation_terms(model, training, plan)
     layers_in_flight = in_flight_chunks(plan, num_microbatches, stage) * layers / plan.vpp
-    return layers_in_flight * saved_bytes_per_layer(terms, plan.recompute) + \
-        recompute_working_bytes(terms, plan.recompute)
+    return float(layers_in_flight * saved_bytes_per_layer(terms, plan.recompute)
+                 + recompute_working_bytes(terms, plan.recompute))
 
 
-def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
-                      stage: int) -> float:
-    """Activations outside the transformer layers.
+def input_bytes_per_microbatch(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """First stage, per in-flight micro-batch: int64 input ids and the embedding dropout mask
+    (Korthikanti section 4.3; Megatron ``compute_activation_memory``)."""
+    sp = plan.tp if plan.sequence_parallel else 1
+    s, b, h = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size
+    return s * b * TOKEN_ID_BYTES + (s * b * h / sp if model.dropout else 0.0)
 
-    First stage (Korthikanti section 4.3; Megatron ``compute_activation_memory``): int64 input ids
-    and the embedding dropout mask for every in-flight micro-batch. Last stage: the final norm's
-    input and the output layer's input, plus the logits and cross-entropy spike of one micro-batch
-    (module docstring). Labels (int64) live on the last stage.
-    """
-    t, p = plan.tp, plan.pp
+
+def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """Last stage: the final norm's and the output layer's inputs, the logits and cross-entropy
+    spike of one micro-batch (module docstring) and the int64 labels."""
+    t = plan.tp
     sp = t if plan.sequence_parallel else 1
     s, b, h = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size
     v_pad = padded_vocab_size(model.vocab_size, t)
+    return (2 * s * b * h * ACT_BYTES / sp  # final-norm input and output-layer input
+            + LOGITS_BYTES_PER_ELEMENT * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
+
+
+def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
+                      stage: int):
+    """Activations outside the transformer layers: the inputs of every micro-batch in flight on the
+    first stage, the output layer's on the last."""
     other = 0.0
     if stage == 0:
-        mbs_in_flight = math.ceil(in_flight_chunks(plan, num_microbatches, 0) / plan.vpp)
-        per_mb = s * b * TOKEN_ID_BYTES + (s * b * h / sp if model.dropout else 0.0)
-        other += mbs_in_flight * per_mb
-    if stage == p - 1:
-        other += 2 * s * b * h * ACT_BYTES / sp  # final-norm input and output-layer input
-        other += LOGITS_BYTES_PER_ELEMENT * s * b * v_pad / t + s * b * TOKEN_ID_BYTES
+        mbs_in_flight = np.ceil(in_flight_chunks(plan, num_microbatches, 0) / plan.vpp)
+        other = other + mbs_in_flight * input_bytes_per_microbatch(model, training, plan)
+    if stage == plan.pp - 1:
+        other = other + output_bytes(model, training, plan)
     return other
 
 
@@ -311,7 +323,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
         grads_bytes=min(params * g + g_work, params * gb),
         optimizer_bytes=params * o,
         activations_bytes=stage_activation_bytes(model, training, plan, num_microbatches, stage, layers),
-        other_bytes=stage_other_bytes(model, training, plan, num_microbatches, stage),
+        other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)),
     )
 
 

@@ -119,3 +119,77 @@ def print_time(con, time: dict) -> None:
     con.print(t)
     con.print(f"{time['tokens_per_s']:,.0f} tokens/s, {time['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
               f"MFU {100 * time['mfu']:.1f}%, HFU {100 * time['hfu']:.1f}%")
+
+
+def scenario_json(sc) -> str:
+    """A plan file: the four specs, with the derived plan fields filled in."""
+    return json.dumps({"model": sc.model.model_dump(), "hardware": sc.hardware.model_dump(),
+                       "training": sc.training.model_dump(),
+                       "plan": sc.resolved_plan().model_dump() | {"layers_per_stage": list(sc.stage_layers)}},
+                      indent=2) + "\n"
+
+
+def loses_on(best, alt) -> dict:
+    """The breakdown term where ``alt`` spends the most time more than ``best``."""
+    b, a = best.time.breakdown, alt.time.breakdown
+    term = max(a, key=lambda k: a[k] - b[k])
+    return {"term": term, "seconds": a[term] - b[term]}
+
+
+def search_dict(result: dict) -> dict:
+    best = result["best"]
+    return best.to_dict() | {
+        "alternatives": [alt.to_dict() | {"loses_on": loses_on(best, alt)} for alt in result["alternatives"]],
+        "solver": result["solver"],
+    }
+
+
+def _plan_cell(est) -> str:
+    p = est.scenario.plan
+    extra = [p.recompute] if p.recompute != "none" else []
+    extra += ["SP"] if p.sequence_parallel else []
+    extra += [f"ZeRO-{p.zero_stage}"] if p.zero_stage else []
+    extra += ["uneven " + "/".join(map(str, p.layers_per_stage))] if p.layers_per_stage else []
+    return est.scenario.plan.label() + (f" ({', '.join(extra)})" if extra else "")
+
+
+def print_search(con, result: dict) -> None:
+    best = result["best"]
+    sc = best.scenario
+    con.print(f"[bold]{sc.model.name}[/bold] on {sc.training.num_gpus} x {sc.hardware.name}, global batch "
+              f"{sc.training.global_batch_size} x {sc.training.seq_len} tokens, {sc.training.precision}")
+    t = Table(title="Best plan and alternatives")
+    for col in ("#", "plan", "step s", "tokens/s", "MFU", "peak GiB", "loses on"):
+        t.add_column(col, justify="left" if col in ("plan", "loses on") else "right")
+    rows = [(best, "")] + [(a, "{term} +{seconds:.3f} s".format(**loses_on(best, a))) for a in result["alternatives"]]
+    for i, (est, why) in enumerate(rows):
+        t.add_row("best" if i == 0 else str(i), _plan_cell(est), f"{est.time.step_time_s:.3f}",
+                  f"{est.time.tokens_per_s:,.0f}", f"{100 * est.time.mfu:.1f}%",
+                  f"{est.memory.peak_gib:.1f} (stage {est.memory.peak.stage})", why)
+    con.print(t)
+    s = result["solver"]
+    con.print(f"Solver: {s['status']} over {s['candidates']:,} legal combinations in {s['wall_s']:.2f} s")
+    print_estimate(con, best)
+
+
+def sweep_dict(rows: list[dict]) -> dict:
+    fitting = [r["gpus"] for r in rows if r["estimate"]]
+    return {"sweep": [{"gpus": r["gpus"], "status": r["status"], "fits": r["estimate"] is not None,
+                       **(r["estimate"].to_dict() if r["estimate"] else {})} for r in rows],
+            "smallest_fitting_gpus": min(fitting) if fitting else None}
+
+
+def print_sweep(con, rows: list[dict]) -> None:
+    t = Table(title="Best plan per GPU count")
+    for col in ("GPUs", "plan", "step s", "tokens/s", "MFU", "peak GiB"):
+        t.add_column(col, justify="left" if col == "plan" else "right")
+    for r in rows:
+        est = r["estimate"]
+        if est is None:
+            t.add_row(str(r["gpus"]), "[red]no plan fits[/red]", "-", "-", "-", "-")
+        else:
+            t.add_row(str(r["gpus"]), _plan_cell(est), f"{est.time.step_time_s:.3f}", f"{est.time.tokens_per_s:,.0f}",
+                      f"{100 * est.time.mfu:.1f}%", f"{est.memory.peak_gib:.1f}")
+    con.print(t)
+    smallest = sweep_dict(rows)["smallest_fitting_gpus"]
+    con.print(f"Smallest GPU count that fits: {smallest}" if smallest else "[red]No GPU count in the sweep fits[/red]")

@@ -1,0 +1,74 @@
+"""Wall time of the CP-SAT search against brute-force enumeration, side by side, and of the whole CLI.
+
+Run: python benchmarks/search_speed.py [--repeats N]
+
+Cases (issue 5): GPT 1T on 3072 A100-80GB (global batch 3072, seq 2048); Llama-3-405B on 16384
+H100 (global batch 2048, seq 8192); GPT-3 175B on 1024 H100 (global batch 1536, seq 2048).
+
+- "search" is planner.search.search: table building + CP-SAT, no alternatives (median of N runs).
+- "CP-SAT" is the solver call alone, inside that.
+- "exhaustive" is planner.search.exhaustive: every legal plan through the reference estimate_time
+  and estimate_memory (median of 1 run by default; it is slow).
+- "plan3d search" is the whole process, `plan3d search ... --json --top 0`, interpreter start included.
+Both must return the same step time; the script checks that.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from planner.cost import estimate_time  # noqa: E402
+from planner.presets import load_hardware, load_model  # noqa: E402
+from planner.search import exhaustive, search  # noqa: E402
+from planner.specs import TrainingSpec  # noqa: E402
+
+CASES = [
+    ("megatron-gpt-1t", "a100-80gb", 3072, 3072, 2048),
+    ("llama3-405b", "h100-sxm-80gb", 16384, 2048, 8192),
+    ("gpt3-175b", "h100-sxm-80gb", 1024, 1536, 2048),
+]
+
+
+def timed(fn, repeats):
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def cli_wall(name, hw, gpus, batch, seq, repeats):
+    cmd = [sys.executable, "-m", "planner.cli", "search", "--model", name, "--hardware", hw, "--gpus", str(gpus),
+           "--global-batch", str(batch), "--seq-len", str(seq), "--json", "--top", "0"]
+    return timed(lambda: subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True), repeats)[0]
+
+
+def main() -> None:
+    repeats = int(sys.argv[sys.argv.index("--repeats") + 1]) if "--repeats" in sys.argv else 5
+    print(f"{'case':42s} {'search s':>9s} {'CP-SAT s':>9s} {'exhaustive s':>13s} {'speed-up':>9s} "
+          f"{'plan3d search s':>16s} {'plans':>7s}")
+    for name, hw_name, gpus, batch, seq in CASES:
+        model, hw = load_model(name), load_hardware(hw_name)
+        tr = TrainingSpec(num_gpus=gpus, global_batch_size=batch, seq_len=seq)
+        search_s, res = timed(lambda: search(model, hw, tr), repeats)
+        solver_s = statistics.median(search(model, hw, tr).solver_s for _ in range(repeats))
+        brute_s, (plan, brute_t, n) = timed(lambda: exhaustive(model, hw, tr), 1)
+        got = estimate_time(model, hw, tr, res.best).step_time_s
+        assert abs(got / brute_t - 1) < 1e-6, f"{name}: solver {got} != exhaustive {brute_t}"
+        cli_s = cli_wall(name, hw_name, gpus, batch, seq, max(1, repeats // 2))
+        case = f"{name} on {gpus} x {hw_name}"
+        print(f"{case:42s} {search_s:9.3f} {solver_s:9.3f} {brute_s:13.2f} {brute_s / search_s:8.1f}x "
+              f"{cli_s:16.3f} {n:7d}")
+    print("\nTarget: CP-SAT under 1 s per case on a 2-core machine, whole `plan3d search` under 2 s.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Small generators of legal values for each knob of a plan, kept apart from the solver.
+
+The same generators feed the CP-SAT search (``planner.search``) and the brute-force
+``enumerate_plans`` that checks it. Each yields values in increasing order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Iterator
+
+from planner.specs import ModelSpec, Plan, TrainingSpec, plan_problems, HardwareSpec
+
+RECOMPUTE = ("none", "selective", "full")
+MAX_UNEVEN_SHIFT = 3  # first/last stages may hold up to this many layers fewer (or more) than the middle ones
+MIN_CP_CHUNK = 512  # tokens per CP half-chunk (the load-balanced split cuts the sequence into 2 cp chunks)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_tp(model: ModelSpec, hw: HardwareSpec, num_gpus: int, cross_node: bool = False) -> list[int]:
+    """tp divides the heads, the KV heads (or is a multiple of them: KV replicated) and the FFN size,
+    divides the GPU count, and stays inside a node unless ``cross_node``."""
+    limit = num_gpus if cross_node else min(num_gpus, hw.gpus_per_node)
+    g = model.kv_heads
+    return [t for t in divisors(limit) if num_gpus % t == 0 and model.num_attention_heads % t == 0
+            and (g % t == 0 or t % g == 0) and model.ffn_size % t == 0]
+
+
+def valid_cp(training: TrainingSpec, max_cp: int = 16) -> list[int]:
+    """cp splits the sequence into 2 * cp balanced chunks of at least MIN_CP_CHUNK tokens (Megatron's
+    load-balanced causal split needs seq_len divisible by 2 * cp)."""
+    s = training.seq_len
+    return [c for c in range(1, max_cp + 1)
+            if c == 1 or (s % (2 * c) == 0 and s // (2 * c) >= MIN_CP_CHUNK and training.num_gpus % c == 0)]
+
+
+def valid_pp(model: ModelSpec, gpus_left: int) -> list[int]:
+    """pp divides what is left of the GPUs after tp and cp, and is at most the layer count."""
+    return [p for p in divisors(gpus_left) if p <= model.num_layers]
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """How the layers sit on the stages: even (``first == middle == last``), or fewer on the ends."""
+
+    pp: int
+    vpp: int
+    first: int
+    middle: int
+    last: int
+
+    def layers(self) -> tuple[int, ...] | None:
+        """``layers_per_stage`` for a Plan: None when even."""
+        if self.first == self.middle == self.last:
+            return None
+        return (self.first,) + (self.middle,) * (self.pp - 2) + (self.last,) if self.pp > 1 else (self.first,)
+
+
+def valid_splits(model: ModelSpec, pp: int, allow_uneven: bool = True) -> list[StageSplit]:
+    """Even splits with every vpp that divides a stage's layers, and, with vpp = 1, splits whose
+    first and/or last stage hold up to MAX_UNEVEN_SHIFT layers fewer or more than the equal middle
+    stages (Megatron ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``):
+    fewer where the embedding or the output layer weigh on time or memory, more where the
+    other end is the lighter one."""
+    return list(_splits(model.num_layers, pp, allow_uneven))
+
+
+@functools.lru_cache(maxsize=1024)
+def _splits(L: int, pp: int, allow_uneven: bool) -> tuple[StageSplit, ...]:
+    out = []
+    if L % pp == 0:
+        n = L // pp
+        out += [StageSplit(pp, v, n, n, n) for v in divisors(n) if v == 1 or pp > 1]
+    if not allow_uneven or pp == 1:
+        return tuple(out)
+    for mid in range(1, L + 1):
+        ends = L - (pp - 2) * mid  # layers left for the first and last stage together
+        if ends < 2:
+            break
+        for first in range(max(1, mid - MAX_UNEVEN_SHIFT), mid + MAX_UNEVEN_SHIFT + 1):
+            last = ends - first
+            if last < max(1, mid - MAX_UNEVEN_SHIFT) or last > mid + MAX_UNEVEN_SHIFT or first == last == mid:
+                continue
+            if pp == 2 and (first == last or max(first, last) != mid):
+                continue  # with two stages only the pair (first, last) matters: list it once
+            out.append(StageSplit(pp, 1, first, mid, last))
+    return tuple(out)
+
+
+def valid_micro_batch_sizes(samples_per_replica: int, max_mbs: int = 16) -> list[int]:
+    """micro_batch_size divides the sequences each replica processes per step."""
+    return [b for b in divisors(samples_per_replica) if b <= max_mbs]
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Knobs the user fixed; None = searched."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    cp: int | None = None
+    vpp: int | None = None
+    micro_batch_size: int | None = None
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    zero_stage: int | None = None
+
+    def ok(self, **values) -> bool:
+        return all(getattr(self, k) is None or getattr(self, k) == v for k, v in values.items())
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The legal values the search covers (see the generators above)."""
+
+    pins: Pins = field(default_factory=Pins)
+    allow_uneven: bool = True
+    cross_node_tp: bool = False
+    max_cp: int = 16
+    max_micro_batch_size: int = 16
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+
+
+def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace
+           ) -> Iterator[tuple[int, int, int, StageSplit]]:
+    """(tp, cp, dp, split) for every legal parallel shape that respects the pins."""
+    N, pins = training.num_gpus, space.pins
+    tps = valid_tp(model, hw, N, space.cross_node_tp or (pins.tp or 0) > hw.gpus_per_node)
+    for tp in tps:
+        for cp in valid_cp(training, max(space.max_cp, pins.cp or 1)):
+            if (N // tp) % cp:
+                continue
+            for pp in valid_pp(model, N // (tp * cp)):
+                dp = N // (tp * cp * pp)
+                if not pins.ok(tp=tp, cp=cp, pp=pp, dp=dp):
+                    continue
+                for split in valid_splits(model, pp, space.allow_uneven):
+                    if pins.ok(vpp=split.vpp):
+                        yield tp, cp, dp, split
+
+
+def micro_options(tp: int, space: SearchSpace) -> Iterator[tuple[str, bool]]:
+    """(recompute, sequence_parallel) pairs for a given tp."""
+    for rc in RECOMPUTE:
+        for sp in ((False, True) if tp > 1 else (False,)):
+            if space.pins.ok(recompute=rc, sequence_parallel=sp):
+                yield rc, sp
+
+
+def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace) -> Iterator[Plan]:
+    """Every legal plan in the space (brute force; the reference the solver is checked against)."""
+    B = training.global_batch_size
+    for tp, cp, dp, split in shapes(model, hw, training, space):
+        if B % dp:
+            continue
+        for mbs in valid_micro_batch_sizes(B // dp, max(space.max_micro_batch_size, space.pins.micro_batch_size or 1)):
+            if not space.pins.ok(micro_batch_size=mbs):
+                continue
+            for rc, sp in micro_options(tp, space):
+                for z in space.zero_stages:
+                    if not space.pins.ok(zero_stage=z):
+                        continue
+                    plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
+                                sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers())
+                    if not plan_problems(model, hw, training, plan):
+                        yield plan

@@ -1,0 +1,423 @@
+"""plan3d search: the fastest plan that fits, found by OR-Tools CP-SAT over precomputed cost tables.
+
+How it works:
+
+1. ``planner.candidates`` lists the legal values of every knob: parallel *shapes* (tp, cp, dp, pp,
+   vpp and the first/last-stage layer counts), *micro* options (micro-batch size, recompute,
+   sequence parallelism) and ZeRO stages.
+2. :func:`build_tables` evaluates the pure cost and memory functions once per factor
+   (``cost.layer_time`` per (tp, cp, micro-batch, recompute, SP); the output layer, P2P hop,
+   DP sync and parameter counts per shape). It composes them, vectorised, into the step time
+   and every stage's memory of each (shape, micro, zero) combination, in integers
+   (nanoseconds, KiB). The composition follows ``cost.estimate_time`` and
+   ``memory.stage_memory`` term by term. Only three stage kinds can be extreme: the first, the
+   first middle one and the last (in-flight micro-batches fall with the stage index, and the
+   overlap window of the DP sync grows with it).
+3. :func:`solve` builds a CP-SAT model. Its decision variables are the knobs (tp, pp, dp, cp,
+   vpp, micro-batch size and count, recompute, SP, ZeRO, first/last layers), tied to one
+   combination index by element constraints. The constraints are ``tp*pp*dp*cp = N`` and
+   ``mbs*m*dp = B`` as multiplication equalities, the pins, and every stage's memory within the
+   usable memory. The objective is the tabulated step time. CP-SAT proves the optimum; the
+   status is reported. Alternatives are re-solves that forbid the (tp, pp, cp) already found.
+
+``enumerate_plans`` + ``estimate_time`` is the brute-force reference (``--exhaustive`` and the tests).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner import comm
+from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
+                                valid_micro_batch_sizes)
+from planner.cost import (ADAM_BYTES_PER_PARAM, ACT_BYTES, Rates, _head_time_s, contention, dp_sync_s, layer_time,
+                          zero3_gather_s)
+from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
+from planner.memory import (WEIGHT_BYTES, grad_bytes, in_flight_chunks, input_bytes_per_microbatch,
+                            layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
+                            stage_params_per_rank, state_bytes_per_param, zero_working_set_bytes)
+from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec
+
+NS = 1e9  # time unit of the tables: nanoseconds
+KIB = 1024  # memory unit of the tables
+INFEASIBLE = 2**52
+
+
+@dataclass
+class Tables:
+    """Step time and stage memory for every (shape, micro, zero) combination, flattened."""
+
+    shapes: list[tuple[int, int, int, StageSplit]]
+    micros: list[tuple[int, str, bool]]
+    zeros: tuple[int, ...]
+    time_ns: np.ndarray  # [S, U, Z] int64
+    mem_kib: np.ndarray  # [S, U, Z, 3] int64: first, first-middle, last stage
+    legal: np.ndarray  # [S, U, Z] bool
+    usable_kib: int
+    build_s: float = 0.0
+
+    def index(self, s: int, u: int, z: int) -> int:
+        return (s * len(self.micros) + u) * len(self.zeros) + z
+
+    def unindex(self, k: int) -> tuple[int, int, int]:
+        s, rest = divmod(k, len(self.micros) * len(self.zeros))
+        u, z = divmod(rest, len(self.zeros))
+        return s, u, z
+
+    def plan(self, k: int) -> Plan:
+        s, u, z = self.unindex(k)
+        tp, cp, dp, split = self.shapes[s]
+        mbs, rc, sp = self.micros[u]
+        return Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
+                    sequence_parallel=sp, zero_stage=self.zeros[z], layers_per_stage=split.layers())
+
+    @property
+    def candidates(self) -> int:
+        return int(self.legal.sum())
+
+
+def _micros(model: ModelSpec, training: TrainingSpec, space: SearchSpace, dps: set[int]) -> list[tuple[int, str, bool]]:
+    B = training.global_batch_size
+    cap = max(space.max_micro_batch_size, space.pins.micro_batch_size or 1)
+    sizes = sorted({b for d in dps if B % d == 0 for b in valid_micro_batch_sizes(B // d, cap)
+                    if space.pins.ok(micro_batch_size=b)})
+    return [(b, rc, sp) for b in sizes for rc, sp in micro_options(2, space)]
+
+
+def _stage_rows(split: StageSplit) -> list[tuple[int, int]]:
+    """(stage index, layers) of the three stage kinds that can be extreme: first, first middle, last."""
+    p = split.pp
+    mid = 1 if p > 2 else p - 1
+    return [(0, split.first), (mid, split.middle if p > 2 else split.last), (p - 1, split.last)]
+
+
+def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace,
+                 order: str = DEFAULT_ORDER) -> Tables:
+    t0 = time.perf_counter()
+    B = training.global_batch_size
+    shape_list = [sh for sh in shapes(model, hw, training, space) if B % sh[2] == 0]
+    micros = _micros(model, training, space, {sh[2] for sh in shape_list})
+    zeros = tuple(z for z in space.zero_stages if space.pins.ok(zero_stage=z))
+    S, U, Z = len(shape_list), len(micros), len(zeros)
+    time_ns = np.full((S, U, Z), INFEASIBLE, dtype=np.int64)
+    mem_kib = np.full((S, U, Z, 3), INFEASIBLE, dtype=np.int64)
+    legal = np.zeros((S, U, Z), dtype=bool)
+    rates = Rates.of(hw, training.precision)
+    c = contention(hw)
+    gb = grad_bytes(training)
+    mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
+    factors: dict = {}
+    hops: dict = {}
+
+    def probe(tp, cp, dp, split, mbs=1, rc="none", sp=False, z=0):
+        return Plan.model_construct(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,
+                                    num_microbatches=None, recompute=rc, sequence_parallel=sp, zero_stage=z,
+                                    layers_per_stage=split.layers())
+
+    for si, (tp, cp, dp, split) in enumerate(shape_list):
+        p, v = split.pp, split.vpp
+        rows = _stage_rows(split)
+        n = np.array([x[1] for x in rows], dtype=float)
+        last = np.array([r == p - 1 for r, _ in rows])
+        base = probe(tp, cp, dp, split)
+        if (tp, cp) not in factors:
+            factors[(tp, cp)] = _micro_factors(model, hw, training, micros, base, order)
+        f = factors[(tp, cp)]
+        crosses = pp_hop_crosses_nodes(base, hw.gpus_per_node, order)
+        if (tp, cp, crosses) not in hops:
+            tp_group = axis_span(base, "tp", hw.gpus_per_node, order)
+            hops[(tp, cp, crosses)] = np.array([_hop_s(msg, sp, tp, crosses, tp_group, hw)
+                                                for msg, (_, _, sp) in zip(f["msg"], micros)])
+        hop = hops[(tp, cp, crosses)]
+        m = B // (mbs_u * dp)
+        ok = f["valid"] & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
+        if not ok.any():
+            continue
+        dp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, rates, order)
+        # per-micro-batch time of each stage kind [U, 3], as cost.stage_times
+        pp_t = (2 * v * hop if p > 1 else 0 * hop)[:, None]
+        h_c, h_t = f["head_compute"][:, None] * last, f["head_tp"][:, None] * last
+        compute = n * (f["fwd"] + f["bwd"])[:, None] + h_c
+        total = compute + n * (f["recompute"] + f["tp"] + f["cp"])[:, None] + h_t + pp_t
+        bwd = n * (f["bwd"] + f["recompute"] + f["tp_bwd"] + f["cp"])[:, None] + h_c * (1 - f["fwd_share"])[:, None] \
+            + h_t + pp_t / 2
+        # vectorised over the ZeRO stages [U, Z, ...], as cost.estimate_time
+        per_mb = total[:, None, :] + _overlapped(z3_s[None], compute[:, None, :], c)
+        bubble = (p - 1) * (per_mb @ np.array(_stage_counts(p))) / p / v
+        if training.overlap_grad_reduce:
+            exposed = _overlapped(dp_s[None], _dp_windows(bwd, p)[:, None, :], c)
+        else:
+            exposed = np.broadcast_to(dp_s[None], per_mb.shape)
+        step = m[:, None] * per_mb.max(axis=2) + bubble + exposed.max(axis=2) + opt_s[None]
+        # memory of each stage kind [U, Z, 3], as memory.stage_memory
+        inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
+        act = inflight * n / v * f["saved"][:, None] + f["working"][:, None]
+        first_inputs = np.ceil(in_flight_chunks(base, m, 0) / v) * f["input_bytes"]
+        rows_r = np.array([r for r, _ in rows])
+        other = (rows_r == 0) * first_inputs[:, None] + (rows_r == p - 1) * f["output_bytes"][:, None]
+        mem = np.ceil((static[None] + (act + other)[:, None, :]) / KIB)
+        time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
+        mem_kib[si, ok] = mem[ok].astype(np.int64)
+        legal[si, ok] = True
+    usable_kib = int(hw.usable_memory_gib * GIB // KIB)
+    return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
+                  usable_kib=usable_kib, build_s=time.perf_counter() - t0)
+
+
+def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
+    """For one (tp, cp): every per-micro-batch factor of every micro option, as arrays over the options."""
+    cols: dict = {k: [] for k in ("fwd", "bwd", "recompute", "tp", "tp_bwd", "cp", "head_compute", "head_tp",
+                                  "saved", "working", "input_bytes", "output_bytes", "msg", "valid")}
+    for mbs, rc, sp in micros:
+        plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp})
+        valid = not (sp and base.tp == 1)
+        lt = layer_time(model, hw, training, plan, order) if valid else None
+        head = _head_time_s(model, hw, training, plan, order) if valid else (0.0, 0.0)
+        terms = layer_activation_terms(model, training, plan)
+        row = {"fwd": lt.fwd_compute if lt else 0.0, "bwd": lt.bwd_compute if lt else 1.0,
+               "recompute": lt.recompute if lt else 0.0, "tp": lt.tp if lt else 0.0,
+               "tp_bwd": lt.tp_bwd if lt else 0.0, "cp": lt.cp if lt else 0.0,
+               "head_compute": head[0], "head_tp": head[1], "saved": saved_bytes_per_layer(terms, rc),
+               "working": recompute_working_bytes(terms, rc), "input_bytes": input_bytes_per_microbatch(model, training, plan),
+               "output_bytes": output_bytes(model, training, plan),
+               "msg": mbs * training.seq_len / base.cp * model.hidden_size * ACT_BYTES / base.tp, "valid": valid}
+        for k, val in row.items():
+            cols[k].append(val)
+    out = {k: np.array(v) for k, v in cols.items()}
+    out["fwd_share"] = out["fwd"] / (out["fwd"] + out["bwd"])
+    return out
+
+
+def _hop_s(msg: float, sp: bool, tp: int, crosses: bool, tp_group, hw: HardwareSpec) -> float:
+    """One P2P transfer between stages (cost.stage_times): the 1/t shard, re-gathered over NVLink without SP."""
+    hop = comm.p2p_time_s(msg, crosses, hw)
+    if not sp and tp > 1:
+        hop += comm.collective_time_s("all_gather", msg * tp, tp_group, hw)
+    return hop
+
+
+def _overlapped(comm_s, compute_s, c: float):
+    """cost.overlapped_s, elementwise."""
+    return np.maximum(0.0, comm_s - compute_s) + c * np.minimum(comm_s, compute_s)
+
+
+def _dp_windows(bwd: np.ndarray, p: int) -> np.ndarray:
+    """Backward time each stage kind's DP sync can hide under [U, 3]: its own last backward plus the
+    backward of every stage before it (cost.estimate_time)."""
+    b0, b1, b2 = bwd[:, 0], bwd[:, 1], bwd[:, 2]
+    if p == 1:
+        return np.stack([b0, b0, b0], axis=1)
+    return np.stack([b0, b1 + b0, b2 + b0 + (p - 2) * b1], axis=1)
+
+
+def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, rates, order):
+    """Per ZeRO stage and stage kind: DP sync, ZeRO-3 gather and static memory [Z, 3]; optimizer time [Z].
+
+    The DP sync is the same for every stage >= 1 (reduce-scatter + all-gather) and the ZeRO-3
+    gather exists only at stage 3, so each is computed once.
+    """
+    params = [stage_params_per_rank(model, plan, r, n) for r, n in rows]
+    sync = {}
+    for z in sorted({min(z, 1) for z in zeros}):
+        zp = plan.model_copy(update={"zero_stage": z})
+        sync[z] = [dp_sync_s(model, hw, training, zp, r, n, order) for r, n in rows]
+    z3p = plan.model_copy(update={"zero_stage": 3})
+    gather = [zero3_gather_s(model, hw, z3p, r, n, order) for r, n in rows] if 3 in zeros else [0.0] * 3
+    dp_s, z3_s, static, opt_s = [], [], [], []
+    for z in zeros:
+        zp = plan.model_copy(update={"zero_stage": z})
+        w, g, o = state_bytes_per_param(z, plan.dp * plan.cp, gb)
+        row = []
+        for pr, (_, n) in zip(params, rows):
+            ww, gw = zero_working_set_bytes(model, zp, n, gb)
+            row.append(min(pr * w + ww, pr * WEIGHT_BYTES) + min(pr * g + gw, pr * gb) + pr * o)
+        static.append(row)
+        dp_s.append(sync[min(z, 1)])
+        z3_s.append(gather if z == 3 else [0.0] * 3)
+        shards = plan.dp * plan.cp if z >= 1 else 1
+        opt_s.append(max(params) / shards * ADAM_BYTES_PER_PARAM / rates.hbm_bytes_per_s)
+    return np.array(dp_s), np.array(z3_s), np.array(static), np.array(opt_s)
+
+
+def _stage_counts(p: int) -> tuple[int, int, int]:
+    """How many stages each of the three kinds stands for: first, middles, last (1 stage when p == 1)."""
+    if p == 1:
+        return (1, 0, 0)
+    return (1, max(p - 2, 0), 1)
+
+
+# --- CP-SAT -------------------------------------------------------------------------------------
+
+@dataclass
+class Solution:
+    index: int
+    plan: Plan
+    status: str
+    wall_s: float
+
+
+def pareto_candidates(tables: Tables) -> np.ndarray:
+    """Flat indices of the legal combinations not dominated within their shape.
+
+    A combination is dropped when another with the same (tp, cp, dp, pp, vpp, layers) is no
+    slower and needs no more memory on any stage kind. So the optimum, and the best plan of every
+    shape, survive. This is CP-SAT presolve done once with numpy.
+    """
+    S, U, Z = tables.legal.shape
+    keep = []
+    for s in range(S):
+        idx = np.flatnonzero(tables.legal[s].ravel())
+        if idx.size == 0:
+            continue
+        pts = np.concatenate([tables.time_ns[s].reshape(-1, 1), tables.mem_kib[s].reshape(-1, 3)], axis=1)[idx]
+        le = (pts[:, None, :] <= pts[None, :, :]).all(axis=2)  # le[i, j]: i no worse than j everywhere
+        lt = (pts[:, None, :] < pts[None, :, :]).any(axis=2)
+        dominated = (le & lt).any(axis=0)
+        # of identical points keep the first
+        same = le & le.T
+        first = np.argmax(same, axis=0) == np.arange(idx.size)
+        keep.append(s * U * Z + idx[~dominated & first])
+    return np.concatenate(keep) if keep else np.array([], dtype=np.int64)
+
+
+def solve(tables: Tables, pins: Pins, candidates: np.ndarray, forbid_shapes: list[tuple] = (),
+          time_limit_s: float = 10.0) -> Solution | None:
+    """The fastest combination among ``candidates`` that fits, as CP-SAT proves it; None when none fits."""
+    from ortools.sat.python import cp_model
+
+    t0 = time.perf_counter()
+    if candidates.size == 0:
+        return None
+    model = cp_model.CpModel()
+    s_idx, u_idx, z_idx = np.unravel_index(candidates, tables.legal.shape)
+    # i indexes the candidate list; every knob, the step time and each stage's memory are tables over
+    # i. The (tp, pp, cp) already reported are removed from i's domain (the same as forbidding
+    # those knob values, but it keeps the element bounds tight).
+    allowed = np.ones(candidates.size, dtype=bool)
+    for shape in forbid_shapes:
+        allowed &= ~np.array([(sh[0], sh[3].pp, sh[1]) == tuple(shape) for sh in tables.shapes])[s_idx]
+    if not allowed.any():
+        return None
+    i = model.NewIntVarFromDomain(cp_model.Domain.FromValues(np.flatnonzero(allowed).tolist()), "candidate")
+
+    def table_var(name: str, values) -> cp_model.IntVar:
+        values = np.asarray(values, dtype=np.int64)
+        var = model.NewIntVar(int(values.min()), int(values.max()), name)
+        model.AddElement(i, values.tolist(), var)
+        return var
+
+    shape_arr = np.array([(tp, cp, dp, sp.pp, sp.vpp, sp.first, sp.last) for tp, cp, dp, sp in tables.shapes])[s_idx]
+    micro_arr = np.array([(mbs, RECOMPUTE.index(rc), int(sp)) for mbs, rc, sp in tables.micros])[u_idx]
+    knob = {name: table_var(name, shape_arr[:, j])
+            for j, name in enumerate(("tp", "cp", "dp", "pp", "vpp", "first_layers", "last_layers"))}
+    knob |= {name: table_var(name, micro_arr[:, j])
+             for j, name in enumerate(("micro_batch_size", "recompute", "sequence_parallel"))}
+    knob["zero_stage"] = table_var("zero_stage", np.array(tables.zeros)[z_idx])
+    for j, kind in enumerate(("first", "middle", "last")):  # every stage within the usable memory
+        model.Add(table_var(f"memory_{kind}_stage_kib", tables.mem_kib[s_idx, u_idx, z_idx, j]) <= tables.usable_kib)
+    for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "zero_stage"):
+        if getattr(pins, name) is not None:
+            model.Add(knob[name] == getattr(pins, name))
+    if pins.recompute is not None:
+        model.Add(knob["recompute"] == RECOMPUTE.index(pins.recompute))
+    if pins.sequence_parallel is not None:
+        model.Add(knob["sequence_parallel"] == int(pins.sequence_parallel))
+    model.Minimize(table_var("step_time_ns", tables.time_ns[s_idx, u_idx, z_idx]))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    index = int(candidates[solver.Value(i)])
+    return Solution(index=index, plan=tables.plan(index), status=solver.StatusName(status),
+                    wall_s=time.perf_counter() - t0)
+
+
+# --- the search ---------------------------------------------------------------------------------
+
+@dataclass
+class SearchResult:
+    best: Plan | None
+    alternatives: list[Plan] = field(default_factory=list)
+    status: str = "INFEASIBLE"
+    wall_s: float = 0.0
+    solver_s: float = 0.0
+    candidates: int = 0
+    closest: Plan | None = None  # when infeasible: the legal plan with the smallest memory overshoot
+
+
+def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
+           top_k: int = 0, order: str = DEFAULT_ORDER) -> SearchResult:
+    """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp)."""
+    space = space or SearchSpace()
+    t0 = time.perf_counter()
+    tables = build_tables(model, hw, training, space, order)
+    result = SearchResult(best=None, candidates=tables.candidates)
+    candidates = pareto_candidates(tables)
+    found = []
+    for _ in range(top_k + 1):
+        forbid = [(p.tp, p.pp, p.cp) for p in found]
+        sol = solve(tables, space.pins, candidates, forbid)
+        if sol is None:
+            break
+        found.append(sol.plan)
+        result.solver_s += sol.wall_s
+        if len(found) == 1:
+            result.status = sol.status
+    if found:
+        result.best, result.alternatives = found[0], found[1:]
+    elif tables.candidates:
+        over = np.where(tables.legal, tables.mem_kib.max(axis=-1), INFEASIBLE).ravel()
+        result.closest = tables.plan(int(over.argmin()))
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def exhaustive(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
+               order: str = DEFAULT_ORDER) -> tuple[Plan | None, float, int]:
+    """Brute force: (best plan, its step time, plans tried), with the reference cost and memory functions."""
+    from planner.cost import estimate_time
+    from planner.memory import estimate_memory
+
+    best, best_t, n = None, float("inf"), 0
+    for plan in enumerate_plans(model, hw, training, space or SearchSpace()):
+        n += 1
+        if not estimate_memory(model, hw, training, plan).fits:
+            continue
+        t = estimate_time(model, hw, training, plan, order).step_time_s
+        if t < best_t:
+            best, best_t = plan, t
+    return best, best_t, n
+
+
+def smallest_fitting_gpus(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
+                          max_doublings: int = 12) -> int | None:
+    """The smallest of ``num_gpus * 2**k`` (k = 1, 2, ...) for which some plan fits, or None."""
+    for k in range(1, max_doublings + 1):
+        bigger = training.model_copy(update={"num_gpus": training.num_gpus * 2**k})
+        if search(model, hw, bigger, space).best is not None:
+            return bigger.num_gpus
+    return None
+
+
+def parse_gpu_counts(text: str) -> list[int]:
+    """``"64"``, ``"64,128,256"`` or ``"64..4096"`` (doubling from the first to the last)."""
+    text = text.strip()
+    if ".." in text:
+        lo_s, hi_s = text.split("..", 1)
+        lo, hi = int(lo_s), int(hi_s)
+        if lo < 1 or hi < lo:
+            raise ValueError(f"'{text}': a range needs 1 <= first <= last")
+        out = []
+        while lo <= hi:
+            out.append(lo)
+            lo *= 2
+        return out
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 1:
+        raise ValueError(f"'{text}': GPU counts must be positive integers")
+    return sorted(set(counts))

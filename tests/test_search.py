@@ -1,0 +1,141 @@
+"""The CP-SAT search against brute-force enumeration, and the candidate generators."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.candidates import Pins, SearchSpace, valid_cp, valid_splits, valid_tp
+from planner.cost import estimate_time
+from planner.memory import estimate_memory
+from planner.presets import load_hardware, load_model
+from planner.search import exhaustive, parse_gpu_counts, search
+from planner.specs import HardwareSpec, ModelSpec, TrainingSpec
+
+REL = 1e-6  # the tables hold nanoseconds; ties closer than that may pick either plan
+
+
+def _check_same_optimum(model, hw, training, space):
+    res = search(model, hw, training, space)
+    ref_plan, ref_t, n = exhaustive(model, hw, training, space)
+    if ref_plan is None:
+        assert res.best is None, res.best
+        return None
+    assert res.best is not None, f"solver found nothing; exhaustive found {ref_plan}"
+    assert res.status == "OPTIMAL"
+    got = estimate_time(model, hw, training, res.best).step_time_s
+    assert got == pytest.approx(ref_t, rel=REL), (res.best, ref_plan)
+    assert estimate_memory(model, hw, training, res.best).fits
+    assert res.candidates == n
+    return res
+
+
+def _hw(memory_gib, gpus_per_node=8):
+    return HardwareSpec(name="test", gpu_memory_gib=memory_gib, peak_bf16_tflops=300, hbm_bandwidth_gbps=2000,
+                        gpus_per_node=gpus_per_node, intra_node_bandwidth_gbps=200, intra_node_latency_us=2,
+                        inter_node_bandwidth_gbps=20, inter_node_latency_us=5, cuda_context_gib=0, nccl_buffers_gib=0,
+                        fragmentation_headroom=0)
+
+
+@st.composite
+def cases(draw):
+    heads = draw(st.sampled_from([2, 4, 8]))
+    model = ModelSpec(name="r", num_layers=draw(st.sampled_from([2, 3, 4, 6, 8])), hidden_size=heads * 32,
+                      num_attention_heads=heads, num_kv_heads=draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0])),
+                      vocab_size=draw(st.sampled_from([1000, 5000])), activation=draw(st.sampled_from(["gelu", "swiglu"])))
+    n = draw(st.sampled_from([1, 2, 4, 8]))
+    training = TrainingSpec(num_gpus=n, global_batch_size=n * draw(st.sampled_from([1, 2, 4])),
+                            seq_len=draw(st.sampled_from([256, 2048])), overlap_grad_reduce=draw(st.booleans()))
+    hw = _hw(draw(st.sampled_from([0.01, 0.03, 0.1, 1.0])), draw(st.sampled_from([2, 4, 8])))
+    return model, hw, training
+
+
+SMALL = SearchSpace(max_micro_batch_size=4, max_cp=2)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_solver_matches_brute_force_on_random_small_cases(case):
+    model, hw, training = case
+    _check_same_optimum(model, hw, training, SMALL)
+
+
+@pytest.mark.parametrize("name,hw,gpus,batch,seq", [
+    ("tiny-gpt", "cpu-gloo", 8, 16, 256),
+    ("llama3-8b", "h100-sxm-80gb", 16, 32, 4096),
+    ("mistral-7b", "a100-40gb", 8, 16, 2048),
+    ("megatron-gpt-1.7b", "a100-80gb", 8, 64, 2048),
+])
+def test_solver_matches_brute_force_on_bundled_presets(name, hw, gpus, batch, seq):
+    _check_same_optimum(load_model(name), load_hardware(hw), TrainingSpec(num_gpus=gpus, global_batch_size=batch,
+                                                                          seq_len=seq), SearchSpace(max_micro_batch_size=4))
+
+
+def test_pins_are_respected():
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096)
+    pins = Pins(tp=4, recompute="selective", zero_stage=1, micro_batch_size=1)
+    res = search(model, hw, tr, SearchSpace(pins=pins))
+    p = res.best
+    assert (p.tp, p.recompute, p.zero_stage, p.micro_batch_size) == (4, "selective", 1, 1)
+    _check_same_optimum(model, hw, tr, SearchSpace(pins=pins, max_micro_batch_size=4))
+
+
+def test_alternatives_have_other_shapes_and_are_slower():
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096)
+    res = search(model, hw, tr, top_k=3)
+    shapes = [(p.tp, p.pp, p.cp) for p in [res.best, *res.alternatives]]
+    assert len(set(shapes)) == len(shapes) == 4
+    times = [estimate_time(model, hw, tr, p).step_time_s for p in [res.best, *res.alternatives]]
+    assert times == sorted(times)
+
+
+def test_uneven_first_and_last_stage_can_win():
+    """Llama-3-8B's 128k vocabulary makes the last stage heavy; an uneven split should be among the legal plans
+    and the solver should take one when the plain 1F1B schedule is pinned."""
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096)
+    res = search(model, hw, tr, SearchSpace(pins=Pins(tp=1, pp=8, cp=1, vpp=1, zero_stage=1)))
+    assert res.best.layers_per_stage is not None and res.best.layers_per_stage[-1] < res.best.layers_per_stage[1]
+    even = estimate_time(model, hw, tr, res.best.model_copy(update={"layers_per_stage": None})).step_time_s
+    assert estimate_time(model, hw, tr, res.best).step_time_s < even
+
+
+def test_infeasible_reports_closest():
+    model, hw = load_model("gpt3-175b"), load_hardware("a100-80gb")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=2048)
+    res = search(model, hw, tr)
+    assert res.best is None and res.status == "INFEASIBLE" and res.closest is not None
+
+
+# --- generators ---------------------------------------------------------------------------------
+def test_tp_divides_heads_kv_and_stays_in_node():
+    model = load_model("llama3-70b")  # 64 heads, 8 KV heads, ffn 28672
+    assert valid_tp(model, load_hardware("h100-sxm-80gb"), 64) == [1, 2, 4, 8]
+    gqa1 = ModelSpec(name="x", num_layers=2, hidden_size=96, num_attention_heads=6, num_kv_heads=3, vocab_size=10,
+                     ffn_hidden_size=96)
+    assert valid_tp(gqa1, _hw(1, gpus_per_node=6), 24) == [1, 3, 6]  # 2 does not divide 3 KV heads; 6 replicates them 2x
+    assert valid_tp(gqa1, _hw(1, gpus_per_node=8), 24) == [1]  # tp must also divide the node
+
+
+def test_cp_divides_the_sequence():
+    assert valid_cp(TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=8192)) == [1, 2, 4, 8]
+    assert valid_cp(TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=1024)) == [1]
+
+
+def test_splits_even_and_uneven():
+    model = load_model("llama3-8b")  # 32 layers
+    splits = valid_splits(model, 4)
+    assert any(s.vpp == 8 for s in splits) and any(s.vpp == 2 for s in splits)
+    uneven = [s for s in splits if s.layers()]
+    assert all(sum(s.layers()) == 32 for s in uneven)
+    assert all(s.vpp == 1 and abs(s.first - s.middle) <= 3 and abs(s.last - s.middle) <= 3 for s in uneven)
+    assert any(s.last < s.middle for s in uneven)
+
+
+def test_parse_gpu_counts():
+    assert parse_gpu_counts("64") == [64]
+    assert parse_gpu_counts("256,64,128") == [64, 128, 256]
+    assert parse_gpu_counts("64..512") == [64, 128, 256, 512]
+    with pytest.raises(ValueError):
+        parse_gpu_counts("64..8")
