@@ -18,7 +18,8 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/plan3d models
+	$(VENV)/bin/plan3d search --model llama3-70b --hardware h100-sxm-80gb --gpus 64 --global-batch 128 \
+		--seq-len 8192 --top 3
 	$(VENV)/bin/plan3d estimate --model gpt3-175b --hardware a100-80gb --gpus 64 --global-batch 64 \
 		--seq-len 2048 --tp 8 --pp 8 --vpp 3 --sequence-parallel --recompute selective
 
