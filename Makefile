@@ -8,11 +8,14 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: install demo test bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements-consumers.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# consumers of the emitted launch files; DeepSpeed builds against the torch installed above
+	$(PY) -m pip install --quiet --no-build-isolation "deepspeed==0.19.8"
+	$(PY) -m pip install --quiet -r requirements-consumers.txt
 	touch $@
 
 install: $(VENV)/.installed

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Iterator
 
-from planner.specs import ModelSpec, Plan, TrainingSpec, plan_problems, HardwareSpec
+from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec, plan_problems
 
 RECOMPUTE = ("none", "selective", "full")
 MAX_UNEVEN_SHIFT = 3  # first/last stages may hold up to this many layers fewer (or more) than the middle ones

@@ -7,6 +7,7 @@ Bad input ends with one line per problem on stderr and exit code 2, never a trac
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from typing import Annotated, Callable, Optional
 
@@ -221,31 +222,13 @@ def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, se
     training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
     training |= {k: v for k, v in (("precision", precision), ("attention", attention)) if v is not None}
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
+    from planner.specs import job_problems
+
     tr = presets.build(TrainingSpec, training, "")
-    if tr.precision == "fp8" and spec_hw.peak_fp8_tflops is None:
-        raise SpecError(f"--precision: {spec_hw.name} has no fp8 peak (peak_fp8_tflops); use bf16")
+    problems = job_problems(spec_model, spec_hw, tr)
+    if problems:
+        raise SpecError(problems)
     return spec_model, spec_hw, tr
-
-
-def write_atomic(path: str, text: str, force: bool, option: str = "--out") -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename; never replace a file without ``force``."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    target = Path(path)
-    if target.exists() and not force:
-        raise SpecError(f"{option}: {path} exists; pass --force to overwrite it")
-    if not target.parent.is_dir():
-        raise SpecError(f"{option}: folder {target.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _spinner(quiet: bool, text: str):
@@ -270,7 +253,9 @@ def search(
     top: Annotated[int, typer.Option("--top", min=0, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+    emit_formats: Annotated[Optional[str], typer.Option("--emit", help="Also write launch files: megatron,torchrun,slurm,deepspeed,torchtitan.")] = None,
+    out_dir: Annotated[str, typer.Option("--out-dir", help="Folder for --emit files.")] = ".",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out / --emit files that exist.")] = False,
     json_out: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner.")] = False,
 ) -> None:
@@ -291,8 +276,8 @@ def search(
     spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision, attention)
     quiet = quiet or json_out
     if len(counts) > 1:
-        if out:
-            raise SpecError("--out: give a single --gpus value to write a plan file")
+        if out or emit_formats:
+            raise SpecError("--out/--emit: give a single --gpus value to write plan or launch files")
         rows = _sweep(spec_model, spec_hw, training, space, counts, quiet)
         render.print_json(render.sweep_dict(rows)) if json_out else render.print_sweep(console(), rows)
         if not any(r["estimate"] for r in rows):
@@ -304,7 +289,11 @@ def search(
             typer.echo(f"error: {line}", err=True)
         raise typer.Exit(EXIT_INFEASIBLE)
     if out:
+        from planner.io import write_atomic
+
         write_atomic(out, render.scenario_json(result["best"].scenario), force)
+    if emit_formats:
+        _emit(result["best"].scenario, emit_formats, out_dir, force)
     if json_out:
         render.print_json(render.search_dict(result))
     else:
@@ -364,6 +353,67 @@ def _sweep(model, hw, training, space, counts: list[int], quiet: bool) -> list[d
             est = estimate(Scenario(model=model, hardware=hw, training=tr, plan=res.best)) if res.best else None
             rows.append({"gpus": n, "estimate": est, "status": res.status})
     return rows
+
+
+@app.command()
+@handle_errors
+def emit(
+    plan_file: Annotated[str, typer.Argument(metavar="PLAN", help="Plan file written by `plan3d search --out`.")],
+    formats: Annotated[str, typer.Option("--format", "-f", help="Comma-separated: megatron, torchrun, slurm, deepspeed, torchtitan, plan.")] = "megatron,torchrun,slurm",
+    out_dir: Annotated[str, typer.Option("--out-dir", "-o", help="Folder for the launch files (created if missing).")] = ".",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite files that exist.")] = False,
+) -> None:
+    """Write launch files for a plan: Megatron-LM arguments, torchrun, Slurm, DeepSpeed, torchtitan."""
+    from planner import presets
+
+    _emit(presets.load_scenario(plan_file), formats, out_dir, force)
+
+
+def _emit(sc, formats: str, out_dir: str, force: bool) -> None:
+    from planner.emit import parse_formats, render_all
+    from planner.io import write_all
+
+    for path in write_all(out_dir, render_all(sc, parse_formats(formats)), force):
+        console().print(f"wrote {path}")
+
+
+@app.command()
+def check(
+    files: Annotated[list[str], typer.Argument(metavar="FILE...", help="Plan files, Megatron-LM argument files or launch scripts.")],
+    hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile (required for Megatron-LM files).")] = None,
+    headroom: Annotated[Optional[float], typer.Option("--headroom", min=0.0, max=0.9, help="Fragmentation headroom, e.g. 0.05 (default: the profile's).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, help="GPU count when a file does not say it.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, json or github (GitHub Actions annotations).")] = "table",
+) -> None:
+    """CI memory gate: exit 0 when every file's plan fits, 1 when one does not, 2 on unreadable or invalid input."""
+    from pathlib import Path
+
+    from planner import presets, render
+    from planner.check import check_file, to_json
+
+    if fmt not in ("table", "json", "github"):
+        fail([f"--format: '{fmt}' is not one of table, json, github"])
+    try:
+        hw = presets.load_hardware(hardware) if hardware else None
+    except SpecError as err:
+        fail(err.lines)
+    results = [check_file(Path(f), hw, headroom, gpus) for f in files]
+    if fmt == "json":
+        render.print_json(json.loads(to_json(results)))
+    elif fmt == "github":
+        render.print_github(results)
+    else:
+        render.print_check(console(), results)
+    if any(r.errors for r in results):
+        raise typer.Exit(EXIT_BAD_INPUT)
+    if not all(_fits(r) for r in results):
+        raise typer.Exit(1)
+
+
+def _fits(result) -> bool:
+    from planner.memory import estimate_scenario_memory
+
+    return estimate_scenario_memory(result.scenario).fits
 
 
 def main() -> None:

@@ -193,3 +193,51 @@ def print_sweep(con, rows: list[dict]) -> None:
     con.print(t)
     smallest = sweep_dict(rows)["smallest_fitting_gpus"]
     con.print(f"Smallest GPU count that fits: {smallest}" if smallest else "[red]No GPU count in the sweep fits[/red]")
+
+
+def _verdict(sc) -> tuple:
+    from planner.memory import estimate_scenario_memory
+
+    mem = estimate_scenario_memory(sc)
+    return mem, mem.peak, mem.peak_gib - mem.usable_gib
+
+
+def print_check(con, results) -> None:
+    t = Table(title="plan3d check")
+    for col in ("file", "plan", "peak stage", "peak GiB", "usable GiB", "verdict"):
+        t.add_column(col, justify="left" if col in ("file", "plan", "verdict") else "right")
+    for r in results:
+        if r.errors:
+            t.add_row(str(r.path), "-", "-", "-", "-", "[red]invalid[/red]")
+            continue
+        mem, peak, short = _verdict(r.scenario)
+        verdict = "[green]fits[/green]" if mem.fits else f"[red]short by {short:.2f} GiB[/red]"
+        t.add_row(str(r.path), f"{r.scenario.model.name} {r.scenario.plan.label()}", str(peak.stage),
+                  f"{mem.peak_gib:.2f}", f"{mem.usable_gib:.2f}", verdict)
+    con.print(t)
+    for r in results:
+        for line in r.errors:
+            con.print(f"[red]error[/red]: {line}", markup=True, highlight=False)
+        if not r.errors:
+            mem, peak, short = _verdict(r.scenario)
+            con.print(memory_table(mem.to_dict(), title=f"{r.path}: memory per GPU of each stage (GiB)"))
+            if not mem.fits:
+                con.print(f"{r.path}: stage {peak.stage} needs {mem.peak_gib:.2f} GiB of {mem.usable_gib:.2f} GiB "
+                          f"usable, short by {short:.2f} GiB", highlight=False)
+
+
+def print_github(results) -> None:
+    """GitHub Actions workflow commands: ``::error file=F,line=L::message`` per problem."""
+    for r in results:
+        if r.errors:
+            for line in r.errors:
+                sys.stdout.write(f"::error file={r.path},line={r.line}::{line}\n")
+            continue
+        mem, peak, short = _verdict(r.scenario)
+        label = f"{r.scenario.model.name} {r.scenario.plan.label()}"
+        if mem.fits:
+            sys.stdout.write(f"::notice file={r.path},line={r.line}::{label} fits: peak {mem.peak_gib:.2f} GiB "
+                             f"(stage {peak.stage}) of {mem.usable_gib:.2f} GiB usable\n")
+        else:
+            sys.stdout.write(f"::error file={r.path},line={r.line}::{label}: stage {peak.stage} needs "
+                             f"{mem.peak_gib:.2f} GiB of {mem.usable_gib:.2f} GiB usable (short by {short:.2f} GiB)\n")

@@ -39,7 +39,7 @@ from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner.memory import (WEIGHT_BYTES, grad_bytes, in_flight_chunks, input_bytes_per_microbatch,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
                             stage_params_per_rank, state_bytes_per_param, zero_working_set_bytes)
-from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec
+from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
 
 NS = 1e9  # time unit of the tables: nanoseconds
 KIB = 1024  # memory unit of the tables
@@ -98,7 +98,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
                  order: str = DEFAULT_ORDER) -> Tables:
     t0 = time.perf_counter()
     B = training.global_batch_size
-    shape_list = [sh for sh in shapes(model, hw, training, space) if B % sh[2] == 0]
+    job_ok = not job_problems(model, hw, training)
+    shape_list = [sh for sh in shapes(model, hw, training, space) if B % sh[2] == 0] if job_ok else []
     micros = _micros(model, training, space, {sh[2] for sh in shape_list})
     zeros = tuple(z for z in space.zero_stages if space.pins.ok(zero_stage=z))
     S, U, Z = len(shape_list), len(micros), len(zeros)

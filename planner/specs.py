@@ -297,6 +297,16 @@ class Plan(_Spec):
         return "-".join(parts) + f"_mbs{self.micro_batch_size}"
 
 
+def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec) -> list[str]:
+    """What is wrong with the job whatever the plan: sequence too long, fp8 without fp8 units."""
+    errors = []
+    if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
+        errors.append(f"seq_len: {training.seq_len} > max_seq_len({model.max_seq_len}) of {model.name}")
+    if training.precision == "fp8" and hardware.peak_fp8_tflops is None:
+        errors.append(f"precision: {hardware.name} has no fp8 peak (peak_fp8_tflops); use bf16")
+    return errors
+
+
 def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, plan: Plan) -> list[str]:
     """Every way ``plan`` does not fit ``model`` and ``training``, one line each, naming the field."""
     t, p, d, c, v = plan.tp, plan.pp, plan.dp, plan.cp, plan.vpp
@@ -328,11 +338,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")
     if v > 1 and B % (b * d) == 0 and (B // (b * d)) % p:
         errors.append(f"vpp: the interleaved schedule needs num_microbatches({B // (b * d)}) divisible by pp({p})")
-    if model.max_seq_len is not None and s > model.max_seq_len:
-        errors.append(f"seq_len: {s} > max_seq_len({model.max_seq_len}) of {model.name}")
-    if training.precision == "fp8" and hardware.peak_fp8_tflops is None:
-        errors.append(f"precision: {hardware.name} has no fp8 peak (peak_fp8_tflops); use bf16")
-    return errors
+    return errors + job_problems(model, hardware, training)
 
 
 class Scenario(_Spec):

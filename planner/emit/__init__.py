@@ -1,0 +1,51 @@
+"""Launch files for a plan: one module per target, each a pure mapping from the scenario to text.
+
+``render_all`` returns ``{file name: content}``; ``planner.io.write_all`` writes them. File
+names carry the plan, e.g. ``llama3-70b_tp8-pp4-dp16_mbs1.slurm``.
+"""
+
+from __future__ import annotations
+
+from planner.presets import SpecError
+from planner.specs import Scenario
+
+FORMATS = ("megatron", "torchrun", "slurm", "deepspeed", "torchtitan", "plan")
+
+
+def stem(sc: Scenario) -> str:
+    return f"{sc.model.name}_{sc.plan.label()}"
+
+
+def parse_formats(text: str) -> list[str]:
+    wanted = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in wanted if f not in FORMATS]
+    if bad or not wanted:
+        raise SpecError(f"--format/--emit: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(FORMATS)}")
+    return wanted
+
+
+def render_all(sc: Scenario, formats: list[str]) -> dict[str, str]:
+    """Every requested launch file. A Slurm script comes with the plan file its validate mode reads."""
+    from planner import render
+    from planner.emit import deepspeed, megatron, slurm, torchrun, torchtitan
+
+    base = stem(sc)
+    plan_name = f"{base}.plan.json"
+    out: dict[str, str] = {}
+    for fmt in formats:
+        if fmt == "megatron":
+            out[f"{base}.megatron.args"] = megatron.render_args(sc)
+        elif fmt == "torchrun":
+            out[f"{base}.torchrun.sh"] = torchrun.render(sc)
+        elif fmt == "slurm":
+            out[f"{base}.slurm"] = slurm.render(sc, plan_name)
+            out[plan_name] = render.scenario_json(sc)
+        elif fmt == "deepspeed":
+            config_name = f"{base}.deepspeed.json"
+            out[config_name] = deepspeed.render_config(sc)
+            out[f"{base}.megatron-deepspeed.args"] = deepspeed.render_args(sc, config_name)
+        elif fmt == "torchtitan":
+            out[f"{base}.torchtitan.sh"] = torchtitan.render(sc)
+        elif fmt == "plan":
+            out[plan_name] = render.scenario_json(sc)
+    return out

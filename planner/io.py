@@ -1,0 +1,46 @@
+"""File output that never loses what the user had: refuse to replace without ``force``, write atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from planner.presets import SpecError
+
+
+def write_atomic(path: str | Path, text: str, force: bool = False, option: str = "--out", mode: int | None = None) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename.
+
+    An existing file is replaced only with ``force``; a failed write leaves no partial file.
+    """
+    target = Path(path)
+    if target.exists() and not force:
+        raise SpecError(f"{option}: {target} exists; pass --force to overwrite it")
+    if not target.parent.is_dir():
+        raise SpecError(f"{option}: folder {target.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, option: str = "--out-dir") -> list[Path]:
+    """Write several files; check first that none would be replaced without ``force``, so it is all or nothing."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    clash = [name for name in files if (folder / name).exists()]
+    if clash and not force:
+        raise SpecError(f"{option}: {', '.join(str(folder / n) for n in clash)} exist; pass --force to overwrite")
+    written = []
+    for name, text in files.items():
+        write_atomic(folder / name, text, force=True, option=option,
+                     mode=0o755 if name.endswith((".sh", ".slurm")) else None)
+        written.append(folder / name)
+    return written

@@ -1,0 +1,281 @@
+"""Launch files and `plan3d check`: round trip, the real consumers, exit codes."""
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from planner.candidates import SearchSpace
+from planner.check import check_file, read_flags
+from planner.cli import app
+from planner.emit import render_all
+from planner.memory import estimate_scenario_memory
+from planner.presets import MODEL_DIRNAME, load_hardware, load_model, preset_names
+from planner.search import search
+from planner.specs import Plan, Scenario, TrainingSpec
+
+DATA = Path(__file__).parent / "data"
+MEGATRON_FLAGS = {line.strip() for line in (DATA / "megatron_lm_arguments.txt").read_text().splitlines()
+                  if line.startswith("--")}
+FAST = SearchSpace(max_micro_batch_size=2, max_cp=2)
+
+
+def _searched(model_name: str, hw_name: str) -> Scenario:
+    """The best plan for the model on the smallest power-of-two cluster (from 8 GPUs) where one fits."""
+    model, hw = load_model(model_name), load_hardware(hw_name)
+    gpus = 8
+    while True:
+        tr = TrainingSpec(num_gpus=gpus, global_batch_size=2 * gpus, seq_len=min(2048, model.max_seq_len or 2048))
+        res = search(model, hw, tr, FAST)
+        if res.best is not None:
+            return Scenario(model=model, hardware=hw, training=tr, plan=res.best)
+        gpus *= 2
+
+
+def _write(tmp_path, sc, formats):
+    files = render_all(sc, formats)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return {name: tmp_path / name for name in files}
+
+
+@pytest.mark.parametrize("hw_name", ["h100-sxm-80gb", "a100-40gb"])
+@pytest.mark.parametrize("model_name", preset_names(MODEL_DIRNAME))
+def test_round_trip_search_emit_megatron_check(tmp_path, model_name, hw_name):
+    sc = _searched(model_name, hw_name)
+    files = _write(tmp_path, sc, ["megatron", "torchrun", "slurm"])
+    expected = estimate_scenario_memory(sc)
+    for name, path in files.items():
+        if name.endswith(".plan.json"):
+            continue
+        result = check_file(path, load_hardware(hw_name), None, None)
+        assert not result.errors, result.errors
+        got = estimate_scenario_memory(result.scenario)
+        assert got.stages == expected.stages, name  # every component of every stage, exactly
+        assert result.scenario.resolved_plan() == sc.resolved_plan()
+
+
+def _llama_scenario(**plan):
+    base = dict(tp=8, pp=4, dp=2, micro_batch_size=1, recompute="selective", sequence_parallel=True, zero_stage=1)
+    return Scenario(model=load_model("llama3-70b"), hardware=load_hardware("h100-sxm-80gb"),
+                    training=TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192),
+                    plan=Plan(**(base | plan)))
+
+
+SCENARIOS = {"plain": {}, "uneven": {"layers_per_stage": (19, 21, 21, 19)}, "interleaved": {"vpp": 2},
+             "full-recompute-zero0": {"recompute": "full", "zero_stage": 0, "sequence_parallel": False}}
+
+
+@pytest.mark.parametrize("case", SCENARIOS)
+def test_every_megatron_flag_is_in_megatron_lm(tmp_path, case):
+    files = _write(tmp_path, _llama_scenario(**SCENARIOS[case]), ["megatron", "deepspeed"])
+    for name, path in files.items():
+        if name.endswith(".args"):
+            flags = set(read_flags(path).values)
+            deepspeed_only = {"--deepspeed", "--deepspeed_config", "--zero-stage"}  # Megatron-DeepSpeed's own
+            assert flags - deepspeed_only <= MEGATRON_FLAGS, flags - MEGATRON_FLAGS
+
+
+@pytest.mark.parametrize("case", SCENARIOS)
+def test_shell_scripts_pass_bash_n_and_shellcheck(tmp_path, case):
+    files = _write(tmp_path, _llama_scenario(**SCENARIOS[case]), ["torchrun", "slurm", "torchtitan"])
+    scripts = [p for n, p in files.items() if n.endswith((".sh", ".slurm"))]
+    assert len(scripts) == 3
+    for path in scripts:
+        subprocess.run(["bash", "-n", str(path)], check=True)
+        if shutil.which("shellcheck") is None:
+            pytest.skip("shellcheck is not installed (Debian package shellcheck; .ci/run installs it)")
+        res = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout
+
+
+def test_deepspeed_accepts_its_config(tmp_path, monkeypatch):
+    deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (the Makefile installs it)")
+    import deepspeed.runtime.config as ds_config
+
+    sc = _llama_scenario(zero_stage=1)
+    files = _write(tmp_path, sc, ["deepspeed"])
+    (config,) = [p for n, p in files.items() if n.endswith(".deepspeed.json")]
+
+    class DataParallel:  # what Megatron-DeepSpeed's mpu tells DeepSpeed
+        def get_data_parallel_world_size(self):
+            return sc.plan.dp
+
+        def get_data_parallel_rank(self):
+            return 0
+
+    # DeepSpeedConfig asks deepspeed.comm for the rank before it trusts the mpu; answer as rank 0 of a
+    # launched job instead of starting one (its CPU backend would compile a kernel first).
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    cfg = ds_config.DeepSpeedConfig(str(config), mpu=DataParallel())
+    assert cfg.train_batch_size == 128 and cfg.gradient_accumulation_steps == 64
+    assert cfg.zero_optimization_stage == 1 and cfg.bfloat16_config.enabled
+    bad = json.loads(config.read_text()) | {"train_batch_size": 127}
+    with pytest.raises(AssertionError):
+        ds_config.DeepSpeedConfig(bad, mpu=DataParallel())
+    assert deepspeed.__version__
+
+
+def _torchtitan_args(path: Path) -> list[str]:
+    text = path.read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if "torchtitan.train" in ln)
+    words = shlex.split(line)
+    return [w for w in words[words.index("torchtitan.train") + 1:] if w != "$@"]
+
+
+@pytest.mark.parametrize("case", SCENARIOS)
+def test_torchtitan_accepts_its_arguments(tmp_path, case):
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (the Makefile installs it)")
+    pytest.importorskip("triton", reason="torchtitan's models import triton")
+    from torchtitan.config.manager import ConfigManager
+
+    sc = _llama_scenario(**SCENARIOS[case])
+    (script,) = _write(tmp_path, sc, ["torchtitan"]).values()
+    cfg = ConfigManager().parse_args(_torchtitan_args(script))
+    p = cfg.parallelism
+    assert (p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree) == (8, 4, 1)
+    assert p.enable_sequence_parallel == sc.plan.sequence_parallel
+    assert cfg.training.global_batch_size == 128 and cfg.training.seq_len == 8192
+    with pytest.raises(SystemExit):
+        ConfigManager().parse_args(_torchtitan_args(script) + ["--parallelism.no_such_option", "1"])
+
+
+def test_emit_refuses_unsupported_targets(runner, tmp_path):
+    sc = _llama_scenario(cp=2, dp=1)
+    plan = tmp_path / "plan.json"
+    from planner.render import scenario_json
+
+    plan.write_text(scenario_json(sc))
+    res = runner.invoke(app, ["emit", str(plan), "--format", "deepspeed", "--out-dir", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "context parallelism" in res.output
+    gpt = Scenario(model=load_model("gpt3-175b"), hardware=load_hardware("a100-80gb"),
+                   training=TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=2048),
+                   plan=Plan(tp=8, pp=8, dp=1, micro_batch_size=1))
+    plan.write_text(scenario_json(gpt))
+    res = runner.invoke(app, ["emit", str(plan), "--format", "torchtitan", "--out-dir", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "torchtitan ships no model" in res.output
+
+
+def test_emit_cli_names_files_and_never_overwrites(runner, tmp_path):
+    from planner.render import scenario_json
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(scenario_json(_llama_scenario()))
+    out = tmp_path / "launch"
+    res = runner.invoke(app, ["emit", str(plan), "--format", "megatron,torchrun,slurm", "--out-dir", str(out)])
+    assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["llama3-70b_tp8-pp4-dp2_mbs1.megatron.args", "llama3-70b_tp8-pp4-dp2_mbs1.plan.json",
+                     "llama3-70b_tp8-pp4-dp2_mbs1.slurm", "llama3-70b_tp8-pp4-dp2_mbs1.torchrun.sh"]
+    slurm = out / "llama3-70b_tp8-pp4-dp2_mbs1.slurm"
+    slurm.write_text("# my edits\n")
+    res = runner.invoke(app, ["emit", str(plan), "--format", "slurm", "--out-dir", str(out)])
+    assert res.exit_code == 2 and "--force" in res.output and slurm.read_text() == "# my edits\n"
+    res = runner.invoke(app, ["emit", str(plan), "--format", "slurm", "--out-dir", str(out), "--force"])
+    assert res.exit_code == 0 and "#SBATCH --nodes=8" in slurm.read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left behind
+
+
+def test_search_emit_writes_launch_files(runner, tmp_path):
+    res = runner.invoke(app, ["search", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "16",
+                              "--global-batch", "64", "--seq-len", "4096", "--emit", "megatron,slurm",
+                              "--out-dir", str(tmp_path), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert len(list(tmp_path.glob("llama3-8b_*.megatron.args"))) == 1
+    assert len(list(tmp_path.glob("llama3-8b_*.slurm"))) == 1
+
+
+# --- plan3d check -------------------------------------------------------------------------------
+REAL_SCRIPT = r"""#!/bin/bash
+# Llama-3-70B pretraining on 8 nodes. Kept in our repo and launched by the scheduler.
+#SBATCH --nodes=8
+#SBATCH --gpus-per-node=8
+set -euo pipefail
+
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+TP=${TP:-8}
+PP=4            # pipeline stages
+MBS=1
+GBS=128
+SEQ=8192
+
+GPT_ARGS="--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 \
+    --num-attention-heads 64 --group-query-attention --num-query-groups 8 \
+    --max-position-embeddings 8192 --position-embedding-type rope --swiglu \
+    --normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear \
+    --attention-dropout 0.0 --hidden-dropout 0.0 --vocab-size 128256"
+
+# parallelism
+PAR_ARGS=(
+    --tensor-model-parallel-size $TP   # NVLink
+    --pipeline-model-parallel-size ${PP}
+    --sequence-parallel
+    --recompute-granularity selective
+    --use-distributed-optimizer
+)
+
+srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node 8 \
+    pretrain_gpt.py $GPT_ARGS "${PAR_ARGS[@]}" \
+    --micro-batch-size $MBS --global-batch-size $GBS --seq-length $SEQ \
+    --bf16 --data-path "$DATA" --save "$CKPT"
+"""
+
+
+def test_check_reads_a_real_looking_launch_script(runner, tmp_path):
+    script = tmp_path / "train_llama70b.sh"
+    script.write_text(REAL_SCRIPT)
+    res = runner.invoke(app, ["check", str(script), "--hardware", "h100-sxm-80gb", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    (r,) = json.loads(res.stdout)
+    p = r["plan"]
+    assert (p["tp"], p["pp"], p["dp"], p["micro_batch_size"], p["num_microbatches"]) == (8, 4, 2, 1, 64)
+    assert (p["recompute"], p["sequence_parallel"], p["zero_stage"]) == ("selective", True, 1)
+    expected = estimate_scenario_memory(_llama_scenario())
+    assert r["memory"]["peak_gib"] == pytest.approx(expected.peak_gib, rel=1e-12)
+
+
+def test_check_exit_1_names_file_stage_and_shortfall(runner, tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text(REAL_SCRIPT.replace("MBS=1", "MBS=4").replace("--recompute-granularity selective", ""))
+    res = runner.invoke(app, ["check", str(script), "--hardware", "a100-40gb"])
+    assert res.exit_code == 1
+    assert "short by" in res.output and "stage 0" in res.output
+    gh = runner.invoke(app, ["check", str(script), "--hardware", "a100-40gb", "--format", "github"])
+    assert gh.exit_code == 1
+    # the annotation points at the first parallelism flag and names the file's stem, the plan and the stage
+    assert re.match(rf"::error file={re.escape(str(script))},line=22::train tp8-pp4-dp2_mbs4: stage 0 needs "
+                    r"[\d.]+ GiB of [\d.]+ GiB usable \(short by [\d.]+ GiB\)", gh.stdout), gh.stdout
+
+
+def test_check_exit_2_on_malformed_input(runner, tmp_path):
+    cases = {
+        "bad-int.sh": REAL_SCRIPT.replace("PP=4 ", "PP=four "),
+        "missing.args": "--num-layers 8\n--hidden-size 256\n",
+        "quote.sh": REAL_SCRIPT.replace('"$DATA"', '"$DATA'),
+        "indivisible.sh": REAL_SCRIPT.replace("#SBATCH --nodes=8", "#SBATCH --nodes=3"),
+        "plan.json": '{"model": {}, "hardware": {}, "training": {}, "plan": {"tp": 0}}',
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    for name in cases:
+        res = runner.invoke(app, ["check", str(tmp_path / name), "--hardware", "h100-sxm-80gb"])
+        assert res.exit_code == 2, (name, res.output)
+        assert name in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["check", str(tmp_path / "bad-int.sh"), "--hardware", "h100-sxm-80gb", "--format",
+                              "github"])
+    assert res.exit_code == 2 and re.search(r"::error file=.*bad-int\.sh,line=23::.*not an integer", res.stdout)
+    assert runner.invoke(app, ["check", str(tmp_path / "nope.sh"), "--hardware", "h100-sxm-80gb"]).exit_code == 2
+
+
+def test_check_plan_file_and_headroom(runner, tmp_path):
+    from planner.render import scenario_json
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(scenario_json(_llama_scenario()))
+    assert runner.invoke(app, ["check", str(plan)]).exit_code == 0
+    tight = runner.invoke(app, ["check", str(plan), "--hardware", "h100-sxm-80gb", "--headroom", "0.5"])
+    assert tight.exit_code == 1
