@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from planner import comm, flops
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
-from planner.memory import grad_bytes, kv_heads_per_rank, stage_params_per_rank
+from planner.memory import act_bytes, grad_bytes, kv_heads_per_rank, param_bytes, stage_params_per_rank
 from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 ACT_BYTES = 2
@@ -183,7 +183,8 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     recompute = {"none": 0.0, "selective": att_f, "full": fwd}[plan.recompute]
 
     tp_group = axis_span(plan, "tp", hw.gpus_per_node, order)
-    buf = tokens * model.hidden_size * ACT_BYTES
+    e = act_bytes(training)
+    buf = tokens * model.hidden_size * e
     c = contention(hw)
     if plan.sequence_parallel:
         ag = comm.collective_time_s("all_gather", buf, tp_group, hw)
@@ -202,7 +203,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     cp_time = 0.0
     if plan.cp > 1:  # ring exchange of K and V, overlapped with the attention core (context_parallel.md)
         cp_group = axis_span(plan, "cp", hw.gpus_per_node, order)
-        kv_bytes = 2 * tokens * kv_heads_per_rank(model, plan.tp) * model.kv_channels * ACT_BYTES
+        kv_bytes = 2 * tokens * kv_heads_per_rank(model, plan.tp) * model.kv_channels * e
         step = comm.p2p_time_s(kv_bytes, not cp_group.intra_node, hw)
         exchange = (plan.cp - 1) * step
         cp_time = overlapped_s(exchange, att_f, c) + overlapped_s(2 * exchange, att_b, c)
@@ -218,7 +219,7 @@ def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     ce = tokens * v_r * (2 + 4 + 4 + 4 + 4 + 2) / rates.hbm_bytes_per_s  # bf16 logits -> fp32 softmax -> grad -> bf16
     tp_group = axis_span(plan, "tp", hw.gpus_per_node, order)
     kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
-    tp = comm.collective_time_s(kind, tokens * model.hidden_size * ACT_BYTES, tp_group, hw)
+    tp = comm.collective_time_s(kind, tokens * model.hidden_size * act_bytes(training), tp_group, hw)
     return f + dg + wg + ce, overlapped_s(tp, wg, contention(hw))
 
 
@@ -264,7 +265,7 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     sp_or_scatter = plan.tp  # with SP, or Megatron's scatter/gather optimisation, each TP rank sends 1/t
-    msg = tokens * model.hidden_size * ACT_BYTES / sp_or_scatter
+    msg = tokens * model.hidden_size * act_bytes(training) / sp_or_scatter
     hop = comm.p2p_time_s(msg, pp_hop_crosses_nodes(plan, hw.gpus_per_node, order), hw)
     if not plan.sequence_parallel and plan.tp > 1:  # scatter/gather: re-assemble over NVLink
         hop += comm.collective_time_s("all_gather", msg * plan.tp, axis_span(plan, "tp", hw.gpus_per_node, order), hw)
@@ -296,17 +297,17 @@ def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
         return comm.collective_time_s("all_reduce", g, group, hw)
     # reduce-scatter the gradients, all-gather the updated bf16 weights (distributed optimizer)
     return comm.collective_time_s("reduce_scatter", g, group, hw) + \
-        comm.collective_time_s("all_gather", params * ACT_BYTES, group, hw)
+        comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw)
 
 
 def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, layers: int,
-                   order: str = DEFAULT_ORDER) -> float:
+                   order: str = DEFAULT_ORDER, weight_bytes: int = ACT_BYTES) -> float:
     """ZeRO-3 / FSDP: all-gather the stage's weights in forward and again in backward, per micro-batch."""
     if plan.zero_stage < 3 or plan.dp * plan.cp == 1:
         return 0.0
     group = axis_span(plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1}), "dp", hw.gpus_per_node, order)
     params = stage_params_per_rank(model, plan, stage, layers)
-    return 2 * comm.collective_time_s("all_gather", params * ACT_BYTES, group, hw)
+    return 2 * comm.collective_time_s("all_gather", params * weight_bytes, group, hw)
 
 
 def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
@@ -318,7 +319,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     layers = plan.stage_layers(model.num_layers)
     # ZeRO-3 gathers overlap the micro-batch's compute (prefetch); what does not fit is exposed
     c = contention(hw)
-    z3 = [overlapped_s(zero3_gather_s(model, hw, plan, r, n, order), st.compute, c)
+    z3 = [overlapped_s(zero3_gather_s(model, hw, plan, r, n, order, param_bytes(training)[0]), st.compute, c)
           for r, (st, n) in enumerate(zip(stages, layers))]
     per_mb = [st.total + z for st, z in zip(stages, z3)]
     pace = max(range(p), key=lambda r: per_mb[r])

@@ -132,23 +132,40 @@ def stage_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int)
 
 def grad_bytes(training: TrainingSpec) -> int:
     """Bytes per gradient: fp32 main grads, or 16-bit with ``grad_reduce_in_bf16`` (formulas.md A1, C4)."""
-    return 2 if training.grad_reduce_in_bf16 else GRAD_BYTES
+    return 2 if training.grad_reduce_in_bf16 and training.precision != "fp32" else GRAD_BYTES
 
 
-def state_bytes_per_param(zero_stage: int, shards: int, grad_bytes_per_param: int = GRAD_BYTES) -> tuple[float, float, float]:
+def param_bytes(training: TrainingSpec) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter.
+
+    Mixed precision (bf16, fp8): Megatron's 2 + 4 + 12 (module docstring). Plain fp32 training
+    (the CPU run of `plan3d validate`): 4 + 4 + 8, Adam's m and v with no master copy.
+    """
+    if training.precision == "fp32":
+        return 4, 4, 8
+    return WEIGHT_BYTES, grad_bytes(training), OPTIMIZER_BYTES
+
+
+def act_bytes(training: TrainingSpec) -> int:
+    """Bytes per activation element: 4 in fp32 training, else 2 (bf16; fp8 GEMM inputs are handled apart)."""
+    return 4 if training.precision == "fp32" else ACT_BYTES
+
+
+def state_bytes_per_param(zero_stage: int, shards: int, bytes_per_param: tuple[int, int, int] = (
+        WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter under ZeRO over ``shards`` replicas.
 
     ZeRO paper (Rajbhandari et al. 2020, section 5): stage 1 shards optimizer states, 2 also
     gradients, 3 also weights; Megatron bytes (2, 4, 12) as the module docstring says.
     """
     n = max(shards, 1)
-    w = WEIGHT_BYTES / (n if zero_stage >= 3 else 1)
-    g = grad_bytes_per_param / (n if zero_stage >= 2 else 1)
-    o = OPTIMIZER_BYTES / (n if zero_stage >= 1 else 1)
-    return w, g, o
+    wb, gb, ob = bytes_per_param
+    return wb / (n if zero_stage >= 3 else 1), gb / (n if zero_stage >= 2 else 1), ob / (n if zero_stage >= 1 else 1)
 
 
-def zero_working_set_bytes(model: ModelSpec, plan: Plan, layers: int, grad_bytes_per_param: int = GRAD_BYTES) -> tuple[float, float]:
+def zero_working_set_bytes(model: ModelSpec, plan: Plan, layers: int,
+                           bytes_per_param: tuple[int, int, int] = (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
+                           ) -> tuple[float, float]:
     """Extra (weights, gradients) bytes that ZeRO-2/3 keep unsharded while a layer runs.
 
     ZeRO-3 / FSDP gathers the current layer and prefetches the next (2 layers of bf16 weights);
@@ -160,8 +177,8 @@ def zero_working_set_bytes(model: ModelSpec, plan: Plan, layers: int, grad_bytes
     if shards == 1:
         return 0.0, 0.0
     per_layer = layer_params_per_rank(model, plan.tp)
-    w = WEIGHT_BYTES * min(2, layers) * per_layer if plan.zero_stage >= 3 else 0.0
-    g = grad_bytes_per_param * per_layer if plan.zero_stage >= 2 else 0.0
+    w = bytes_per_param[0] * min(2, layers) * per_layer if plan.zero_stage >= 3 else 0.0
+    g = bytes_per_param[1] * per_layer if plan.zero_stage >= 2 else 0.0
     return w, g
 
 
@@ -188,12 +205,16 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     materialised attention with GQA also keeps K and V repeated to all query heads (Megatron
     ``DotProductAttention``).
     TP divides what lies inside the column/row-parallel region; sequence parallelism also divides
-    the norm and dropout regions (Table 2); CP divides the sequence (context_parallel.md). With
+    the norm and dropout regions (Table 2), and Megatron keeps only the 1/t shard of the
+    column-parallel inputs (its ``LinearWithGradAccumulationAndAsyncCommunication`` re-gathers
+    them in backward), where torch's DTensor SP keeps them gathered (``framework="torch"``);
+    CP divides the sequence (context_parallel.md). With
     fp8 the four GEMM inputs are saved in fp8 (1 B), as Transformer Engine does. The per-token
     fp32 norm statistics (mean, rstd) are included.
     """
-    t, e = plan.tp, ACT_BYTES
+    t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
+    gathered = 1 if training.framework == "torch" else sp  # column-parallel inputs kept gathered (DTensor SP)
     lin = 1 if training.precision == "fp8" else e
     s, b, h, f = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size, model.ffn_size
     a_r, q_r = model.num_attention_heads / t, model.q_size / t
@@ -204,7 +225,7 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     terms = [
         ActTerm("norm1 input", sb * h * e / sp, layer_input=True),
         ActTerm("norm1 statistics", stats / sp),
-        ActTerm("QKV input", sb * h * lin / sp),
+        ActTerm("QKV input", sb * h * lin / gathered),
         ActTerm("Q", sb * q_r * e),
         ActTerm("K, V", 2 * sb * kv_r * e),
         ActTerm("out-proj input", sb * q_r * lin),
@@ -227,7 +248,7 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     terms += [
         ActTerm("norm2 input", sb * h * e / sp),
         ActTerm("norm2 statistics", stats / sp),
-        ActTerm("FC1 input", sb * h * lin / sp),
+        ActTerm("FC1 input", sb * h * lin / gathered),
         ActTerm("activation input (FC1 output)", fc1_out * e),
         ActTerm("FC2 input", sb * f / t * lin),
     ]
@@ -291,8 +312,10 @@ def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     sp = t if plan.sequence_parallel else 1
     s, b, h = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size
     v_pad = padded_vocab_size(model.vocab_size, t)
-    return (2 * s * b * h * ACT_BYTES / sp  # final-norm input and output-layer input
-            + LOGITS_BYTES_PER_ELEMENT * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
+    e = act_bytes(training)
+    logits = LOGITS_BYTES_PER_ELEMENT if e == ACT_BYTES else e + FP32_BYTES  # fp32: logits + softmax
+    return (2 * s * b * h * e / sp  # final-norm input and output-layer input
+            + logits * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
 
 
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
@@ -314,13 +337,13 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
                  stage: int, layers: int) -> StageMemory:
     """Every component of one GPU of stage ``stage``."""
     params = stage_params_per_rank(model, plan, stage, layers)
-    gb = grad_bytes(training)
-    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, gb)
-    w_work, g_work = zero_working_set_bytes(model, plan, layers, gb)
+    per_param = param_bytes(training)
+    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, per_param)
+    w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param)
     return StageMemory(
         stage=stage, layers=layers,
-        weights_bytes=min(params * w + w_work, params * WEIGHT_BYTES),
-        grads_bytes=min(params * g + g_work, params * gb),
+        weights_bytes=min(params * w + w_work, params * per_param[0]),
+        grads_bytes=min(params * g + g_work, params * per_param[1]),
         optimizer_bytes=params * o,
         activations_bytes=stage_activation_bytes(model, training, plan, num_microbatches, stage, layers),
         other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)),

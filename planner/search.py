@@ -33,10 +33,10 @@ import numpy as np
 from planner import comm
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
                                 valid_micro_batch_sizes)
-from planner.cost import (ADAM_BYTES_PER_PARAM, ACT_BYTES, Rates, _head_time_s, contention, dp_sync_s, layer_time,
+from planner.cost import (ADAM_BYTES_PER_PARAM, Rates, _head_time_s, contention, dp_sync_s, layer_time,
                           zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
-from planner.memory import (WEIGHT_BYTES, grad_bytes, in_flight_chunks, input_bytes_per_microbatch,
+from planner.memory import (act_bytes, in_flight_chunks, input_bytes_per_microbatch, param_bytes,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
                             stage_params_per_rank, state_bytes_per_param, zero_working_set_bytes)
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
@@ -108,7 +108,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     legal = np.zeros((S, U, Z), dtype=bool)
     rates = Rates.of(hw, training.precision)
     c = contention(hw)
-    gb = grad_bytes(training)
+    gb = param_bytes(training)
     mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
     factors: dict = {}
     hops: dict = {}
@@ -184,7 +184,8 @@ def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
                "head_compute": head[0], "head_tp": head[1], "saved": saved_bytes_per_layer(terms, rc),
                "working": recompute_working_bytes(terms, rc), "input_bytes": input_bytes_per_microbatch(model, training, plan),
                "output_bytes": output_bytes(model, training, plan),
-               "msg": mbs * training.seq_len / base.cp * model.hidden_size * ACT_BYTES / base.tp, "valid": valid}
+               "msg": mbs * training.seq_len / base.cp * model.hidden_size * act_bytes(training) / base.tp,
+               "valid": valid}
         for k, val in row.items():
             cols[k].append(val)
     out = {k: np.array(v) for k, v in cols.items()}
@@ -226,7 +227,7 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, rates, order):
         zp = plan.model_copy(update={"zero_stage": z})
         sync[z] = [dp_sync_s(model, hw, training, zp, r, n, order) for r, n in rows]
     z3p = plan.model_copy(update={"zero_stage": 3})
-    gather = [zero3_gather_s(model, hw, z3p, r, n, order) for r, n in rows] if 3 in zeros else [0.0] * 3
+    gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
     dp_s, z3_s, static, opt_s = [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
@@ -234,7 +235,7 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, rates, order):
         row = []
         for pr, (_, n) in zip(params, rows):
             ww, gw = zero_working_set_bytes(model, zp, n, gb)
-            row.append(min(pr * w + ww, pr * WEIGHT_BYTES) + min(pr * g + gw, pr * gb) + pr * o)
+            row.append(min(pr * w + ww, pr * gb[0]) + min(pr * g + gw, pr * gb[1]) + pr * o)
         static.append(row)
         dp_s.append(sync[min(z, 1)])
         z3_s.append(gather if z == 3 else [0.0] * 3)

@@ -33,7 +33,7 @@ GIB = 2**30
 Activation = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 PositionEmbedding = Literal["learned", "rope", "alibi"]
-Precision = Literal["bf16", "fp8"]
+Precision = Literal["bf16", "fp8", "fp32"]
 Recompute = Literal["none", "selective", "full"]
 AttentionKernel = Literal["flash", "materialized"]
 
@@ -167,6 +167,8 @@ class HardwareSpec(_Spec):
     peak_bf16_tflops: float = Field(gt=0, description="Dense (non-sparse) BF16 tensor-core peak, TFLOP/s.")
     peak_fp8_tflops: float | None = Field(
         default=None, gt=0, description="Dense FP8 peak, TFLOP/s; absent when the GPU has no FP8 units.")
+    peak_fp32_tflops: float | None = Field(
+        default=None, gt=0, description="Dense FP32 (TF32 tensor-core on GPUs) peak, TFLOP/s; for fp32 training.")
     hbm_bandwidth_gbps: float = Field(gt=0, description="Peak HBM bandwidth, GB/s.")
     gpus_per_node: int = Field(ge=1, description="GPUs sharing the fast intra-node fabric (NVLink domain).")
     intra_node_bandwidth_gbps: float = Field(
@@ -211,9 +213,9 @@ class HardwareSpec(_Spec):
 
     def peak_flops(self, precision: Precision) -> float:
         """Dense peak in FLOP/s for the training precision."""
-        tflops = self.peak_fp8_tflops if precision == "fp8" else self.peak_bf16_tflops
+        tflops = {"fp8": self.peak_fp8_tflops, "fp32": self.peak_fp32_tflops}.get(precision, self.peak_bf16_tflops)
         if tflops is None:
-            raise ValueError(f"precision: {self.name} has no fp8 peak (peak_fp8_tflops); use --precision bf16")
+            raise ValueError(f"precision: {self.name} has no {precision} peak (peak_{precision}_tflops); use bf16")
         return tflops * 1e12
 
 
@@ -223,11 +225,17 @@ class TrainingSpec(_Spec):
     num_gpus: int = Field(ge=1, description="GPUs in the job (world size).")
     global_batch_size: int = Field(ge=1, description="Sequences per optimizer step, over all replicas.")
     seq_len: int = Field(ge=1, description="Tokens per sequence.")
-    precision: Precision = Field(default="bf16", description="Compute precision of the GEMMs: bf16 or fp8.")
+    precision: Precision = Field(
+        default="bf16", description="bf16 or fp8 mixed precision (Megatron), or fp32 (the CPU validate run).")
     attention: AttentionKernel = Field(
         default="flash",
         description="flash: fused attention that stores no s x s scores (Dao et al. 2022); "
                     "materialized: the scores and softmax are stored, as in Korthikanti et al. 2022.")
+    framework: Literal["megatron", "torch"] = Field(
+        default="megatron",
+        description="How sequence parallelism saves the column-parallel inputs: megatron keeps the 1/t shard "
+                    "and re-gathers it in backward; torch (DTensor, as torchtitan and plan3d validate) keeps "
+                    "the gathered input.")
     overlap_grad_reduce: bool = Field(
         default=True,
         description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "
@@ -302,8 +310,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     errors = []
     if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
         errors.append(f"seq_len: {training.seq_len} > max_seq_len({model.max_seq_len}) of {model.name}")
-    if training.precision == "fp8" and hardware.peak_fp8_tflops is None:
-        errors.append(f"precision: {hardware.name} has no fp8 peak (peak_fp8_tflops); use bf16")
+    if training.precision != "bf16" and getattr(hardware, f"peak_{training.precision}_tflops") is None:
+        errors.append(f"precision: {hardware.name} has no {training.precision} peak "
+                      f"(peak_{training.precision}_tflops); use bf16")
     return errors
 
 

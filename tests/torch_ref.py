@@ -13,10 +13,8 @@ a real multi-rank run, shapes and saved tensors are.
 
 Kernel assumptions, where this differs from Megatron on a GPU:
 
-* Dropout saves a 1-byte bool mask, as CUDA's ``native_dropout`` does (the CPU kernel would keep a
-  mask in the activation dtype).
-* RMSNorm and SwiGLU are autograd Functions that save what the fused GPU kernels (Apex/TE
-  RMSNorm, Megatron ``bias_swiglu``) save: input + rstd, and the FC1 output only.
+* Dropout, RMSNorm and SwiGLU are the autograd Functions of ``planner.validate.kernels``: they save
+  what the fused GPU kernels save (a bool mask; input + rstd; the FC1 output only).
 * ``torch.nn.functional.layer_norm`` on a bf16 CPU tensor saves mean/rstd in bf16, where Apex/TE
   keep them in fp32 (4 B per token less here; the estimator counts fp32).
 * Attention is ``scaled_dot_product_attention``: on the CPU its flash kernel
@@ -38,58 +36,9 @@ from torch.utils.checkpoint import checkpoint
 from planner.specs import ModelSpec
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, rstd, weight)
-        return (x.float() * rstd).to(x.dtype) * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, rstd, weight = ctx.saved_tensors
-        xf, gf = x.float(), grad.float()
-        xhat = xf * rstd
-        gw = (gf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gx_hat = gf * weight.float()
-        gx = rstd * (gx_hat - xhat * (gx_hat * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw, None
-
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up, saving only the FC1 output (Megatron ``bias_swiglu_impl``)."""
-
-    @staticmethod
-    def forward(ctx, y):
-        ctx.save_for_backward(y)
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        gate, up = y.float().chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        g = grad.float()
-        d_gate = g * up * sig * (1 + gate * (1 - sig))
-        d_up = g * gate * sig
-        return torch.cat([d_gate, d_up], dim=-1).to(y.dtype)
-
-
-class _Dropout(torch.autograd.Function):
-    """Dropout that saves a 1-byte bool mask, as CUDA's ``native_dropout`` does (the CPU kernel keeps a bf16 mask)."""
-
-    @staticmethod
-    def forward(ctx, x, p):
-        mask = torch.rand_like(x, dtype=torch.float32) >= p
-        ctx.scale = 1.0 / (1.0 - p)
-        ctx.save_for_backward(mask)
-        return x * mask * ctx.scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        return grad * mask * ctx.scale, None
+from planner.validate.kernels import DropoutFn as _Dropout  # noqa: E402
+from planner.validate.kernels import RMSNormFn as _RMSNorm  # noqa: E402
+from planner.validate.kernels import SwiGLUFn as _SwiGLU  # noqa: E402
 
 
 class _SPColumnLinear(torch.autograd.Function):

@@ -1,0 +1,192 @@
+"""Start the validate run, watch it, and compare what it measured with the prediction (no torch here).
+
+Outside a torchrun job, `plan3d validate` runs a *miniature* of the plan on this machine: the same
+tp, pp, vpp, schedule, recompute and sequence parallelism, data parallelism capped so that all
+ranks fit ``max_ranks`` local processes, and model, batch and sequence sizes scaled down. The
+prediction is recomputed for that miniature on the local hardware profile (``cpu-gloo`` by default),
+in fp32 and with torch's DTensor sequence parallelism, which is what the run does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from planner.memory import (estimate_memory, in_flight_chunks, layer_activation_terms, param_bytes,
+                            saved_bytes_per_layer, stage_params_per_rank, state_bytes_per_param)
+from planner.presets import SpecError, load_hardware
+from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec
+
+MEMORY_TOLERANCE = 0.05
+
+
+def _round_to(x: float, step: int) -> int:
+    return max(step, int(round(x / step)) * step)
+
+
+def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: HardwareSpec | None = None) -> Scenario:
+    """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring)."""
+    p, m = sc.plan, sc.model
+    tp, pp, vpp = p.tp, p.pp, p.vpp
+    if tp * pp > max_ranks:
+        raise SpecError(f"validate: tp({tp}) * pp({pp}) = {tp * pp} ranks exceed the {max_ranks} local processes; "
+                        "run `plan3d validate` inside torchrun or Slurm (`plan3d emit --format slurm`) instead")
+    dp = max(1, min(p.dp, max_ranks // (tp * pp)))
+    heads = tp * max(1, -(-4 // tp))
+    ratio = m.num_attention_heads // m.kv_heads
+    kv = heads // ratio if ratio > 1 and heads % ratio == 0 and (heads // ratio) % tp == 0 else heads
+    head_dim = max(8, _round_to(16 * scale, 8))
+    hidden = heads * head_dim
+    ffn = _round_to(hidden * m.ffn_size / m.hidden_size, 8 * tp * dp)
+    seq = _round_to(128 * scale, 8 * tp)
+    per_chunk = 2 if pp * vpp <= 4 else 1
+    model = ModelSpec(
+        name=f"{m.name}-miniature", num_layers=pp * vpp * per_chunk, hidden_size=hidden, num_attention_heads=heads,
+        num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=_round_to(512, 128 * tp * dp), max_seq_len=seq,
+        activation=m.activation, norm=m.norm, tied_embeddings=False,
+        position_embedding="rope" if p.sequence_parallel or m.position_embedding != "learned" else "learned",
+        linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=False)
+    mbs = min(p.micro_batch_size, 2)
+    micro = 2 * pp
+    training = TrainingSpec(num_gpus=tp * pp * dp, global_batch_size=mbs * micro * dp, seq_len=seq,
+                            precision="fp32", attention="flash", framework="torch", overlap_grad_reduce=True)
+    plan = Plan(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
+                sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage)
+    return Scenario(model=model, hardware=hardware or load_hardware("cpu-gloo"), training=training, plan=plan)
+
+
+def rank_coordinates(plan: Plan, rank: int) -> tuple[int, int, int]:
+    """(pp, dp, tp) of a rank in the order tp-cp-dp-pp (planner.layout), cp = 1."""
+    tp_i = rank % plan.tp
+    dp_i = (rank // plan.tp) % plan.dp
+    return rank // (plan.tp * plan.dp), dp_i, tp_i
+
+
+def predicted_rank_memory(sc: Scenario, pp_rank: int) -> dict:
+    """The components of one rank that the run measures exactly: resident weights, gradients and
+    optimizer states (no transient ZeRO buffers), and activations saved by the layers at peak."""
+    p = sc.resolved_plan()
+    layers = sc.stage_layers[pp_rank]
+    params = stage_params_per_rank(sc.model, p, pp_rank, layers)
+    w, g, o = state_bytes_per_param(p.zero_stage, p.dp * p.cp, param_bytes(sc.training))
+    saved = saved_bytes_per_layer(layer_activation_terms(sc.model, sc.training, p), p.recompute)
+    chunks = in_flight_chunks(p, p.num_microbatches, pp_rank)
+    return {"weights_bytes": params * w, "grads_bytes": params * g, "optimizer_bytes": params * o,
+            "saved_activation_peak_bytes": float(chunks * layers / p.vpp * saved)}
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    message: list[str] = field(default_factory=list)
+    report: dict = field(default_factory=dict)
+
+
+def _phases(folder: Path, world: int) -> dict[int, str]:
+    out = {}
+    for r in range(world):
+        f = folder / f"rank{r}"
+        out[r] = f.read_text() if f.exists() else "not started"
+    return out
+
+
+def _stalled(phases: dict[int, str]) -> str:
+    order = {"not started": -3, "init": -2, "build": -1, "microbenchmarks": 0}
+
+    def rank_of(ph: str) -> float:
+        if ph.startswith("step "):
+            return 1 + int(ph.split()[1])
+        return {"report": 1e6, "done": 1e7}.get(ph, order.get(ph, -4))
+
+    low = min(phases.values(), key=rank_of)
+    ranks = [r for r, ph in phases.items() if ph == low]
+    return f"rank {ranks[0]}" + (f" (and {len(ranks) - 1} more)" if len(ranks) > 1 else "") + f" in phase '{low}'"
+
+
+def run_torchrun(plan_path: Path, world: int, steps: int, backend: str, timeout_s: float, workdir: Path,
+                 reference: bool) -> Outcome:
+    """Start torchrun with the worker on ``world`` local ranks; never wait longer than ``timeout_s``."""
+    out, phase_dir = workdir / "measured.json", workdir / "phases"
+    phase_dir.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(world), "--max-restarts", "0", "-m", "planner.validate.worker",
+           "--plan", str(plan_path), "--steps", str(steps), "--out", str(out), "--phase-dir", str(phase_dir),
+           "--backend", backend, "--timeout-s", str(max(30.0, timeout_s / 2))]
+    if reference:
+        cmd.append("--reference")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = workdir / "torchrun.log"
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return Outcome(False, [f"validate timed out after {timeout_s:.0f} s: {_stalled(_phases(phase_dir, world))} "
+                                   f"(log: {log})"])
+    if code != 0:
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-5:]
+        return Outcome(False, [f"a rank failed (torchrun exit code {code}): {_stalled(_phases(phase_dir, world))}",
+                               *(f"  {ln}" for ln in tail)])
+    return Outcome(True, report=json.loads(out.read_text()))
+
+
+def compare(sc: Scenario, measured: dict) -> dict:
+    """Predicted against measured for each metric, with relative errors."""
+    from planner.cost import estimate_time
+
+    rows = []
+    ranks = measured["ranks"]
+    for r in ranks:
+        pred = predicted_rank_memory(sc, r["pp_rank"])
+        for key, value in pred.items():
+            got = r[key]
+            rows.append({"metric": key, "rank": r["rank"], "stage": r["pp_rank"], "predicted": value, "measured": got,
+                         "rel_error": (got - value) / value if value else 0.0})
+    step_s = max(sum(r["step_s"]) / len(r["step_s"]) for r in ranks if r["step_s"])
+    t = estimate_time(sc.model, sc.hardware, sc.training, sc.plan)
+    losses = next((r["losses"] for r in ranks if r["losses"] and r["dp_rank"] == 0 and r["tp_rank"] == 0), [])
+    bench = {}
+    for r in ranks:
+        for name, val in r["microbenchmarks"].items():
+            bench.setdefault(name, val)
+    out = {
+        "memory": rows,
+        "memory_max_abs_error": max(abs(x["rel_error"]) for x in rows),
+        "step_time": {"predicted_s": t.step_time_s, "measured_s": step_s,
+                      "rel_error": (step_s - t.step_time_s) / t.step_time_s},
+        "losses": losses,
+        "microbenchmarks": bench,
+    }
+    if "reference_loss" in measured and losses:
+        ref = measured["reference_loss"]
+        out["reference"] = {"reference_loss": ref, "first_loss": losses[0], "rel_error": (losses[0] - ref) / ref}
+    peak = estimate_memory(sc.model, sc.hardware, sc.training, sc.plan)
+    out["fits"] = peak.fits
+    return out
+
+
+def validate_local(sc: Scenario, steps: int = 3, scale: float = 1.0, max_ranks: int = 8, backend: str = "gloo",
+                   timeout_s: float = 300.0, hardware: HardwareSpec | None = None, keep: str | None = None,
+                   reference: bool = True) -> tuple[Scenario, Outcome]:
+    mini = miniature(sc, max_ranks, scale, hardware)
+    from planner.render import scenario_json
+
+    workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="plan3d-validate-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_path = workdir / "miniature.plan.json"
+    plan_path.write_text(scenario_json(mini))
+    t0 = time.perf_counter()
+    outcome = run_torchrun(plan_path, mini.plan.world_size, steps, backend, timeout_s, workdir, reference)
+    if outcome.ok:
+        outcome.report = {"miniature": json.loads(plan_path.read_text()), "wall_s": time.perf_counter() - t0,
+                          **compare(mini, outcome.report), "measured": outcome.report}
+    return mini, outcome

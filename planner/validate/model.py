@@ -1,0 +1,199 @@
+"""A GPT/Llama decoder built from a ModelSpec, split into pipeline chunks and tensor-parallelised with DTensor.
+
+Tensor parallelism follows torchtitan's plan for Llama (``parallelize_module`` with
+``ColwiseParallel`` for Q, K, V, gate, up and the output layer; ``RowwiseParallel`` for the
+attention output, down projection and the vocab-parallel embedding; ``SequenceParallel`` for the
+norms and ``PrepareModuleInput`` to gather the sequence once per block when the plan has SP).
+Saved tensors match Megatron's fused kernels through ``planner.validate.kernels``, except that
+DTensor's sequence parallelism keeps the gathered input of the column-parallel linears (the
+``framework="torch"`` case of ``planner.memory.layer_activation_terms``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.specs import ModelSpec
+from planner.validate.kernels import DropoutFn, KeepFn, RMSNormFn, RopeFn, SwiGLUFn, rope_tables
+
+
+class Norm(nn.Module):
+    def __init__(self, model: ModelSpec):
+        super().__init__()
+        h = model.hidden_size
+        self.weight = nn.Parameter(torch.ones(h))
+        self.bias = nn.Parameter(torch.zeros(h)) if model.norm == "layernorm" else None
+
+    def forward(self, x):
+        if self.bias is not None:
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias)
+        return RMSNormFn.apply(x, self.weight, 1e-5)
+
+
+class Attention(nn.Module):
+    def __init__(self, model: ModelSpec):
+        super().__init__()
+        h, d = model.hidden_size, model.kv_channels
+        self.heads, self.kv_heads, self.head_dim = model.num_attention_heads, model.kv_heads, d
+        self.rope = model.position_embedding == "rope"
+        self.wq = nn.Linear(h, self.heads * d, bias=model.has_qkv_bias)
+        self.wk = nn.Linear(h, self.kv_heads * d, bias=model.has_qkv_bias)
+        self.wv = nn.Linear(h, self.kv_heads * d, bias=model.has_qkv_bias)
+        self.wo = nn.Linear(self.heads * d, h, bias=model.linear_bias)
+        self.recompute_core = False
+
+    def core(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+    def forward(self, x):
+        b, s = x.shape[0], x.shape[1]
+        d = self.head_dim
+        q, k, v = (proj(x).view(b, s, -1, d) for proj in (self.wq, self.wk, self.wv))
+        if self.rope:
+            cos, sin = rope_tables(s, d, dtype=q.dtype, device=q.device)
+            q, k = RopeFn.apply(q, cos, sin), RopeFn.apply(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.recompute_core:  # selective recompute: the attention core only
+            q, k, v = KeepFn.apply(q, k, v)
+            o = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            o = self.core(q, k, v)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, model: ModelSpec):
+        super().__init__()
+        h, f = model.hidden_size, model.ffn_size
+        self.swiglu = model.activation == "swiglu"
+        self.w1 = nn.Linear(h, f, bias=model.linear_bias)
+        self.w3 = nn.Linear(h, f, bias=model.linear_bias) if self.swiglu else None
+        self.w2 = nn.Linear(f, h, bias=model.linear_bias)
+
+    def forward(self, x):
+        if self.swiglu:
+            return self.w2(SwiGLUFn.apply(torch.cat([self.w1(x), self.w3(x)], dim=-1)))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer. ``saved_hooks`` (set by the worker) wraps its forward in a
+    ``saved_tensors_hooks`` context that measures what autograd keeps for backward."""
+
+    def __init__(self, model: ModelSpec):
+        super().__init__()
+        self.attention_norm = Norm(model)
+        self.attention = Attention(model)
+        self.ffn_norm = Norm(model)
+        self.feed_forward = MLP(model)
+        self.dropout = model.dropout
+        self.recompute = "none"
+        self.saved_hooks = None
+
+    def _drop(self, x):
+        return DropoutFn.apply(x, 0.1) if self.dropout and self.training else x
+
+    def _layer(self, x):
+        h = x + self._drop(self.attention(self.attention_norm(x)))
+        return h + self._drop(self.feed_forward(self.ffn_norm(h)))
+
+    def forward(self, x):
+        ctx = self.saved_hooks() if self.saved_hooks is not None else contextlib.nullcontext()
+        with ctx:
+            if self.recompute == "full":
+                (x,) = KeepFn.apply(x)
+                return checkpoint(self._layer, x, use_reentrant=False)
+            return self._layer(x)
+
+
+class Chunk(nn.Module):
+    """One pipeline chunk (virtual stage): optional embedding, some layers, optional output layer."""
+
+    def __init__(self, model: ModelSpec, first: bool, last: bool, layers: list[Block]):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(model.vocab_size, model.hidden_size) if first else None
+        self.pos_embeddings = (nn.Embedding(model.max_seq_len, model.hidden_size)
+                               if first and model.position_embedding == "learned" else None)
+        self.layers = nn.ModuleList(layers)
+        self.norm = Norm(model) if last else None
+        self.output = nn.Linear(model.hidden_size, model.vocab_size, bias=False) if last else None
+
+    def forward(self, x):
+        if self.tok_embeddings is not None:
+            tokens = x
+            x = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                x = x + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            x = layer(x)
+        if self.output is not None:
+            x = self.output(self.norm(x))
+        return x
+
+
+def build_chunks(model: ModelSpec, layers_per_chunk: list[int], seed: int = 1234) -> list[Chunk]:
+    """The whole model, cut into chunks, initialised identically on every rank (same seed)."""
+    torch.manual_seed(seed)
+    blocks = [Block(model) for _ in range(model.num_layers)]
+    for blk in blocks:
+        for p in blk.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+    chunks, start = [], 0
+    for i, n in enumerate(layers_per_chunk):
+        chunks.append(Chunk(model, first=i == 0, last=i == len(layers_per_chunk) - 1, layers=blocks[start:start + n]))
+        start += n
+    for c in chunks:
+        for name in ("tok_embeddings", "pos_embeddings", "output"):
+            mod = getattr(c, name)
+            if mod is not None:
+                nn.init.normal_(mod.weight, std=0.02)
+    return chunks
+
+
+def set_recompute(chunk: Chunk, recompute: str) -> None:
+    for blk in chunk.layers:
+        blk.recompute = recompute
+        blk.attention.recompute_core = recompute == "selective"
+
+
+def tensor_parallelize(chunk: Chunk, tp_mesh, sequence_parallel: bool) -> None:
+    """torchtitan's Llama TP plan (torchtitan/models/llama3/infra/parallelize.py), with or without SP."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    if chunk.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if chunk.pos_embeddings is not None and sequence_parallel:
+        raise ValueError("validate: learned position embeddings with sequence parallelism are not modelled; "
+                         "use a RoPE model or drop --sequence-parallel")
+    if chunk.output is not None:
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if plan:
+        parallelize_module(chunk, tp_mesh, plan)
+    for blk in chunk.layers:
+        layer_plan = {
+            "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if blk.feed_forward.w3 is not None:
+            layer_plan["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            layer_plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        parallelize_module(blk, tp_mesh, layer_plan)
+        tp = tp_mesh.size()
+        blk.attention.heads //= tp
+        blk.attention.kv_heads = max(blk.attention.kv_heads // tp, 1)
