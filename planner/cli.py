@@ -416,6 +416,124 @@ def _fits(result) -> bool:
     return estimate_scenario_memory(result.scenario).fits
 
 
+@app.command()
+@handle_errors
+def validate(
+    plan_file: Annotated[str, typer.Argument(metavar="PLAN", help="Plan file written by `plan3d search --out`.")],
+    steps: Annotated[int, typer.Option("--steps", min=1, max=1000, help="Measured steps (after one warm-up step).")] = 3,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="gloo (CPU) or nccl (GPUs); default: nccl when CUDA is there.")] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the JSON report here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+    scale: Annotated[float, typer.Option("--scale", min=0.25, max=8.0, help="Size of the local miniature (head width and sequence, x1 = 16 and 128).")] = 1.0,
+    hardware: Annotated[str, typer.Option("--hardware", "-H", help="Profile of this machine for the miniature's prediction (e.g. from `plan3d calibrate`).")] = "cpu-gloo",
+    max_ranks: Annotated[int, typer.Option("--max-ranks", min=1, max=64, help="Local processes for the miniature.")] = 8,
+    timeout: Annotated[float, typer.Option("--timeout", min=10, help="Wall-clock limit of the whole run, seconds.")] = 300.0,
+    json_out: JsonOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner.")] = False,
+) -> None:
+    """Run the plan with torch.distributed and compare measured memory, time and bandwidth with the prediction.
+
+    Inside torchrun or Slurm (the scripts from `plan3d emit`) it runs the plan at full scale; outside,
+    it starts torchrun itself on this machine with a miniature of the plan.
+    """
+    from planner import presets, render
+    from planner.validate import launch
+
+    sc = presets.load_scenario(plan_file)
+    if backend not in (None, "gloo", "nccl"):
+        raise SpecError(f"--backend: '{backend}' is not one of gloo, nccl")
+    if out and not force:
+        from pathlib import Path
+
+        if Path(out).exists():
+            raise SpecError(f"--out: {out} exists; pass --force to overwrite it")
+    if launch.inside_torchrun():
+        code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout)
+        raise typer.Exit(code)
+    local_hw = presets.load_hardware(hardware)
+    with _spinner(quiet or json_out, f"Validating a miniature of {sc.plan.label()} with torchrun on this machine..."):
+        mini, outcome = launch.validate_local(sc, steps=steps, scale=scale, max_ranks=max_ranks,
+                                              backend=backend or "gloo", timeout_s=timeout, hardware=local_hw)
+    if not outcome.ok:
+        for line in outcome.message:
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(1)
+    report = outcome.report
+    if out:
+        from planner.io import write_atomic
+
+        write_atomic(out, json.dumps(report, indent=2) + "\n", force)
+    if json_out:
+        render.print_json(report)
+    else:
+        render.print_validate(console(), sc, mini, report)
+    raise typer.Exit(0 if report["fits"] else 1)
+
+
+def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, timeout: float) -> int:
+    """Full-scale run: this process is one rank of the job; rank 0 compares and reports."""
+    import os
+    import tempfile
+
+    from planner import render
+    from planner.validate import launch, worker
+
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    tmp = os.path.join(tempfile.gettempdir(), f"plan3d-validate-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}.json")
+    worker.main(["--plan", plan_file, "--steps", str(steps), "--out", tmp, "--backend", backend,
+                 "--timeout-s", str(timeout)])
+    if os.environ.get("RANK") != "0":
+        return 0
+    run = launch.run_scenario(sc)
+    report = launch.compare(run, json.loads(open(tmp).read()))
+    if out:
+        from planner.io import write_atomic
+
+        write_atomic(out, json.dumps(report, indent=2) + "\n", force)
+    render.print_validate(console(), sc, run, report)
+    return 0 if report["fits"] else 1
+
+
+@app.command()
+@handle_errors
+def calibrate(
+    backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPUs).")] = "gloo",
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the hardware profile (YAML) here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
+    base: Annotated[Optional[str], typer.Option("--base", help="Profile to start from (default: cpu-gloo for gloo).")] = None,
+    ranks: Annotated[int, typer.Option("--ranks", min=1, max=64, help="Local processes (one per GPU).")] = 8,
+    name: Annotated[Optional[str], typer.Option("--name", help="Name of the new profile.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner.")] = False,
+) -> None:
+    """Measure matmul FLOP/s and bus bandwidth here and write a hardware profile that search and estimate accept."""
+    from planner import presets
+    from planner.validate import launch
+
+    if backend not in ("gloo", "nccl"):
+        raise SpecError(f"--backend: '{backend}' is not one of gloo, nccl")
+    if backend == "nccl" and base is None:
+        raise SpecError("--base: name the profile of these GPUs (e.g. h100-sxm-80gb) to calibrate with nccl")
+    if out and not force:
+        from pathlib import Path
+
+        if Path(out).exists():
+            raise SpecError(f"--out: {out} exists; pass --force to overwrite it")
+    base_spec = presets.load_hardware(base or "cpu-gloo")
+    with _spinner(quiet, f"Measuring GEMMs and all-reduce with {ranks} {backend} ranks..."):
+        spec, text = launch.calibrate_local(base_spec, backend=backend, ranks=ranks, quick=backend == "gloo",
+                                            name=name)
+    if out:
+        from planner.io import write_atomic
+
+        write_atomic(out, text, force)
+        console().print(f"wrote {out}")
+    else:
+        typer.echo(text, nl=False)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

@@ -241,3 +241,36 @@ def print_github(results) -> None:
         else:
             sys.stdout.write(f"::error file={r.path},line={r.line}::{label}: stage {peak.stage} needs "
                              f"{mem.peak_gib:.2f} GiB of {mem.usable_gib:.2f} GiB usable (short by {short:.2f} GiB)\n")
+
+
+def print_validate(con, sc, run, report: dict) -> None:
+    """Predicted against measured, per metric, for a validate report."""
+    p = run.plan
+    con.print(f"[bold]validate[/bold] {sc.model.name} {sc.plan.label()}: ran {run.model.name} "
+              f"(tp {p.tp}, pp {p.pp}, vpp {p.vpp}, dp {p.dp}, recompute {p.recompute}, "
+              f"SP {'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero_stage}) on {run.training.num_gpus} ranks")
+    t = Table(title="Predicted against measured")
+    for col in ("metric", "stage", "predicted", "measured", "error"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    worst: dict = {}
+    for row in report["memory"]:
+        key = (row["metric"], row["stage"])
+        if key not in worst or abs(row["rel_error"]) > abs(worst[key]["rel_error"]):
+            worst[key] = row
+    for (metric, stage), row in sorted(worst.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        t.add_row(metric.replace("_bytes", " (MiB)"), str(stage), f"{row['predicted'] / 2**20:.3f}",
+                  f"{row['measured'] / 2**20:.3f}", f"{100 * row['rel_error']:+.2f}%")
+    st = report["step_time"]
+    t.add_row("step time (s)", "all", f"{st['predicted_s']:.4f}", f"{st['measured_s']:.4f}", f"{100 * st['rel_error']:+.1f}%")
+    if "reference" in report:
+        ref = report["reference"]
+        t.add_row("first loss vs single process", "-", f"{ref['reference_loss']:.6f}", f"{ref['first_loss']:.6f}",
+                  f"{100 * ref['rel_error']:+.4f}%")
+    con.print(t)
+    if report.get("losses"):
+        con.print("loss per step: " + ", ".join(f"{x:.4f}" for x in report["losses"]))
+    for name, b in report.get("microbenchmarks", {}).items():
+        con.print(f"{name}: {b['bytes'] / 2**20:.2f} MiB over {b['ranks']} ranks in {1e3 * b['seconds']:.2f} ms, "
+                  f"bus bandwidth {b['busbw_gbps']:.3f} GB/s")
+    verdict = "[green]memory fits[/green]" if report["fits"] else "[red]memory does NOT fit[/red]"
+    con.print(f"{verdict}; largest memory error {100 * report['memory_max_abs_error']:.2f}%")

@@ -39,9 +39,9 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
         raise SpecError(f"validate: tp({tp}) * pp({pp}) = {tp * pp} ranks exceed the {max_ranks} local processes; "
                         "run `plan3d validate` inside torchrun or Slurm (`plan3d emit --format slurm`) instead")
     dp = max(1, min(p.dp, max_ranks // (tp * pp)))
-    heads = tp * max(1, -(-4 // tp))
-    ratio = m.num_attention_heads // m.kv_heads
-    kv = heads // ratio if ratio > 1 and heads % ratio == 0 and (heads // ratio) % tp == 0 else heads
+    ratio = min(m.num_attention_heads // m.kv_heads, 4)  # GQA kept (up to 4 query heads per KV head)
+    kv = tp * max(1, -(-4 // (tp * ratio))) if ratio > 1 else tp * max(1, -(-4 // tp))
+    heads = kv * ratio
     head_dim = max(8, _round_to(16 * scale, 8))
     hidden = heads * head_dim
     ffn = _round_to(hidden * m.ffn_size / m.hidden_size, 8 * tp * dp)
@@ -62,20 +62,20 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     return Scenario(model=model, hardware=hardware or load_hardware("cpu-gloo"), training=training, plan=plan)
 
 
-def rank_coordinates(plan: Plan, rank: int) -> tuple[int, int, int]:
-    """(pp, dp, tp) of a rank in the order tp-cp-dp-pp (planner.layout), cp = 1."""
-    tp_i = rank % plan.tp
-    dp_i = (rank // plan.tp) % plan.dp
-    return rank // (plan.tp * plan.dp), dp_i, tp_i
-
-
 def predicted_rank_memory(sc: Scenario, pp_rank: int) -> dict:
     """The components of one rank that the run measures exactly: resident weights, gradients and
-    optimizer states (no transient ZeRO buffers), and activations saved by the layers at peak."""
+    optimizer states (no transient ZeRO buffers), and activations saved by the layers at peak.
+
+    FSDP2 keeps weights sharded at rest for ZeRO-2 as for ZeRO-3 (``reshard_after_forward`` only
+    decides whether they are re-gathered for backward), so the resident weights are 1/dp there.
+    """
     p = sc.resolved_plan()
     layers = sc.stage_layers[pp_rank]
     params = stage_params_per_rank(sc.model, p, pp_rank, layers)
-    w, g, o = state_bytes_per_param(p.zero_stage, p.dp * p.cp, param_bytes(sc.training))
+    per_param = param_bytes(sc.training)
+    w, g, o = state_bytes_per_param(p.zero_stage, p.dp * p.cp, per_param)
+    if sc.training.framework == "torch" and p.zero_stage >= 2:
+        w = per_param[0] / (p.dp * p.cp)
     saved = saved_bytes_per_layer(layer_activation_terms(sc.model, sc.training, p), p.recompute)
     chunks = in_flight_chunks(p, p.num_microbatches, pp_rank)
     return {"weights_bytes": params * w, "grads_bytes": params * g, "optimizer_bytes": params * o,
@@ -110,6 +110,21 @@ def _stalled(phases: dict[int, str]) -> str:
     return f"rank {ranks[0]}" + (f" (and {len(ranks) - 1} more)" if len(ranks) > 1 else "") + f" in phase '{low}'"
 
 
+def _failure(log: Path, code: int, phases: dict[int, str]) -> list[str]:
+    """Which rank died, in which phase, and what it said (from torchrun's failure summary and the log)."""
+    import re
+
+    text = log.read_text(errors="replace")
+    dead = [(int(r), int(c)) for r, c in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text)]
+    if dead:
+        who = "; ".join(f"rank {r} exited with code {c} in phase '{phases.get(r, '?')}'" for r, c in dead[:3])
+    else:
+        who = f"no rank named; {_stalled(phases)}"
+    said = [ln.strip() for ln in text.splitlines()
+            if re.search(r"injected fault|Error:|error:|OutOfMemory", ln) and "elastic" not in ln][-3:]
+    return [f"a rank failed (torchrun exit code {code}): {who} (log: {log})", *(f"  {ln}" for ln in said)]
+
+
 def run_torchrun(plan_path: Path, world: int, steps: int, backend: str, timeout_s: float, workdir: Path,
                  reference: bool) -> Outcome:
     """Start torchrun with the worker on ``world`` local ranks; never wait longer than ``timeout_s``."""
@@ -133,9 +148,7 @@ def run_torchrun(plan_path: Path, world: int, steps: int, backend: str, timeout_
             return Outcome(False, [f"validate timed out after {timeout_s:.0f} s: {_stalled(_phases(phase_dir, world))} "
                                    f"(log: {log})"])
     if code != 0:
-        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-5:]
-        return Outcome(False, [f"a rank failed (torchrun exit code {code}): {_stalled(_phases(phase_dir, world))}",
-                               *(f"  {ln}" for ln in tail)])
+        return Outcome(False, _failure(log, code, _phases(phase_dir, world)))
     return Outcome(True, report=json.loads(out.read_text()))
 
 
@@ -190,3 +203,99 @@ def validate_local(sc: Scenario, steps: int = 3, scale: float = 1.0, max_ranks: 
         outcome.report = {"miniature": json.loads(plan_path.read_text()), "wall_s": time.perf_counter() - t0,
                           **compare(mini, outcome.report), "measured": outcome.report}
     return mini, outcome
+
+
+def _torchrun(module: str, args: list[str], world: int, timeout_s: float, workdir: Path) -> tuple[int | None, Path]:
+    log = workdir / f"{module.rsplit('.', 1)[-1]}.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(world), "--max-restarts", "0", "-m", module, *args]
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        try:
+            return proc.wait(timeout=timeout_s), log
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None, log
+
+
+def calibrate_local(base: HardwareSpec, backend: str = "gloo", ranks: int = 8, timeout_s: float = 300.0,
+                    quick: bool = True, name: str | None = None) -> tuple[HardwareSpec, str]:
+    """Measure this machine with ``ranks`` local processes; return the profile and its annotated YAML."""
+    workdir = Path(tempfile.mkdtemp(prefix="plan3d-calibrate-"))
+    out = workdir / "calibration.json"
+    args = ["--out", str(out), "--backend", backend] + (["--quick"] if quick else [])
+    code, log = _torchrun("planner.validate.calibrate", args, ranks, timeout_s, workdir)
+    if code != 0:
+        raise SpecError(f"calibrate: the measuring run failed (exit {code}); see {log}")
+    return profile_from_measurements(json.loads(out.read_text()), base, name)
+
+
+def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None = None) -> tuple[HardwareSpec, str]:
+    """A hardware profile from `calibrate` measurements, on top of ``base`` for what was not measured."""
+    import datetime
+
+    ranks = data["ranks"]
+    tflops = statistics_median([g["tflops"] for r in ranks for g in r["gemms"]])
+    best = max(g["tflops"] for r in ranks for g in r["gemms"])
+
+    def link(key: str):
+        curves = [r[key] for r in ranks if r[key]]
+        if not curves:
+            return None
+        big = statistics_median([c[-1]["busbw_gbps"] for c in curves])
+        small = statistics_median([c[0]["latency_us"] for c in curves])
+        return big, small
+
+    intra = link("intra")
+    inter = link("inter") or intra
+    fp32 = data["dtype"] == "torch.float32"
+    when = datetime.date.today().isoformat()
+    src = f"measured by plan3d calibrate ({data['world']} ranks, {data['backend']}) on {when}"
+    fields = base.model_dump()
+    fields.update({"name": name or f"{base.name}-calibrated", "gpus_per_node": data["gpus_per_node"],
+                   "gemm_efficiency_max": min(1.0, tflops / best), "sustained_fraction": 1.0})
+    fields["peak_fp32_tflops" if fp32 else "peak_bf16_tflops"] = best
+    if fp32:
+        fields["peak_bf16_tflops"] = best  # the CPU runs its "bf16" plans in fp32 too
+    if intra:
+        fields["intra_node_bandwidth_gbps"], fields["intra_node_latency_us"] = intra
+    if inter:
+        fields["inter_node_bandwidth_gbps"], fields["inter_node_latency_us"] = inter
+    spec = HardwareSpec.model_validate(fields)
+    notes = {"peak_fp32_tflops" if fp32 else "peak_bf16_tflops": f"best GEMM rate, {src}",
+             "gemm_efficiency_max": f"median over the cost model's GEMM shapes / best, {src}",
+             "sustained_fraction": "1.0: the GEMM rates above were measured with all ranks loaded",
+             "intra_node_bandwidth_gbps": f"all-reduce bus bandwidth (nccl-tests factor), {src}",
+             "intra_node_latency_us": f"smallest all-reduce / ring steps, {src}",
+             "inter_node_bandwidth_gbps": f"{'' if data['nodes'] > 1 else 'one node only, same as intra-node; '}{src}",
+             "inter_node_latency_us": f"{'' if data['nodes'] > 1 else 'one node only, same as intra-node; '}{src}",
+             "gpus_per_node": src}
+    if fp32:
+        notes["peak_bf16_tflops"] = "the CPU computes in fp32: same as peak_fp32_tflops"
+    lines = [f"# Hardware profile written by `plan3d calibrate` on {when}, from {base.name}.",
+             "# Measured figures say so; the others are copied from the base profile and keep its sources there."]
+    for key, value in spec.model_dump().items():
+        if value is None:
+            continue
+        text = f"{key}: {json.dumps(value) if isinstance(value, str) else value}"
+        lines.append(f"{text:<40} # {notes.get(key, f'from {base.name}')}")
+    return spec, "\n".join(lines) + "\n"
+
+
+def statistics_median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values)
+
+
+def inside_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def run_scenario(sc: Scenario) -> Scenario:
+    """What the validate run executes for a plan: fp32, torch's DTensor SP, FSDP2 (ZeRO-1 runs as ZeRO-2)."""
+    training = sc.training.model_copy(update={"precision": "fp32", "framework": "torch"})
+    plan = sc.plan.model_copy(update={"zero_stage": 2 if sc.plan.zero_stage == 1 else sc.plan.zero_stage})
+    return sc.model_copy(update={"training": training, "plan": plan})
