@@ -111,17 +111,28 @@ def _stalled(phases: dict[int, str]) -> str:
 
 
 def _failure(log: Path, code: int, phases: dict[int, str]) -> list[str]:
-    """Which rank died, in which phase, and what it said (from torchrun's failure summary and the log)."""
+    """Which rank died, in which phase, and what it said.
+
+    torchrun's failure summary lists every rank it stopped; its "Root Cause" block names the first
+    one that failed. Ranks that torchrun itself terminated (SIGTERM/SIGKILL) come after the others.
+    """
     import re
 
     text = log.read_text(errors="replace")
-    dead = [(int(r), int(c)) for r, c in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text)]
+    pattern = r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)"
+    root = text[text.find("Root Cause"):] if "Root Cause" in text else ""
+    dead = [(int(r), int(c)) for r, c in re.findall(pattern, root)] or \
+        [(int(r), int(c)) for r, c in re.findall(pattern, text)]
+    dead.sort(key=lambda rc: rc[1] in (-15, -9))
     if dead:
-        who = "; ".join(f"rank {r} exited with code {c} in phase '{phases.get(r, '?')}'" for r, c in dead[:3])
+        who = "; ".join(f"rank {r} exited with code {c} in phase '{phases.get(r, '?')}'" for r, c in dead[:2])
     else:
         who = f"no rank named; {_stalled(phases)}"
-    said = [ln.strip() for ln in text.splitlines()
-            if re.search(r"injected fault|Error:|error:|OutOfMemory", ln) and "elastic" not in ln][-3:]
+    lines = [ln.strip() for ln in text.splitlines()
+             if re.search(r"injected fault|Error:|error:|OutOfMemory", ln) and "elastic" not in ln]
+    first = dead[0][0] if dead else None
+    said = [ln for ln in lines if first is not None and re.search(rf"\brank\s*{first}\b|\[rank{first}\]", ln)]
+    said = (said or lines)[-3:]
     return [f"a rank failed (torchrun exit code {code}): {who} (log: {log})", *(f"  {ln}" for ln in said)]
 
 
