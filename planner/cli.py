@@ -255,6 +255,7 @@ def search(
     out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
     emit_formats: Annotated[Optional[str], typer.Option("--emit", help="Also write launch files: megatron,torchrun,slurm,deepspeed,torchtitan.")] = None,
     out_dir: Annotated[str, typer.Option("--out-dir", help="Folder for --emit files.")] = ".",
+    report_dir: Annotated[Optional[str], typer.Option("--report", help="Also draw the report of the best plan (or the sweep) into this folder.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out / --emit files that exist.")] = False,
     json_out: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner.")] = False,
@@ -280,6 +281,9 @@ def search(
             raise SpecError("--out/--emit: give a single --gpus value to write plan or launch files")
         rows = _sweep(spec_model, spec_hw, training, space, counts, quiet)
         render.print_json(render.sweep_dict(rows)) if json_out else render.print_sweep(console(), rows)
+        fitting = [r["estimate"] for r in rows if r["estimate"]]
+        if report_dir and fitting:
+            _report(fitting[-1].scenario, report_dir, gpus, None, quiet)
         if not any(r["estimate"] for r in rows):
             raise typer.Exit(EXIT_INFEASIBLE)
         return
@@ -294,6 +298,8 @@ def search(
         write_atomic(out, render.scenario_json(result["best"].scenario), force)
     if emit_formats:
         _emit(result["best"].scenario, emit_formats, out_dir, force)
+    if report_dir:
+        _report(result["best"].scenario, report_dir, None, None, quiet or json_out)
     if json_out:
         render.print_json(render.search_dict(result))
     else:
@@ -532,6 +538,48 @@ def calibrate(
         console().print(f"wrote {out}")
     else:
         typer.echo(text, nl=False)
+
+
+@app.command()
+@handle_errors
+def report(
+    plan_file: Annotated[str, typer.Argument(metavar="PLAN", help="Plan file written by `plan3d search --out`.")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Folder for the figures (PNG, SVG) and report.html.")] = "report",
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="Also draw a scaling curve over these GPU counts (64..1024 or a list).")] = None,
+    validate_report: Annotated[Optional[str], typer.Option("--validate", help="A `plan3d validate --out` report to draw.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner.")] = False,
+) -> None:
+    """Draw the plan: pipeline timeline, memory per stage, TP x PP map, scaling curve; one self-contained HTML page."""
+    from planner import presets
+
+    sc = presets.load_scenario(plan_file)
+    _report(sc, out, sweep, validate_report, quiet)
+
+
+def _report(sc, out: str, sweep: Optional[str], validate_report: Optional[str], quiet: bool) -> None:
+    from pathlib import Path
+
+    from planner.report import write_report
+    from planner.search import parse_gpu_counts
+
+    counts = None
+    if sweep:
+        try:
+            counts = parse_gpu_counts(sweep)
+        except ValueError as err:
+            raise SpecError(f"--sweep: {err}") from None
+    measured = None
+    if validate_report:
+        path = Path(validate_report)
+        try:
+            measured = json.loads(path.read_text())
+            measured["memory"], measured["step_time"]  # noqa: B018 - the keys a validate report has
+        except (OSError, ValueError, KeyError, TypeError):
+            raise SpecError(f"--validate: {validate_report} is not a `plan3d validate --out` report") from None
+    with _spinner(quiet, f"Drawing the report into {out}..."):
+        figures = write_report(sc, out, counts, measured)
+    if not quiet:
+        console().print(f"wrote {figures['html']} and {len(figures) - 1} figures (PNG and SVG)")
 
 
 def main() -> None:
