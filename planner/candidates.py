@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from itertools import product
 from typing import Iterator
 
 from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec, plan_problems

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.presets import SpecError, build, load_scenario, read_document
-from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec
+from planner.specs import HardwareSpec, ModelSpec, Scenario
 
 # Megatron-LM / torchrun / Slurm flags that take no value (store_true); every other flag takes one.
 SWITCHES = {

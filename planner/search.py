@@ -59,9 +59,6 @@ class Tables:
     usable_kib: int
     build_s: float = 0.0
 
-    def index(self, s: int, u: int, z: int) -> int:
-        return (s * len(self.micros) + u) * len(self.zeros) + z
-
     def unindex(self, k: int) -> tuple[int, int, int]:
         s, rest = divmod(k, len(self.micros) * len(self.zeros))
         u, z = divmod(rest, len(self.zeros))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -248,15 +249,15 @@ def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None =
     import datetime
 
     ranks = data["ranks"]
-    tflops = statistics_median([g["tflops"] for r in ranks for g in r["gemms"]])
+    tflops = statistics.median([g["tflops"] for r in ranks for g in r["gemms"]])
     best = max(g["tflops"] for r in ranks for g in r["gemms"])
 
     def link(key: str):
         curves = [r[key] for r in ranks if r[key]]
         if not curves:
             return None
-        big = statistics_median([c[-1]["busbw_gbps"] for c in curves])
-        small = statistics_median([c[0]["latency_us"] for c in curves])
+        big = statistics.median([c[-1]["busbw_gbps"] for c in curves])
+        small = statistics.median([c[0]["latency_us"] for c in curves])
         return big, small
 
     intra = link("intra")
@@ -293,12 +294,6 @@ def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None =
         text = f"{key}: {json.dumps(value) if isinstance(value, str) else value}"
         lines.append(f"{text:<40} # {notes.get(key, f'from {base.name}')}")
     return spec, "\n".join(lines) + "\n"
-
-
-def statistics_median(values: list[float]) -> float:
-    import statistics
-
-    return statistics.median(values)
 
 
 def inside_torchrun() -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 from planner.presets import load_scenario
 from planner.specs import Scenario
+from planner.validate.calibrate import time_it
 from planner.validate.model import build_chunks, set_recompute, tensor_parallelize
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
@@ -173,16 +173,6 @@ def busbw_gbps(kind: str, size_bytes: float, n: int, seconds: float) -> float:
     return factor * size_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def time_collective(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
     """Achieved bus bandwidth on the plan's own TP, PP and DP groups."""
     p = sc.plan
@@ -191,7 +181,7 @@ def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
     if p.tp > 1:
         buf = torch.ones(b * s * h, device=device)
         group = mesh["tp"].get_group()
-        t = time_collective(lambda: dist.all_reduce(buf, group=group))
+        t = time_it(lambda: dist.all_reduce(buf, group=group), repeats=5)
         out["tp_all_reduce"] = {"bytes": buf.numel() * 4, "ranks": p.tp, "seconds": t,
                                 "busbw_gbps": busbw_gbps("all_reduce", buf.numel() * 4, p.tp, t)}
     if p.pp > 1:
@@ -209,13 +199,13 @@ def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
                 dist.recv(buf, peer)
                 dist.send(buf, peer)
 
-        t = time_collective(exchange) / 2
+        t = time_it(exchange, repeats=5) / 2
         out["pp_send_recv"] = {"bytes": buf.numel() * 4, "ranks": 2, "seconds": t,
                                "busbw_gbps": busbw_gbps("p2p", buf.numel() * 4, 2, t)}
     if p.dp > 1:
         buf = torch.ones(max(grad_bytes // 4, 1), device=device)
         group = _dp_group(mesh, p.zero_stage)
-        t = time_collective(lambda: dist.all_reduce(buf, group=group), repeats=3)
+        t = time_it(lambda: dist.all_reduce(buf, group=group), repeats=3)
         out["dp_all_reduce"] = {"bytes": buf.numel() * 4, "ranks": p.dp, "seconds": t,
                                 "busbw_gbps": busbw_gbps("all_reduce", buf.numel() * 4, p.dp, t)}
     return out
