@@ -6,6 +6,7 @@ checks (one rank's share of a real plan on a GPU) are in test_validate_gpu.py an
 
 import json
 import math
+import re
 
 import pytest
 
@@ -70,6 +71,20 @@ def test_a_killed_rank_fails_cleanly_within_the_timeout(monkeypatch):
     assert not outcome.ok
     text = "\n".join(outcome.message)
     assert "a rank failed" in text and "phase" in text and "injected fault" in text
+
+
+def test_a_stalled_rank_is_named_at_the_wall_clock_limit(monkeypatch):
+    monkeypatch.setenv("PLAN3D_VALIDATE_FAULT", "3:build:hang")
+    import time
+
+    t0 = time.perf_counter()
+    _, outcome = validate_local(_scenario(), steps=3, timeout_s=25)
+    assert time.perf_counter() - t0 < 40  # killed at the limit, not left hanging
+    assert not outcome.ok
+    message = outcome.message[0]
+    assert "timed out after 25 s" in message
+    stalled = re.search(r"ranks? ([\d, ]+) in phase 'build'", message)
+    assert stalled and "3" in stalled.group(1).split(", "), message
 
 
 def test_validate_cli_exit_codes(runner, tmp_path, monkeypatch):

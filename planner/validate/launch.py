@@ -99,16 +99,18 @@ def _phases(folder: Path, world: int) -> dict[int, str]:
 
 
 def _stalled(phases: dict[int, str]) -> str:
-    order = {"not started": -3, "init": -2, "build": -1, "microbenchmarks": 0}
+    """The ranks furthest behind and their phase (a rank that waits on a stalled peer may share it)."""
+    order = {"not started": -4, "init": -3, "build": -2, "microbenchmarks": -1, "report": 1e6, "done": 1e7}
 
-    def rank_of(ph: str) -> float:
-        if ph.startswith("step "):
-            return 1 + int(ph.split()[1])
-        return {"report": 1e6, "done": 1e7}.get(ph, order.get(ph, -4))
+    def progress(ph: str) -> float:
+        return int(ph.split()[1]) if ph.startswith("step ") else order.get(ph, -5)
 
-    low = min(phases.values(), key=rank_of)
+    low = min(phases.values(), key=progress)
     ranks = [r for r, ph in phases.items() if ph == low]
-    return f"rank {ranks[0]}" + (f" (and {len(ranks) - 1} more)" if len(ranks) > 1 else "") + f" in phase '{low}'"
+    others = sorted({ph for ph in phases.values() if ph != low}, key=progress)
+    names = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    rest = f" (the others reached {', '.join(repr(o) for o in others)})" if others else ""
+    return f"{names} in phase '{low}'{rest}"
 
 
 def _failure(log: Path, code: int, phases: dict[int, str]) -> list[str]:

@@ -8,7 +8,7 @@ synthetic batch, and gathers every rank's measurements to rank 0, which writes t
 
 Each rank writes its current phase to ``--phase-dir``/rank<N>, so that the launcher can say which
 rank stalled where. ``PLAN3D_VALIDATE_FAULT=rank:phase`` makes that rank exit in that phase
-(used by the failure test).
+(used by the failure tests); ``rank:phase:hang`` makes it stall there instead.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class Phases:
             sys.stderr.write(f"rank {self.rank}: injected fault in phase '{phase}'\n")
             sys.stderr.flush()
             os._exit(17)
+        if self.fault == f"{self.rank}:{phase}:hang":
+            time.sleep(3600)
 
 
 def _storage_tensor(t):
