@@ -29,10 +29,8 @@ EXIT_BAD_INPUT = 2
 # --- shared options -----------------------------------------------------------------------------
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model preset name, YAML/JSON spec, or Hugging Face config.json.", rich_help_panel="Job")]
 HardwareOpt = Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name or YAML/JSON profile.", rich_help_panel="Job")]
-GpusOpt = Annotated[int, typer.Option("--gpus", min=1, help="Number of GPUs (world size).", rich_help_panel="Job")]
 GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", min=1, help="Global batch size in sequences.", rich_help_panel="Job")]
 SeqLenOpt = Annotated[int, typer.Option("--seq-len", min=1, help="Sequence length in tokens.", rich_help_panel="Job")]
-PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 
 
