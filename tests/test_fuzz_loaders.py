@@ -81,3 +81,31 @@ def test_cli_never_shows_a_traceback(tmp_path, text, runner):
         res = runner.invoke(app, args)
         assert res.exit_code in (0, 2), res.output
         assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+
+
+SCRIPT_SEED = Path("tests/test_emit_check.py").read_text().split('REAL_SCRIPT = r"""')[1].split('"""')[0]
+
+
+@st.composite
+def corrupted_script(draw):
+    text = SCRIPT_SEED
+    for _ in range(draw(st.integers(1, 5))):
+        i = draw(st.integers(0, len(text) - 1))
+        op = draw(st.sampled_from(["delete", "insert", "dup"]))
+        if op == "delete":
+            text = text[:i] + text[i + draw(st.integers(1, 15)):]
+        elif op == "insert":
+            text = text[:i] + draw(st.text(alphabet="\"'$(){}[]#\\\n =-0123456789abcx", max_size=6)) + text[i:]
+        else:
+            text = text[:i] + text[i:i + 40] + text[i:]
+    return text
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=corrupted_script())
+def test_check_never_shows_a_traceback_on_corrupted_launch_scripts(tmp_path, text, runner):
+    path = tmp_path / "train.sh"
+    path.write_text(text)
+    res = runner.invoke(app, ["check", str(path), "--hardware", "h100-sxm-80gb"])
+    assert res.exit_code in (0, 1, 2), res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
