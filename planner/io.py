@@ -9,6 +9,12 @@ from pathlib import Path
 from planner.presets import SpecError
 
 
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
 def write_atomic(path: str | Path, text: str, force: bool = False, option: str = "--out", mode: int | None = None) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename.
 
@@ -23,8 +29,7 @@ def write_atomic(path: str | Path, text: str, force: bool = False, option: str =
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -41,6 +46,6 @@ def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, o
     written = []
     for name, text in files.items():
         write_atomic(folder / name, text, force=True, option=option,
-                     mode=0o755 if name.endswith((".sh", ".slurm")) else None)
+                     mode=0o777 & ~_umask() if name.endswith((".sh", ".slurm")) else None)
         written.append(folder / name)
     return written

@@ -128,3 +128,20 @@ def test_calibrate_writes_a_profile_that_search_and_validate_use(runner, tmp_pat
     data = json.loads(report.read_text())
     assert data["miniature"]["hardware"]["name"] == "cpu-gloo-calibrated"
     assert data["step_time"]["predicted_s"] > 0 and data["step_time"]["measured_s"] > 0
+
+
+def test_inside_torchrun_validate_runs_the_plan_itself(tmp_path):
+    """The path a Slurm job takes: torchrun starts `plan3d validate` on every rank, rank 0 reports."""
+    import subprocess
+    import sys
+
+    plan = tmp_path / "mini.plan.json"
+    plan.write_text(scenario_json(miniature(_scenario(recompute="selective", sequence_parallel=True))))
+    report = tmp_path / "report.json"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                          "-m", "planner.cli", "validate", str(plan), "--backend", "gloo", "--out", str(report)],
+                         capture_output=True, text=True, timeout=RUN_LIMIT_S)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads(report.read_text())
+    assert data["memory_max_abs_error"] <= MEMORY_TOLERANCE and len(data["memory"]) == 32
+    assert "Predicted against measured" in res.stdout

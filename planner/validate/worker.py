@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         if step >= args.warmup:
             step_s.append(elapsed)
         if is_last and losses:
-            losses_per_step.append(float(torch.stack([torch.as_tensor(x).float() for x in losses]).mean()))
+            losses_per_step.append(float(torch.stack([torch.as_tensor(x).detach().float() for x in losses]).mean()))
 
     phase("report")
     result = {
