@@ -258,17 +258,28 @@ class TimeEstimate:
                 "breakdown": dict(self.breakdown)}
 
 
+def p2p_hop_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, crosses_nodes: bool,
+              tp_group) -> float:
+    """One activation (or its gradient) from one stage to the next (Narayanan 2021 section 4.1).
+
+    With SP, or Megatron's scatter/gather optimisation without it, each TP rank sends its 1/t
+    shard; without SP the receiving stage re-assembles it with an all-gather over NVLink.
+    """
+    tokens = plan.micro_batch_size * training.seq_len / plan.cp
+    msg = tokens * model.hidden_size * act_bytes(training) / plan.tp
+    hop = comm.p2p_time_s(msg, crosses_nodes, hw)
+    if not plan.sequence_parallel and plan.tp > 1:
+        hop += comm.collective_time_s("all_gather", msg * plan.tp, tp_group, hw)
+    return hop
+
+
 def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                 order: str = DEFAULT_ORDER) -> tuple[StageTime, ...]:
     """Per-micro-batch time of every stage; uneven stages are costed from their own layer counts."""
     lt = layer_time(model, hw, training, plan, order)
     head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
-    tokens = plan.micro_batch_size * training.seq_len / plan.cp
-    sp_or_scatter = plan.tp  # with SP, or Megatron's scatter/gather optimisation, each TP rank sends 1/t
-    msg = tokens * model.hidden_size * act_bytes(training) / sp_or_scatter
-    hop = comm.p2p_time_s(msg, pp_hop_crosses_nodes(plan, hw.gpus_per_node, order), hw)
-    if not plan.sequence_parallel and plan.tp > 1:  # scatter/gather: re-assemble over NVLink
-        hop += comm.collective_time_s("all_gather", msg * plan.tp, axis_span(plan, "tp", hw.gpus_per_node, order), hw)
+    hop = p2p_hop_s(model, hw, training, plan, pp_hop_crosses_nodes(plan, hw.gpus_per_node, order),
+                    axis_span(plan, "tp", hw.gpus_per_node, order))
     out = []
     for r, n in enumerate(plan.stage_layers(model.num_layers)):
         last = r == plan.pp - 1

@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner import comm
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
                                 valid_micro_batch_sizes)
-from planner.cost import (ADAM_BYTES_PER_PARAM, Rates, _head_time_s, contention, dp_sync_s, layer_time,
+from planner.cost import (ADAM_BYTES_PER_PARAM, Rates, p2p_hop_s, _head_time_s, contention, dp_sync_s, layer_time,
                           zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
-from planner.memory import (act_bytes, in_flight_chunks, input_bytes_per_microbatch, param_bytes,
+from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
                             stage_params_per_rank, state_bytes_per_param, zero_working_set_bytes)
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
@@ -127,8 +126,9 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         crosses = pp_hop_crosses_nodes(base, hw.gpus_per_node, order)
         if (tp, cp, crosses) not in hops:
             tp_group = axis_span(base, "tp", hw.gpus_per_node, order)
-            hops[(tp, cp, crosses)] = np.array([_hop_s(msg, sp, tp, crosses, tp_group, hw)
-                                                for msg, (_, _, sp) in zip(f["msg"], micros)])
+            hops[(tp, cp, crosses)] = np.array([
+                p2p_hop_s(model, hw, training, base.model_copy(update={"micro_batch_size": mbs, "sequence_parallel": sp}),
+                          crosses, tp_group) for mbs, _, sp in micros])
         hop = hops[(tp, cp, crosses)]
         m = B // (mbs_u * dp)
         ok = f["valid"] & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
@@ -168,7 +168,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
     """For one (tp, cp): every per-micro-batch factor of every micro option, as arrays over the options."""
     cols: dict = {k: [] for k in ("fwd", "bwd", "recompute", "tp", "tp_bwd", "cp", "head_compute", "head_tp",
-                                  "saved", "working", "input_bytes", "output_bytes", "msg", "valid")}
+                                  "saved", "working", "input_bytes", "output_bytes", "valid")}
     for mbs, rc, sp in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp})
         valid = not (sp and base.tp == 1)
@@ -180,22 +180,12 @@ def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
                "tp_bwd": lt.tp_bwd if lt else 0.0, "cp": lt.cp if lt else 0.0,
                "head_compute": head[0], "head_tp": head[1], "saved": saved_bytes_per_layer(terms, rc),
                "working": recompute_working_bytes(terms, rc), "input_bytes": input_bytes_per_microbatch(model, training, plan),
-               "output_bytes": output_bytes(model, training, plan),
-               "msg": mbs * training.seq_len / base.cp * model.hidden_size * act_bytes(training) / base.tp,
-               "valid": valid}
+               "output_bytes": output_bytes(model, training, plan), "valid": valid}
         for k, val in row.items():
             cols[k].append(val)
     out = {k: np.array(v) for k, v in cols.items()}
     out["fwd_share"] = out["fwd"] / (out["fwd"] + out["bwd"])
     return out
-
-
-def _hop_s(msg: float, sp: bool, tp: int, crosses: bool, tp_group, hw: HardwareSpec) -> float:
-    """One P2P transfer between stages (cost.stage_times): the 1/t shard, re-gathered over NVLink without SP."""
-    hop = comm.p2p_time_s(msg, crosses, hw)
-    if not sp and tp > 1:
-        hop += comm.collective_time_s("all_gather", msg * tp, tp_group, hw)
-    return hop
 
 
 def _overlapped(comm_s, compute_s, c: float):

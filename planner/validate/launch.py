@@ -139,28 +139,34 @@ def _failure(log: Path, code: int, phases: dict[int, str]) -> list[str]:
     return [f"a rank failed (torchrun exit code {code}): {who} (log: {log})", *(f"  {ln}" for ln in said)]
 
 
+def _torchrun(module: str, args: list[str], world: int, timeout_s: float, workdir: Path) -> tuple[int | None, Path]:
+    """Run ``module`` on ``world`` local ranks under torchrun. Returns its exit code, or None when it ran past
+    ``timeout_s`` and was killed with its whole process group; and the log file."""
+    log = workdir / f"{module.rsplit('.', 1)[-1]}.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(world), "--max-restarts", "0", "-m", module, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            return proc.wait(timeout=timeout_s), log
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None, log
+
+
 def run_torchrun(plan_path: Path, world: int, steps: int, backend: str, timeout_s: float, workdir: Path,
                  reference: bool) -> Outcome:
     """Start torchrun with the worker on ``world`` local ranks; never wait longer than ``timeout_s``."""
     out, phase_dir = workdir / "measured.json", workdir / "phases"
     phase_dir.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", str(world), "--max-restarts", "0", "-m", "planner.validate.worker",
-           "--plan", str(plan_path), "--steps", str(steps), "--out", str(out), "--phase-dir", str(phase_dir),
-           "--backend", backend, "--timeout-s", str(max(30.0, timeout_s / 2))]
-    if reference:
-        cmd.append("--reference")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    log = workdir / "torchrun.log"
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return Outcome(False, [f"validate timed out after {timeout_s:.0f} s: {_stalled(_phases(phase_dir, world))} "
-                                   f"(log: {log})"])
+    args = ["--plan", str(plan_path), "--steps", str(steps), "--out", str(out), "--phase-dir", str(phase_dir),
+            "--backend", backend, "--timeout-s", str(max(30.0, timeout_s / 2))] + (["--reference"] if reference else [])
+    code, log = _torchrun("planner.validate.worker", args, world, timeout_s, workdir)
+    if code is None:
+        return Outcome(False, [f"validate timed out after {timeout_s:.0f} s: {_stalled(_phases(phase_dir, world))} "
+                               f"(log: {log})"])
     if code != 0:
         return Outcome(False, _failure(log, code, _phases(phase_dir, world)))
     return Outcome(True, report=json.loads(out.read_text()))
@@ -217,21 +223,6 @@ def validate_local(sc: Scenario, steps: int = 3, scale: float = 1.0, max_ranks: 
         outcome.report = {"miniature": json.loads(plan_path.read_text()), "wall_s": time.perf_counter() - t0,
                           **compare(mini, outcome.report), "measured": outcome.report}
     return mini, outcome
-
-
-def _torchrun(module: str, args: list[str], world: int, timeout_s: float, workdir: Path) -> tuple[int | None, Path]:
-    log = workdir / f"{module.rsplit('.', 1)[-1]}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-           str(world), "--max-restarts", "0", "-m", module, *args]
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
-        try:
-            return proc.wait(timeout=timeout_s), log
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None, log
 
 
 def calibrate_local(base: HardwareSpec, backend: str = "gloo", ranks: int = 8, timeout_s: float = 300.0,
