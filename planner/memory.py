@@ -288,13 +288,21 @@ def in_flight_chunks(plan: Plan, num_microbatches, stage: int):
     return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
 
 
+def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
+                      stage: int, layers: int) -> float:
+    """What the layers of stage ``stage`` keep for backward at its peak: in-flight chunks x layers per chunk
+    x bytes saved per layer (A3, A4). `plan3d validate` measures exactly this."""
+    terms = layer_activation_terms(model, training, plan)
+    layers_in_flight = in_flight_chunks(plan, num_microbatches, stage) * layers / plan.vpp
+    return float(layers_in_flight * saved_bytes_per_layer(terms, plan.recompute))
+
+
 def stage_activation_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                            stage: int, layers: int) -> float:
     """Saved activations of stage ``stage`` at its peak, plus one layer's recompute working set."""
     terms = layer_activation_terms(model, training, plan)
-    layers_in_flight = in_flight_chunks(plan, num_microbatches, stage) * layers / plan.vpp
-    return float(layers_in_flight * saved_bytes_per_layer(terms, plan.recompute)
-                 + recompute_working_bytes(terms, plan.recompute))
+    return stage_saved_bytes(model, training, plan, num_microbatches, stage, layers) + \
+        recompute_working_bytes(terms, plan.recompute)
 
 
 def input_bytes_per_microbatch(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:

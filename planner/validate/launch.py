@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from planner.memory import (estimate_memory, in_flight_chunks, layer_activation_terms, param_bytes,
-                            saved_bytes_per_layer, stage_params_per_rank, state_bytes_per_param)
+from planner.memory import (estimate_memory, param_bytes, stage_params_per_rank, stage_saved_bytes,
+                            state_bytes_per_param)
 from planner.presets import SpecError, load_hardware
 from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec
 
@@ -77,10 +77,9 @@ def predicted_rank_memory(sc: Scenario, pp_rank: int) -> dict:
     w, g, o = state_bytes_per_param(p.zero_stage, p.dp * p.cp, per_param)
     if sc.training.framework == "torch" and p.zero_stage >= 2:
         w = per_param[0] / (p.dp * p.cp)
-    saved = saved_bytes_per_layer(layer_activation_terms(sc.model, sc.training, p), p.recompute)
-    chunks = in_flight_chunks(p, p.num_microbatches, pp_rank)
     return {"weights_bytes": params * w, "grads_bytes": params * g, "optimizer_bytes": params * o,
-            "saved_activation_peak_bytes": float(chunks * layers / p.vpp * saved)}
+            "saved_activation_peak_bytes": stage_saved_bytes(sc.model, sc.training, p, p.num_microbatches,
+                                                             pp_rank, layers)}
 
 
 @dataclass
