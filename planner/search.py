@@ -252,8 +252,8 @@ def pareto_candidates(tables: Tables) -> np.ndarray:
     """Flat indices of the legal combinations not dominated within their shape.
 
     A combination is dropped when another with the same (tp, cp, dp, pp, vpp, layers) is no
-    slower and needs no more memory on any stage kind. So the optimum, and the best plan of every
-    shape, survive. This is CP-SAT presolve done once with numpy.
+    slower, needs no more memory on any stage kind and shards no more (lower ZeRO stage). So the
+    optimum, and the best plan of every shape, survive. This is CP-SAT presolve done once with numpy.
     """
     S, U, Z = tables.legal.shape
     keep = []
@@ -261,7 +261,8 @@ def pareto_candidates(tables: Tables) -> np.ndarray:
         idx = np.flatnonzero(tables.legal[s].ravel())
         if idx.size == 0:
             continue
-        pts = np.concatenate([tables.time_ns[s].reshape(-1, 1), tables.mem_kib[s].reshape(-1, 3)], axis=1)[idx]
+        zero = np.broadcast_to(np.array(tables.zeros)[None, :], (U, Z)).reshape(-1, 1)
+        pts = np.concatenate([tables.time_ns[s].reshape(-1, 1), tables.mem_kib[s].reshape(-1, 3), zero], axis=1)[idx]
         le = (pts[:, None, :] <= pts[None, :, :]).all(axis=2)  # le[i, j]: i no worse than j everywhere
         lt = (pts[:, None, :] < pts[None, :, :]).any(axis=2)
         dominated = (le & lt).any(axis=0)
@@ -314,7 +315,10 @@ def solve(tables: Tables, pins: Pins, candidates: np.ndarray, forbid_shapes: lis
         model.Add(knob["recompute"] == RECOMPUTE.index(pins.recompute))
     if pins.sequence_parallel is not None:
         model.Add(knob["sequence_parallel"] == int(pins.sequence_parallel))
-    model.Minimize(table_var("step_time_ns", tables.time_ns[s_idx, u_idx, z_idx]))
+    # the step time first; among equally fast plans the lower ZeRO stage (less machinery, same result).
+    # One precomputed table keeps the element bound tight, so CP-SAT proves the optimum at once.
+    zero = np.array(tables.zeros, dtype=np.int64)[z_idx]
+    model.Minimize(table_var("objective", 4 * tables.time_ns[s_idx, u_idx, z_idx] + zero))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
