@@ -202,3 +202,43 @@ def test_stage_total_is_sum_of_parts(setup):
         d = s.as_gib()
         assert d["total_gib"] == pytest.approx(sum(d[k] for k in ("weights_gib", "grads_gib", "optimizer_gib",
                                                                    "activations_gib", "other_gib")), rel=1e-12)
+
+
+# Korthikanti et al. 2022 Figure 1, all four models in both modes (tests/data/korthikanti_fig1.json).
+FIG1 = json.loads(Path("tests/data/korthikanti_fig1.json").read_text())["models"]
+SAVED_TOLERANCE = 0.005  # the saved activations follow the paper's own accounting term by term
+
+
+def _fig1(name, mode):
+    cfg = FIG1[name]
+    model = ModelSpec(name=name, num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"],
+                      num_attention_heads=cfg["num_attention_heads"], vocab_size=51200, max_seq_len=2048,
+                      position_embedding="learned", linear_bias=True, dropout=True, tied_embeddings=True)
+    tr = TrainingSpec(num_gpus=cfg["tp"] * cfg["pp"], global_batch_size=cfg["global_batch_size"], seq_len=2048,
+                      attention="materialized")
+    plan = Plan(tp=cfg["tp"], pp=cfg["pp"], dp=1, vpp=cfg["vpp"], micro_batch_size=cfg["micro_batch_size"],
+                recompute="selective" if mode == "seqsel" else "none", sequence_parallel=mode == "seqsel")
+    return cfg, model, tr, plan
+
+
+@pytest.mark.parametrize("mode", ["none", "seqsel"])
+@pytest.mark.parametrize("name", list(FIG1))
+def test_golden_korthikanti_figure1_saved_activations(name, mode):
+    from planner.memory import stage_saved_bytes
+
+    cfg, model, tr, plan = _fig1(name, mode)
+    m = tr.global_batch_size // plan.micro_batch_size
+    saved = stage_saved_bytes(model, tr, plan, m, 0, plan.stage_layers(model.num_layers)[0]) / GIB
+    assert abs(saved / cfg["act_gib"][mode] - 1) <= SAVED_TOLERANCE
+    # the whole activation estimate adds one layer's recompute working set on top
+    est = estimate_memory(model, load_hardware("a100-80gb"), tr, plan).stages[0].activations_bytes / GIB
+    assert est >= saved
+
+
+@pytest.mark.parametrize("name", list(FIG1))
+def test_golden_korthikanti_figure1_is_the_transformer_blocks(name):
+    """Figure 1's parameters + optimizer are 18 B x 12 L h^2 / (t p) for every model: the blocks only."""
+    cfg, model, tr, plan = _fig1(name, "seqsel")
+    est = estimate_memory(model, load_hardware("a100-80gb"), tr, plan)
+    stage = est.stages[1] if plan.pp > 2 else est.stages[0]
+    assert abs(_static_gib(stage) / cfg["par_opt_gib"] - 1) <= GOLDEN_TOLERANCE
