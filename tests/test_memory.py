@@ -242,3 +242,25 @@ def test_golden_korthikanti_figure1_is_the_transformer_blocks(name):
     est = estimate_memory(model, load_hardware("a100-80gb"), tr, plan)
     stage = est.stages[1] if plan.pp > 2 else est.stages[0]
     assert abs(_static_gib(stage) / cfg["par_opt_gib"] - 1) <= GOLDEN_TOLERANCE
+
+
+FIG7 = json.loads(Path("tests/data/korthikanti_fig1.json").read_text())["figure7"]
+FIG7_TOLERANCE = 0.02  # relative, on percentages read off a figure
+
+
+@pytest.mark.parametrize("name", list(FIG7["percent"]))
+def test_golden_korthikanti_figure7_relative_activations(name):
+    """Figure 7: SP, selective, SP + selective and full recompute as % of plain TP + PP activations."""
+    from planner.memory import stage_saved_bytes
+
+    cfg, model, tr, base = _fig1(name, "none")
+    m = tr.global_batch_size // base.micro_batch_size
+
+    def saved(recompute, sp):
+        plan = base.model_copy(update={"recompute": recompute, "sequence_parallel": sp})
+        return stage_saved_bytes(model, tr, plan, m, 0, plan.stage_layers(model.num_layers)[0])
+
+    reference = saved("none", False)
+    for mode, (recompute, sp) in FIG7["modes"].items():
+        percent = 100 * saved(recompute, sp) / reference
+        assert abs(percent / FIG7["percent"][name][mode] - 1) <= FIG7_TOLERANCE, (mode, percent)
