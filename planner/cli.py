@@ -110,6 +110,8 @@ RecomputeOpt = Annotated[Optional[str], typer.Option("--recompute", help="none, 
 SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel="Plan")]
 ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", min=0, max=3, help="0-3; 1 = distributed optimizer.", rich_help_panel="Plan")]
 AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (default) or materialized attention scores.", rich_help_panel="Job")]
+OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="DP gradient reduction overlapped with backward (Megatron --overlap-grad-reduce; default on).", rich_help_panel="Job")]
+FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default) or torch: how sequence parallelism keeps activations (torchtitan = torch).", rich_help_panel="Job")]
 
 
 def _required(value, option: str):
@@ -120,7 +122,8 @@ def _required(value, option: str):
 
 def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], hardware: Optional[str],
                           gpus: Optional[int], global_batch: Optional[int], seq_len: Optional[int],
-                          precision: Optional[str], attention: Optional[str] = None, **plan_opts):
+                          precision: Optional[str], attention: Optional[str] = None,
+                          overlap_grad_reduce: Optional[bool] = None, framework: Optional[str] = None, **plan_opts):
     """Build a Scenario from a plan file and/or flags; flags win over the file."""
     from planner import presets
     from planner.specs import Scenario
@@ -139,7 +142,8 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
         data["hardware"] = presets.load_hardware(_required(hardware, "--hardware")).model_dump()
     training = dict(data.get("training") or {})
     for key, value in (("num_gpus", gpus), ("global_batch_size", global_batch), ("seq_len", seq_len),
-                       ("precision", precision), ("attention", attention)):
+                       ("precision", precision), ("attention", attention),
+                       ("overlap_grad_reduce", overlap_grad_reduce), ("framework", framework)):
         if value is not None:
             training[key] = value
     if not plan_file:
@@ -186,7 +190,7 @@ def estimate(
     global_batch: Annotated[Optional[int], typer.Option("--global-batch", min=1, help="Global batch in sequences.", rich_help_panel="Job")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=1, help="Sequence length.", rich_help_panel="Job")] = None,
     precision: Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")] = None,
-    attention: AttentionOpt = None,
+    attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None,
@@ -197,7 +201,8 @@ def estimate(
     from planner.estimate import estimate as run_estimate
 
     sc = scenario_from_options(plan_file, model=model, hardware=hardware, gpus=gpus, global_batch=global_batch,
-                               seq_len=seq_len, precision=precision, attention=attention, tp=tp, pp=pp, vpp=vpp,
+                               seq_len=seq_len, precision=precision, attention=attention,
+                               overlap_grad_reduce=overlap_grad_reduce, framework=framework, tp=tp, pp=pp, vpp=vpp,
                                cp=cp, micro_batch_size=micro_batch_size, recompute=recompute,
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage)
     est = run_estimate(sc)
@@ -211,13 +216,16 @@ EXIT_INFEASIBLE = 3
 
 
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],
-                     attention: Optional[str]):
+                     attention: Optional[str], overlap_grad_reduce: Optional[bool] = None,
+                     framework: Optional[str] = None):
     """(ModelSpec, HardwareSpec, TrainingSpec) from the shared job options."""
     from planner import presets
     from planner.specs import TrainingSpec
 
     training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
-    training |= {k: v for k, v in (("precision", precision), ("attention", attention)) if v is not None}
+    training |= {k: v for k, v in (("precision", precision), ("attention", attention),
+                                   ("overlap_grad_reduce", overlap_grad_reduce), ("framework", framework))
+                 if v is not None}
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
     from planner.specs import job_problems
 
@@ -243,7 +251,7 @@ def search(
     gpus: Annotated[str, typer.Option("--gpus", help="GPU count, a list (64,128,256) or a doubling range (64..4096).", rich_help_panel="Job")],
     global_batch: GlobalBatchOpt, seq_len: SeqLenOpt,
     precision: Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")] = None,
-    attention: AttentionOpt = None,
+    attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None,
@@ -271,7 +279,8 @@ def search(
     pins = Pins(tp=tp, pp=pp, cp=cp, vpp=vpp, micro_batch_size=micro_batch_size, recompute=recompute,
                 sequence_parallel=sequence_parallel, zero_stage=zero_stage)
     space = SearchSpace(pins=pins)
-    spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision, attention)
+    spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision,
+                                                     attention, overlap_grad_reduce, framework)
     quiet = quiet or json_out
     if len(counts) > 1:
         if out or emit_formats:

@@ -187,3 +187,18 @@ def test_bad_plan_file_names_file_and_field(runner, tmp_path):
     plan_file = tmp_path / "plan.json"
     plan_file.write_text('{"model": "x", "hardware": {}, "training": {}, "plan": {"tp": 0}}')
     _bad(runner, ["estimate", str(plan_file)], str(plan_file), "plan.tp")
+
+
+def test_estimate_job_options_overlap_and_framework(runner):
+    job = ["estimate", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "64", "--global-batch", "128",
+           "--seq-len", "4096", "--tp", "2", "--pp", "1", "--sequence-parallel", "--json"]
+    base = json.loads(runner.invoke(app, job).stdout)
+    exposed = json.loads(runner.invoke(app, [*job, "--no-overlap-grad-reduce"]).stdout)
+    assert exposed["time"]["breakdown"]["dp_comm_exposed"] > base["time"]["breakdown"]["dp_comm_exposed"]
+    torch_sp = json.loads(runner.invoke(app, [*job, "--framework", "torch"]).stdout)
+    # DTensor SP keeps the gathered inputs of the column-parallel linears: more activation memory
+    assert torch_sp["memory"]["stages"][0]["activations_gib"] > base["memory"]["stages"][0]["activations_gib"]
+    _bad(runner, [*job, "--framework", "jax"], "training.framework")
+    res = runner.invoke(app, ["search", *job[1:11], "--framework", "torch", "--no-overlap-grad-reduce", "--top", "0",
+                              "--json"])
+    assert res.exit_code == 0, res.output
