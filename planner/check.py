@@ -111,7 +111,7 @@ def read_flags(path: Path) -> Flags:
             continue
         if stripped.startswith("#SBATCH"):
             words = stripped[len("#SBATCH"):].split()
-            _collect(words, lineno, out.sbatch, {}, path)
+            _collect(words, lineno, out.sbatch, {})
             continue
         line = _substitute(line, env)
         try:
@@ -122,8 +122,8 @@ def read_flags(path: Path) -> Flags:
             m = _ASSIGN.match(word)
             if m and not word.split("=", 1)[1].startswith("("):
                 env[m.group(1)] = word.split("=", 1)[1]
-                _collect(_split_quiet(env[m.group(1)]), lineno, out.values, out.lines, path)
-        _collect(words, lineno, out.values, out.lines, path)
+                _collect(_split_quiet(env[m.group(1)]), lineno, out.values, out.lines)
+        _collect(words, lineno, out.values, out.lines)
     return out
 
 
@@ -134,7 +134,7 @@ def _split_quiet(text: str) -> list[str]:
         return text.split()
 
 
-def _collect(words: list[str], lineno: int, values: dict, lines: dict, path: Path) -> None:
+def _collect(words: list[str], lineno: int, values: dict, lines: dict) -> None:
     i = 0
     while i < len(words):
         w = words[i].strip("()")
