@@ -149,16 +149,21 @@ def _est(model, training, plan):
     return estimate_memory(model, HW, training, plan)
 
 
+def _assert_doubling_never_raises_weight_bytes(model, training, plan, axis):
+    """Doubling `axis` (tp or pp) on twice the GPUs never raises the largest stage's weight bytes."""
+    bigger = plan.model_copy(update={axis: getattr(plan, axis) * 2})
+    tr = training.model_copy(update={"num_gpus": training.num_gpus * 2})
+    assert max(s.weights_bytes for s in _est(model, tr, bigger).stages) <= \
+        max(s.weights_bytes for s in _est(model, training, plan).stages)
+
+
 @PROPS
 @given(setups())
 def test_more_tp_never_raises_weight_bytes(setup):
     model, training, plan = setup
     if plan.tp * 2 > 8 or model.num_attention_heads % (plan.tp * 2) or model.ffn_size % (plan.tp * 2):
         return
-    wider = plan.model_copy(update={"tp": plan.tp * 2})
-    tr = training.model_copy(update={"num_gpus": training.num_gpus * 2})
-    assert max(s.weights_bytes for s in _est(model, tr, wider).stages) <= \
-        max(s.weights_bytes for s in _est(model, training, plan).stages)
+    _assert_doubling_never_raises_weight_bytes(model, training, plan, "tp")
 
 
 @PROPS
@@ -167,10 +172,7 @@ def test_more_pp_never_raises_weight_bytes(setup):
     model, training, plan = setup
     if model.num_layers % (plan.pp * 2):
         return
-    deeper = plan.model_copy(update={"pp": plan.pp * 2})
-    tr = training.model_copy(update={"num_gpus": training.num_gpus * 2})
-    assert max(s.weights_bytes for s in _est(model, tr, deeper).stages) <= \
-        max(s.weights_bytes for s in _est(model, training, plan).stages)
+    _assert_doubling_never_raises_weight_bytes(model, training, plan, "pp")
 
 
 @PROPS
