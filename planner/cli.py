@@ -109,6 +109,7 @@ MbsOpt = Annotated[Optional[int], typer.Option("--micro-batch-size", min=1, help
 RecomputeOpt = Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.", rich_help_panel="Plan")]
 SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel="Plan")]
 ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", min=0, max=3, help="0-3; 1 = distributed optimizer.", rich_help_panel="Plan")]
+PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")]
 AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (default) or materialized attention scores.", rich_help_panel="Job")]
 OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="DP gradient reduction overlapped with backward (Megatron --overlap-grad-reduce; default on).", rich_help_panel="Job")]
 FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default) or torch: how sequence parallelism keeps activations (torchtitan = torch).", rich_help_panel="Job")]
@@ -118,6 +119,11 @@ def _required(value, option: str):
     if value is None:
         raise SpecError(f"{option}: required (or give a PLAN file)")
     return value
+
+
+def _given(**options) -> dict:
+    """The options the user set (typer passes None for the others)."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], hardware: Optional[str],
@@ -141,15 +147,12 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     if hardware is not None or not plan_file:
         data["hardware"] = presets.load_hardware(_required(hardware, "--hardware")).model_dump()
     training = dict(data.get("training") or {})
-    for key, value in (("num_gpus", gpus), ("global_batch_size", global_batch), ("seq_len", seq_len),
-                       ("precision", precision), ("attention", attention),
-                       ("overlap_grad_reduce", overlap_grad_reduce), ("framework", framework)):
-        if value is not None:
-            training[key] = value
+    training |= _given(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len, precision=precision,
+                       attention=attention, overlap_grad_reduce=overlap_grad_reduce, framework=framework)
     if not plan_file:
         _required(gpus, "--gpus"), _required(global_batch, "--global-batch"), _required(seq_len, "--seq-len")
     plan = dict(data.get("plan") or {})
-    given = {k: v for k, v in plan_opts.items() if v is not None}
+    given = _given(**plan_opts)
     if given and plan_file:
         plan.pop("num_microbatches", None)  # re-derived after an override
     plan.update(given)
@@ -189,7 +192,7 @@ def estimate(
     gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, help="Number of GPUs.", rich_help_panel="Job")] = None,
     global_batch: Annotated[Optional[int], typer.Option("--global-batch", min=1, help="Global batch in sequences.", rich_help_panel="Job")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=1, help="Sequence length.", rich_help_panel="Job")] = None,
-    precision: Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")] = None,
+    precision: PrecisionOpt = None,
     attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
@@ -223,9 +226,8 @@ def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, se
     from planner.specs import TrainingSpec
 
     training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
-    training |= {k: v for k, v in (("precision", precision), ("attention", attention),
-                                   ("overlap_grad_reduce", overlap_grad_reduce), ("framework", framework))
-                 if v is not None}
+    training |= _given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
+                       framework=framework)
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
     from planner.specs import job_problems
 
@@ -250,7 +252,7 @@ def search(
     model: ModelOpt, hardware: HardwareOpt,
     gpus: Annotated[str, typer.Option("--gpus", help="GPU count, a list (64,128,256) or a doubling range (64..4096).", rich_help_panel="Job")],
     global_batch: GlobalBatchOpt, seq_len: SeqLenOpt,
-    precision: Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")] = None,
+    precision: PrecisionOpt = None,
     attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
