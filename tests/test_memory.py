@@ -60,6 +60,26 @@ def test_golden_korthikanti_weights_grads_optimizer():
     assert abs(_static_gib(est.stages[0]) / (expected + embedding_gib) - 1) <= GOLDEN_TOLERANCE
 
 
+def test_first_stage_against_megatron_theoretical_memory_formula():
+    """Second source for the most loaded stage: Megatron-LM ``compute_weight_and_optimizer_memory``.
+
+    Megatron-LM ``megatron/training/theoretical_memory_usage.py`` (NVIDIA/Megatron-LM, 2024-25):
+    most loaded shard = (transformer block params / pp + vocab x h) / tp, times 18 B, with the
+    block = L (12 h^2 + 13 h) + 2 h (final LayerNorm). It leaves out the learned position
+    embedding, which Megatron's ``LanguageModelEmbedding`` keeps as a plain ``nn.Embedding``
+    replicated on every TP rank of the first stage: 2048 x 12288 more parameters. Written out here
+    from that file, not from planner code.
+    """
+    _, est = _korthikanti_175b()
+    h, layers, vocab, seq, tp, pp = 12288, 96, 51200, 2048, 8, 8
+    block = layers * (12 * h * h + 13 * h) + 2 * h
+    megatron_bytes = 18 * (block / pp + vocab * h) / tp  # 46.88 GiB, +2.9 % over Figure 1's 45.56
+    position_embedding_bytes = 18 * seq * h
+    ours = est.stages[0]
+    ours_bytes = ours.weights_bytes + ours.grads_bytes + ours.optimizer_bytes
+    assert ours_bytes == pytest.approx(megatron_bytes + position_embedding_bytes, rel=1e-3)
+
+
 def test_interleaved_in_flight_matches_megatron_warmup():
     plan = Plan(tp=8, pp=8, dp=1, vpp=3, micro_batch_size=1)
     # Megatron schedules.py: rank 0 warm-up = 2 (p - 1) + (v - 1) p = 30 chunk forwards, + 1 in flight.
