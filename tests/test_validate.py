@@ -33,6 +33,7 @@ VARIANTS = {
     "sequence-parallel": {"sequence_parallel": True, "zero_stage": 1},
     "selective-recompute": {"recompute": "selective", "sequence_parallel": True},
     "gpt-full-recompute-zero3": {"model": "megatron-gpt-1.7b", "recompute": "full", "zero_stage": 3},
+    "uneven-stages": {"layers_per_stage": (15, 17), "recompute": "selective"},
 }
 
 
@@ -47,6 +48,8 @@ def test_validate_miniature(name):
     p = mini.plan
     assert (p.tp, p.pp, p.dp, p.vpp) == (2, 2, 2, sc.plan.vpp) and p.recompute == sc.plan.recompute
     assert p.sequence_parallel == sc.plan.sequence_parallel
+    if sc.plan.layers_per_stage:  # the lighter first stage stays lighter in the miniature
+        assert p.layers_per_stage == (1, 3)
     # memory: weights, gradients, optimizer states and saved activations, every rank
     assert len(report["memory"]) == 8 * 4
     for row in report["memory"]:

@@ -1,7 +1,8 @@
 """Start the validate run, watch it, and compare what it measured with the prediction (no torch here).
 
 Outside a torchrun job, `plan3d validate` runs a *miniature* of the plan on this machine: the same
-tp, pp, vpp, schedule, recompute and sequence parallelism, data parallelism capped so that all
+tp, pp, vpp, schedule, recompute and sequence parallelism, the same heavier and lighter stages of
+an uneven pipeline, data parallelism capped so that all
 ranks fit ``max_ranks`` local processes, and model, batch and sequence sizes scaled down. The
 prediction is recomputed for that miniature on the local hardware profile (``cpu-gloo`` by default),
 in fp32 and with torch's DTensor sequence parallelism, which is what the run does.
@@ -32,6 +33,22 @@ def _round_to(x: float, step: int) -> int:
     return max(step, int(round(x / step)) * step)
 
 
+def miniature_stage_layers(plan: Plan, num_layers: int, per_chunk: int) -> tuple[int, ...] | None:
+    """Layers per stage of the miniature: ``per_chunk`` per virtual stage, and for an uneven plan
+    one chunk-layer more (or fewer) on each stage that holds more (or fewer) than the even split.
+
+    The miniature keeps which stages are heavier or lighter, not the exact ratio; the memory check
+    is exact per rank, so one layer of difference is enough to tell whether the estimator follows
+    each stage's own layer count. ``None`` for an even plan.
+    """
+    counts = plan.layers_per_stage
+    if counts is None or len(set(counts)) == 1:
+        return None
+    v, even = plan.vpp, num_layers / plan.pp
+    base = per_chunk * v + (v if per_chunk == 1 and min(counts) < even else 0)
+    return tuple(base + v * ((n > even) - (n < even)) for n in counts)
+
+
 def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: HardwareSpec | None = None) -> Scenario:
     """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring)."""
     p, m = sc.plan, sc.model
@@ -48,8 +65,10 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     ffn = _round_to(hidden * m.ffn_size / m.hidden_size, 8 * tp * dp)
     seq = _round_to(128 * scale, 8 * tp)
     per_chunk = 2 if pp * vpp <= 4 else 1
+    stage_layers = miniature_stage_layers(p, m.num_layers, per_chunk)
     model = ModelSpec(
-        name=f"{m.name}-miniature", num_layers=pp * vpp * per_chunk, hidden_size=hidden, num_attention_heads=heads,
+        name=f"{m.name}-miniature", num_layers=sum(stage_layers) if stage_layers else pp * vpp * per_chunk,
+        hidden_size=hidden, num_attention_heads=heads,
         num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=_round_to(512, 128 * tp * dp), max_seq_len=seq,
         activation=m.activation, norm=m.norm, tied_embeddings=False,
         position_embedding="rope" if p.sequence_parallel or m.position_embedding != "learned" else "learned",
@@ -59,7 +78,8 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     training = TrainingSpec(num_gpus=tp * pp * dp, global_batch_size=mbs * micro * dp, seq_len=seq,
                             precision="fp32", attention="flash", framework="torch", overlap_grad_reduce=True)
     plan = Plan(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
-                sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage)
+                sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage,
+                layers_per_stage=stage_layers)
     return Scenario(model=model, hardware=hardware or load_hardware("cpu-gloo"), training=training, plan=plan)
 
 
