@@ -1,0 +1,51 @@
+"""Held-out check: predicted against published step time of NeMo FP8 pre-training runs on DGX-H100.
+
+Run: python benchmarks/h100_held_out.py
+
+Data and sources: benchmarks/data/nemo_h100_fp8.json (NeMo 24.12 and 25.02 performance
+summaries). The published figure is tokens per second per GPU; the step time is rebuilt as
+GBS x seq / (tokens/s/GPU x GPUs). Nothing in planner/ or hardware_profiles/ was fitted to these
+runs: the H100 profile keeps the A100 ``sustained_fraction``. The file's ``assumed`` field lists
+what the pages leave out (ZeRO-1, SP with TP > 1, no recompute). Prints each run's error and the
+mean and worst absolute error; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from planner.cost import estimate_time  # noqa: E402
+from planner.memory import estimate_memory  # noqa: E402
+from planner.presets import load_hardware, load_model  # noqa: E402
+from planner.specs import Plan, TrainingSpec  # noqa: E402
+
+
+def main() -> None:
+    data = json.loads((ROOT / "benchmarks/data/nemo_h100_fp8.json").read_text())
+    hw = load_hardware("h100-sxm-80gb")
+    errors = []
+    for r in data["runs"]:
+        model = load_model(r["model"])
+        dp = r["gpus"] // (r["tp"] * r["pp"] * r["cp"])
+        training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision="fp8")
+        plan = Plan(tp=r["tp"], pp=r["pp"], dp=dp, cp=r["cp"], vpp=r["vp"], micro_batch_size=r["mbs"],
+                    recompute="none", sequence_parallel=r["tp"] > 1, zero_stage=1)
+        predicted_s = estimate_time(model, hw, training, plan).step_time_s
+        published_s = r["gbs"] * r["seq"] / (r["tokens_per_s_per_gpu"] * r["gpus"])
+        peak_gib = estimate_memory(model, hw, training, plan).peak_gib
+        err = predicted_s / published_s - 1
+        errors.append(err)
+        shape = f"TP{r['tp']} PP{r['pp']} CP{r['cp']} DP{dp} v{r['vp']} mbs{r['mbs']}"
+        print(f"NeMo {r['release']} {r['model']:11s} {r['gpus']:4d} GPUs {shape:28s} published {published_s:6.2f} s  "
+              f"predicted {predicted_s:6.2f} s  error {100 * err:+6.1f}%  predicted peak {peak_gib:5.1f} GiB")
+    mean = sum(abs(e) for e in errors) / len(errors)
+    print(f"mean |error| {100 * mean:.1f}%, worst {100 * max(errors, key=abs):+.1f}% over {len(errors)} held-out runs")
+
+
+if __name__ == "__main__":
+    main()
