@@ -109,6 +109,7 @@ MbsOpt = Annotated[Optional[int], typer.Option("--micro-batch-size", min=1, help
 RecomputeOpt = Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.", rich_help_panel="Plan")]
 SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel="Plan")]
 ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", min=0, max=3, help="0-3; 1 = distributed optimizer.", rich_help_panel="Plan")]
+LayersOpt = Annotated[Optional[str], typer.Option("--layers-per-stage", help="Uneven pipeline: layers of each stage, comma-separated (18,22,22,18); default even split.", rich_help_panel="Plan")]
 PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")]
 AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (default) or materialized attention scores.", rich_help_panel="Job")]
 OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="DP gradient reduction overlapped with backward (Megatron --overlap-grad-reduce; default on).", rich_help_panel="Job")]
@@ -119,6 +120,18 @@ def _required(value, option: str):
     if value is None:
         raise SpecError(f"{option}: required (or give a PLAN file)")
     return value
+
+
+def parse_layers_per_stage(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    """``"18,22,22,18"`` -> ``(18, 22, 22, 18)``; a one-line error naming the option otherwise."""
+    if text is None:
+        return None
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise SpecError(f"--layers-per-stage: expected layer counts separated by commas, such as 18,22,22,18; "
+                        f"got {text!r}") from None
+    return counts
 
 
 def _given(**options) -> dict:
@@ -196,7 +209,7 @@ def estimate(
     attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
-    zero_stage: ZeroOpt = None,
+    zero_stage: ZeroOpt = None, layers_per_stage: LayersOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Memory per pipeline stage, FLOPs and step time of one plan."""
@@ -207,7 +220,8 @@ def estimate(
                                seq_len=seq_len, precision=precision, attention=attention,
                                overlap_grad_reduce=overlap_grad_reduce, framework=framework, tp=tp, pp=pp, vpp=vpp,
                                cp=cp, micro_batch_size=micro_batch_size, recompute=recompute,
-                               sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+                               sequence_parallel=sequence_parallel, zero_stage=zero_stage,
+                               layers_per_stage=parse_layers_per_stage(layers_per_stage))
     est = run_estimate(sc)
     if json_out:
         render.print_json(est.to_dict())

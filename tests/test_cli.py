@@ -202,3 +202,21 @@ def test_estimate_job_options_overlap_and_framework(runner):
     res = runner.invoke(app, ["search", *job[1:11], "--framework", "torch", "--no-overlap-grad-reduce", "--top", "0",
                               "--json"])
     assert res.exit_code == 0, res.output
+
+
+def test_estimate_uneven_layers_per_stage(runner):
+    job = ["estimate", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "64", "--global-batch", "64",
+           "--seq-len", "4096", "--tp", "2", "--pp", "4"]
+    even = json.loads(runner.invoke(app, [*job, "--json"]).stdout)
+    res = runner.invoke(app, [*job, "--layers-per-stage", "6,9,9,8", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["plan"]["layers_per_stage"] == [6, 9, 9, 8]
+    assert [s["layers"] for s in d["memory"]["stages"]] == [6, 9, 9, 8]
+    # the stage with 6 layers instead of 8 holds fewer weights; the stages with 9 hold more
+    stages, even_stages = d["memory"]["stages"], even["memory"]["stages"]
+    assert stages[0]["weights_gib"] < even_stages[0]["weights_gib"]
+    assert stages[1]["weights_gib"] > even_stages[1]["weights_gib"]
+    _bad(runner, [*job, "--layers-per-stage", "6,9,x"], "--layers-per-stage")
+    _bad(runner, [*job, "--layers-per-stage", "8,8,8"], "layers_per_stage", "pp(4)")
+    _bad(runner, [*job, "--layers-per-stage", "8,8,8,9"], "layers_per_stage", "num_layers(32)")
