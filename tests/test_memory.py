@@ -156,7 +156,16 @@ def setups(draw):
     training = TrainingSpec(num_gpus=tp * pp * dp, global_batch_size=mbs * m * dp,
                             seq_len=draw(st.sampled_from([128, 1024, 4096])),
                             attention=draw(st.sampled_from(["flash", "materialized"])))
-    plan = Plan(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, sequence_parallel=tp > 1 and draw(st.booleans()),
+    per_stage = layers // pp
+    vpp, layers_per_stage = 1, None
+    shape = draw(st.sampled_from(["even", "interleaved", "uneven"])) if pp > 1 else "even"
+    if shape == "interleaved" and per_stage % 2 == 0:
+        vpp = 2
+    elif shape == "uneven" and per_stage > 1:  # first stage lighter, last heavier (Megatron's uneven split)
+        shift = draw(st.integers(1, per_stage - 1))
+        layers_per_stage = (per_stage - shift, *[per_stage] * (pp - 2), per_stage + shift)
+    plan = Plan(tp=tp, pp=pp, dp=dp, vpp=vpp, layers_per_stage=layers_per_stage, micro_batch_size=mbs,
+                sequence_parallel=tp > 1 and draw(st.booleans()),
                 recompute=draw(st.sampled_from(["none", "selective", "full"])), zero_stage=draw(st.integers(0, 3)))
     return model, training, plan
 
@@ -171,7 +180,8 @@ def _est(model, training, plan):
 
 def _assert_doubling_never_raises_weight_bytes(model, training, plan, axis):
     """Doubling `axis` (tp or pp) on twice the GPUs never raises the largest stage's weight bytes."""
-    bigger = plan.model_copy(update={axis: getattr(plan, axis) * 2})
+    bigger = plan.model_copy(update={axis: getattr(plan, axis) * 2, "layers_per_stage": None if axis == "pp" else
+                                     plan.layers_per_stage})
     tr = training.model_copy(update={"num_gpus": training.num_gpus * 2})
     assert max(s.weights_bytes for s in _est(model, tr, bigger).stages) <= \
         max(s.weights_bytes for s in _est(model, training, plan).stages)
@@ -190,7 +200,7 @@ def test_more_tp_never_raises_weight_bytes(setup):
 @given(setups())
 def test_more_pp_never_raises_weight_bytes(setup):
     model, training, plan = setup
-    if model.num_layers % (plan.pp * 2):
+    if model.num_layers % (plan.pp * 2 * plan.vpp):
         return
     _assert_doubling_never_raises_weight_bytes(model, training, plan, "pp")
 
