@@ -50,6 +50,23 @@ def rank_grid(plan: Plan, order: str = DEFAULT_ORDER) -> np.ndarray:
     return np.transpose(grid, [list(reversed(axes)).index(a) for a in AXES])
 
 
+def stage_ranks(plan: Plan, stage: int, order: str = DEFAULT_ORDER) -> list[int]:
+    """The world ranks that hold pipeline stage ``stage`` (all their tp, cp and dp coordinates)."""
+    return sorted(map(int, rank_grid(plan, order)[:, :, :, stage].ravel()))
+
+
+def ranges_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 3, 8, 9]`` -> ``"0-3, 8-9"``."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(parts)
+
+
 def groups(plan: Plan, axis: str, order: str = DEFAULT_ORDER) -> list[list[int]]:
     """Every group of ``axis``: the ranks that differ only in that axis's coordinate."""
     grid = rank_grid(plan, order)

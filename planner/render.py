@@ -92,6 +92,8 @@ def memory_table(mem: dict, title: str = "Memory per GPU of each pipeline stage 
 
 def print_estimate(con, est) -> None:
     """The table view of `plan3d estimate`."""
+    from planner import layout
+
     d = est.to_dict()
     sc = est.scenario
     con.print(f"[bold]{sc.model.name}[/bold] on {sc.training.num_gpus} x {sc.hardware.name}, "
@@ -100,6 +102,9 @@ def print_estimate(con, est) -> None:
     con.print(memory_table(d["memory"]))
     verdict = "[green]fits[/green]" if d["memory"]["fits"] else "[red]does NOT fit[/red]"
     con.print(f"Peak {d['memory']['peak_gib']:.2f} GiB of {d['memory']['usable_gib']:.2f} GiB usable: {verdict}")
+    peak = d["memory"]["peak_stage"]
+    ranks = layout.ranges_text(layout.stage_ranks(sc.plan, peak))
+    con.print(f"Peak stage {peak} runs on global ranks {ranks} (Megatron rank order {layout.DEFAULT_ORDER})")
     f = d["flops"]
     con.print(f"Model FLOPs per step {f['model_flops_per_step']:.3e}; hardware FLOPs (with recompute) "
               f"{f['hardware_flops_per_step']:.3e}")

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.layout import axis_span, group_span, groups, pp_hop_crosses_nodes, rank_grid
+from planner.layout import axis_span, group_span, groups, pp_hop_crosses_nodes, rank_grid, ranges_text, stage_ranks
 from planner.specs import Plan
 
 
@@ -60,3 +60,15 @@ def test_dp_group_mixed_when_peers_share_nodes():
     assert (s.size, s.nodes, s.per_node, s.mixed) == (16, 4, 4, True)
     s8 = axis_span(_plan(8, 1, 4), "dp", 8)
     assert (s8.nodes, s8.per_node, s8.mixed) == (4, 1, False)
+
+
+def test_stage_ranks_are_the_pp_groups_columns():
+    plan = Plan(tp=2, pp=4, dp=2, cp=2, micro_batch_size=1)
+    # Megatron order tp-cp-dp-pp: each stage is a contiguous block of tp x cp x dp = 8 ranks
+    assert stage_ranks(plan, 1) == list(range(8, 16))
+    assert ranges_text(stage_ranks(plan, 3)) == "24-31"
+    # the stage of every rank agrees with its position in its pipeline group
+    for group in groups(plan, "pp"):
+        for stage, rank in enumerate(group):
+            assert rank in stage_ranks(plan, stage)
+    assert ranges_text([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
