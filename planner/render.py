@@ -92,8 +92,6 @@ def memory_table(mem: dict, title: str = "Memory per GPU of each pipeline stage 
 
 def print_estimate(con, est) -> None:
     """The table view of `plan3d estimate`."""
-    from planner import layout
-
     d = est.to_dict()
     sc = est.scenario
     con.print(f"[bold]{sc.model.name}[/bold] on {sc.training.num_gpus} x {sc.hardware.name}, "
@@ -102,9 +100,7 @@ def print_estimate(con, est) -> None:
     con.print(memory_table(d["memory"]))
     verdict = "[green]fits[/green]" if d["memory"]["fits"] else "[red]does NOT fit[/red]"
     con.print(f"Peak {d['memory']['peak_gib']:.2f} GiB of {d['memory']['usable_gib']:.2f} GiB usable: {verdict}")
-    peak = d["memory"]["peak_stage"]
-    ranks = layout.ranges_text(layout.stage_ranks(sc.plan, peak))
-    con.print(f"Peak stage {peak} runs on global ranks {ranks} (Megatron rank order {layout.DEFAULT_ORDER})")
+    con.print(f"Peak on {stage_where(sc.plan, d['memory']['peak_stage'])}, in Megatron's rank order tp-cp-dp-pp")
     f = d["flops"]
     con.print(f"Model FLOPs per step {f['model_flops_per_step']:.3e}; hardware FLOPs (with recompute) "
               f"{f['hardware_flops_per_step']:.3e}")
@@ -200,6 +196,13 @@ def print_sweep(con, rows: list[dict]) -> None:
     con.print(f"Smallest GPU count that fits: {smallest}" if smallest else "[red]No GPU count in the sweep fits[/red]")
 
 
+def stage_where(plan, stage: int) -> str:
+    """``stage 1 (global ranks 16-31)`` in Megatron's rank order tp-cp-dp-pp (planner/layout.py)."""
+    from planner import layout
+
+    return f"stage {stage} (global ranks {layout.ranges_text(layout.stage_ranks(plan, stage))})"
+
+
 def _verdict(sc) -> tuple:
     from planner.memory import estimate_scenario_memory
 
@@ -227,7 +230,8 @@ def print_check(con, results) -> None:
             mem, peak, short = _verdict(r.scenario)
             con.print(memory_table(mem.to_dict(), title=f"{r.path}: memory per GPU of each stage (GiB)"))
             if not mem.fits:
-                con.print(f"{r.path}: stage {peak.stage} needs {mem.peak_gib:.2f} GiB of {mem.usable_gib:.2f} GiB "
+                con.print(f"{r.path}: {stage_where(r.scenario.plan, peak.stage)} needs {mem.peak_gib:.2f} GiB of "
+                          f"{mem.usable_gib:.2f} GiB "
                           f"usable, short by {short:.2f} GiB", highlight=False)
 
 
@@ -244,7 +248,7 @@ def print_github(results) -> None:
             sys.stdout.write(f"::notice file={r.path},line={r.line}::{label} fits: peak {mem.peak_gib:.2f} GiB "
                              f"(stage {peak.stage}) of {mem.usable_gib:.2f} GiB usable\n")
         else:
-            sys.stdout.write(f"::error file={r.path},line={r.line}::{label}: stage {peak.stage} needs "
+            sys.stdout.write(f"::error file={r.path},line={r.line}::{label}: {stage_where(r.scenario.plan, peak.stage)} needs "
                              f"{mem.peak_gib:.2f} GiB of {mem.usable_gib:.2f} GiB usable (short by {short:.2f} GiB)\n")
 
 

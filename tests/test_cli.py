@@ -215,7 +215,7 @@ def test_estimate_uneven_layers_per_stage(runner):
     assert [s["layers"] for s in d["memory"]["stages"]] == [6, 9, 9, 8]
     table = runner.invoke(app, [*job, "--layers-per-stage", "6,9,9,8"]).output
     peak = d["memory"]["peak_stage"]  # tp 2 x dp 8 = 16 ranks per stage
-    assert f"Peak stage {peak} runs on global ranks {16 * peak}-{16 * peak + 15}" in table
+    assert f"Peak on stage {peak} (global ranks {16 * peak}-{16 * peak + 15})" in table
     # the stage with 6 layers instead of 8 holds fewer weights; the stages with 9 hold more
     stages, even_stages = d["memory"]["stages"], even["memory"]["stages"]
     assert stages[0]["weights_gib"] < even_stages[0]["weights_gib"]

@@ -246,8 +246,9 @@ def test_check_exit_1_names_file_stage_and_shortfall(runner, tmp_path):
     assert "short by" in res.output and "stage 0" in res.output
     gh = runner.invoke(app, ["check", str(script), "--hardware", "a100-40gb", "--format", "github"])
     assert gh.exit_code == 1
-    # the annotation points at the first parallelism flag and names the file's stem, the plan and the stage
-    assert re.match(rf"::error file={re.escape(str(script))},line=22::train tp8-pp4-dp2_mbs4: stage 0 needs "
+    # the annotation points at the first parallelism flag and names the file's stem, the plan, the stage and
+    # its ranks (tp 8 x dp 2 = 16 ranks per stage in the order tp-cp-dp-pp)
+    assert re.match(rf"::error file={re.escape(str(script))},line=22::train tp8-pp4-dp2_mbs4: stage 0 \(global ranks 0-15\) needs "
                     r"[\d.]+ GiB of [\d.]+ GiB usable \(short by [\d.]+ GiB\)", gh.stdout), gh.stdout
 
 
