@@ -231,8 +231,7 @@ def print_check(con, results) -> None:
             con.print(memory_table(mem.to_dict(), title=f"{r.path}: memory per GPU of each stage (GiB)"))
             if not mem.fits:
                 con.print(f"{r.path}: {stage_where(r.scenario.plan, peak.stage)} needs {mem.peak_gib:.2f} GiB of "
-                          f"{mem.usable_gib:.2f} GiB "
-                          f"usable, short by {short:.2f} GiB", highlight=False)
+                          f"{mem.usable_gib:.2f} GiB usable, short by {short:.2f} GiB", highlight=False)
 
 
 def print_github(results) -> None:
@@ -248,8 +247,9 @@ def print_github(results) -> None:
             sys.stdout.write(f"::notice file={r.path},line={r.line}::{label} fits: peak {mem.peak_gib:.2f} GiB "
                              f"(stage {peak.stage}) of {mem.usable_gib:.2f} GiB usable\n")
         else:
-            sys.stdout.write(f"::error file={r.path},line={r.line}::{label}: {stage_where(r.scenario.plan, peak.stage)} needs "
-                             f"{mem.peak_gib:.2f} GiB of {mem.usable_gib:.2f} GiB usable (short by {short:.2f} GiB)\n")
+            where = stage_where(r.scenario.plan, peak.stage)
+            sys.stdout.write(f"::error file={r.path},line={r.line}::{label}: {where} needs {mem.peak_gib:.2f} GiB "
+                             f"of {mem.usable_gib:.2f} GiB usable (short by {short:.2f} GiB)\n")
 
 
 def print_validate(con, sc, run, report: dict) -> None:
