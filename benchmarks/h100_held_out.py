@@ -19,10 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.cost import estimate_time  # noqa: E402
-from planner.memory import estimate_memory  # noqa: E402
+from planner.estimate import estimate  # noqa: E402
 from planner.presets import load_hardware, load_model  # noqa: E402
-from planner.specs import Plan, TrainingSpec  # noqa: E402
+from planner.specs import Plan, Scenario, TrainingSpec  # noqa: E402
 
 
 def main() -> None:
@@ -35,9 +34,9 @@ def main() -> None:
         training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision="fp8")
         plan = Plan(tp=r["tp"], pp=r["pp"], dp=dp, cp=r["cp"], vpp=r["vp"], micro_batch_size=r["mbs"],
                     recompute="none", sequence_parallel=r["tp"] > 1, zero_stage=1)
-        predicted_s = estimate_time(model, hw, training, plan).step_time_s
+        est = estimate(Scenario(model=model, hardware=hw, training=training, plan=plan))
+        predicted_s, peak_gib = est.time.step_time_s, est.memory.peak_gib
         published_s = r["gbs"] * r["seq"] / (r["tokens_per_s_per_gpu"] * r["gpus"])
-        peak_gib = estimate_memory(model, hw, training, plan).peak_gib
         err = predicted_s / published_s - 1
         errors.append(err)
         shape = f"TP{r['tp']} PP{r['pp']} CP{r['cp']} DP{dp} v{r['vp']} mbs{r['mbs']}"
