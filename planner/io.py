@@ -21,25 +21,47 @@ def write_atomic(path: str | Path, text: str, force: bool = False, option: str =
     An existing file is replaced only with ``force``; a failed write leaves no partial file.
     """
     target = Path(path)
+    if target.is_dir():
+        raise SpecError(f"{option}: {target} is a folder; give a file name")
     if target.exists() and not force:
         raise SpecError(f"{option}: {target} exists; pass --force to overwrite it")
     if not target.parent.is_dir():
         raise SpecError(f"{option}: folder {target.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as err:
+        raise SpecError(f"{option}: cannot write in {target.parent}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
         os.replace(tmp, target)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise SpecError(f"{option}: cannot write {target}: {err.strerror or err}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def make_folder(out_dir: str | Path, option: str) -> Path:
+    """Create ``out_dir`` (and its parents) or say in one line why it cannot be."""
+    folder = Path(out_dir)
+    if folder.exists() and not folder.is_dir():
+        raise SpecError(f"{option}: {folder} is a file, not a folder; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpecError(f"{option}: cannot create folder {folder}: {err.strerror or err}") from None
+    return folder
+
+
 def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, option: str = "--out-dir") -> list[Path]:
     """Write several files; check first that none would be replaced without ``force``, so it is all or nothing."""
-    folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    bad = [name for name in files if Path(name).name != name or name in (".", "..") or "\n" in name]
+    if bad:  # file names come from planner.names.slug; this guards the folder whatever a caller passes
+        raise SpecError(f"{option}: refusing to write {bad[0]!r} outside {out_dir}")
+    folder = make_folder(out_dir, option)
     clash = [name for name in files if (folder / name).exists()]
     if clash and not force:
         raise SpecError(f"{option}: {', '.join(str(folder / n) for n in clash)} exist; pass --force to overwrite")

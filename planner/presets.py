@@ -69,16 +69,41 @@ def build(cls: type[T], data: Any, source: str) -> T:
         raise SpecError(f"{source or 'input'}: {err}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with the same key twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}'; keep one of them", key_node.start_mark)
+            seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key '{key}'; keep one of them")
+        out[key] = value
+    return out
+
+
 def read_document(path: Path) -> Any:
-    """Parse a YAML or JSON file (safe loader), naming the file and line on a syntax error."""
+    """Parse a YAML or JSON file (safe loader), naming the file and line on a syntax error or a duplicate key."""
+    if path.is_dir():
+        raise SpecError(f"{path}: is a folder; give the path of a YAML or JSON file")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError(f"{path}: cannot read: {err.__class__.__name__}: {err}") from None
     try:
         if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
+            return json.loads(text, object_pairs_hook=_unique_pairs)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except json.JSONDecodeError as err:
         raise SpecError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
     except yaml.YAMLError as err:
@@ -88,11 +113,15 @@ def read_document(path: Path) -> Any:
         raise SpecError(f"{path}{where}: invalid YAML: {problem}") from None
     except RecursionError:
         raise SpecError(f"{path}: document nested too deeply") from None
+    except ValueError as err:  # a duplicate JSON key
+        raise SpecError(f"{path}: invalid JSON: {err}") from None
 
 
 def _resolve(ref: str, kind: str, option: str) -> Path:
     path = Path(ref)
-    if path.suffix in (".yaml", ".yml", ".json") or "/" in ref:
+    if path.suffix in (".yaml", ".yml", ".json") or "/" in ref or path.is_dir():
+        if path.is_dir():
+            raise SpecError(f"{option}: {ref} is a folder; give a preset name or the path of a .yaml/.json file")
         if not path.is_file():
             raise SpecError(f"{option}: file {ref} does not exist")
         return path

@@ -10,6 +10,13 @@ from rich.table import Table
 
 from planner.specs import HardwareSpec, ModelSpec
 
+#: Below this console width the tables drop or merge columns (the compact layout).
+COMPACT_COLUMNS = 100
+
+
+def compact(con) -> bool:
+    return con.width < COMPACT_COLUMNS
+
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
@@ -74,16 +81,22 @@ def plan_line(plan: dict) -> str:
             f"; micro-batch {plan['micro_batch_size']} x {plan['num_microbatches']}; recompute {plan['recompute']}")
 
 
-def memory_table(mem: dict, title: str = "Memory per GPU of each pipeline stage (GiB)") -> Table:
+def memory_table(mem: dict, title: str = "Memory per GPU of each pipeline stage (GiB)", narrow: bool = False) -> Table:
+    """Stages as rows; ``narrow`` (under COMPACT_COLUMNS) merges weights, grads and optimizer into "states"."""
     t = Table(title=title)
-    for col in ("stage", "layers", "weights", "grads", "optimizer", "activations", "other", "total", "of usable", "fits"):
+    cols = (("stage", "layers", "states", "activations", "other", "total", "fits") if narrow else
+            ("stage", "layers", "weights", "grads", "optimizer", "activations", "other", "total", "of usable", "fits"))
+    for col in cols:
         t.add_column(col, justify="right")
     usable = mem["usable_gib"]
     for s in mem["stages"]:
         ok = s["total_gib"] <= usable
-        t.add_row(str(s["stage"]), str(s["layers"]),
-                  *(f"{s[k]:.2f}" for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib", "other_gib")),
-                  f"[bold]{s['total_gib']:.2f}[/bold]", f"{100 * s['total_gib'] / usable:.0f}%",
+        states = ((f"{s['weights_gib'] + s['grads_gib'] + s['optimizer_gib']:.2f}",) if narrow else
+                  tuple(f"{s[k]:.2f}" for k in ("weights_gib", "grads_gib", "optimizer_gib")))
+        share = () if narrow else (f"{100 * s['total_gib'] / usable:.0f}%",)
+        t.add_row(str(s["stage"]), str(s["layers"]), *states,
+                  *(f"{s[k]:.2f}" for k in ("activations_gib", "other_gib")),
+                  f"[bold]{s['total_gib']:.2f}[/bold]", *share,
                   "[green]yes[/green]" if ok else "[red]NO[/red]")
     t.caption = (f"capacity {mem['capacity_gib']:.1f} GiB, usable {usable:.1f} GiB "
                  f"(after CUDA context, NCCL buffers and fragmentation headroom); peak stage {mem['peak_stage']}")
@@ -97,7 +110,7 @@ def print_estimate(con, est) -> None:
     con.print(f"[bold]{sc.model.name}[/bold] on {sc.training.num_gpus} x {sc.hardware.name}, "
               f"global batch {sc.training.global_batch_size} x {sc.training.seq_len} tokens, {sc.training.precision}")
     con.print(f"Plan: {plan_line(d['plan'])}")
-    con.print(memory_table(d["memory"]))
+    con.print(memory_table(d["memory"], narrow=compact(con)))
     verdict = "[green]fits[/green]" if d["memory"]["fits"] else "[red]does NOT fit[/red]"
     con.print(f"Peak {d['memory']['peak_gib']:.2f} GiB of {d['memory']['usable_gib']:.2f} GiB usable: {verdict}")
     con.print(f"Peak on {stage_where(sc.plan, d['memory']['peak_stage'])}, in Megatron's rank order tp-cp-dp-pp")
@@ -160,17 +173,39 @@ def print_search(con, result: dict) -> None:
     con.print(f"[bold]{sc.model.name}[/bold] on {sc.training.num_gpus} x {sc.hardware.name}, global batch "
               f"{sc.training.global_batch_size} x {sc.training.seq_len} tokens, {sc.training.precision}")
     t = Table(title="Best plan and alternatives")
-    for col in ("#", "plan", "step s", "tokens/s", "MFU", "peak GiB", "loses on"):
+    narrow = compact(con)
+    cols = ("#", "plan", "step s", "MFU", "peak GiB", "loses on") if narrow else (
+        "#", "plan", "step s", "tokens/s", "MFU", "peak GiB", "loses on")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("plan", "loses on") else "right")
     rows = [(best, "")] + [(a, "{term} +{seconds:.3f} s".format(**loses_on(best, a))) for a in result["alternatives"]]
     for i, (est, why) in enumerate(rows):
-        t.add_row("best" if i == 0 else str(i), _plan_cell(est), f"{est.time.step_time_s:.3f}",
-                  f"{est.time.tokens_per_s:,.0f}", f"{100 * est.time.mfu:.1f}%",
-                  f"{est.memory.peak_gib:.1f} (stage {est.memory.peak.stage})", why)
+        tokens = () if narrow else (f"{est.time.tokens_per_s:,.0f}",)
+        peak = f"{est.memory.peak_gib:.1f}" + ("" if narrow else f" (stage {est.memory.peak.stage})")
+        t.add_row("best" if i == 0 else str(i), _plan_cell(est), f"{est.time.step_time_s:.3f}", *tokens,
+                  f"{100 * est.time.mfu:.1f}%", peak, why)
     con.print(t)
     s = result["solver"]
     con.print(f"Solver: {s['status']} over {s['candidates']:,} legal combinations in {s['wall_s']:.2f} s")
     print_estimate(con, best)
+
+
+def _quiet_line(est) -> str:
+    return (f"{_plan_cell(est)}: step {est.time.step_time_s:.3f} s, {est.time.tokens_per_s:,.0f} tokens/s, "
+            f"MFU {100 * est.time.mfu:.1f}%, peak {est.memory.peak_gib:.1f} GiB (stage {est.memory.peak.stage})")
+
+
+def print_search_quiet(result: dict) -> None:
+    """`search --quiet`: the best plan on one line."""
+    sys.stdout.write(f"best: {_quiet_line(result['best'])}\n")
+
+
+def print_sweep_quiet(rows: list[dict]) -> None:
+    """`search --quiet` over several GPU counts: one line per count."""
+    for r in rows:
+        sys.stdout.write(f"{r['gpus']} GPUs: {_quiet_line(r['estimate']) if r['estimate'] else 'no plan fits'}\n")
+    smallest = sweep_dict(rows)["smallest_fitting_gpus"]
+    sys.stdout.write(f"Smallest GPU count that fits: {smallest}\n" if smallest else "No GPU count in the sweep fits\n")
 
 
 def sweep_dict(rows: list[dict]) -> dict:
@@ -211,24 +246,32 @@ def _verdict(sc) -> tuple:
 
 
 def print_check(con, results) -> None:
+    """One row per file, the file name in full (folded over lines when long, never cut short)."""
+    from rich.markup import escape
+
     t = Table(title="plan3d check")
-    for col in ("file", "plan", "peak stage", "peak GiB", "usable GiB", "verdict"):
-        t.add_column(col, justify="left" if col in ("file", "plan", "verdict") else "right")
+    narrow = compact(con)
+    cols = ("file", "plan", "peak stage", "peak GiB", "verdict") if narrow else (
+        "file", "plan", "peak stage", "peak GiB", "usable GiB", "verdict")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("file", "plan", "verdict") else "right",
+                     overflow="fold", min_width=12 if col == "file" else None)
     for r in results:
         if r.errors:
-            t.add_row(str(r.path), "-", "-", "-", "-", "[red]invalid[/red]")
+            t.add_row(escape(str(r.path)), "-", "-", "-", *(() if narrow else ("-",)), "[red]invalid[/red]")
             continue
         mem, peak, short = _verdict(r.scenario)
         verdict = "[green]fits[/green]" if mem.fits else f"[red]short by {short:.2f} GiB[/red]"
-        t.add_row(str(r.path), f"{r.scenario.model.name} {r.scenario.plan.label()}", str(peak.stage),
-                  f"{mem.peak_gib:.2f}", f"{mem.usable_gib:.2f}", verdict)
+        t.add_row(escape(str(r.path)), escape(f"{r.scenario.model.name} {r.scenario.plan.label()}"), str(peak.stage),
+                  f"{mem.peak_gib:.2f}", *(() if narrow else (f"{mem.usable_gib:.2f}",)), verdict)
     con.print(t)
     for r in results:
         for line in r.errors:
             con.print(f"[red]error[/red]: {line}", markup=True, highlight=False)
         if not r.errors:
             mem, peak, short = _verdict(r.scenario)
-            con.print(memory_table(mem.to_dict(), title=f"{r.path}: memory per GPU of each stage (GiB)"))
+            con.print(memory_table(mem.to_dict(), title=escape(f"{r.path}: memory per GPU of each stage (GiB)"),
+                                   narrow=narrow))
             if not mem.fits:
                 con.print(f"{r.path}: {stage_where(r.scenario.plan, peak.stage)} needs {mem.peak_gib:.2f} GiB of "
                           f"{mem.usable_gib:.2f} GiB usable, short by {short:.2f} GiB", highlight=False)

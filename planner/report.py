@@ -11,11 +11,13 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from planner.cost import estimate_time, stage_times
 from planner.memory import estimate_memory
+from planner.presets import SpecError
 from planner.specs import GIB, Scenario
 
 COLORS = {"weights": "#4e79a7", "grads": "#59a14f", "optimizer": "#9c755f", "activations": "#f28e2b",
@@ -140,8 +142,12 @@ def timeline_figure(sc: Scenario, out_dir: Path) -> dict:
     ax.set_xlabel("seconds")
     kind = "interleaved 1F1B" if sc.plan.vpp > 1 else "1F1B"
     busy = sum(op.end_s - op.start_s for op in ops) / p
+    step_s = estimate_time(sc.model, sc.hardware, sc.training, sc.plan).step_time_s
+    # The timeline draws the forward/backward phase; the step adds what follows it (the gradient
+    # reduction's exposed part, the optimizer), so the title names both.
     ax.set_title(f"{sc.model.name} {sc.plan.label()}: {kind}, {sc.resolved_plan().num_microbatches} micro-batches; "
-                 f"idle {100 * (1 - busy / makespan):.1f}% of {makespan:.2f} s")
+                 f"idle {100 * (1 - busy / makespan):.1f}% of the {makespan:.2f} s pipeline phase "
+                 f"(step {step_s:.2f} s with gradient sync and optimizer)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("forward", "backward")]
     ax.legend(handles, ["forward", "backward"], loc="upper right", fontsize=8)
     ax.set_xlim(0, makespan * 1.01)
@@ -303,13 +309,51 @@ def _table(rows: list[list], header: list[str]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def report_file_names(sweep: bool, validate: bool) -> list[str]:
+    """The files :func:`write_report` writes into its folder."""
+    names = ["timeline", "memory", "map"] + (["scaling"] if sweep else []) + (["validate"] if validate else [])
+    return [f"{n}.{ext}" for n in names for ext in ("png", "svg")] + ["report.html"]
+
+
 def write_report(sc: Scenario, out_dir: str | Path, sweep: list[int] | None = None,
-                 validate_report: dict | None = None) -> dict:
-    """Every figure as PNG and SVG, and report.html with them inlined. Returns what each figure drew."""
+                 validate_report: dict | None = None, force: bool = False) -> dict:
+    """Every figure as PNG and SVG, and report.html with them inlined. Returns what each figure drew.
+
+    Like the other outputs, it refuses to replace files without ``force`` (checked before anything is
+    drawn) and writes atomically: everything is drawn into a hidden folder beside ``out_dir`` and then
+    renamed into place, so an interrupted run leaves the earlier report as it was.
+    """
+    import shutil
+    import tempfile
+
+    from planner.io import make_folder
+
+    out = make_folder(out_dir, "--out")
+    clash = [n for n in report_file_names(bool(sweep), bool(validate_report)) if (out / n).exists()]
+    if clash and not force:
+        raise SpecError(f"--out: {', '.join(str(out / n) for n in clash)} exist; pass --force to overwrite")
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=".plan3d-report-", dir=out))
+    except OSError as err:
+        raise SpecError(f"--out: cannot write in {out}: {err.strerror or err}") from None
+    try:
+        figures = _draw_report(sc, stage, sweep, validate_report)
+        for path in sorted(stage.iterdir()):
+            os.replace(path, out / path.name)
+    except OSError as err:
+        raise SpecError(f"--out: cannot write the report into {out}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    for fig in figures.values():
+        if isinstance(fig, dict) and "paths" in fig:
+            fig["paths"] = [out / p.name for p in fig["paths"]]
+    figures["html"] = out / "report.html"
+    return figures
+
+
+def _draw_report(sc: Scenario, out: Path, sweep: list[int] | None, validate_report: dict | None) -> dict:
     from planner.estimate import estimate
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     figures = {"timeline": timeline_figure(sc, out), "memory": memory_figure(sc, out), "map": map_figure(sc, out)}
     if sweep:
         figures["scaling"] = scaling_figure(sweep_rows(sc, sweep), out,

@@ -38,7 +38,7 @@ from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
                             stage_params_per_rank, state_bytes_per_param, zero_working_set_bytes)
-from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
+from planner.specs import GIB, MAX_GPUS, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
 
 NS = 1e9  # time unit of the tables: nanoseconds
 KIB = 1024  # memory unit of the tables
@@ -389,28 +389,37 @@ def exhaustive(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space
 
 def smallest_fitting_gpus(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
                           max_doublings: int = 12) -> int | None:
-    """The smallest of ``num_gpus * 2**k`` (k = 1, 2, ...) for which some plan fits, or None."""
+    """The smallest of ``num_gpus * 2**k`` (k = 1, 2, ...; at most ``MAX_GPUS``) for which some plan fits, or None."""
     for k in range(1, max_doublings + 1):
+        if training.num_gpus * 2**k > MAX_GPUS:
+            break
         bigger = training.model_copy(update={"num_gpus": training.num_gpus * 2**k})
         if search(model, hw, bigger, space).best is not None:
             return bigger.num_gpus
     return None
 
 
-def parse_gpu_counts(text: str) -> list[int]:
-    """``"64"``, ``"64,128,256"`` or ``"64..4096"`` (doubling from the first to the last)."""
+def parse_gpu_counts(text: str, max_gpus: int = MAX_GPUS) -> list[int]:
+    """``"64"``, ``"64,128,256"`` or ``"64..4096"`` (doubling from the first to the last), each at most ``max_gpus``."""
     text = text.strip()
-    if ".." in text:
-        lo_s, hi_s = text.split("..", 1)
-        lo, hi = int(lo_s), int(hi_s)
-        if lo < 1 or hi < lo:
-            raise ValueError(f"'{text}': a range needs 1 <= first <= last")
-        out = []
-        while lo <= hi:
-            out.append(lo)
-            lo *= 2
-        return out
-    counts = [int(x) for x in text.split(",") if x.strip()]
+    try:
+        if ".." in text:
+            lo_s, hi_s = text.split("..", 1)
+            lo, hi = int(lo_s), int(hi_s)
+            if lo < 1 or hi < lo:
+                raise ValueError(f"'{text}': a range needs 1 <= first <= last")
+            counts = []
+            while lo <= hi:
+                counts.append(lo)
+                lo *= 2
+        else:
+            counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError as err:
+        if "range needs" in str(err):
+            raise
+        raise ValueError(f"'{text}': expected a GPU count (64), a list (64,128,256) or a range (64..4096)") from None
     if not counts or min(counts) < 1:
         raise ValueError(f"'{text}': GPU counts must be positive integers")
-    return sorted(set(counts))
+    if max(counts) > max_gpus:
+        raise ValueError(f"'{text}': at most {max_gpus:,} GPUs")
+    return counts

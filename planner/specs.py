@@ -29,6 +29,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GIB = 2**30
+#: Upper bound on any GPU count: the largest published training clusters hold ~10^5 GPUs.
+MAX_GPUS = 1_000_000
 
 Activation = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -39,7 +41,8 @@ AttentionKernel = Literal["flash", "materialized"]
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # allow_inf_nan=False: ``.inf`` or ``.nan`` in a YAML profile is refused, not carried into the arithmetic.
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 def _problems(errors: list[str]) -> None:
@@ -163,14 +166,14 @@ class HardwareSpec(_Spec):
     """
 
     name: str = Field(min_length=1, description="Short name of the profile.")
-    gpu_memory_gib: float = Field(gt=0, description="Device memory per GPU as the runtime reports it, GiB.")
+    gpu_memory_gib: float = Field(gt=0, le=1e6, description="Device memory per GPU as the runtime reports it, GiB.")
     peak_bf16_tflops: float = Field(gt=0, description="Dense (non-sparse) BF16 tensor-core peak, TFLOP/s.")
     peak_fp8_tflops: float | None = Field(
         default=None, gt=0, description="Dense FP8 peak, TFLOP/s; absent when the GPU has no FP8 units.")
     peak_fp32_tflops: float | None = Field(
         default=None, gt=0, description="Dense FP32 (TF32 tensor-core on GPUs) peak, TFLOP/s; for fp32 training.")
     hbm_bandwidth_gbps: float = Field(gt=0, description="Peak HBM bandwidth, GB/s.")
-    gpus_per_node: int = Field(ge=1, description="GPUs sharing the fast intra-node fabric (NVLink domain).")
+    gpus_per_node: int = Field(ge=1, le=4096, description="GPUs sharing the fast intra-node fabric (NVLink domain).")
     intra_node_bandwidth_gbps: float = Field(
         gt=0, description="Achievable ring bus bandwidth per GPU inside a node (nccl-tests busbw), GB/s.")
     intra_node_latency_us: float = Field(ge=0, description="Per-step latency of an intra-node collective, us.")
@@ -202,6 +205,14 @@ class HardwareSpec(_Spec):
     hbm_efficiency: float = Field(
         default=0.7, gt=0, le=1, description="Achieved fraction of HBM bandwidth in memory-bound kernels.")
 
+    @model_validator(mode="after")
+    def _check(self) -> HardwareSpec:
+        if self.usable_memory_gib <= 0:
+            _problems([f"gpu_memory_gib: {self.gpu_memory_gib:g} GiB leaves {self.usable_memory_gib:.2f} GiB usable "
+                       f"after cuda_context_gib({self.cuda_context_gib:g}), nccl_buffers_gib({self.nccl_buffers_gib:g}) "
+                       f"and fragmentation_headroom({self.fragmentation_headroom:g}); raise it or lower those"])
+        return self
+
     @property
     def gpu_memory_bytes(self) -> float:
         return self.gpu_memory_gib * GIB
@@ -222,9 +233,9 @@ class HardwareSpec(_Spec):
 class TrainingSpec(_Spec):
     """What one optimizer step processes."""
 
-    num_gpus: int = Field(ge=1, description="GPUs in the job (world size).")
-    global_batch_size: int = Field(ge=1, description="Sequences per optimizer step, over all replicas.")
-    seq_len: int = Field(ge=1, description="Tokens per sequence.")
+    num_gpus: int = Field(ge=1, le=MAX_GPUS, description="GPUs in the job (world size).")
+    global_batch_size: int = Field(ge=1, le=100_000_000, description="Sequences per optimizer step, over all replicas.")
+    seq_len: int = Field(ge=1, le=100_000_000, description="Tokens per sequence.")
     precision: Precision = Field(
         default="bf16", description="bf16 or fp8 mixed precision (Megatron), or fp32 (the CPU validate run).")
     attention: AttentionKernel = Field(
@@ -331,6 +342,10 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
                       f"(micro_batch_size({b}) * dp({d})) = {B // (b * d)}")
     if a % t:
         errors.append(f"tp: num_attention_heads({a}) is not divisible by tp({t})")
+    n = hardware.gpus_per_node
+    if n % t and t % n:
+        errors.append(f"tp: tp({t}) neither divides nor is a multiple of gpus_per_node({n}) of {hardware.name}, "
+                      f"so TP groups would straddle nodes; choose a divisor of {n}")
     if g % t and t % g:
         errors.append(f"tp: num_kv_heads({g}) is not divisible by tp({t}), nor tp by num_kv_heads to replicate them")
     if model.ffn_size % t:

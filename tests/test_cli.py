@@ -158,11 +158,11 @@ def test_estimate_does_not_fit_verdict(runner):
     res = runner.invoke(app,
                         ["estimate", "--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", "16",
                          "--global-batch", "64", "--seq-len", "2048", "--tp", "8", "--pp", "2", "--json"])
-    assert res.exit_code == 0
+    assert res.exit_code == 1  # does not fit: exit 1, as `check` (README, docs/ci.md)
     assert json.loads(res.output)["memory"]["fits"] is False
     table = runner.invoke(app, ["estimate", "--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", "16",
                                 "--global-batch", "64", "--seq-len", "2048", "--tp", "8", "--pp", "2"])
-    assert "does NOT fit" in table.output
+    assert "does NOT fit" in table.output and table.exit_code == 1
 
 
 def test_estimate_from_plan_file_and_override(runner, tmp_path):

@@ -36,10 +36,18 @@ def test_pins(runner):
 
 
 def test_table_shows_alternatives_and_reasons(runner):
-    res = runner.invoke(app, ["search", *JOB, "--gpus", "16", "--top", "2", "--quiet"])
+    res = runner.invoke(app, ["search", *JOB, "--gpus", "16", "--top", "2"])
     assert res.exit_code == 0, res.output
     assert "Best plan and alternatives" in res.output and "OPTIMAL" in res.output
     assert " +" in res.output  # each alternative names the term it loses on
+
+
+def test_quiet_prints_only_the_best_plan(runner):
+    res = runner.invoke(app, ["search", *JOB, "--gpus", "16", "--top", "2", "--quiet"])
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("best: ") and "step" in lines[0] and "GiB" in lines[0]
+    assert "Best plan and alternatives" not in res.output
 
 
 def test_infeasible_exit_3_names_binding_constraint_and_smallest_cluster(runner):

@@ -1,0 +1,110 @@
+"""What every `plan3d` command shares: the typer app, the option types, error handling, the console.
+
+Precedence of settings: CLI flag > plan file > preset > model default.
+Bad input ends with one line per problem on stderr and exit code 2, never a traceback.
+Command modules import from here; this module imports no command module, so there is no cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from planner.presets import SpecError
+from planner.specs import MAX_GPUS
+
+#: Below this many columns the tables switch to their compact layout and `--help` to plain text.
+COMPACT_COLUMNS = 100
+
+
+def terminal_columns() -> int:
+    """The terminal width: ``COLUMNS`` when set (as CI and tests set it), else the tty's, else 120."""
+    try:
+        cols = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        cols = 0
+    return cols if cols > 0 else shutil.get_terminal_size((120, 24)).columns
+
+
+app = typer.Typer(
+    name="plan3d",
+    help="Plan 3D-parallel (TP x PP x DP) training of large transformers: memory, step time, best plan, launch files.",
+    # rich's option tables need about 100 columns; narrower, click's plain help wraps cleanly.
+    rich_markup_mode="rich" if terminal_columns() >= COMPACT_COLUMNS else None,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+EXIT_BAD_INPUT = 2
+EXIT_DOES_NOT_FIT = 1
+EXIT_INFEASIBLE = 3
+
+# --- shared options -----------------------------------------------------------------------------
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model preset name, YAML/JSON spec, or Hugging Face config.json.", rich_help_panel="Job")]
+HardwareOpt = Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name or YAML/JSON profile.", rich_help_panel="Job")]
+GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", min=1, max=100_000_000, help="Global batch size in sequences.", rich_help_panel="Job")]
+SeqLenOpt = Annotated[int, typer.Option("--seq-len", min=1, max=100_000_000, help="Sequence length in tokens.", rich_help_panel="Job")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner; search prints only the best plan's line.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite output files that exist.")]
+
+OptModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model preset, YAML/JSON spec or HF config.json.", rich_help_panel="Job")]
+OptHardwareOpt = Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile file.", rich_help_panel="Job")]
+OptGpusOpt = Annotated[Optional[int], typer.Option("--gpus", min=1, max=MAX_GPUS, help="Number of GPUs.", rich_help_panel="Job")]
+OptGlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", min=1, max=100_000_000, help="Global batch in sequences.", rich_help_panel="Job")]
+OptSeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=1, max=100_000_000, help="Sequence length.", rich_help_panel="Job")]
+
+TpOpt = Annotated[Optional[int], typer.Option("--tp", min=1, max=MAX_GPUS, help="Tensor-parallel degree.", rich_help_panel="Plan")]
+PpOpt = Annotated[Optional[int], typer.Option("--pp", min=1, max=MAX_GPUS, help="Pipeline-parallel degree.", rich_help_panel="Plan")]
+VppOpt = Annotated[Optional[int], typer.Option("--vpp", min=1, max=1024, help="Virtual stages per pipeline rank (interleaved 1F1B).", rich_help_panel="Plan")]
+CpOpt = Annotated[Optional[int], typer.Option("--cp", min=1, max=MAX_GPUS, help="Context-parallel degree.", rich_help_panel="Plan")]
+MbsOpt = Annotated[Optional[int], typer.Option("--micro-batch-size", min=1, max=1_000_000, help="Sequences per micro-batch.", rich_help_panel="Plan")]
+RecomputeOpt = Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.", rich_help_panel="Plan")]
+SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel="Plan")]
+ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", min=0, max=3, help="0-3; 1 = distributed optimizer.", rich_help_panel="Plan")]
+LayersOpt = Annotated[Optional[str], typer.Option("--layers-per-stage", help="Uneven pipeline: layers of each stage, comma-separated (18,22,22,18); default even split.", rich_help_panel="Plan")]
+PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")]
+AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (default) or materialized attention scores.", rich_help_panel="Job")]
+OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="DP gradient reduction overlapped with backward (Megatron --overlap-grad-reduce; default on).", rich_help_panel="Job")]
+FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default) or torch: how sequence parallelism keeps activations (torchtitan = torch).", rich_help_panel="Job")]
+
+
+def fail(lines: list[str], code: int = EXIT_BAD_INPUT) -> None:
+    """Print each problem on its own line to stderr and exit."""
+    for line in lines:
+        typer.echo(f"error: {line}", err=True)
+    raise typer.Exit(code)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Turn SpecError (bad input) into clean lines and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecError as err:
+            fail(err.lines)
+
+    return wrapper
+
+
+def console(stderr: bool = False):
+    """A rich console as wide as the terminal (``COLUMNS``); tables pick their layout from its width."""
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=False, width=terminal_columns())
+
+
+def spinner(quiet: bool, text: str):
+    import contextlib
+
+    if quiet:
+        return contextlib.nullcontext()
+    return console(stderr=True).status(text, spinner="dots")

@@ -1,0 +1,120 @@
+"""`plan3d emit`, `plan3d check`, `plan3d report`: launch files, the CI memory gate, figures."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from planner.cli.common import (
+    EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, ForceOpt, QuietOpt, app, console, fail, handle_errors, spinner,
+)
+from planner.presets import SpecError
+
+
+@app.command()
+@handle_errors
+def emit(
+    plan_file: Annotated[str, typer.Argument(metavar="PLAN", help="Plan file written by `plan3d search --out`.")],
+    formats: Annotated[str, typer.Option("--format", "-f", help="Comma-separated: megatron, torchrun, slurm, deepspeed, torchtitan, plan.")] = "megatron,torchrun,slurm",
+    out_dir: Annotated[str, typer.Option("--out-dir", "-o", help="Folder for the launch files (created if missing).")] = ".",
+    force: ForceOpt = False,
+) -> None:
+    """Write launch files for a plan: Megatron-LM arguments, torchrun, Slurm, DeepSpeed, torchtitan."""
+    from planner import presets
+
+    emit_files(presets.load_scenario(plan_file), formats, out_dir, force)
+
+
+def emit_files(sc, formats: str, out_dir: str, force: bool, quiet: bool = False) -> None:
+    from planner.emit import parse_formats, render_all
+    from planner.io import write_all
+
+    for path in write_all(out_dir, render_all(sc, parse_formats(formats)), force):
+        if not quiet:
+            console().print(f"wrote {path}", highlight=False)
+
+
+@app.command()
+def check(
+    files: Annotated[list[str], typer.Argument(metavar="FILE...", help="Plan files, Megatron-LM argument files or launch scripts.")],
+    hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile (required for Megatron-LM files).")] = None,
+    headroom: Annotated[Optional[float], typer.Option("--headroom", min=0.0, max=0.9, help="Fragmentation headroom, e.g. 0.05 (default: the profile's).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, max=1_000_000, help="GPU count when a file does not say it.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, json or github (GitHub Actions annotations).")] = "table",
+) -> None:
+    """CI memory gate: exit 0 when every file's plan fits, 1 when one does not, 2 on unreadable or invalid input."""
+    from pathlib import Path
+
+    from planner import presets, render
+    from planner.check import check_file, to_json
+
+    if fmt not in ("table", "json", "github"):
+        fail([f"--format: '{fmt}' is not one of table, json, github"])
+    try:
+        hw = presets.load_hardware(hardware) if hardware else None
+    except SpecError as err:
+        fail(err.lines)
+    results = [check_file(Path(f), hw, headroom, gpus) for f in files]
+    if fmt == "json":
+        render.print_json(json.loads(to_json(results)))
+    elif fmt == "github":
+        render.print_github(results)
+    else:
+        render.print_check(console(), results)
+    if any(r.errors for r in results):
+        raise typer.Exit(EXIT_BAD_INPUT)
+    if not all(_fits(r) for r in results):
+        raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
+def _fits(result) -> bool:
+    from planner.memory import estimate_scenario_memory
+
+    return estimate_scenario_memory(result.scenario).fits
+
+
+@app.command()
+@handle_errors
+def report(
+    plan_file: Annotated[str, typer.Argument(metavar="PLAN", help="Plan file written by `plan3d search --out`.")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Folder for the figures (PNG, SVG) and report.html.")] = "report",
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="Also draw a scaling curve over these GPU counts (64..1024 or a list).")] = None,
+    validate_report: Annotated[Optional[str], typer.Option("--validate", help="A `plan3d validate --out` report to draw.")] = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Draw the plan: pipeline timeline, memory per stage, TP x PP map, scaling curve; one self-contained HTML page."""
+    from planner import presets
+
+    sc = presets.load_scenario(plan_file)
+    write_report_files(sc, out, sweep, validate_report, quiet, force)
+
+
+def write_report_files(sc, out: str, sweep: Optional[str], validate_report: Optional[str], quiet: bool,
+                       force: bool = False) -> None:
+    from pathlib import Path
+
+    from planner.cli.common import MAX_GPUS
+    from planner.report import write_report
+    from planner.search import parse_gpu_counts
+
+    counts = None
+    if sweep:
+        try:
+            counts = parse_gpu_counts(sweep, max_gpus=MAX_GPUS)
+        except ValueError as err:
+            raise SpecError(f"--sweep: {err}") from None
+    measured = None
+    if validate_report:
+        path = Path(validate_report)
+        try:
+            measured = json.loads(path.read_text())
+            measured["memory"], measured["step_time"]  # noqa: B018 - the keys a validate report has
+        except (OSError, ValueError, KeyError, TypeError):
+            raise SpecError(f"--validate: {validate_report} is not a `plan3d validate --out` report") from None
+    with spinner(quiet, f"Drawing the report into {out}..."):
+        figures = write_report(sc, out, counts, measured, force=force)
+    if not quiet:
+        console().print(f"wrote {figures['html']} and {len(figures) - 1} figures (PNG and SVG)", highlight=False)

@@ -1,0 +1,117 @@
+"""Turning command-line options (and plan files) into the specs the library takes.
+
+Precedence: CLI flag > plan file > preset > model default. A flag that changes what a plan file's
+derived values depend on (``--gpus``, ``--global-batch``, ``--pp``, any plan knob) re-derives them:
+``dp`` from the GPU count, ``num_microbatches`` from the batch, the layer split from ``pp``; where a
+knob pinned in the file makes that impossible, the error names the knob and the flag that frees it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from planner.presets import SpecError
+
+
+def required(value, option: str):
+    if value is None:
+        raise SpecError(f"{option}: required (or give a PLAN file)")
+    return value
+
+
+def given(**options) -> dict:
+    """The options the user set (typer passes None for the others)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def parse_layers_per_stage(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    """``"18,22,22,18"`` -> ``(18, 22, 22, 18)``; a one-line error naming the option otherwise."""
+    if text is None:
+        return None
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise SpecError(f"--layers-per-stage: expected layer counts separated by commas, such as 18,22,22,18; "
+                        f"got {text!r}") from None
+    return counts
+
+
+def existing_file(path: str, what: str = "PLAN") -> Path:
+    p = Path(path)
+    if p.is_dir():
+        raise SpecError(f"{what}: {path} is a folder; give the path of a file")
+    if not p.is_file():
+        raise SpecError(f"{what}: file {path} does not exist")
+    return p
+
+
+def derive_dp(num_gpus, plan: dict, from_file: bool = False) -> int:
+    """dp = gpus / (tp * pp * cp), with an error that prints every factor."""
+    tp, pp, cp = plan.get("tp", 1), plan.get("pp", 1), plan.get("cp", 1)
+    if not all(isinstance(x, int) and x >= 1 for x in (num_gpus, tp, pp, cp)):
+        return plan.get("dp", 1)  # the spec validation names the bad field
+    if num_gpus % (tp * pp * cp):
+        fix = "; pass --tp/--pp/--cp to change the plan file's degrees" if from_file else ""
+        raise SpecError(f"--gpus: {num_gpus} is not divisible by tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp}{fix}")
+    return num_gpus // (tp * pp * cp)
+
+
+def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], hardware: Optional[str],
+                          gpus: Optional[int], global_batch: Optional[int], seq_len: Optional[int],
+                          precision: Optional[str], attention: Optional[str] = None,
+                          overlap_grad_reduce: Optional[bool] = None, framework: Optional[str] = None, **plan_opts):
+    """Build a Scenario from a plan file and/or flags; flags win over the file."""
+    from planner import presets
+    from planner.specs import Scenario
+
+    data: dict = {"training": {}, "plan": {}}
+    source = ""
+    if plan_file:
+        doc = presets.read_document(existing_file(plan_file))
+        if not isinstance(doc, dict):
+            raise SpecError(f"{plan_file}: expected a mapping with keys model, hardware, training, plan")
+        data = {**data, **doc}
+        source = plan_file
+    if model is not None or not plan_file:
+        data["model"] = presets.load_model(required(model, "--model")).model_dump()
+    if hardware is not None or not plan_file:
+        data["hardware"] = presets.load_hardware(required(hardware, "--hardware")).model_dump()
+    training = dict(data.get("training") or {})
+    job = given(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len)
+    training |= job | given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
+                            framework=framework)
+    if not plan_file:
+        required(gpus, "--gpus"), required(global_batch, "--global-batch"), required(seq_len, "--seq-len")
+    plan = dict(data.get("plan") or {})
+    knobs = given(**plan_opts)
+    if plan_file and (knobs or "num_gpus" in job or "global_batch_size" in job):
+        plan.pop("num_microbatches", None)  # re-derived from the new batch, GPU count or knobs
+    if plan_file and "pp" in knobs and "layers_per_stage" not in knobs:
+        plan.pop("layers_per_stage", None)  # the file's split was for its own pipeline depth
+    plan.update(knobs)
+    if not plan_file:
+        required(plan.get("tp"), "--tp"), required(plan.get("pp"), "--pp")
+        plan.setdefault("micro_batch_size", 1)
+    if "dp" not in plan or gpus is not None or knobs:
+        plan["dp"] = derive_dp(training.get("num_gpus"), plan, from_file=bool(plan_file))
+    data["training"], data["plan"] = training, plan
+    return presets.build(Scenario, data, source)
+
+
+def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],
+                     attention: Optional[str], overlap_grad_reduce: Optional[bool] = None,
+                     framework: Optional[str] = None):
+    """(ModelSpec, HardwareSpec, TrainingSpec) from the shared job options."""
+    from planner import presets
+    from planner.specs import TrainingSpec, job_problems
+
+    training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
+    training |= given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
+                      framework=framework)
+    spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
+    tr = presets.build(TrainingSpec, training, "")
+    problems = job_problems(spec_model, spec_hw, tr)
+    if problems:
+        raise SpecError(problems)
+    return spec_model, spec_hw, tr

@@ -1,0 +1,193 @@
+"""`plan3d estimate` and `plan3d search`: one plan's memory and time; the fastest plan that fits."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from planner.cli.common import (
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, CpOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
+    HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
+    OptSeqLenOpt, OverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, VppOpt, ZeroOpt,
+    app, console, handle_errors, spinner,
+)
+from planner.cli.inputs import job_from_options, parse_layers_per_stage, scenario_from_options
+from planner.presets import SpecError
+
+
+@app.command()
+@handle_errors
+def estimate(
+    plan_file: Annotated[Optional[str], typer.Argument(metavar="[PLAN]", help="Plan file written by `plan3d search --out`.")] = None,
+    model: OptModelOpt = None, hardware: OptHardwareOpt = None, gpus: OptGpusOpt = None,
+    global_batch: OptGlobalBatchOpt = None, seq_len: OptSeqLenOpt = None,
+    precision: PrecisionOpt = None,
+    attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
+    tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
+    micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
+    zero_stage: ZeroOpt = None, layers_per_stage: LayersOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Memory per pipeline stage, FLOPs and step time of one plan. Exit 0 fits, 1 does not fit, 2 bad input."""
+    from planner import render
+    from planner.estimate import estimate as run_estimate
+
+    sc = scenario_from_options(plan_file, model=model, hardware=hardware, gpus=gpus, global_batch=global_batch,
+                               seq_len=seq_len, precision=precision, attention=attention,
+                               overlap_grad_reduce=overlap_grad_reduce, framework=framework, tp=tp, pp=pp, vpp=vpp,
+                               cp=cp, micro_batch_size=micro_batch_size, recompute=recompute,
+                               sequence_parallel=sequence_parallel, zero_stage=zero_stage,
+                               layers_per_stage=parse_layers_per_stage(layers_per_stage))
+    est = run_estimate(sc)
+    if json_out:
+        render.print_json(est.to_dict())
+    else:
+        render.print_estimate(console(), est)
+    if not est.memory.fits:
+        raise typer.Exit(EXIT_DOES_NOT_FIT)
+
+
+def _check_pins(hw, tp: Optional[int]) -> None:
+    """Refuse a pinned tp whose groups would straddle nodes (``plan_problems`` says the same for a plan)."""
+    if tp is not None and hw.gpus_per_node % tp and tp % hw.gpus_per_node:
+        raise SpecError(f"--tp: {tp} neither divides nor is a multiple of gpus_per_node({hw.gpus_per_node}) of "
+                        f"{hw.name}, so its TP groups would straddle nodes; choose a divisor of {hw.gpus_per_node}")
+
+
+@app.command()
+@handle_errors
+def search(
+    model: ModelOpt, hardware: HardwareOpt,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPU count, a list (64,128,256) or a doubling range (64..4096).", rich_help_panel="Job")],
+    global_batch: GlobalBatchOpt, seq_len: SeqLenOpt,
+    precision: PrecisionOpt = None,
+    attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
+    tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
+    micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
+    zero_stage: ZeroOpt = None,
+    top: Annotated[int, typer.Option("--top", min=0, max=50, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
+    emit_formats: Annotated[Optional[str], typer.Option("--emit", help="Also write launch files: megatron,torchrun,slurm,deepspeed,torchtitan.")] = None,
+    out_dir: Annotated[str, typer.Option("--out-dir", help="Folder for --emit files.")] = ".",
+    report_dir: Annotated[Optional[str], typer.Option("--report", help="Also draw the report of the best plan (or the sweep) into this folder.")] = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Find the fastest plan that fits: CP-SAT over TP x PP x DP x CP, micro-batches, schedule, recompute, SP, ZeRO."""
+    from planner import render
+    from planner.candidates import Pins, SearchSpace
+    from planner.search import parse_gpu_counts
+
+    try:
+        counts = parse_gpu_counts(gpus, max_gpus=MAX_GPUS)
+    except ValueError as err:
+        raise SpecError(f"--gpus: {err}") from None
+    if recompute is not None and recompute not in ("none", "selective", "full"):
+        raise SpecError(f"--recompute: '{recompute}' is not one of none, selective, full")
+    pins = Pins(tp=tp, pp=pp, cp=cp, vpp=vpp, micro_batch_size=micro_batch_size, recompute=recompute,
+                sequence_parallel=sequence_parallel, zero_stage=zero_stage)
+    space = SearchSpace(pins=pins)
+    spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision,
+                                                     attention, overlap_grad_reduce, framework)
+    _check_pins(spec_hw, tp)
+    spin_quiet = quiet or json_out
+    if len(counts) > 1:
+        if out or emit_formats:
+            raise SpecError("--out/--emit: give a single --gpus value to write plan or launch files")
+        rows = _sweep(spec_model, spec_hw, training, space, counts, spin_quiet)
+        if json_out:
+            render.print_json(render.sweep_dict(rows))
+        elif quiet:
+            render.print_sweep_quiet(rows)
+        else:
+            render.print_sweep(console(), rows)
+        fitting = [r["estimate"] for r in rows if r["estimate"]]
+        if report_dir and fitting:
+            from planner.cli.files import write_report_files
+
+            write_report_files(fitting[-1].scenario, report_dir, gpus, None, spin_quiet, force)
+        if not fitting:
+            raise typer.Exit(EXIT_INFEASIBLE)
+        return
+    result = _run_search(spec_model, spec_hw, training, space, top, exhaustive, spin_quiet)
+    if result["best"] is None:
+        for line in result["message"]:
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(EXIT_INFEASIBLE)
+    best = result["best"].scenario
+    if out:
+        from planner.io import write_atomic
+
+        write_atomic(out, render.scenario_json(best), force)
+    if emit_formats:
+        from planner.cli.files import emit_files
+
+        emit_files(best, emit_formats, out_dir, force, quiet=spin_quiet)
+    if report_dir:
+        from planner.cli.files import write_report_files
+
+        write_report_files(best, report_dir, None, None, spin_quiet, force)
+    if json_out:
+        render.print_json(render.search_dict(result))
+    elif quiet:
+        render.print_search_quiet(result)
+    else:
+        render.print_search(console(), result)
+        if out:
+            console().print(f"Plan written to {out}")
+
+
+def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: bool) -> dict:
+    """Solve (or enumerate), then estimate the winners with the reference functions."""
+    import time
+
+    from planner import search as S
+    from planner.estimate import estimate
+    from planner.memory import estimate_memory
+    from planner.specs import Scenario
+
+    t0 = time.perf_counter()
+    with spinner(quiet, f"Searching plans for {model.name} on {training.num_gpus} x {hw.name}..."):
+        if exhaustive:
+            best, _, n = S.exhaustive(model, hw, training, space)
+            res = S.SearchResult(best=best, status="EXHAUSTIVE" if best else "INFEASIBLE", candidates=n)
+        else:
+            res = S.search(model, hw, training, space, top_k=top)
+        wall = time.perf_counter() - t0
+        scen = lambda p: estimate(Scenario(model=model, hardware=hw, training=training, plan=p))  # noqa: E731
+        out = {"best": scen(res.best) if res.best else None, "alternatives": [scen(p) for p in res.alternatives],
+               "solver": {"status": res.status, "wall_s": wall, "candidates": res.candidates}, "message": []}
+        if res.best is None:
+            msg = ["no plan fits"]
+            if res.closest is not None:
+                mem = estimate_memory(model, hw, training, res.closest)
+                peak = mem.peak
+                msg = [f"no plan fits {model.name} on {training.num_gpus} x {hw.name}: the closest, "
+                       f"{res.closest.label()} (recompute {res.closest.recompute}, ZeRO-{res.closest.zero_stage}), "
+                       f"has stage {peak.stage} needing {mem.peak_gib:.1f} GiB of {mem.usable_gib:.1f} GiB usable"]
+            elif res.candidates == 0:
+                msg = [f"no legal plan for {training.num_gpus} GPUs with these pins: check --tp/--pp/--cp/--vpp/"
+                       "--micro-batch-size against the model's heads and layers, --gpus and --global-batch"]
+            smallest = S.smallest_fitting_gpus(model, hw, training, space)
+            msg.append(f"the smallest GPU count that fits is {smallest}" if smallest else
+                       "no GPU count up to 4096x this one fits")
+            out["message"] = msg
+    return out
+
+
+def _sweep(model, hw, training, space, counts: list[int], quiet: bool) -> list[dict]:
+    from planner import search as S
+    from planner.estimate import estimate
+    from planner.specs import Scenario
+
+    rows = []
+    with spinner(quiet, "Sweeping GPU counts..."):
+        for n in counts:
+            tr = training.model_copy(update={"num_gpus": n})
+            res = S.search(model, hw, tr, space)
+            est = estimate(Scenario(model=model, hardware=hw, training=tr, plan=res.best)) if res.best else None
+            rows.append({"gpus": n, "estimate": est, "status": res.status})
+    return rows
