@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from planner.errors import SpecError  # noqa: F401  (re-exported: planner.presets.SpecError)
 from planner.specs import HardwareSpec, ModelSpec, Scenario
 
 T = TypeVar("T", bound=BaseModel)
@@ -21,14 +22,6 @@ T = TypeVar("T", bound=BaseModel)
 _PKG = Path(__file__).resolve().parent
 MODEL_DIRNAME = "model_specs"
 HARDWARE_DIRNAME = "hardware_profiles"
-
-
-class SpecError(Exception):
-    """Bad user input. ``lines`` are printed one per line, without a traceback."""
-
-    def __init__(self, lines: list[str] | str):
-        self.lines = [lines] if isinstance(lines, str) else list(lines)
-        super().__init__("\n".join(self.lines))
 
 
 def preset_dir(kind: str) -> Path:

@@ -38,7 +38,8 @@ from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
                             stage_params_per_rank, state_bytes_per_param, zero_working_set_bytes)
-from planner.specs import GIB, MAX_GPUS, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
+from planner.errors import MAX_GPUS
+from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
 
 NS = 1e9  # time unit of the tables: nanoseconds
 KIB = 1024  # memory unit of the tables

@@ -28,9 +28,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from planner.errors import MAX_COUNT, MAX_GPUS
+
 GIB = 2**30
-#: Upper bound on any GPU count: the largest published training clusters hold ~10^5 GPUs.
-MAX_GPUS = 1_000_000
 
 Activation = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -234,8 +234,8 @@ class TrainingSpec(_Spec):
     """What one optimizer step processes."""
 
     num_gpus: int = Field(ge=1, le=MAX_GPUS, description="GPUs in the job (world size).")
-    global_batch_size: int = Field(ge=1, le=100_000_000, description="Sequences per optimizer step, over all replicas.")
-    seq_len: int = Field(ge=1, le=100_000_000, description="Tokens per sequence.")
+    global_batch_size: int = Field(ge=1, le=MAX_COUNT, description="Sequences per optimizer step, over all replicas.")
+    seq_len: int = Field(ge=1, le=MAX_COUNT, description="Tokens per sequence.")
     precision: Precision = Field(
         default="bf16", description="bf16 or fp8 mixed precision (Megatron), or fp32 (the CPU validate run).")
     attention: AttentionKernel = Field(

@@ -10,16 +10,18 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 from typing import Annotated, Callable, Optional
 
 import typer
+from typer.core import TyperGroup
 
-from planner.presets import SpecError
-from planner.specs import MAX_GPUS
+try:  # typer >= 0.20 vendors click as typer._click; its exceptions are not click's
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover - older typer on the real click
+    from click import exceptions as click_exc
 
-#: Below this many columns the tables switch to their compact layout and `--help` to plain text.
-COMPACT_COLUMNS = 100
-
+from planner.errors import MAX_COUNT, MAX_GPUS, SpecError
 
 def terminal_columns() -> int:
     """The terminal width: ``COLUMNS`` when set (as CI and tests set it), else the tty's, else 120."""
@@ -30,11 +32,42 @@ def terminal_columns() -> int:
     return cols if cols > 0 else shutil.get_terminal_size((120, 24)).columns
 
 
+class OneLineErrors(TyperGroup):
+    """click's usage errors (a bad option value, an unknown option, a missing one) as one ``error:`` line.
+
+    click prints a usage block, a hint and a boxed message; plan3d's contract is one line naming the
+    field, exit code 2, as for every other bad input.
+    """
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click_exc.NoArgsIsHelpError as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except click_exc.ClickException as err:
+            hint = ""
+            ctx = getattr(err, "ctx", None)
+            if isinstance(err, click_exc.UsageError) and ctx is not None:
+                hint = f" (see '{ctx.command_path} --help')"
+            message = " ".join(err.format_message().split())
+            typer.echo(f"error: {message}{hint}", err=True)
+            sys.exit(err.exit_code)
+        except typer.Abort:
+            typer.echo("aborted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
     name="plan3d",
+    cls=OneLineErrors,
     help="Plan 3D-parallel (TP x PP x DP) training of large transformers: memory, step time, best plan, launch files.",
-    # rich's option tables need about 100 columns; narrower, click's plain help wraps cleanly.
-    rich_markup_mode="rich" if terminal_columns() >= COMPACT_COLUMNS else None,
+    # Plain click help: it wraps to any terminal width. typer's rich option tables squeeze the help
+    # column to one word per line under ~100 columns, and beside long flag pairs even at 120.
+    rich_markup_mode=None,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -48,8 +81,8 @@ EXIT_INFEASIBLE = 3
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model preset name, YAML/JSON spec, or Hugging Face config.json.", rich_help_panel="Job")]
 HardwareOpt = Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset name or YAML/JSON profile.", rich_help_panel="Job")]
-GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", min=1, max=100_000_000, help="Global batch size in sequences.", rich_help_panel="Job")]
-SeqLenOpt = Annotated[int, typer.Option("--seq-len", min=1, max=100_000_000, help="Sequence length in tokens.", rich_help_panel="Job")]
+GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", min=1, max=MAX_COUNT, help="Global batch size in sequences.", rich_help_panel="Job")]
+SeqLenOpt = Annotated[int, typer.Option("--seq-len", min=1, max=MAX_COUNT, help="Sequence length in tokens.", rich_help_panel="Job")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner; search prints only the best plan's line.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite output files that exist.")]
@@ -57,14 +90,14 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite output files 
 OptModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model preset, YAML/JSON spec or HF config.json.", rich_help_panel="Job")]
 OptHardwareOpt = Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile file.", rich_help_panel="Job")]
 OptGpusOpt = Annotated[Optional[int], typer.Option("--gpus", min=1, max=MAX_GPUS, help="Number of GPUs.", rich_help_panel="Job")]
-OptGlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", min=1, max=100_000_000, help="Global batch in sequences.", rich_help_panel="Job")]
-OptSeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=1, max=100_000_000, help="Sequence length.", rich_help_panel="Job")]
+OptGlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", min=1, max=MAX_COUNT, help="Global batch in sequences.", rich_help_panel="Job")]
+OptSeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=1, max=MAX_COUNT, help="Sequence length.", rich_help_panel="Job")]
 
 TpOpt = Annotated[Optional[int], typer.Option("--tp", min=1, max=MAX_GPUS, help="Tensor-parallel degree.", rich_help_panel="Plan")]
 PpOpt = Annotated[Optional[int], typer.Option("--pp", min=1, max=MAX_GPUS, help="Pipeline-parallel degree.", rich_help_panel="Plan")]
 VppOpt = Annotated[Optional[int], typer.Option("--vpp", min=1, max=1024, help="Virtual stages per pipeline rank (interleaved 1F1B).", rich_help_panel="Plan")]
 CpOpt = Annotated[Optional[int], typer.Option("--cp", min=1, max=MAX_GPUS, help="Context-parallel degree.", rich_help_panel="Plan")]
-MbsOpt = Annotated[Optional[int], typer.Option("--micro-batch-size", min=1, max=1_000_000, help="Sequences per micro-batch.", rich_help_panel="Plan")]
+MbsOpt = Annotated[Optional[int], typer.Option("--micro-batch-size", min=1, max=MAX_GPUS, help="Sequences per micro-batch.", rich_help_panel="Plan")]
 RecomputeOpt = Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.", rich_help_panel="Plan")]
 SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel="Plan")]
 ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", min=0, max=3, help="0-3; 1 = distributed optimizer.", rich_help_panel="Plan")]

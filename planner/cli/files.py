@@ -10,7 +10,7 @@ import typer
 from planner.cli.common import (
     EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, ForceOpt, QuietOpt, app, console, fail, handle_errors, spinner,
 )
-from planner.presets import SpecError
+from planner.errors import MAX_GPUS, SpecError
 
 
 @app.command()
@@ -41,7 +41,7 @@ def check(
     files: Annotated[list[str], typer.Argument(metavar="FILE...", help="Plan files, Megatron-LM argument files or launch scripts.")],
     hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile (required for Megatron-LM files).")] = None,
     headroom: Annotated[Optional[float], typer.Option("--headroom", min=0.0, max=0.9, help="Fragmentation headroom, e.g. 0.05 (default: the profile's).")] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, max=1_000_000, help="GPU count when a file does not say it.")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, max=MAX_GPUS, help="GPU count when a file does not say it.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table, json or github (GitHub Actions annotations).")] = "table",
 ) -> None:
     """CI memory gate: exit 0 when every file's plan fits, 1 when one does not, 2 on unreadable or invalid input."""
@@ -96,7 +96,6 @@ def write_report_files(sc, out: str, sweep: Optional[str], validate_report: Opti
                        force: bool = False) -> None:
     from pathlib import Path
 
-    from planner.cli.common import MAX_GPUS
     from planner.report import write_report
     from planner.search import parse_gpu_counts
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from planner.presets import SpecError
+from planner.errors import SpecError
 
 
 def required(value, option: str):

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import JsonOpt, app, console, handle_errors, spinner
-from planner.presets import SpecError
+from planner.errors import SpecError
 
 
 @app.command()

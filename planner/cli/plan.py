@@ -13,7 +13,7 @@ from planner.cli.common import (
     app, console, handle_errors, spinner,
 )
 from planner.cli.inputs import job_from_options, parse_layers_per_stage, scenario_from_options
-from planner.presets import SpecError
+from planner.errors import SpecError
 
 
 @app.command()
@@ -172,8 +172,9 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                 msg = [f"no legal plan for {training.num_gpus} GPUs with these pins: check --tp/--pp/--cp/--vpp/"
                        "--micro-batch-size against the model's heads and layers, --gpus and --global-batch"]
             smallest = S.smallest_fitting_gpus(model, hw, training, space)
+            limit = min(training.num_gpus * 4096, MAX_GPUS)
             msg.append(f"the smallest GPU count that fits is {smallest}" if smallest else
-                       "no GPU count up to 4096x this one fits")
+                       f"no GPU count of the form {training.num_gpus} x 2^k up to {limit:,} fits")
             out["message"] = msg
     return out
 
