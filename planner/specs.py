@@ -170,10 +170,18 @@ class HardwareSpec(_Spec):
     peak_bf16_tflops: float = Field(gt=0, description="Dense (non-sparse) BF16 tensor-core peak, TFLOP/s.")
     peak_fp8_tflops: float | None = Field(
         default=None, gt=0, description="Dense FP8 peak, TFLOP/s; absent when the GPU has no FP8 units.")
+    peak_fp4_tflops: float | None = Field(
+        default=None, gt=0,
+        description="Dense FP4 (NVFP4/MXFP4 block-scaled) tensor peak, TFLOP/s; absent before Blackwell.")
     peak_fp32_tflops: float | None = Field(
         default=None, gt=0, description="Dense FP32 (TF32 tensor-core on GPUs) peak, TFLOP/s; for fp32 training.")
     hbm_bandwidth_gbps: float = Field(gt=0, description="Peak HBM bandwidth, GB/s.")
-    gpus_per_node: int = Field(ge=1, le=4096, description="GPUs sharing the fast intra-node fabric (NVLink domain).")
+    gpus_per_node: int = Field(ge=1, le=4096, description="GPUs per host (one torchrun / Slurm task group; --nproc-per-node).")
+    nvlink_domain_size: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="GPUs that share one NVLink (scale-up) domain: 8 on DGX/HGX H100 and B200, 72 on GB200/GB300 "
+                    "NVL72 racks (18 trays of 4). Default: gpus_per_node. Groups inside one domain use the intra "
+                    "figures, groups across domains the inter figures.")
     intra_node_bandwidth_gbps: float = Field(
         gt=0, description="Achievable ring bus bandwidth per GPU inside a node (nccl-tests busbw), GB/s.")
     intra_node_latency_us: float = Field(ge=0, description="Per-step latency of an intra-node collective, us.")
@@ -207,11 +215,18 @@ class HardwareSpec(_Spec):
 
     @model_validator(mode="after")
     def _check(self) -> HardwareSpec:
+        if self.nvlink_domain % self.gpus_per_node:
+            _problems([f"nvlink_domain_size: {self.nvlink_domain} is not a multiple of gpus_per_node({self.gpus_per_node})"])
         if self.usable_memory_gib <= 0:
             _problems([f"gpu_memory_gib: {self.gpu_memory_gib:g} GiB leaves {self.usable_memory_gib:.2f} GiB usable "
                        f"after cuda_context_gib({self.cuda_context_gib:g}), nccl_buffers_gib({self.nccl_buffers_gib:g}) "
                        f"and fragmentation_headroom({self.fragmentation_headroom:g}); raise it or lower those"])
         return self
+
+    @property
+    def nvlink_domain(self) -> int:
+        """GPUs of one NVLink domain (consecutive global ranks): ``nvlink_domain_size`` or ``gpus_per_node``."""
+        return self.nvlink_domain_size or self.gpus_per_node
 
     @property
     def gpu_memory_bytes(self) -> float:
@@ -342,10 +357,10 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
                       f"(micro_batch_size({b}) * dp({d})) = {B // (b * d)}")
     if a % t:
         errors.append(f"tp: num_attention_heads({a}) is not divisible by tp({t})")
-    n = hardware.gpus_per_node
+    n = hardware.nvlink_domain
     if n % t and t % n:
-        errors.append(f"tp: tp({t}) neither divides nor is a multiple of gpus_per_node({n}) of {hardware.name}, "
-                      f"so TP groups would straddle nodes; choose a divisor of {n}")
+        errors.append(f"tp: tp({t}) neither divides nor is a multiple of the NVLink domain ({n} GPUs) of "
+                      f"{hardware.name}, so TP groups would straddle domains; choose a divisor of {n}")
     if g % t and t % g:
         errors.append(f"tp: num_kv_heads({g}) is not divisible by tp({t}), nor tp by num_kv_heads to replicate them")
     if model.ffn_size % t:

@@ -173,9 +173,9 @@ def test_folder_given_as_a_file(runner, tmp_path, argv):
 
 def test_tp_that_straddles_nodes(runner):
     lines = _clean_failure(runner.invoke(app, ["estimate", *JOB, "--gpus", "24", "--tp", "3", "--pp", "1"]))
-    assert any("gpus_per_node(8)" in line for line in lines)
+    assert any("NVLink domain (8 GPUs)" in line for line in lines)
     lines = _clean_failure(runner.invoke(app, ["search", *JOB, "--gpus", "24", "--tp", "3", "--quiet"]))
-    assert "--tp" in lines[0] and "gpus_per_node(8)" in lines[0]
+    assert "--tp" in lines[0] and "NVLink domain (8 GPUs)" in lines[0]
 
 
 def test_estimate_exit_codes(runner):

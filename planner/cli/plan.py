@@ -49,10 +49,11 @@ def estimate(
 
 
 def _check_pins(hw, tp: Optional[int]) -> None:
-    """Refuse a pinned tp whose groups would straddle nodes (``plan_problems`` says the same for a plan)."""
-    if tp is not None and hw.gpus_per_node % tp and tp % hw.gpus_per_node:
-        raise SpecError(f"--tp: {tp} neither divides nor is a multiple of gpus_per_node({hw.gpus_per_node}) of "
-                        f"{hw.name}, so its TP groups would straddle nodes; choose a divisor of {hw.gpus_per_node}")
+    """Refuse a pinned tp whose groups would straddle NVLink domains (``plan_problems`` says the same for a plan)."""
+    n = hw.nvlink_domain
+    if tp is not None and n % tp and tp % n:
+        raise SpecError(f"--tp: {tp} neither divides nor is a multiple of the NVLink domain ({n} GPUs) of {hw.name}, "
+                        f"so its TP groups would straddle domains; choose a divisor of {n}")
 
 
 @app.command()
