@@ -18,6 +18,7 @@ from pathlib import Path
 from planner.cost import estimate_time, stage_times
 from planner.memory import estimate_memory
 from planner.presets import SpecError
+from planner.schedules import rank_actions
 from planner.specs import GIB, Scenario
 
 COLORS = {"weights": "#4e79a7", "grads": "#59a14f", "optimizer": "#9c755f", "activations": "#f28e2b",
@@ -53,38 +54,6 @@ class Op:
     end_s: float
 
 
-def _rank_order(p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
-    """Megatron's order of (kind, micro-batch, chunk) on pipeline rank ``r`` (schedules.py).
-
-    1F1B: ``p - r - 1`` warm-up forwards, then one forward and one backward in turn, then the
-    remaining backwards. Interleaved: forwards walk the chunks in groups of ``p`` micro-batches,
-    backwards the chunks in reverse, with ``2 (p - r - 1) + (v - 1) p`` warm-up forwards.
-    """
-    def unit(i: int, backward: bool) -> tuple[int, int]:
-        group, within = divmod(i, p * v)
-        chunk, mb = divmod(within, p)
-        return group * p + mb, (v - 1 - chunk) if backward else chunk
-
-    total = m * v
-    if v == 1:
-        fwd = [(i, 0) for i in range(m)]
-        bwd = [(i, 0) for i in range(m)]
-        warmup = min(m, p - r - 1)
-    else:
-        fwd = [unit(i, False) for i in range(total)]
-        bwd = [unit(i, True) for i in range(total)]
-        warmup = min(total, 2 * (p - r - 1) + (v - 1) * p)
-    order = [("F", *fwd[i]) for i in range(warmup)]
-    f, b = warmup, 0
-    while f < total:
-        order.append(("F", *fwd[f]))
-        f += 1
-        order.append(("B", *bwd[b]))
-        b += 1
-    order += [("B", *bwd[i]) for i in range(b, total)]
-    return order
-
-
 def simulate_timeline(sc: Scenario) -> list[Op]:
     """Start and end of every forward and backward of one step, from the cost model's per-micro-batch times.
 
@@ -97,7 +66,7 @@ def simulate_timeline(sc: Scenario) -> list[Op]:
     hop = [t.pp_comm / (2 * v) if p > 1 else 0.0 for t in times]  # one transfer
     fwd = [(t.fwd - t.pp_comm / 2) / v for t in times]
     bwd = [(t.bwd - t.pp_comm / 2) / v for t in times]
-    orders = [_rank_order(p, v, m, r) for r in range(p)]
+    orders = [rank_actions("megatron", p, v, m, r) for r in range(p)]
     pos, free = [0] * p, [0.0] * p
     done: dict[tuple, float] = {}
     ops: list[Op] = []
