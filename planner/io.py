@@ -37,8 +37,14 @@ def write_atomic(path: str | Path, text: str, force: bool = False, option: str =
 
 
 def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, option: str = "--out-dir") -> list[Path]:
-    """Write several files; check first that none would be replaced without ``force``, so it is all or nothing."""
+    """Write several files; check first that none would be replaced without ``force``, so it is all or nothing.
+
+    Every name must be a plain file name (no folder part, not hidden): nothing is written outside ``out_dir``.
+    """
     folder = Path(out_dir)
+    bad = [n for n in files if not n or n != Path(n).name or n.startswith(".") or "\\" in n or "\n" in n]
+    if bad:
+        raise SpecError(f"{option}: refusing to write {bad[0]!r}: not a plain file name inside {folder}")
     folder.mkdir(parents=True, exist_ok=True)
     clash = [name for name in files if (folder / name).exists()]
     if clash and not force:
