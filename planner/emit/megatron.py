@@ -8,6 +8,7 @@ every model-shape flag is written out explicitly.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from planner.names import slug
