@@ -168,6 +168,8 @@ MEGATRON_PLANS = {
     "zero3-fsdp-pp2": (L70, dict(tp=8, pp=2, dp=4, zero_stage=3, layers_per_stage=(40, 40))),
     "fp8": (L70 | {"precision": "fp8"}, dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
+    "8b-pp2-uneven-vpp2": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096),
+                           dict(tp=4, pp=2, dp=2, vpp=2, layers_per_stage=(14, 18), zero_stage=1)),
     "405b-uneven-pp16": (dict(model="llama3-405b", gpus=256, global_batch=256, seq_len=8192),
                          dict(tp=8, pp=16, dp=2, layers_per_stage=(7,) + (8,) * 14 + (7,),
                               sequence_parallel=True, zero_stage=1)),
