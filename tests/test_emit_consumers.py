@@ -425,3 +425,19 @@ def test_deepspeed_config_and_pipeline_constraint(monkeypatch, tmp_path, plan):
         with pytest.raises(SpecError, match="ZeRO 0 or 1"):
             render_all(sc.model_copy(update={"plan": Plan(tp=8, pp=4, dp=2, micro_batch_size=1,
                                                           zero_stage=p.zero_stage)}), ["deepspeed"])
+
+
+def test_emit_cli_with_a_hugging_face_style_name(runner, tmp_path):
+    """issue 17: a '/' in the name made `emit` fail; '$(...)' and newlines must stay inert."""
+    from planner.cli import app
+    from planner.render import scenario_json
+
+    for name in ["Qwen/Qwen2.5-7B", "x\n$(touch PWNED)"]:
+        plan = tmp_path / "plan.json"
+        plan.write_text(scenario_json(scenario("llama3-8b", 16, 32, 4096, name=name, tp=8, pp=2, dp=1)))
+        out = tmp_path / slug(name)
+        res = runner.invoke(app, ["emit", str(plan), "--format", "megatron,torchrun,slurm", "--out-dir", str(out)])
+        assert res.exit_code == 0, res.output
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            f"{slug(name)}_tp8-pp2-dp1_mbs1{ext}" for ext in (".megatron.args", ".plan.json", ".slurm", ".torchrun.sh"))
+    assert not list(tmp_path.rglob("PWNED"))
