@@ -170,6 +170,9 @@ MEGATRON_PLANS = {
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
     "8b-pp2-uneven-vpp2": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096),
                            dict(tp=4, pp=2, dp=2, vpp=2, layers_per_stage=(14, 18), zero_stage=1)),
+    # the README's estimate example (gpt3-175b on 64 A100s, tp8 pp8 vpp3, SP, selective)
+    "readme-gpt3-a100-vpp3": (dict(model="gpt3-175b", gpus=64, global_batch=64, seq_len=2048, hardware="a100-80gb"),
+                              dict(tp=8, pp=8, dp=1, vpp=3, sequence_parallel=True, recompute="selective")),
     "405b-uneven-pp16": (dict(model="llama3-405b", gpus=256, global_batch=256, seq_len=8192),
                          dict(tp=8, pp=16, dp=2, layers_per_stage=(7,) + (8,) * 14 + (7,),
                               sequence_parallel=True, zero_stage=1)),
@@ -208,18 +211,22 @@ def torchrun_world(argv: list[str]) -> tuple[int, str, list[str]]:
     return low * int(args.nproc_per_node), args.training_script, args.training_script_args
 
 
-def megatron_validate(mg, monkeypatch, argv: list[str], env_value: str):
+# compute capability major of the profiles' GPUs (NVIDIA CUDA GPUs list: A100 8.0, H100 9.0)
+ARCH = {"a100": 8, "h100": 9}
+
+
+def megatron_validate(mg, monkeypatch, argv: list[str], env_value: str, arch: int = 9):
     """Megatron's own startup on the captured torchrun argv, rank 0; returns (args, config, microbatches)."""
     world, script, script_args = torchrun_world(argv)
     assert script.endswith("/pretrain_gpt.py")
     arguments = mg["arguments"]
     # Shimmed, and nothing else: (1) get_device_arch_version() asks torch.cuda for device 0's compute
-    # capability; there is no GPU here. The plans are for H100 (compute capability 9.0, Hopper), so
-    # answer 9: the branch where validate_args checks CUDA_DEVICE_MAX_CONNECTIONS. (2) TransformerConfig
+    # capability; there is no GPU here. Answer the plan's GPU (9 for H100, 8 for A100): below 10 is
+    # the branch where validate_args checks CUDA_DEVICE_MAX_CONNECTIONS. (2) TransformerConfig
     # refuses the default --rope-fusion unless Transformer Engine's fused RoPE kernel imported
     # (rope_utils.fused_apply_rotary_pos_emb is None without TE); stand in a placeholder for that kernel,
     # as any GPU image with TE >= 1.4 has it.
-    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: arch)
     monkeypatch.setattr(mg["rope_utils"], "fused_apply_rotary_pos_emb", lambda *a, **k: None)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
@@ -257,8 +264,24 @@ def megatron_layers(mg, config) -> list[list[int]]:
 @pytest.mark.parametrize("case", MEGATRON_PLANS)
 def test_megatron_lm_accepts_emitted_torchrun_and_slurm(megatron, monkeypatch, tmp_path, case):
     job, plan = MEGATRON_PLANS[case]
-    sc = scenario(**job, **plan)
+    check_with_megatron(megatron, monkeypatch, tmp_path, scenario(**job, **plan))
+
+
+def test_megatron_lm_accepts_the_readme_search(megatron, monkeypatch, tmp_path):
+    """The README's `plan3d search` (llama3-70b, 64 H100s, batch 128, 8k): whatever plan it picks."""
+    from planner.candidates import SearchSpace
+    from planner.search import search
+
+    model, hw = load_model("llama3-70b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192)
+    best = search(model, hw, tr, SearchSpace()).best
+    check_with_megatron(megatron, monkeypatch, tmp_path, Scenario(model=model, hardware=hw, training=tr, plan=best))
+
+
+def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
     p, m = sc.resolved_plan(), sc.model
+    case = sc.plan.label()
+    arch = next(v for k, v in ARCH.items() if sc.hardware.name.startswith(k))
     written = write_all(tmp_path / "out", render_all(sc, ["torchrun", "slurm"]))
     scripts = [w for w in written if w.suffix in (".sh", ".slurm")]
     assert len(scripts) == 2
@@ -267,7 +290,7 @@ def test_megatron_lm_accepts_emitted_torchrun_and_slurm(megatron, monkeypatch, t
         # a user's shell may already export CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's TP advice)
         (argv, env_value), = run_script(script, tmp_path / "run", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
         assert env_value == ("<unset>" if fsdp else "1"), script.name
-        args, config, microbatches = megatron_validate(megatron, monkeypatch, argv, env_value)
+        args, config, microbatches = megatron_validate(megatron, monkeypatch, argv, env_value, arch)
         assert args.world_size == sc.training.num_gpus and args.data_parallel_size == p.dp
         assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size) == \
             (p.tp, p.pp, p.cp)
