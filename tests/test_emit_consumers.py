@@ -99,6 +99,7 @@ HOSTILE = ["$(touch PWNED)", "`touch PWNED`", "`id`", "a\nb", "x\ntouch PWNED", 
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_names_stay_in_out_dir_and_run_nothing(tmp_path, name):
     sc = scenario("llama3-8b", 16, 32, 4096, name=name, tp=8, pp=2, dp=1, sequence_parallel=True)
+    sc = sc.model_copy(update={"hardware": sc.hardware.model_copy(update={"name": name})})  # a profile's name too
     out = tmp_path / "deep" / "out"
     written = write_all(out, render_all(sc, ["megatron", "torchrun", "slurm", "deepspeed", "plan"]))
     assert len(written) == 5
