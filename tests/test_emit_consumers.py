@@ -288,6 +288,10 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
     assert len(scripts) == 2
     fsdp = p.zero_stage >= 2
     for script in scripts:
+        subprocess.run(["bash", "-n", str(script)], check=True)
+        if shutil.which("shellcheck"):  # test_hostile_names_... says when it is missing
+            res = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+            assert res.returncode == 0, res.stdout
         # a user's shell may already export CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's TP advice)
         (argv, env_value), = run_script(script, tmp_path / "run", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
         assert env_value == ("<unset>" if fsdp else "1"), script.name
