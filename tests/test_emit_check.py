@@ -310,3 +310,12 @@ def test_layout_strings_in_megatrons_shorthand():
     assert layout_string((2, 1), 1) == "Ett|tL"
     with pytest.raises(Exception, match="not a multiple"):
         layout_layers("Et|t|tL", 2)
+
+
+def test_layout_from_a_hostile_file_is_bounded(tmp_path):
+    from planner.emit.megatron import layout_layers
+
+    with pytest.raises(Exception, match="repeats more than"):
+        layout_layers("E(t|)*999999999999,L", 2)
+    with pytest.raises(Exception, match="longer than"):
+        layout_layers("E(tttt|)*12000,(tttt|)*12000,L", 2)  # each part allowed, together too long

@@ -87,13 +87,25 @@ def layout_string(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> st
     return "|".join(chunks)
 
 
+MAX_LAYOUT_CHARS = 100_000  # bounds what `plan3d check` unrolls from a file it is given
+
+
 def layout_layers(layout: str, pp: int) -> tuple[tuple[int, ...], int]:
     """(layers per pipeline stage, vpp) of a ``--pipeline-model-parallel-layout`` string: the inverse of
     :func:`layout_string`, with Megatron's ``(...)*n`` and ``x*n`` shorthands unrolled as its
     ``PipelineParallelLayerLayout.parse_str_to_list`` does."""
     text = layout.replace(",", "")
+
+    def unroll(m: re.Match) -> str:
+        if len(m.group(2)) > 6 or len(m.group(1)) * int(m.group(2)) > MAX_LAYOUT_CHARS:
+            raise SpecError(f"--pipeline-model-parallel-layout: '{m.group(0)[:40]}' repeats more than "
+                            f"{MAX_LAYOUT_CHARS} characters; no model has that many layers")
+        return m.group(1) * int(m.group(2))
+
     for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+        text = re.sub(pattern, unroll, text)
+        if len(text) > MAX_LAYOUT_CHARS:
+            raise SpecError(f"--pipeline-model-parallel-layout: longer than {MAX_LAYOUT_CHARS} characters unrolled")
     chunks = text.split("|")
     if pp < 1 or len(chunks) % pp:
         raise SpecError(f"--pipeline-model-parallel-layout: {len(chunks)} virtual stages are not a multiple of "
