@@ -283,9 +283,12 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
     p, m = sc.resolved_plan(), sc.model
     case = sc.plan.label()
     arch = next(v for k, v in ARCH.items() if sc.hardware.name.startswith(k))
-    written = write_all(tmp_path / "out", render_all(sc, ["torchrun", "slurm"]))
+    written = write_all(tmp_path / "out", render_all(sc, ["megatron", "torchrun", "slurm"]))
     scripts = [w for w in written if w.suffix in (".sh", ".slurm")]
     assert len(scripts) == 2
+    (args_file,) = [w for w in written if w.name.endswith(".megatron.args")]
+    # the argument file, passed on as docs/emit.md says: $(grep -v '^#' FILE), i.e. split on whitespace
+    file_words = " ".join(ln for ln in args_file.read_text().splitlines() if not ln.startswith("#")).split()
     fsdp = p.zero_stage >= 2
     for script in scripts:
         subprocess.run(["bash", "-n", str(script)], check=True)
@@ -295,6 +298,7 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         # a user's shell may already export CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's TP advice)
         (argv, env_value), = run_script(script, tmp_path / "run", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
         assert env_value == ("<unset>" if fsdp else "1"), script.name
+        assert torchrun_world(argv)[2] == file_words, "the .megatron.args file passes what the scripts pass"
         args, config, microbatches = megatron_validate(megatron, monkeypatch, argv, env_value, arch)
         assert args.world_size == sc.training.num_gpus and args.data_parallel_size == p.dp
         assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size) == \
