@@ -212,6 +212,10 @@ def _zero_stage(f: Flags) -> int:
 
 
 def _layers_per_stage(f: Flags, layers: int, pp: int) -> list[int] | None:
+    if f.has("--pipeline-model-parallel-layout"):
+        from planner.emit.megatron import layout_layers
+
+        return list(layout_layers(str(f.get("--pipeline-model-parallel-layout")), pp)[0])
     first, last = f.int("--decoder-first-pipeline-num-layers"), f.int("--decoder-last-pipeline-num-layers")
     if pp == 1 or (first is None and last is None):
         return None
@@ -243,6 +247,10 @@ def scenario_from_flags(f: Flags, hardware: HardwareSpec, gpus: int | None) -> S
         vpp = max(1, model.num_layers // (pp * per_chunk)) if per_chunk else 1
     elif f.has("--num-virtual-stages-per-pipeline-rank"):
         vpp = f.int("--num-virtual-stages-per-pipeline-rank")
+    elif f.has("--pipeline-model-parallel-layout"):
+        from planner.emit.megatron import layout_layers
+
+        vpp = layout_layers(str(f.get("--pipeline-model-parallel-layout")), pp)[1]
     granularity = f.get("--recompute-granularity") or ("selective" if f.has("--recompute-activations") else None)
     training = {"num_gpus": n, "global_batch_size": f.int("--global-batch-size", mbs * dp),
                 "seq_len": f.int("--seq-length"), "precision": "fp8" if f.has("--fp8-format") else "bf16",

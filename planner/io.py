@@ -57,10 +57,13 @@ def make_folder(out_dir: str | Path, option: str) -> Path:
 
 
 def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, option: str = "--out-dir") -> list[Path]:
-    """Write several files; check first that none would be replaced without ``force``, so it is all or nothing."""
-    bad = [name for name in files if Path(name).name != name or name in (".", "..") or "\n" in name]
+    """Write several files; check first that none would be replaced without ``force``, so it is all or nothing.
+
+    Every name must be a plain file name (no folder part, not hidden): nothing is written outside ``out_dir``.
+    """
+    bad = [n for n in files if not n or n != Path(n).name or n.startswith(".") or "\\" in n or "\n" in n]
     if bad:  # file names come from planner.names.slug; this guards the folder whatever a caller passes
-        raise SpecError(f"{option}: refusing to write {bad[0]!r} outside {out_dir}")
+        raise SpecError(f"{option}: refusing to write {bad[0]!r}: not a plain file name inside {out_dir}")
     folder = make_folder(out_dir, option)
     clash = [name for name in files if (folder / name).exists()]
     if clash and not force:

@@ -72,12 +72,9 @@ SCENARIOS = {"plain": {}, "uneven": {"layers_per_stage": (19, 21, 21, 19)}, "int
 
 @pytest.mark.parametrize("case", SCENARIOS)
 def test_every_megatron_flag_is_in_megatron_lm(tmp_path, case):
-    files = _write(tmp_path, _llama_scenario(**SCENARIOS[case]), ["megatron", "deepspeed"])
-    for name, path in files.items():
-        if name.endswith(".args"):
-            flags = set(read_flags(path).values)
-            deepspeed_only = {"--deepspeed", "--deepspeed_config", "--zero-stage"}  # Megatron-DeepSpeed's own
-            assert flags - deepspeed_only <= MEGATRON_FLAGS, flags - MEGATRON_FLAGS
+    (path,) = _write(tmp_path, _llama_scenario(**SCENARIOS[case]), ["megatron"]).values()
+    flags = set(read_flags(path).values)
+    assert flags <= MEGATRON_FLAGS, flags - MEGATRON_FLAGS
 
 
 @pytest.mark.parametrize("case", SCENARIOS)
@@ -280,3 +277,45 @@ def test_check_plan_file_and_headroom(runner, tmp_path):
     assert runner.invoke(app, ["check", str(plan)]).exit_code == 0
     tight = runner.invoke(app, ["check", str(plan), "--hardware", "h100-sxm-80gb", "--headroom", "0.5"])
     assert tight.exit_code == 1
+
+
+LAYOUTS = {"stored-even-vpp2": {"vpp": 2, "layers_per_stage": (20, 20, 20, 20)},
+           "uneven-vpp2": {"vpp": 2, "layers_per_stage": (18, 22, 22, 18)},
+           "uneven-middle": {"layers_per_stage": (20, 15, 25, 20)},
+           "uneven-middle-vpp2": {"vpp": 2, "layers_per_stage": (20, 16, 24, 20)}}
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_check_reads_back_every_pipeline_layout(tmp_path, case):
+    """Even lists stored in plan files get no uneven flags; uneven middles are a layout, never evened."""
+    sc = _llama_scenario(**LAYOUTS[case])
+    files = _write(tmp_path, sc, ["megatron", "torchrun", "slurm"])
+    for name, path in files.items():
+        if name.endswith(".plan.json"):
+            continue
+        text = path.read_text()
+        assert ("--decoder-first-pipeline-num-layers" in text) == (case == "uneven-vpp2"), name
+        assert ("--pipeline-model-parallel-layout" in text) == case.startswith("uneven-middle"), name
+        result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+        assert not result.errors, result.errors
+        assert result.scenario.resolved_plan() == sc.resolved_plan(), name
+
+
+def test_layout_strings_in_megatrons_shorthand():
+    from planner.emit.megatron import layout_layers, layout_string
+
+    # Megatron's own docstring example form (pipeline_parallel_layer_layout.py): "Ettt|(tt|)*29,m|L"
+    assert layout_layers("Et*20|t*15|t*25|t*20L", 4) == ((20, 15, 25, 20), 1)
+    assert layout_layers("E|(tt|)*6,L", 2) == ((6, 6), 4)
+    assert layout_string((2, 1), 1) == "Ett|tL"
+    with pytest.raises(Exception, match="not a multiple"):
+        layout_layers("Et|t|tL", 2)
+
+
+def test_layout_from_a_hostile_file_is_bounded(tmp_path):
+    from planner.emit.megatron import layout_layers
+
+    with pytest.raises(Exception, match="repeats more than"):
+        layout_layers("E(t|)*999999999999,L", 2)
+    with pytest.raises(Exception, match="longer than"):
+        layout_layers("E(tttt|)*12000,(tttt|)*12000,L", 2)  # each part allowed, together too long

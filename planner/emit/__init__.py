@@ -6,6 +6,7 @@ names carry the plan, e.g. ``llama3-70b_tp8-pp4-dp16_mbs1.slurm``.
 
 from __future__ import annotations
 
+from planner.names import slug
 from planner.presets import SpecError
 from planner.specs import Scenario
 
@@ -13,7 +14,8 @@ FORMATS = ("megatron", "torchrun", "slurm", "deepspeed", "torchtitan", "plan")
 
 
 def stem(sc: Scenario) -> str:
-    return f"{sc.model.name}_{sc.plan.label()}"
+    """The file-name stem: the model name's slug (no ``/``, ``..``, spaces or shell syntax) and the plan."""
+    return f"{slug(sc.model.name)}_{sc.plan.label()}"
 
 
 def parse_formats(text: str) -> list[str]:
@@ -41,9 +43,7 @@ def render_all(sc: Scenario, formats: list[str]) -> dict[str, str]:
             out[f"{base}.slurm"] = slurm.render(sc, plan_name)
             out[plan_name] = render.scenario_json(sc)
         elif fmt == "deepspeed":
-            config_name = f"{base}.deepspeed.json"
-            out[config_name] = deepspeed.render_config(sc)
-            out[f"{base}.megatron-deepspeed.args"] = deepspeed.render_args(sc, config_name)
+            out[f"{base}.deepspeed.json"] = deepspeed.render_config(sc)
         elif fmt == "torchtitan":
             out[f"{base}.torchtitan.sh"] = torchtitan.render(sc)
         elif fmt == "plan":

@@ -1,16 +1,21 @@
-"""DeepSpeed JSON config plus the Megatron-DeepSpeed flags for a plan.
+"""The DeepSpeed JSON config for a plan.
 
 Keys are DeepSpeed's (``deepspeed/runtime/config.py``): ``train_batch_size`` =
 ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x data-parallel size,
-``zero_optimization.stage``, ``bf16.enabled`` / ``fp16.enabled``. Megatron-DeepSpeed's pipeline
-engine supports ZeRO stage 0 or 1 only, and it has no context parallelism.
+``zero_optimization.stage``, ``bf16.enabled`` / ``fp16.enabled``. DeepSpeed's pipeline engine
+(``deepspeed/runtime/pipe/engine.py``) takes ZeRO stage 0 or 1 only; the config has no context
+parallelism.
+
+No Megatron-DeepSpeed argument file is written: Megatron-DeepSpeed's parser is a fork of an old
+Megatron-LM one (no ``RMSNorm`` choice, no ``--group-query-attention``, ``--num-query-groups``,
+``--position-embedding-type``, ``--decoder-first/last-pipeline-num-layers``, ``--overlap-grad-reduce``
+or ``--mock-data``), and plan3d has no copy of it to test against (docs/emit.md).
 """
 
 from __future__ import annotations
 
 import json
 
-from planner.emit import megatron
 from planner.presets import SpecError
 from planner.specs import Scenario
 
@@ -34,24 +39,15 @@ def config(sc: Scenario) -> dict:
 def check_supported(sc: Scenario) -> None:
     p = sc.plan
     if p.cp > 1:
-        raise SpecError(f"--emit deepspeed: Megatron-DeepSpeed has no context parallelism (plan has cp={p.cp})")
+        raise SpecError(f"--emit deepspeed: DeepSpeed's config has no context parallelism (plan has cp={p.cp})")
     if p.pp > 1 and p.zero_stage > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's pipeline engine takes ZeRO 0 or 1, not {p.zero_stage} with pp={p.pp}")
     if sc.training.precision == "fp8":
-        raise SpecError("--emit deepspeed: the Megatron-DeepSpeed config written here has no fp8 recipe; use bf16")
+        raise SpecError("--emit deepspeed: the DeepSpeed config written here has no fp8 recipe; use bf16")
+    if p.vpp > 1:
+        raise SpecError(f"--emit deepspeed: DeepSpeed's pipeline engine has no interleaved schedule (plan has vpp={p.vpp})")
 
 
 def render_config(sc: Scenario) -> str:
     check_supported(sc)
     return json.dumps(config(sc), indent=2) + "\n"
-
-
-def render_args(sc: Scenario, config_name: str) -> str:
-    """Megatron-DeepSpeed ``pretrain_gpt.py`` flags: the Megatron model/TP/PP flags plus DeepSpeed's."""
-    check_supported(sc)
-    drop = {"--use-distributed-optimizer", "--overlap-param-gather", "--use-megatron-fsdp",
-            "--data-parallel-sharding-strategy", "--attention-backend", "--context-parallel-size"}
-    flags = [f for f in megatron.megatron_flags(sc) if f[0] not in drop]
-    flags += [("--deepspeed", None), ("--deepspeed_config", config_name), ("--zero-stage", str(sc.plan.zero_stage))]
-    body = megatron.args_block(flags, indent="").replace('"${TRAIN_ITERS:-20}"', "20")
-    return megatron.header(sc, "Megatron-DeepSpeed pretrain_gpt.py arguments") + body + "\n"

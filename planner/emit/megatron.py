@@ -8,6 +8,11 @@ every model-shape flag is written out explicitly.
 
 from __future__ import annotations
 
+import re
+import shlex
+
+from planner.names import slug
+from planner.presets import SpecError
 from planner.specs import Scenario
 
 Flag = tuple[str, "str | None"]
@@ -49,18 +54,101 @@ def model_flags(sc: Scenario) -> list[Flag]:
     return flags
 
 
+def is_even(sc: Scenario) -> bool:
+    """True when every pipeline stage holds the same number of layers.
+
+    Plan files always store ``layers_per_stage`` (``Scenario.resolved_plan``), so an explicit list equal
+    to the even split is an even pipeline and gets no uneven-pipeline flags.
+    """
+    layers = sc.stage_layers
+    return len(set(layers)) == 1
+
+
+def layout_string(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> str:
+    """Megatron-LM's ``--pipeline-model-parallel-layout`` for a plan's stages, written out in full.
+
+    Source: Megatron-LM core_v0.16.1 ``megatron/core/transformer/pipeline_parallel_layer_layout.py``:
+    the string lists the virtual stages separated by ``|``, virtual stage ``v * pp + r`` being chunk
+    ``v`` of pipeline rank ``r``; ``E`` is the embedding, ``t`` one transformer layer, ``L`` the loss,
+    which must come first and last. A stage of ``n`` layers is split into ``vpp`` chunks of ``n / vpp``
+    (as Megatron's ``--decoder-first-pipeline-num-layers`` with ``--num-virtual-stages-per-pipeline-rank``
+    splits it). No ``*`` shorthand: the string holds no shell glob character.
+    """
+    pp = len(layers_per_stage)
+    chunks = []
+    for v in range(vpp):
+        for r in range(pp):
+            text = "t" * (layers_per_stage[r] // vpp)
+            if v == 0 and r == 0:
+                text = "E" + text
+            if v == vpp - 1 and r == pp - 1:
+                text += "L"
+            chunks.append(text)
+    return "|".join(chunks)
+
+
+MAX_LAYOUT_CHARS = 100_000  # bounds what `plan3d check` unrolls from a file it is given
+
+
+def layout_layers(layout: str, pp: int) -> tuple[tuple[int, ...], int]:
+    """(layers per pipeline stage, vpp) of a ``--pipeline-model-parallel-layout`` string: the inverse of
+    :func:`layout_string`, with Megatron's ``(...)*n`` and ``x*n`` shorthands unrolled as its
+    ``PipelineParallelLayerLayout.parse_str_to_list`` does."""
+    text = layout.replace(",", "")
+
+    def unroll(m: re.Match) -> str:
+        if len(m.group(2)) > 6 or len(m.group(1)) * int(m.group(2)) > MAX_LAYOUT_CHARS:
+            raise SpecError(f"--pipeline-model-parallel-layout: '{m.group(0)[:40]}' repeats more than "
+                            f"{MAX_LAYOUT_CHARS} characters; no model has that many layers")
+        return m.group(1) * int(m.group(2))
+
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, unroll, text)
+        if len(text) > MAX_LAYOUT_CHARS:
+            raise SpecError(f"--pipeline-model-parallel-layout: longer than {MAX_LAYOUT_CHARS} characters unrolled")
+    chunks = text.split("|")
+    if pp < 1 or len(chunks) % pp:
+        raise SpecError(f"--pipeline-model-parallel-layout: {len(chunks)} virtual stages are not a multiple of "
+                        f"--pipeline-model-parallel-size {pp}")
+    vpp = len(chunks) // pp
+    stages = tuple(sum(chunks[v * pp + r].count("t") for v in range(vpp)) for r in range(pp))
+    return stages, vpp
+
+
+def pipeline_flags(sc: Scenario) -> list[Flag]:
+    """How the layers go onto pipeline stages, in the form Megatron-LM core_v0.16.1 accepts.
+
+    ``validate_args`` (``megatron/training/arguments.py``) takes at most one of
+    ``--num-layers-per-virtual-pipeline-stage``, ``--num-virtual-stages-per-pipeline-rank`` and
+    ``--pipeline-model-parallel-layout``, and refuses ``--decoder-first/last-pipeline-num-layers``
+    with the first ("please use --num-virtual-stages-per-pipeline-rank ..."). ``TransformerConfig``
+    gives every middle stage the same count, so stages whose middle differs (20/15/25/20) are written
+    as a layout, which expresses any assignment exactly.
+    """
+    p = sc.resolved_plan()
+    if p.pp == 1:
+        return []
+    layers = p.layers_per_stage
+    vpp_flag: list[Flag] = [("--num-virtual-stages-per-pipeline-rank", str(p.vpp))] if p.vpp > 1 else []
+    if is_even(sc):
+        return vpp_flag
+    if len(set(layers[1:-1])) <= 1:
+        return [("--decoder-first-pipeline-num-layers", str(layers[0])),
+                ("--decoder-last-pipeline-num-layers", str(layers[-1]))] + vpp_flag
+    return [("--pipeline-model-parallel-layout", layout_string(layers, p.vpp))]
+
+
+def uses_megatron_fsdp(sc: Scenario) -> bool:
+    return sc.plan.zero_stage >= 2
+
+
 def parallel_flags(sc: Scenario) -> list[Flag]:
     p, tr = sc.resolved_plan(), sc.training
     flags: list[Flag] = [
         ("--tensor-model-parallel-size", str(p.tp)), ("--pipeline-model-parallel-size", str(p.pp)),
         ("--context-parallel-size", str(p.cp)),
     ]
-    if p.vpp > 1:
-        flags.append(("--num-layers-per-virtual-pipeline-stage", str(sc.model.num_layers // (p.pp * p.vpp))))
-    if p.pp > 1 and sc.plan.layers_per_stage is not None:
-        layers = p.layers_per_stage
-        flags += [("--decoder-first-pipeline-num-layers", str(layers[0])),
-                  ("--decoder-last-pipeline-num-layers", str(layers[-1]))]
+    flags += pipeline_flags(sc)
     if p.sequence_parallel:
         flags.append(("--sequence-parallel", None))
     if p.recompute == "selective":
@@ -69,6 +157,8 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                   ("--recompute-num-layers", "1")]
     flags += ZERO_FLAGS[p.zero_stage]
+    if uses_megatron_fsdp(sc):  # validate_args: "Megatron FSDP only supports fsdp_dtensor checkpoint format"
+        flags.append(("--ckpt-format", "fsdp_dtensor"))
     flags += [("--micro-batch-size", str(p.micro_batch_size)), ("--global-batch-size", str(tr.global_batch_size)),
               ("--seq-length", str(tr.seq_len)), ("--bf16", None)]
     if tr.precision == "fp8":
@@ -96,37 +186,57 @@ def megatron_flags(sc: Scenario) -> list[Flag]:
 
 def annotations(sc: Scenario) -> list[str]:
     """Facts no Megatron-LM flag carries, as ``# plan3d: key=value`` comments that `plan3d check` reads:
-    the model's name, the GPU count (the launcher carries it in scripts, not in an argument file)
-    and a BLOOM-style embedding norm."""
-    notes = [f"name={sc.model.name}", f"num_gpus={sc.training.num_gpus}"]
+    the model's name (as its slug: a name may hold newlines or shell syntax), the GPU count (the
+    launcher carries it in scripts, not in an argument file) and a BLOOM-style embedding norm."""
+    notes = [f"name={slug(sc.model.name)}", f"num_gpus={sc.training.num_gpus}"]
     if sc.model.embedding_norm:
         notes.append("embedding_norm=true")
     return notes
 
 
-def args_block(flags: list[Flag], indent: str = "  ") -> str:
+def args_block(flags: list[Flag], indent: str = "  ", quote: bool = True) -> str:
+    """One flag per line. In a script (``quote``) every value is one shell word (``shlex.quote``), or a
+    ``${VAR:-default}`` expansion in double quotes; an argument file keeps values as they are."""
     lines = []
     for flag, value in flags:
         if value is None:
             lines.append(f"{indent}{flag}")
         elif value.startswith("${"):
-            lines.append(f'{indent}{flag} "{value}"')
+            lines.append(f'{indent}{flag} "{value}"' if quote else f"{indent}{flag} {value}")
         else:
-            lines.append(f"{indent}{flag} {value}")
+            lines.append(f"{indent}{flag} {shlex.quote(value) if quote else value}")
     return "\n".join(lines)
 
 
 def header(sc: Scenario, what: str) -> str:
+    """Comment lines naming the plan. Names appear only as slugs (``planner.names.slug``), so nothing
+    from a model or hardware name can end a comment line or run as a command."""
     notes = "\n".join(f"# plan3d: {n}" for n in annotations(sc))
-    return (f"# {what} for {sc.model.name}: {sc.plan.label()} on {sc.training.num_gpus} x {sc.hardware.name}\n"
+    return (f"# {what} for {slug(sc.model.name)}: {sc.plan.label()} on {sc.training.num_gpus} x "
+            f"{slug(sc.hardware.name, 'gpu')}\n"
             f"# Written by plan3d; `plan3d check` reads this file back.\n{notes}\n")
+
+
+def env_lines(sc: Scenario) -> str:
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` as Megatron-LM core_v0.16.1 ``validate_args`` demands it: 1 for
+    tensor/context parallelism (before Blackwell), anything but 1 with Megatron FSDP (ZeRO-2/3)."""
+    if uses_megatron_fsdp(sc):
+        return ("# Megatron FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py)\n"
+                "unset CUDA_DEVICE_MAX_CONNECTIONS")
+    return "export CUDA_DEVICE_MAX_CONNECTIONS=1"
+
+
+def env_note(sc: Scenario) -> str:
+    if uses_megatron_fsdp(sc):
+        return "# Run with CUDA_DEVICE_MAX_CONNECTIONS unset (Megatron FSDP refuses 1).\n"
+    return "# Run with CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM requires it for tensor/context parallelism).\n"
 
 
 def render_args(sc: Scenario) -> str:
     """An argument file: one Megatron-LM flag per line, comments allowed (`plan3d check` reads it;
     pass it on with ``$(grep -v '^#' FILE)``)."""
-    body = args_block(megatron_flags(sc), indent="").replace('"${TRAIN_ITERS:-20}"', "20")
-    return header(sc, "Megatron-LM pretrain_gpt.py arguments") + body + "\n"
+    body = args_block(megatron_flags(sc), indent="", quote=False).replace("${TRAIN_ITERS:-20}", "20")
+    return header(sc, "Megatron-LM pretrain_gpt.py arguments") + env_note(sc) + body + "\n"
 
 
 def render(sc: Scenario, launcher: str) -> str:
@@ -135,7 +245,7 @@ def render(sc: Scenario, launcher: str) -> str:
 {header(sc, "Megatron-LM pretrain_gpt.py under torchrun")}# MEGATRON_LM points at a Megatron-LM checkout.
 set -euo pipefail
 MEGATRON_LM="${{MEGATRON_LM:-$PWD/Megatron-LM}}"
-export CUDA_DEVICE_MAX_CONNECTIONS=1
+{env_lines(sc)}
 
 MEGATRON_ARGS=(
 {args_block(megatron_flags(sc))}

@@ -2,18 +2,23 @@
 
 Slurm's own directives (``sbatch`` man page): ``--nodes``, ``--ntasks-per-node``, ``--gpus-per-node``,
 ``--exclusive``. NCCL environment: ``NCCL_DEBUG`` and ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (PyTorch),
-``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron-LM requires it for its TP/SP communication overlap).
+``CUDA_DEVICE_MAX_CONNECTIONS`` as Megatron-LM's ``validate_args`` demands (``megatron.env_lines``).
+The job name is the file stem, a slug (``planner.names.slug``): nothing from a model name reaches
+the shell unquoted.
 """
 
 from __future__ import annotations
 
 from planner.emit import megatron, torchrun
+from planner.names import slug
 from planner.specs import Scenario
 
 
 def render(sc: Scenario, plan_file: str) -> str:
     n, per_node = torchrun.nodes(sc)
-    stem = f"{sc.model.name}_{sc.plan.label()}"
+    stem = f"{slug(sc.model.name)}_{sc.plan.label()}"
+    if slug(plan_file) != plan_file:  # written inside double quotes below: only slug characters may appear
+        raise ValueError(f"plan file name {plan_file!r} is not a slug")
     return f"""#!/bin/bash
 #SBATCH --job-name=plan3d-{stem}
 #SBATCH --nodes={n}
@@ -31,7 +36,7 @@ MEGATRON_LM="${{MEGATRON_LM:-$PWD/Megatron-LM}}"
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 MASTER_PORT="${{MASTER_PORT:-29500}}"
 export MASTER_ADDR MASTER_PORT
-export CUDA_DEVICE_MAX_CONNECTIONS=1
+{megatron.env_lines(sc)}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export NCCL_DEBUG="${{NCCL_DEBUG:-WARN}}"
 # Cluster-specific: set NCCL_SOCKET_IFNAME / NCCL_IB_HCA here if NCCL does not pick the right interfaces.

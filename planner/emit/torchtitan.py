@@ -7,26 +7,92 @@ Option names are torchtitan's (``torchtitan/config/configs.py::ParallelismConfig
 (``fsdp_reshard_after_forward = never`` for 2). torchtitan has no optimizer-only sharding, so
 ZeRO 1 is written as ZeRO 2. torchtitan's selective recompute is per-op SAC, not Megatron's
 attention-core recompute.
+
+Batches (``torchtitan/trainer.py``): gradient accumulation steps = global batch / (local batch x DP);
+with PP the local batch is split into ``local / pipeline_parallel_microbatch_size`` pipeline
+micro-batches, without PP it runs as one forward. So the local batch is the plan's micro-batch when
+pp = 1 (accumulation = the plan's micro-batch count) and all of a step's micro-batches when pp > 1.
+
+Precision: torchtitan 0.3.0 sets float8 in its config-registry functions (``model_registry(...,
+converters=[Float8LinearConverter...])``), not on the command line. Of the presets plan3d maps,
+``llama3_405b`` always converts to float8 and ``llama3_8b``/``llama3_70b`` never do, so a plan whose
+precision differs from its preset's is refused rather than run in the wrong precision.
 """
 
 from __future__ import annotations
 
+import math
+
 from planner.emit import megatron, torchrun
+from planner.names import slug
 from planner.presets import SpecError
 from planner.specs import Scenario
 
-# plan3d preset -> (torchtitan --module, --config)
-REGISTRY = {"llama3-8b": ("llama3", "llama3_8b"), "llama3-70b": ("llama3", "llama3_70b"),
-            "llama3-405b": ("llama3", "llama3_405b")}
+# plan3d preset -> (torchtitan --module, --config, the precision that config trains in)
+REGISTRY = {"llama3-8b": ("llama3", "llama3_8b", "bf16"), "llama3-70b": ("llama3", "llama3_70b", "bf16"),
+            "llama3-405b": ("llama3", "llama3_405b", "fp8")}
+
+
+def split_layers(num_stages: int, num_layers: int, input_weight: int, output_weight: int) -> list[int] | None:
+    """Transformer layers on each virtual stage as torchtitan assigns them, or None where it refuses.
+
+    Source: torchtitan 0.3.0 ``torchtitan/distributed/pipeline_parallel.py::_generate_llm_fqn_per_model_part``:
+    ``num_layers + input_weight + output_weight`` effective layers are spread evenly (the first
+    ``extra`` stages get one more); the first stage gives ``input_weight`` of its share to the
+    embedding, the last ``output_weight`` to the norm and head. tests/test_emit_consumers.py
+    compares this with torchtitan's own function.
+    """
+    if num_stages == 1:
+        return [num_layers]
+    effective = num_layers + input_weight + output_weight
+    if num_stages > effective:
+        return None
+    per_stage, extra = divmod(effective, num_stages)
+    if per_stage == 0 or input_weight > per_stage or output_weight > per_stage:
+        return None
+    out, left = [], num_layers
+    for i in range(num_stages):
+        share = per_stage + (1 if i < extra else 0)
+        share -= input_weight if i == 0 else output_weight if i == num_stages - 1 else 0
+        take = min(share, left)
+        out.append(take)
+        left -= take
+    return out
+
+
+def stage_options(sc: Scenario) -> tuple[int, int, int]:
+    """(``pipeline_parallel_layers_per_stage``, first-stage less layers, last-stage less layers) with which
+    torchtitan puts exactly the plan's layers on every virtual stage.
+
+    torchtitan's "stage" is a virtual stage: ``ceil((L + first_less + last_less) / layers_per_stage)`` of
+    them (``_get_pipeline_metadata``), virtual stage ``s`` on rank ``s % pp`` (looped schedules). The
+    plan puts ``layers_per_stage[r] / vpp`` layers on each chunk of rank ``r``.
+    """
+    p = sc.resolved_plan()
+    layers, num_stages = sc.model.num_layers, p.pp * p.vpp
+    wanted = [p.layers_per_stage[s % p.pp] // p.vpp for s in range(num_stages)]
+    for first_less in range(max(wanted) + 1):
+        for last_less in range(max(wanted) + 1):
+            if split_layers(num_stages, layers, first_less, last_less) != wanted:
+                continue
+            per_stage = math.ceil((layers + first_less + last_less) / num_stages)
+            if math.ceil((layers + first_less + last_less) / per_stage) == num_stages:
+                return per_stage, first_less, last_less
+    raise SpecError(f"--emit torchtitan: torchtitan can only shorten the first and last virtual stage, so it cannot "
+                    f"place {list(p.layers_per_stage)} layers on pp={p.pp} x vpp={p.vpp} stages; use --format megatron")
 
 
 def args(sc: Scenario) -> list[str]:
     if sc.model.name not in REGISTRY:
-        raise SpecError(f"--emit torchtitan: torchtitan ships no model for {sc.model.name}; "
+        raise SpecError(f"--emit torchtitan: torchtitan ships no model for {slug(sc.model.name)}; "
                         f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets")
     p, tr = sc.resolved_plan(), sc.training
-    module, config = REGISTRY[sc.model.name]
+    module, config, precision = REGISTRY[sc.model.name]
+    if tr.precision != precision:
+        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's {config} trains in {precision} and its command line "
+                        f"cannot change that; the plan is {tr.precision} (use --format megatron)")
     sharded = p.zero_stage >= 1 and p.dp > 1
+    local_batch = p.micro_batch_size * (p.num_microbatches if p.pp > 1 else 1)
     out = ["--module", module, "--config", config,
            "--parallelism.data_parallel_replicate_degree", str(1 if sharded else p.dp),
            "--parallelism.data_parallel_shard_degree", str(p.dp if sharded else 1),
@@ -37,22 +103,14 @@ def args(sc: Scenario) -> list[str]:
            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B" if p.vpp > 1 else "1F1B",
            "--parallelism.pipeline_parallel_microbatch_size", str(p.micro_batch_size),
            "--parallelism.context_parallel_degree", str(p.cp),
-           "--training.local_batch_size", str(p.micro_batch_size * p.num_microbatches),
+           "--training.local_batch_size", str(local_batch),
            "--training.global_batch_size", str(tr.global_batch_size),
            "--training.seq_len", str(tr.seq_len)]
     if p.pp > 1:
-        if sc.plan.layers_per_stage is None:
-            out += ["--parallelism.pipeline_parallel_layers_per_stage", str(sc.model.num_layers // (p.pp * p.vpp)),
-                    "--parallelism.pipeline_parallel_first_stage_less_layers", "0",
-                    "--parallelism.pipeline_parallel_last_stage_less_layers", "0"]
-        else:
-            mid = p.layers_per_stage[1] if p.pp > 2 else max(p.layers_per_stage)
-            if max(p.layers_per_stage[0], p.layers_per_stage[-1]) > mid:
-                raise SpecError("--emit torchtitan: torchtitan can only give the first and last stages fewer "
-                                f"layers, not {list(p.layers_per_stage)}")
-            out += ["--parallelism.pipeline_parallel_layers_per_stage", str(mid),
-                    "--parallelism.pipeline_parallel_first_stage_less_layers", str(mid - p.layers_per_stage[0]),
-                    "--parallelism.pipeline_parallel_last_stage_less_layers", str(mid - p.layers_per_stage[-1])]
+        per_stage, first_less, last_less = stage_options(sc)
+        out += ["--parallelism.pipeline_parallel_layers_per_stage", str(per_stage),
+                "--parallelism.pipeline_parallel_first_stage_less_layers", str(first_less),
+                "--parallelism.pipeline_parallel_last_stage_less_layers", str(last_less)]
         out.append("--training.disable_cuda_graphs")  # torchtitan: CUDA graphs do not support PP yet
     out.append(f"activation_checkpoint:{p.recompute}")
     return out

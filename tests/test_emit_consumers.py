@@ -1,0 +1,475 @@
+"""Emitted launch files run through their consumers' own startup checks, and hostile model names.
+
+* Names: a model name (from YAML or a Hugging Face ``_name_or_path``) may hold ``/``, ``..``, quotes,
+  ``$(...)``, backquotes or newlines. Emitted files must land inside the output folder, pass
+  ``bash -n`` and ``shellcheck``, and running them (with stand-in ``torchrun``/``srun``/``scontrol``
+  that only record their argv) must run nothing from the name.
+* Megatron-LM core_v0.16.1 (the tarball in ``../shared/consumers``): the argv that the emitted
+  torchrun and Slurm scripts actually pass (captured by the stand-ins) goes through Megatron's own
+  ``parse_args``, ``validate_args`` (with ``pretrain_gpt.py``'s ``args_defaults``), the model-config
+  build ``core_transformer_config_from_args`` and the micro-batch calculator; the layers Megatron
+  builds on each (pipeline rank, virtual stage) must be the plan's.
+* torchtitan 0.3.0: ``ConfigManager`` (which runs ``Trainer.Config.__post_init__``), ``ParallelDims``
+  validation, and the batch and pipeline-split checks of ``Trainer.__init__``/``pipeline_llm`` that
+  need no GPU.
+* DeepSpeed: ``DeepSpeedConfig`` and the pipeline engine's ZeRO constraint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from planner.emit import render_all
+from planner.io import write_all
+from planner.names import slug
+from planner.presets import SpecError, load_hardware, load_model
+from planner.specs import Plan, Scenario, TrainingSpec
+
+# ../shared beside the repository root (PLAN3D_SHARED overrides it, e.g. from a git worktree elsewhere)
+SHARED = Path(os.environ.get("PLAN3D_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
+MEGATRON_TARBALL = SHARED / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
+# pretrain_gpt.py (core_v0.16.1) calls pretrain(..., args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}).
+PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: str = "bf16",
+             hardware: str = "h100-sxm-80gb", name: str | None = None, **plan) -> Scenario:
+    m = load_model(model)
+    if name is not None:
+        m = m.model_copy(update={"name": name})
+    return Scenario(model=m, hardware=load_hardware(hardware),
+                    training=TrainingSpec(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len,
+                                          precision=precision),
+                    plan=Plan(**({"micro_batch_size": 1} | plan)))
+
+
+# --- stand-in launchers ---------------------------------------------------------------------------
+STAND_INS = {
+    # torchrun: record argv (NUL-separated) and CUDA_DEVICE_MAX_CONNECTIONS as the ranks would see it
+    "torchrun": """#!/usr/bin/env bash
+f="$(mktemp "$PLAN3D_CAPTURE/call.XXXXXX")"
+printf '%s\\0' "$@" > "$f.argv"
+printf '%s' "${CUDA_DEVICE_MAX_CONNECTIONS-<unset>}" > "$f.env"
+""",
+    # srun with --ntasks-per-node=1: run the command (once here)
+    "srun": '#!/usr/bin/env bash\nexec "$@"\n',
+    # scontrol show hostnames LIST
+    "scontrol": "#!/usr/bin/env bash\necho node0\n",
+}
+
+
+def run_script(script: Path, workdir: Path, env: dict[str, str] | None = None) -> list[tuple[list[str], str]]:
+    """Run an emitted script with stand-in launchers on PATH; every torchrun call's (argv, env value)."""
+    bin_dir, capture = workdir / "bin", workdir / "capture"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    capture.mkdir(exist_ok=True)
+    for name, text in STAND_INS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    nodes = next((ln.split("=", 1)[1] for ln in script.read_text().splitlines()
+                  if ln.startswith("#SBATCH --nodes=")), "1")
+    full_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(workdir), "PLAN3D_CAPTURE": str(capture),
+                # what sbatch sets for the job, and what a multi-node torchrun script asks for
+                "SLURM_NNODES": nodes, "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_JOB_ID": "1",
+                "MASTER_ADDR": "node0", "MEGATRON_LM": "/opt/Megatron-LM"} | (env or {})
+    subprocess.run(["bash", str(script)], cwd=workdir, env=full_env, check=True, timeout=60,
+                   capture_output=True)
+    calls = []
+    for argv_file in sorted(capture.glob("*.argv")):
+        argv = argv_file.read_bytes().decode().split("\0")[:-1]
+        calls.append((argv, argv_file.with_suffix(".env").read_text()))
+        argv_file.unlink()
+        argv_file.with_suffix(".env").unlink()
+    return calls
+
+
+# --- names ------------------------------------------------------------------------------------------
+HOSTILE = ["$(touch PWNED)", "`touch PWNED`", "`id`", "a\nb", "x\ntouch PWNED", "../../x", "/abs/x",
+           "Qwen/Qwen2.5-7B", "it's \"quoted\"", "; touch PWNED #", "-rf", "..", "${IFS}touch${IFS}PWNED"]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_names_stay_in_out_dir_and_run_nothing(tmp_path, name):
+    sc = scenario("llama3-8b", 16, 32, 4096, name=name, tp=8, pp=2, dp=1, sequence_parallel=True)
+    sc = sc.model_copy(update={"hardware": sc.hardware.model_copy(update={"name": name})})  # a profile's name too
+    out = tmp_path / "deep" / "out"
+    written = write_all(out, render_all(sc, ["megatron", "torchrun", "slurm", "deepspeed", "plan"]))
+    assert len(written) == 5
+    for path in written:
+        assert path.resolve().parent == out.resolve(), path
+        assert slug(path.name) == path.name and path.name.startswith(slug(name) + "_"), path.name
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)  # nothing else, nothing hidden
+    scripts = [p for p in written if p.suffix in (".sh", ".slurm")]
+    for path in scripts:
+        subprocess.run(["bash", "-n", str(path)], check=True)
+        if any(c in name for c in "$`\n'\";/"):  # the name appears only as its slug
+            assert name not in path.read_text()
+    plan_file = next(p for p in written if p.name.endswith(".plan.json"))
+    assert json.loads(plan_file.read_text())["model"]["name"] == name  # JSON keeps it, escaped
+    run = tmp_path / "run"
+    run.mkdir()
+    for path in scripts:
+        calls = run_script(path, run)
+        assert len(calls) == 1 and calls[0][0][0].startswith("--")
+        if path.suffix == ".slurm":  # validate mode: the plan file by its slug name
+            (argv, _), = run_script(path, run, {"MODE": "validate"})
+            assert argv[-5:] == ["planner.cli", "validate", plan_file.name, "--backend", "nccl"]
+    assert not list(tmp_path.rglob("PWNED")) and not Path("PWNED").exists()
+    assert not (tmp_path / "x").exists() and not (tmp_path / "deep" / "x").exists()
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (Debian package shellcheck; .ci/run installs it)")
+    for path in scripts:
+        res = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout
+
+
+def test_write_all_refuses_names_outside_the_folder(tmp_path):
+    for bad in ["../x.sh", "/abs/x.sh", "a/b.sh", ".hidden", "a\nb.sh", ""]:
+        with pytest.raises(SpecError, match="not a plain file name"):
+            write_all(tmp_path / "out", {bad: "echo\n"})
+    assert not (tmp_path / "x.sh").exists()
+
+
+def test_torchtitan_refusals_are_one_line_naming_the_slug():
+    sc = scenario("gpt3-175b", 64, 64, 2048, name="evil\n$(touch PWNED)", tp=8, pp=8, dp=1)
+    with pytest.raises(SpecError) as err:
+        render_all(sc, ["torchtitan"])
+    assert "\n" not in str(err.value) and "evil-touch-PWNED" in str(err.value)
+
+
+# --- Megatron-LM core_v0.16.1 --------------------------------------------------------------------------
+# Every plan kind plan3d writes: pp=1, even pp, stored even list (plan files), interleaved (vpp 2, 3),
+# uneven first/last, uneven + interleaved, uneven middle (+ interleaved), SP, recompute, ZeRO 0-3,
+# fp8, CP, GQA (llama) and MHA with learned positions and GeLU (GPT-3), SwiGLU (llama).
+L70 = dict(model="llama3-70b", gpus=64, global_batch=128, seq_len=8192)
+MEGATRON_PLANS = {
+    "pp1-zero0": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096), dict(tp=8, pp=1, dp=2)),
+    "pp4-sp-selective-zero1": (L70, dict(tp=8, pp=4, dp=2, sequence_parallel=True, recompute="selective",
+                                         zero_stage=1)),
+    "pp4-stored-even-vpp2": (L70, dict(tp=8, pp=4, dp=2, vpp=2, layers_per_stage=(20, 20, 20, 20),
+                                       sequence_parallel=True, zero_stage=1)),
+    "gpt3-vpp3-learned-gelu": (dict(model="gpt3-175b", gpus=64, global_batch=64, seq_len=2048),
+                               dict(tp=8, pp=4, dp=2, vpp=3, sequence_parallel=True, recompute="selective",
+                                    zero_stage=1)),
+    "uneven-first-last": (L70, dict(tp=8, pp=4, dp=2, layers_per_stage=(19, 21, 21, 19), zero_stage=1)),
+    "uneven-vpp2": (L70, dict(tp=8, pp=4, dp=2, vpp=2, layers_per_stage=(18, 22, 22, 18), zero_stage=1)),
+    "uneven-middle": (L70, dict(tp=8, pp=4, dp=2, layers_per_stage=(20, 15, 25, 20))),
+    "uneven-middle-vpp2": (L70, dict(tp=8, pp=4, dp=2, vpp=2, layers_per_stage=(20, 16, 24, 20))),
+    "full-recompute-zero0": (L70, dict(tp=8, pp=4, dp=2, recompute="full")),
+    "zero2-fsdp": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096),
+                   dict(tp=2, pp=1, dp=8, zero_stage=2, sequence_parallel=True)),
+    "zero3-fsdp-pp2": (L70, dict(tp=8, pp=2, dp=4, zero_stage=3, layers_per_stage=(40, 40))),
+    "fp8": (L70 | {"precision": "fp8"}, dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
+    "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
+    "8b-pp2-uneven-vpp2": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096),
+                           dict(tp=4, pp=2, dp=2, vpp=2, layers_per_stage=(14, 18), zero_stage=1)),
+    # the README's estimate example (gpt3-175b on 64 A100s, tp8 pp8 vpp3, SP, selective)
+    "readme-gpt3-a100-vpp3": (dict(model="gpt3-175b", gpus=64, global_batch=64, seq_len=2048, hardware="a100-80gb"),
+                              dict(tp=8, pp=8, dp=1, vpp=3, sequence_parallel=True, recompute="selective")),
+    "405b-uneven-pp16": (dict(model="llama3-405b", gpus=256, global_batch=256, seq_len=8192),
+                         dict(tp=8, pp=16, dp=2, layers_per_stage=(7,) + (8,) * 14 + (7,),
+                              sequence_parallel=True, zero_stage=1)),
+}
+
+
+@pytest.fixture(scope="session")
+def megatron(tmp_path_factory):
+    """Megatron-LM core_v0.16.1 extracted once per session and put on sys.path."""
+    if not MEGATRON_TARBALL.is_file():
+        pytest.skip(f"{MEGATRON_TARBALL} is absent (../shared is laid only on the project's machines)")
+    root = tmp_path_factory.mktemp("megatron-lm")
+    with tarfile.open(MEGATRON_TARBALL) as tar:
+        tar.extractall(root, filter="data")
+    sys.path.insert(0, str(root))
+    try:
+        import megatron.training.arguments as arguments
+        from megatron.core import num_microbatches_calculator as mbc
+        from megatron.core.models.common.embeddings import rope_utils
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    except ImportError as err:
+        pytest.skip(f"Megatron-LM core_v0.16.1 does not import here ({err}); "
+                    "pip install -r requirements-consumers.txt")
+    return {"arguments": arguments, "mbc": mbc, "rope_utils": rope_utils, "LayerType": LayerType,
+            "get_num_layers_to_build": get_num_layers_to_build}
+
+
+def torchrun_world(argv: list[str]) -> tuple[int, str, list[str]]:
+    """(WORLD_SIZE torchrun would set, training script, its arguments), read with torchrun's own parser."""
+    from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+
+    args = get_args_parser().parse_args(argv)
+    low, high = parse_min_max_nnodes(args.nnodes)
+    assert low == high, args.nnodes
+    return low * int(args.nproc_per_node), args.training_script, args.training_script_args
+
+
+# compute capability major of the profiles' GPUs (NVIDIA CUDA GPUs list: A100 8.0, H100 9.0)
+ARCH = {"a100": 8, "h100": 9}
+
+
+def megatron_validate(mg, monkeypatch, argv: list[str], env_value: str, arch: int = 9):
+    """Megatron's own startup on the captured torchrun argv, rank 0; returns (args, config, microbatches)."""
+    world, script, script_args = torchrun_world(argv)
+    assert script.endswith("/pretrain_gpt.py")
+    arguments = mg["arguments"]
+    # Shimmed, and nothing else: (1) get_device_arch_version() asks torch.cuda for device 0's compute
+    # capability; there is no GPU here. Answer the plan's GPU (9 for H100, 8 for A100): below 10 is
+    # the branch where validate_args checks CUDA_DEVICE_MAX_CONNECTIONS. (2) TransformerConfig
+    # refuses the default --rope-fusion unless Transformer Engine's fused RoPE kernel imported
+    # (rope_utils.fused_apply_rotary_pos_emb is None without TE); stand in a placeholder for that kernel,
+    # as any GPU image with TE >= 1.4 has it.
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: arch)
+    monkeypatch.setattr(mg["rope_utils"], "fused_apply_rotary_pos_emb", lambda *a, **k: None)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    if env_value == "<unset>":
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", env_value)
+    monkeypatch.setattr(sys, "argv", [script] + script_args)
+    args = arguments.parse_args()
+    arguments.validate_args(args, dict(PRETRAIN_GPT_DEFAULTS))
+    config = arguments.core_transformer_config_from_args(args)
+    mbc = mg["mbc"]
+    mbc.destroy_num_microbatches_calculator()
+    # as megatron/training/global_vars.py::_build_num_microbatches_calculator calls it
+    mbc.init_num_microbatches_calculator(args.rank, args.rampup_batch_size, args.global_batch_size,
+                                         args.micro_batch_size, args.data_parallel_size,
+                                         args.decrease_batch_size_if_needed)
+    try:
+        microbatches = mbc.get_num_microbatches()
+    finally:
+        mbc.destroy_num_microbatches_calculator()
+    return args, config, microbatches
+
+
+def megatron_layers(mg, config) -> list[list[int]]:
+    """Transformer layers Megatron builds on each [pipeline rank][virtual stage]."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+    if config.pipeline_model_parallel_layout is not None:
+        layout = config.pipeline_model_parallel_layout.layout
+        return [[layout[r][v].count(mg["LayerType"].decoder) for v in range(vpp)] for r in range(pp)]
+    return [[mg["get_num_layers_to_build"](config, vp_stage=v if vpp > 1 else None, pp_rank=r)
+             for v in range(vpp)] for r in range(pp)]
+
+
+@pytest.mark.parametrize("case", MEGATRON_PLANS)
+def test_megatron_lm_accepts_emitted_torchrun_and_slurm(megatron, monkeypatch, tmp_path, case):
+    job, plan = MEGATRON_PLANS[case]
+    check_with_megatron(megatron, monkeypatch, tmp_path, scenario(**job, **plan))
+
+
+def test_megatron_lm_accepts_the_readme_search(megatron, monkeypatch, tmp_path):
+    """The README's `plan3d search` (llama3-70b, 64 H100s, batch 128, 8k): whatever plan it picks."""
+    from planner.candidates import SearchSpace
+    from planner.search import search
+
+    model, hw = load_model("llama3-70b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192)
+    best = search(model, hw, tr, SearchSpace()).best
+    check_with_megatron(megatron, monkeypatch, tmp_path, Scenario(model=model, hardware=hw, training=tr, plan=best))
+
+
+def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
+    p, m = sc.resolved_plan(), sc.model
+    case = sc.plan.label()
+    arch = next(v for k, v in ARCH.items() if sc.hardware.name.startswith(k))
+    written = write_all(tmp_path / "out", render_all(sc, ["megatron", "torchrun", "slurm"]))
+    scripts = [w for w in written if w.suffix in (".sh", ".slurm")]
+    assert len(scripts) == 2
+    (args_file,) = [w for w in written if w.name.endswith(".megatron.args")]
+    # the argument file, passed on as docs/emit.md says: $(grep -v '^#' FILE), i.e. split on whitespace
+    file_words = " ".join(ln for ln in args_file.read_text().splitlines() if not ln.startswith("#")).split()
+    fsdp = p.zero_stage >= 2
+    for script in scripts:
+        subprocess.run(["bash", "-n", str(script)], check=True)
+        if shutil.which("shellcheck"):  # test_hostile_names_... says when it is missing
+            res = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+            assert res.returncode == 0, res.stdout
+        # a user's shell may already export CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's TP advice)
+        (argv, env_value), = run_script(script, tmp_path / "run", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+        assert env_value == ("<unset>" if fsdp else "1"), script.name
+        assert torchrun_world(argv)[2] == file_words, "the .megatron.args file passes what the scripts pass"
+        args, config, microbatches = megatron_validate(megatron, monkeypatch, argv, env_value, arch)
+        assert args.world_size == sc.training.num_gpus and args.data_parallel_size == p.dp
+        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size) == \
+            (p.tp, p.pp, p.cp)
+        assert microbatches == p.num_microbatches
+        assert (config.virtual_pipeline_model_parallel_size or 1) == p.vpp
+        layers = megatron_layers(megatron, config)
+        assert layers == [[n // p.vpp] * p.vpp for n in p.layers_per_stage], (case, layers)
+        assert config.sequence_parallel == p.sequence_parallel
+        assert config.recompute_granularity == (None if p.recompute == "none" else p.recompute)
+        assert bool(args.use_distributed_optimizer) == (p.zero_stage == 1)
+        assert bool(args.use_megatron_fsdp) == fsdp
+        if fsdp:
+            assert args.data_parallel_sharding_strategy == {2: "optim_grads", 3: "optim_grads_params"}[p.zero_stage]
+        assert config.fp8 == ("hybrid" if sc.training.precision == "fp8" else None)
+        assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == \
+            (m.num_layers, m.hidden_size, m.ffn_size)
+        assert (config.num_query_groups or config.num_attention_heads) == m.kv_heads
+        assert config.gated_linear_unit == (m.activation == "swiglu")
+        assert args.position_embedding_type == {"rope": "rope", "learned": "learned_absolute"}[m.position_embedding]
+        assert config.add_bias_linear == m.linear_bias
+
+
+def test_megatron_refusals_are_megatrons_own(megatron, monkeypatch, tmp_path):
+    """The checks above can fail: Megatron rejects what plan3d used to write (issue 14)."""
+    sc = scenario(**L70, tp=8, pp=4, dp=2, vpp=2, layers_per_stage=(18, 22, 22, 18), zero_stage=3)
+    (script,) = [w for w in write_all(tmp_path / "o", render_all(sc, ["torchrun"])) if w.suffix == ".sh"]
+    (argv, _), = run_script(script, tmp_path / "run")
+    i = argv.index("--num-virtual-stages-per-pipeline-rank")
+    old_style = argv[:i] + ["--num-layers-per-virtual-pipeline-stage", "10"] + argv[i + 2:]
+    with pytest.raises(AssertionError, match="please use --num-virtual-stages-per-pipeline-rank"):
+        megatron_validate(megatron, monkeypatch, old_style, "<unset>")
+    with pytest.raises(AssertionError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        megatron_validate(megatron, monkeypatch, argv, "1")
+    j = argv.index("--ckpt-format")
+    with pytest.raises(AssertionError, match="fsdp_dtensor"):
+        megatron_validate(megatron, monkeypatch, argv[:j] + argv[j + 2:], "<unset>")
+
+
+# --- torchtitan 0.3.0 --------------------------------------------------------------------------------
+L8 = dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096)
+TORCHTITAN_PLANS = {
+    "pp1-zero0": (L8, dict(tp=8, pp=1, dp=2, micro_batch_size=1)),
+    "pp1-zero3-mbs2": (L8, dict(tp=2, pp=1, dp=8, micro_batch_size=2, zero_stage=3)),
+    "pp4-stored-even-vpp2": (L70, dict(tp=8, pp=4, dp=2, vpp=2, layers_per_stage=(20, 20, 20, 20),
+                                       sequence_parallel=True, zero_stage=1)),
+    "uneven-first-last": (L70, dict(tp=8, pp=4, dp=2, layers_per_stage=(19, 21, 21, 19), recompute="full")),
+    "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
+}
+
+
+@pytest.fixture(scope="session")
+def torchtitan():
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (requirements-consumers.txt)")
+    pytest.importorskip("triton", reason="torchtitan's models import triton")
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import pipeline_parallel as pipe
+
+    return ConfigManager, ParallelDims, pipe
+
+
+def _torchtitan_argv(script: Path, workdir: Path) -> tuple[int, list[str]]:
+    (argv, _), = run_script(script, workdir)
+    world, module, rest = torchrun_world(argv)  # "-m torchtitan.train": torchrun's parser keeps -m apart
+    return world, rest
+
+
+@pytest.mark.parametrize("case", TORCHTITAN_PLANS)
+def test_torchtitan_accepts_emitted_launch(torchtitan, tmp_path, case):
+    ConfigManager, ParallelDims, pipe = torchtitan
+    job, plan = TORCHTITAN_PLANS[case]
+    sc = scenario(**job, **plan)
+    p = sc.resolved_plan()
+    (script,) = write_all(tmp_path / "o", render_all(sc, ["torchtitan"]))
+    world, argv = _torchtitan_argv(script, tmp_path / "run")
+    assert world == sc.training.num_gpus
+    cfg = ConfigManager().parse_args(argv)  # tyro parse + Trainer.Config.__post_init__
+    par = cfg.parallelism
+    dims = ParallelDims.from_config(par, world)  # checks the degrees multiply to WORLD_SIZE
+    # Trainer.__init__ (torchtitan/trainer.py), the checks that need no device: sequence divisibility,
+    # batch = local x (dp_replicate x dp_shard, its "batch" mesh), accumulation steps, PP micro-batches.
+    divisor = (dims.tp if par.enable_sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
+    assert cfg.training.seq_len % divisor == 0
+    batch_degree = dims.dp_replicate * dims.dp_shard
+    assert cfg.training.global_batch_size % (cfg.training.local_batch_size * batch_degree) == 0
+    accumulation = cfg.training.global_batch_size // (cfg.training.local_batch_size * batch_degree)
+    pp_microbatches = cfg.training.local_batch_size // par.pipeline_parallel_microbatch_size if dims.pp > 1 else 1
+    forward_batch = par.pipeline_parallel_microbatch_size if dims.pp > 1 else cfg.training.local_batch_size
+    assert forward_batch == p.micro_batch_size, "sequences per forward pass"
+    assert accumulation * pp_microbatches == p.num_microbatches
+    assert batch_degree == p.dp and dims.tp == p.tp and dims.cp == p.cp and dims.pp == p.pp
+    if dims.pp > 1:  # pipeline_llm's own split: layers on every virtual stage, stages on ranks
+        num_stages, num_layers, first_less, last_less = pipe._get_pipeline_metadata(dims, par, cfg.model_spec.model)
+        assert num_stages == p.pp * p.vpp and num_layers == sc.model.num_layers
+        parts = pipe._generate_llm_fqn_per_model_part(num_stages, num_layers, first_less, last_less)
+        per_stage = [sum(name.startswith("layers.") for name in part) for part in parts]
+        per_rank = [sum(per_stage[s] for s in range(r, num_stages, p.pp)) for r in range(p.pp)]  # loop style
+        assert per_rank == list(p.layers_per_stage), per_stage
+        assert per_stage == [p.layers_per_stage[s % p.pp] // p.vpp for s in range(num_stages)]
+
+
+def test_torchtitan_split_mirror_matches_torchtitan(torchtitan):
+    from planner.emit.torchtitan import split_layers
+
+    _, _, pipe = torchtitan
+    for stages, layers, first, last in [(8, 80, 0, 0), (4, 80, 2, 2), (16, 126, 1, 1), (6, 32, 1, 0), (3, 5, 2, 2)]:
+        try:
+            theirs = [sum(n.startswith("layers.") for n in part)
+                      for part in pipe._generate_llm_fqn_per_model_part(stages, layers, first, last)]
+        except ValueError:
+            theirs = None
+        assert split_layers(stages, layers, first, last) == theirs
+
+
+def test_torchtitan_refuses_what_it_cannot_run():
+    with pytest.raises(SpecError, match="cannot place"):  # uneven middle: torchtitan shortens only the ends
+        render_all(scenario(**L70, tp=8, pp=4, dp=2, layers_per_stage=(20, 15, 25, 20)), ["torchtitan"])
+    with pytest.raises(SpecError, match="trains in bf16"):  # llama3_70b has no float8 converter
+        render_all(scenario(**L70, precision="fp8", tp=8, pp=4, dp=2), ["torchtitan"])
+    with pytest.raises(SpecError, match="trains in fp8"):  # llama3_405b always converts to float8
+        render_all(scenario("llama3-405b", 256, 256, 8192, tp=8, pp=16, dp=2,
+                            layers_per_stage=(7,) + (8,) * 14 + (7,)), ["torchtitan"])
+
+
+# --- DeepSpeed ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("plan", [dict(tp=8, pp=4, dp=2, zero_stage=0), dict(tp=8, pp=4, dp=2, zero_stage=1),
+                                  dict(tp=8, pp=1, dp=8, zero_stage=2), dict(tp=8, pp=1, dp=8, zero_stage=3)])
+def test_deepspeed_config_and_pipeline_constraint(monkeypatch, tmp_path, plan):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (the Makefile installs it)")
+    import inspect
+
+    import deepspeed.runtime.config as ds_config
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    sc = scenario(**L70, **plan)
+    (config,) = write_all(tmp_path, render_all(sc, ["deepspeed"]))
+
+    class Mpu:  # what Megatron's mpu tells DeepSpeed: the data-parallel group
+        def get_data_parallel_world_size(self):
+            return sc.plan.dp
+
+        def get_data_parallel_rank(self):
+            return 0
+
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)  # rank 0 of a launched job, no backend
+    cfg = ds_config.DeepSpeedConfig(str(config), mpu=Mpu())
+    p = sc.resolved_plan()
+    assert cfg.train_batch_size == cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * p.dp
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (p.micro_batch_size,
+                                                                                     p.num_microbatches)
+    assert cfg.zero_optimization_stage == p.zero_stage
+    # PipelineEngine.__init__ asserts ZeRO < 2: plan3d refuses ZeRO-2/3 with pp > 1 for the same reason
+    assert "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in inspect.getsource(PipelineEngine.__init__)
+    if p.zero_stage >= 2:
+        with pytest.raises(SpecError, match="ZeRO 0 or 1"):
+            render_all(sc.model_copy(update={"plan": Plan(tp=8, pp=4, dp=2, micro_batch_size=1,
+                                                          zero_stage=p.zero_stage)}), ["deepspeed"])
+
+
+def test_emit_cli_with_a_hugging_face_style_name(runner, tmp_path):
+    """issue 17: a '/' in the name made `emit` fail; '$(...)' and newlines must stay inert."""
+    from planner.cli import app
+    from planner.render import scenario_json
+
+    for name in ["Qwen/Qwen2.5-7B", "x\n$(touch PWNED)"]:
+        plan = tmp_path / "plan.json"
+        plan.write_text(scenario_json(scenario("llama3-8b", 16, 32, 4096, name=name, tp=8, pp=2, dp=1)))
+        out = tmp_path / slug(name)
+        res = runner.invoke(app, ["emit", str(plan), "--format", "megatron,torchrun,slurm", "--out-dir", str(out)])
+        assert res.exit_code == 0, res.output
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            f"{slug(name)}_tp8-pp2-dp1_mbs1{ext}" for ext in (".megatron.args", ".plan.json", ".slurm", ".torchrun.sh"))
+    assert not list(tmp_path.rglob("PWNED"))
