@@ -278,3 +278,15 @@ def test_falcon_7b_style_multi_query_with_one_shared_norm(tmp_path):
     assert spec.kv_heads == 1 and spec.shared_input_norm and spec.norms_per_layer == 1
     # The published module printout: query_key_value 4544 -> 4672 = 4544 + 2 x 64, no bias.
     assert spec.q_size + 2 * spec.kv_heads * spec.kv_channels == 4672
+
+
+@pytest.mark.parametrize("args", [["show", str(HF / "mixtral-8x7b.json")],
+                                  ["estimate", "--model", str(HF / "deepseek-v3.json"), "--hardware", "h100-sxm-80gb",
+                                   "--gpus", "8", "--global-batch", "8", "--seq-len", "4096", "--tp", "8", "--pp", "1"]])
+def test_cli_refusal_is_one_line_and_exit_2(runner, args):
+    from planner.cli import app
+
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "mixture-of-experts is not modelled yet" in lines[0]
