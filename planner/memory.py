@@ -217,7 +217,8 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
 
     Layer structure beyond Megatron's GPT (the Hugging Face module graphs): parallel attention
     (GPT-NeoX, Falcon) feeds the layer input to both norms, so it is saved once, and a shared norm
-    (Falcon-7B) has one set of statistics; sandwich norms (Gemma-2) save the attention and MLP
+    (Falcon-7B) has one set of statistics and one output that QKV and FC1 both save (two copies
+    when each makes its own: fp8 casts, or DTensor's per-module all-gather); sandwich norms (Gemma-2) save the attention and MLP
     outputs and their statistics; QK norms (OLMo-2) save Q and K before the norm; a soft-capped
     materialised attention (Gemma-2 eager) keeps the ``tanh`` output as well. Post-norm (OLMo-2)
     saves the same sizes as pre-norm: the norm input moves from the layer input to the sublayer output.
@@ -262,8 +263,9 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
         terms.append(ActTerm("norm2 input", sb * h * e / sp))
     if not model.shared_input_norm:
         terms.append(ActTerm("norm2 statistics", stats / sp))
+    if not (model.shared_input_norm and lin == e and gathered == sp):  # else the QKV input tensor itself
+        terms.append(ActTerm("FC1 input", sb * h * lin / gathered))
     terms += [
-        ActTerm("FC1 input", sb * h * lin / gathered),
         ActTerm("activation input (FC1 output)", fc1_out * e),
         ActTerm("FC2 input", sb * f / t * lin),
     ]
