@@ -278,6 +278,9 @@ def test_falcon_7b_style_multi_query_with_one_shared_norm(tmp_path):
     assert spec.kv_heads == 1 and spec.shared_input_norm and spec.norms_per_layer == 1
     # The published module printout: query_key_value 4544 -> 4672 = 4544 + 2 x 64, no bias.
     assert spec.q_size + 2 * spec.kv_heads * spec.kv_channels == 4672
+    # transformers 5.17.0 FalconForCausalLM of this config on the meta device (H200 session,
+    # 2026-11-30; tests/data/README.md): 6,921,720,704 distinct parameters, tied head counted once.
+    assert spec.num_params == 6_921_720_704
 
 
 @pytest.mark.parametrize("args", [["show", str(HF / "mixtral-8x7b.json")],
@@ -343,3 +346,20 @@ def test_structure_saved_activations_match_torch_within_5_percent(name, tp, sp, 
     plan = Plan(tp=tp, pp=1, dp=1, micro_batch_size=batch, sequence_parallel=sp)
     predicted = saved_bytes_per_layer(layer_activation_terms(model, training, plan), "none")
     assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+
+
+# --- cross-check with transformers itself, where it is installed ----------------------------------
+
+@pytest.mark.parametrize("name", [name for name, _ in EXACT] + ["falcon-40b.json", "pythia-160m.json"])
+def test_transformers_builds_the_same_count_on_the_meta_device(name):
+    """The real ``transformers`` modules of each config, built on the meta device (no memory):
+    ``sum(p.numel())`` over distinct parameters (a tied head counted once) equals ``num_params``.
+    Skipped where ``transformers`` is not installed (it is not a plan3d dependency)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    data = json.loads((HF / name).read_text())
+    data.pop("auto_map", None)  # Phi-3's remote-code pointers; the transformers class is built in
+    config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == _load(name).num_params
