@@ -363,3 +363,53 @@ def test_transformers_builds_the_same_count_on_the_meta_device(name):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == _load(name).num_params
+
+
+# --- the per-rank count and the total agree for every structure --------------------------------
+
+def _structures():
+    from hypothesis import strategies as st
+
+    @st.composite
+    def build(draw):
+        a = draw(st.sampled_from([4, 8, 16]))
+        parallel = draw(st.booleans())
+        return ModelSpec(
+            name="m", num_layers=draw(st.integers(2, 8)), hidden_size=64 * draw(st.integers(1, 4)),
+            num_attention_heads=a, num_kv_heads=draw(st.sampled_from([x for x in (1, 2, 4, a) if a % x == 0])),
+            head_dim=draw(st.sampled_from([None, 16, 32])), ffn_hidden_size=128 * draw(st.integers(1, 4)),
+            vocab_size=draw(st.integers(100, 2000)), activation=draw(st.sampled_from(["gelu", "swiglu", "geglu"])),
+            norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), parallel_attention=parallel,
+            shared_input_norm=parallel and draw(st.booleans()),
+            norm_placement="pre" if parallel else draw(st.sampled_from(["pre", "post", "sandwich"])),
+            qk_norm=draw(st.sampled_from(["none", "head", "full"])), tied_embeddings=draw(st.booleans()),
+            linear_bias=draw(st.booleans()), qkv_bias=draw(st.sampled_from([None, True, False])),
+            out_proj_bias=draw(st.sampled_from([None, True, False])),
+            mlp_bias=draw(st.sampled_from([None, True, False])))
+    return build()
+
+
+def test_stage_counts_add_up_to_num_params_for_every_structure():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from planner.memory import layer_params_per_rank
+
+    @settings(max_examples=60, deadline=None)
+    @given(model=_structures(), pp=st.sampled_from([1, 2]))
+    def check(model, pp):
+        assert layer_params_per_rank(model, 1) == model.layer_params()
+        layers = model.num_layers
+        plan = Plan(tp=1, pp=pp, dp=1, micro_batch_size=1,
+                    layers_per_stage=tuple(layers // pp + (r < layers % pp) for r in range(pp)))
+        total = sum(stage_params_per_rank(model, plan, r, n) for r, n in enumerate(plan.layers_per_stage))
+        v, h = model.vocab_size, model.hidden_size
+        padding = (-(-v // 128) * 128 - v) * h  # Megatron pads the vocabulary to a multiple of 128
+        if model.tied_embeddings and pp == 1:
+            assert total == model.num_params + padding
+        elif model.tied_embeddings:  # the last stage keeps a duplicate of the tied embedding
+            assert total == model.num_params + v * h + 2 * padding
+        else:
+            assert total == model.num_params + 2 * padding
+
+    check()
