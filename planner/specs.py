@@ -232,6 +232,32 @@ class ModelSpec(_Spec):
         """Exact parameter count (formulas.md A2), embeddings included, tied head counted once."""
         return self.num_layers * self.layer_params() + self.embedding_params() + self.output_params()
 
+    def megatron_gaps(self) -> list[str]:
+        """What Megatron-LM's GPT model, as its command-line flags configure it, cannot build: one line
+        per field. Flags read in Megatron-LM core_v0.16.1 ``megatron/training/arguments.py``
+        (``--swiglu``, ``--normalization``, ``--add-bias-linear``/``--disable-bias-linear`` with
+        ``--add-qkv-bias``, ``--position-embedding-type``) and ``core/transformer/attention.py`` (the
+        Q/K layernorms are ``hidden_size_per_attention_head`` wide). For emitters and ``check``."""
+        gaps = []
+        if self.activation == "geglu":
+            gaps.append("activation: geglu has no Megatron-LM flag (--swiglu is the SiLU gate only)")
+        if self.norm_placement != "pre":
+            gaps.append(f"norm_placement: {self.norm_placement} norms are not a Megatron-LM GPT layer option")
+        if self.parallel_attention:
+            gaps.append("parallel_attention: Megatron-LM's GPT layer runs attention and MLP in sequence")
+        if self.qk_norm == "full":
+            gaps.append("qk_norm: Megatron-LM's Q/K layernorms are per head (--qk-layernorm), not full width")
+        for field in ("attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, field) is not None:
+                gaps.append(f"{field}: Megatron-LM has no soft-capping flag for training")
+        biases = (self.has_qkv_bias, self.has_out_proj_bias, self.has_mlp_bias)
+        if biases != (True, True, True) and (self.has_out_proj_bias or self.has_mlp_bias):
+            gaps.append("out_proj_bias, mlp_bias: Megatron-LM has biases on every linear layer (--add-bias-linear) "
+                        "or on none (--disable-bias-linear, optionally --add-qkv-bias)")
+        if self.position_embedding == "alibi":
+            gaps.append("position_embedding: alibi is not a Megatron-LM --position-embedding-type")
+        return gaps
+
 
 class HardwareSpec(_Spec):
     """One kind of GPU node and the network between nodes.

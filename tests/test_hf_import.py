@@ -413,3 +413,23 @@ def test_stage_counts_add_up_to_num_params_for_every_structure():
             assert total == model.num_params + 2 * padding
 
     check()
+
+
+# --- what Megatron-LM cannot build (for the emitters; not wired yet) -----------------------------
+
+@pytest.mark.parametrize("name,fields", [
+    ("llama-3.1-405b.json", []), ("qwen2.5-7b.json", []), ("mistral-7b.json", []),
+    ("phi-3-mini-4k-instruct.json", []), ("gpt2.json", []),
+    ("gemma-2-9b.json", ["activation", "norm_placement", "attn_logit_softcap", "final_logit_softcap"]),
+    ("olmo-2-1124-7b.json", ["norm_placement", "qk_norm"]),
+    ("falcon-40b.json", ["parallel_attention"]), ("pythia-160m.json", ["parallel_attention"]),
+])
+def test_megatron_gaps_name_each_unbuildable_field(name, fields):
+    gaps = _load(name).megatron_gaps()
+    assert [g.split(":")[0] for g in gaps] == fields
+
+
+def test_megatron_gaps_attention_bias_without_mlp_bias():
+    # Llama with attention_bias (q/k/v/o biases) and no MLP biases: no Megatron flag combination.
+    llama = _load("llama-3.1-405b.json").model_copy(update={"qkv_bias": True, "out_proj_bias": True})
+    assert [g.split(":")[0] for g in llama.megatron_gaps()] == ["out_proj_bias, mlp_bias"]
