@@ -177,7 +177,8 @@ def _gpt2(data: dict, source: str, default_name: str) -> dict:
     learned positions (``n_positions``), biases on every Conv1D, LayerNorm, MLP ``n_inner`` (default
     4h), tied output layer, dropout 0.1 (``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``)."""
     if _flag(data, "add_cross_attention", False):
-        raise SpecError(f"{source}: add_cross_attention: cross-attention layers are not modelled; decoder-only models only")
+        raise SpecError(f"{source}: add_cross_attention: cross-attention layers are not modelled; "
+                        "decoder-only models only")
     h = _get(data, source, "n_embd", "hidden_size")
     return {"name": _name(data, default_name), "num_layers": _get(data, source, "n_layer", "num_hidden_layers"),
             "hidden_size": h, "num_attention_heads": _get(data, source, "n_head", "num_attention_heads"),

@@ -218,10 +218,11 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     Layer structure beyond Megatron's GPT (the Hugging Face module graphs): parallel attention
     (GPT-NeoX, Falcon) feeds the layer input to both norms, so it is saved once, and a shared norm
     (Falcon-7B) has one set of statistics and one output that QKV and FC1 both save (two copies
-    when each makes its own: fp8 casts, or DTensor's per-module all-gather); sandwich norms (Gemma-2) save the attention and MLP
-    outputs and their statistics; QK norms (OLMo-2) save Q and K before the norm; a soft-capped
-    materialised attention (Gemma-2 eager) keeps the ``tanh`` output as well. Post-norm (OLMo-2)
-    saves the same sizes as pre-norm: the norm input moves from the layer input to the sublayer output.
+    when each makes its own: fp8 casts, or DTensor's per-module all-gather); sandwich norms
+    (Gemma-2) save the attention and MLP outputs and their statistics; QK norms (OLMo-2) save Q and
+    K before the norm; a soft-capped materialised attention (Gemma-2 eager) keeps the ``tanh``
+    output as well. Post-norm (OLMo-2) saves the same sizes as pre-norm: the norm input moves from
+    the layer input to the sublayer output.
     """
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
