@@ -124,7 +124,7 @@ def _linear_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[float, float
     """(k, n, kind) of each linear layer on one TP rank; kind is column or row parallel."""
     t, h, d = plan.tp, model.hidden_size, model.kv_channels
     q_r, kv_r = model.q_size / t, kv_heads_per_rank(model, t) * d
-    fc1 = (2 if model.activation == "swiglu" else 1) * model.ffn_size / t
+    fc1 = (2 if model.gated_mlp else 1) * model.ffn_size / t
     return {"qkv": (h, q_r + 2 * kv_r, "column"), "proj": (q_r, h, "row"),
             "fc1": (h, fc1, "column"), "fc2": (model.ffn_size / t, h, "row")}
 
@@ -160,7 +160,7 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
     sp = t if plan.sequence_parallel else 1
     mask = h if model.dropout else 0
     replicated = (2 * 4 * h + 2 * (6 * h + mask)) / sp
-    act = ((4 if model.activation == "swiglu" else 2) * f + 2 * f) / t
+    act = ((4 if model.gated_mlp else 2) * f + 2 * f) / t
     rope = 4 * (model.q_size + 2 * model.kv_heads * model.kv_channels) / t if model.position_embedding == "rope" else 0
     return replicated + act + rope
 

@@ -4,7 +4,7 @@ Counting rule (formulas.md B1, Megatron-LM ``training.py::num_floating_point_ope
 commit 8873b55 with causal halving): per token and layer,
 
 * attention ``6 * [h*(q + 2*g*d_h) + q*s/2*2 + q*h]`` (QKV, causal QK^T and PV, output projection);
-* MLP ``6 * h * f * (3 if SwiGLU else 2)``;
+* MLP ``6 * h * f * (3 if gated (SwiGLU, GeGLU) else 2)``;
 * logits ``6 * h * V`` once per token.
 
 The factor 6 is 3 passes (forward, weight grad, data grad) x 2 FLOPs per multiply-add. Norms,
@@ -24,7 +24,7 @@ def gemm_flops_per_token_per_layer(model: ModelSpec) -> float:
     """Forward FLOPs per token of one layer's weight GEMMs: ``2 * (params of its matrices)``."""
     h, q, f = model.hidden_size, model.q_size, model.ffn_size
     kv = 2 * model.kv_heads * model.kv_channels
-    mlp = (3 if model.activation == "swiglu" else 2) * h * f
+    mlp = (3 if model.gated_mlp else 2) * h * f
     return 2.0 * (h * (q + kv) + q * h + mlp)
 
 

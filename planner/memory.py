@@ -99,14 +99,17 @@ def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
 
     Megatron-LM sharding (formulas.md A2): QKV and FC1 are column-parallel (weights and biases
     / t), the output projection and FC2 row-parallel (weights / t, biases replicated); norms are
-    replicated. Replicated KV heads (``t > g``) are stored on every rank that uses them.
+    replicated. Replicated KV heads (``t > g``) are stored on every rank that uses them. A full-width
+    QK norm (OLMo-2) is split with the heads it normalises; a per-head one is replicated.
     """
     h, q, f, d = model.hidden_size, model.q_size, model.ffn_size, model.kv_channels
     kv = 2 * d * kv_heads_per_rank(model, tp)  # K and V widths on this rank
-    mlp_in = (2 if model.activation == "swiglu" else 1) * f / tp  # FC1 (gate + up) output width
+    mlp_in = (2 if model.gated_mlp else 1) * f / tp  # FC1 (gate + up) output width
     matrices = h * (q / tp + kv) + (q / tp) * h + h * mlp_in + (f / tp) * h
-    bias = (q / tp + kv if model.has_qkv_bias else 0) + ((mlp_in + 2 * h) if model.linear_bias else 0)
-    return matrices + bias + 2 * model.norm_params
+    bias = ((q / tp + kv if model.has_qkv_bias else 0) + (h if model.has_out_proj_bias else 0)
+            + ((mlp_in + h) if model.has_mlp_bias else 0))
+    norms = model.norms_per_layer * model.norm_params + model.qk_norm_params(q / tp, kv / 2)
+    return matrices + bias + norms
 
 
 def stage_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:
@@ -211,6 +214,15 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     CP divides the sequence (context_parallel.md). With
     fp8 the four GEMM inputs are saved in fp8 (1 B), as Transformer Engine does. The per-token
     fp32 norm statistics (mean, rstd) are included.
+
+    Layer structure beyond Megatron's GPT (the Hugging Face module graphs): parallel attention
+    (GPT-NeoX, Falcon) feeds the layer input to both norms, so it is saved once, and a shared norm
+    (Falcon-7B) has one set of statistics and one output that QKV and FC1 both save (two copies
+    when each makes its own: fp8 casts, or DTensor's per-module all-gather); sandwich norms
+    (Gemma-2) save the attention and MLP outputs and their statistics; QK norms (OLMo-2) save Q and
+    K before the norm; a soft-capped materialised attention (Gemma-2 eager) keeps the ``tanh``
+    output as well. Post-norm (OLMo-2) saves the same sizes as pre-norm: the norm input moves from
+    the layer input to the sublayer output.
     """
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
@@ -230,6 +242,7 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
         ActTerm("K, V", 2 * sb * kv_r * e),
         ActTerm("out-proj input", sb * q_r * lin),
     ]
+    terms += _qk_norm_terms(model, sb, q_r, kv_r, a_r, e)
     if training.attention == "flash":
         terms.append(ActTerm("softmax log-sum-exp", sb * a_r * FP32_BYTES, core=True))
         if lin != e:
@@ -238,23 +251,43 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
         s_kv = training.seq_len  # keys seen by each local query (all of them with CP ring attention)
         if kv_r < q_r:  # GQA: Megatron's unfused DotProductAttention repeat_interleaves K and V to a heads
             terms.append(ActTerm("K, V expanded to query heads", 2 * sb * q_r * e, core=True))
+        if model.attn_logit_softcap is not None:
+            terms.append(ActTerm("soft-capped scores (tanh output)", a_r * sb * s_kv * e, core=True))
         terms.append(ActTerm("softmax output", a_r * sb * s_kv * e, core=True))
         if drop:
             terms.append(ActTerm("attention dropout mask", a_r * sb * s_kv, core=True))
             terms.append(ActTerm("attention dropout output", a_r * sb * s_kv * e, core=True))
     if drop:
         terms.append(ActTerm("attention residual dropout mask", sb * h / sp))
-    fc1_out = (2 if model.activation == "swiglu" else 1) * sb * f / t
+    fc1_out = (2 if model.gated_mlp else 1) * sb * f / t
+    if not model.parallel_attention:  # in parallel, norm2 reads the layer input, saved above
+        terms.append(ActTerm("norm2 input", sb * h * e / sp))
+    if not model.shared_input_norm:
+        terms.append(ActTerm("norm2 statistics", stats / sp))
+    if not (model.shared_input_norm and lin == e and gathered == sp):  # else the QKV input tensor itself
+        terms.append(ActTerm("FC1 input", sb * h * lin / gathered))
     terms += [
-        ActTerm("norm2 input", sb * h * e / sp),
-        ActTerm("norm2 statistics", stats / sp),
-        ActTerm("FC1 input", sb * h * lin / gathered),
         ActTerm("activation input (FC1 output)", fc1_out * e),
         ActTerm("FC2 input", sb * f / t * lin),
     ]
     if drop:
         terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
+    if model.norm_placement == "sandwich":
+        for where in ("attention", "MLP"):
+            terms += [ActTerm(f"post-{where} norm input", sb * h * e / sp),
+                      ActTerm(f"post-{where} norm statistics", stats / sp)]
     return terms
+
+
+def _qk_norm_terms(model: ModelSpec, sb: int, q_r: float, kv_r: float, a_r: float, e: int) -> list[ActTerm]:
+    """What the Q and K norms save: their inputs and fp32 statistics (one per token, or per token and
+    head for per-head norms; two with LayerNorm)."""
+    if model.qk_norm == "none":
+        return []
+    per_stat = FP32_BYTES * (2 if model.norm == "layernorm" else 1)
+    q_stats, k_stats = (a_r, kv_r / model.kv_channels) if model.qk_norm == "head" else (1, 1)
+    return [ActTerm("Q-norm input", sb * q_r * e), ActTerm("K-norm input", sb * kv_r * e),
+            ActTerm("Q/K-norm statistics", sb * (q_stats + k_stats) * per_stat)]
 
 
 def saved_bytes_per_layer(terms: list[ActTerm], recompute: str) -> float:
@@ -322,6 +355,8 @@ def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     v_pad = padded_vocab_size(model.vocab_size, t)
     e = act_bytes(training)
     logits = LOGITS_BYTES_PER_ELEMENT if e == ACT_BYTES else e + FP32_BYTES  # fp32: logits + softmax
+    if model.final_logit_softcap is not None:
+        logits += e  # the tanh output of cap * tanh(logits / cap), saved for its backward (Gemma-2)
     return (2 * s * b * h * e / sp  # final-norm input and output-layer input
             + logits * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
 

@@ -171,7 +171,7 @@ def load_scenario(path_str: str) -> Scenario:
     return build(Scenario, data, str(path))
 
 
-# --- Hugging Face config.json -------------------------------------------------------------------
+# --- Hugging Face config.json (read in planner/hf.py) -------------------------------------------
 
 _HF_ARCH_KEYS = ("model_type", "architectures")
 
@@ -180,58 +180,12 @@ def is_hf_config(data: dict) -> bool:
     return any(k in data for k in _HF_ARCH_KEYS) or "n_embd" in data or "num_hidden_layers" in data
 
 
-def _get(data: dict, source: str, *keys: str, default: Any = ...) -> Any:
-    for k in keys:
-        if k in data and data[k] is not None:
-            return data[k]
-    if default is ...:
-        raise SpecError(f"{source}: missing key {' or '.join(keys)} in the Hugging Face config")
-    return default
-
-
 def hf_to_model(data: dict, default_name: str, source: str) -> dict:
-    """Map a Hugging Face ``config.json`` to ModelSpec fields (see :func:`_hf_fields`)."""
+    """Map a Hugging Face ``config.json`` to ModelSpec fields exactly, or refuse it with one line
+    (see :mod:`planner.hf`)."""
+    from planner.hf import hf_fields  # planner.hf imports SpecError from this module
+
     try:
-        return _hf_fields(data, default_name, source)
-    except (TypeError, ValueError) as err:
+        return hf_fields(data, default_name, source)
+    except (TypeError, ValueError, AttributeError) as err:
         raise SpecError(f"{source}: unreadable Hugging Face config value: {err}") from None
-
-
-def _hf_fields(data: dict, default_name: str, source: str) -> dict:
-    """Map a Hugging Face ``config.json`` to ModelSpec fields.
-
-    Key names: Llama / Mistral / Qwen2 (``LlamaConfig``), GPT-NeoX (``GPTNeoXConfig``), GPT-2
-    (``GPT2Config``), as in the ``transformers`` configuration classes.
-    """
-    mtype = str(data.get("model_type", "")).lower()
-    if mtype == "gpt2" or "n_embd" in data:
-        h = _get(data, source, "n_embd")
-        return {
-            "name": data.get("_name_or_path") or default_name,
-            "num_layers": _get(data, source, "n_layer"), "hidden_size": h,
-            "num_attention_heads": _get(data, source, "n_head"),
-            "ffn_hidden_size": _get(data, source, "n_inner", default=4 * h) if isinstance(h, int) else None,
-            "vocab_size": _get(data, source, "vocab_size"), "max_seq_len": _get(data, source, "n_positions"),
-            "activation": "gelu", "norm": "layernorm", "tied_embeddings": bool(data.get("tie_word_embeddings", True)),
-            "position_embedding": "learned", "linear_bias": True, "dropout": True,
-        }
-    neox = mtype == "gpt_neox"
-    act = str(data.get("hidden_act", "silu")).lower()
-    return {
-        "name": data.get("_name_or_path") or default_name,
-        "num_layers": _get(data, source, "num_hidden_layers"),
-        "hidden_size": _get(data, source, "hidden_size"),
-        "num_attention_heads": _get(data, source, "num_attention_heads"),
-        "num_kv_heads": _get(data, source, "num_key_value_heads", default=None),
-        "head_dim": _get(data, source, "head_dim", default=None),
-        "ffn_hidden_size": _get(data, source, "intermediate_size"),
-        "vocab_size": _get(data, source, "vocab_size"),
-        "max_seq_len": _get(data, source, "max_position_embeddings", default=None),
-        "activation": "gelu" if neox or act.startswith("gelu") else "swiglu",
-        "norm": "layernorm" if neox else "rmsnorm",
-        "tied_embeddings": bool(data.get("tie_word_embeddings", False)),
-        "position_embedding": "rope",
-        "linear_bias": bool(data.get("use_bias", neox)) or bool(data.get("mlp_bias", False)),
-        "qkv_bias": True if mtype == "qwen2" else bool(data.get("attention_bias", neox)),
-        "dropout": float(data.get("attention_dropout", 0.0) or 0.0) > 0 or float(data.get("hidden_dropout", 0.0) or 0.0) > 0,
-    }

@@ -32,8 +32,10 @@ from planner.errors import MAX_COUNT, MAX_GPUS
 
 GIB = 2**30
 
-Activation = Literal["gelu", "swiglu"]
+Activation = Literal["gelu", "swiglu", "geglu"]
 Norm = Literal["layernorm", "rmsnorm"]
+NormPlacement = Literal["pre", "post", "sandwich"]
+QKNorm = Literal["none", "head", "full"]
 PositionEmbedding = Literal["learned", "rope", "alibi"]
 Precision = Literal["bf16", "fp8", "fp32"]
 Recompute = Literal["none", "selective", "full"]
@@ -69,14 +71,46 @@ class ModelSpec(_Spec):
     vocab_size: int = Field(ge=1, description="Vocabulary size (V), before padding.")
     max_seq_len: int | None = Field(
         default=None, ge=1, description="Longest sequence the model supports; required for learned positions.")
-    activation: Activation = Field(default="gelu", description="MLP type: gelu (2 matrices) or swiglu (3).")
+    activation: Activation = Field(
+        default="gelu",
+        description="MLP type: gelu (2 matrices, any non-gated activation) or a gated unit with 3 matrices: "
+                    "swiglu (SiLU gate, Llama) or geglu (GeLU gate, Gemma).")
     norm: Norm = Field(default="layernorm", description="layernorm (weight + bias) or rmsnorm (weight only).")
+    norm_placement: NormPlacement = Field(
+        default="pre",
+        description="pre: a norm before attention and before the MLP (GPT-2, Llama); post: a norm on the "
+                    "attention and MLP outputs, before the residual add (OLMo-2); sandwich: both, 4 per layer "
+                    "(Gemma-2).")
+    parallel_attention: bool = Field(
+        default=False,
+        description="Attention and MLP both read the layer input and their outputs are added (GPT-J, "
+                    "GPT-NeoX use_parallel_residual, Falcon parallel_attn).")
+    shared_input_norm: bool = Field(
+        default=False,
+        description="With parallel_attention: one input norm feeds both attention and MLP (Falcon-7B); "
+                    "default two (GPT-NeoX, Falcon-40B).")
+    qk_norm: QKNorm = Field(
+        default="none",
+        description="Norm on queries and keys before attention: head (one d_h-wide norm each, shared by the "
+                    "heads; Megatron --qk-layernorm) or full (over all a*d_h and g*d_h channels; OLMo-2).")
+    attn_logit_softcap: float | None = Field(
+        default=None, gt=0,
+        description="Attention scores soft-capped as cap * tanh(x / cap) (Gemma-2). No parameters; stores one "
+                    "more s x s tensor when attention is materialized.")
+    final_logit_softcap: float | None = Field(
+        default=None, gt=0,
+        description="Output logits soft-capped as cap * tanh(x / cap) (Gemma-2). No parameters; stores the "
+                    "tanh output of the logits.")
     tied_embeddings: bool = Field(default=False, description="Output layer shares the input embedding matrix.")
     position_embedding: PositionEmbedding = Field(
         default="rope", description="learned (max_seq_len x h table), rope or alibi (no parameters).")
     linear_bias: bool = Field(default=False, description="Linear layers carry biases (GPT-2/3 style).")
     qkv_bias: bool | None = Field(
-        default=None, description="Bias on the Q/K/V projection only (Qwen2). Default: same as linear_bias.")
+        default=None, description="Bias on the Q/K/V projection (Qwen2: only there). Default: same as linear_bias.")
+    out_proj_bias: bool | None = Field(
+        default=None, description="Bias on the attention output projection. Default: same as linear_bias.")
+    mlp_bias: bool | None = Field(
+        default=None, description="Biases on the MLP matrices. Default: same as linear_bias.")
     embedding_norm: bool = Field(default=False, description="A norm right after the word embedding (BLOOM).")
     dropout: bool = Field(
         default=False, description="Dropout active in training (stores 1-byte masks); Llama-style models have none.")
@@ -91,6 +125,10 @@ class ModelSpec(_Spec):
             errors.append(f"num_attention_heads({a}) is not divisible by num_kv_heads({g})")
         if self.position_embedding == "learned" and self.max_seq_len is None:
             errors.append("max_seq_len: required when position_embedding is 'learned'")
+        if self.shared_input_norm and not self.parallel_attention:
+            errors.append("shared_input_norm: needs parallel_attention (one norm can feed both only in parallel)")
+        if self.parallel_attention and self.norm_placement != "pre":
+            errors.append(f"parallel_attention: modelled with norm_placement 'pre' only, got '{self.norm_placement}'")
         _problems(errors)
         return self
 
@@ -120,24 +158,64 @@ class ModelSpec(_Spec):
         return self.linear_bias if self.qkv_bias is None else self.qkv_bias
 
     @property
+    def has_out_proj_bias(self) -> bool:
+        return self.linear_bias if self.out_proj_bias is None else self.out_proj_bias
+
+    @property
+    def has_mlp_bias(self) -> bool:
+        return self.linear_bias if self.mlp_bias is None else self.mlp_bias
+
+    @property
+    def gated_mlp(self) -> bool:
+        """FC1 is two matrices (gate and up), as in SwiGLU and GeGLU (Shazeer 2020, arXiv:2002.05202)."""
+        return self.activation in ("swiglu", "geglu")
+
+    @property
+    def norm_weights_per_channel(self) -> int:
+        """2 for LayerNorm (gamma, beta), 1 for RMSNorm (gamma)."""
+        return 2 if self.norm == "layernorm" else 1
+
+    @property
     def norm_params(self) -> int:
         """Parameters of one norm: 2h for LayerNorm (gamma, beta), h for RMSNorm."""
-        return (2 if self.norm == "layernorm" else 1) * self.hidden_size
+        return self.norm_weights_per_channel * self.hidden_size
+
+    @property
+    def norms_per_layer(self) -> int:
+        """h-wide norms in one layer: 2 (pre or post), 4 (sandwich, Gemma-2), 1 (Falcon-7B's shared norm)."""
+        if self.norm_placement == "sandwich":
+            return 4
+        return 1 if self.shared_input_norm else 2
+
+    def qk_norm_params(self, q_width: float | None = None, kv_width: float | None = None) -> float:
+        """Parameters of the query and key norms: ``q + g*d_h`` channels (full, OLMo-2 ``q_norm``/``k_norm``)
+        or ``2*d_h`` (per head). ``q_width``/``kv_width`` give the widths held by one TP rank."""
+        n = self.norm_weights_per_channel
+        if self.qk_norm == "head":
+            return n * 2 * self.kv_channels
+        if self.qk_norm == "full":
+            q = self.q_size if q_width is None else q_width
+            k = self.kv_heads * self.kv_channels if kv_width is None else kv_width
+            return n * (q + k)
+        return 0
 
     def layer_params(self) -> int:
         """Parameters of one transformer layer.
 
         Source: formulas.md A2 [code] Megatron-LM ``theoretical_memory_usage.py``: attention
-        ``h*q + 2*h*g*d_h + q*h``, MLP ``2*h*f`` (GeLU) or ``3*h*f`` (SwiGLU), two norms; biases
-        [derived]: QKV ``q + 2*g*d_h``, O ``h``, FC1 ``f`` (``2f`` SwiGLU), FC2 ``h``.
+        ``h*q + 2*h*g*d_h + q*h``, MLP ``2*h*f`` (GeLU) or ``3*h*f`` (gated: SwiGLU, GeGLU), two norms;
+        biases [derived]: QKV ``q + 2*g*d_h``, O ``h``, FC1 ``f`` (``2f`` gated), FC2 ``h``. Extra norms
+        as the Hugging Face modules define them: Gemma-2 ``pre/post_feedforward_layernorm`` (4 per
+        layer), OLMo-2 ``q_norm`` (``a*d_h``) and ``k_norm`` (``g*d_h``), Falcon-7B one shared norm.
         """
         h, f, q = self.hidden_size, self.ffn_size, self.q_size
         kv = 2 * self.kv_heads * self.kv_channels
-        mlp_in = 2 * f if self.activation == "swiglu" else f
+        mlp_in = 2 * f if self.gated_mlp else f
         attention = h * (q + kv) + q * h  # QKV + output projection
-        mlp = h * mlp_in + f * h  # FC1 (gate+up for SwiGLU) + FC2
-        norms = 2 * self.norm_params  # pre-attention and pre-MLP norms
-        bias = (q + kv if self.has_qkv_bias else 0) + ((h + mlp_in + h) if self.linear_bias else 0)
+        mlp = h * mlp_in + f * h  # FC1 (gate+up when gated) + FC2
+        norms = self.norms_per_layer * self.norm_params + int(self.qk_norm_params())
+        bias = ((q + kv if self.has_qkv_bias else 0) + (h if self.has_out_proj_bias else 0)
+                + ((mlp_in + h) if self.has_mlp_bias else 0))
         return attention + mlp + norms + bias
 
     def embedding_params(self, vocab_size: int | None = None) -> int:
@@ -156,6 +234,32 @@ class ModelSpec(_Spec):
     def num_params(self) -> int:
         """Exact parameter count (formulas.md A2), embeddings included, tied head counted once."""
         return self.num_layers * self.layer_params() + self.embedding_params() + self.output_params()
+
+    def megatron_gaps(self) -> list[str]:
+        """What Megatron-LM's GPT model, as its command-line flags configure it, cannot build: one line
+        per field. Flags read in Megatron-LM core_v0.16.1 ``megatron/training/arguments.py``
+        (``--swiglu``, ``--normalization``, ``--add-bias-linear``/``--disable-bias-linear`` with
+        ``--add-qkv-bias``, ``--position-embedding-type``) and ``core/transformer/attention.py`` (the
+        Q/K layernorms are ``hidden_size_per_attention_head`` wide). For emitters and ``check``."""
+        gaps = []
+        if self.activation == "geglu":
+            gaps.append("activation: geglu has no Megatron-LM flag (--swiglu is the SiLU gate only)")
+        if self.norm_placement != "pre":
+            gaps.append(f"norm_placement: {self.norm_placement} norms are not a Megatron-LM GPT layer option")
+        if self.parallel_attention:
+            gaps.append("parallel_attention: Megatron-LM's GPT layer runs attention and MLP in sequence")
+        if self.qk_norm == "full":
+            gaps.append("qk_norm: Megatron-LM's Q/K layernorms are per head (--qk-layernorm), not full width")
+        for field in ("attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, field) is not None:
+                gaps.append(f"{field}: Megatron-LM has no soft-capping flag for training")
+        biases = (self.has_qkv_bias, self.has_out_proj_bias, self.has_mlp_bias)
+        if biases != (True, True, True) and (self.has_out_proj_bias or self.has_mlp_bias):
+            gaps.append("out_proj_bias, mlp_bias: Megatron-LM has biases on every linear layer (--add-bias-linear) "
+                        "or on none (--disable-bias-linear, optionally --add-qkv-bias)")
+        if self.position_embedding == "alibi":
+            gaps.append("position_embedding: alibi is not a Megatron-LM --position-embedding-type")
+        return gaps
 
 
 class HardwareSpec(_Spec):

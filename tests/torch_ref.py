@@ -83,17 +83,28 @@ class RefLayer(nn.Module):
         self.heads = model.num_attention_heads // tp
         self.kv = max(model.kv_heads // tp, 1)
         f = model.ffn_size // tp
-        fc1 = 2 * f if model.activation == "swiglu" else f
+        fc1 = 2 * f if model.gated_mlp else f
         kw = dict(dtype=dtype, device=device)
         ln = model.norm == "layernorm"
-        self.norm1_w = nn.Parameter(torch.ones(h, **kw))
-        self.norm1_b = nn.Parameter(torch.zeros(h, **kw)) if ln else None
-        self.norm2_w = nn.Parameter(torch.ones(h, **kw))
-        self.norm2_b = nn.Parameter(torch.zeros(h, **kw)) if ln else None
+
+        def norm(width):  # (weight, bias or None), registered as parameters
+            return (nn.Parameter(torch.ones(width, **kw)), nn.Parameter(torch.zeros(width, **kw)) if ln else None)
+
+        # pre/post: norm1 (attention), norm2 (MLP); sandwich: both before and after; shared: norm1 only
+        self.norm1_w, self.norm1_b = norm(h)
+        if not model.shared_input_norm:
+            self.norm2_w, self.norm2_b = norm(h)
+        if model.norm_placement == "sandwich":
+            self.norm3_w, self.norm3_b = norm(h)
+            self.norm4_w, self.norm4_b = norm(h)
+        qk_widths = {"full": (self.heads * d, self.kv * d), "head": (d, d)}.get(model.qk_norm)
+        if qk_widths:
+            self.qnorm_w, self.qnorm_b = norm(qk_widths[0])
+            self.knorm_w, self.knorm_b = norm(qk_widths[1])
         self.qkv = nn.Linear(h, (self.heads + 2 * self.kv) * d, bias=model.has_qkv_bias, **kw)
-        self.proj = nn.Linear(self.heads * d, h, bias=model.linear_bias, **kw)
-        self.fc1 = nn.Linear(h, fc1, bias=model.linear_bias, **kw)
-        self.fc2 = nn.Linear(f, h, bias=model.linear_bias, **kw)
+        self.proj = nn.Linear(self.heads * d, h, bias=model.has_out_proj_bias, **kw)
+        self.fc1 = nn.Linear(h, fc1, bias=model.has_mlp_bias, **kw)
+        self.fc2 = nn.Linear(f, h, bias=model.has_mlp_bias, **kw)
         if device != "meta":
             for p in self.parameters():
                 if p.dim() == 2:
@@ -128,31 +139,65 @@ class RefLayer(nn.Module):
             k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
         s = q.shape[2]
         mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-        scores = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1])) + mask
+        scores = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]))
+        if self.m.attn_logit_softcap is not None:  # Gemma-2 eager: cap * tanh(scores / cap)
+            scores = torch.tanh(scores / self.m.attn_logit_softcap) * self.m.attn_logit_softcap
+        scores = scores + mask
         probs = self._dropout(torch.softmax(scores, dim=-1))
         return probs @ v
 
-    def attention_block(self, x):
+    def _qk_norm(self, q, k):
+        """OLMo-2 ``full``: over the a*d_h (g*d_h) channels before the heads split; ``head``: per head."""
+        if self.m.qk_norm == "none":
+            return q, k
+        return self._norm(q, self.qnorm_w, self.qnorm_b), self._norm(k, self.knorm_w, self.knorm_b)
+
+    def attention_block(self, x, normed=False):
+        """Input norm (pre / sandwich, unless ``normed``), attention, output norm (post / sandwich), dropout."""
         b = x.shape[0]
         d = self.m.kv_channels
-        y = self._column(self._norm(x, self.norm1_w, self.norm1_b), self.qkv)
+        if self.m.norm_placement != "post" and not normed:
+            x = self._norm(x, self.norm1_w, self.norm1_b)
+        y = self._column(x, self.qkv)
         s = y.shape[1]
         q, k, v = y.split([self.heads * d, self.kv * d, self.kv * d], dim=-1)
+        if self.m.qk_norm == "full":
+            q, k = self._qk_norm(q, k)
         q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        if self.m.qk_norm == "head":
+            q, k = self._qk_norm(q, k)
         if self.recompute == "selective":
             o = checkpoint(self.core_attention, q, k, v, use_reentrant=True)
         else:
             o = self.core_attention(q, k, v)
-        o = o.transpose(1, 2).reshape(b, s, self.heads * d)
-        return x + self._dropout(self._row(o, self.proj))
+        o = self._row(o.transpose(1, 2).reshape(b, s, self.heads * d), self.proj)
+        if self.m.norm_placement == "post":
+            o = self._norm(o, self.norm1_w, self.norm1_b)
+        elif self.m.norm_placement == "sandwich":
+            o = self._norm(o, self.norm3_w, self.norm3_b)
+        return self._dropout(o)
 
-    def mlp_block(self, x):
-        y = self._column(self._norm(x, self.norm2_w, self.norm2_b), self.fc1)
-        y = _SwiGLU.apply(y) if self.m.activation == "swiglu" else F.gelu(y)
-        return x + self._dropout(self._row(y, self.fc2))
+    def mlp_block(self, x, normed=False):
+        """Input norm, MLP (GeGLU's fused kernel saves what SwiGLU's does: the FC1 output), output norm, dropout."""
+        if self.m.norm_placement != "post" and not normed:
+            x = self._norm(x, self.norm2_w, self.norm2_b)
+        y = self._column(x, self.fc1)
+        y = _SwiGLU.apply(y) if self.m.gated_mlp else F.gelu(y)
+        y = self._row(y, self.fc2)
+        if self.m.norm_placement == "post":
+            y = self._norm(y, self.norm2_w, self.norm2_b)
+        elif self.m.norm_placement == "sandwich":
+            y = self._norm(y, self.norm4_w, self.norm4_b)
+        return self._dropout(y)
 
     def _layer(self, x):
-        return self.mlp_block(self.attention_block(x))
+        if self.m.parallel_attention:  # both read the layer input (Falcon-7B: through one shared norm)
+            if self.m.shared_input_norm:
+                n = self._norm(x, self.norm1_w, self.norm1_b)
+                return x + self.attention_block(n, normed=True) + self.mlp_block(n, normed=True)
+            return x + self.attention_block(x) + self.mlp_block(x)
+        x = x + self.attention_block(x)
+        return x + self.mlp_block(x)
 
     def forward(self, x):
         if self.recompute == "full":
