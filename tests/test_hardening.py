@@ -349,3 +349,17 @@ def test_cli_package_has_no_import_cycle():
     for m in sorted(mods):
         if m not in state:
             visit(m, [m])
+
+
+def test_emit_refuses_a_model_megatron_cannot_build(runner, tmp_path):
+    """A Gemma-2-style model (sandwich norms, soft-capping) has no Megatron-LM flags: refused, nothing written."""
+    spec = load_model("llama3-8b").model_dump() | {"norm_placement": "sandwich", "final_logit_softcap": 30.0}
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(spec))
+    out = tmp_path / "launch"
+    res = runner.invoke(app, ["search", "--model", str(model), "--hardware", "h100-sxm-80gb", "--gpus", "8",
+                              "--global-batch", "8", "--seq-len", "4096", "--emit", "torchrun", "--out-dir", str(out),
+                              "--quiet"])
+    lines = _clean_failure(res)
+    assert any("norm_placement" in line for line in lines) and any("final_logit_softcap" in line for line in lines)
+    assert not out.exists() or not any(out.iterdir())

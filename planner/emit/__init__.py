@@ -31,6 +31,10 @@ def render_all(sc: Scenario, formats: list[str]) -> dict[str, str]:
     from planner import render
     from planner.emit import deepspeed, megatron, slurm, torchrun, torchtitan
 
+    megatron_formats = [f for f in formats if f in ("megatron", "torchrun", "slurm")]
+    gaps = sc.model.megatron_gaps() if megatron_formats else []
+    if gaps:  # a launch file that builds another model than the plan's is refused, never written
+        raise SpecError([f"--format {megatron_formats[0]}: {sc.model.name}: {gap}" for gap in gaps])
     base = stem(sc)
     plan_name = f"{base}.plan.json"
     out: dict[str, str] = {}
