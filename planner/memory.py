@@ -312,13 +312,16 @@ def in_flight_chunks(plan: Plan, num_microbatches, stage: int):
     """Micro-batches (chunk-micro-batches when ``vpp > 1``) whose activations stage ``stage`` holds at peak.
 
     1F1B: ``min(m, p - r)`` (Megatron ``schedules.py``: ``p - r - 1`` warm-up forwards + 1).
-    Interleaved: warm-up ``2 (p - r - 1) + (v - 1) p`` chunk forwards + 1, at most ``m v``.
+    Interleaved: warm-up ``2 (p - r - 1) + (v - 1) N`` chunk forwards + 1, at most ``m v``, with ``N`` the
+    micro-batch group size (default ``p``; Megatron ``get_pp_rank_microbatches``). ``tests/test_schedules.py``
+    checks these against Megatron-Core's and torch.distributed.pipelining's own schedule code.
     ``num_microbatches`` may be a numpy array (the search evaluates many at once).
     """
     p, v, m, r = plan.pp, plan.vpp, num_microbatches, stage
     if v == 1:
         return np.minimum(m, p - r)
-    return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+    n = plan.microbatch_group_size or p  # Megatron's group size N, default p (planner/schedules.py)
+    return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * n + 1)
 
 
 def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,

@@ -125,7 +125,14 @@ def interleaved_problems(p: int, v: int, m: int, group: int | None = None) -> li
         return []
     n = megatron_group_size(p, m, group)
     errors = []
-    if not p <= n <= m:
+    if group is None and (m < p or m % p):
+        errors.append(f"vpp: the interleaved schedule with the default micro-batch group (pp = {p}) needs "
+                      f"num_microbatches({m}) divisible by pp({p}) and at least pp; set microbatch_group_size "
+                      f"(Megatron --microbatch-group-size-per-virtual-pipeline-stage) to {m} to run it")
+        if m < p:
+            errors[-1] = (f"vpp: the interleaved schedule needs num_microbatches({m}) >= pp({p}) "
+                          "(Megatron-Core forward_backward_pipelining_with_interleaving)")
+    elif not p <= n <= m:
         errors.append(f"microbatch_group_size: {n} must lie in [pp({p}), num_microbatches({m})] "
                       "(Megatron --microbatch-group-size-per-virtual-pipeline-stage)")
     elif 0 < m % n < p:

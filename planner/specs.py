@@ -396,7 +396,14 @@ class Plan(_Spec):
         description="Optimizer sharding over DP: 0 none, 1 optimizer states (Megatron distributed optimizer), "
                     "2 + gradients, 3 + weights (FSDP).")
     layers_per_stage: tuple[int, ...] | None = Field(
-        default=None, description="Layers on each pipeline stage, for uneven pipelines; default: even split.")
+        default=None,
+        description="Layers on each pipeline stage, for uneven pipelines; default: even split. With vpp > 1 a "
+                    "stage need not split evenly: see Plan.chunk_layers.")
+    microbatch_group_size: int | None = Field(
+        default=None, ge=1,
+        description="Interleaved 1F1B: micro-batches run through one virtual stage before the next (Megatron "
+                    "--microbatch-group-size-per-virtual-pipeline-stage; Meta's N). Default: pp. Must lie in "
+                    "[pp, num_microbatches]; more holds more activations, and lets num_microbatches % pp != 0.")
 
     @model_validator(mode="after")
     def _check(self) -> Plan:
@@ -409,6 +416,8 @@ class Plan(_Spec):
             errors.append(f"layers_per_stage: {len(self.layers_per_stage)} entries for pp({self.pp}) stages")
         if self.layers_per_stage is not None and min(self.layers_per_stage, default=1) < 1:
             errors.append(f"layers_per_stage: every stage needs at least 1 layer, got {list(self.layers_per_stage)}")
+        if self.microbatch_group_size is not None and self.vpp == 1:
+            errors.append("microbatch_group_size: applies to the interleaved schedule only (vpp > 1)")
         _problems(errors)
         return self
 
@@ -426,6 +435,10 @@ class Plan(_Spec):
             return self.layers_per_stage
         return (num_layers // self.pp,) * self.pp
 
+    def chunk_layers(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
+        """Layers of each virtual stage, per pipeline rank (:func:`chunk_split` of the stage layers)."""
+        return chunk_split(self.stage_layers(num_layers), self.vpp)
+
     def label(self) -> str:
         """Short identifier used in file names, e.g. ``tp8-pp4-dp16_mbs1``."""
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
@@ -433,6 +446,24 @@ class Plan(_Spec):
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"dp{self.dp}"]
         return "-".join(parts) + f"_mbs{self.micro_batch_size}"
+
+
+def chunk_split(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> tuple[tuple[int, ...], ...]:
+    """Layers of each virtual stage, per pipeline rank: ``out[r][c]`` is chunk ``c`` of rank ``r``.
+
+    A stage of ``n`` layers splits into ``vpp`` chunks of ``n // vpp`` or one more. The shorter chunks
+    go where the embedding and the loss sit, as Megatron's ``--account-for-embedding-in-pipeline-split``
+    and ``--account-for-loss-in-pipeline-split`` count each as one layer (Megatron-LM core_v0.16.1
+    ``transformer_config.py``): first on rank 0 (the embedding is in its chunk 0), last on every other
+    rank (the loss ends the last rank's last chunk). Llama 3 405B (Dubey et al. 2024, section 3.3.2):
+    126 layers on 16 stages, the first and the last stage one layer short: 7 + 14 x 8 + 7.
+    """
+    out = []
+    for r, n in enumerate(layers_per_stage):
+        q, rem = divmod(n, vpp)
+        long, short = [q + 1] * rem, [q] * (vpp - rem)
+        out.append(tuple(short + long) if r == 0 else tuple(long + short))
+    return tuple(out)
 
 
 def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec) -> list[str]:
@@ -475,12 +506,15 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     if plan.layers_per_stage is not None:
         if sum(plan.layers_per_stage) != L:
             errors.append(f"layers_per_stage: sum {sum(plan.layers_per_stage)} != num_layers({L})")
-        if any(n % v for n in plan.layers_per_stage):
-            errors.append(f"layers_per_stage: every stage must split into vpp({v}) chunks, got {list(plan.layers_per_stage)}")
+        if any(n < v for n in plan.layers_per_stage):
+            errors.append(f"layers_per_stage: every stage needs at least vpp({v}) layers, one per chunk, "
+                          f"got {list(plan.layers_per_stage)}")
     if c > 1 and s % (2 * c):
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")
-    if v > 1 and B % (b * d) == 0 and (B // (b * d)) % p:
-        errors.append(f"vpp: the interleaved schedule needs num_microbatches({B // (b * d)}) divisible by pp({p})")
+    if v > 1 and B % (b * d) == 0:
+        from planner.schedules import interleaved_problems
+
+        errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     return errors + job_problems(model, hardware, training)
 
 

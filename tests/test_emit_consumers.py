@@ -31,7 +31,7 @@ from planner.emit import render_all
 from planner.io import write_all
 from planner.names import slug
 from planner.presets import SpecError, load_hardware, load_model
-from planner.specs import Plan, Scenario, TrainingSpec
+from planner.specs import Plan, Scenario, TrainingSpec, chunk_split
 
 # ../shared beside the repository root (PLAN3D_SHARED overrides it, e.g. from a git worktree elsewhere)
 SHARED = Path(os.environ.get("PLAN3D_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
@@ -177,6 +177,16 @@ MEGATRON_PLANS = {
     "405b-uneven-pp16": (dict(model="llama3-405b", gpus=256, global_batch=256, seq_len=8192),
                          dict(tp=8, pp=16, dp=2, layers_per_stage=(7,) + (8,) * 14 + (7,),
                               sequence_parallel=True, zero_stage=1)),
+    # Meta's Llama 3 405B layout (Dubey et al. 2024, 3.3.2): interleaved, first and last stage one layer
+    # short, so stages of 7 do not split into vpp chunks evenly; with Meta's tunable N (group size)
+    "405b-meta-vpp4": (dict(model="llama3-405b", gpus=256, global_batch=256, seq_len=8192),
+                       dict(tp=8, pp=16, dp=2, vpp=4, layers_per_stage=(7,) + (8,) * 14 + (7,),
+                            sequence_parallel=True, zero_stage=1)),
+    "405b-meta-vpp2-group": (dict(model="llama3-405b", gpus=256, global_batch=320, seq_len=8192),
+                             dict(tp=8, pp=16, dp=2, vpp=2, layers_per_stage=(7,) + (8,) * 14 + (7,),
+                                  microbatch_group_size=20, sequence_parallel=True, zero_stage=1)),
+    "group-size-m-not-multiple-of-pp": (L70 | {"global_batch": 20}, dict(tp=8, pp=4, dp=2, vpp=2,
+                                                                          microbatch_group_size=10, zero_stage=1)),
 }
 
 
@@ -306,7 +316,9 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert microbatches == p.num_microbatches
         assert (config.virtual_pipeline_model_parallel_size or 1) == p.vpp
         layers = megatron_layers(megatron, config)
-        assert layers == [[n // p.vpp] * p.vpp for n in p.layers_per_stage], (case, layers)
+        assert layers == [list(c) for c in chunk_split(p.layers_per_stage, p.vpp)], (case, layers)
+        if p.vpp > 1:
+            assert config.microbatch_group_size_per_vp_stage == (p.microbatch_group_size or p.pp)
         assert config.sequence_parallel == p.sequence_parallel
         assert config.recompute_granularity == (None if p.recompute == "none" else p.recompute)
         assert bool(args.use_distributed_optimizer) == (p.zero_stage == 1)

@@ -136,8 +136,12 @@ def test_megatron_family_matches_megatron_core(megatron_schedules, p, v, m, grou
 
 def test_interleaved_problems_follow_megatron():
     assert S.interleaved_problems(4, 2, 8) == []
-    assert "must lie in" in S.interleaved_problems(4, 2, 3)[0]          # m < p
-    assert "neither 0 nor" in S.interleaved_problems(4, 2, 10)[0]      # default N = 4 leaves 2 < p
+    assert ">= pp(4)" in S.interleaved_problems(4, 2, 3)[0]             # m < p
+    assert "divisible by pp(4)" in S.interleaved_problems(4, 2, 10)[0]  # default N = 4 leaves 2 < p
+    assert "must lie in" in S.interleaved_problems(4, 2, 10, group=3)[0]
+    assert "neither 0 nor" in S.interleaved_problems(4, 2, 10, group=4)[0]
     assert S.interleaved_problems(4, 2, 10, group=10) == []             # Meta's tunable N
     assert S.interleaved_problems(4, 2, 14, group=5) == []              # remainder 4 >= p
     assert S.peak_in_flight("megatron", 4, 2, 10, 0, group=10) == 2 * 3 + 10 + 1
+    plan = Plan(tp=1, pp=4, dp=1, vpp=2, micro_batch_size=1, microbatch_group_size=10)
+    assert int(np.asarray(in_flight_chunks(plan, 10, 0))) == 2 * 3 + 10 + 1  # the estimator uses N

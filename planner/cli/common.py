@@ -101,6 +101,7 @@ MbsOpt = Annotated[Optional[int], typer.Option("--micro-batch-size", min=1, max=
 RecomputeOpt = Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.", rich_help_panel="Plan")]
 SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel="Plan")]
 ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", min=0, max=3, help="0-3; 1 = distributed optimizer.", rich_help_panel="Plan")]
+GroupOpt = Annotated[Optional[int], typer.Option("--microbatch-group-size", min=1, max=MAX_COUNT, help="Interleaved 1F1B: micro-batches per virtual-stage group (Megatron --microbatch-group-size-per-virtual-pipeline-stage); default pp.", rich_help_panel="Plan")]
 LayersOpt = Annotated[Optional[str], typer.Option("--layers-per-stage", help="Uneven pipeline: layers of each stage, comma-separated (18,22,22,18); default even split.", rich_help_panel="Plan")]
 PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")]
 AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (default) or materialized attention scores.", rich_help_panel="Job")]

@@ -13,7 +13,7 @@ import shlex
 
 from planner.names import slug
 from planner.presets import SpecError
-from planner.specs import Scenario
+from planner.specs import Scenario, chunk_split
 
 Flag = tuple[str, "str | None"]
 
@@ -70,15 +70,16 @@ def layout_string(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> st
     Source: Megatron-LM core_v0.16.1 ``megatron/core/transformer/pipeline_parallel_layer_layout.py``:
     the string lists the virtual stages separated by ``|``, virtual stage ``v * pp + r`` being chunk
     ``v`` of pipeline rank ``r``; ``E`` is the embedding, ``t`` one transformer layer, ``L`` the loss,
-    which must come first and last. A stage of ``n`` layers is split into ``vpp`` chunks of ``n / vpp``
-    (as Megatron's ``--decoder-first-pipeline-num-layers`` with ``--num-virtual-stages-per-pipeline-rank``
-    splits it). No ``*`` shorthand: the string holds no shell glob character.
+    which must come first and last. A stage of ``n`` layers is split into ``vpp`` chunks as
+    :func:`planner.specs.chunk_split` says (``n / vpp`` each when it divides, the shorter chunks next to
+    the embedding and the loss otherwise). No ``*`` shorthand: the string holds no shell glob character.
     """
     pp = len(layers_per_stage)
+    split = chunk_split(layers_per_stage, vpp)
     chunks = []
     for v in range(vpp):
         for r in range(pp):
-            text = "t" * (layers_per_stage[r] // vpp)
+            text = "t" * split[r][v]
             if v == 0 and r == 0:
                 text = "E" + text
             if v == vpp - 1 and r == pp - 1:
@@ -130,12 +131,14 @@ def pipeline_flags(sc: Scenario) -> list[Flag]:
         return []
     layers = p.layers_per_stage
     vpp_flag: list[Flag] = [("--num-virtual-stages-per-pipeline-rank", str(p.vpp))] if p.vpp > 1 else []
+    if p.microbatch_group_size is not None:
+        vpp_flag.append(("--microbatch-group-size-per-virtual-pipeline-stage", str(p.microbatch_group_size)))
     if is_even(sc):
         return vpp_flag
-    if len(set(layers[1:-1])) <= 1:
+    if len(set(layers[1:-1])) <= 1 and not any(n % p.vpp for n in layers):
         return [("--decoder-first-pipeline-num-layers", str(layers[0])),
                 ("--decoder-last-pipeline-num-layers", str(layers[-1]))] + vpp_flag
-    return [("--pipeline-model-parallel-layout", layout_string(layers, p.vpp))]
+    return [("--pipeline-model-parallel-layout", layout_string(layers, p.vpp))] + vpp_flag[1:]
 
 
 def uses_megatron_fsdp(sc: Scenario) -> bool:
