@@ -37,7 +37,9 @@ Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post", "sandwich"]
 QKNorm = Literal["none", "head", "full"]
 PositionEmbedding = Literal["learned", "rope", "alibi"]
-Precision = Literal["bf16", "fp8", "fp32"]
+Precision = Literal["bf16", "fp8", "mxfp8", "nvfp4", "fp32"]
+#: Block-scaled formats (OCP MX and NVIDIA NVFP4): Blackwell (sm_100) tensor cores only.
+BLOCK_SCALED = ("mxfp8", "nvfp4")
 Recompute = Literal["none", "selective", "full"]
 AttentionKernel = Literal["flash", "materialized"]
 
@@ -342,8 +344,20 @@ class HardwareSpec(_Spec):
         return self.gpu_memory_gib * (1 - self.fragmentation_headroom) - self.cuda_context_gib - self.nccl_buffers_gib
 
     def peak_flops(self, precision: Precision) -> float:
-        """Dense peak in FLOP/s for the training precision."""
-        tflops = {"fp8": self.peak_fp8_tflops, "fp32": self.peak_fp32_tflops}.get(precision, self.peak_bf16_tflops)
+        """Dense peak in FLOP/s for the training precision.
+
+        fp8 (per-tensor scaling, Transformer Engine ``DelayedScaling``/``Float8CurrentScaling``) and
+        mxfp8 (``MXFP8BlockScaling``: E4M3 with one E8M0 scale per 32 values) run at the FP8 tensor rate;
+        nvfp4 (``NVFP4BlockScaling``: E2M1 with an E4M3 scale per 16 values and a per-tensor FP32
+        scale) at the FP4 rate (NVIDIA Blackwell architecture technical brief; Transformer Engine
+        1.13/2.x recipes). The block-scaled formats need Blackwell tensor cores: a profile without an
+        FP4 peak (Hopper and older) has none.
+        """
+        if precision in BLOCK_SCALED and self.peak_fp4_tflops is None:
+            raise ValueError(f"precision: {precision} needs Blackwell block-scaled tensor cores; {self.name} has "
+                             "none (no peak_fp4_tflops); use fp8 or bf16")
+        tflops = {"fp8": self.peak_fp8_tflops, "mxfp8": self.peak_fp8_tflops, "nvfp4": self.peak_fp4_tflops,
+                  "fp32": self.peak_fp32_tflops}.get(precision, self.peak_bf16_tflops)
         if tflops is None:
             raise ValueError(f"precision: {self.name} has no {precision} peak (peak_{precision}_tflops); use bf16")
         return tflops * 1e12
@@ -356,7 +370,9 @@ class TrainingSpec(_Spec):
     global_batch_size: int = Field(ge=1, le=MAX_COUNT, description="Sequences per optimizer step, over all replicas.")
     seq_len: int = Field(ge=1, le=MAX_COUNT, description="Tokens per sequence.")
     precision: Precision = Field(
-        default="bf16", description="bf16 or fp8 mixed precision (Megatron), or fp32 (the CPU validate run).")
+        default="bf16",
+        description="bf16, fp8 (per-tensor scaling), mxfp8 or nvfp4 (Blackwell block scaling) mixed precision "
+                    "(Transformer Engine recipes), or fp32 (the CPU validate run).")
     attention: AttentionKernel = Field(
         default="flash",
         description="flash: fused attention that stores no s x s scores (Dao et al. 2022); "
@@ -471,9 +487,11 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     errors = []
     if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
         errors.append(f"seq_len: {training.seq_len} > max_seq_len({model.max_seq_len}) of {model.name}")
-    if training.precision != "bf16" and getattr(hardware, f"peak_{training.precision}_tflops") is None:
-        errors.append(f"precision: {hardware.name} has no {training.precision} peak "
-                      f"(peak_{training.precision}_tflops); use bf16")
+    if training.precision != "bf16":
+        try:
+            hardware.peak_flops(training.precision)
+        except ValueError as err:
+            errors.append(str(err))
     return errors
 
 

@@ -168,6 +168,10 @@ MEGATRON_PLANS = {
                    dict(tp=2, pp=1, dp=8, zero_stage=2, sequence_parallel=True)),
     "zero3-fsdp-pp2": (L70, dict(tp=8, pp=2, dp=4, zero_stage=3, layers_per_stage=(40, 40))),
     "fp8": (L70 | {"precision": "fp8"}, dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
+    "mxfp8-gb200": (L70 | {"precision": "mxfp8", "hardware": "gb200-nvl72"},
+                    dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
+    "nvfp4-b300": (L70 | {"precision": "nvfp4", "hardware": "b300-288gb"},
+                   dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
     "8b-pp2-uneven-vpp2": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096),
                            dict(tp=4, pp=2, dp=2, vpp=2, layers_per_stage=(14, 18), zero_stage=1)),
@@ -223,7 +227,7 @@ def torchrun_world(argv: list[str]) -> tuple[int, str, list[str]]:
 
 
 # compute capability major of the profiles' GPUs (NVIDIA CUDA GPUs list: A100 8.0, H100 9.0)
-ARCH = {"a100": 8, "h100": 9}
+ARCH = {"a100": 8, "h100": 9, "h200": 9, "b200": 10, "b300": 10, "gb200": 10, "gb300": 10}
 
 
 def megatron_validate(mg, monkeypatch, argv: list[str], env_value: str, arch: int = 9):
@@ -239,6 +243,10 @@ def megatron_validate(mg, monkeypatch, argv: list[str], env_value: str, arch: in
     # as any GPU image with TE >= 1.4 has it.
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: arch)
     monkeypatch.setattr(mg["rope_utils"], "fused_apply_rotary_pos_emb", lambda *a, **k: None)
+    if "--fp4-format" in script_args:
+        # (3) NVFP4: validate_args asks is_te_min_version("2.7.0.dev0"), Transformer Engine's installed
+        # version (TE needs CUDA; absent here). Answer as an image with TE 2.7+ would, for NVFP4 plans only.
+        monkeypatch.setattr(arguments, "is_te_min_version", lambda version, *a, **k: True)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     if env_value == "<unset>":
@@ -325,7 +333,13 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert bool(args.use_megatron_fsdp) == fsdp
         if fsdp:
             assert args.data_parallel_sharding_strategy == {2: "optim_grads", 3: "optim_grads_params"}[p.zero_stage]
-        assert config.fp8 == ("hybrid" if sc.training.precision == "fp8" else None)
+        fp8_format = {"fp8": "hybrid", "mxfp8": "e4m3"}.get(sc.training.precision)
+        assert config.fp8 == fp8_format
+        if fp8_format:
+            assert config.fp8_recipe == ("mxfp8" if sc.training.precision == "mxfp8" else "delayed")  # core_v0.16.1 default
+        assert config.fp4 == ("e2m1" if sc.training.precision == "nvfp4" else None)
+        if config.fp4:
+            assert config.fp4_recipe == "nvfp4"
         assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == \
             (m.num_layers, m.hidden_size, m.ffn_size)
         assert (config.num_query_groups or config.num_attention_heads) == m.kv_heads

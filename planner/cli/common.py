@@ -103,7 +103,7 @@ SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequenc
 ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", min=0, max=3, help="0-3; 1 = distributed optimizer.", rich_help_panel="Plan")]
 GroupOpt = Annotated[Optional[int], typer.Option("--microbatch-group-size", min=1, max=MAX_COUNT, help="Interleaved 1F1B: micro-batches per virtual-stage group (Megatron --microbatch-group-size-per-virtual-pipeline-stage); default pp.", rich_help_panel="Plan")]
 LayersOpt = Annotated[Optional[str], typer.Option("--layers-per-stage", help="Uneven pipeline: layers of each stage, comma-separated (18,22,22,18); default even split.", rich_help_panel="Plan")]
-PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16 or fp8.", rich_help_panel="Job")]
+PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16, fp8, mxfp8 or nvfp4 (the last two on Blackwell).", rich_help_panel="Job")]
 AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (default) or materialized attention scores.", rich_help_panel="Job")]
 OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="DP gradient reduction overlapped with backward (Megatron --overlap-grad-reduce; default on).", rich_help_panel="Job")]
 FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default) or torch: how sequence parallelism keeps activations (torchtitan = torch).", rich_help_panel="Job")]

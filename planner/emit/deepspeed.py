@@ -42,8 +42,9 @@ def check_supported(sc: Scenario) -> None:
         raise SpecError(f"--emit deepspeed: DeepSpeed's config has no context parallelism (plan has cp={p.cp})")
     if p.pp > 1 and p.zero_stage > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's pipeline engine takes ZeRO 0 or 1, not {p.zero_stage} with pp={p.pp}")
-    if sc.training.precision == "fp8":
-        raise SpecError("--emit deepspeed: the DeepSpeed config written here has no fp8 recipe; use bf16")
+    if sc.training.precision != "bf16":
+        raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no {sc.training.precision} "
+                        "recipe; use bf16")
     if p.vpp > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's pipeline engine has no interleaved schedule (plan has vpp={p.vpp})")
 

@@ -164,8 +164,7 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--ckpt-format", "fsdp_dtensor"))
     flags += [("--micro-batch-size", str(p.micro_batch_size)), ("--global-batch-size", str(tr.global_batch_size)),
               ("--seq-length", str(tr.seq_len)), ("--bf16", None)]
-    if tr.precision == "fp8":
-        flags += [("--fp8-format", "hybrid")]
+    flags += PRECISION_FLAGS.get(tr.precision, [])
     flags.append(("--attention-backend", "flash" if tr.attention == "flash" else "unfused"))
     if tr.overlap_grad_reduce:
         flags.append(("--overlap-grad-reduce", None))
@@ -174,6 +173,17 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     if tr.grad_reduce_in_bf16:
         flags.append(("--grad-reduce-in-bf16", None))
     return flags
+
+
+#: Transformer Engine recipes as Megatron-LM core_v0.16.1 names them (``TransformerConfig.fp8``/``fp8_recipe``,
+#: ``fp4``/``fp4_recipe``): fp8 per-tensor "hybrid" (E4M3 forward, E5M2 gradients) with the default
+#: recipe (delayed scaling in core_v0.16.1); MXFP8 is E4M3 throughout (TE ``MXFP8BlockScaling``); NVFP4 is E2M1 (TE
+#: ``NVFP4BlockScaling``, Transformer Engine >= 2.7).
+PRECISION_FLAGS: dict[str, list[Flag]] = {
+    "fp8": [("--fp8-format", "hybrid")],
+    "mxfp8": [("--fp8-format", "e4m3"), ("--fp8-recipe", "mxfp8")],
+    "nvfp4": [("--fp4-format", "e2m1"), ("--fp4-recipe", "nvfp4")],
+}
 
 
 def run_flags() -> list[Flag]:

@@ -1,0 +1,50 @@
+"""Issue 18: Blackwell profiles, NVLink domains larger than a node, block-scaled precisions.
+
+Figures are the profiles' own, each cited in its YAML; hand-computed values below say where they
+come from.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.presets import load_hardware, load_model
+from planner.specs import Plan, Scenario, TrainingSpec, job_problems
+
+
+@pytest.mark.parametrize("name,domain,per_node", [("gb200-nvl72", 72, 4), ("gb300-nvl72", 72, 4),
+                                                 ("b200-180gb", 8, 8), ("b300-288gb", 8, 8),
+                                                 ("h100-sxm-80gb", 8, 8)])
+def test_nvlink_domain_is_its_own_figure(name, domain, per_node):
+    hw = load_hardware(name)
+    assert (hw.nvlink_domain, hw.gpus_per_node) == (domain, per_node)
+
+
+@pytest.mark.parametrize("name,precision,tflops", [
+    ("gb200-nvl72", "bf16", 2500), ("gb200-nvl72", "fp8", 5000), ("gb200-nvl72", "mxfp8", 5000),
+    ("gb200-nvl72", "nvfp4", 10000),     # 1,440 PF FP4 sparse per rack / 72 / 2
+    ("gb300-nvl72", "nvfp4", 15000),     # 1,080 PF FP4 dense per rack / 72
+    ("b300-288gb", "nvfp4", 13125), ("b200-180gb", "mxfp8", 4500), ("b200-180gb", "nvfp4", 9000),
+])
+def test_peak_rate_per_precision(name, precision, tflops):
+    assert load_hardware(name).peak_flops(precision) == pytest.approx(tflops * 1e12)
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "nvfp4"])
+def test_block_scaled_formats_need_blackwell(precision):
+    hw, model = load_hardware("h100-sxm-80gb"), load_model("llama3-8b")
+    problems = job_problems(model, hw, TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096,
+                                                    precision=precision))
+    assert problems and "Blackwell" in problems[0]
+
+
+def test_tp_may_span_trays_inside_the_nvl72_domain():
+    """TP 8 on GB200: 8 GPUs over two 4-GPU trays, legal because the NVLink domain is the rack."""
+    sc = Scenario(model=load_model("llama3-70b"), hardware=load_hardware("gb200-nvl72"),
+                  training=TrainingSpec(num_gpus=72, global_batch_size=72, seq_len=8192),
+                  plan=Plan(tp=8, pp=1, dp=9, micro_batch_size=1))
+    assert sc.plan.tp > sc.hardware.gpus_per_node
+    with pytest.raises(ValueError, match="NVLink domain"):
+        Scenario(model=load_model("llama3-70b"), hardware=load_hardware("gb200-nvl72"),
+                 training=TrainingSpec(num_gpus=80, global_batch_size=80, seq_len=8192),
+                 plan=Plan(tp=16, pp=1, dp=5, micro_batch_size=1))  # 16 does not divide 72
