@@ -48,6 +48,63 @@ BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubb
 
 TILES = ((256, 128), (128, 256))  # large CTA tiles of cuBLAS/CUTLASS bf16 GEMMs
 
+# Fused attention speed by sequence length (TFLOP/s), cuDNN fused attention (Transformer Engine's
+# default backend on Hopper), BF16, head dim 128, batch x seqlen = 16k, 16 heads, H100 80GB SXM5.
+# Source: Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608, Figure 5 (forward: (b) without,
+# (e) with causal mask) and Figure 6 (backward, without causal mask), the cuDNN bars. The causal
+# backward is not published; it is derived as backward x (causal fwd / non-causal fwd) at the same
+# length [derived]. FLOPs are counted as the paper counts them: backward = 2.5 x forward, causal
+# halved. Only the *shape* of these curves is used (``attention_shape``): the hardware profile's
+# ``attention_efficiency`` sets the level (causal forward at 16k), so other GPUs reuse the shape.
+ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_TFLOPS = {
+    ("fwd", False): (497.0, 574.0, 617.0, 609.0, 600.0, 595.0),
+    ("fwd", True): (315.0, 410.0, 484.0, 518.0, 529.0, 539.0),
+    ("bwd", False): (305.0, 408.0, 465.0, 499.0, 518.0, 516.0),
+}
+ATTENTION_TFLOPS[("bwd", True)] = tuple(
+    b * c / n for b, c, n in zip(ATTENTION_TFLOPS[("bwd", False)], ATTENTION_TFLOPS[("fwd", True)],
+                                 ATTENTION_TFLOPS[("fwd", False)]))
+ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][-1]  # what ``attention_efficiency`` stands for
+
+
+def attention_shape(kv_len: float, causal: bool, pass_: str) -> float:
+    """Speed of a fused attention kernel over ``kv_len`` keys relative to causal forward at 16k.
+
+    Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (FlashAttention-3 paper,
+    Figures 5-6, cuDNN); outside 512-16k the end row is used (the lookup says so via
+    :func:`attention_in_table`). Short sequences run slower: fewer key blocks per query tile to
+    hide the softmax and the prologue behind.
+    """
+    row = ATTENTION_TFLOPS[(pass_, causal)]
+    x = math.log2(min(max(kv_len, ATTENTION_SEQ[0]), ATTENTION_SEQ[-1]))
+    i = min(int(x) - 9, len(ATTENTION_SEQ) - 2)
+    lo, hi = row[i], row[i + 1]
+    return (lo + (hi - lo) * (x - math.log2(ATTENTION_SEQ[i]))) / ATTENTION_REFERENCE
+
+
+ATTENTION_BLOCK_M = 128  # query rows per thread block, head dim 128 (FlashAttention-3 paper section 3.3 / 4.1)
+ATTENTION_BENCH_TILES = 16384 // ATTENTION_BLOCK_M * 16  # the table's runs: batch x seqlen = 16k, 16 heads
+
+
+def attention_wave_factor(q_len: float, heads: float, sm_count: int) -> float:
+    """Share of the table's speed a kernel keeps once its query tiles are cut into waves.
+
+    A fused attention kernel runs one thread block per (batch x head, 128-query tile) and
+    ``ceil(tiles / SMs)`` waves of them (wave quantisation, as for GEMMs in NVIDIA's "Matrix
+    Multiplication Background User's Guide"). Relative to the table's own runs (16k query rows x
+    16 heads); short CP chunks with few heads per TP rank leave SMs idle.
+    """
+    def busy(tiles: float) -> float:
+        return tiles / (math.ceil(tiles / sm_count) * sm_count)
+    tiles = max(1.0, math.ceil(q_len / ATTENTION_BLOCK_M) * heads)
+    return min(1.0, busy(tiles) / busy(ATTENTION_BENCH_TILES))
+
+
+def attention_in_table(kv_len: float) -> bool:
+    """Whether a key length lies inside the measured attention table (512-16k)."""
+    return ATTENTION_SEQ[0] <= kv_len <= ATTENTION_SEQ[-1]
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -90,6 +147,40 @@ def gemm_fwd_bwd_s(m: float, k: float, n: float, rates: Rates) -> tuple[float, f
     return gemm_time_s(m, k, n, rates), gemm_time_s(m, n, k, rates), gemm_time_s(k, m, n, rates)
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """Which communications the framework overlaps with compute, once ``None`` fields are resolved."""
+
+    tp_comm_overlap: bool
+    overlap_p2p_comm: bool
+
+
+# Each framework's default for the overlap switches that TrainingSpec leaves as None. Keyed by
+# ``TrainingSpec.framework`` in one place so that framework profiles can remap it.
+FRAMEWORK_OVERLAP_DEFAULTS = {
+    # Megatron-Core v0.16.1: ModelParallelConfig.tp_comm_overlap = False (--tp-comm-overlap turns it
+    # on, and needs SP); --no-overlap-p2p-communication (dest overlap_p2p_comm) is on by default and
+    # kept only with the interleaved schedule (megatron/training/arguments.py).
+    "megatron": Overlap(tp_comm_overlap=False, overlap_p2p_comm=True),
+    # torchtitan: async TP is off unless --parallelism.enable_async_tensor_parallel; torch.distributed
+    # .pipelining's schedules wait for each chunk's receive before computing it (charged in full).
+    "torch": Overlap(tp_comm_overlap=False, overlap_p2p_comm=False),
+}
+
+
+def framework_defaults(framework: str) -> Overlap:
+    """The overlap defaults of ``framework`` (``TrainingSpec.framework``); unknown names get Megatron's."""
+    return FRAMEWORK_OVERLAP_DEFAULTS.get(framework, FRAMEWORK_OVERLAP_DEFAULTS["megatron"])
+
+
+def resolved_overlap(training: TrainingSpec) -> Overlap:
+    """The training spec's overlap switches, ``None`` replaced by the framework's default."""
+    base = framework_defaults(training.framework)
+    tp = base.tp_comm_overlap if training.tp_comm_overlap is None else training.tp_comm_overlap
+    p2p = base.overlap_p2p_comm if training.overlap_p2p_comm is None else training.overlap_p2p_comm
+    return Overlap(tp_comm_overlap=tp, overlap_p2p_comm=p2p)
+
+
 def overlapped_s(comm_s: float, compute_s: float, contention: float) -> float:
     """Exposed time of a collective that runs alongside ``compute_s`` of GEMMs.
 
@@ -113,11 +204,16 @@ class LayerTime:
     recompute: float
     tp_fwd: float
     tp_bwd: float
-    cp: float
+    cp_fwd: float
+    cp_bwd: float
 
     @property
     def tp(self) -> float:
         return self.tp_fwd + self.tp_bwd
+
+    @property
+    def cp(self) -> float:
+        return self.cp_fwd + self.cp_bwd
 
 
 def _linear_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[float, float, str]]:
@@ -130,13 +226,21 @@ def _linear_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[float, float
 
 
 def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rates: Rates) -> tuple[float, float]:
-    """(forward, backward) seconds of the attention core of one layer per micro-batch."""
+    """(forward, backward) seconds of the attention core of one layer per micro-batch, without CP.
+
+    Flash: the causal FLOPs at the kernel's measured speed for this sequence length
+    (:func:`attention_shape`), backward 2.5x the forward FLOPs (Dao 2023) at the backward speed;
+    1 kernel forward, 3 backward (dO.O preprocessing, the main kernel, dQ conversion; FlashAttention-2
+    ``flash_bwd_kernel`` launch sequence) at ``kernel_overhead_us`` each.
+    """
     t, b, s = plan.tp, plan.micro_batch_size, training.seq_len
     a_r, d = model.num_attention_heads / t, model.kv_channels
     if training.attention == "flash":
-        fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True) * (s / plan.cp) / t
-        fwd = fwd_flops / rates.attention_flops
-        return fwd, FLASH_BWD_OVER_FWD * fwd
+        fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True) * s / t
+        rate = rates.attention_flops * attention_wave_factor(s, b * a_r, rates.sm_count)
+        fwd = fwd_flops / (rate * attention_shape(s, True, "fwd")) + rates.gemm_overhead_s
+        bwd = FLASH_BWD_OVER_FWD * fwd_flops / (rate * attention_shape(s, True, "bwd"))
+        return fwd, bwd + 3 * rates.gemm_overhead_s
     # materialised: QK^T and PV as batched GEMMs over a_r * b heads, full s x s (masked, not skipped)
     heads = a_r * b
     sq = s / plan.cp
@@ -146,6 +250,77 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
     soft_fwd = elements * (ACT_BYTES * 2 + (5 if model.dropout else 0)) / rates.hbm_bytes_per_s
     soft_bwd = elements * (ACT_BYTES * 3 + (5 if model.dropout else 0)) / rates.hbm_bytes_per_s
     return qk + pv + soft_fwd, 2 * (qk + pv) + soft_bwd
+
+
+# Ring attention's per-step output merge: read the step's bf16 output, read-modify-write the fp32
+# accumulator (2 + 4 + 4 bytes per element), as Transformer Engine's AttnFuncWithCPAndKVP2P does
+# (``flash_attn_fwd_out_correction``); backward accumulates dQ and dK/dV the same way.
+RING_MERGE_BYTES = 10
+
+
+@dataclass(frozen=True)
+class RingAttention:
+    """One layer's ring attention under CP, per micro-batch (seconds)."""
+
+    fwd_compute: float  # the cp attention steps, their merges and launches
+    bwd_compute: float
+    fwd_exposed: float  # K/V exchange not hidden behind the step it overlaps (plus SM contention)
+    bwd_exposed: float  # K/V exchange and the dK/dV return
+
+
+def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
+                   order: str = DEFAULT_ORDER) -> RingAttention:
+    """Context-parallel attention as Megatron-Core runs it (``--cp-comm-type p2p``, the default).
+
+    Sources: Megatron-Core ``docs/user-guide/features/context_parallel.md`` (ring of P2P K/V
+    exchanges overlapped with attention; load-balanced causal split into 2·cp chunks);
+    Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv:2310.01889 (blockwise
+    compute overlapped with the K/V rotation); Transformer Engine ``AttnFuncWithCPAndKVP2P``.
+
+    Each rank holds ``s/cp`` tokens (two half-chunks). Step 0 is causal attention over the local
+    chunk; steps 1..cp-1 are *non-causal* blocks of ``s/cp`` queries against ``s/(2cp)`` keys,
+    so every step runs at the measured speed of that short kernel (:func:`attention_shape`).
+    Forward: cp-1 K/V exchanges of ``2·b·(s/cp)·g_r·d_h`` bytes, each overlapped with one step.
+    Backward: the K/V exchange again plus the dK/dV return, twice the bytes per step. Every step
+    after the first merges its partial output (``RING_MERGE_BYTES``) and costs its kernel launches.
+    """
+    rates = Rates.of(hw, training.precision)
+    cp, t, b = plan.cp, plan.tp, plan.micro_batch_size
+    s_c = training.seq_len / cp
+    a_r = model.num_attention_heads / t
+    g_r, d = kv_heads_per_rank(model, t), model.kv_channels
+    tokens = b * s_c
+    # every step does the same FLOPs: 2·q·s_c² (causal s_c x s_c, or full s_c x s_c/2), per rank / t
+    step_flops = b * 2.0 * model.q_size * s_c * s_c / t
+    launch = rates.gemm_overhead_s
+    heads, sm = b * a_r, rates.sm_count
+
+    def speed(pass_: str, causal: bool) -> float:
+        if causal:  # step 0: the local chunk against itself
+            return rates.attention_flops * attention_shape(s_c, True, pass_) * attention_wave_factor(s_c, heads, sm)
+        # later steps: s_c queries x s_c/2 keys on half the ranks, s_c/2 x s_c on the others; the
+        # ring is synchronous, so the slower of the two paces every step
+        return rates.attention_flops * min(
+            attention_shape(s_c / 2, False, pass_) * attention_wave_factor(s_c, heads, sm),
+            attention_shape(s_c, False, pass_) * attention_wave_factor(s_c / 2, heads, sm))
+
+    f0 = step_flops / speed("fwd", True) + launch
+    b0 = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", True) + 3 * launch
+    merge_f = tokens * a_r * d * RING_MERGE_BYTES / rates.hbm_bytes_per_s + launch
+    merge_b = tokens * (a_r + 2 * g_r) * d * RING_MERGE_BYTES / rates.hbm_bytes_per_s + 2 * launch
+    fi = step_flops / speed("fwd", False) + launch + merge_f
+    bi = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", False) + 3 * launch + merge_b
+    group = axis_span(plan, "cp", hw.gpus_per_node, order)
+    kv_bytes = 2 * tokens * g_r * d * act_bytes(training)
+    c = contention(hw)
+    # exchange k (k = 1..cp-1) runs while step k-1 computes: the first alongside the causal step
+    x_f = comm.p2p_time_s(kv_bytes, not group.intra_node, hw)
+    x_b = comm.p2p_time_s(2 * kv_bytes, not group.intra_node, hw)
+    steps = cp - 1
+    fwd_exposed = overlapped_s(x_f, f0, c) + (steps - 1) * overlapped_s(x_f, fi, c) if steps else 0.0
+    bwd_exposed = overlapped_s(x_b, b0, c) + (steps - 1) * overlapped_s(x_b, bi, c) if steps else 0.0
+    return RingAttention(fwd_compute=f0 + steps * fi, bwd_compute=b0 + steps * bi,
+                         fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed)
 
 
 def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
@@ -165,49 +340,104 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
     return replicated + act + rope
 
 
+def _elementwise_kernels(model: ModelSpec) -> tuple[int, int]:
+    """(forward, backward) launches of one layer's memory-bound kernels.
+
+    Forward: 2 norms, 2 residual (bias-dropout-)adds, the activation, and RoPE on Q and on K
+    (Megatron-Core ``TransformerLayer`` with Transformer Engine modules). Backward: each of them
+    once more, and each norm twice (input grad, then the weight-grad reduction; Apex/TE layer norm
+    backward). Counted by hand from those modules; each costs ``kernel_overhead_us``.
+    """
+    rope = 2 if model.position_embedding == "rope" else 0
+    fwd = 2 + 2 + 1 + rope
+    return fwd, fwd + 2
+
+
+def _fp8_cast_bytes_per_token(model: ModelSpec, plan: Plan, linears) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of FP8 casts, and their kernel counts, for one layer.
+
+    Transformer Engine casts every GEMM input to FP8 with a fused cast-transpose kernel: it reads
+    the bf16 tensor (2 B) and writes the FP8 row-wise and column-wise (transposed) copies (1 + 1 B),
+    because Hopper FP8 GEMMs take only the TN layout (TE "Using FP8 with Transformer Engine",
+    ``fp8_cast_transpose_fused``). Forward: the input of each linear (``k`` wide); backward: each
+    output gradient (``n`` wide). Weights are cast once per step (``is_first_microbatch``), not per
+    micro-batch, and are left out. Attention, norms and the optimizer stay in bf16/fp32.
+    """
+    fwd = sum(4 * k for k, _, _ in linears)
+    bwd = sum(4 * n for _, n, _ in linears)
+    return fwd, bwd
+
+
 def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                order: str = DEFAULT_ORDER) -> LayerTime:
     """Compute and communication of one transformer layer for one micro-batch on one GPU."""
     rates = Rates.of(hw, training.precision)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
+    overlap = resolved_overlap(training)
     fwd = bwd = 0.0
-    wgrad_col = []
-    for k, n, kind in _linear_shapes(model, plan).values():
+    gemms = []  # (fwd, dgrad, wgrad, kind) of each linear, in forward order
+    linears = list(_linear_shapes(model, plan).values())
+    for k, n, kind in linears:
         f, dg, wg = gemm_fwd_bwd_s(tokens, k, n, rates)
         fwd, bwd = fwd + f, bwd + dg + wg
-        if kind == "column":
-            wgrad_col.append((dg, wg))
-    att_f, att_b = _attention_core_s(model, training, plan, rates)
+        gemms.append((f, dg, wg, kind))
+    ring = None
+    if plan.cp > 1 and training.attention == "flash":
+        ring = ring_attention(model, hw, training, plan, order)
+        att_f, att_b = ring.fwd_compute, ring.bwd_compute
+    else:
+        att_f, att_b = _attention_core_s(model, training, plan, rates)
+    # memory-bound ops move their bytes, and are never faster than their launches (a floor, as a
+    # GEMM is never faster than its HBM traffic): it bites only on small micro-batches
+    k_f, k_b = _elementwise_kernels(model)
     elem_f = tokens * _elementwise_bytes_per_token(model, plan) / rates.hbm_bytes_per_s
-    fwd, bwd = fwd + att_f + elem_f, bwd + att_b + 2 * elem_f
-    recompute = {"none": 0.0, "selective": att_f, "full": fwd}[plan.recompute]
+    fwd += att_f + max(elem_f, k_f * rates.gemm_overhead_s)
+    bwd += att_b + max(2 * elem_f, k_b * rates.gemm_overhead_s)
+    if training.precision == "fp8":
+        cast_f, cast_b = _fp8_cast_bytes_per_token(model, plan, linears)
+        fwd += tokens * cast_f / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
+        bwd += tokens * cast_b / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
 
     tp_group = axis_span(plan, "tp", hw.gpus_per_node, order)
     e = act_bytes(training)
     buf = tokens * model.hidden_size * e
     c = contention(hw)
+    col = [(dg, wg) for _, dg, wg, kind in gemms if kind == "column"]
     if plan.sequence_parallel:
         ag = comm.collective_time_s("all_gather", buf, tp_group, hw)
         rs = comm.collective_time_s("reduce_scatter", buf, tp_group, hw)
-        tp_fwd = 2 * (ag + rs)
-        # backward: AG conjugates of the forward RS are exposed; the input re-gather overlaps the
-        # data-grad GEMM and the input-grad RS overlaps the weight-grad GEMM (Megatron layers.py)
-        tp_bwd = 2 * ag + sum(overlapped_s(ag, dg, c) + overlapped_s(rs, wg, c) for dg, wg in wgrad_col)
+        # backward: the input re-gather overlaps the data-grad GEMM and the input-grad RS overlaps
+        # the weight-grad GEMM of each column-parallel linear (Megatron layers.py)
+        col_bwd = sum(overlapped_s(ag, dg, c) + overlapped_s(rs, wg, c) for dg, wg in col)
+        if overlap.tp_comm_overlap:
+            # --tp-comm-overlap (TE userbuffers): each AG is pipelined with the GEMM it feeds, each
+            # RS with the GEMM that produces it, and the backward AG of the output gradient with
+            # the row-parallel data-grad GEMM (Megatron-Core ModelParallelConfig.tp_comm_overlap)
+            tp_fwd = sum(overlapped_s(ag if kind == "column" else rs, f, c) for f, _, _, kind in gemms)
+            tp_bwd = col_bwd + sum(overlapped_s(ag, dg, c) for _, dg, _, kind in gemms if kind == "row")
+        else:
+            tp_fwd = 2 * (ag + rs)
+            tp_bwd = 2 * ag + col_bwd  # the AG conjugates of the forward RS are exposed
     else:
         ar = comm.collective_time_s("all_reduce", buf, tp_group, hw)
         tp_fwd = 2 * ar
-        tp_bwd = sum(overlapped_s(ar, wg, c) for _, wg in wgrad_col)
-    if plan.recompute == "full":
-        tp_bwd += tp_fwd  # the recomputed forward repeats its collectives
+        tp_bwd = sum(overlapped_s(ar, wg, c) for _, wg in col)
 
-    cp_time = 0.0
-    if plan.cp > 1:  # ring exchange of K and V, overlapped with the attention core (context_parallel.md)
+    cp_fwd = cp_bwd = 0.0
+    if ring is not None:
+        cp_fwd, cp_bwd = ring.fwd_exposed, ring.bwd_exposed
+    elif plan.cp > 1:  # materialised attention: ring exchange of K and V overlapped with the core
         cp_group = axis_span(plan, "cp", hw.gpus_per_node, order)
         kv_bytes = 2 * tokens * kv_heads_per_rank(model, plan.tp) * model.kv_channels * e
-        step = comm.p2p_time_s(kv_bytes, not cp_group.intra_node, hw)
-        exchange = (plan.cp - 1) * step
-        cp_time = overlapped_s(exchange, att_f, c) + overlapped_s(2 * exchange, att_b, c)
-    return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp=cp_time)
+        exchange = (plan.cp - 1) * comm.p2p_time_s(kv_bytes, not cp_group.intra_node, hw)
+        cp_fwd, cp_bwd = overlapped_s(exchange, att_f, c), overlapped_s(2 * exchange, att_b, c)
+    recompute = {"none": 0.0, "selective": att_f, "full": fwd}[plan.recompute]
+    if plan.recompute == "full":
+        tp_bwd += tp_fwd  # the recomputed forward repeats its collectives
+    if plan.recompute != "none":
+        cp_bwd += cp_fwd  # and its ring exchange
+    return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
+                     cp_fwd=cp_fwd, cp_bwd=cp_bwd)
 
 
 def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, order: str) -> tuple[float, float]:
@@ -273,6 +503,24 @@ def p2p_hop_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
     return hop
 
 
+def pp_exposed_s(hop_s: float, fwd_chunk_s: float, bwd_chunk_s: float, plan: Plan, overlap_p2p: bool,
+                 c: float) -> float:
+    """P2P time a stage exposes per micro-batch: one receive forward and one backward per chunk.
+
+    Megatron's interleaved schedule with ``overlap_p2p_comm`` (default on with vpp > 1) posts each
+    chunk's send/receive asynchronously and waits for it only before the chunk that needs it, so
+    the transfer runs behind the compute of the chunk in between (Megatron-Core
+    ``schedules.forward_backward_pipelining_with_interleaving``, ``overlap_p2p_comm``); only what
+    exceeds that chunk, plus SM contention, is exposed. Otherwise every transfer is exposed.
+    """
+    if plan.pp == 1:
+        return 0.0
+    v = plan.vpp
+    if overlap_p2p and v > 1:
+        return v * (overlapped_s(hop_s, fwd_chunk_s, c) + overlapped_s(hop_s, bwd_chunk_s, c))
+    return 2 * v * hop_s
+
+
 def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                 order: str = DEFAULT_ORDER) -> tuple[StageTime, ...]:
     """Per-micro-batch time of every stage; uneven stages are costed from their own layer counts."""
@@ -280,18 +528,19 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
     hop = p2p_hop_s(model, hw, training, plan, pp_hop_crosses_nodes(plan, hw.gpus_per_node, order),
                     axis_span(plan, "tp", hw.gpus_per_node, order))
+    overlap_p2p = resolved_overlap(training).overlap_p2p_comm
+    c = contention(hw)
     out = []
     for r, n in enumerate(plan.stage_layers(model.num_layers)):
         last = r == plan.pp - 1
         hc, ht = (head_compute, head_tp) if last else (0.0, 0.0)
-        # each chunk boundary costs one receive forward and one backward (batched with the sends)
-        pp = 2 * plan.vpp * hop if plan.pp > 1 else 0.0
+        pp = pp_exposed_s(hop, n / plan.vpp * lt.fwd_compute, n / plan.vpp * lt.bwd_compute, plan, overlap_p2p, c)
         fwd_share = lt.fwd_compute / (lt.fwd_compute + lt.bwd_compute)
         out.append(StageTime(
             stage=r, compute=n * (lt.fwd_compute + lt.bwd_compute) + hc, recompute=n * lt.recompute,
             tp_comm=n * lt.tp + ht, cp_comm=n * lt.cp, pp_comm=pp,
-            fwd=n * (lt.fwd_compute + lt.tp_fwd) + hc * fwd_share + pp / 2,
-            bwd=n * (lt.bwd_compute + lt.recompute + lt.tp_bwd + lt.cp) + hc * (1 - fwd_share) + ht + pp / 2))
+            fwd=n * (lt.fwd_compute + lt.tp_fwd + lt.cp_fwd) + hc * fwd_share + pp / 2,
+            bwd=n * (lt.bwd_compute + lt.recompute + lt.tp_bwd + lt.cp_bwd) + hc * (1 - fwd_share) + ht + pp / 2))
     return tuple(out)
 
 

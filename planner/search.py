@@ -33,7 +33,7 @@ import numpy as np
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
                                 valid_micro_batch_sizes)
 from planner.cost import (ADAM_BYTES_PER_PARAM, Rates, p2p_hop_s, _head_time_s, contention, dp_sync_s, layer_time,
-                          zero3_gather_s)
+                          resolved_overlap, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
@@ -104,6 +104,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     legal = np.zeros((S, U, Z), dtype=bool)
     rates = Rates.of(hw, training.precision)
     c = contention(hw)
+    overlap_p2p = resolved_overlap(training).overlap_p2p_comm
     gb = param_bytes(training)
     mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
     factors: dict = {}
@@ -135,12 +136,18 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         if not ok.any():
             continue
         dp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, rates, order)
-        # per-micro-batch time of each stage kind [U, 3], as cost.stage_times
-        pp_t = (2 * v * hop if p > 1 else 0 * hop)[:, None]
+        # per-micro-batch time of each stage kind [U, 3], as cost.stage_times and cost.pp_exposed_s
+        if p == 1:
+            pp_t = np.zeros((len(micros), 1))
+        elif overlap_p2p and v > 1:
+            pp_t = v * (_overlapped(hop[:, None], n / v * f["fwd"][:, None], c)
+                        + _overlapped(hop[:, None], n / v * f["bwd"][:, None], c))
+        else:
+            pp_t = (2 * v * hop)[:, None]
         h_c, h_t = f["head_compute"][:, None] * last, f["head_tp"][:, None] * last
         compute = n * (f["fwd"] + f["bwd"])[:, None] + h_c
         total = compute + n * (f["recompute"] + f["tp"] + f["cp"])[:, None] + h_t + pp_t
-        bwd = n * (f["bwd"] + f["recompute"] + f["tp_bwd"] + f["cp"])[:, None] + h_c * (1 - f["fwd_share"])[:, None] \
+        bwd = n * (f["bwd"] + f["recompute"] + f["tp_bwd"] + f["cp_bwd"])[:, None] + h_c * (1 - f["fwd_share"])[:, None] \
             + h_t + pp_t / 2
         # vectorised over the ZeRO stages [U, Z, ...], as cost.estimate_time
         per_mb = total[:, None, :] + _overlapped(z3_s[None], compute[:, None, :], c)
@@ -167,7 +174,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
 
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
     """For one (tp, cp): every per-micro-batch factor of every micro option, as arrays over the options."""
-    cols: dict = {k: [] for k in ("fwd", "bwd", "recompute", "tp", "tp_bwd", "cp", "head_compute", "head_tp",
+    cols: dict = {k: [] for k in ("fwd", "bwd", "recompute", "tp", "tp_bwd", "cp", "cp_bwd", "head_compute", "head_tp",
                                   "saved", "working", "input_bytes", "output_bytes", "valid")}
     for mbs, rc, sp in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp})
@@ -178,6 +185,7 @@ def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
         row = {"fwd": lt.fwd_compute if lt else 0.0, "bwd": lt.bwd_compute if lt else 1.0,
                "recompute": lt.recompute if lt else 0.0, "tp": lt.tp if lt else 0.0,
                "tp_bwd": lt.tp_bwd if lt else 0.0, "cp": lt.cp if lt else 0.0,
+               "cp_bwd": lt.cp_bwd if lt else 0.0,
                "head_compute": head[0], "head_tp": head[1], "saved": saved_bytes_per_layer(terms, rc),
                "working": recompute_working_bytes(terms, rc), "input_bytes": input_bytes_per_microbatch(model, training, plan),
                "output_bytes": output_bytes(model, training, plan), "valid": valid}

@@ -240,6 +240,16 @@ class TrainingSpec(_Spec):
         default=True,
         description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "
                     "(Megatron --overlap-grad-reduce, since 2023; Megatron-LM 2021 did not).")
+    tp_comm_overlap: bool | None = Field(
+        default=None,
+        description="Overlap the TP all-gathers/reduce-scatters with the GEMMs next to them (Megatron "
+                    "--tp-comm-overlap, needs sequence parallelism; torchtitan async TP). None: the "
+                    "framework's default (off for megatron and torch).")
+    overlap_p2p_comm: bool | None = Field(
+        default=None,
+        description="Overlap pipeline send/receive with the next chunk's compute in the interleaved schedule "
+                    "(Megatron --no-overlap-p2p-communication turns it off). None: the framework's default "
+                    "(on for megatron, off for torch).")
     grad_reduce_in_bf16: bool = Field(
         default=False,
         description="Keep and reduce gradients in 16 bits (Megatron --grad-reduce-in-bf16; fp16 training "
