@@ -48,31 +48,40 @@ BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubb
 
 TILES = ((256, 128), (128, 256))  # large CTA tiles of cuBLAS/CUTLASS bf16 GEMMs
 
-# Fused attention speed by sequence length (TFLOP/s), cuDNN fused attention (Transformer Engine's
-# default backend on Hopper), BF16, head dim 128, batch x seqlen = 16k, 16 heads, H100 80GB SXM5.
-# Source: Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608, Figure 5 (forward: (b) without,
-# (e) with causal mask) and Figure 6 (backward, without causal mask), the cuDNN bars. The causal
-# backward is not published; it is derived as backward x (causal fwd / non-causal fwd) at the same
-# length [derived]. FLOPs are counted as the paper counts them: backward = 2.5 x forward, causal
-# halved. Only the *shape* of these curves is used (``attention_shape``): the hardware profile's
-# ``attention_efficiency`` sets the level (causal forward at 16k), so other GPUs reuse the shape.
-ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
-ATTENTION_TFLOPS = {
-    ("fwd", False): (497.0, 574.0, 617.0, 609.0, 600.0, 595.0),
-    ("fwd", True): (315.0, 410.0, 484.0, 518.0, 529.0, 539.0),
-    ("bwd", False): (305.0, 408.0, 465.0, 499.0, 518.0, 516.0),
-}
-ATTENTION_TFLOPS[("bwd", True)] = tuple(
-    b * c / n for b, c, n in zip(ATTENTION_TFLOPS[("bwd", False)], ATTENTION_TFLOPS[("fwd", True)],
-                                 ATTENTION_TFLOPS[("fwd", False)]))
-ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][-1]  # what ``attention_efficiency`` stands for
+# FP8 GEMMs do not reach twice the BF16 rate: best FP8 (torch._scaled_mm, e4m3) 1,414 TFLOP/s against
+# best BF16 808 TFLOP/s over the same 384 Megatron-layer shapes, measured on one H200 SXM (132 SMs),
+# torch 2.11.0+cu130, 2026-11-30 (/work/kernels/h200_kernels.json, benchmarks/gpu_kernels.py).
+# Consistent with H800 TileLang FP8 1,460-1,540 TFLOP/s (docs/cost-model.md). Used when a profile
+# gives no fp8_gemm_efficiency_max.
+FP8_MAMF_RATIO = 1414.0 / 808.0
+
+# Fused attention speed by sequence length (TFLOP/s), causal, BF16, head dim 128, 32 query / 8 KV
+# heads, cuDNN backend of F.scaled_dot_product_attention (Transformer Engine's default on Hopper),
+# batch x seqlen = 16k: measured on one H200 SXM (132 SMs, the H100 SXM's SMs and clocks), torch
+# 2.11.0+cu130, 2026-11-30 (/work/kernels/h200_kernels.json, copied to tests/data/h200_kernels.json).
+# Forward and backward separately; FLOPs as FlashAttention counts them (backward = 2.5 x forward,
+# causal halved). The 512 row and the non-causal rows are [derived] from Shah et al. 2024,
+# "FlashAttention-3", arXiv:2407.08608, Figure 5(b)/(e), cuDNN bars on H100: 512 = 1k x (the
+# paper's 512/1k ratio); non-causal = causal x (the paper's non-causal/causal forward ratio at that
+# length, the 16k ratio at 32k). Only the *shape* is used (``attention_shape``): the hardware
+# profile's ``attention_efficiency`` sets the level (causal forward at 16k).
+ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+_FA3_CAUSAL_FWD = (315.0, 410.0, 484.0, 518.0, 529.0, 539.0, 539.0)
+_FA3_NONCAUSAL_FWD = (497.0, 574.0, 617.0, 609.0, 600.0, 595.0, 595.0)
+_H200_CAUSAL = {"fwd": (469.6, 557.6, 608.0, 638.9, 652.8, 607.0), "bwd": (269.9, 375.1, 465.6, 480.9, 506.6, 524.3)}
+ATTENTION_TFLOPS = {}
+for _pass, _row in _H200_CAUSAL.items():
+    _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
+    ATTENTION_TFLOPS[(_pass, True)] = _causal
+    ATTENTION_TFLOPS[(_pass, False)] = tuple(c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]  # causal forward at 16k: what attention_efficiency means
 
 
 def attention_shape(kv_len: float, causal: bool, pass_: str) -> float:
     """Speed of a fused attention kernel over ``kv_len`` keys relative to causal forward at 16k.
 
-    Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (FlashAttention-3 paper,
-    Figures 5-6, cuDNN); outside 512-16k the end row is used (the lookup says so via
+    Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (H200 measurement and
+    FlashAttention-3 paper, above); outside 512-32k the end row is used (the lookup says so via
     :func:`attention_in_table`). Short sequences run slower: fewer key blocks per query tile to
     hide the softmax and the prologue behind.
     """
@@ -84,7 +93,7 @@ def attention_shape(kv_len: float, causal: bool, pass_: str) -> float:
 
 
 ATTENTION_BLOCK_M = 128  # query rows per thread block, head dim 128 (FlashAttention-3 paper section 3.3 / 4.1)
-ATTENTION_BENCH_TILES = 16384 // ATTENTION_BLOCK_M * 16  # the table's runs: batch x seqlen = 16k, 16 heads
+ATTENTION_BENCH_TILES = 16384 // ATTENTION_BLOCK_M * 32  # the table's runs: batch x seqlen = 16k, 32 heads
 
 
 def attention_wave_factor(q_len: float, heads: float, sm_count: int) -> float:
@@ -93,7 +102,7 @@ def attention_wave_factor(q_len: float, heads: float, sm_count: int) -> float:
     A fused attention kernel runs one thread block per (batch x head, 128-query tile) and
     ``ceil(tiles / SMs)`` waves of them (wave quantisation, as for GEMMs in NVIDIA's "Matrix
     Multiplication Background User's Guide"). Relative to the table's own runs (16k query rows x
-    16 heads); short CP chunks with few heads per TP rank leave SMs idle.
+    32 heads); short CP chunks with few heads per TP rank leave SMs idle.
     """
     def busy(tiles: float) -> float:
         return tiles / (math.ceil(tiles / sm_count) * sm_count)
@@ -102,7 +111,7 @@ def attention_wave_factor(q_len: float, heads: float, sm_count: int) -> float:
 
 
 def attention_in_table(kv_len: float) -> bool:
-    """Whether a key length lies inside the measured attention table (512-16k)."""
+    """Whether a key length lies inside the measured attention table (512-32k)."""
     return ATTENTION_SEQ[0] <= kv_len <= ATTENTION_SEQ[-1]
 
 
@@ -119,7 +128,10 @@ class Rates:
     @classmethod
     def of(cls, hw: HardwareSpec, precision: str) -> Rates:
         sustained = hw.sustained_fraction
-        return cls(gemm_flops=hw.peak_flops(precision) * hw.gemm_efficiency_max * sustained, sm_count=hw.sm_count,
+        mamf = hw.gemm_efficiency_max
+        if precision == "fp8":
+            mamf = hw.fp8_gemm_efficiency_max or hw.gemm_efficiency_max * FP8_MAMF_RATIO / 2
+        return cls(gemm_flops=hw.peak_flops(precision) * mamf * sustained, sm_count=hw.sm_count,
                    gemm_overhead_s=hw.kernel_overhead_us * 1e-6,
                    attention_flops=hw.peak_flops("bf16") * hw.attention_efficiency * sustained,
                    hbm_bytes_per_s=hw.hbm_bandwidth_gbps * 1e9 * hw.hbm_efficiency)

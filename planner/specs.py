@@ -184,6 +184,10 @@ class HardwareSpec(_Spec):
     gemm_efficiency_max: float = Field(
         default=0.8, gt=0, le=1,
         description="Maximum achievable matmul FLOP/s over the dense peak (MAMF: best shape, measured).")
+    fp8_gemm_efficiency_max: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Maximum achievable FP8 matmul FLOP/s over the dense FP8 peak. None: gemm_efficiency_max x "
+                    "the FP8/BF16 MAMF ratio measured on Hopper (planner.cost.FP8_MAMF_RATIO).")
     sustained_fraction: float = Field(
         default=1.0, gt=0, le=1,
         description="Fraction of the burst (MAMF) compute rate a GPU holds through a long training run: "

@@ -1,6 +1,8 @@
 """Cost model: hand-computed formula checks, properties, and the golden test on published Megatron runs."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -151,39 +153,71 @@ def test_bigger_batch_never_speeds_up_a_step(setup, factor):
 
 
 # --- attention kernel speed, ring attention (CP), overlap switches (issue 12) -----------------------
-# Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Figures 5(b), 5(e) and 6(b): cuDNN bars,
-# H100 80GB SXM5, BF16, head dim 128, TFLOP/s at sequence length 512 ... 16k.
-FA3_CUDNN_TFLOPS = {
-    ("fwd", False): (497, 574, 617, 609, 600, 595),
-    ("fwd", True): (315, 410, 484, 518, 529, 539),
-    ("bwd", False): (305, 408, 465, 499, 518, 516),
-}
-SEQ = (512, 1024, 2048, 4096, 8192, 16384)
+# Measured on one H200 SXM, torch 2.11.0+cu130, 2026-11-30 (tests/data/h200_kernels.json, from
+# /work/kernels/h200_kernels.json; benchmarks/gpu_kernels.py): GEMMs of Megatron layers (bf16 and
+# fp8 via torch._scaled_mm), causal SDPA on the cuDNN backend, full Llama blocks.
+H200_KERNELS = json.loads((Path(__file__).parent / "data/h200_kernels.json").read_text())
+# Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Figure 5(b) and 5(e): cuDNN forward bars,
+# H100 80GB SXM5, BF16, head dim 128, TFLOP/s at 512 ... 16k, without and with causal mask.
+FA3_CUDNN_FWD = {False: (497, 574, 617, 609, 600, 595), True: (315, 410, 484, 518, 529, 539)}
 H100 = load_hardware("h100-sxm-80gb")
+H200 = load_hardware("h200-141gb")
 
 
-@pytest.mark.parametrize("key", sorted(FA3_CUDNN_TFLOPS))
-def test_attention_table_reproduces_its_source_rows(key):
-    pass_, causal = key
-    for s, published in zip(SEQ, FA3_CUDNN_TFLOPS[key]):
-        got = cost.attention_shape(s, causal, pass_) * 539  # 539: causal forward at 16k, the reference
-        assert got == pytest.approx(published, rel=0.05)
-        assert cost.attention_in_table(s)
-    assert not cost.attention_in_table(256) and not cost.attention_in_table(32768)
+def _h200_rows(kind, **match):
+    return [r for r in H200_KERNELS["rows"] if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())]
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_attention_table_reproduces_the_measured_h200_rows(pass_):
+    rows = _h200_rows("attention", backend="cudnn", heads=32, kv_heads=8, head_dim=128)
+    assert len(rows) == 6
+    for r in rows:
+        got = cost.attention_shape(r["seq"], True, pass_) * cost.ATTENTION_REFERENCE
+        assert got == pytest.approx(r[f"{pass_}_tflops"], rel=0.05), r["seq"]
+        assert cost.attention_in_table(r["seq"])
+    assert not cost.attention_in_table(256) and not cost.attention_in_table(65536)
+
+
+def test_attention_non_causal_over_causal_follows_the_fa3_paper():
+    for s, c, n in zip((512, 1024, 2048, 4096, 8192, 16384), FA3_CUDNN_FWD[True], FA3_CUDNN_FWD[False]):
+        ratio = cost.attention_shape(s, False, "fwd") / cost.attention_shape(s, True, "fwd")
+        assert ratio == pytest.approx(n / c, rel=0.05)
 
 
 def test_attention_interpolates_between_rows_and_is_slower_when_short():
-    mid = cost.attention_shape(math.sqrt(2048 * 4096), True, "fwd") * 539
-    assert 484 < mid < 518
-    assert cost.attention_shape(1024, True, "fwd") < cost.attention_shape(8192, True, "fwd")
+    lo, hi = cost.attention_shape(2048, True, "fwd"), cost.attention_shape(4096, True, "fwd")
+    assert lo < cost.attention_shape(math.sqrt(2048 * 4096), True, "fwd") < hi
+    assert cost.attention_shape(1024, True, "bwd") < cost.attention_shape(8192, True, "bwd")
     # causal kernels waste the diagonal blocks: slower per counted FLOP than non-causal at equal length
     assert cost.attention_shape(2048, True, "fwd") < cost.attention_shape(2048, False, "fwd")
 
 
+@pytest.mark.parametrize("dtype,mean_tol", [("bf16", 0.05), ("fp8", 0.05)])
+def test_gemm_model_against_the_measured_h200_gemms(dtype, mean_tol):
+    """Wave-quantised MAMF model against 384 measured GEMM shapes per dtype (TP slices of widths 2k-16k)."""
+    rates = cost.Rates.of(H200, dtype)
+    errors = [gemm_time_s(r["m"], r["k"], r["n"], rates) / (r["ms"] * 1e-3) - 1 for r in _h200_rows("gemm", dtype=dtype)]
+    assert len(errors) == 384
+    assert abs(sum(errors) / len(errors)) <= mean_tol  # no bias
+    assert sum(map(abs, errors)) / len(errors) <= 0.15  # and a bounded spread
+
+
+def test_layer_compute_against_the_measured_h200_blocks():
+    """One Llama block forward + backward on one GPU (no communication), batch 1: within 5 %."""
+    for r in _h200_rows("block"):
+        model = ModelSpec(name="b", num_layers=1, hidden_size=r["hidden"], num_attention_heads=r["heads"],
+                          num_kv_heads=r["kv_heads"], ffn_hidden_size=r["ffn"], vocab_size=1000, activation="swiglu",
+                          norm="rmsnorm")
+        lt = cost.layer_time(model, H200, TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=r["seq"]),
+                             Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
+        assert (lt.fwd_compute + lt.bwd_compute) / (r["fwd_bwd_ms"] * 1e-3) == pytest.approx(1, abs=0.05), r
+
+
 def test_attention_wave_factor_hand_computed():
     # 1024 queries = 8 tiles of 128, x 8 heads = 64 blocks on 132 SMs: one wave, 64/132 busy;
-    # the table's runs (2048 blocks) keep 2048 / (16 * 132) busy
-    assert cost.attention_wave_factor(1024, 8, 132) == pytest.approx((64 / 132) / (2048 / (16 * 132)))
+    # the table's runs (16k queries x 32 heads = 4096 blocks) keep 4096 / (32 * 132) busy
+    assert cost.attention_wave_factor(1024, 8, 132) == pytest.approx((64 / 132) / (4096 / (32 * 132)))
     assert cost.attention_wave_factor(8192, 32, 132) == 1.0
 
 
