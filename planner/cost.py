@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner import comm, flops
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner.memory import act_bytes, grad_bytes, kv_heads_per_rank, param_bytes, stage_params_per_rank
@@ -515,45 +517,109 @@ def p2p_hop_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
     return hop
 
 
-def pp_exposed_s(hop_s: float, fwd_chunk_s: float, bwd_chunk_s: float, plan: Plan, overlap_p2p: bool,
-                 c: float) -> float:
-    """P2P time a stage exposes per micro-batch: one receive forward and one backward per chunk.
+# --- the one composition of a step (used by estimate_time and, vectorised, by planner.search) -----
 
-    Megatron's interleaved schedule with ``overlap_p2p_comm`` (default on with vpp > 1) posts each
-    chunk's send/receive asynchronously and waits for it only before the chunk that needs it, so
-    the transfer runs behind the compute of the chunk in between (Megatron-Core
-    ``schedules.forward_backward_pipelining_with_interleaving``, ``overlap_p2p_comm``); only what
-    exceeds that chunk, plus SM contention, is exposed. Otherwise every transfer is exposed.
+FACTOR_KEYS = ("fwd", "bwd", "recompute", "tp", "tp_fwd", "tp_bwd", "cp", "cp_fwd", "cp_bwd",
+               "head_compute", "head_tp")
+
+
+def micro_factors(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
+                  order: str = DEFAULT_ORDER) -> dict[str, float]:
+    """Per-micro-batch factors of one plan: one layer's terms (:func:`layer_time`) and the output layer's."""
+    lt = layer_time(model, hw, training, plan, order)
+    head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
+    return {"fwd": lt.fwd_compute, "bwd": lt.bwd_compute, "recompute": lt.recompute, "tp": lt.tp,
+            "tp_fwd": lt.tp_fwd, "tp_bwd": lt.tp_bwd, "cp": lt.cp, "cp_fwd": lt.cp_fwd, "cp_bwd": lt.cp_bwd,
+            "head_compute": head_compute, "head_tp": head_tp}
+
+
+def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float) -> dict:
+    """Per-micro-batch terms of stage rows, vectorised: ``n`` and ``last`` are arrays over the rows
+    [K]; every factor in ``f`` and ``hop`` is a scalar or an array over options [U]; results are [U, K].
+
+    A stage of ``n`` layers: ``n`` x each layer term, plus the output layer on the last stage, plus
+    its exposed P2P. ``fwd`` and ``bwd`` split the total into the forward and backward parts (P2P
+    half each), for the DP overlap window and the timeline.
+
+    P2P: one receive forward and one backward per chunk and micro-batch. Megatron's interleaved
+    schedule with ``overlap_p2p_comm`` (default on with vpp > 1) posts each chunk's send/receive
+    asynchronously and waits for it only before the chunk that needs it, so the transfer runs
+    behind the compute of the chunk in between (Megatron-Core
+    ``schedules.forward_backward_pipelining_with_interleaving``); only what exceeds that chunk
+    (``n / vpp`` layers), plus SM contention, is exposed. Otherwise every transfer is exposed.
     """
-    if plan.pp == 1:
-        return 0.0
-    v = plan.vpp
-    if overlap_p2p and v > 1:
-        return v * (overlapped_s(hop_s, fwd_chunk_s, c) + overlapped_s(hop_s, bwd_chunk_s, c))
-    return 2 * v * hop_s
+    def col(x):
+        return np.asarray(x, dtype=float)[..., None]
+
+    n, last = np.asarray(n, dtype=float), np.asarray(last, dtype=float)
+    fwd, bwd, hop_c = col(f["fwd"]), col(f["bwd"]), col(hop)
+    if pp == 1:
+        pp_t = 0.0 * hop_c * n
+    elif overlap_p2p and vpp > 1:
+        pp_t = vpp * (overlapped_s_array(hop_c, n / vpp * fwd, c) + overlapped_s_array(hop_c, n / vpp * bwd, c))
+    else:
+        pp_t = 2 * vpp * hop_c + 0.0 * n
+    hc, ht = col(f["head_compute"]) * last, col(f["head_tp"]) * last
+    share = fwd / (fwd + bwd)
+    compute = n * (fwd + bwd) + hc
+    recompute = n * col(f["recompute"]) + 0.0 * hc
+    tp = n * col(f["tp"]) + ht
+    cp = n * col(f["cp"]) + 0.0 * hc
+    return {"compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp, "pp_comm": pp_t,
+            "total": compute + recompute + tp + cp + pp_t,
+            "fwd": n * (fwd + col(f["tp_fwd"]) + col(f["cp_fwd"])) + hc * share + pp_t / 2,
+            "bwd": n * (bwd + col(f["recompute"]) + col(f["tp_bwd"]) + col(f["cp_bwd"])) + hc * (1 - share) + ht + pp_t / 2}
+
+
+def compose_step(terms: dict, z3, dp, optimizer, m, pp: int, vpp: int, counts, before, overlap_grad_reduce: bool,
+                 c: float) -> dict:
+    """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
+
+    ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers) and ``dp`` (DP sync) per
+    row, broadcastable to it; ``optimizer`` and ``m`` broadcastable to the leading dims. ``counts[k]``:
+    how many stages row ``k`` stands for (the bubble averages over all ``pp`` stages);
+    ``before[k, j]``: how many stages of row ``j`` end their backward before row ``k`` (the DP sync
+    of a stage hides under its own last backward and the drain of the stages before it).
+
+    ``T = m · X_max + (p - 1) · X_mean / v + exposed DP + optimizer``, X = per-micro-batch stage time
+    with the ZeRO-3 gathers' exposed part.
+    """
+    z3_exposed = overlapped_s_array(z3, terms["compute"], c)
+    per_mb = terms["total"] + z3_exposed
+    bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
+    if overlap_grad_reduce:
+        windows = terms["bwd"] + terms["bwd"] @ np.asarray(before, dtype=float).T
+        exposed = overlapped_s_array(dp, windows, c)
+    else:
+        exposed = np.broadcast_to(dp, per_mb.shape)
+    dp_exposed = exposed.max(axis=-1)
+    step = m * per_mb.max(axis=-1) + bubble + dp_exposed + optimizer
+    return {"step": step, "per_mb": per_mb, "z3": z3_exposed, "bubble": bubble, "dp_exposed": dp_exposed}
+
+
+def overlapped_s_array(comm_s, compute_s, c: float):
+    """:func:`overlapped_s`, elementwise on arrays."""
+    return np.maximum(0.0, comm_s - compute_s) + c * np.minimum(comm_s, compute_s)
+
+
+def _rows_of_all_stages(plan: Plan, num_layers: int):
+    layers = plan.stage_layers(num_layers)
+    p = plan.pp
+    return (np.array(layers, dtype=float), np.arange(p) == p - 1, np.ones(p), np.tril(np.ones((p, p)), -1))
 
 
 def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                 order: str = DEFAULT_ORDER) -> tuple[StageTime, ...]:
     """Per-micro-batch time of every stage; uneven stages are costed from their own layer counts."""
-    lt = layer_time(model, hw, training, plan, order)
-    head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
+    f = micro_factors(model, hw, training, plan, order)
     hop = p2p_hop_s(model, hw, training, plan, pp_hop_crosses_nodes(plan, hw.gpus_per_node, order),
                     axis_span(plan, "tp", hw.gpus_per_node, order))
-    overlap_p2p = resolved_overlap(training).overlap_p2p_comm
-    c = contention(hw)
-    out = []
-    for r, n in enumerate(plan.stage_layers(model.num_layers)):
-        last = r == plan.pp - 1
-        hc, ht = (head_compute, head_tp) if last else (0.0, 0.0)
-        pp = pp_exposed_s(hop, n / plan.vpp * lt.fwd_compute, n / plan.vpp * lt.bwd_compute, plan, overlap_p2p, c)
-        fwd_share = lt.fwd_compute / (lt.fwd_compute + lt.bwd_compute)
-        out.append(StageTime(
-            stage=r, compute=n * (lt.fwd_compute + lt.bwd_compute) + hc, recompute=n * lt.recompute,
-            tp_comm=n * lt.tp + ht, cp_comm=n * lt.cp, pp_comm=pp,
-            fwd=n * (lt.fwd_compute + lt.tp_fwd + lt.cp_fwd) + hc * fwd_share + pp / 2,
-            bwd=n * (lt.bwd_compute + lt.recompute + lt.tp_bwd + lt.cp_bwd) + hc * (1 - fwd_share) + ht + pp / 2))
-    return tuple(out)
+    n, last, _, _ = _rows_of_all_stages(plan, model.num_layers)
+    t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw))
+    return tuple(StageTime(stage=r, compute=float(t["compute"][r]), recompute=float(t["recompute"][r]),
+                           tp_comm=float(t["tp_comm"][r]), cp_comm=float(t["cp_comm"][r]),
+                           pp_comm=float(t["pp_comm"][r]), fwd=float(t["fwd"][r]), bwd=float(t["bwd"][r]))
+                 for r in range(plan.pp))
 
 
 def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
@@ -582,38 +648,37 @@ def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, l
     return 2 * comm.collective_time_s("all_gather", params * weight_bytes, group, hw)
 
 
+def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params_per_stage) -> float:
+    """Adam on the largest stage's local shard: ``ADAM_BYTES_PER_PARAM`` moved per parameter."""
+    shards = plan.dp * plan.cp if plan.zero_stage >= 1 else 1
+    return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
+
+
 def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                   order: str = DEFAULT_ORDER) -> TimeEstimate:
-    """Step time and its breakdown (module docstring)."""
+    """Step time and its breakdown (module docstring), composed by :func:`compose_step` over every stage."""
     m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
     p, v = plan.pp, plan.vpp
+    c = contention(hw)
     stages = stage_times(model, hw, training, plan, order)
     layers = plan.stage_layers(model.num_layers)
-    # ZeRO-3 gathers overlap the micro-batch's compute (prefetch); what does not fit is exposed
-    c = contention(hw)
-    z3 = [overlapped_s(zero3_gather_s(model, hw, plan, r, n, order, param_bytes(training)[0]), st.compute, c)
-          for r, (st, n) in enumerate(zip(stages, layers))]
-    per_mb = [st.total + z for st, z in zip(stages, z3)]
-    pace = max(range(p), key=lambda r: per_mb[r])
-    bubble = (p - 1) * (sum(per_mb) / p) / v
-    dp = [dp_sync_s(model, hw, training, plan, r, n, order) for r, n in enumerate(layers)]
-    if training.overlap_grad_reduce:
-        # stage r's last backward ends r backward-steps before stage 0's: it hides under that drain
-        exposed = [overlapped_s(dp[r], stages[r].bwd + sum(stages[j].bwd for j in range(r)), c) for r in range(p)]
-    else:
-        exposed = dp
-    dp_exposed = max(exposed)
-    opt_shards = plan.dp * plan.cp if plan.zero_stage >= 1 else 1
-    params = [stage_params_per_rank(model, plan, r, n) for r, n in enumerate(layers)]
-    rates = Rates.of(hw, training.precision)
-    optimizer = max(params) / opt_shards * ADAM_BYTES_PER_PARAM / rates.hbm_bytes_per_s
+    _, _, counts, before = _rows_of_all_stages(plan, model.num_layers)
+    terms = {k: np.array([[getattr(st, k) for st in stages]]) for k in
+             ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "fwd", "bwd")}
+    terms["total"] = np.array([[st.total for st in stages]])
+    z3 = np.array([zero3_gather_s(model, hw, plan, r, n, order, param_bytes(training)[0]) for r, n in enumerate(layers)])
+    dp = np.array([dp_sync_s(model, hw, training, plan, r, n, order) for r, n in enumerate(layers)])
+    optimizer = optimizer_s(model, hw, training, plan, [stage_params_per_rank(model, plan, r, n)
+                                                         for r, n in enumerate(layers)])
+    out = compose_step(terms, z3, dp, optimizer, m, p, v, counts, before, training.overlap_grad_reduce, c)
+    pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {
         "compute": m * sp_.compute, "recompute": m * sp_.recompute, "tp_comm": m * sp_.tp_comm,
-        "cp_comm": m * sp_.cp_comm, "pp_comm": m * sp_.pp_comm, "bubble": bubble,
-        "dp_comm_exposed": dp_exposed + m * z3[pace], "optimizer": optimizer,
+        "cp_comm": m * sp_.cp_comm, "pp_comm": m * sp_.pp_comm, "bubble": float(out["bubble"][0]),
+        "dp_comm_exposed": float(out["dp_exposed"][0]) + m * float(out["z3"][0, pace]), "optimizer": optimizer,
     }
-    step = sum(breakdown.values())
+    step = float(out["step"][0])
     tokens = training.global_batch_size * training.seq_len
     mf = flops.model_flops_per_step(model, training.global_batch_size, training.seq_len)
     hf = flops.hardware_flops_per_step(model, training.global_batch_size, training.seq_len, plan.recompute)
@@ -621,7 +686,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     n = training.num_gpus
     return TimeEstimate(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=mf / step / n / 1e12,
                         mfu=flops.mfu(mf, step, n, peak), hfu=flops.hfu(hf, step, n, peak), breakdown=breakdown,
-                        stages=stages, dp_comm_s=max(dp))
+                        stages=stages, dp_comm_s=float(dp.max()))
 
 
 def estimate_scenario_time(sc: Scenario, order: str = DEFAULT_ORDER) -> TimeEstimate:
