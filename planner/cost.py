@@ -571,15 +571,20 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
             "bwd": n * (bwd + col(f["recompute"]) + col(f["tp_bwd"]) + col(f["cp_bwd"])) + hc * (1 - share) + ht + pp_t / 2}
 
 
-def compose_step(terms: dict, z3, dp, optimizer, m, pp: int, vpp: int, counts, before, overlap_grad_reduce: bool,
-                 c: float) -> dict:
+def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
+                 overlap_grad_reduce: bool, c: float) -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
-    ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers) and ``dp`` (DP sync) per
-    row, broadcastable to it; ``optimizer`` and ``m`` broadcastable to the leading dims. ``counts[k]``:
-    how many stages row ``k`` stands for (the bubble averages over all ``pp`` stages);
-    ``before[k, j]``: how many stages of row ``j`` end their backward before row ``k`` (the DP sync
-    of a stage hides under its own last backward and the drain of the stages before it).
+    ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
+    (:func:`dp_sync_parts_s`) per row, broadcastable to it; ``optimizer`` and ``m`` broadcastable to
+    the leading dims. ``counts[k]``: how many stages row ``k`` stands for (the bubble averages over
+    all ``pp`` stages); ``before[k, j]``: how many stages of row ``j`` come before row ``k``.
+
+    With ``overlap_grad_reduce`` (Megatron ``--overlap-grad-reduce``, and ``--overlap-param-gather``
+    with the distributed optimizer, which Megatron allows only together with it) a stage's gradient
+    reduction hides under its own last backward and the drain of the stages before it, and its
+    parameter all-gather under the next step's first forward, which reaches stage ``k`` after the
+    forwards of the stages before it. Otherwise both are exposed.
 
     ``T = m · X_max + (p - 1) · X_mean / v + exposed DP + optimizer``, X = per-micro-batch stage time
     with the ZeRO-3 gathers' exposed part.
@@ -588,10 +593,11 @@ def compose_step(terms: dict, z3, dp, optimizer, m, pp: int, vpp: int, counts, b
     per_mb = terms["total"] + z3_exposed
     bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
     if overlap_grad_reduce:
-        windows = terms["bwd"] + terms["bwd"] @ np.asarray(before, dtype=float).T
-        exposed = overlapped_s_array(dp, windows, c)
+        before = np.asarray(before, dtype=float).T
+        exposed = overlapped_s_array(dp_grad, terms["bwd"] + terms["bwd"] @ before, c) + \
+            overlapped_s_array(dp_param, terms["fwd"] + terms["fwd"] @ before, c)
     else:
-        exposed = np.broadcast_to(dp, per_mb.shape)
+        exposed = np.broadcast_to(dp_grad + dp_param, per_mb.shape)
     dp_exposed = exposed.max(axis=-1)
     step = m * per_mb.max(axis=-1) + bubble + dp_exposed + optimizer
     return {"step": step, "per_mb": per_mb, "z3": z3_exposed, "bubble": bubble, "dp_exposed": dp_exposed}
@@ -622,20 +628,32 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                  for r in range(plan.pp))
 
 
-def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
-              order: str = DEFAULT_ORDER) -> float:
-    """Gradient synchronisation of one stage over its DP x CP group (formulas.md C4)."""
+def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
+                    order: str = DEFAULT_ORDER) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) of one stage over its DP x CP group (formulas.md C4).
+
+    ZeRO 0: all-reduce of the gradients, nothing gathered. ZeRO 1-2 (Megatron distributed
+    optimizer): reduce-scatter of the gradients, all-gather of the updated 16-bit weights after the
+    optimizer step. ZeRO 3 (FSDP): reduce-scatter only; its weights are gathered per micro-batch
+    (:func:`zero3_gather_s`), not after the step.
+    """
     shards = plan.dp * plan.cp
     if shards == 1:
-        return 0.0
+        return 0.0, 0.0
     group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.gpus_per_node, order)
     params = stage_params_per_rank(model, plan, stage, layers)
     g = params * grad_bytes(training)
     if plan.zero_stage == 0:
-        return comm.collective_time_s("all_reduce", g, group, hw)
-    # reduce-scatter the gradients, all-gather the updated bf16 weights (distributed optimizer)
-    return comm.collective_time_s("reduce_scatter", g, group, hw) + \
+        return comm.collective_time_s("all_reduce", g, group, hw), 0.0
+    gather = 0.0 if plan.zero_stage >= 3 else \
         comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw)
+    return comm.collective_time_s("reduce_scatter", g, group, hw), gather
+
+
+def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
+              order: str = DEFAULT_ORDER) -> float:
+    """All DP communication of one stage per step (:func:`dp_sync_parts_s`, both parts)."""
+    return sum(dp_sync_parts_s(model, hw, training, plan, stage, layers, order))
 
 
 def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, layers: int,
@@ -667,10 +685,12 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
              ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "fwd", "bwd")}
     terms["total"] = np.array([[st.total for st in stages]])
     z3 = np.array([zero3_gather_s(model, hw, plan, r, n, order, param_bytes(training)[0]) for r, n in enumerate(layers)])
-    dp = np.array([dp_sync_s(model, hw, training, plan, r, n, order) for r, n in enumerate(layers)])
+    dp_grad, dp_param = np.array([dp_sync_parts_s(model, hw, training, plan, r, n, order)
+                                  for r, n in enumerate(layers)]).T
     optimizer = optimizer_s(model, hw, training, plan, [stage_params_per_rank(model, plan, r, n)
                                                          for r, n in enumerate(layers)])
-    out = compose_step(terms, z3, dp, optimizer, m, p, v, counts, before, training.overlap_grad_reduce, c)
+    out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
+                       training.overlap_grad_reduce, c)
     pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {
@@ -686,7 +706,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     n = training.num_gpus
     return TimeEstimate(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=mf / step / n / 1e12,
                         mfu=flops.mfu(mf, step, n, peak), hfu=flops.hfu(hf, step, n, peak), breakdown=breakdown,
-                        stages=stages, dp_comm_s=float(dp.max()))
+                        stages=stages, dp_comm_s=float((dp_grad + dp_param).max()))
 
 
 def estimate_scenario_time(sc: Scenario, order: str = DEFAULT_ORDER) -> TimeEstimate:

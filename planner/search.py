@@ -32,7 +32,7 @@ import numpy as np
 
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
                                 valid_micro_batch_sizes)
-from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_s, micro_factors, optimizer_s,
+from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, micro_factors, optimizer_s,
                           p2p_hop_s, resolved_overlap, stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
@@ -134,14 +134,14 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         ok = f["valid"] & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
         if not ok.any():
             continue
-        dp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
+        dpg_s, dpp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
         # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
         t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
         terms = {k: val[:, None, :] for k, val in t.items()}
         counts, before = _stage_counts(p), _stage_before(p)
-        step = compose_step(terms, z3_s[None], dp_s[None], opt_s[None], m[:, None], p, v, counts, before,
-                            training.overlap_grad_reduce, c)["step"]
+        step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m[:, None], p, v, counts,
+                            before, training.overlap_grad_reduce, c)["step"]
         # memory of each stage kind [U, Z, 3], as memory.stage_memory
         inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
         act = inflight * n / v * f["saved"][:, None] + f["working"][:, None]
@@ -186,19 +186,16 @@ def _stage_before(p: int) -> np.ndarray:
 
 
 def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
-    """Per ZeRO stage and stage kind: DP sync, ZeRO-3 gather and static memory [Z, 3]; optimizer time [Z].
-
-    The DP sync is the same for every stage >= 1 (reduce-scatter + all-gather) and the ZeRO-3
-    gather exists only at stage 3, so each is computed once.
-    """
+    """Per ZeRO stage and stage kind: gradient reduction, parameter all-gather, ZeRO-3 gather and static
+    memory [Z, 3]; optimizer time [Z]. Each distinct communication is computed once."""
     params = [stage_params_per_rank(model, plan, r, n) for r, n in rows]
     sync = {}
-    for z in sorted({min(z, 1) for z in zeros}):
-        zp = plan.model_copy(update={"zero_stage": z})
-        sync[z] = [dp_sync_s(model, hw, training, zp, r, n, order) for r, n in rows]
+    for key in sorted({min(z, 1) if z < 3 else 3 for z in zeros}):
+        zp = plan.model_copy(update={"zero_stage": key})
+        sync[key] = [dp_sync_parts_s(model, hw, training, zp, r, n, order) for r, n in rows]
     z3p = plan.model_copy(update={"zero_stage": 3})
     gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
-    dp_s, z3_s, static, opt_s = [], [], [], []
+    dpg_s, dpp_s, z3_s, static, opt_s = [], [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
         w, g, o = state_bytes_per_param(z, plan.dp * plan.cp, gb)
@@ -207,10 +204,12 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
             ww, gw = zero_working_set_bytes(model, zp, n, gb)
             row.append(min(pr * w + ww, pr * gb[0]) + min(pr * g + gw, pr * gb[1]) + pr * o)
         static.append(row)
-        dp_s.append(sync[min(z, 1)])
+        parts = sync[min(z, 1) if z < 3 else 3]
+        dpg_s.append([x[0] for x in parts])
+        dpp_s.append([x[1] for x in parts])
         z3_s.append(gather if z == 3 else [0.0] * 3)
         opt_s.append(optimizer_s(model, hw, training, zp, params))
-    return np.array(dp_s), np.array(z3_s), np.array(static), np.array(opt_s)
+    return np.array(dpg_s), np.array(dpp_s), np.array(z3_s), np.array(static), np.array(opt_s)
 
 
 def _stage_counts(p: int) -> tuple[int, int, int]:

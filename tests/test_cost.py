@@ -304,3 +304,29 @@ def test_fp8_casts_hand_computed():
     h = 1024
     assert fwd == 4 * (h + h + h + 4 * h)  # inputs of QKV, proj, FC1, FC2
     assert bwd == 4 * (3 * h + h + 4 * h + h)  # output grads of the same
+
+
+def test_dp_sync_parts_by_zero_stage():
+    model = load_model("llama3-8b")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=512, seq_len=4096)
+    parts = {z: cost.dp_sync_parts_s(model, H100, tr, Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=z), 0, 32)
+             for z in (0, 1, 3)}
+    assert parts[0][1] == 0.0 and parts[3][1] == 0.0  # all-reduce only; FSDP gathers per micro-batch instead
+    assert parts[1][1] > 0 and parts[1][0] == parts[3][0]  # reduce-scatter, then the weight all-gather
+    assert parts[0][0] > parts[1][0]  # an all-reduce moves twice a reduce-scatter's bytes
+
+
+def test_param_gather_hides_under_the_next_forward_not_the_backward():
+    """With overlap, the gradient reduce-scatter hides under the backward drain and the weight all-gather
+    under the first forward; on a slow network the exposed part is the excess over each window."""
+    model = load_model("llama3-8b")
+    slow = H100.model_copy(update={"inter_node_bandwidth_gbps": 2.0})
+    tr = TrainingSpec(num_gpus=16, global_batch_size=16, seq_len=4096)
+    plan = Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=1)
+    t = estimate_time(model, slow, tr, plan)
+    rs, ag = cost.dp_sync_parts_s(model, slow, tr, plan, 0, 32)
+    st = t.stages[0]
+    c = cost.contention(slow)
+    expected = overlapped_s(rs, st.bwd, c) + overlapped_s(ag, st.fwd, c)
+    assert t.breakdown["dp_comm_exposed"] == pytest.approx(expected)
+    assert ag > st.fwd and rs > st.bwd  # the case is communication-bound: both parts are partly exposed
