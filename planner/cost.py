@@ -176,9 +176,16 @@ FRAMEWORK_OVERLAP_DEFAULTS = {
     # on, and needs SP); --no-overlap-p2p-communication (dest overlap_p2p_comm) is on by default and
     # kept only with the interleaved schedule (megatron/training/arguments.py).
     "megatron": Overlap(tp_comm_overlap=False, overlap_p2p_comm=True),
+    # NeMo 2.0 / Megatron-Bridge performance recipes attach MegatronCommOverlapCallback(tp_comm_overlap=True)
+    # with Transformer Engine userbuffers configs for TP > 1 (e.g. userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192
+    # for Llama-3-70B on H100, megatron.bridge.training.comm_overlap); Megatron-Core underneath.
+    "nemo": Overlap(tp_comm_overlap=True, overlap_p2p_comm=True),
     # torchtitan: async TP is off unless --parallelism.enable_async_tensor_parallel; torch.distributed
     # .pipelining's schedules wait for each chunk's receive before computing it (charged in full).
     "torch": Overlap(tp_comm_overlap=False, overlap_p2p_comm=False),
+    "torchtitan": Overlap(tp_comm_overlap=False, overlap_p2p_comm=False),
+    # Megatron-DeepSpeed: no TP/GEMM overlap, no interleaved schedule
+    "deepspeed": Overlap(tp_comm_overlap=False, overlap_p2p_comm=False),
 }
 
 

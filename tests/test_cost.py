@@ -253,6 +253,8 @@ def test_framework_defaults_and_overrides():
     assert cost.resolved_overlap(tr) == cost.Overlap(tp_comm_overlap=False, overlap_p2p_comm=True)
     torch_tr = tr.model_copy(update={"framework": "torch"})
     assert cost.resolved_overlap(torch_tr) == cost.Overlap(tp_comm_overlap=False, overlap_p2p_comm=False)
+    assert cost.framework_defaults("nemo") == cost.Overlap(tp_comm_overlap=True, overlap_p2p_comm=True)
+    assert cost.framework_defaults("unknown") == cost.framework_defaults("megatron")
     on = tr.model_copy(update={"tp_comm_overlap": True, "overlap_p2p_comm": False})
     assert cost.resolved_overlap(on) == cost.Overlap(tp_comm_overlap=True, overlap_p2p_comm=False)
 
