@@ -8,23 +8,33 @@ The model (docs/cost-model.md):
   Multiplication Background User's Guide", sections on tile and wave quantisation). A GEMM is
   also never faster than its HBM traffic (roofline), and each costs ``kernel_overhead_us``. So
   TP's thinner slices and short sequences run less efficiently. Backward = data grad + weight
-  grad, each with its own shape.
-* **Attention**: FlashAttention at ``attention_efficiency`` of peak, backward 2.5x forward
-  (5 GEMMs against 2, Dao 2023, arXiv:2307.08691). Materialised attention is two batched GEMMs
-  plus the fused softmax and dropout, which are memory-bound.
+  grad, each with its own shape. FP8 GEMMs reach the measured FP8/BF16 MAMF ratio (``FP8_MAMF_RATIO``),
+  and each GEMM input and output gradient pays a cast-transpose (``_fp8_cast_bytes_per_token``).
+* **Attention**: fused attention at ``attention_efficiency`` of peak times the measured speed of
+  the kernel at this sequence length, forward and backward separately (``attention_shape``,
+  H200 measurement and FlashAttention-3 paper), and its wave quantisation; backward FLOPs 2.5x
+  forward (5 GEMMs against 2, Dao 2023, arXiv:2307.08691). Under CP, ring attention
+  (:func:`ring_attention`). Materialised attention is two batched GEMMs plus the fused softmax and
+  dropout, which are memory-bound.
 * **Memory-bound operations** (norms, bias-dropout-add, activation function, RoPE, cross-entropy)
-  move their bytes at ``hbm_bandwidth * hbm_efficiency``; backward moves twice the bytes.
+  move their bytes at ``hbm_bandwidth * hbm_efficiency``; backward moves twice the bytes; never
+  faster than their kernel launches.
 * **TP communication** (Shoeybi 2019 section 3; Korthikanti 2022 section 4.2.2; formulas.md C2):
   2 all-reduces forward and 2 backward per layer, or with SP 2 all-gathers + 2 reduce-scatters
   each way plus the wgrad re-gather. The column-parallel input-gradient collectives overlap the
   weight-gradient GEMM, as Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` does.
+  With ``tp_comm_overlap`` (Megatron ``--tp-comm-overlap``) the forward collectives and the
+  row-parallel backward all-gathers overlap their GEMMs too (:func:`resolved_overlap`).
 * **Pipeline** (Narayanan 2021 section 2.2): ``T = m * X_max + (p - 1) * X_mean / v``. ``X`` is the
   per-micro-batch forward + backward time of a stage (its P2P transfers included). So the
   slowest stage paces the steady state and the bubble is ``(p - 1) / v`` stage-times (the
-  "ratio to ideal" form of contradiction 9, as a time).
-* **DP**: all-reduce (or reduce-scatter + all-gather with ZeRO) of each stage's gradients. With
-  ``overlap_grad_reduce`` it is hidden under the last micro-batch's backward of that stage and
-  under the pipeline drain behind it (Megatron ``--overlap-grad-reduce``, formulas.md C4).
+  "ratio to ideal" form of contradiction 9, as a time). Interleaved P2P overlaps the chunks'
+  compute with ``overlap_p2p_comm``. Written once, vectorised: :func:`stage_terms` and
+  :func:`compose_step`, which ``planner.search`` uses too.
+* **DP**: all-reduce (or reduce-scatter + all-gather with ZeRO 1-2) of each stage's gradients. With
+  ``overlap_grad_reduce`` the reduction is hidden under the last micro-batch's backward of that
+  stage and under the pipeline drain behind it, the weight all-gather under the next step's first
+  forward (Megatron ``--overlap-grad-reduce`` / ``--overlap-param-gather``, formulas.md C4).
 * **Optimizer**: Adam is memory-bound, 42 B moved per parameter of the local shard (``ADAM_BYTES_PER_PARAM``).
 """
 
