@@ -3,7 +3,8 @@
 Run: python benchmarks/search_speed.py [--repeats N]
 
 Cases (issue 5): GPT 1T on 3072 A100-80GB (global batch 3072, seq 2048); Llama-3-405B on 16384
-H100 (global batch 2048, seq 8192); GPT-3 175B on 1024 H100 (global batch 1536, seq 2048).
+H100 (global batch 2048, seq 8192); GPT-3 175B on 1024 H100 (global batch 1536, seq 2048);
+(issue 12) Llama-3-70B on 256 H100 (global batch 512, seq 8192).
 
 - "search" is planner.search.search: table building + CP-SAT, no alternatives (median of N runs).
 - "CP-SAT" is the solver call alone, inside that.
@@ -33,6 +34,7 @@ CASES = [
     ("megatron-gpt-1t", "a100-80gb", 3072, 3072, 2048),
     ("llama3-405b", "h100-sxm-80gb", 16384, 2048, 8192),
     ("gpt3-175b", "h100-sxm-80gb", 1024, 1536, 2048),
+    ("llama3-70b", "h100-sxm-80gb", 256, 512, 8192),
 ]
 
 

@@ -8,23 +8,33 @@ The model (docs/cost-model.md):
   Multiplication Background User's Guide", sections on tile and wave quantisation). A GEMM is
   also never faster than its HBM traffic (roofline), and each costs ``kernel_overhead_us``. So
   TP's thinner slices and short sequences run less efficiently. Backward = data grad + weight
-  grad, each with its own shape.
-* **Attention**: FlashAttention at ``attention_efficiency`` of peak, backward 2.5x forward
-  (5 GEMMs against 2, Dao 2023, arXiv:2307.08691). Materialised attention is two batched GEMMs
-  plus the fused softmax and dropout, which are memory-bound.
+  grad, each with its own shape. FP8 GEMMs reach the measured FP8/BF16 MAMF ratio (``FP8_MAMF_RATIO``),
+  and each GEMM input and output gradient pays a cast-transpose (``_fp8_cast_bytes_per_token``).
+* **Attention**: fused attention at ``attention_efficiency`` of peak times the measured speed of
+  the kernel at this sequence length, forward and backward separately (``attention_shape``,
+  H200 measurement and FlashAttention-3 paper), and its wave quantisation; backward FLOPs 2.5x
+  forward (5 GEMMs against 2, Dao 2023, arXiv:2307.08691). Under CP, ring attention
+  (:func:`ring_attention`). Materialised attention is two batched GEMMs plus the fused softmax and
+  dropout, which are memory-bound.
 * **Memory-bound operations** (norms, bias-dropout-add, activation function, RoPE, cross-entropy)
-  move their bytes at ``hbm_bandwidth * hbm_efficiency``; backward moves twice the bytes.
+  move their bytes at ``hbm_bandwidth * hbm_efficiency``; backward moves twice the bytes; never
+  faster than their kernel launches.
 * **TP communication** (Shoeybi 2019 section 3; Korthikanti 2022 section 4.2.2; formulas.md C2):
   2 all-reduces forward and 2 backward per layer, or with SP 2 all-gathers + 2 reduce-scatters
   each way plus the wgrad re-gather. The column-parallel input-gradient collectives overlap the
   weight-gradient GEMM, as Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` does.
+  With ``tp_comm_overlap`` (Megatron ``--tp-comm-overlap``) the forward collectives and the
+  row-parallel backward all-gathers overlap their GEMMs too (:func:`resolved_overlap`).
 * **Pipeline** (Narayanan 2021 section 2.2): ``T = m * X_max + (p - 1) * X_mean / v``. ``X`` is the
   per-micro-batch forward + backward time of a stage (its P2P transfers included). So the
   slowest stage paces the steady state and the bubble is ``(p - 1) / v`` stage-times (the
-  "ratio to ideal" form of contradiction 9, as a time).
-* **DP**: all-reduce (or reduce-scatter + all-gather with ZeRO) of each stage's gradients. With
-  ``overlap_grad_reduce`` it is hidden under the last micro-batch's backward of that stage and
-  under the pipeline drain behind it (Megatron ``--overlap-grad-reduce``, formulas.md C4).
+  "ratio to ideal" form of contradiction 9, as a time). Interleaved P2P overlaps the chunks'
+  compute with ``overlap_p2p_comm``. Written once, vectorised: :func:`stage_terms` and
+  :func:`compose_step`, which ``planner.search`` uses too.
+* **DP**: all-reduce (or reduce-scatter + all-gather with ZeRO 1-2) of each stage's gradients. With
+  ``overlap_grad_reduce`` the reduction is hidden under the last micro-batch's backward of that
+  stage and under the pipeline drain behind it, the weight all-gather under the next step's first
+  forward (Megatron ``--overlap-grad-reduce`` / ``--overlap-param-gather``, formulas.md C4).
 * **Optimizer**: Adam is memory-bound, 42 B moved per parameter of the local shard (``ADAM_BYTES_PER_PARAM``).
 """
 
@@ -32,6 +42,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from planner import comm, flops
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
@@ -48,6 +60,72 @@ BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubb
 
 TILES = ((256, 128), (128, 256))  # large CTA tiles of cuBLAS/CUTLASS bf16 GEMMs
 
+# FP8 GEMMs do not reach twice the BF16 rate: best FP8 (torch._scaled_mm, e4m3) 1,414 TFLOP/s against
+# best BF16 808 TFLOP/s over the same 384 Megatron-layer shapes, measured on one H200 SXM (132 SMs),
+# torch 2.11.0+cu130, 2026-11-30 (/work/kernels/h200_kernels.json, benchmarks/gpu_kernels.py).
+# Consistent with H800 TileLang FP8 1,460-1,540 TFLOP/s (docs/cost-model.md). Used when a profile
+# gives no fp8_gemm_efficiency_max.
+FP8_MAMF_RATIO = 1414.0 / 808.0
+
+# Fused attention speed by sequence length (TFLOP/s), causal, BF16, head dim 128, 32 query / 8 KV
+# heads, cuDNN backend of F.scaled_dot_product_attention (Transformer Engine's default on Hopper),
+# batch x seqlen = 16k: measured on one H200 SXM (132 SMs, the H100 SXM's SMs and clocks), torch
+# 2.11.0+cu130, 2026-11-30 (/work/kernels/h200_kernels.json, copied to tests/data/h200_kernels.json).
+# Forward and backward separately; FLOPs as FlashAttention counts them (backward = 2.5 x forward,
+# causal halved). The 512 row and the non-causal rows are [derived] from Shah et al. 2024,
+# "FlashAttention-3", arXiv:2407.08608, Figure 5(b)/(e), cuDNN bars on H100: 512 = 1k x (the
+# paper's 512/1k ratio); non-causal = causal x (the paper's non-causal/causal forward ratio at that
+# length, the 16k ratio at 32k). Only the *shape* is used (``attention_shape``): the hardware
+# profile's ``attention_efficiency`` sets the level (causal forward at 16k).
+ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+_FA3_CAUSAL_FWD = (315.0, 410.0, 484.0, 518.0, 529.0, 539.0, 539.0)
+_FA3_NONCAUSAL_FWD = (497.0, 574.0, 617.0, 609.0, 600.0, 595.0, 595.0)
+_H200_CAUSAL = {"fwd": (469.6, 557.6, 608.0, 638.9, 652.8, 607.0), "bwd": (269.9, 375.1, 465.6, 480.9, 506.6, 524.3)}
+ATTENTION_TFLOPS = {}
+for _pass, _row in _H200_CAUSAL.items():
+    _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
+    ATTENTION_TFLOPS[(_pass, True)] = _causal
+    ATTENTION_TFLOPS[(_pass, False)] = tuple(c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]  # causal forward at 16k: what attention_efficiency means
+
+
+def attention_shape(kv_len: float, causal: bool, pass_: str) -> float:
+    """Speed of a fused attention kernel over ``kv_len`` keys relative to causal forward at 16k.
+
+    Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (H200 measurement and
+    FlashAttention-3 paper, above); outside 512-32k the end row is used (the lookup says so via
+    :func:`attention_in_table`). Short sequences run slower: fewer key blocks per query tile to
+    hide the softmax and the prologue behind.
+    """
+    row = ATTENTION_TFLOPS[(pass_, causal)]
+    x = math.log2(min(max(kv_len, ATTENTION_SEQ[0]), ATTENTION_SEQ[-1]))
+    i = min(int(x) - 9, len(ATTENTION_SEQ) - 2)
+    lo, hi = row[i], row[i + 1]
+    return (lo + (hi - lo) * (x - math.log2(ATTENTION_SEQ[i]))) / ATTENTION_REFERENCE
+
+
+ATTENTION_BLOCK_M = 128  # query rows per thread block, head dim 128 (FlashAttention-3 paper section 3.3 / 4.1)
+ATTENTION_BENCH_TILES = 16384 // ATTENTION_BLOCK_M * 32  # the table's runs: batch x seqlen = 16k, 32 heads
+
+
+def attention_wave_factor(q_len: float, heads: float, sm_count: int) -> float:
+    """Share of the table's speed a kernel keeps once its query tiles are cut into waves.
+
+    A fused attention kernel runs one thread block per (batch x head, 128-query tile) and
+    ``ceil(tiles / SMs)`` waves of them (wave quantisation, as for GEMMs in NVIDIA's "Matrix
+    Multiplication Background User's Guide"). Relative to the table's own runs (16k query rows x
+    32 heads); short CP chunks with few heads per TP rank leave SMs idle.
+    """
+    def busy(tiles: float) -> float:
+        return tiles / (math.ceil(tiles / sm_count) * sm_count)
+    tiles = max(1.0, math.ceil(q_len / ATTENTION_BLOCK_M) * heads)
+    return min(1.0, busy(tiles) / busy(ATTENTION_BENCH_TILES))
+
+
+def attention_in_table(kv_len: float) -> bool:
+    """Whether a key length lies inside the measured attention table (512-32k)."""
+    return ATTENTION_SEQ[0] <= kv_len <= ATTENTION_SEQ[-1]
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -62,7 +140,10 @@ class Rates:
     @classmethod
     def of(cls, hw: HardwareSpec, precision: str) -> Rates:
         sustained = hw.sustained_fraction
-        return cls(gemm_flops=hw.peak_flops(precision) * hw.gemm_efficiency_max * sustained, sm_count=hw.sm_count,
+        mamf = hw.gemm_efficiency_max
+        if precision == "fp8":
+            mamf = hw.fp8_gemm_efficiency_max or hw.gemm_efficiency_max * FP8_MAMF_RATIO / 2
+        return cls(gemm_flops=hw.peak_flops(precision) * mamf * sustained, sm_count=hw.sm_count,
                    gemm_overhead_s=hw.kernel_overhead_us * 1e-6,
                    attention_flops=hw.peak_flops("bf16") * hw.attention_efficiency * sustained,
                    hbm_bytes_per_s=hw.hbm_bandwidth_gbps * 1e9 * hw.hbm_efficiency)
@@ -90,6 +171,47 @@ def gemm_fwd_bwd_s(m: float, k: float, n: float, rates: Rates) -> tuple[float, f
     return gemm_time_s(m, k, n, rates), gemm_time_s(m, n, k, rates), gemm_time_s(k, m, n, rates)
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """Which communications the framework overlaps with compute, once ``None`` fields are resolved."""
+
+    tp_comm_overlap: bool
+    overlap_p2p_comm: bool
+
+
+# Each framework's default for the overlap switches that TrainingSpec leaves as None. Keyed by
+# ``TrainingSpec.framework`` in one place so that framework profiles can remap it.
+FRAMEWORK_OVERLAP_DEFAULTS = {
+    # Megatron-Core v0.16.1: ModelParallelConfig.tp_comm_overlap = False (--tp-comm-overlap turns it
+    # on, and needs SP); --no-overlap-p2p-communication (dest overlap_p2p_comm) is on by default and
+    # kept only with the interleaved schedule (megatron/training/arguments.py).
+    "megatron": Overlap(tp_comm_overlap=False, overlap_p2p_comm=True),
+    # NeMo 2.0 / Megatron-Bridge performance recipes attach MegatronCommOverlapCallback(tp_comm_overlap=True)
+    # with Transformer Engine userbuffers configs for TP > 1 (e.g. userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192
+    # for Llama-3-70B on H100, megatron.bridge.training.comm_overlap); Megatron-Core underneath.
+    "nemo": Overlap(tp_comm_overlap=True, overlap_p2p_comm=True),
+    # torchtitan: async TP is off unless --parallelism.enable_async_tensor_parallel; torch.distributed
+    # .pipelining's schedules wait for each chunk's receive before computing it (charged in full).
+    "torch": Overlap(tp_comm_overlap=False, overlap_p2p_comm=False),
+    "torchtitan": Overlap(tp_comm_overlap=False, overlap_p2p_comm=False),
+    # Megatron-DeepSpeed: no TP/GEMM overlap, no interleaved schedule
+    "deepspeed": Overlap(tp_comm_overlap=False, overlap_p2p_comm=False),
+}
+
+
+def framework_defaults(framework: str) -> Overlap:
+    """The overlap defaults of ``framework`` (``TrainingSpec.framework``); unknown names get Megatron's."""
+    return FRAMEWORK_OVERLAP_DEFAULTS.get(framework, FRAMEWORK_OVERLAP_DEFAULTS["megatron"])
+
+
+def resolved_overlap(training: TrainingSpec) -> Overlap:
+    """The training spec's overlap switches, ``None`` replaced by the framework's default."""
+    base = framework_defaults(training.framework)
+    tp = base.tp_comm_overlap if training.tp_comm_overlap is None else training.tp_comm_overlap
+    p2p = base.overlap_p2p_comm if training.overlap_p2p_comm is None else training.overlap_p2p_comm
+    return Overlap(tp_comm_overlap=tp, overlap_p2p_comm=p2p)
+
+
 def overlapped_s(comm_s: float, compute_s: float, contention: float) -> float:
     """Exposed time of a collective that runs alongside ``compute_s`` of GEMMs.
 
@@ -113,11 +235,16 @@ class LayerTime:
     recompute: float
     tp_fwd: float
     tp_bwd: float
-    cp: float
+    cp_fwd: float
+    cp_bwd: float
 
     @property
     def tp(self) -> float:
         return self.tp_fwd + self.tp_bwd
+
+    @property
+    def cp(self) -> float:
+        return self.cp_fwd + self.cp_bwd
 
 
 def _linear_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[float, float, str]]:
@@ -130,13 +257,21 @@ def _linear_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[float, float
 
 
 def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rates: Rates) -> tuple[float, float]:
-    """(forward, backward) seconds of the attention core of one layer per micro-batch."""
+    """(forward, backward) seconds of the attention core of one layer per micro-batch, without CP.
+
+    Flash: the causal FLOPs at the kernel's measured speed for this sequence length
+    (:func:`attention_shape`), backward 2.5x the forward FLOPs (Dao 2023) at the backward speed;
+    1 kernel forward, 3 backward (dO.O preprocessing, the main kernel, dQ conversion; FlashAttention-2
+    ``flash_bwd_kernel`` launch sequence) at ``kernel_overhead_us`` each.
+    """
     t, b, s = plan.tp, plan.micro_batch_size, training.seq_len
     a_r, d = model.num_attention_heads / t, model.kv_channels
     if training.attention == "flash":
-        fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True) * (s / plan.cp) / t
-        fwd = fwd_flops / rates.attention_flops
-        return fwd, FLASH_BWD_OVER_FWD * fwd
+        fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True) * s / t
+        rate = rates.attention_flops * attention_wave_factor(s, b * a_r, rates.sm_count)
+        fwd = fwd_flops / (rate * attention_shape(s, True, "fwd")) + rates.gemm_overhead_s
+        bwd = FLASH_BWD_OVER_FWD * fwd_flops / (rate * attention_shape(s, True, "bwd"))
+        return fwd, bwd + 3 * rates.gemm_overhead_s
     # materialised: QK^T and PV as batched GEMMs over a_r * b heads, full s x s (masked, not skipped)
     heads = a_r * b
     sq = s / plan.cp
@@ -146,6 +281,77 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
     soft_fwd = elements * (ACT_BYTES * 2 + (5 if model.dropout else 0)) / rates.hbm_bytes_per_s
     soft_bwd = elements * (ACT_BYTES * 3 + (5 if model.dropout else 0)) / rates.hbm_bytes_per_s
     return qk + pv + soft_fwd, 2 * (qk + pv) + soft_bwd
+
+
+# Ring attention's per-step output merge: read the step's bf16 output, read-modify-write the fp32
+# accumulator (2 + 4 + 4 bytes per element), as Transformer Engine's AttnFuncWithCPAndKVP2P does
+# (``flash_attn_fwd_out_correction``); backward accumulates dQ and dK/dV the same way.
+RING_MERGE_BYTES = 10
+
+
+@dataclass(frozen=True)
+class RingAttention:
+    """One layer's ring attention under CP, per micro-batch (seconds)."""
+
+    fwd_compute: float  # the cp attention steps, their merges and launches
+    bwd_compute: float
+    fwd_exposed: float  # K/V exchange not hidden behind the step it overlaps (plus SM contention)
+    bwd_exposed: float  # K/V exchange and the dK/dV return
+
+
+def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
+                   order: str = DEFAULT_ORDER) -> RingAttention:
+    """Context-parallel attention as Megatron-Core runs it (``--cp-comm-type p2p``, the default).
+
+    Sources: Megatron-Core ``docs/user-guide/features/context_parallel.md`` (ring of P2P K/V
+    exchanges overlapped with attention; load-balanced causal split into 2·cp chunks);
+    Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv:2310.01889 (blockwise
+    compute overlapped with the K/V rotation); Transformer Engine ``AttnFuncWithCPAndKVP2P``.
+
+    Each rank holds ``s/cp`` tokens (two half-chunks). Step 0 is causal attention over the local
+    chunk; steps 1..cp-1 are *non-causal* blocks of ``s/cp`` queries against ``s/(2cp)`` keys,
+    so every step runs at the measured speed of that short kernel (:func:`attention_shape`).
+    Forward: cp-1 K/V exchanges of ``2·b·(s/cp)·g_r·d_h`` bytes, each overlapped with one step.
+    Backward: the K/V exchange again plus the dK/dV return, twice the bytes per step. Every step
+    after the first merges its partial output (``RING_MERGE_BYTES``) and costs its kernel launches.
+    """
+    rates = Rates.of(hw, training.precision)
+    cp, t, b = plan.cp, plan.tp, plan.micro_batch_size
+    s_c = training.seq_len / cp
+    a_r = model.num_attention_heads / t
+    g_r, d = kv_heads_per_rank(model, t), model.kv_channels
+    tokens = b * s_c
+    # every step does the same FLOPs: 2·q·s_c² (causal s_c x s_c, or full s_c x s_c/2), per rank / t
+    step_flops = b * 2.0 * model.q_size * s_c * s_c / t
+    launch = rates.gemm_overhead_s
+    heads, sm = b * a_r, rates.sm_count
+
+    def speed(pass_: str, causal: bool) -> float:
+        if causal:  # step 0: the local chunk against itself
+            return rates.attention_flops * attention_shape(s_c, True, pass_) * attention_wave_factor(s_c, heads, sm)
+        # later steps: s_c queries x s_c/2 keys on half the ranks, s_c/2 x s_c on the others; the
+        # ring is synchronous, so the slower of the two paces every step
+        return rates.attention_flops * min(
+            attention_shape(s_c / 2, False, pass_) * attention_wave_factor(s_c, heads, sm),
+            attention_shape(s_c, False, pass_) * attention_wave_factor(s_c / 2, heads, sm))
+
+    f0 = step_flops / speed("fwd", True) + launch
+    b0 = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", True) + 3 * launch
+    merge_f = tokens * a_r * d * RING_MERGE_BYTES / rates.hbm_bytes_per_s + launch
+    merge_b = tokens * (a_r + 2 * g_r) * d * RING_MERGE_BYTES / rates.hbm_bytes_per_s + 2 * launch
+    fi = step_flops / speed("fwd", False) + launch + merge_f
+    bi = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", False) + 3 * launch + merge_b
+    group = axis_span(plan, "cp", hw.gpus_per_node, order)
+    kv_bytes = 2 * tokens * g_r * d * act_bytes(training)
+    c = contention(hw)
+    # exchange k (k = 1..cp-1) runs while step k-1 computes: the first alongside the causal step
+    x_f = comm.p2p_time_s(kv_bytes, not group.intra_node, hw)
+    x_b = comm.p2p_time_s(2 * kv_bytes, not group.intra_node, hw)
+    steps = cp - 1
+    fwd_exposed = overlapped_s(x_f, f0, c) + (steps - 1) * overlapped_s(x_f, fi, c) if steps else 0.0
+    bwd_exposed = overlapped_s(x_b, b0, c) + (steps - 1) * overlapped_s(x_b, bi, c) if steps else 0.0
+    return RingAttention(fwd_compute=f0 + steps * fi, bwd_compute=b0 + steps * bi,
+                         fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed)
 
 
 def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
@@ -165,49 +371,104 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
     return replicated + act + rope
 
 
+def _elementwise_kernels(model: ModelSpec) -> tuple[int, int]:
+    """(forward, backward) launches of one layer's memory-bound kernels.
+
+    Forward: 2 norms, 2 residual (bias-dropout-)adds, the activation, and RoPE on Q and on K
+    (Megatron-Core ``TransformerLayer`` with Transformer Engine modules). Backward: each of them
+    once more, and each norm twice (input grad, then the weight-grad reduction; Apex/TE layer norm
+    backward). Counted by hand from those modules; each costs ``kernel_overhead_us``.
+    """
+    rope = 2 if model.position_embedding == "rope" else 0
+    fwd = 2 + 2 + 1 + rope
+    return fwd, fwd + 2
+
+
+def _fp8_cast_bytes_per_token(model: ModelSpec, plan: Plan, linears) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of FP8 casts, and their kernel counts, for one layer.
+
+    Transformer Engine casts every GEMM input to FP8 with a fused cast-transpose kernel: it reads
+    the bf16 tensor (2 B) and writes the FP8 row-wise and column-wise (transposed) copies (1 + 1 B),
+    because Hopper FP8 GEMMs take only the TN layout (TE "Using FP8 with Transformer Engine",
+    ``fp8_cast_transpose_fused``). Forward: the input of each linear (``k`` wide); backward: each
+    output gradient (``n`` wide). Weights are cast once per step (``is_first_microbatch``), not per
+    micro-batch, and are left out. Attention, norms and the optimizer stay in bf16/fp32.
+    """
+    fwd = sum(4 * k for k, _, _ in linears)
+    bwd = sum(4 * n for _, n, _ in linears)
+    return fwd, bwd
+
+
 def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                order: str = DEFAULT_ORDER) -> LayerTime:
     """Compute and communication of one transformer layer for one micro-batch on one GPU."""
     rates = Rates.of(hw, training.precision)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
+    overlap = resolved_overlap(training)
     fwd = bwd = 0.0
-    wgrad_col = []
-    for k, n, kind in _linear_shapes(model, plan).values():
+    gemms = []  # (fwd, dgrad, wgrad, kind) of each linear, in forward order
+    linears = list(_linear_shapes(model, plan).values())
+    for k, n, kind in linears:
         f, dg, wg = gemm_fwd_bwd_s(tokens, k, n, rates)
         fwd, bwd = fwd + f, bwd + dg + wg
-        if kind == "column":
-            wgrad_col.append((dg, wg))
-    att_f, att_b = _attention_core_s(model, training, plan, rates)
+        gemms.append((f, dg, wg, kind))
+    ring = None
+    if plan.cp > 1 and training.attention == "flash":
+        ring = ring_attention(model, hw, training, plan, order)
+        att_f, att_b = ring.fwd_compute, ring.bwd_compute
+    else:
+        att_f, att_b = _attention_core_s(model, training, plan, rates)
+    # memory-bound ops move their bytes, and are never faster than their launches (a floor, as a
+    # GEMM is never faster than its HBM traffic): it bites only on small micro-batches
+    k_f, k_b = _elementwise_kernels(model)
     elem_f = tokens * _elementwise_bytes_per_token(model, plan) / rates.hbm_bytes_per_s
-    fwd, bwd = fwd + att_f + elem_f, bwd + att_b + 2 * elem_f
-    recompute = {"none": 0.0, "selective": att_f, "full": fwd}[plan.recompute]
+    fwd += att_f + max(elem_f, k_f * rates.gemm_overhead_s)
+    bwd += att_b + max(2 * elem_f, k_b * rates.gemm_overhead_s)
+    if training.precision == "fp8":
+        cast_f, cast_b = _fp8_cast_bytes_per_token(model, plan, linears)
+        fwd += tokens * cast_f / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
+        bwd += tokens * cast_b / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
 
     tp_group = axis_span(plan, "tp", hw.gpus_per_node, order)
     e = act_bytes(training)
     buf = tokens * model.hidden_size * e
     c = contention(hw)
+    col = [(dg, wg) for _, dg, wg, kind in gemms if kind == "column"]
     if plan.sequence_parallel:
         ag = comm.collective_time_s("all_gather", buf, tp_group, hw)
         rs = comm.collective_time_s("reduce_scatter", buf, tp_group, hw)
-        tp_fwd = 2 * (ag + rs)
-        # backward: AG conjugates of the forward RS are exposed; the input re-gather overlaps the
-        # data-grad GEMM and the input-grad RS overlaps the weight-grad GEMM (Megatron layers.py)
-        tp_bwd = 2 * ag + sum(overlapped_s(ag, dg, c) + overlapped_s(rs, wg, c) for dg, wg in wgrad_col)
+        # backward: the input re-gather overlaps the data-grad GEMM and the input-grad RS overlaps
+        # the weight-grad GEMM of each column-parallel linear (Megatron layers.py)
+        col_bwd = sum(overlapped_s(ag, dg, c) + overlapped_s(rs, wg, c) for dg, wg in col)
+        if overlap.tp_comm_overlap:
+            # --tp-comm-overlap (TE userbuffers): each AG is pipelined with the GEMM it feeds, each
+            # RS with the GEMM that produces it, and the backward AG of the output gradient with
+            # the row-parallel data-grad GEMM (Megatron-Core ModelParallelConfig.tp_comm_overlap)
+            tp_fwd = sum(overlapped_s(ag if kind == "column" else rs, f, c) for f, _, _, kind in gemms)
+            tp_bwd = col_bwd + sum(overlapped_s(ag, dg, c) for _, dg, _, kind in gemms if kind == "row")
+        else:
+            tp_fwd = 2 * (ag + rs)
+            tp_bwd = 2 * ag + col_bwd  # the AG conjugates of the forward RS are exposed
     else:
         ar = comm.collective_time_s("all_reduce", buf, tp_group, hw)
         tp_fwd = 2 * ar
-        tp_bwd = sum(overlapped_s(ar, wg, c) for _, wg in wgrad_col)
-    if plan.recompute == "full":
-        tp_bwd += tp_fwd  # the recomputed forward repeats its collectives
+        tp_bwd = sum(overlapped_s(ar, wg, c) for _, wg in col)
 
-    cp_time = 0.0
-    if plan.cp > 1:  # ring exchange of K and V, overlapped with the attention core (context_parallel.md)
+    cp_fwd = cp_bwd = 0.0
+    if ring is not None:
+        cp_fwd, cp_bwd = ring.fwd_exposed, ring.bwd_exposed
+    elif plan.cp > 1:  # materialised attention: ring exchange of K and V overlapped with the core
         cp_group = axis_span(plan, "cp", hw.gpus_per_node, order)
         kv_bytes = 2 * tokens * kv_heads_per_rank(model, plan.tp) * model.kv_channels * e
-        step = comm.p2p_time_s(kv_bytes, not cp_group.intra_node, hw)
-        exchange = (plan.cp - 1) * step
-        cp_time = overlapped_s(exchange, att_f, c) + overlapped_s(2 * exchange, att_b, c)
-    return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp=cp_time)
+        exchange = (plan.cp - 1) * comm.p2p_time_s(kv_bytes, not cp_group.intra_node, hw)
+        cp_fwd, cp_bwd = overlapped_s(exchange, att_f, c), overlapped_s(2 * exchange, att_b, c)
+    recompute = {"none": 0.0, "selective": att_f, "full": fwd}[plan.recompute]
+    if plan.recompute == "full":
+        tp_bwd += tp_fwd  # the recomputed forward repeats its collectives
+    if plan.recompute != "none":
+        cp_bwd += cp_fwd  # and its ring exchange
+    return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
+                     cp_fwd=cp_fwd, cp_bwd=cp_bwd)
 
 
 def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, order: str) -> tuple[float, float]:
@@ -273,42 +534,143 @@ def p2p_hop_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
     return hop
 
 
+# --- the one composition of a step (used by estimate_time and, vectorised, by planner.search) -----
+
+FACTOR_KEYS = ("fwd", "bwd", "recompute", "tp", "tp_fwd", "tp_bwd", "cp", "cp_fwd", "cp_bwd",
+               "head_compute", "head_tp")
+
+
+def micro_factors(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
+                  order: str = DEFAULT_ORDER) -> dict[str, float]:
+    """Per-micro-batch factors of one plan: one layer's terms (:func:`layer_time`) and the output layer's."""
+    lt = layer_time(model, hw, training, plan, order)
+    head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
+    return {"fwd": lt.fwd_compute, "bwd": lt.bwd_compute, "recompute": lt.recompute, "tp": lt.tp,
+            "tp_fwd": lt.tp_fwd, "tp_bwd": lt.tp_bwd, "cp": lt.cp, "cp_fwd": lt.cp_fwd, "cp_bwd": lt.cp_bwd,
+            "head_compute": head_compute, "head_tp": head_tp}
+
+
+def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float) -> dict:
+    """Per-micro-batch terms of stage rows, vectorised: ``n`` and ``last`` are arrays over the rows
+    [K]; every factor in ``f`` and ``hop`` is a scalar or an array over options [U]; results are [U, K].
+
+    A stage of ``n`` layers: ``n`` x each layer term, plus the output layer on the last stage, plus
+    its exposed P2P. ``fwd`` and ``bwd`` split the total into the forward and backward parts (P2P
+    half each), for the DP overlap window and the timeline.
+
+    P2P: one receive forward and one backward per chunk and micro-batch. Megatron's interleaved
+    schedule with ``overlap_p2p_comm`` (default on with vpp > 1) posts each chunk's send/receive
+    asynchronously and waits for it only before the chunk that needs it, so the transfer runs
+    behind the compute of the chunk in between (Megatron-Core
+    ``schedules.forward_backward_pipelining_with_interleaving``); only what exceeds that chunk
+    (``n / vpp`` layers), plus SM contention, is exposed. Otherwise every transfer is exposed.
+    """
+    def col(x):
+        return np.asarray(x, dtype=float)[..., None]
+
+    n, last = np.asarray(n, dtype=float), np.asarray(last, dtype=float)
+    fwd, bwd, hop_c = col(f["fwd"]), col(f["bwd"]), col(hop)
+    if pp == 1:
+        pp_t = 0.0 * hop_c * n
+    elif overlap_p2p and vpp > 1:
+        pp_t = vpp * (overlapped_s_array(hop_c, n / vpp * fwd, c) + overlapped_s_array(hop_c, n / vpp * bwd, c))
+    else:
+        pp_t = 2 * vpp * hop_c + 0.0 * n
+    hc, ht = col(f["head_compute"]) * last, col(f["head_tp"]) * last
+    share = fwd / (fwd + bwd)
+    compute = n * (fwd + bwd) + hc
+    recompute = n * col(f["recompute"]) + 0.0 * hc
+    tp = n * col(f["tp"]) + ht
+    cp = n * col(f["cp"]) + 0.0 * hc
+    return {"compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp, "pp_comm": pp_t,
+            "total": compute + recompute + tp + cp + pp_t,
+            "fwd": n * (fwd + col(f["tp_fwd"]) + col(f["cp_fwd"])) + hc * share + pp_t / 2,
+            "bwd": n * (bwd + col(f["recompute"]) + col(f["tp_bwd"]) + col(f["cp_bwd"])) + hc * (1 - share) + ht + pp_t / 2}
+
+
+def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
+                 overlap_grad_reduce: bool, c: float) -> dict:
+    """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
+
+    ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
+    (:func:`dp_sync_parts_s`) per row, broadcastable to it; ``optimizer`` and ``m`` broadcastable to
+    the leading dims. ``counts[k]``: how many stages row ``k`` stands for (the bubble averages over
+    all ``pp`` stages); ``before[k, j]``: how many stages of row ``j`` come before row ``k``.
+
+    With ``overlap_grad_reduce`` (Megatron ``--overlap-grad-reduce``, and ``--overlap-param-gather``
+    with the distributed optimizer, which Megatron allows only together with it) a stage's gradient
+    reduction hides under its own last backward and the drain of the stages before it, and its
+    parameter all-gather under the next step's first forward, which reaches stage ``k`` after the
+    forwards of the stages before it. Otherwise both are exposed.
+
+    ``T = m · X_max + (p - 1) · X_mean / v + exposed DP + optimizer``, X = per-micro-batch stage time
+    with the ZeRO-3 gathers' exposed part.
+    """
+    z3_exposed = overlapped_s_array(z3, terms["compute"], c)
+    per_mb = terms["total"] + z3_exposed
+    bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
+    if overlap_grad_reduce:
+        before = np.asarray(before, dtype=float).T
+        exposed = overlapped_s_array(dp_grad, terms["bwd"] + terms["bwd"] @ before, c) + \
+            overlapped_s_array(dp_param, terms["fwd"] + terms["fwd"] @ before, c)
+    else:
+        exposed = np.broadcast_to(dp_grad + dp_param, per_mb.shape)
+    dp_exposed = exposed.max(axis=-1)
+    step = m * per_mb.max(axis=-1) + bubble + dp_exposed + optimizer
+    return {"step": step, "per_mb": per_mb, "z3": z3_exposed, "bubble": bubble, "dp_exposed": dp_exposed}
+
+
+def overlapped_s_array(comm_s, compute_s, c: float):
+    """:func:`overlapped_s`, elementwise on arrays."""
+    return np.maximum(0.0, comm_s - compute_s) + c * np.minimum(comm_s, compute_s)
+
+
+def _rows_of_all_stages(plan: Plan, num_layers: int):
+    layers = plan.stage_layers(num_layers)
+    p = plan.pp
+    return (np.array(layers, dtype=float), np.arange(p) == p - 1, np.ones(p), np.tril(np.ones((p, p)), -1))
+
+
 def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                 order: str = DEFAULT_ORDER) -> tuple[StageTime, ...]:
     """Per-micro-batch time of every stage; uneven stages are costed from their own layer counts."""
-    lt = layer_time(model, hw, training, plan, order)
-    head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
+    f = micro_factors(model, hw, training, plan, order)
     hop = p2p_hop_s(model, hw, training, plan, pp_hop_crosses_nodes(plan, hw.gpus_per_node, order),
                     axis_span(plan, "tp", hw.gpus_per_node, order))
-    out = []
-    for r, n in enumerate(plan.stage_layers(model.num_layers)):
-        last = r == plan.pp - 1
-        hc, ht = (head_compute, head_tp) if last else (0.0, 0.0)
-        # each chunk boundary costs one receive forward and one backward (batched with the sends)
-        pp = 2 * plan.vpp * hop if plan.pp > 1 else 0.0
-        fwd_share = lt.fwd_compute / (lt.fwd_compute + lt.bwd_compute)
-        out.append(StageTime(
-            stage=r, compute=n * (lt.fwd_compute + lt.bwd_compute) + hc, recompute=n * lt.recompute,
-            tp_comm=n * lt.tp + ht, cp_comm=n * lt.cp, pp_comm=pp,
-            fwd=n * (lt.fwd_compute + lt.tp_fwd) + hc * fwd_share + pp / 2,
-            bwd=n * (lt.bwd_compute + lt.recompute + lt.tp_bwd + lt.cp) + hc * (1 - fwd_share) + ht + pp / 2))
-    return tuple(out)
+    n, last, _, _ = _rows_of_all_stages(plan, model.num_layers)
+    t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw))
+    return tuple(StageTime(stage=r, compute=float(t["compute"][r]), recompute=float(t["recompute"][r]),
+                           tp_comm=float(t["tp_comm"][r]), cp_comm=float(t["cp_comm"][r]),
+                           pp_comm=float(t["pp_comm"][r]), fwd=float(t["fwd"][r]), bwd=float(t["bwd"][r]))
+                 for r in range(plan.pp))
 
 
-def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
-              order: str = DEFAULT_ORDER) -> float:
-    """Gradient synchronisation of one stage over its DP x CP group (formulas.md C4)."""
+def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
+                    order: str = DEFAULT_ORDER) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) of one stage over its DP x CP group (formulas.md C4).
+
+    ZeRO 0: all-reduce of the gradients, nothing gathered. ZeRO 1-2 (Megatron distributed
+    optimizer): reduce-scatter of the gradients, all-gather of the updated 16-bit weights after the
+    optimizer step. ZeRO 3 (FSDP): reduce-scatter only; its weights are gathered per micro-batch
+    (:func:`zero3_gather_s`), not after the step.
+    """
     shards = plan.dp * plan.cp
     if shards == 1:
-        return 0.0
+        return 0.0, 0.0
     group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.gpus_per_node, order)
     params = stage_params_per_rank(model, plan, stage, layers)
     g = params * grad_bytes(training)
     if plan.zero_stage == 0:
-        return comm.collective_time_s("all_reduce", g, group, hw)
-    # reduce-scatter the gradients, all-gather the updated bf16 weights (distributed optimizer)
-    return comm.collective_time_s("reduce_scatter", g, group, hw) + \
+        return comm.collective_time_s("all_reduce", g, group, hw), 0.0
+    gather = 0.0 if plan.zero_stage >= 3 else \
         comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw)
+    return comm.collective_time_s("reduce_scatter", g, group, hw), gather
+
+
+def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
+              order: str = DEFAULT_ORDER) -> float:
+    """All DP communication of one stage per step (:func:`dp_sync_parts_s`, both parts)."""
+    return sum(dp_sync_parts_s(model, hw, training, plan, stage, layers, order))
 
 
 def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, layers: int,
@@ -321,38 +683,39 @@ def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, l
     return 2 * comm.collective_time_s("all_gather", params * weight_bytes, group, hw)
 
 
+def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params_per_stage) -> float:
+    """Adam on the largest stage's local shard: ``ADAM_BYTES_PER_PARAM`` moved per parameter."""
+    shards = plan.dp * plan.cp if plan.zero_stage >= 1 else 1
+    return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
+
+
 def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                   order: str = DEFAULT_ORDER) -> TimeEstimate:
-    """Step time and its breakdown (module docstring)."""
+    """Step time and its breakdown (module docstring), composed by :func:`compose_step` over every stage."""
     m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
     p, v = plan.pp, plan.vpp
+    c = contention(hw)
     stages = stage_times(model, hw, training, plan, order)
     layers = plan.stage_layers(model.num_layers)
-    # ZeRO-3 gathers overlap the micro-batch's compute (prefetch); what does not fit is exposed
-    c = contention(hw)
-    z3 = [overlapped_s(zero3_gather_s(model, hw, plan, r, n, order, param_bytes(training)[0]), st.compute, c)
-          for r, (st, n) in enumerate(zip(stages, layers))]
-    per_mb = [st.total + z for st, z in zip(stages, z3)]
-    pace = max(range(p), key=lambda r: per_mb[r])
-    bubble = (p - 1) * (sum(per_mb) / p) / v
-    dp = [dp_sync_s(model, hw, training, plan, r, n, order) for r, n in enumerate(layers)]
-    if training.overlap_grad_reduce:
-        # stage r's last backward ends r backward-steps before stage 0's: it hides under that drain
-        exposed = [overlapped_s(dp[r], stages[r].bwd + sum(stages[j].bwd for j in range(r)), c) for r in range(p)]
-    else:
-        exposed = dp
-    dp_exposed = max(exposed)
-    opt_shards = plan.dp * plan.cp if plan.zero_stage >= 1 else 1
-    params = [stage_params_per_rank(model, plan, r, n) for r, n in enumerate(layers)]
-    rates = Rates.of(hw, training.precision)
-    optimizer = max(params) / opt_shards * ADAM_BYTES_PER_PARAM / rates.hbm_bytes_per_s
+    _, _, counts, before = _rows_of_all_stages(plan, model.num_layers)
+    terms = {k: np.array([[getattr(st, k) for st in stages]]) for k in
+             ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "fwd", "bwd")}
+    terms["total"] = np.array([[st.total for st in stages]])
+    z3 = np.array([zero3_gather_s(model, hw, plan, r, n, order, param_bytes(training)[0]) for r, n in enumerate(layers)])
+    dp_grad, dp_param = np.array([dp_sync_parts_s(model, hw, training, plan, r, n, order)
+                                  for r, n in enumerate(layers)]).T
+    optimizer = optimizer_s(model, hw, training, plan, [stage_params_per_rank(model, plan, r, n)
+                                                         for r, n in enumerate(layers)])
+    out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
+                       training.overlap_grad_reduce, c)
+    pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {
         "compute": m * sp_.compute, "recompute": m * sp_.recompute, "tp_comm": m * sp_.tp_comm,
-        "cp_comm": m * sp_.cp_comm, "pp_comm": m * sp_.pp_comm, "bubble": bubble,
-        "dp_comm_exposed": dp_exposed + m * z3[pace], "optimizer": optimizer,
+        "cp_comm": m * sp_.cp_comm, "pp_comm": m * sp_.pp_comm, "bubble": float(out["bubble"][0]),
+        "dp_comm_exposed": float(out["dp_exposed"][0]) + m * float(out["z3"][0, pace]), "optimizer": optimizer,
     }
-    step = sum(breakdown.values())
+    step = float(out["step"][0])
     tokens = training.global_batch_size * training.seq_len
     mf = flops.model_flops_per_step(model, training.global_batch_size, training.seq_len)
     hf = flops.hardware_flops_per_step(model, training.global_batch_size, training.seq_len, plan.recompute)
@@ -360,7 +723,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     n = training.num_gpus
     return TimeEstimate(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=mf / step / n / 1e12,
                         mfu=flops.mfu(mf, step, n, peak), hfu=flops.hfu(hf, step, n, peak), breakdown=breakdown,
-                        stages=stages, dp_comm_s=max(dp))
+                        stages=stages, dp_comm_s=float((dp_grad + dp_param).max()))
 
 
 def estimate_scenario_time(sc: Scenario, order: str = DEFAULT_ORDER) -> TimeEstimate:

@@ -6,11 +6,11 @@ How it works:
    vpp and the first/last-stage layer counts), *micro* options (micro-batch size, recompute,
    sequence parallelism) and ZeRO stages.
 2. :func:`build_tables` evaluates the pure cost and memory functions once per factor
-   (``cost.layer_time`` per (tp, cp, micro-batch, recompute, SP); the output layer, P2P hop,
-   DP sync and parameter counts per shape). It composes them, vectorised, into the step time
-   and every stage's memory of each (shape, micro, zero) combination, in integers
-   (nanoseconds, KiB). The composition follows ``cost.estimate_time`` and
-   ``memory.stage_memory`` term by term. Only three stage kinds can be extreme: the first, the
+   (``cost.micro_factors`` per (tp, cp, micro-batch, recompute, SP); the P2P hop, DP sync and
+   parameter counts per shape). It composes them into the step time with the same vectorised
+   functions ``cost.estimate_time`` uses (``cost.stage_terms`` and ``cost.compose_step``: one cost
+   model, written once), and into every stage's memory following ``memory.stage_memory`` term by
+   term, for each (shape, micro, zero) combination, in integers (nanoseconds, KiB). Only three stage kinds can be extreme: the first, the
    first middle one and the last (in-flight micro-batches fall with the stage index, and the
    overlap window of the DP sync grows with it).
 3. :func:`solve` builds a CP-SAT model. Its decision variables are the knobs (tp, pp, dp, cp,
@@ -32,8 +32,8 @@ import numpy as np
 
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
                                 valid_micro_batch_sizes)
-from planner.cost import (ADAM_BYTES_PER_PARAM, Rates, p2p_hop_s, _head_time_s, contention, dp_sync_s, layer_time,
-                          zero3_gather_s)
+from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, micro_factors, optimizer_s,
+                          p2p_hop_s, resolved_overlap, stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
@@ -103,8 +103,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     time_ns = np.full((S, U, Z), INFEASIBLE, dtype=np.int64)
     mem_kib = np.full((S, U, Z, 3), INFEASIBLE, dtype=np.int64)
     legal = np.zeros((S, U, Z), dtype=bool)
-    rates = Rates.of(hw, training.precision)
     c = contention(hw)
+    overlap_p2p = resolved_overlap(training).overlap_p2p_comm
     gb = param_bytes(training)
     mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
     factors: dict = {}
@@ -135,22 +135,14 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         ok = f["valid"] & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
         if not ok.any():
             continue
-        dp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, rates, order)
-        # per-micro-batch time of each stage kind [U, 3], as cost.stage_times
-        pp_t = (2 * v * hop if p > 1 else 0 * hop)[:, None]
-        h_c, h_t = f["head_compute"][:, None] * last, f["head_tp"][:, None] * last
-        compute = n * (f["fwd"] + f["bwd"])[:, None] + h_c
-        total = compute + n * (f["recompute"] + f["tp"] + f["cp"])[:, None] + h_t + pp_t
-        bwd = n * (f["bwd"] + f["recompute"] + f["tp_bwd"] + f["cp"])[:, None] + h_c * (1 - f["fwd_share"])[:, None] \
-            + h_t + pp_t / 2
-        # vectorised over the ZeRO stages [U, Z, ...], as cost.estimate_time
-        per_mb = total[:, None, :] + _overlapped(z3_s[None], compute[:, None, :], c)
-        bubble = (p - 1) * (per_mb @ np.array(_stage_counts(p))) / p / v
-        if training.overlap_grad_reduce:
-            exposed = _overlapped(dp_s[None], _dp_windows(bwd, p)[:, None, :], c)
-        else:
-            exposed = np.broadcast_to(dp_s[None], per_mb.shape)
-        step = m[:, None] * per_mb.max(axis=2) + bubble + exposed.max(axis=2) + opt_s[None]
+        dpg_s, dpp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
+        # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
+        # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
+        t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
+        terms = {k: val[:, None, :] for k, val in t.items()}
+        counts, before = _stage_counts(p), _stage_before(p)
+        step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m[:, None], p, v, counts,
+                            before, training.overlap_grad_reduce, c)["step"]
         # memory of each stage kind [U, Z, 3], as memory.stage_memory
         inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
         act = inflight * n / v * f["saved"][:, None] + f["working"][:, None]
@@ -167,56 +159,44 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
-    """For one (tp, cp): every per-micro-batch factor of every micro option, as arrays over the options."""
-    cols: dict = {k: [] for k in ("fwd", "bwd", "recompute", "tp", "tp_bwd", "cp", "head_compute", "head_tp",
-                                  "saved", "working", "input_bytes", "output_bytes", "valid")}
+    """For one (tp, cp): every per-micro-batch factor of every micro option (cost.micro_factors, and the
+    memory terms), as arrays over the options."""
+    cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "working", "input_bytes", "output_bytes", "valid")}
     for mbs, rc, sp in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp})
         valid = not (sp and base.tp == 1)
-        lt = layer_time(model, hw, training, plan, order) if valid else None
-        head = _head_time_s(model, hw, training, plan, order) if valid else (0.0, 0.0)
+        row = micro_factors(model, hw, training, plan, order) if valid else dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
         terms = layer_activation_terms(model, training, plan)
-        row = {"fwd": lt.fwd_compute if lt else 0.0, "bwd": lt.bwd_compute if lt else 1.0,
-               "recompute": lt.recompute if lt else 0.0, "tp": lt.tp if lt else 0.0,
-               "tp_bwd": lt.tp_bwd if lt else 0.0, "cp": lt.cp if lt else 0.0,
-               "head_compute": head[0], "head_tp": head[1], "saved": saved_bytes_per_layer(terms, rc),
-               "working": recompute_working_bytes(terms, rc), "input_bytes": input_bytes_per_microbatch(model, training, plan),
-               "output_bytes": output_bytes(model, training, plan), "valid": valid}
+        row |= {"saved": saved_bytes_per_layer(terms, rc), "working": recompute_working_bytes(terms, rc),
+                "input_bytes": input_bytes_per_microbatch(model, training, plan),
+                "output_bytes": output_bytes(model, training, plan), "valid": valid}
         for k, val in row.items():
             cols[k].append(val)
-    out = {k: np.array(v) for k, v in cols.items()}
-    out["fwd_share"] = out["fwd"] / (out["fwd"] + out["bwd"])
-    return out
+    return {k: np.array(v) for k, v in cols.items()}
 
 
-def _overlapped(comm_s, compute_s, c: float):
-    """cost.overlapped_s, elementwise."""
-    return np.maximum(0.0, comm_s - compute_s) + c * np.minimum(comm_s, compute_s)
+def _stage_before(p: int) -> np.ndarray:
+    """before[k, j]: stages of kind j whose backward ends before that of kind k (first, first middle, last).
 
-
-def _dp_windows(bwd: np.ndarray, p: int) -> np.ndarray:
-    """Backward time each stage kind's DP sync can hide under [U, 3]: its own last backward plus the
-    backward of every stage before it (cost.estimate_time)."""
-    b0, b1, b2 = bwd[:, 0], bwd[:, 1], bwd[:, 2]
-    if p == 1:
-        return np.stack([b0, b0, b0], axis=1)
-    return np.stack([b0, b1 + b0, b2 + b0 + (p - 2) * b1], axis=1)
-
-
-def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, rates, order):
-    """Per ZeRO stage and stage kind: DP sync, ZeRO-3 gather and static memory [Z, 3]; optimizer time [Z].
-
-    The DP sync is the same for every stage >= 1 (reduce-scatter + all-gather) and the ZeRO-3
-    gather exists only at stage 3, so each is computed once.
+    The DP sync of a stage hides under its own last backward and the drain of every stage before it
+    (cost.compose_step); the first middle stage has only the first before it.
     """
+    if p == 1:
+        return np.zeros((3, 3))
+    return np.array([[0, 0, 0], [1, 0, 0], [1, max(p - 2, 0), 0]], dtype=float)
+
+
+def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
+    """Per ZeRO stage and stage kind: gradient reduction, parameter all-gather, ZeRO-3 gather and static
+    memory [Z, 3]; optimizer time [Z]. Each distinct communication is computed once."""
     params = [stage_params_per_rank(model, plan, r, n) for r, n in rows]
     sync = {}
-    for z in sorted({min(z, 1) for z in zeros}):
-        zp = plan.model_copy(update={"zero_stage": z})
-        sync[z] = [dp_sync_s(model, hw, training, zp, r, n, order) for r, n in rows]
+    for key in sorted({min(z, 1) if z < 3 else 3 for z in zeros}):
+        zp = plan.model_copy(update={"zero_stage": key})
+        sync[key] = [dp_sync_parts_s(model, hw, training, zp, r, n, order) for r, n in rows]
     z3p = plan.model_copy(update={"zero_stage": 3})
     gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
-    dp_s, z3_s, static, opt_s = [], [], [], []
+    dpg_s, dpp_s, z3_s, static, opt_s = [], [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
         w, g, o = state_bytes_per_param(z, plan.dp * plan.cp, gb)
@@ -225,11 +205,12 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, rates, order):
             ww, gw = zero_working_set_bytes(model, zp, n, gb)
             row.append(min(pr * w + ww, pr * gb[0]) + min(pr * g + gw, pr * gb[1]) + pr * o)
         static.append(row)
-        dp_s.append(sync[min(z, 1)])
+        parts = sync[min(z, 1) if z < 3 else 3]
+        dpg_s.append([x[0] for x in parts])
+        dpp_s.append([x[1] for x in parts])
         z3_s.append(gather if z == 3 else [0.0] * 3)
-        shards = plan.dp * plan.cp if z >= 1 else 1
-        opt_s.append(max(params) / shards * ADAM_BYTES_PER_PARAM / rates.hbm_bytes_per_s)
-    return np.array(dp_s), np.array(z3_s), np.array(static), np.array(opt_s)
+        opt_s.append(optimizer_s(model, hw, training, zp, params))
+    return np.array(dpg_s), np.array(dpp_s), np.array(z3_s), np.array(static), np.array(opt_s)
 
 
 def _stage_counts(p: int) -> tuple[int, int, int]:

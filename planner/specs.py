@@ -301,6 +301,10 @@ class HardwareSpec(_Spec):
     gemm_efficiency_max: float = Field(
         default=0.8, gt=0, le=1,
         description="Maximum achievable matmul FLOP/s over the dense peak (MAMF: best shape, measured).")
+    fp8_gemm_efficiency_max: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Maximum achievable FP8 matmul FLOP/s over the dense FP8 peak. None: gemm_efficiency_max x "
+                    "the FP8/BF16 MAMF ratio measured on Hopper (planner.cost.FP8_MAMF_RATIO).")
     sustained_fraction: float = Field(
         default=1.0, gt=0, le=1,
         description="Fraction of the burst (MAMF) compute rate a GPU holds through a long training run: "
@@ -386,6 +390,16 @@ class TrainingSpec(_Spec):
         default=True,
         description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "
                     "(Megatron --overlap-grad-reduce, since 2023; Megatron-LM 2021 did not).")
+    tp_comm_overlap: bool | None = Field(
+        default=None,
+        description="Overlap the TP all-gathers/reduce-scatters with the GEMMs next to them (Megatron "
+                    "--tp-comm-overlap, needs sequence parallelism; torchtitan async TP). None: the "
+                    "framework's default (off for megatron and torch).")
+    overlap_p2p_comm: bool | None = Field(
+        default=None,
+        description="Overlap pipeline send/receive with the next chunk's compute in the interleaved schedule "
+                    "(Megatron --no-overlap-p2p-communication turns it off). None: the framework's default "
+                    "(on for megatron, off for torch).")
     grad_reduce_in_bf16: bool = Field(
         default=False,
         description="Keep and reduce gradients in 16 bits (Megatron --grad-reduce-in-bf16; fp16 training "

@@ -1,6 +1,8 @@
 """Cost model: hand-computed formula checks, properties, and the golden test on published Megatron runs."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -76,7 +78,7 @@ def test_bubble_1f1b_is_p_minus_1_stage_times():
 
 def test_interleaving_divides_the_bubble_and_multiplies_messages():
     model = _gpt()
-    tr = TrainingSpec(num_gpus=4, global_batch_size=8, seq_len=1024)
+    tr = TrainingSpec(num_gpus=4, global_batch_size=8, seq_len=1024, overlap_p2p_comm=False)
     plain = estimate_time(model, A100, tr, Plan(tp=1, pp=4, dp=1, micro_batch_size=1))
     inter = estimate_time(model, A100, tr, Plan(tp=1, pp=4, dp=1, vpp=2, micro_batch_size=1))
     assert inter.stages[0].pp_comm == pytest.approx(2 * plain.stages[0].pp_comm)
@@ -148,3 +150,185 @@ def test_bigger_batch_never_speeds_up_a_step(setup, factor):
     model, tr, plan = setup
     bigger = tr.model_copy(update={"global_batch_size": tr.global_batch_size * factor})
     assert estimate_time(model, A100, bigger, plan).step_time_s >= estimate_time(model, A100, tr, plan).step_time_s
+
+
+# --- attention kernel speed, ring attention (CP), overlap switches (issue 12) -----------------------
+# Measured on one H200 SXM, torch 2.11.0+cu130, 2026-11-30 (tests/data/h200_kernels.json, from
+# /work/kernels/h200_kernels.json; benchmarks/gpu_kernels.py): GEMMs of Megatron layers (bf16 and
+# fp8 via torch._scaled_mm), causal SDPA on the cuDNN backend, full Llama blocks.
+H200_KERNELS = json.loads((Path(__file__).parent / "data/h200_kernels.json").read_text())
+# Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Figure 5(b) and 5(e): cuDNN forward bars,
+# H100 80GB SXM5, BF16, head dim 128, TFLOP/s at 512 ... 16k, without and with causal mask.
+FA3_CUDNN_FWD = {False: (497, 574, 617, 609, 600, 595), True: (315, 410, 484, 518, 529, 539)}
+H100 = load_hardware("h100-sxm-80gb")
+H200 = load_hardware("h200-141gb")
+
+
+def _h200_rows(kind, **match):
+    return [r for r in H200_KERNELS["rows"] if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())]
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_attention_table_reproduces_the_measured_h200_rows(pass_):
+    rows = _h200_rows("attention", backend="cudnn", heads=32, kv_heads=8, head_dim=128)
+    assert len(rows) == 6
+    for r in rows:
+        got = cost.attention_shape(r["seq"], True, pass_) * cost.ATTENTION_REFERENCE
+        assert got == pytest.approx(r[f"{pass_}_tflops"], rel=0.05), r["seq"]
+        assert cost.attention_in_table(r["seq"])
+    assert not cost.attention_in_table(256) and not cost.attention_in_table(65536)
+
+
+def test_attention_non_causal_over_causal_follows_the_fa3_paper():
+    for s, c, n in zip((512, 1024, 2048, 4096, 8192, 16384), FA3_CUDNN_FWD[True], FA3_CUDNN_FWD[False]):
+        ratio = cost.attention_shape(s, False, "fwd") / cost.attention_shape(s, True, "fwd")
+        assert ratio == pytest.approx(n / c, rel=0.05)
+
+
+def test_attention_interpolates_between_rows_and_is_slower_when_short():
+    lo, hi = cost.attention_shape(2048, True, "fwd"), cost.attention_shape(4096, True, "fwd")
+    assert lo < cost.attention_shape(math.sqrt(2048 * 4096), True, "fwd") < hi
+    assert cost.attention_shape(1024, True, "bwd") < cost.attention_shape(8192, True, "bwd")
+    # causal kernels waste the diagonal blocks: slower per counted FLOP than non-causal at equal length
+    assert cost.attention_shape(2048, True, "fwd") < cost.attention_shape(2048, False, "fwd")
+
+
+@pytest.mark.parametrize("dtype,mean_tol", [("bf16", 0.05), ("fp8", 0.05)])
+def test_gemm_model_against_the_measured_h200_gemms(dtype, mean_tol):
+    """Wave-quantised MAMF model against 384 measured GEMM shapes per dtype (TP slices of widths 2k-16k)."""
+    rates = cost.Rates.of(H200, dtype)
+    errors = [gemm_time_s(r["m"], r["k"], r["n"], rates) / (r["ms"] * 1e-3) - 1 for r in _h200_rows("gemm", dtype=dtype)]
+    assert len(errors) == 384
+    assert abs(sum(errors) / len(errors)) <= mean_tol  # no bias
+    assert sum(map(abs, errors)) / len(errors) <= 0.15  # and a bounded spread
+
+
+def test_layer_compute_against_the_measured_h200_blocks():
+    """One Llama block forward + backward on one GPU (no communication), batch 1: within 5 %."""
+    for r in _h200_rows("block"):
+        model = ModelSpec(name="b", num_layers=1, hidden_size=r["hidden"], num_attention_heads=r["heads"],
+                          num_kv_heads=r["kv_heads"], ffn_hidden_size=r["ffn"], vocab_size=1000, activation="swiglu",
+                          norm="rmsnorm")
+        lt = cost.layer_time(model, H200, TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=r["seq"]),
+                             Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
+        assert (lt.fwd_compute + lt.bwd_compute) / (r["fwd_bwd_ms"] * 1e-3) == pytest.approx(1, abs=0.05), r
+
+
+def test_attention_wave_factor_hand_computed():
+    # 1024 queries = 8 tiles of 128, x 8 heads = 64 blocks on 132 SMs: one wave, 64/132 busy;
+    # the table's runs (16k queries x 32 heads = 4096 blocks) keep 4096 / (32 * 132) busy
+    assert cost.attention_wave_factor(1024, 8, 132) == pytest.approx((64 / 132) / (4096 / (32 * 132)))
+    assert cost.attention_wave_factor(8192, 32, 132) == 1.0
+
+
+def _llama_cp(cp, seq=8192, **training):
+    model = load_model("llama3-8b")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=seq, **training)
+    plan = Plan(tp=1, pp=1, dp=8 // cp, cp=cp, micro_batch_size=1)
+    return model, tr, plan
+
+
+def test_ring_attention_costs_more_than_the_same_tokens_without_cp_at_8k():
+    """At 8K the ring's short, non-causal chunks, merges and launches cost more than one causal kernel."""
+    model, tr, plan = _llama_cp(4)
+    ring = cost.ring_attention(model, H100, tr, plan)
+    no_cp_f, no_cp_b = cost._attention_core_s(model, tr, plan.model_copy(update={"cp": 1}), cost.Rates.of(H100, "bf16"))
+    # the same rank does 1/cp of the attention FLOPs, so compare with 1/cp of the unsplit kernel time
+    assert ring.fwd_compute > no_cp_f / 4 and ring.bwd_compute > no_cp_b / 4
+    assert ring.bwd_exposed >= ring.fwd_exposed >= 0
+
+
+def test_ring_exchange_is_exposed_on_a_slow_link():
+    model, tr, plan = _llama_cp(8, seq=8192)
+    fast = cost.ring_attention(model, H100, tr, plan)
+    slow = cost.ring_attention(model, H100.model_copy(update={"intra_node_bandwidth_gbps": 1.0}), tr, plan)
+    assert slow.fwd_exposed > 10 * max(fast.fwd_exposed, 1e-9)
+    # each of the cp-1 forward exchanges moves 2 * b * s/cp * g * d_h * 2 bytes; on a 1 GB/s link that dominates
+    kv = 2 * 1024 * 8 * 128 * 2
+    assert slow.fwd_exposed == pytest.approx(7 * kv / 1e9, rel=0.1)
+
+
+def test_framework_defaults_and_overrides():
+    tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=2048)
+    assert cost.resolved_overlap(tr) == cost.Overlap(tp_comm_overlap=False, overlap_p2p_comm=True)
+    torch_tr = tr.model_copy(update={"framework": "torch"})
+    assert cost.resolved_overlap(torch_tr) == cost.Overlap(tp_comm_overlap=False, overlap_p2p_comm=False)
+    assert cost.framework_defaults("nemo") == cost.Overlap(tp_comm_overlap=True, overlap_p2p_comm=True)
+    assert cost.framework_defaults("unknown") == cost.framework_defaults("megatron")
+    on = tr.model_copy(update={"tp_comm_overlap": True, "overlap_p2p_comm": False})
+    assert cost.resolved_overlap(on) == cost.Overlap(tp_comm_overlap=True, overlap_p2p_comm=False)
+
+
+def test_tp_comm_overlap_hides_tp_collectives_only_with_sp():
+    model = load_model("llama3-70b")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192)
+    plan = Plan(tp=4, pp=4, dp=4, vpp=5, micro_batch_size=1, sequence_parallel=True, zero_stage=1)
+    off = cost.layer_time(model, H100, tr, plan)
+    on = cost.layer_time(model, H100, tr.model_copy(update={"tp_comm_overlap": True}), plan)
+    assert on.tp_fwd < 0.5 * off.tp_fwd and on.tp_bwd < off.tp_bwd
+    assert on.fwd_compute == off.fwd_compute  # the GEMMs are not made faster, only the comm hidden
+    no_sp = plan.model_copy(update={"sequence_parallel": False})
+    assert cost.layer_time(model, H100, tr.model_copy(update={"tp_comm_overlap": True}), no_sp).tp == \
+        cost.layer_time(model, H100, tr, no_sp).tp  # Megatron requires SP for --tp-comm-overlap
+
+
+def test_p2p_overlap_applies_to_interleaved_schedules_only():
+    model = _gpt()
+    tr = TrainingSpec(num_gpus=4, global_batch_size=8, seq_len=1024)
+    off = tr.model_copy(update={"overlap_p2p_comm": False})
+    inter = Plan(tp=1, pp=4, dp=1, vpp=2, micro_batch_size=1)
+    plain = Plan(tp=1, pp=4, dp=1, micro_batch_size=1)
+    assert estimate_time(model, A100, tr, inter).stages[0].pp_comm < estimate_time(model, A100, off, inter).stages[0].pp_comm
+    assert estimate_time(model, A100, tr, plain).stages[0].pp_comm == estimate_time(model, A100, off, plain).stages[0].pp_comm
+    # exposed = what exceeds the chunk's compute plus the SM contention share of the overlap
+    hop = estimate_time(model, A100, off, inter).stages[0].pp_comm / (2 * 2)
+    lt = cost.layer_time(model, A100, tr, inter)
+    c = cost.contention(A100)
+    expected = 2 * (overlapped_s(hop, 1 * lt.fwd_compute, c) + overlapped_s(hop, 1 * lt.bwd_compute, c))
+    assert estimate_time(model, A100, tr, inter).stages[0].pp_comm == pytest.approx(expected)
+
+
+def test_memory_bound_ops_are_never_faster_than_their_launches():
+    tiny = _gpt(num_layers=1, hidden_size=64, num_attention_heads=1)
+    tr = TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=16)
+    lt = cost.layer_time(tiny, A100, tr, Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
+    k_f, k_b = cost._elementwise_kernels(tiny)
+    assert (k_f, k_b) == (7, 9)  # 2 norms, 2 residual adds, activation, RoPE on Q and K; backward +2
+    launch = A100.kernel_overhead_us * 1e-6
+    assert lt.fwd_compute >= (4 + 1 + k_f) * launch  # 4 GEMMs, 1 attention kernel, 7 memory-bound
+
+
+def test_fp8_casts_hand_computed():
+    model = _gpt(hidden_size=1024, num_attention_heads=16)  # gelu, f = 4h, MHA
+    plan = Plan(tp=1, pp=1, dp=1, micro_batch_size=1)
+    linears = list(cost._linear_shapes(model, plan).values())
+    fwd, bwd = cost._fp8_cast_bytes_per_token(model, plan, linears)
+    h = 1024
+    assert fwd == 4 * (h + h + h + 4 * h)  # inputs of QKV, proj, FC1, FC2
+    assert bwd == 4 * (3 * h + h + 4 * h + h)  # output grads of the same
+
+
+def test_dp_sync_parts_by_zero_stage():
+    model = load_model("llama3-8b")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=512, seq_len=4096)
+    parts = {z: cost.dp_sync_parts_s(model, H100, tr, Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=z), 0, 32)
+             for z in (0, 1, 3)}
+    assert parts[0][1] == 0.0 and parts[3][1] == 0.0  # all-reduce only; FSDP gathers per micro-batch instead
+    assert parts[1][1] > 0 and parts[1][0] == parts[3][0]  # reduce-scatter, then the weight all-gather
+    assert parts[0][0] > parts[1][0]  # an all-reduce moves twice a reduce-scatter's bytes
+
+
+def test_param_gather_hides_under_the_next_forward_not_the_backward():
+    """With overlap, the gradient reduce-scatter hides under the backward drain and the weight all-gather
+    under the first forward; on a slow network the exposed part is the excess over each window."""
+    model = load_model("llama3-8b")
+    slow = H100.model_copy(update={"inter_node_bandwidth_gbps": 2.0})
+    tr = TrainingSpec(num_gpus=16, global_batch_size=16, seq_len=4096)
+    plan = Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=1)
+    t = estimate_time(model, slow, tr, plan)
+    rs, ag = cost.dp_sync_parts_s(model, slow, tr, plan, 0, 32)
+    st = t.stages[0]
+    c = cost.contention(slow)
+    expected = overlapped_s(rs, st.bwd, c) + overlapped_s(ag, st.fwd, c)
+    assert t.breakdown["dp_comm_exposed"] == pytest.approx(expected)
+    assert ag > st.fwd and rs > st.bwd  # the case is communication-bound: both parts are partly exposed

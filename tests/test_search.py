@@ -139,3 +139,19 @@ def test_parse_gpu_counts():
     assert parse_gpu_counts("64..512") == [64, 128, 256, 512]
     with pytest.raises(ValueError):
         parse_gpu_counts("64..8")
+
+
+def test_table_times_are_estimate_time():
+    """One cost model: every legal table entry is estimate_time of its plan (to the nanosecond rounding)."""
+    import numpy as np
+
+    from planner.search import build_tables
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=8192)
+    tables = build_tables(model, hw, tr, SearchSpace(max_micro_batch_size=2))
+    legal = np.flatnonzero(tables.legal.ravel())
+    assert legal.size > 100
+    for k in legal[:: max(1, legal.size // 60)]:
+        plan = tables.plan(int(k))
+        s, u, z = tables.unindex(int(k))
+        assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, hw, tr, plan).step_time_s * 1e9, abs=1.0), plan
