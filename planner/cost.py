@@ -62,7 +62,7 @@ TILES = ((256, 128), (128, 256))  # large CTA tiles of cuBLAS/CUTLASS bf16 GEMMs
 
 # FP8 GEMMs do not reach twice the BF16 rate: best FP8 (torch._scaled_mm, e4m3) 1,414 TFLOP/s against
 # best BF16 808 TFLOP/s over the same 384 Megatron-layer shapes, measured on one H200 SXM (132 SMs),
-# torch 2.11.0+cu130, 2026-11-30 (/work/kernels/h200_kernels.json, benchmarks/gpu_kernels.py).
+# torch 2.11.0+cu130, 2026-11-30 (benchmarks/data/h200_kernels.json, measured by benchmarks/gpu_kernels.py).
 # Consistent with H800 TileLang FP8 1,460-1,540 TFLOP/s (docs/cost-model.md). Used when a profile
 # gives no fp8_gemm_efficiency_max.
 FP8_MAMF_RATIO = 1414.0 / 808.0
@@ -70,7 +70,7 @@ FP8_MAMF_RATIO = 1414.0 / 808.0
 # Fused attention speed by sequence length (TFLOP/s), causal, BF16, head dim 128, 32 query / 8 KV
 # heads, cuDNN backend of F.scaled_dot_product_attention (Transformer Engine's default on Hopper),
 # batch x seqlen = 16k: measured on one H200 SXM (132 SMs, the H100 SXM's SMs and clocks), torch
-# 2.11.0+cu130, 2026-11-30 (/work/kernels/h200_kernels.json, copied to tests/data/h200_kernels.json).
+# 2.11.0+cu130, 2026-11-30 (benchmarks/data/h200_kernels.json).
 # Forward and backward separately; FLOPs as FlashAttention counts them (backward = 2.5 x forward,
 # causal halved). The 512 row and the non-causal rows are [derived] from Shah et al. 2024,
 # "FlashAttention-3", arXiv:2407.08608, Figure 5(b)/(e), cuDNN bars on H100: 512 = 1k x (the

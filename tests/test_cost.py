@@ -153,10 +153,10 @@ def test_bigger_batch_never_speeds_up_a_step(setup, factor):
 
 
 # --- attention kernel speed, ring attention (CP), overlap switches (issue 12) -----------------------
-# Measured on one H200 SXM, torch 2.11.0+cu130, 2026-11-30 (tests/data/h200_kernels.json, from
-# /work/kernels/h200_kernels.json; benchmarks/gpu_kernels.py): GEMMs of Megatron layers (bf16 and
+# Measured on one H200 SXM, torch 2.11.0+cu130, 2026-11-30 (benchmarks/data/h200_kernels.json,
+# measured by benchmarks/gpu_kernels.py): GEMMs of Megatron layers (bf16 and
 # fp8 via torch._scaled_mm), causal SDPA on the cuDNN backend, full Llama blocks.
-H200_KERNELS = json.loads((Path(__file__).parent / "data/h200_kernels.json").read_text())
+H200_KERNELS = json.loads((Path(__file__).parents[1] / "benchmarks/data/h200_kernels.json").read_text())
 # Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, Figure 5(b) and 5(e): cuDNN forward bars,
 # H100 80GB SXM5, BF16, head dim 128, TFLOP/s at 512 ... 16k, without and with causal mask.
 FA3_CUDNN_FWD = {False: (497, 574, 617, 609, 600, 595), True: (315, 410, 484, 518, 529, 539)}
