@@ -41,13 +41,15 @@ PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
 def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: str = "bf16",
-             hardware: str = "h100-sxm-80gb", name: str | None = None, **plan) -> Scenario:
+             hardware: str = "h100-sxm-80gb", name: str | None = None, tp_comm_overlap: bool | None = None,
+             overlap_p2p_comm: bool | None = None, **plan) -> Scenario:
     m = load_model(model)
     if name is not None:
         m = m.model_copy(update={"name": name})
     return Scenario(model=m, hardware=load_hardware(hardware),
                     training=TrainingSpec(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len,
-                                          precision=precision),
+                                          precision=precision, tp_comm_overlap=tp_comm_overlap,
+                                          overlap_p2p_comm=overlap_p2p_comm),
                     plan=Plan(**({"micro_batch_size": 1} | plan)))
 
 
@@ -189,6 +191,8 @@ MEGATRON_PLANS = {
     "405b-meta-vpp2-group": (dict(model="llama3-405b", gpus=256, global_batch=320, seq_len=8192),
                              dict(tp=8, pp=16, dp=2, vpp=2, layers_per_stage=(7,) + (8,) * 14 + (7,),
                                   microbatch_group_size=20, sequence_parallel=True, zero_stage=1)),
+    "tp-overlap-no-p2p-overlap": (L70 | {"tp_comm_overlap": True, "overlap_p2p_comm": False},
+                                  dict(tp=8, pp=4, dp=2, vpp=2, sequence_parallel=True, zero_stage=1)),
     "group-size-m-not-multiple-of-pp": (L70 | {"global_batch": 20}, dict(tp=8, pp=4, dp=2, vpp=2,
                                                                           microbatch_group_size=10, zero_stage=1)),
 }
@@ -328,6 +332,11 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         if p.vpp > 1:
             assert config.microbatch_group_size_per_vp_stage == (p.microbatch_group_size or p.pp)
         assert config.sequence_parallel == p.sequence_parallel
+        from planner.cost import resolved_overlap
+
+        overlap = resolved_overlap(sc.training)
+        assert bool(config.tp_comm_overlap) == (overlap.tp_comm_overlap and p.sequence_parallel and p.tp > 1)
+        assert bool(args.overlap_p2p_comm) == (overlap.overlap_p2p_comm and p.vpp > 1)
         assert config.recompute_granularity == (None if p.recompute == "none" else p.recompute)
         assert bool(args.use_distributed_optimizer) == (p.zero_stage == 1)
         assert bool(args.use_megatron_fsdp) == fsdp

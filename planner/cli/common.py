@@ -106,6 +106,8 @@ LayersOpt = Annotated[Optional[str], typer.Option("--layers-per-stage", help="Un
 PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16, fp8, mxfp8 or nvfp4 (the last two on Blackwell).", rich_help_panel="Job")]
 AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (default) or materialized attention scores.", rich_help_panel="Job")]
 OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="DP gradient reduction overlapped with backward (Megatron --overlap-grad-reduce; default on).", rich_help_panel="Job")]
+TpOverlapOpt = Annotated[Optional[bool], typer.Option("--tp-comm-overlap/--no-tp-comm-overlap", help="Overlap TP collectives with GEMMs (Megatron --tp-comm-overlap, needs SP; torchtitan async TP); default: the framework's.", rich_help_panel="Job")]
+P2pOverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-p2p/--no-overlap-p2p", help="Overlap pipeline send/receive with the next chunk in the interleaved schedule; default: the framework's.", rich_help_panel="Job")]
 FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default) or torch: how sequence parallelism keeps activations (torchtitan = torch).", rich_help_panel="Job")]
 
 

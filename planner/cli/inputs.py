@@ -60,7 +60,9 @@ def derive_dp(num_gpus, plan: dict, from_file: bool = False) -> int:
 def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], hardware: Optional[str],
                           gpus: Optional[int], global_batch: Optional[int], seq_len: Optional[int],
                           precision: Optional[str], attention: Optional[str] = None,
-                          overlap_grad_reduce: Optional[bool] = None, framework: Optional[str] = None, **plan_opts):
+                          overlap_grad_reduce: Optional[bool] = None, framework: Optional[str] = None,
+                          tp_comm_overlap: Optional[bool] = None, overlap_p2p_comm: Optional[bool] = None,
+                          **plan_opts):
     """Build a Scenario from a plan file and/or flags; flags win over the file."""
     from planner import presets
     from planner.specs import Scenario
@@ -80,7 +82,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     training = dict(data.get("training") or {})
     job = given(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len)
     training |= job | given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
-                            framework=framework)
+                            framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
     if not plan_file:
         required(gpus, "--gpus"), required(global_batch, "--global-batch"), required(seq_len, "--seq-len")
     plan = dict(data.get("plan") or {})
@@ -101,14 +103,15 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
 
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],
                      attention: Optional[str], overlap_grad_reduce: Optional[bool] = None,
-                     framework: Optional[str] = None):
+                     framework: Optional[str] = None, tp_comm_overlap: Optional[bool] = None,
+                     overlap_p2p_comm: Optional[bool] = None):
     """(ModelSpec, HardwareSpec, TrainingSpec) from the shared job options."""
     from planner import presets
     from planner.specs import TrainingSpec, job_problems
 
     training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
     training |= given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
-                      framework=framework)
+                      framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
     tr = presets.build(TrainingSpec, training, "")
     problems = job_problems(spec_model, spec_hw, tr)

@@ -9,7 +9,7 @@ import typer
 from planner.cli.common import (
     EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
-    OptSeqLenOpt, OverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, VppOpt, ZeroOpt,
+    OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
     app, console, handle_errors, spinner,
 )
 from planner.cli.inputs import job_from_options, parse_layers_per_stage, scenario_from_options
@@ -24,6 +24,7 @@ def estimate(
     global_batch: OptGlobalBatchOpt = None, seq_len: OptSeqLenOpt = None,
     precision: PrecisionOpt = None,
     attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
+    tp_comm_overlap: TpOverlapOpt = None, overlap_p2p_comm: P2pOverlapOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None, layers_per_stage: LayersOpt = None, microbatch_group_size: GroupOpt = None,
@@ -35,7 +36,8 @@ def estimate(
 
     sc = scenario_from_options(plan_file, model=model, hardware=hardware, gpus=gpus, global_batch=global_batch,
                                seq_len=seq_len, precision=precision, attention=attention,
-                               overlap_grad_reduce=overlap_grad_reduce, framework=framework, tp=tp, pp=pp, vpp=vpp,
+                               overlap_grad_reduce=overlap_grad_reduce, framework=framework,
+                               tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm, tp=tp, pp=pp, vpp=vpp,
                                cp=cp, micro_batch_size=micro_batch_size, recompute=recompute,
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage,
                                layers_per_stage=parse_layers_per_stage(layers_per_stage),
@@ -65,6 +67,7 @@ def search(
     global_batch: GlobalBatchOpt, seq_len: SeqLenOpt,
     precision: PrecisionOpt = None,
     attention: AttentionOpt = None, overlap_grad_reduce: OverlapOpt = None, framework: FrameworkOpt = None,
+    tp_comm_overlap: TpOverlapOpt = None, overlap_p2p_comm: P2pOverlapOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None,
@@ -93,7 +96,8 @@ def search(
                 sequence_parallel=sequence_parallel, zero_stage=zero_stage)
     space = SearchSpace(pins=pins)
     spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision,
-                                                     attention, overlap_grad_reduce, framework)
+                                                     attention, overlap_grad_reduce, framework, tp_comm_overlap,
+                                                     overlap_p2p_comm)
     _check_pins(spec_hw, tp)
     spin_quiet = quiet or json_out
     if len(counts) > 1:

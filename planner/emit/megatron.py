@@ -172,6 +172,26 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
             flags.append(("--overlap-param-gather", None))
     if tr.grad_reduce_in_bf16:
         flags.append(("--grad-reduce-in-bf16", None))
+    flags += overlap_flags(sc)
+    return flags
+
+
+def overlap_flags(sc: Scenario) -> list[Flag]:
+    """The TP and P2P overlap switches the cost model assumed (``cost.resolved_overlap``), as Megatron
+    flags. ``--tp-comm-overlap`` only with SP (``validate_args``: "Tensor parallel communication/GEMM
+    overlap can happen only when sequence parallelism is enabled"); P2P overlap is Megatron's default
+    with the interleaved schedule, ``--no-overlap-p2p-communication`` turns it off (then pp > 2)."""
+    from planner.cost import resolved_overlap
+
+    p, ov = sc.plan, resolved_overlap(sc.training)
+    flags: list[Flag] = []
+    if ov.tp_comm_overlap and p.sequence_parallel and p.tp > 1:
+        flags.append(("--tp-comm-overlap", None))
+    if not ov.overlap_p2p_comm and p.vpp > 1:
+        if p.pp <= 2:
+            raise SpecError(f"--emit megatron: Megatron-LM needs pp > 2 for an interleaved schedule without P2P "
+                            f"overlap (plan has pp={p.pp}); drop --no-overlap-p2p or raise pp")
+        flags.append(("--no-overlap-p2p-communication", None))
     return flags
 
 
