@@ -441,7 +441,7 @@ def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
                                 "predicted": want, "measured": r["max_memory_allocated_bytes"],
                                 "reserved": r.get("max_memory_reserved_bytes"),
                                 "rel_error": _rel(r["max_memory_allocated_bytes"], want)})
-    step_s = max(sum(r["step_s"]) / len(r["step_s"]) for r in ranks if r["step_s"])
+    step_s = max(statistics.median(r["step_s"]) for r in ranks if r["step_s"])  # median: one hiccup is not the step
     t = estimate_time(sc.model, sc.hardware, sc.training, sc.plan)
     losses = next((r["losses"] for r in ranks if r["losses"] and r["dp_rank"] == 0 and r["tp_rank"] == 0), [])
     bench = {}

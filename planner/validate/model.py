@@ -207,7 +207,7 @@ def tensor_parallelize(chunk: Chunk, tp_mesh, sequence_parallel: bool) -> None:
         if split_later:
             chunk.sp_mesh = tp_mesh
         if chunk.embedding_norm is not None and sequence_parallel:
-            plan["embedding_norm"] = SequenceParallel()
+            plan["embedding_norm"] = SequenceParallel(use_local_output=True)  # the residual stream is local
     if chunk.output is not None:
         if sequence_parallel:
             plan["norm"] = SequenceParallel()
