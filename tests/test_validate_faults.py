@@ -57,6 +57,7 @@ def test_a_dead_rank_ends_every_worker_and_the_temp_folder(own_tmp, monkeypatch)
     assert time.perf_counter() - t0 < 60
     assert not outcome.ok and outcome.report["verdict"] == "fail"
     assert outcome.message[0].startswith("a rank failed: rank 1 exited with code 17 in phase 'build'")
+    assert "furthest behind" in outcome.message[0]
     assert any("injected fault" in line for line in outcome.message)
     assert len(started) == 1 and len(started[0]) == 2
     assert not any(_alive(pid) for pid in started[0])

@@ -116,6 +116,7 @@ def test_a_memory_miss_beyond_the_tolerance_fails_and_the_predicted_fit_does_not
     half = launch.compare(sc, _measured_like_prediction(sc, 0.5))  # the -50 % error of issue 15
     assert half["verdict"] == "fail"
     assert len(half["reasons"]) == 2 and all("weights_bytes" in r and "-50.0%" in r for r in half["reasons"])
+    assert "verdict: FAIL" in launch.summary_lines(half)
     edge = launch.compare(sc, _measured_like_prediction(sc, 1.04))  # inside the 5 % tolerance
     assert edge["verdict"] == "pass"
 

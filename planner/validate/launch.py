@@ -375,7 +375,8 @@ def run_worker(plan_path: Path, world: int, steps: int, backend: str, timeout_s:
     out, phase_dir = workdir / "measured.json", workdir / "phases"
     phase_dir.mkdir(exist_ok=True)
     args = ["--plan", str(plan_path), "--steps", str(steps), "--out", str(out), "--phase-dir", str(phase_dir),
-            "--backend", backend, "--timeout-s", str(max(30.0, timeout_s / 2))] + (["--reference"] if reference else [])
+            # collectives time out after the wall clock, so that a stall is reported with the rank furthest behind
+            "--backend", backend, "--timeout-s", str(timeout_s + 30.0)] + (["--reference"] if reference else [])
     run = run_ranks("planner.validate.worker", args, world, timeout_s, workdir, on_start=on_start)
     phases = _phases(phase_dir, world)
     if run.status == "ok":
@@ -385,7 +386,8 @@ def run_worker(plan_path: Path, world: int, steps: int, backend: str, timeout_s:
     elif run.status == "port":
         lines = [f"validate: the rendezvous port {run.code} is taken; free it or let validate pick one"]
     else:
-        lines = [f"a rank failed: rank {run.rank} exited with code {run.code} in phase '{phases.get(run.rank, '?')}'",
+        lines = [f"a rank failed: rank {run.rank} exited with code {run.code} in phase '{phases.get(run.rank, '?')}' "
+                 f"(furthest behind: {_stalled(phases)})",
                  *(f"  {ln}" for ln in _said(workdir / f"rank{run.rank}.log"))]
     oom = [r for r, ph in phases.items() if ph.startswith("oom")]
     reasons = [f"out of memory: rank {r} ({phases[r]})" for r in oom] or [lines[0]]
@@ -515,6 +517,26 @@ def judge(out: dict, ranks: list[dict], memory_tolerance: float, time_factor: fl
         reasons.append(f"step time: measured {st['measured_s']:.4f} s, predicted {st['predicted_s']:.4f} s "
                        f"({st['ratio']:.2f}x, outside 1/{time_factor:g}x..{time_factor:g}x)")
     return ("fail" if reasons else "pass"), reasons
+
+
+def summary_lines(report: dict) -> list[str]:
+    """What the CLI prints under the predicted-against-measured table: what the run changed, the
+    per-term times, the device peaks, and the verdict with its reasons (from measurements only)."""
+    lines = [f"changed: {c}" for c in report.get("changed", [])]
+    for t in report.get("terms", []):
+        lines.append(f"{t['term']}: measured {1e3 * t['measured_s']:.3f} ms, predicted {1e3 * t['predicted_s']:.3f} ms "
+                     f"({100 * t['rel_error']:+.0f}%, reported, not judged)")
+    for row in report.get("device_memory", []):
+        reserved = f", reserved {row['reserved'] / 2**30:.3f} GiB" if row.get("reserved") else ""
+        lines.append(f"rank {row['rank']}: max_memory_allocated {row['measured'] / 2**30:.3f} GiB, predicted "
+                     f"{row['predicted'] / 2**30:.3f} GiB ({100 * row['rel_error']:+.1f}%){reserved}")
+    st = report.get("step_time")
+    if st and not st.get("judged"):
+        lines.append("step time: reported, not judged (the hardware profile was not calibrated here; "
+                     "`plan3d calibrate`, or --time-factor)")
+    lines.append(f"verdict: {report.get('verdict', 'fail').upper()}")
+    lines += [f"  {r}" for r in report.get("reasons", [])]
+    return lines
 
 
 def validate_local(sc: Scenario, steps: int = 3, scale: float = 1.0, max_ranks: int = 8, backend: str = "gloo",
