@@ -51,10 +51,16 @@ def _leftovers(folder: Path) -> list[str]:
 
 def test_a_dead_rank_ends_every_worker_and_the_temp_folder(own_tmp, monkeypatch):
     monkeypatch.setenv("PLAN3D_VALIDATE_FAULT", "1:build")
-    started = []
+    started, groups = [], []
+
+    def on_start(pids):
+        started.append(pids)
+        groups.append({os.getpgid(pid) for pid in pids})
+
     t0 = time.perf_counter()
-    _, outcome = launch.validate_local(_scenario(), steps=1, max_ranks=2, timeout_s=90, on_start=started.append)
+    _, outcome = launch.validate_local(_scenario(), steps=1, max_ranks=2, timeout_s=90, on_start=on_start)
     assert time.perf_counter() - t0 < 60
+    assert groups == [{started[0][0]}] and os.getpgid(0) != started[0][0]  # one group of their own, led by rank 0
     assert not outcome.ok and outcome.report["verdict"] == "fail"
     assert outcome.message[0].startswith("a rank failed: rank 1 exited with code 17 in phase 'build'")
     assert "furthest behind" in outcome.message[0]

@@ -243,12 +243,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the launcher dies (Linux ``PR_SET_PDEATHSIG``)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _child_setup(pgid: int):
+    """What a rank does between fork and exec: join process group ``pgid`` (0: lead a new one; Popen's
+    ``process_group`` needs Python 3.11) and get SIGKILL when the launcher dies (Linux ``PR_SET_PDEATHSIG``)."""
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    def setup() -> None:
+        os.setpgid(0, pgid)
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+    return setup
 
 
 @dataclass
@@ -282,12 +288,11 @@ def _start(module: str, args: list[str], world: int, port: int, workdir: Path) -
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(r), LOCAL_RANK=str(r),
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-        group = {"process_group": 0} if r == 0 else {"process_group": procs[0].pid}
         with open(workdir / f"rank{r}.log", "w") as log:
             try:
                 procs.append(subprocess.Popen([sys.executable, "-m", module, *args], stdout=log,
-                                              stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent,
-                                              **group))
+                                              stderr=subprocess.STDOUT, env=env,
+                                              preexec_fn=_child_setup(procs[0].pid if procs else 0)))
             except BaseException:
                 if procs:
                     _kill_group(procs[0].pid, procs)
