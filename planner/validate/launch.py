@@ -51,9 +51,9 @@ TIME_FACTOR = {"nccl": 1.5, "gloo": 4.0}
 """Largest ratio between measured and predicted step time (either way) that passes; judged only when
 the hardware profile was measured on this machine by `plan3d calibrate` (:func:`is_calibrated`).
 GPU (nccl): 1.5x, above the worst error of the cost model on held-out H100 runs (-30.2 %, 1.43x,
-docs/cost-model.md), not yet confirmed by a validate run on a GPU. CPU (gloo): measured/predicted was 0.44-2.21 on the 2-core
-development machine with a calibrated profile (2 ranks, TP2 or PP2, shared with other jobs): Python
-and gloo overheads that the cost model does not describe. 4x still catches a stalled or slow rank
+docs/cost-model.md), not yet confirmed by a validate run on a GPU. CPU (gloo): measured/predicted
+was 0.44-2.21 on the 2-core development machine with a calibrated profile (2 ranks, TP2 or PP2,
+shared with other jobs): Python and gloo overheads that the cost model does not describe. 4x still catches a stalled or slow rank
 (a 1 s sleep per step is 20x) but not a cost-model error below 4x."""
 
 

@@ -40,6 +40,8 @@ from planner.validate.launch import OOM_EXIT_CODE, refusal
 from planner.validate.model import build_chunks, set_recompute, tensor_parallelize
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
+
+
 class TiedEmbedding:
     """A tied word embedding split over the first and last pipeline stage: both copies start equal
     and their gradients are summed over the pair of ranks that hold them (Megatron's embedding group,
@@ -89,8 +91,10 @@ class Phases:
         self.path = Path(folder) / f"rank{rank}" if folder else None
         self.rank = rank
         self.fault = os.environ.get("PLAN3D_VALIDATE_FAULT", "")
+        self.current = "init"
 
     def __call__(self, phase: str) -> None:
+        self.current = phase
         if self.path is not None:
             self.path.write_text(phase)
         if self.fault == f"{self.rank}:{phase}":
@@ -287,6 +291,25 @@ def _dp_group(mesh, zero_stage: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run this rank; a rank that runs out of memory (in any phase) records ``oom in <phase>`` and exits
+    with ``OOM_EXIT_CODE`` so that the launcher fails the run with that reason."""
+    try:
+        return _main(argv)
+    except torch.OutOfMemoryError as exc:
+        phase = _PHASE.get("phase")
+        where = phase.current if phase is not None else "?"
+        if phase is not None:
+            phase(f"oom in {where}")
+        rank = os.environ.get("RANK", "0")
+        sys.stderr.write(f"rank {rank}: out of memory in {where}: {str(exc).splitlines()[0]}\n")
+        sys.stderr.flush()
+        os._exit(OOM_EXIT_CODE)
+
+
+_PHASE: dict = {}  # this rank's Phases, for main's out-of-memory report
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", required=True)
     ap.add_argument("--steps", type=int, default=3)
@@ -300,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     phase = Phases(args.phase_dir, rank)
+    _PHASE["phase"] = phase
     phase("init")
     use_cuda = args.backend == "nccl"
     if use_cuda:
@@ -373,46 +397,40 @@ def main(argv: list[str] | None = None) -> int:
     blocks = [blk for c in mine for blk in c.layers]
     if use_cuda:
         torch.cuda.reset_peak_memory_stats()
-    try:
-        for step in range(args.warmup + args.steps):
-            phase(f"step {step}")
-            if step == args.warmup:
-                saved.reset()
-            for blk in blocks:  # the warm-up step (compared with the reference loss) runs without dropout
-                blk.dropout = sc.model.dropout and step >= args.warmup
-            optimizer.zero_grad(set_to_none=True)
-            if use_cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses: list = []
-            kwargs = {}
-            if is_last:
-                kwargs = {"target": labels, "losses": losses}
-            if is_first:
-                schedule.step(tokens, **kwargs)
-            else:
-                schedule.step(**kwargs)
-            if bad.get("oom") and step == 1:
-                raise torch.OutOfMemoryError("injected: CUDA out of memory (PLAN3D_VALIDATE_SABOTAGE)")
-            if tied is not None:
-                tied.sync_grads()
-            if bad.get("slow"):
-                time.sleep(bad["slow"])
-            optimizer.step()
-            if use_cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            elapsed = time.perf_counter() - t0
-            if step >= args.warmup:
-                step_s.append(elapsed)
-            if is_last and losses:
-                losses_per_step.append(float(torch.stack([torch.as_tensor(x).detach().float() for x in losses]).mean()))
-    except torch.OutOfMemoryError as exc:
-        phase(f"oom in step {step}")
-        sys.stderr.write(f"rank {rank}: out of memory in step {step}: {str(exc).splitlines()[0]}\n")
-        sys.stderr.flush()
-        os._exit(OOM_EXIT_CODE)
+    for step in range(args.warmup + args.steps):
+        phase(f"step {step}")
+        if step == args.warmup:
+            saved.reset()
+        for blk in blocks:  # the warm-up step (compared with the reference loss) runs without dropout
+            blk.dropout = sc.model.dropout and step >= args.warmup
+        optimizer.zero_grad(set_to_none=True)
+        if use_cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses: list = []
+        kwargs = {}
+        if is_last:
+            kwargs = {"target": labels, "losses": losses}
+        if is_first:
+            schedule.step(tokens, **kwargs)
+        else:
+            schedule.step(**kwargs)
+        if bad.get("oom") and step == 1:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory (PLAN3D_VALIDATE_SABOTAGE)")
+        if tied is not None:
+            tied.sync_grads()
+        if bad.get("slow"):
+            time.sleep(bad["slow"])
+        optimizer.step()
+        if use_cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        if step >= args.warmup:
+            step_s.append(elapsed)
+        if is_last and losses:
+            losses_per_step.append(float(torch.stack([torch.as_tensor(x).detach().float() for x in losses]).mean()))
 
     phase("report")
     result = {
