@@ -152,3 +152,13 @@ def test_collective_timing_waits_for_the_barrier_before_each_sample():
     calls = []
     time_it(lambda: calls.append("run"), repeats=3, before=lambda: calls.append("barrier"))
     assert calls == ["run"] + ["barrier", "run"] * 3
+
+
+def test_every_change_of_the_miniature_is_listed():
+    sc = _scenario(tp=2, pp=2, zero_stage=1, layers_per_stage=(15, 17))
+    mini = launch.miniature(sc, max_ranks=4)
+    changed = launch.changes(sc, mini)
+    assert "precision bf16 -> fp32" in changed and "dp 16 -> 1 (local processes)" in changed
+    assert "ZeRO-1 -> ZeRO-2 (FSDP2 has no optimizer-only sharding)" in changed
+    assert "layers per stage (15, 17) -> (1, 3)" in changed
+    assert any(c.startswith("model scaled down: 32 -> 4 layers") for c in changed)

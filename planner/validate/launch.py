@@ -169,13 +169,9 @@ def changes(sc: Scenario, run: Scenario) -> list[str]:
     if run.training.framework != sc.training.framework:
         out.append(f"framework {sc.training.framework} -> {run.training.framework} (DTensor TP/SP, FSDP2, "
                    "torch.distributed.pipelining)")
-    if layers_differ(sc, run):
-        out.append(f"layers per stage {sc.stage_layers} -> {run.stage_layers}")
+    if p.pp > 1:
+        out.append(f"layers per stage {tuple(sc.stage_layers)} -> {tuple(run.stage_layers)}")
     return out
-
-
-def layers_differ(sc: Scenario, run: Scenario) -> bool:
-    return tuple(sc.stage_layers) != tuple(run.stage_layers)
 
 
 def predicted_rank_memory(sc: Scenario, pp_rank: int) -> dict:
