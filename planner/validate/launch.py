@@ -264,10 +264,13 @@ class RankRun:
 
 
 def _kill_group(pgid: int, procs: list) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL the ranks' process group, then reap every rank. The group is signalled only while one of
+    our ranks is not reaped yet: until then Linux cannot give its id to another process group."""
+    if any(proc.poll() is None for proc in procs):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     for proc in procs:
         if proc.poll() is None:
             try:
