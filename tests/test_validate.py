@@ -81,11 +81,12 @@ def test_a_stalled_rank_is_named_at_the_wall_clock_limit(monkeypatch):
     import time
 
     t0 = time.perf_counter()
-    _, outcome = validate_local(_scenario(), steps=3, timeout_s=25)
-    assert time.perf_counter() - t0 < 40  # killed at the limit, not left hanging
+    # 4 ranks and 30 s: 8 ranks importing torch on a loaded 2-core machine did not all reach 'init' in 25 s
+    _, outcome = validate_local(_scenario(), steps=3, max_ranks=4, timeout_s=30)
+    assert time.perf_counter() - t0 < 45  # killed at the limit, not left hanging
     assert not outcome.ok
     message = outcome.message[0]
-    assert "timed out after 25 s" in message
+    assert "timed out after 30 s" in message
     stalled = re.search(r"ranks? ([\d, ]+) in phase 'build'", message)
     assert stalled and "3" in stalled.group(1).split(", "), message
 

@@ -1,7 +1,8 @@
 """The rank program of `plan3d calibrate`: measure matmul FLOP/s and bus bandwidth where it runs.
 
 Every rank times GEMMs of the shapes the cost model uses (tokens x hidden x projection widths) at
-the same time, as a loaded node runs them. All ranks then time all-reduces of growing buffers on
+the same time (a barrier before each sample), as a loaded node runs them; each rank reports its own
+process's rate. All ranks then time all-reduces of growing buffers on
 the ranks of their node (intra-node) and, when the job spans nodes, on one rank per node
 (inter-node). The bus bandwidth follows nccl-tests (``planner.comm.bus_factor``) and the latency
 comes from the smallest message. Rank 0 writes the measurements as JSON; the launcher turns them
@@ -25,17 +26,23 @@ import torch.distributed as dist
 from planner.comm import bus_factor, ring_steps
 
 
-def time_it(fn, repeats: int) -> float:
+def time_it(fn, repeats: int, before=None) -> float:
+    """Median seconds of ``fn`` after one untimed call; ``before`` (a barrier) runs untimed before
+    each sample so that every rank starts together. ``fn`` must synchronise the device itself."""
     fn()
     samples = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
-def gemm_rates(device, dtype, shapes, sync) -> list[dict]:
+def gemm_rates(device, dtype, shapes, sync, before=None) -> list[dict]:
+    """This process's GEMM rate per shape; with ``before`` = a barrier over all ranks, every sample
+    starts while all the other ranks start the same GEMM (a loaded node)."""
     out = []
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
@@ -45,7 +52,7 @@ def gemm_rates(device, dtype, shapes, sync) -> list[dict]:
             torch.mm(a, b)
             sync()
 
-        t = time_it(run, repeats=5)
+        t = time_it(run, repeats=5, before=before)
         out.append({"m": m, "k": k, "n": n, "seconds": t, "tflops": 2 * m * k * n / t / 1e12})
     return out
 
@@ -59,7 +66,7 @@ def allreduce_curve(group, n: int, device, sizes_bytes, sync) -> list[dict]:
             dist.all_reduce(buf, group=group)
             sync()
 
-        t = time_it(run, repeats=5)
+        t = time_it(run, repeats=5, before=lambda: dist.barrier(group=group))
         out.append({"bytes": size, "seconds": t, "busbw_gbps": bus_factor("all_reduce", n) * size / t / 1e9,
                     "latency_us": t / max(ring_steps("all_reduce", n), 1) * 1e6})
     return out
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(256, 256, 768), (256, 768, 256), (512, 512, 512)] if args.quick else \
         [(8192, 8192, 3072), (8192, 3072, 8192), (4096, 8192, 28672 // 8), (8192, 8192, 8192)]
     dist.barrier()
-    gemms = gemm_rates(device, dtype, shapes, sync)
+    gemms = gemm_rates(device, dtype, shapes, sync, before=dist.barrier)
     nodes = max(1, world // per_node)
     intra_groups = [dist.new_group(list(range(i * per_node, (i + 1) * per_node))) for i in range(nodes)]
     inter_groups = [dist.new_group(list(range(j, world, per_node))) for j in range(per_node)] if nodes > 1 else []

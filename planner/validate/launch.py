@@ -1,18 +1,29 @@
-"""Start the validate run, watch it, and compare what it measured with the prediction (no torch here).
+"""Start the validate run, watch it, and judge it by what it measured (no torch here).
 
 Outside a torchrun job, `plan3d validate` runs a *miniature* of the plan on this machine: the same
 tp, pp, vpp, schedule, recompute and sequence parallelism, the same heavier and lighter stages of
 an uneven pipeline, data parallelism capped so that all
 ranks fit ``max_ranks`` local processes, and model, batch and sequence sizes scaled down. The
 prediction is recomputed for that miniature on the local hardware profile (``cpu-gloo`` by default),
-in fp32 and with torch's DTensor sequence parallelism, which is what the run does.
+in fp32 and with torch's DTensor sequence parallelism, which is what the run does. Every way the
+miniature differs from the plan is listed in the report (``changed``); what the run cannot represent
+is refused with a one-line reason (:func:`refusal`), never changed silently.
+
+The verdict comes from measurements only (:func:`judge`): a memory component or peak off the
+prediction by more than its tolerance, an out-of-memory rank, a first loss off the single-process
+reference, diverged tied-embedding copies, or (when the hardware profile was calibrated here) a
+step time off the prediction. The ranks are started by :func:`run_ranks` in one process group
+that it owns and kills as a whole on a timeout, a failed rank, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +38,30 @@ from planner.presets import SpecError, load_hardware
 from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec
 
 MEMORY_TOLERANCE = 0.05
+"""Relative tolerance of each measured memory component (weights, gradients, optimizer states, saved
+activations) against its prediction. They matched exactly (0.00 %) in every miniature of
+tests/test_validate.py; 5 % leaves room for padding and allocator rounding on other builds."""
+ALLOCATED_TOLERANCE = 0.10
+"""Relative tolerance of ``torch.cuda.max_memory_allocated`` against the predicted stage total on a
+GPU: transient buffers (logits, FSDP all-gathers, cuBLAS workspaces) come on top of the tensors."""
+LOSS_TOLERANCE = 1e-4
+"""Relative tolerance of the first distributed loss against the single-process loss of the same
+weights and batch (fp32: reduction order only)."""
+TIME_FACTOR = {"nccl": 1.5, "gloo": 4.0}
+"""Largest ratio between measured and predicted step time (either way) that passes; judged only when
+the hardware profile was measured on this machine by `plan3d calibrate` (:func:`is_calibrated`).
+GPU (nccl): 1.5x, above the worst error of the cost model on held-out H100 runs (-30.2 %, 1.43x,
+docs/cost-model.md), not yet confirmed by a validate run on a GPU. CPU (gloo): measured/predicted
+was 0.44-2.21 on the 2-core development machine with a calibrated profile (2 ranks, TP2 or PP2,
+shared with other jobs): Python and gloo overheads that the cost model does not describe. 4x still catches a stalled or slow rank
+(a 1 s sleep per step is 20x) but not a cost-model error below 4x."""
+
+
+def time_factor_for(hardware_ref: str, backend: str) -> float | None:
+    """The step-time bound validate applies by default: :data:`TIME_FACTOR` for a calibrated profile, else None."""
+    return TIME_FACTOR.get(backend) if is_calibrated(hardware_ref) else None
+OOM_EXIT_CODE = 3  # the worker's exit code after it ran out of memory (worker.OOM_EXIT_CODE)
+PORT_RETRIES = 3
 
 
 def _round_to(x: float, step: int) -> int:
@@ -49,8 +84,36 @@ def miniature_stage_layers(plan: Plan, num_layers: int, per_chunk: int) -> tuple
     return tuple(base + v * ((n > even) - (n < even)) for n in counts)
 
 
-def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: HardwareSpec | None = None) -> Scenario:
-    """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring)."""
+def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
+    """Why the run cannot represent this plan, in one line; None when it can.
+
+    Context parallelism: torch's ``context_parallel`` has no sharding rule for the CPU attention
+    kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` on gloo, torch 2.13, checked by
+    tests/test_validate_features.py), and the worker does not wire it for NCCL yet. ALiBi: the
+    validate model has no ALiBi bias.
+    """
+    cp = sc.plan.cp
+    if cp > 1:
+        where = "on CPU: torch's context_parallel has no CPU attention kernel" if backend == "gloo" else \
+            "yet: the validate worker does not wire torch's context_parallel"
+        return (f"plan: cp={cp} (context parallelism) cannot be run {where}; validate the same plan with cp=1, "
+                "the CP terms stay with `plan3d estimate`")
+    if sc.model.position_embedding == "alibi":
+        return "model: position_embedding=alibi is not in the validate model; validate a rope or learned variant"
+    return None
+
+
+def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: HardwareSpec | None = None,
+              backend: str = "gloo") -> Scenario:
+    """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring).
+
+    Kept from the plan: tp, pp, vpp, recompute, SP, the ZeRO stage (1 runs as 2), GQA, activation,
+    norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout.
+    Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, fp32.
+    """
+    reason = refusal(sc, backend)
+    if reason:
+        raise SpecError(f"validate: {reason}")
     p, m = sc.plan, sc.model
     tp, pp, vpp = p.tp, p.pp, p.vpp
     if tp * pp > max_ranks:
@@ -70,9 +133,9 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
         name=f"{m.name}-miniature", num_layers=sum(stage_layers) if stage_layers else pp * vpp * per_chunk,
         hidden_size=hidden, num_attention_heads=heads,
         num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=_round_to(512, 128 * tp * dp), max_seq_len=seq,
-        activation=m.activation, norm=m.norm, tied_embeddings=False,
-        position_embedding="rope" if p.sequence_parallel or m.position_embedding != "learned" else "learned",
-        linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=False)
+        activation=m.activation, norm=m.norm, tied_embeddings=m.tied_embeddings,
+        position_embedding=m.position_embedding, embedding_norm=m.embedding_norm,
+        linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=m.dropout)
     mbs = min(p.micro_batch_size, 2)
     micro = 2 * pp
     training = TrainingSpec(num_gpus=tp * pp * dp, global_batch_size=mbs * micro * dp, seq_len=seq,
@@ -81,6 +144,34 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
                 sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage,
                 layers_per_stage=stage_layers)
     return Scenario(model=model, hardware=hardware or load_hardware("cpu-gloo"), training=training, plan=plan)
+
+
+def changes(sc: Scenario, run: Scenario) -> list[str]:
+    """Every way the run differs from the plan, one line each (printed and in the report)."""
+    p, q, m, n = sc.plan, run.plan, sc.model, run.model
+    out = []
+    if (n.num_layers, n.hidden_size, n.num_attention_heads, n.vocab_size) != \
+            (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size):
+        out.append(f"model scaled down: {m.num_layers} -> {n.num_layers} layers, hidden {m.hidden_size} -> "
+                   f"{n.hidden_size}, heads {m.num_attention_heads} -> {n.num_attention_heads} "
+                   f"(kv {m.kv_heads} -> {n.kv_heads}), vocab {m.vocab_size} -> {n.vocab_size}")
+    if run.training.seq_len != sc.training.seq_len:
+        out.append(f"sequence {sc.training.seq_len} -> {run.training.seq_len}")
+    if q.dp != p.dp:
+        out.append(f"dp {p.dp} -> {q.dp} (local processes)")
+    if (q.micro_batch_size, run.num_microbatches) != (p.micro_batch_size, sc.num_microbatches):
+        out.append(f"micro-batch {p.micro_batch_size} -> {q.micro_batch_size}, "
+                   f"micro-batches {sc.num_microbatches} -> {run.num_microbatches}")
+    if run.training.precision != sc.training.precision:
+        out.append(f"precision {sc.training.precision} -> {run.training.precision}")
+    if q.zero_stage != p.zero_stage:
+        out.append(f"ZeRO-{p.zero_stage} -> ZeRO-{q.zero_stage} (FSDP2 has no optimizer-only sharding)")
+    if run.training.framework != sc.training.framework:
+        out.append(f"framework {sc.training.framework} -> {run.training.framework} (DTensor TP/SP, FSDP2, "
+                   "torch.distributed.pipelining)")
+    if p.pp > 1:
+        out.append(f"layers per stage {tuple(sc.stage_layers)} -> {tuple(run.stage_layers)}")
+    return out
 
 
 def predicted_rank_memory(sc: Scenario, pp_rank: int) -> dict:
@@ -107,6 +198,7 @@ class Outcome:
     ok: bool
     message: list[str] = field(default_factory=list)
     report: dict = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)
 
 
 def _phases(folder: Path, world: int) -> dict[int, str]:
@@ -132,67 +224,210 @@ def _stalled(phases: dict[int, str]) -> str:
     return f"{names} in phase '{low}'{rest}"
 
 
-def _failure(log: Path, code: int, phases: dict[int, str]) -> list[str]:
-    """Which rank died, in which phase, and what it said.
-
-    torchrun's failure summary lists every rank it stopped; its "Root Cause" block names the first
-    one that failed. Ranks that torchrun itself terminated (SIGTERM/SIGKILL) come after the others.
-    """
-    import re
-
-    text = log.read_text(errors="replace")
-    pattern = r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)"
-    root = text[text.find("Root Cause"):] if "Root Cause" in text else ""
-    dead = [(int(r), int(c)) for r, c in re.findall(pattern, root)] or \
-        [(int(r), int(c)) for r, c in re.findall(pattern, text)]
-    dead.sort(key=lambda rc: rc[1] in (-15, -9))
-    if dead:
-        who = "; ".join(f"rank {r} exited with code {c} in phase '{phases.get(r, '?')}'" for r, c in dead[:2])
-    else:
-        who = f"no rank named; {_stalled(phases)}"
-    lines = [ln.strip() for ln in text.splitlines()
-             if re.search(r"injected fault|Error:|error:|OutOfMemory", ln) and "elastic" not in ln]
-    first = dead[0][0] if dead else None
-    said = [ln for ln in lines if first is not None and re.search(rf"\brank\s*{first}\b|\[rank{first}\]", ln)]
-    said = (said or lines)[-3:]
-    return [f"a rank failed (torchrun exit code {code}): {who} (log: {log})", *(f"  {ln}" for ln in said)]
+def _said(log: Path, n: int = 3) -> list[str]:
+    """The last error lines a rank wrote (or its last lines when none looks like an error)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"injected|Error|error:|out of memory|refused|validate:", ln)]
+    return (errors or lines)[-n:]
 
 
-def _torchrun(module: str, args: list[str], world: int, timeout_s: float, workdir: Path) -> tuple[int | None, Path]:
-    """Run ``module`` on ``world`` local ranks under torchrun. Returns its exit code, or None when it ran past
-    ``timeout_s`` and was killed with its whole process group; and the log file."""
-    log = workdir / f"{module.rsplit('.', 1)[-1]}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-           str(world), "--max-restarts", "0", "-m", module, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+def free_port() -> int:
+    """A TCP port that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_setup(pgid: int):
+    """What a rank does between fork and exec: join process group ``pgid`` (0: lead a new one; Popen's
+    ``process_group`` needs Python 3.11) and get SIGKILL when the launcher dies (Linux ``PR_SET_PDEATHSIG``)."""
+
+    def setup() -> None:
+        os.setpgid(0, pgid)
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+    return setup
+
+
+@dataclass
+class RankRun:
+    """How a run of ranks ended: ``status`` ok, failed (``rank`` exited with ``code``), timeout or port."""
+
+    status: str
+    rank: int | None = None
+    code: int | None = None
+    pids: list[int] = field(default_factory=list)
+
+
+def _kill_group(pgid: int, procs: list) -> None:
+    """SIGKILL the ranks' process group, then reap every rank. The group is signalled only while one of
+    our ranks is not reaped yet: until then Linux cannot give its id to another process group."""
+    if any(proc.poll() is None for proc in procs):
         try:
-            return proc.wait(timeout=timeout_s), log
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None, log
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+        proc.wait()
 
 
-def run_torchrun(plan_path: Path, world: int, steps: int, backend: str, timeout_s: float, workdir: Path,
-                 reference: bool) -> Outcome:
-    """Start torchrun with the worker on ``world`` local ranks; never wait longer than ``timeout_s``."""
+def _start(module: str, args: list[str], world: int, port: int, workdir: Path) -> list:
+    """Start ``world`` ranks in one new process group (rank 0 leads it), each logging to rank<N>.log."""
+    procs: list = []
+    for r in range(world):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(r), LOCAL_RANK=str(r),
+                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        with open(workdir / f"rank{r}.log", "w") as log:
+            try:
+                procs.append(subprocess.Popen([sys.executable, "-m", module, *args], stdout=log,
+                                              stderr=subprocess.STDOUT, env=env,
+                                              preexec_fn=_child_setup(procs[0].pid if procs else 0)))
+            except BaseException:
+                if procs:
+                    _kill_group(procs[0].pid, procs)
+                raise
+    return procs
+
+
+def _port_clash(workdir: Path) -> bool:
+    text = (workdir / "rank0.log").read_text(errors="replace") if (workdir / "rank0.log").exists() else ""
+    return bool(re.search(r"EADDRINUSE|[Aa]ddress already in use", text))
+
+
+def run_ranks(module: str, args: list[str], world: int, timeout_s: float, workdir: Path,
+              port: int | None = None, on_start=None) -> RankRun:
+    """Run ``python -m module args`` on ``world`` local ranks with torch's env:// rendezvous.
+
+    The ranks share one process group that this function owns; a rank that fails, the wall-clock
+    limit ``timeout_s``, Ctrl-C (KeyboardInterrupt) or SIGTERM kill the whole group, and the
+    children also die with this process (``PR_SET_PDEATHSIG``). A rendezvous port that another
+    process holds makes rank 0 fail with EADDRINUSE; the run is then started again on a fresh port,
+    up to ``PORT_RETRIES`` times, unless ``port`` was given (status ``port``).
+    ``on_start(pids)`` is called once the ranks run (the tests use it).
+    """
+    deadline = time.monotonic() + timeout_s
+    previous = signal.getsignal(signal.SIGTERM) if _main_thread() else None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        for attempt in range(PORT_RETRIES):
+            chosen = port or free_port()
+            procs = _start(module, args, world, chosen, workdir)
+            pids = [q.pid for q in procs]
+            if on_start is not None:
+                on_start(pids)
+            try:
+                result = _watch(procs, deadline)
+            finally:
+                _kill_group(procs[0].pid, procs)
+            result.pids = pids
+            if result.status == "failed" and result.rank == 0 and _port_clash(workdir):
+                if port is not None or attempt == PORT_RETRIES - 1:
+                    result.status, result.code = "port", chosen
+                    return result
+                continue
+            return result
+        raise AssertionError("unreachable")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _watch(procs: list, deadline: float) -> RankRun:
+    while True:
+        codes = [q.poll() for q in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            failed.sort(key=lambda rc: rc[1] in (-signal.SIGTERM, -signal.SIGKILL))
+            return RankRun("failed", *failed[0])
+        if all(c == 0 for c in codes):
+            return RankRun("ok")
+        if time.monotonic() > deadline:
+            return RankRun("timeout")
+        time.sleep(0.05)
+
+
+def _workdir(keep: str | None, prefix: str) -> Path:
+    path = Path(keep) if keep else Path(tempfile.mkdtemp(prefix=prefix))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_worker(plan_path: Path, world: int, steps: int, backend: str, timeout_s: float, workdir: Path,
+               reference: bool, on_start=None) -> Outcome:
+    """The validate worker on ``world`` local ranks; never longer than ``timeout_s``."""
     out, phase_dir = workdir / "measured.json", workdir / "phases"
     phase_dir.mkdir(exist_ok=True)
     args = ["--plan", str(plan_path), "--steps", str(steps), "--out", str(out), "--phase-dir", str(phase_dir),
-            "--backend", backend, "--timeout-s", str(max(30.0, timeout_s / 2))] + (["--reference"] if reference else [])
-    code, log = _torchrun("planner.validate.worker", args, world, timeout_s, workdir)
-    if code is None:
-        return Outcome(False, [f"validate timed out after {timeout_s:.0f} s: {_stalled(_phases(phase_dir, world))} "
-                               f"(log: {log})"])
-    if code != 0:
-        return Outcome(False, _failure(log, code, _phases(phase_dir, world)))
-    return Outcome(True, report=json.loads(out.read_text()))
+            # collectives time out after the wall clock, so that a stall is reported with the rank furthest behind
+            "--backend", backend, "--timeout-s", str(timeout_s + 30.0)] + (["--reference"] if reference else [])
+    run = run_ranks("planner.validate.worker", args, world, timeout_s, workdir, on_start=on_start)
+    phases = _phases(phase_dir, world)
+    if run.status == "ok":
+        return Outcome(True, report=json.loads(out.read_text()), pids=run.pids)
+    if run.status == "timeout":
+        lines = [f"validate timed out after {timeout_s:.0f} s: {_stalled(phases)}"]
+    elif run.status == "port":
+        lines = [f"validate: the rendezvous port {run.code} is taken; free it or let validate pick one"]
+    else:
+        lines = [f"a rank failed: rank {run.rank} exited with code {run.code} in phase '{phases.get(run.rank, '?')}' "
+                 f"(furthest behind: {_stalled(phases)})",
+                 *(f"  {ln}" for ln in _said(workdir / f"rank{run.rank}.log"))]
+    oom = [r for r, ph in phases.items() if ph.startswith("oom")]
+    reasons = [f"out of memory: rank {r} ({phases[r]})" for r in oom] or [lines[0]]
+    return Outcome(False, lines, {"verdict": "fail", "reasons": reasons, "fits": False if oom else None},
+                   pids=run.pids)
 
 
-def compare(sc: Scenario, measured: dict) -> dict:
-    """Predicted against measured for each metric, with relative errors."""
+def is_calibrated(hardware_ref: str) -> bool:
+    """True when ``hardware_ref`` is a profile file that `plan3d calibrate` wrote (its first line says so)."""
+    path = Path(hardware_ref)
+    try:
+        first = path.read_text().splitlines()[0] if path.is_file() else ""
+    except (OSError, IndexError, UnicodeDecodeError):
+        return False
+    return first.startswith(CALIBRATE_HEADER)
+
+
+def _rel(measured: float, predicted: float) -> float:
+    return (measured - predicted) / predicted if predicted else (0.0 if measured == predicted else float("inf"))
+
+
+def predicted_term_s(sc: Scenario, name: str, bench: dict) -> float:
+    """The cost model's time for one measured collective, same bytes and group size, on one node
+    (planner.comm ``ring_time_s`` for all-reduce, ``p2p_time_s`` for a send/recv)."""
+    from planner.comm import p2p_time_s, ring_time_s
+
+    hw = sc.hardware
+    if name == "pp_send_recv":
+        return p2p_time_s(bench["bytes"], False, hw)
+    return ring_time_s("all_reduce", bench["bytes"], bench["ranks"], hw.intra_node_bandwidth_gbps,
+                       hw.intra_node_latency_us)
+
+
+def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
+            memory_tolerance: float = MEMORY_TOLERANCE) -> dict:
+    """Predicted against measured for each metric, with relative errors, and the verdict (:func:`judge`)."""
     from planner.cost import estimate_time
 
     rows = []
@@ -202,62 +437,172 @@ def compare(sc: Scenario, measured: dict) -> dict:
         for key, value in pred.items():
             got = r[key]
             rows.append({"metric": key, "rank": r["rank"], "stage": r["pp_rank"], "predicted": value, "measured": got,
-                         "rel_error": (got - value) / value if value else 0.0})
-    step_s = max(sum(r["step_s"]) / len(r["step_s"]) for r in ranks if r["step_s"])
+                         "rel_error": _rel(got, value)})
+    peak = estimate_memory(sc.model, sc.hardware, sc.training, sc.plan)
+    device_rows = []
+    for r in ranks:
+        if r.get("max_memory_allocated_bytes") is not None:
+            want = peak.stages[r["pp_rank"]].total_bytes
+            device_rows.append({"metric": "max_memory_allocated", "rank": r["rank"], "stage": r["pp_rank"],
+                                "predicted": want, "measured": r["max_memory_allocated_bytes"],
+                                "reserved": r.get("max_memory_reserved_bytes"),
+                                "rel_error": _rel(r["max_memory_allocated_bytes"], want)})
+    step_s = max(statistics.median(r["step_s"]) for r in ranks if r["step_s"])  # median: one hiccup is not the step
     t = estimate_time(sc.model, sc.hardware, sc.training, sc.plan)
     losses = next((r["losses"] for r in ranks if r["losses"] and r["dp_rank"] == 0 and r["tp_rank"] == 0), [])
     bench = {}
     for r in ranks:
         for name, val in r["microbenchmarks"].items():
             bench.setdefault(name, val)
+    terms = []
+    for name, b in bench.items():
+        want = predicted_term_s(sc, name, b)
+        terms.append({"term": name, "bytes": b["bytes"], "ranks": b["ranks"], "predicted_s": want,
+                      "measured_s": b["seconds"], "rel_error": _rel(b["seconds"], want), "busbw_gbps": b["busbw_gbps"]})
+    usable = sc.hardware.usable_memory_gib * 2**30
+    per_rank = [r["max_memory_allocated_bytes"] if r.get("max_memory_allocated_bytes") is not None else
+                sum(r[k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "saved_activation_peak_bytes"))
+                for r in ranks]
     out = {
         "memory": rows,
         "memory_max_abs_error": max(abs(x["rel_error"]) for x in rows),
-        "step_time": {"predicted_s": t.step_time_s, "measured_s": step_s,
-                      "rel_error": (step_s - t.step_time_s) / t.step_time_s},
+        "device_memory": device_rows,
+        "step_time": {"predicted_s": t.step_time_s, "measured_s": step_s, "rel_error": _rel(step_s, t.step_time_s),
+                      "ratio": step_s / t.step_time_s, "judged": time_factor is not None},
+        "terms": terms,
         "losses": losses,
         "microbenchmarks": bench,
+        "tolerances": {"memory": memory_tolerance, "device_memory": ALLOCATED_TOLERANCE, "loss": LOSS_TOLERANCE,
+                       "step_time_factor": time_factor},
+        "measured_peak_bytes": max(per_rank),
+        "fits": max(per_rank) <= usable,
+        "predicted_fits": peak.fits,
     }
     if "reference_loss" in measured and losses:
         ref = measured["reference_loss"]
-        out["reference"] = {"reference_loss": ref, "first_loss": losses[0], "rel_error": (losses[0] - ref) / ref}
-    peak = estimate_memory(sc.model, sc.hardware, sc.training, sc.plan)
-    out["fits"] = peak.fits
+        out["reference"] = {"reference_loss": ref, "first_loss": losses[0], "rel_error": _rel(losses[0], ref)}
+    tied = [r["tied_max_abs_diff"] for r in ranks if r.get("tied_max_abs_diff") is not None]
+    if tied:
+        out["tied_max_abs_diff"] = max(tied)
+    out["verdict"], out["reasons"] = judge(out, ranks, memory_tolerance, time_factor)
     return out
+
+
+def judge(out: dict, ranks: list[dict], memory_tolerance: float, time_factor: float | None) -> tuple[str, list[str]]:
+    """``("pass" | "fail", reasons)`` from the measurements in ``out`` (never from the predicted fit)."""
+    import math
+
+    reasons = []
+    for row in out["memory"]:
+        if abs(row["rel_error"]) > memory_tolerance:
+            reasons.append(f"memory: rank {row['rank']} (stage {row['stage']}) {row['metric']} measured "
+                           f"{row['measured'] / 2**20:.3f} MiB, predicted {row['predicted'] / 2**20:.3f} MiB "
+                           f"({100 * row['rel_error']:+.1f}% > {100 * memory_tolerance:.0f}%)")
+    for row in out["device_memory"]:
+        if abs(row["rel_error"]) > ALLOCATED_TOLERANCE:
+            reasons.append(f"memory: rank {row['rank']} max_memory_allocated {row['measured'] / 2**30:.3f} GiB, "
+                           f"predicted {row['predicted'] / 2**30:.3f} GiB ({100 * row['rel_error']:+.1f}% > "
+                           f"{100 * ALLOCATED_TOLERANCE:.0f}%)")
+    leaked = [r["rank"] for r in ranks if r.get("unreleased_microbatches")]
+    if leaked:
+        reasons.append(f"memory: ranks {leaked} kept saved activations of a micro-batch after its backward")
+    if not out["fits"]:
+        reasons.append(f"memory: measured peak {out['measured_peak_bytes'] / 2**30:.2f} GiB does not fit")
+    ref = out.get("reference")
+    if ref and not abs(ref["rel_error"]) <= LOSS_TOLERANCE:
+        reasons.append(f"loss: first loss {ref['first_loss']:.6f} vs single-process {ref['reference_loss']:.6f} "
+                       f"({100 * ref['rel_error']:+.4f}% > {100 * LOSS_TOLERANCE:.2f}%)")
+    if not all(math.isfinite(x) for x in out["losses"]):
+        reasons.append("loss: not finite")
+    if out.get("tied_max_abs_diff", 0.0) > 1e-6:
+        reasons.append(f"tied embeddings: the two copies differ by {out['tied_max_abs_diff']:.2e} after training")
+    st = out["step_time"]
+    if time_factor is not None and not 1 / time_factor <= st["ratio"] <= time_factor:
+        reasons.append(f"step time: measured {st['measured_s']:.4f} s, predicted {st['predicted_s']:.4f} s "
+                       f"({st['ratio']:.2f}x, outside 1/{time_factor:g}x..{time_factor:g}x)")
+    return ("fail" if reasons else "pass"), reasons
+
+
+def summary_lines(report: dict) -> list[str]:
+    """What the CLI prints under the predicted-against-measured table: what the run changed, the
+    per-term times, the device peaks, and the verdict with its reasons (from measurements only)."""
+    lines = [f"changed: {c}" for c in report.get("changed", [])]
+    for t in report.get("terms", []):
+        lines.append(f"{t['term']}: measured {1e3 * t['measured_s']:.3f} ms, predicted {1e3 * t['predicted_s']:.3f} ms "
+                     f"({100 * t['rel_error']:+.0f}%, reported, not judged)")
+    for row in report.get("device_memory", []):
+        reserved = f", reserved {row['reserved'] / 2**30:.3f} GiB" if row.get("reserved") else ""
+        lines.append(f"rank {row['rank']}: max_memory_allocated {row['measured'] / 2**30:.3f} GiB, predicted "
+                     f"{row['predicted'] / 2**30:.3f} GiB ({100 * row['rel_error']:+.1f}%){reserved}")
+    st = report.get("step_time")
+    if st and not st.get("judged"):
+        lines.append("step time: reported, not judged (the hardware profile was not calibrated here; "
+                     "`plan3d calibrate`, or --time-factor)")
+    lines.append(f"verdict: {report.get('verdict', 'fail').upper()}")
+    lines += [f"  {r}" for r in report.get("reasons", [])]
+    return lines
 
 
 def validate_local(sc: Scenario, steps: int = 3, scale: float = 1.0, max_ranks: int = 8, backend: str = "gloo",
                    timeout_s: float = 300.0, hardware: HardwareSpec | None = None, keep: str | None = None,
-                   reference: bool = True) -> tuple[Scenario, Outcome]:
-    mini = miniature(sc, max_ranks, scale, hardware)
+                   reference: bool = True, time_factor: float | None = None,
+                   memory_tolerance: float = MEMORY_TOLERANCE, on_start=None) -> tuple[Scenario, Outcome]:
+    """Run the miniature of ``sc`` on this machine and judge it; the temp folder is removed unless ``keep``."""
+    mini = miniature(sc, max_ranks, scale, hardware, backend)
     from planner.render import scenario_json
 
-    workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="plan3d-validate-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    plan_path = workdir / "miniature.plan.json"
-    plan_path.write_text(scenario_json(mini))
-    t0 = time.perf_counter()
-    outcome = run_torchrun(plan_path, mini.plan.world_size, steps, backend, timeout_s, workdir, reference)
-    if outcome.ok:
-        outcome.report = {"miniature": json.loads(plan_path.read_text()), "wall_s": time.perf_counter() - t0,
-                          **compare(mini, outcome.report), "measured": outcome.report}
-    return mini, outcome
+    workdir = _workdir(keep, "plan3d-validate-")
+    try:
+        plan_path = workdir / "miniature.plan.json"
+        plan_path.write_text(scenario_json(mini))
+        t0 = time.perf_counter()
+        outcome = run_worker(plan_path, mini.plan.world_size, steps, backend, timeout_s, workdir, reference, on_start)
+        outcome.report["changed"] = changes(sc, mini)
+        if outcome.ok:
+            outcome.report = {"miniature": json.loads(plan_path.read_text()), "wall_s": time.perf_counter() - t0,
+                              "changed": changes(sc, mini),
+                              **compare(mini, outcome.report, time_factor, memory_tolerance),
+                              "measured": outcome.report}
+        if not keep:
+            outcome.message = [m.replace(str(workdir), "<removed temp folder>") for m in outcome.message]
+        return mini, outcome
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+CALIBRATE_HEADER = "# Hardware profile written by `plan3d calibrate`"
 
 
 def calibrate_local(base: HardwareSpec, backend: str = "gloo", ranks: int = 8, timeout_s: float = 300.0,
                     quick: bool = True, name: str | None = None) -> tuple[HardwareSpec, str]:
     """Measure this machine with ``ranks`` local processes; return the profile and its annotated YAML."""
-    workdir = Path(tempfile.mkdtemp(prefix="plan3d-calibrate-"))
-    out = workdir / "calibration.json"
-    args = ["--out", str(out), "--backend", backend] + (["--quick"] if quick else [])
-    code, log = _torchrun("planner.validate.calibrate", args, ranks, timeout_s, workdir)
-    if code != 0:
-        raise SpecError(f"calibrate: the measuring run failed (exit {code}); see {log}")
-    return profile_from_measurements(json.loads(out.read_text()), base, name)
+    workdir = _workdir(None, "plan3d-calibrate-")
+    try:
+        out = workdir / "calibration.json"
+        args = ["--out", str(out), "--backend", backend] + (["--quick"] if quick else [])
+        run = run_ranks("planner.validate.calibrate", args, ranks, timeout_s, workdir)
+        if run.status != "ok":
+            what = {"timeout": f"timed out after {timeout_s:.0f} s", "port": f"rendezvous port {run.code} is taken"}
+            said = " | ".join(_said(workdir / f"rank{run.rank}.log")) if run.status == "failed" else ""
+            raise SpecError(f"calibrate: the measuring run failed: "
+                            f"{what.get(run.status, f'rank {run.rank} exited with code {run.code}')}"
+                            f"{': ' + said if said else ''}")
+        return profile_from_measurements(json.loads(out.read_text()), base, name)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None = None) -> tuple[HardwareSpec, str]:
-    """A hardware profile from `calibrate` measurements, on top of ``base`` for what was not measured."""
+    """A hardware profile from `calibrate` measurements, on top of ``base`` for what was not measured.
+
+    Only what was measured replaces a figure of ``base``: the GEMM peak (per process, while every
+    rank ran GEMMs at once), the intra-node bus bandwidth and latency, and the inter-node ones only
+    when the job spanned several nodes. On one node the inter-node figures of ``base`` are kept
+    (an intra-node figure would make cross-node links look as fast as NVLink). ``sustained_fraction``
+    is a long-run property (docs/cost-model.md) that a short calibration does not measure: kept.
+    Each line of the YAML says which it is.
+    """
     import datetime
 
     ranks = data["ranks"]
@@ -265,7 +610,7 @@ def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None =
     best = max(g["tflops"] for r in ranks for g in r["gemms"])
 
     def link(key: str):
-        curves = [r[key] for r in ranks if r[key]]
+        curves = [r[key] for r in ranks if r.get(key)]
         if not curves:
             return None
         big = statistics.median([c[-1]["busbw_gbps"] for c in curves])
@@ -273,13 +618,13 @@ def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None =
         return big, small
 
     intra = link("intra")
-    inter = link("inter") or intra
+    inter = link("inter") if data["nodes"] > 1 else None
     fp32 = data["dtype"] == "torch.float32"
     when = datetime.date.today().isoformat()
-    src = f"measured by plan3d calibrate ({data['world']} ranks, {data['backend']}) on {when}"
+    src = f"measured by plan3d calibrate ({data['world']} ranks, {data['nodes']} node(s), {data['backend']}) on {when}"
     fields = base.model_dump()
     fields.update({"name": name or f"{base.name}-calibrated", "gpus_per_node": data["gpus_per_node"],
-                   "gemm_efficiency_max": min(1.0, tflops / best), "sustained_fraction": 1.0})
+                   "gemm_efficiency_max": min(1.0, tflops / best)})
     fields["peak_fp32_tflops" if fp32 else "peak_bf16_tflops"] = best
     if fp32:
         fields["peak_bf16_tflops"] = best  # the CPU runs its "bf16" plans in fp32 too
@@ -288,24 +633,47 @@ def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None =
     if inter:
         fields["inter_node_bandwidth_gbps"], fields["inter_node_latency_us"] = inter
     spec = HardwareSpec.model_validate(fields)
-    notes = {"peak_fp32_tflops" if fp32 else "peak_bf16_tflops": f"best GEMM rate, {src}",
-             "gemm_efficiency_max": f"median over the cost model's GEMM shapes / best, {src}",
-             "sustained_fraction": "1.0: the GEMM rates above were measured with all ranks loaded",
-             "intra_node_bandwidth_gbps": f"all-reduce bus bandwidth (nccl-tests factor), {src}",
-             "intra_node_latency_us": f"smallest all-reduce / ring steps, {src}",
-             "inter_node_bandwidth_gbps": f"{'' if data['nodes'] > 1 else 'one node only, same as intra-node; '}{src}",
-             "inter_node_latency_us": f"{'' if data['nodes'] > 1 else 'one node only, same as intra-node; '}{src}",
+    per_process = (f"best GEMM rate of one process while all {data['world']} ranks ran the same GEMMs "
+                   f"(barrier before each sample), {src}")
+    notes = {"peak_fp32_tflops" if fp32 else "peak_bf16_tflops": per_process,
+             "gemm_efficiency_max": f"median over the cost model's GEMM shapes and ranks / best, {src}",
              "gpus_per_node": src}
+    if intra:
+        notes["intra_node_bandwidth_gbps"] = f"all-reduce bus bandwidth (nccl-tests factor), synchronised, {src}"
+        notes["intra_node_latency_us"] = f"smallest all-reduce / ring steps, {src}"
+    else:
+        notes["intra_node_bandwidth_gbps"] = notes["intra_node_latency_us"] = \
+            f"not measured (one rank per node): kept from {base.name}"
+    if inter:
+        notes["inter_node_bandwidth_gbps"] = f"all-reduce over one rank per node, synchronised, {src}"
+        notes["inter_node_latency_us"] = f"smallest inter-node all-reduce / ring steps, {src}"
+    else:
+        notes["inter_node_bandwidth_gbps"] = notes["inter_node_latency_us"] = \
+            f"not measured (one node): kept from {base.name}"
+    notes["sustained_fraction"] = f"not measured (a long-run property): kept from {base.name}"
     if fp32:
         notes["peak_bf16_tflops"] = "the CPU computes in fp32: same as peak_fp32_tflops"
-    lines = [f"# Hardware profile written by `plan3d calibrate` on {when}, from {base.name}.",
-             "# Measured figures say so; the others are copied from the base profile and keep its sources there."]
+    measured = [k for k, v in notes.items() if "kept from" not in v]
+    kept = [k for k in spec.model_dump() if k not in measured and k != "name"]
+    lines = [f"{CALIBRATE_HEADER} on {when}, from {base.name}.",
+             f"# Measured: {', '.join(measured)}.",
+             f"# Kept from {base.name} (not measured here): {', '.join(kept)}."]
     for key, value in spec.model_dump().items():
         if value is None:
             continue
         text = f"{key}: {json.dumps(value) if isinstance(value, str) else value}"
         lines.append(f"{text:<40} # {notes.get(key, f'from {base.name}')}")
     return spec, "\n".join(lines) + "\n"
+
+
+def calibration_summary(base: HardwareSpec, spec: HardwareSpec) -> list[str]:
+    """What calibrate measured and what it kept, one line per figure, for the CLI to print."""
+    out = []
+    for key in ("peak_fp32_tflops", "peak_bf16_tflops", "gemm_efficiency_max", "intra_node_bandwidth_gbps",
+                "intra_node_latency_us", "inter_node_bandwidth_gbps", "inter_node_latency_us", "sustained_fraction"):
+        old, new = getattr(base, key), getattr(spec, key)
+        out.append(f"{key}: {old} -> {new} (measured)" if old != new else f"{key}: {old} (kept from {base.name})")
+    return out
 
 
 def inside_torchrun() -> bool:

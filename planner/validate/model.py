@@ -112,16 +112,24 @@ class Block(nn.Module):
 
 
 class Chunk(nn.Module):
-    """One pipeline chunk (virtual stage): optional embedding, some layers, optional output layer."""
+    """One pipeline chunk (virtual stage): optional embedding, some layers, optional output layer.
+
+    Learned positions are added to the full-sequence word embedding and the sum is then split along
+    the sequence for sequence parallelism (``sp_mesh``), as Megatron's ``LanguageModelEmbedding``
+    does (``scatter_to_sequence_parallel_region`` after the position add; its backward all-gathers).
+    ``embedding_norm`` (BLOOM) follows the embedding.
+    """
 
     def __init__(self, model: ModelSpec, first: bool, last: bool, layers: list[Block]):
         super().__init__()
         self.tok_embeddings = nn.Embedding(model.vocab_size, model.hidden_size) if first else None
         self.pos_embeddings = (nn.Embedding(model.max_seq_len, model.hidden_size)
                                if first and model.position_embedding == "learned" else None)
+        self.embedding_norm = Norm(model) if first and model.embedding_norm else None
         self.layers = nn.ModuleList(layers)
         self.norm = Norm(model) if last else None
         self.output = nn.Linear(model.hidden_size, model.vocab_size, bias=False) if last else None
+        self.sp_mesh = None  # set by tensor_parallelize when positions are added before the SP split
 
     def forward(self, x):
         if self.tok_embeddings is not None:
@@ -129,6 +137,13 @@ class Chunk(nn.Module):
             x = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
                 x = x + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+                if self.sp_mesh is not None:
+                    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+                    x = DTensor.from_local(x, self.sp_mesh, [Replicate()], run_check=False) \
+                        .redistribute(self.sp_mesh, [Shard(1)]).to_local()
+            if self.embedding_norm is not None:
+                x = self.embedding_norm(x)
         for layer in self.layers:
             x = layer(x)
         if self.output is not None:
@@ -137,7 +152,13 @@ class Chunk(nn.Module):
 
 
 def build_chunks(model: ModelSpec, layers_per_chunk: list[int], seed: int = 1234) -> list[Chunk]:
-    """The whole model, cut into chunks, initialised identically on every rank (same seed)."""
+    """The whole model, cut into chunks, initialised identically on every rank (same seed).
+
+    Tied embeddings: in one chunk the output layer shares the embedding's parameter; across
+    pipeline stages the last stage holds a copy initialised from the embedding, and the worker
+    all-reduces the two gradients over the embedding group, as Megatron does
+    (``LanguageModule.setup_embeddings_and_output_layer``, ``_allreduce_word_embedding_grads``).
+    """
     torch.manual_seed(seed)
     blocks = [Block(model) for _ in range(model.num_layers)]
     for blk in blocks:
@@ -153,6 +174,13 @@ def build_chunks(model: ModelSpec, layers_per_chunk: list[int], seed: int = 1234
             mod = getattr(c, name)
             if mod is not None:
                 nn.init.normal_(mod.weight, std=0.02)
+    if model.tied_embeddings:
+        first, last = chunks[0], chunks[-1]
+        if first is last:
+            last.output.weight = first.tok_embeddings.weight
+        else:
+            with torch.no_grad():
+                last.output.weight.copy_(first.tok_embeddings.weight)
     return chunks
 
 
@@ -170,17 +198,24 @@ def tensor_parallelize(chunk: Chunk, tp_mesh, sequence_parallel: bool) -> None:
 
     seq = Shard(1) if sequence_parallel else Replicate()
     plan = {}
+    tied = chunk.tok_embeddings is not None and chunk.output is not None and \
+        chunk.output.weight is chunk.tok_embeddings.weight
     if chunk.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if chunk.pos_embeddings is not None and sequence_parallel:
-        raise ValueError("validate: learned position embeddings with sequence parallelism are not modelled; "
-                         "use a RoPE model or drop --sequence-parallel")
+        split_later = chunk.pos_embeddings is not None and sequence_parallel
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Replicate() if split_later else seq)
+        if split_later:
+            chunk.sp_mesh = tp_mesh
+        if chunk.embedding_norm is not None and sequence_parallel:
+            plan["embedding_norm"] = SequenceParallel(use_local_output=True)  # the residual stream is local
     if chunk.output is not None:
         if sequence_parallel:
             plan["norm"] = SequenceParallel()
         plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     if plan:
         parallelize_module(chunk, tp_mesh, plan)
+    if tied:  # both vocab-parallel: Shard(0) of the [vocab, hidden] matrix on the TP mesh
+        chunk.output.weight = chunk.tok_embeddings.weight
     for blk in chunk.layers:
         layer_plan = {
             "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),

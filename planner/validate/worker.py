@@ -9,6 +9,14 @@ synthetic batch, and gathers every rank's measurements to rank 0, which writes t
 Each rank writes its current phase to ``--phase-dir``/rank<N>, so that the launcher can say which
 rank stalled where. ``PLAN3D_VALIDATE_FAULT=rank:phase`` makes that rank exit in that phase
 (used by the failure tests); ``rank:phase:hang`` makes it stall there instead.
+
+Test-only sabotage (``PLAN3D_VALIDATE_SABOTAGE``, comma-separated), so that the tests can show the
+verdict fails for each kind of miss; never set it in a real run:
+
+* ``gpipe``: run GPipe (every micro-batch in flight) instead of 1F1B, a wrong in-flight count;
+* ``corrupt:<rank>``: add 0.5 to that rank's local shard of the first down projection (FFN w2) after building;
+* ``slow:<rank>:<seconds>``: that rank sleeps this long in every step;
+* ``oom:<rank>``: that rank raises ``torch.OutOfMemoryError`` in its second step.
 """
 
 from __future__ import annotations
@@ -28,9 +36,54 @@ import torch.nn.functional as F
 from planner.presets import load_scenario
 from planner.specs import Scenario
 from planner.validate.calibrate import time_it
+from planner.validate.launch import OOM_EXIT_CODE, refusal
 from planner.validate.model import build_chunks, set_recompute, tensor_parallelize
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
+
+
+class TiedEmbedding:
+    """A tied word embedding split over the first and last pipeline stage: both copies start equal
+    and their gradients are summed over the pair of ranks that hold them (Megatron's embedding group,
+    ``_allreduce_word_embedding_grads``). Both are vocab-parallel with the same TP and FSDP layout,
+    so the local shards match element for element."""
+
+    def __init__(self, weight, group):
+        self.weight, self.group = weight, group
+
+    def _local(self, t):
+        return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+    def sync_grads(self) -> None:
+        dist.all_reduce(self._local(self.weight.grad), group=self.group)
+
+    def max_abs_diff(self) -> float:
+        mine = self._local(self.weight).detach().clone()
+        other = mine.clone()
+        dist.all_reduce(other, group=self.group)  # other = mine + peer's
+        return float((other - 2 * mine).abs().max())
+
+
+def tied_pair(sc: Scenario, mine, pp_rank: int, mesh) -> TiedEmbedding | None:
+    """The tied-embedding pair this rank belongs to, when the model ties and pp > 1 (every rank makes
+    every group, as ``dist.new_group`` requires)."""
+    p = sc.plan
+    if not sc.model.tied_embeddings or p.pp == 1:
+        return None
+    import itertools
+
+    grid = mesh.mesh  # [pp, dp_replicate, dp_shard, tp] of global ranks
+    mine_group = None
+    for idx in itertools.product(*(range(n) for n in grid.shape[1:])):
+        ranks = [int(grid[0][idx]), int(grid[-1][idx])]
+        g = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine_group = g
+    if pp_rank == 0:
+        return TiedEmbedding(mine[0].tok_embeddings.weight, mine_group)
+    if pp_rank == p.pp - 1:
+        return TiedEmbedding(mine[-1].output.weight, mine_group)
+    return None
 
 
 class Phases:
@@ -38,8 +91,10 @@ class Phases:
         self.path = Path(folder) / f"rank{rank}" if folder else None
         self.rank = rank
         self.fault = os.environ.get("PLAN3D_VALIDATE_FAULT", "")
+        self.current = "init"
 
     def __call__(self, phase: str) -> None:
+        self.current = phase
         if self.path is not None:
             self.path.write_text(phase)
         if self.fault == f"{self.rank}:{phase}":
@@ -48,6 +103,18 @@ class Phases:
             os._exit(17)
         if self.fault == f"{self.rank}:{phase}:hang":
             time.sleep(3600)
+
+
+def sabotage(rank: int) -> dict:
+    """This rank's share of ``PLAN3D_VALIDATE_SABOTAGE`` (module docstring)."""
+    out: dict = {}
+    for item in filter(None, os.environ.get("PLAN3D_VALIDATE_SABOTAGE", "").split(",")):
+        kind, *rest = item.split(":")
+        if kind == "gpipe":
+            out["gpipe"] = True
+        elif rest and int(rest[0]) == rank:
+            out[kind] = float(rest[1]) if kind == "slow" else True
+    return out
 
 
 def _storage_tensor(t):
@@ -176,14 +243,18 @@ def busbw_gbps(kind: str, size_bytes: float, n: int, seconds: float) -> float:
 
 
 def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
-    """Achieved bus bandwidth on the plan's own TP, PP and DP groups."""
+    """Achieved bus bandwidth on the plan's own TP, PP and DP groups: every sample starts after a
+    barrier on the group and ends after the device is synchronised, so it times the collective, not
+    its launch (nccl-tests does the same; busbw as nccl-tests defines it)."""
     p = sc.plan
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     b, s, h = p.micro_batch_size, sc.training.seq_len, sc.model.hidden_size
     out = {}
     if p.tp > 1:
         buf = torch.ones(b * s * h, device=device)
         group = mesh["tp"].get_group()
-        t = time_it(lambda: dist.all_reduce(buf, group=group), repeats=5)
+        t = time_it(lambda: (dist.all_reduce(buf, group=group), sync()), repeats=5,
+                    before=lambda: dist.barrier(group=group))
         out["tp_all_reduce"] = {"bytes": buf.numel() * 4, "ranks": p.tp, "seconds": t,
                                 "busbw_gbps": busbw_gbps("all_reduce", buf.numel() * 4, p.tp, t)}
     if p.pp > 1:
@@ -201,13 +272,14 @@ def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
                 dist.recv(buf, peer)
                 dist.send(buf, peer)
 
-        t = time_it(exchange, repeats=5) / 2
+        t = time_it(lambda: (exchange(), sync()), repeats=5, before=lambda: dist.barrier(group=pp_group)) / 2
         out["pp_send_recv"] = {"bytes": buf.numel() * 4, "ranks": 2, "seconds": t,
                                "busbw_gbps": busbw_gbps("p2p", buf.numel() * 4, 2, t)}
     if p.dp > 1:
         buf = torch.ones(max(grad_bytes // 4, 1), device=device)
         group = _dp_group(mesh, p.zero_stage)
-        t = time_it(lambda: dist.all_reduce(buf, group=group), repeats=3)
+        t = time_it(lambda: (dist.all_reduce(buf, group=group), sync()), repeats=3,
+                    before=lambda: dist.barrier(group=group))
         out["dp_all_reduce"] = {"bytes": buf.numel() * 4, "ranks": p.dp, "seconds": t,
                                 "busbw_gbps": busbw_gbps("all_reduce", buf.numel() * 4, p.dp, t)}
     return out
@@ -219,6 +291,25 @@ def _dp_group(mesh, zero_stage: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run this rank; a rank that runs out of memory (in any phase) records ``oom in <phase>`` and exits
+    with ``OOM_EXIT_CODE`` so that the launcher fails the run with that reason."""
+    try:
+        return _main(argv)
+    except torch.OutOfMemoryError as exc:
+        phase = _PHASE.get("phase")
+        where = phase.current if phase is not None else "?"
+        if phase is not None:
+            phase(f"oom in {where}")
+        rank = os.environ.get("RANK", "0")
+        sys.stderr.write(f"rank {rank}: out of memory in {where}: {str(exc).splitlines()[0]}\n")
+        sys.stderr.flush()
+        os._exit(OOM_EXIT_CODE)
+
+
+_PHASE: dict = {}  # this rank's Phases, for main's out-of-memory report
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", required=True)
     ap.add_argument("--steps", type=int, default=3)
@@ -232,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     phase = Phases(args.phase_dir, rank)
+    _PHASE["phase"] = phase
     phase("init")
     use_cuda = args.backend == "nccl"
     if use_cuda:
@@ -240,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout_s))
     sc = load_scenario(args.plan)
     p = sc.resolved_plan()
-    if p.cp > 1:
-        raise SystemExit("validate: context parallelism is not run by validate yet; use cp=1")
+    refused = refusal(sc, args.backend)
+    if refused:
+        raise SystemExit(f"validate: {refused}")
     if dist.get_world_size() != p.world_size:
         raise SystemExit(f"validate: world size {dist.get_world_size()} != tp*pp*dp*cp = {p.world_size}")
     from torch.distributed.device_mesh import init_device_mesh
@@ -254,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     dp_rank = mesh["dp_replicate"].get_local_rank() * shard + mesh["dp_shard"].get_local_rank()
 
     phase("build")
+    bad = sabotage(rank)
     counts = chunk_layer_counts(sc)
     all_chunks = build_chunks(sc.model, counts)
     mine = [c for i, c in enumerate(all_chunks) if i % p.pp == pp_rank]
@@ -263,19 +357,29 @@ def main(argv: list[str] | None = None) -> int:
         set_recompute(chunk, p.recompute)
         if p.tp > 1:
             tensor_parallelize(chunk, mesh["tp"], p.sequence_parallel)
+        if k == 0 and bad.get("corrupt"):  # before FSDP takes the weights over
+            with torch.no_grad():
+                w = chunk.layers[0].feed_forward.w2.weight
+                (w._local_tensor if hasattr(w, "_local_tensor") else w).add_(0.5)
         chunk.to(device)
         dp_mesh = mesh["dp_replicate", "dp_shard"]
         for blk in chunk.layers:
             fully_shard(blk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3)
         fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3)
         stages.append(PipelineStage(chunk, pp_rank + k * p.pp, p.pp * p.vpp, device, group=mesh["pp"].get_group()))
-    params = [q for c in mine for q in c.parameters()]
+    params = list(dict.fromkeys(q for c in mine for q in c.parameters()))
+    tied = tied_pair(sc, mine, pp_rank, mesh)
     saved = SavedBytes()
     for k, c in enumerate(mine):
         saved.watch(k, c)
         for blk in c.layers:
             blk.saved_hooks = saved.context
-    if p.vpp > 1:
+    if bad.get("gpipe"):
+        from torch.distributed.pipelining import ScheduleGPipe, ScheduleLoopedBFS
+
+        schedule = ScheduleLoopedBFS(stages, n_microbatches=p.num_microbatches, loss_fn=loss_fn) if p.vpp > 1 \
+            else ScheduleGPipe(stages[0], n_microbatches=p.num_microbatches, loss_fn=loss_fn)
+    elif p.vpp > 1:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=p.num_microbatches, loss_fn=loss_fn)
     else:
         schedule = Schedule1F1B(stages[0], n_microbatches=p.num_microbatches, loss_fn=loss_fn)
@@ -288,10 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     bench = microbenchmarks(sc, mesh, device, grad_size)
 
     losses_per_step, step_s = [], []
+    # dropout masks: the same on the TP peers of a replica (they hold the same activations), new per replica
+    torch.manual_seed(100 + 1000 * dp_rank + pp_rank)
+    blocks = [blk for c in mine for blk in c.layers]
+    if use_cuda:
+        torch.cuda.reset_peak_memory_stats()
     for step in range(args.warmup + args.steps):
         phase(f"step {step}")
         if step == args.warmup:
             saved.reset()
+        for blk in blocks:  # the warm-up step (compared with the reference loss) runs without dropout
+            blk.dropout = sc.model.dropout and step >= args.warmup
         optimizer.zero_grad(set_to_none=True)
         if use_cuda:
             torch.cuda.synchronize()
@@ -305,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
             schedule.step(tokens, **kwargs)
         else:
             schedule.step(**kwargs)
+        if bad.get("oom") and step == 1:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory (PLAN3D_VALIDATE_SABOTAGE)")
+        if tied is not None:
+            tied.sync_grads()
+        if bad.get("slow"):
+            time.sleep(bad["slow"])
         optimizer.step()
         if use_cuda:
             torch.cuda.synchronize()
@@ -327,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         "unreleased_microbatches": len(saved.live),
         "events": saved.events[-40:],
         "max_memory_allocated_bytes": torch.cuda.max_memory_allocated() if use_cuda else None,
+        "max_memory_reserved_bytes": torch.cuda.max_memory_reserved() if use_cuda else None,
+        "tied_max_abs_diff": tied.max_abs_diff() if tied is not None else None,
         "microbenchmarks": bench,
     }
     gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -344,8 +463,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _reference_loss(model, sc: Scenario, device) -> float:
-    """Loss of data-parallel replica 0's batch in one process, same weights, before any update."""
+    """Loss of data-parallel replica 0's batch in one process, same weights, before any update, without
+    dropout (the distributed warm-up step that it is compared with runs without dropout too)."""
     model.to(device)
+    model.eval()
     tokens, labels = batch(sc, 0, device)
     p = sc.resolved_plan()
     with torch.no_grad():
