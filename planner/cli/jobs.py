@@ -25,14 +25,19 @@ def validate(
     scale: Annotated[float, typer.Option("--scale", min=0.25, max=8.0, help="Size of the local miniature (head width and sequence, x1 = 16 and 128).")] = 1.0,
     hardware: Annotated[str, typer.Option("--hardware", "-H", help="Profile of this machine for the miniature's prediction (e.g. from `plan3d calibrate`).")] = "cpu-gloo",
     max_ranks: Annotated[int, typer.Option("--max-ranks", min=1, max=64, help="Local processes for the miniature.")] = 8,
-    timeout: Annotated[float, typer.Option("--timeout", min=10, help="Wall-clock limit of the whole run, seconds.")] = 300.0,
+    timeout: Annotated[float, typer.Option("--timeout", min=10, max=7 * 24 * 3600, help="Wall-clock limit of the whole run, seconds.")] = 300.0,
+    time_factor: Annotated[Optional[float], typer.Option("--time-factor", min=1.0, max=100.0, help="Fail when measured/predicted step time is outside 1/F..F; default 4 (gloo) or 1.5 (nccl) when --hardware was written by `plan3d calibrate`, else reported, not judged.")] = None,
+    memory_tolerance: Annotated[Optional[float], typer.Option("--memory-tolerance", min=0.0, max=1.0, help="Fail when a measured memory component is off the prediction by more than this fraction (default 0.05).")] = None,
+    keep: Annotated[Optional[str], typer.Option("--keep", help="Keep the miniature's plan, logs and measurements in this folder.")] = None,
     json_out: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner.")] = False,
 ) -> None:
-    """Run the plan with torch.distributed and compare measured memory, time and bandwidth with the prediction.
+    """Run the plan with torch.distributed and judge it by measurement: exit 0 pass, 1 fail, 2 bad input.
 
-    Inside torchrun or Slurm (the scripts from `plan3d emit`) it runs the plan at full scale; outside,
-    it starts torchrun itself on this machine with a miniature of the plan.
+    Measured memory per component, peak allocated, loss against a single-process reference and, with a
+    calibrated profile, step time are compared with the prediction (docs/validation.md). Inside
+    torchrun or Slurm (the scripts from `plan3d emit`) it runs the plan at full scale; outside, it
+    starts the ranks itself on this machine with a miniature of the plan.
     """
     from planner import presets, render
     from planner.validate import launch
@@ -45,18 +50,30 @@ def validate(
 
         if Path(out).exists():
             raise SpecError(f"--out: {out} exists; pass --force to overwrite it")
+    tolerance = launch.MEMORY_TOLERANCE if memory_tolerance is None else memory_tolerance
     if launch.inside_torchrun():
-        code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout)
+        code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout, time_factor, tolerance)
         raise typer.Exit(code)
     local_hw = presets.load_hardware(hardware)
-    with spinner(quiet or json_out, f"Validating a miniature of {sc.plan.label()} with torchrun on this machine..."):
+    factor = time_factor if time_factor is not None else launch.time_factor_for(hardware, backend or "gloo")
+    with spinner(quiet or json_out, f"Validating a miniature of {sc.plan.label()} on this machine..."):
         mini, outcome = launch.validate_local(sc, steps=steps, scale=scale, max_ranks=max_ranks,
-                                              backend=backend or "gloo", timeout_s=timeout, hardware=local_hw)
+                                              backend=backend or "gloo", timeout_s=timeout, hardware=local_hw,
+                                              keep=keep, time_factor=factor, memory_tolerance=tolerance)
     if not outcome.ok:
+        if json_out and outcome.report:
+            render.print_json(outcome.report)
         for line in outcome.message:
             typer.echo(f"error: {line}", err=True)
         raise typer.Exit(1)
-    report = outcome.report
+    _report_verdict(outcome.report, sc, mini, out, force, json_out)
+
+
+def _report_verdict(report: dict, sc, run, out, force: bool, json_out: bool) -> None:
+    """Write and print the report; exit 0 when the measured verdict passes, 1 when it fails."""
+    from planner import render
+    from planner.validate import launch
+
     if out:
         from planner.io import write_atomic
 
@@ -64,11 +81,15 @@ def validate(
     if json_out:
         render.print_json(report)
     else:
-        render.print_validate(console(), sc, mini, report)
-    raise typer.Exit(0 if report["fits"] else 1)
+        con = console()
+        render.print_validate(con, sc, run, report)
+        for line in launch.summary_lines(report):
+            con.print(line, highlight=False, markup=False)
+    raise typer.Exit(0 if report["verdict"] == "pass" else 1)
 
 
-def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, timeout: float) -> int:
+def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, timeout: float,
+                     time_factor, memory_tolerance: float) -> int:
     """Full-scale run: this process is one rank of the job; rank 0 compares and reports."""
     import os
     import tempfile
@@ -85,14 +106,22 @@ def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, 
                  "--timeout-s", str(timeout)])
     if os.environ.get("RANK") != "0":
         return 0
+    try:
+        with open(tmp) as fh:
+            measured = json.load(fh)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     run = launch.run_scenario(sc)
-    report = launch.compare(run, json.loads(open(tmp).read()))
+    report = launch.compare(run, measured, time_factor=time_factor, memory_tolerance=memory_tolerance)
     if out:
         from planner.io import write_atomic
 
         write_atomic(out, json.dumps(report, indent=2) + "\n", force)
     render.print_validate(console(), sc, run, report)
-    return 0 if report["fits"] else 1
+    for line in launch.summary_lines(report):
+        console().print(line, highlight=False, markup=False)
+    return 0 if report["verdict"] == "pass" else 1
 
 
 @app.command()
@@ -123,6 +152,9 @@ def calibrate(
     with spinner(quiet, f"Measuring GEMMs and all-reduce with {ranks} {backend} ranks..."):
         spec, text = launch.calibrate_local(base_spec, backend=backend, ranks=ranks, quick=backend == "gloo",
                                             name=name)
+    if not quiet:
+        for line in launch.calibration_summary(base_spec, spec):
+            typer.echo(line, err=True)
     if out:
         from planner.io import write_atomic
 
