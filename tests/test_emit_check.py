@@ -48,10 +48,15 @@ def _write(tmp_path, sc, formats):
 def test_round_trip_search_emit_megatron_check(tmp_path, model_name, hw_name):
     sc = _searched(model_name, hw_name)
     files = _write(tmp_path, sc, ["megatron", "torchrun", "slurm"])
-    expected = estimate_scenario_memory(sc)
     for name, path in files.items():
         if name.endswith(".plan.json"):
             continue
+        # Megatron's NullTokenizer has --vocab-size + 1 tokens (the end-of-document id; Megatron-LM
+        # megatron/training/tokenizer/tokenizer.py _NullTokenizer.vocab_size), so a file that passes
+        # --vocab-size V with it builds V + 1 before padding.
+        null_tokenizer = "NullTokenizer" in path.read_text() and f"--vocab-size {sc.model.vocab_size}" in path.read_text()
+        vocab = sc.model.vocab_size + (1 if null_tokenizer else 0)
+        expected = estimate_scenario_memory(sc.model_copy(update={"model": sc.model.model_copy(update={"vocab_size": vocab})}))
         result = check_file(path, load_hardware(hw_name), None, None)
         assert not result.errors, result.errors
         got = estimate_scenario_memory(result.scenario)
