@@ -45,6 +45,7 @@ class CheckResult:
     errors: list[str] = field(default_factory=list)
     branch: str | None = None          # which if/case branch of a script this result is for
     notes: list[str] = field(default_factory=list)
+    branches: list[str] = field(default_factory=list, repr=False)  # every branch decision taken
 
     @property
     def label(self) -> str:
@@ -176,20 +177,22 @@ def _script_results(path, worlds, notes, sbatch, hardware, gpus, vocab_size) -> 
     if not any(launches for _, launches in per_world):
         raise SpecError(f"{path}: no training launch found (torchrun, deepspeed, srun or python starting Megatron-LM's "
                         "pretrain_gpt.py or torchtitan.train)")
-    results = []
+    results, idle = [], []
     for w, launches in per_world:
         branch = "; ".join(w.branch) or None
-        if not launches:
-            results.append(CheckResult(path=path, line=1, branch=branch,
-                                       errors=[f"{path}: this branch launches no training ({branch})"]))
+        if not launches:  # e.g. the MODE=validate branch of plan3d's Slurm script
+            idle.append(branch)
             continue
         for launch in launches:
             try:
                 results.append(_launch_result(path, w, launch, notes, sbatch, hardware, gpus, vocab_size))
             except SpecError as err:
                 results.append(CheckResult(path=path, line=_error_line(err), errors=err.lines))
-            results[-1].branch = branch
-    return _merge(results)
+            results[-1].branch, results[-1].branches = branch, list(w.branch)
+    results = _merge(results)
+    for r in results:
+        r.notes += [f"branch without a training launch, not checked: {b}" for b in idle]
+    return results
 
 
 def _merge(results: list[CheckResult]) -> list[CheckResult]:
@@ -201,6 +204,10 @@ def _merge(results: list[CheckResult]) -> list[CheckResult]:
             out.append(r)
     if len(out) == 1:
         out[0].branch = None
+        return out
+    common = set.intersection(*(set(r.branches) for r in out))
+    for r in out:  # name a result by the decisions that set it apart
+        r.branch = "; ".join(b for b in r.branches if b not in common) or r.branch
     return out
 
 
@@ -349,3 +356,19 @@ def read_flags(path: Path):
         if launches:
             return launches[0].args
     raise SpecError(f"{path}: no training launch found")
+
+
+def exit_code(results: list[CheckResult]) -> int:
+    """The gate's verdict: 2 when a file is unreadable, unsupported or invalid, else 1 when some
+    configuration does not fit, else 0."""
+    from planner.memory import estimate_scenario_memory
+
+    if any(r.errors for r in results):
+        return 2
+    return 0 if all(estimate_scenario_memory(r.scenario).fits for r in results) else 1
+
+
+def check_paths(files: list[str], hardware: HardwareSpec | None, headroom: float | None, gpus: int | None,
+                vocab_size: int | None = None) -> list[CheckResult]:
+    """Every result of every file, in order (what `plan3d check FILE...` reports)."""
+    return [r for f in files for r in check_file_branches(Path(f), hardware, headroom, gpus, vocab_size)]

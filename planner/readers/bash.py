@@ -65,6 +65,7 @@ class World:
     files: dict = field(default_factory=dict)        # path -> text written by a here-document
     branch: list[str] = field(default_factory=list)  # the branches taken, e.g. "line 12: case $SIZE in 70b)"
     functions: dict = field(default_factory=dict)
+    environment: set = field(default_factory=set)    # variables whose value the environment can change
     positional: list[str] = field(default_factory=list)
     exited: bool = False
     exit_line: int = 0
@@ -77,6 +78,7 @@ class World:
         new.files = dict(self.files)
         new.branch = self.branch + [label]
         new.functions = dict(self.functions)
+        new.environment = set(self.environment)
         return new
 
 
@@ -234,6 +236,11 @@ class Evaluator:
                 env[name] = arr
             return
         name = self.raw(name_node)
+        if env is w.env:
+            if value is not None and self.from_environment(value, w):
+                w.environment.add(name)
+            else:
+                w.environment.discard(name)
         lines = w.lines if env is w.env else {}
         if value is not None and value.type == "array":
             items, item_lines = [], []
@@ -350,7 +357,7 @@ class Evaluator:
                 b = [x for x in child.named_children if x.type != "comment"]
                 clauses.append((None, b, f"line {self.line(child)}: else"))
         if clauses[-1][0] is not None:
-            clauses.append((None, [], f"line {self.line(node)}: no branch of the if"))
+            clauses.append((None, [], f"line {self.line(node)}: if {self.cond_text(clauses[0][0])} not taken"))
         return self.choose(clauses, w, depth)
 
     def cond_text(self, nodes) -> str:
@@ -443,11 +450,33 @@ class Evaluator:
 
     # --- conditions: True, False or None (unknown) ----------------------------------------------
     def condition(self, nodes, w: World):
+        """A condition that reads a variable the environment can set (even one with a ``:-`` default)
+        is unknown: the script can take either branch, so both are evaluated."""
         value = True
         for n in nodes:
             if n.is_named and n.type != "comment":
-                value = self.cond(n, w)
+                value = None if self.from_environment(n, w) else self.cond(n, w)
         return value
+
+    def from_environment(self, node, w: World) -> bool:
+        """Whether ``node`` reads a variable the script does not set, or one set from such a variable
+        (positional parameters excepted: the script is taken as run with no arguments)."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.type in ("simple_expansion", "expansion", "arithmetic_expansion", "subscript") or \
+                    (n.type == "variable_name" and n.parent is not None and n.parent.type.endswith("expression")):
+                for v in [n] + list(n.children):
+                    if v.type == "variable_name":
+                        name = self.raw(v)
+                        if name.isdigit():
+                            continue  # a positional parameter: the script is run with no arguments
+                        if name not in w.env or name in w.environment:
+                            return True
+            if n.type == "command_substitution":
+                return True
+            stack.extend(n.children)
+        return False
 
     def cond(self, node, w: World):
         t = node.type

@@ -169,6 +169,8 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
         notes.append(f"--ffn-hidden-size absent: Megatron uses {ffn} "
                      f"({'int(4h*2/3/64)*64 with --swiglu' if swiglu else '4h'})")
     groups = None
+    if a.has("--num-key-value-heads"):  # Megatron-DeepSpeed's GQA flag (megatron/arguments.py)
+        groups = a.int("--num-key-value-heads")
     if a.has("--group-query-attention"):
         groups = a.int("--num-query-groups", 1)
         if not a.has("--num-query-groups"):
@@ -196,7 +198,7 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
         "num_kv_heads": groups, "head_dim": kv if kv is not None and kv * heads != h else None,
         "ffn_hidden_size": ffn, "vocab_size": vocab(a, tp, vocab_override, notes), "max_seq_len": max_pos,
         "activation": "swiglu" if swiglu else "gelu",
-        "norm": "rmsnorm" if a.get("--normalization") == "RMSNorm" else "layernorm",
+        "norm": "rmsnorm" if str(a.get("--normalization", "LayerNorm")).lower() == "rmsnorm" else "layernorm",
         "tied_embeddings": not a.has("--untie-embeddings-and-output-weights"),
         "position_embedding": pos, "linear_bias": not a.has("--disable-bias-linear"),
         "qkv_bias": True if a.has("--add-qkv-bias") else None, "dropout": dropout,
