@@ -39,7 +39,7 @@ TRAINING_ARGS=(
     --micro-batch-size 1 
     --global-batch-size 1536 
     --rampup-batch-size 16 16 5859375 
-    --train-iters 500000 
+    --train-samples 146484375 
     --weight-decay 0.1 
     --adam-beta1 0.9 
     --adam-beta2 0.95 
@@ -50,7 +50,7 @@ TRAINING_ARGS=(
     --lr-decay-style cosine 
     --min-lr 6.0e-6
     --lr-warmup-fraction .001 
-    --lr-decay-iters 430000 
+    --lr-decay-samples 126953125 
 )
 
 MODEL_PARALLEL_ARGS=(
