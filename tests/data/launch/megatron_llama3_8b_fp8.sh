@@ -23,7 +23,7 @@ PRETRAIN_SCRIPT_PATH="pretrain_gpt.py"
 
 # Fixed model and training parameters
 TP_SIZE=1
-CP_SIZE=1
+CP_SIZE=2     # as the README's FP8 performance table (8 GPUs, TP1 PP1 CP2)
 PP_SIZE=1
 MICRO_BATCH_SIZE=1
 GLOBAL_BATCH_SIZE=128
