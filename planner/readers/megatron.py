@@ -213,7 +213,10 @@ def zero_stage(a: Args, ds_config: dict | None) -> int:
     Megatron FSDP by its sharding strategy (--data-parallel-sharding-strategy)."""
     if a.has("--deepspeed"):
         if ds_config is not None:
-            return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+            stage = _section(ds_config, "zero_optimization", a).get("stage", 0)
+            if stage not in (0, 1, 2, 3):
+                raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.stage {stage!r}: not 0, 1, 2 or 3")
+            return stage
         return a.int("--zero-stage", 0)
     if a.has("--use-megatron-fsdp") or a.has("--use-torch-fsdp2"):
         if a.has("--use-torch-fsdp2"):
@@ -329,12 +332,19 @@ def _deepspeed_batch(a: Args, ds: dict, mbs, gbs, dp: int, precision: str):
         raise SpecError(f"{a.path}:{a.line('--global-batch-size')}: --global-batch-size {gbs} but the DeepSpeed "
                         f"config gives train_batch_size {ds_gbs}; make them agree")
     gbs = gbs if gbs is not None else ds_gbs
-    if (ds.get("fp16") or {}).get("enabled") is True or (ds.get("bf16") or {}).get("enabled") is True:
+    if _section(ds, "fp16", a).get("enabled") is True or _section(ds, "bf16", a).get("enabled") is True:
         precision = precision if precision == "fp8" else "bf16"
-    zero = ds.get("zero_optimization") or {}
+    zero = _section(ds, "zero_optimization", a)
     for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
+        device = _section(zero, key, a).get("device", "none")
         if device not in (None, "none"):
             raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.{key}.device {device}: CPU/NVMe offload "
                             "is not modelled")
     return mbs, gbs, precision
+
+
+def _section(doc: dict, key: str, a: Args) -> dict:
+    value = doc.get(key) or {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{a.path}: DeepSpeed config {key}: expected an object, got {value!r}")
+    return value

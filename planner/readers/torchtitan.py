@@ -106,9 +106,17 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     model = _model(doc, where, notes)
     par, tr = doc.get("parallelism", {}), doc.get("training", {})
     get = lambda key, default: par.get(key, tr.get(key, default))  # noqa: E731 (2024 TOMLs kept degrees in [training])
-    rep, shard = int(get("data_parallel_replicate_degree", 1)), int(get("data_parallel_shard_degree", -1))
-    tp, pp, cp = (int(get(k, 1)) for k in ("tensor_parallel_degree", "pipeline_parallel_degree",
-                                           "context_parallel_degree"))
+    num = lambda key, value: _int(value, key, where)  # noqa: E731
+    rep = num("data_parallel_replicate_degree", get("data_parallel_replicate_degree", 1))
+    shard = num("data_parallel_shard_degree", get("data_parallel_shard_degree", -1))
+    tp, pp, cp = (num(k, get(k, 1)) for k in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                                              "context_parallel_degree"))
+    for key, value in (("data_parallel_replicate_degree", rep), ("tensor_parallel_degree", tp),
+                       ("pipeline_parallel_degree", pp), ("context_parallel_degree", cp)):
+        if value < 1:
+            raise SpecError(f"{where}: parallelism.{key} = {value}: must be at least 1")
+    if shard == 0 or shard < -1:
+        raise SpecError(f"{where}: parallelism.data_parallel_shard_degree = {shard}: at least 1, or -1 for the rest")
     fixed = rep * tp * pp * cp
     if shard == -1:
         if gpus is None:
@@ -125,12 +133,14 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         raise SpecError(f"{where}: HSDP (data_parallel_replicate_degree {rep} x shard {shard}) is not modelled "
                         "(plan3d shards over all data-parallel ranks)")
     dp = rep * shard
-    local = int(tr.get("local_batch_size", tr.get("batch_size", 8)))
-    gbs = int(tr.get("global_batch_size", -1))
+    local = num("local_batch_size", tr.get("local_batch_size", tr.get("batch_size", 8)))
+    gbs = num("global_batch_size", tr.get("global_batch_size", -1))
+    if local < 1:
+        raise SpecError(f"{where}: training.local_batch_size = {local}: must be at least 1")
     gbs = local * dp if gbs <= 0 else gbs
     if gbs % (local * dp):
         raise SpecError(f"{where}: global_batch_size {gbs} is not a multiple of local_batch_size({local}) * dp({dp})")
-    mbs = int(par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
+    mbs = num("pipeline_parallel_microbatch_size", par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
     schedule = str(par.get("pipeline_parallel_schedule", "1F1B"))
     vpp = 1
     if pp > 1:
@@ -139,7 +149,10 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
                             "micro-batches in flight than 1F1B; not modelled")
         if "interleaved" in schedule.lower():
             per_stage = par.get("pipeline_parallel_layers_per_stage")
-            vpp = model["num_layers"] // (pp * int(per_stage)) if per_stage else 2
+            per_stage = num("pipeline_parallel_layers_per_stage", per_stage) if per_stage else None
+            if per_stage is not None and per_stage < 1:
+                raise SpecError(f"{where}: pipeline_parallel_layers_per_stage = {per_stage}: must be at least 1")
+            vpp = max(1, model["num_layers"] // (pp * per_stage)) if per_stage else 2
     ac = doc.get("activation_checkpoint", {})
     mode = str(ac.get("mode", "selective"))
     if mode == "selective":
@@ -151,7 +164,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     converters = doc.get("model", {}).get("converters", [])
     converters = [converters] if isinstance(converters, str) else list(converters)
     fp8 = "float8" in converters or bool(doc.get("float8", {}).get("enable_float8_linear"))
-    training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": int(tr.get("seq_len", 2048)),
+    training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
                 "precision": "fp8" if fp8 else "bf16", "attention": "flash", "framework": "torch"}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"),
@@ -160,3 +173,12 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     if shard > 1:
         notes.append("FSDP2 (data_parallel_shard_degree > 1): modelled as ZeRO-3")
     return model, training, plan, notes
+
+
+def _int(value, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SpecError(f"{where}: {key} = {value!r}: not an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecError(f"{where}: {key} = {value!r}: not an integer") from None
