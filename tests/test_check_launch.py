@@ -162,3 +162,32 @@ def test_deepspeed_config_disagreeing_with_the_flags(tmp_path):
     lone.write_text('{"train_batch_size": 8}')
     (r,) = check_file_branches(lone, load_hardware("h100-sxm-80gb"), None, None)
     assert r.errors and "holds no model" in r.errors[0]
+
+
+HOSTILE = {
+    "tp0.sh": "torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+              "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --tokenizer-type NullTokenizer "
+              "--vocab-size 100 --tensor-model-parallel-size 0\n",
+    "divisor0.sh": "torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                   "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --tokenizer-type NullTokenizer "
+                   "--vocab-size 100 --make-vocab-size-divisible-by 0\n",
+    "tp_text.toml": '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = "x"\n',
+    "tp_neg.toml": '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = -3\n',
+    "seq_list.toml": '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nseq_len = [1]\n',
+    "bad.toml": "[model\nname=",
+    "stage.json": '{"train_batch_size": 8, "zero_optimization": []}',
+    "notjson.json": "{",
+    "nolaunch.sh": "echo hello\n",
+    "elastic.sh": "torchrun --nnodes 1:4 --nproc_per_node 8 pretrain_gpt.py --num-layers 2\n",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_input_is_one_line_exit_2(runner, tmp_path, name):
+    path = tmp_path / name
+    path.write_text(HOSTILE[name])
+    res = runner.invoke(app, ["check", str(path), "--hardware", "h100-sxm-80gb", "--gpus", "8"])
+    assert res.exit_code == 2, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    results = check_file_branches(path, load_hardware("h100-sxm-80gb"), None, 8)
+    assert len(results) == 1 and len(results[0].errors) >= 1 and name in results[0].errors[0]

@@ -64,6 +64,13 @@ class Args:
         except ValueError:
             raise SpecError(f"{self.path}:{self.line(flag)}: {flag}: '{value}' is not an integer") from None
 
+    def count(self, flag: str, default: int | None = None) -> int | None:
+        """A size that must be at least 1 (parallel degrees, batch sizes, divisors)."""
+        value = self.int(flag, default)
+        if value is not None and value < 1:
+            raise SpecError(f"{self.path}:{self.line(flag)}: {flag}: {value} must be at least 1")
+        return value
+
     def float(self, flag: str, default: float) -> float:
         if flag not in self.values:
             return default

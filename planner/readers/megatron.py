@@ -101,7 +101,7 @@ def vocab(a: Args, tp: int, override: int | None, notes: list[str]) -> int:
     estimator pads it exactly as Megatron does; with another d (or --padded-vocab-size) Megatron's
     padded size is returned, which the estimator may pad further (a note says by how much).
     """
-    divisor = a.int("--make-vocab-size-divisible-by", 128)
+    divisor = a.count("--make-vocab-size-divisible-by", 128)
     if override is not None:
         size, source = override, f"--vocab-size {override} given to plan3d check"
     elif a.has("--padded-vocab-size"):
@@ -263,8 +263,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         if not a.has(flag) and not (flag == "--micro-batch-size" and ds_config and
                                     "train_micro_batch_size_per_gpu" in ds_config):
             raise SpecError(f"{a.path}:{a.line0}: no {flag}: Megatron-LM needs it")
-    tp, pp, cp = (a.int(x, 1) for x in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                                        "--context-parallel-size"))
+    tp, pp, cp = (a.count(x, 1) for x in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                          "--context-parallel-size"))
     if a.has("--no-pipeline-parallel") and pp > 1:
         raise SpecError(f"{a.path}:{a.line('--no-pipeline-parallel')}: --no-pipeline-parallel with pp {pp}")
     model = model_dict(a, tp, vocab_override, notes, name, file_notes)
@@ -272,7 +272,7 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         raise SpecError(f"{a.path}:{a.line('--tensor-model-parallel-size')}: {gpus} GPUs are not divisible by "
                         f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp}")
     dp = gpus // (tp * pp * cp)
-    mbs, gbs = a.int("--micro-batch-size"), a.int("--global-batch-size")
+    mbs, gbs = a.count("--micro-batch-size"), a.count("--global-batch-size")
     precision = "fp8" if a.has("--fp8-format") else "bf16"
     if a.has("--fp16"):
         notes.append("--fp16: modelled as bf16 (same 2 bytes per value)")
@@ -287,11 +287,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     vpp = 1
     per_chunk_layers = model["num_layers"] // pp
     if a.has("--num-layers-per-virtual-pipeline-stage"):
-        per_chunk = a.int("--num-layers-per-virtual-pipeline-stage")
+        per_chunk = a.count("--num-layers-per-virtual-pipeline-stage")
         vpp = max(1, per_chunk_layers // per_chunk) if per_chunk else 1
         per_chunk_layers = per_chunk or per_chunk_layers
     elif a.has("--num-virtual-stages-per-pipeline-rank"):
-        vpp = a.int("--num-virtual-stages-per-pipeline-rank")
+        vpp = a.count("--num-virtual-stages-per-pipeline-rank")
         per_chunk_layers = per_chunk_layers // max(vpp, 1)
     if a.has("--deepspeed") and pp > 1 and zero_stage(a, ds_config) >= 2:
         raise SpecError(f"{a.path}:{a.line('--deepspeed')}: DeepSpeed's pipeline engine refuses ZeRO stage 2 or 3 "
