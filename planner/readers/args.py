@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -94,7 +95,7 @@ def parse_args(words: list[str], lines: list[int], path: Path, line0: int = 1, u
     i = 0
     while i < len(words):
         word, line = words[i], lines[i] if i < len(lines) else line0
-        if underscores and len(word) == 2 and word[0] == "-" and word[1].isalpha():  # srun -N 2, -n 16
+        if underscores and re.fullmatch(r"-[A-Za-z]{1,3}", word):  # srun -N 2, -n 16, mpirun -np 16
             if i + 1 < len(words) and not words[i + 1].startswith("-"):
                 out.values[word], out.lines[word] = words[i + 1], line
                 i += 1

@@ -54,56 +54,46 @@ def find_launches(commands: list[Command], path: Path) -> list[Launch]:
 
 
 def _classify(cmd: Command, path: Path) -> Launch | None:
+    """The program a command starts (the first ``*.py`` or ``-m module`` word), its launcher (the
+    nearest torchrun / ``python -m torch.distributed.run`` / deepspeed before it) and srun/mpirun."""
     argv, lines = cmd.argv, cmd.lines or [cmd.line] * len(cmd.argv)
-    launcher, launcher_words, srun_words = None, [], None
-    i = 0
-    while i < len(argv):
-        word = _base(argv[i])
-        if word in ("srun", "mpirun", "mpiexec"):
-            j = i + 1
-            while j < len(argv) and not _is_program(argv[j]):
-                j += 1
-            srun_words = (argv[i + 1:j], lines[i + 1:j])
-            launcher = launcher or "srun"
-            i = j
-            continue
-        if word in ("torchrun", "deepspeed") or (PYTHON.match(word) and i + 2 < len(argv) and argv[i + 1] == "-m"
-                                                  and argv[i + 2] in TORCHRUN):
-            launcher = "deepspeed" if word == "deepspeed" else "torchrun"
-            j = i + 1 if word in ("torchrun", "deepspeed") else i + 3
-            start = j
-            while j < len(argv) and not argv[j].endswith(".py") and argv[j] != "-m":
-                j += 1
-            launcher_words = (argv[start:j], lines[start:j])
-            i = j
-            continue
-        if PYTHON.match(word):
-            i += 1
-            continue
-        if argv[i] == "-m" and i + 1 < len(argv):
-            module = argv[i + 1]
-            if module in ("torchtitan.train",):
-                return _launch("torchtitan", module, argv, lines, i + 2, launcher, launcher_words, srun_words,
-                               cmd, path)
-            return None
-        if argv[i].endswith(".py"):
-            name = _base(argv[i])
+    prog, kind, start = None, None, 0
+    for j, word in enumerate(argv):
+        if word == "-m" and j + 1 < len(argv):
+            if argv[j + 1] in TORCHRUN:
+                continue
+            if argv[j + 1] == "torchtitan.train":
+                prog, kind, start = j + 1, "torchtitan", j + 2
+            break
+        if word.endswith(".py"):
+            name = _base(word)
             if name in UNMODELLED_PROGRAMS:
-                out = _launch("unmodelled", argv[i], argv, lines, i + 1, launcher, launcher_words, srun_words, cmd,
-                              path)
-                out.reason = f"{name} trains {UNMODELLED_PROGRAMS[name]}"
-                return out
-            if name in MEGATRON_PROGRAMS:
-                return _launch("megatron", argv[i], argv, lines, i + 1, launcher, launcher_words, srun_words, cmd,
-                               path)
-            if argv[i].endswith("torchtitan/train.py"):
-                return _launch("torchtitan", argv[i], argv, lines, i + 1, launcher, launcher_words, srun_words, cmd,
-                               path)
-            return None
-        if i == 0 or launcher is None:
-            return None
-        i += 1
-    return None
+                prog, kind = j, "unmodelled"
+            elif name in MEGATRON_PROGRAMS:
+                prog, kind = j, "megatron"
+            elif word.endswith("torchtitan/train.py"):
+                prog, kind = j, "torchtitan"
+            start = j + 1
+            break
+    if prog is None:
+        return None
+    launcher, launcher_words, srun_words = None, None, None
+    for i in range(prog - 1, -1, -1):
+        word = _base(argv[i])
+        if launcher is None and (word in ("torchrun", "deepspeed") or
+                                 (word == "-m" and i + 1 < len(argv) and argv[i + 1] in TORCHRUN)):
+            launcher = "deepspeed" if word == "deepspeed" else "torchrun"
+            first = i + 1 if word != "-m" else i + 2
+            launcher_words = (argv[first:prog], lines[first:prog])
+        elif word in ("srun", "mpirun", "mpiexec"):
+            end = next((k for k in range(i + 1, prog + 1) if _is_program(argv[k])), prog)
+            srun_words = (argv[i + 1:end], lines[i + 1:end])
+            launcher = launcher or "srun"
+            break
+    out = _launch(kind, argv[prog], argv, lines, start, launcher, launcher_words, srun_words, cmd, path)
+    if kind == "unmodelled":
+        out.reason = f"{_base(argv[prog])} trains {UNMODELLED_PROGRAMS[_base(argv[prog])]}"
+    return out
 
 
 def _is_program(word: str) -> bool:
