@@ -214,6 +214,8 @@ def _merge(results: list[CheckResult]) -> list[CheckResult]:
 def _launch_result(path, w: World, launch: Launch, notes, sbatch, hardware, gpus, vocab_size) -> CheckResult:
     if launch.kind == "unmodelled":
         raise SpecError(f"{path}:{launch.line}: {launch.reason}; refused rather than read as a dense GPT")
+    if launch.kind == "unknown":
+        raise SpecError(f"{path}:{launch.line}: {launch.reason}")
     n = gpus or _note_gpus(notes, path) or world_size(launch, sbatch, path)
     if launch.kind == "torchtitan":
         return _torchtitan_launch(path, launch, n, hardware, gpus or _note_gpus(notes, path))

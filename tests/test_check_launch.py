@@ -191,3 +191,36 @@ def test_hostile_input_is_one_line_exit_2(runner, tmp_path, name):
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     results = check_file_branches(path, load_hardware("h100-sxm-80gb"), None, 8)
     assert len(results) == 1 and len(results[0].errors) >= 1 and name in results[0].errors[0]
+
+
+SEEDS = sorted(p for p in LAUNCH.iterdir() if p.suffix in (".sh", ".slurm", ".toml"))
+
+
+def test_corrupted_launch_files_never_raise_and_stay_fast(tmp_path):
+    """Random edits of every launch file here: a result or a one-line error, each within 5 s."""
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    hw = load_hardware("h100-sxm-80gb")
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(seed=st.sampled_from(SEEDS), edits=st.lists(st.tuples(st.floats(0, 1), st.sampled_from(["del", "ins", "dup"]),
+                                                                  st.text(alphabet="\"'$(){}[]#\\\n =-0123456789abx;|&`",
+                                                                          max_size=6)), min_size=1, max_size=5))
+    def run(seed, edits):
+        text = seed.read_text()
+        for where, op, piece in edits:
+            i = int(where * (len(text) - 1))
+            text = {"del": text[:i] + text[i + len(piece) + 1:], "ins": text[:i] + piece + text[i:],
+                    "dup": text[:i] + text[i:i + 40] + text[i:]}[op]
+        path = tmp_path / seed.name
+        path.write_text(text)
+        start = time.perf_counter()
+        results = check_file_branches(path, hw, None, 64 if seed.suffix == ".toml" else None, None)
+        assert time.perf_counter() - start < 5
+        for r in results:
+            assert r.scenario is not None or (r.errors and all("\n" not in e for e in r.errors))
+
+    run()

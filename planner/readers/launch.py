@@ -73,6 +73,8 @@ def _classify(cmd: Command, path: Path) -> Launch | None:
                 prog, kind = j, "megatron"
             elif word.endswith("torchtitan/train.py"):
                 prog, kind = j, "torchtitan"
+            elif any(_base(x) in ("torchrun", "deepspeed", "srun") for x in argv[:j]):
+                prog, kind = j, "unknown"  # a distributed launch of a program check does not read
             start = j + 1
             break
     if prog is None:
@@ -93,6 +95,10 @@ def _classify(cmd: Command, path: Path) -> Launch | None:
     out = _launch(kind, argv[prog], argv, lines, start, launcher, launcher_words, srun_words, cmd, path)
     if kind == "unmodelled":
         out.reason = f"{_base(argv[prog])} trains {UNMODELLED_PROGRAMS[_base(argv[prog])]}"
+    if kind == "unknown":
+        out.reason = (f"{launcher} starts {_base(argv[prog])}, a program check does not read (it reads Megatron-LM's "
+                      "pretrain_gpt.py, Megatron-DeepSpeed's and torchtitan.train); write the plan with `plan3d "
+                      "search --out` and check that")
     return out
 
 
