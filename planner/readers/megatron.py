@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 from planner.presets import SpecError
 from planner.readers.args import Args
