@@ -224,3 +224,15 @@ def test_corrupted_launch_files_never_raise_and_stay_fast(tmp_path):
             assert r.scenario is not None or (r.errors and all("\n" not in e for e in r.errors))
 
     run()
+
+
+def test_json_output_names_branches_and_notes():
+    from planner.check import to_json
+
+    results = check_paths([str(LAUNCH / "megatron_size_case.sh"), str(LAUNCH / "megatron_moe.sh")],
+                          load_hardware("h100-sxm-80gb"), None, None)
+    out = json.loads(to_json(results))
+    assert [o["valid"] for o in out] == [True, True, True, False]
+    assert [o["fits"] for o in out[:3]] == [True, True, False]
+    assert all("case ${MODEL_SIZE} in" in o["branch"] for o in out[:3]) and out[3]["branch"] is None
+    assert any("vocabulary" in n for n in out[0]["notes"])

@@ -73,8 +73,12 @@ class World:
 
 @lru_cache(maxsize=1)
 def _parser():
-    import tree_sitter_bash
-    from tree_sitter import Language, Parser
+    try:
+        import tree_sitter_bash
+        from tree_sitter import Language, Parser
+    except ImportError as err:
+        raise SpecError(f"reading shell scripts needs the tree-sitter and tree-sitter-bash packages ({err.name} is "
+                        "missing); reinstall plan3d with its dependencies") from None
 
     return Parser(Language(tree_sitter_bash.language()))
 
