@@ -236,3 +236,11 @@ def test_json_output_names_branches_and_notes():
     assert [o["fits"] for o in out[:3]] == [True, True, False]
     assert all("case ${MODEL_SIZE} in" in o["branch"] for o in out[:3]) and out[3]["branch"] is None
     assert any("vocabulary" in n for n in out[0]["notes"])
+
+
+def test_no_precision_flag_is_fp32_as_in_megatron(tmp_path):
+    """Megatron-LM trains in fp32 unless --bf16/--fp16 (arguments.py: params_dtype torch.float by default)."""
+    script = tmp_path / "fp32.sh"
+    script.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().replace("--bf16 ", ""))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
+    assert r.scenario.training.precision == "fp32" and any("fp32" in n for n in r.notes)

@@ -101,6 +101,8 @@ def test_reader_agrees_with_megatron_validate_args(megatron_arguments, name, mon
         assert m.data_parallel_size == plan.dp and m.global_batch_size == sc.training.global_batch_size
         assert (m.virtual_pipeline_model_parallel_size or 1) == plan.vpp
         assert (m.recompute_granularity or "none") == plan.recompute
+        precision = "fp8" if m.fp8 else "bf16" if (m.bf16 or m.fp16) else "fp32"
+        assert precision == sc.training.precision
         if m.tokenizer_type == "NullTokenizer":  # the real tokenizer class, padded by Megatron's own function
             size = tokenizer._NullTokenizer(m.vocab_size).vocab_size
             assert tokenizer._vocab_size_with_padding(size, m, logging_enabled=False) == \

@@ -20,7 +20,8 @@ EXTRA_SWITCHES = {
     "--contigious-checkpointing", "--checkpoint-in-cpu", "--synchronize-each-layer", "--profile-backward",
     "--cpu-optimizer", "--cpu-torch-adam", "--no-query-key-layer-scaling", "--use-rotary-position-embeddings",
     "--recompute-activations", "--standalone", "--no-python", "--exclusive", "--no_local_rank", "--no-local-rank",
-    "--use_env", "--use-env", "--embed-layernorm", "--bind_cores_to_rank", "--no_ssh_check", "--autotuning",
+    "--use_env", "--use-env", "--embed-layernorm", "--fp8-e4m3", "--fp8-hybrid", "--bind_cores_to_rank",
+    "--no_ssh_check", "--autotuning",
 }
 
 

@@ -272,7 +272,13 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                         f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp}")
     dp = gpus // (tp * pp * cp)
     mbs, gbs = a.count("--micro-batch-size"), a.count("--global-batch-size")
-    precision = "fp8" if a.has("--fp8-format") else "bf16"
+    if a.has("--fp8-format") or a.has("--fp8-e4m3") or a.has("--fp8-hybrid"):  # the last two: Megatron-LM 2023
+        precision = "fp8"
+    elif a.has("--bf16") or a.has("--fp16"):
+        precision = "bf16"
+    else:
+        precision = "fp32"
+        notes.append("no --bf16/--fp16/--fp8-format: Megatron trains in fp32")
     if a.has("--fp16"):
         notes.append("--fp16: modelled as bf16 (same 2 bytes per value)")
     if ds_config is not None:
