@@ -244,3 +244,18 @@ def test_no_precision_flag_is_fp32_as_in_megatron(tmp_path):
     script.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().replace("--bf16 ", ""))
     (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
     assert r.scenario.training.precision == "fp32" and any("fp32" in n for n in r.notes)
+
+
+def test_partial_checkpointing_is_bounded_by_no_recompute(tmp_path):
+    # torchtitan JobConfig: selective_ac_option defaults to "2" (every second layer); Megatron block recompute
+    # of 2 of 8 layers per stage: both store at most what no recompute stores
+    toml = tmp_path / "ac.toml"
+    toml.write_text((LAUNCH / "torchtitan_llama3_8b.toml").read_text().replace("selective_ac_option = 'op'", ""))
+    (r,) = check_file_branches(toml, load_hardware("h100-sxm-80gb"), None, 64)
+    assert r.scenario.plan.recompute == "none" and any("upper bound" in n for n in r.notes)
+    script = tmp_path / "block.sh"
+    script.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().replace(
+        "--bf16", "--bf16 --pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method block "
+                  "--recompute-num-layers 2"))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, 16)
+    assert r.scenario.plan.recompute == "none" and any("2 of 16 layers" in n for n in r.notes)

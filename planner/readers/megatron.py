@@ -225,7 +225,7 @@ def zero_stage(a: Args, ds_config: dict | None) -> int:
     return 1 if a.has("--use-distributed-optimizer") else 0
 
 
-def recompute(a: Args, layers_per_chunk: int) -> str:
+def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> str:
     granularity = a.get("--recompute-granularity")
     if a.has("--recompute-activations"):
         granularity = "selective"
@@ -233,9 +233,10 @@ def recompute(a: Args, layers_per_chunk: int) -> str:
         granularity = "full"  # Megatron-DeepSpeed / Megatron-LM before 2022: every layer
     if granularity == "full" and a.get("--recompute-method") == "block":
         n = a.int("--recompute-num-layers", 1)
-        if n < layers_per_chunk:
-            raise SpecError(f"{a.path}:{a.line('--recompute-num-layers')}: --recompute-method block recomputes only "
-                            f"{n} of {layers_per_chunk} layers per stage; partial recompute is not modelled")
+        if n < layers_per_chunk:  # recomputed layers keep only their input: no recompute bounds it from above
+            notes.append(f"--recompute-method block recomputes {n} of {layers_per_chunk} layers per stage: "
+                         "modelled as no recompute, an upper bound")
+            return "none"
     return granularity or "none"
 
 
@@ -312,7 +313,7 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "overlap_grad_reduce": a.has("--overlap-grad-reduce"),
                 "grad_reduce_in_bf16": a.has("--grad-reduce-in-bf16")}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
-            "recompute": recompute(a, per_chunk_layers), "sequence_parallel": sp,
+            "recompute": recompute(a, per_chunk_layers, notes), "sequence_parallel": sp,
             "zero_stage": zero_stage(a, ds_config),
             "layers_per_stage": layers_per_stage(a, model["num_layers"], pp)}
     return model, training, plan, notes

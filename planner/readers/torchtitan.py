@@ -153,14 +153,17 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
             if per_stage is not None and per_stage < 1:
                 raise SpecError(f"{where}: pipeline_parallel_layers_per_stage = {per_stage}: must be at least 1")
             vpp = max(1, model["num_layers"] // (pp * per_stage)) if per_stage else 2
+    # JobConfig defaults: mode "selective", selective_ac_option "2" (every second layer fully checkpointed)
     ac = doc.get("activation_checkpoint", {})
     mode = str(ac.get("mode", "selective"))
     if mode == "selective":
-        option = str(ac.get("selective_ac_option", "op"))
-        if option != "op":
-            raise SpecError(f"{where}: activation_checkpoint.selective_ac_option {option} checkpoints every "
-                            f"{option}th layer; partial checkpointing is not modelled")
-        notes.append("activation_checkpoint selective (op): modelled as selective recompute")
+        option = str(ac.get("selective_ac_option", "2"))
+        if option == "op":
+            notes.append("activation_checkpoint selective (op): modelled as selective recompute")
+        else:
+            mode = "none"  # checkpointed layers keep only their input: no recompute bounds it from above
+            notes.append(f"activation_checkpoint selective every {option} layers: modelled as no recompute, "
+                         "an upper bound")
     converters = doc.get("model", {}).get("converters", [])
     converters = [converters] if isinstance(converters, str) else list(converters)
     fp8 = "float8" in converters or bool(doc.get("float8", {}).get("enable_float8_linear"))
