@@ -112,3 +112,29 @@ def test_too_many_branch_combinations_are_refused():
     script = "".join(f'if [ "$V{i}" = 1 ]; then A{i}=1; fi\n' for i in range(7)) + "run x\n"
     with pytest.raises(SpecError, match="combinations"):
         evaluate(script, "t.sh")
+
+
+ARITH_COMMANDS = {
+    "(( N = N * 4 ))": ("N=2\n(( N = N * 4 ))\nrun $N", ["8"]),
+    "(( N += 3 )) and ++": ("N=2\n(( N += 3 ))\n((N++))\nrun $N", ["6"]),
+    "let": ("N=2\nlet M=N+1 'K = M * 2'\nrun $M $K", ["3", "6"]),
+}
+
+
+@pytest.mark.parametrize("name", ARITH_COMMANDS)
+def test_arithmetic_commands(name):
+    script, want = ARITH_COMMANDS[name]
+    assert _argv(script) == [want]
+    if shutil.which("bash"):
+        out = subprocess.run(["bash", "-c", "run() { printf '%s\\0' \"$@\"; }\n" + script], capture_output=True,
+                             text=True, env={"PATH": "/usr/bin:/bin"})
+        assert out.stdout.split("\0")[:-1] == want
+
+
+def test_source_reads_a_file_next_to_the_script(tmp_path):
+    (tmp_path / "config.sh").write_text("TP=4\nARGS=(--tp $TP)\n")
+    script = tmp_path / "train.sh"
+    script.write_text("source ./config.sh\nrun \"${ARGS[@]}\" $MISSING\n. ./absent.sh\n")
+    (w,) = evaluate(script.read_text(), str(script))
+    (run,) = [c for c in w.commands if c.argv[0] == "run"]
+    assert run.argv[:3] == ["run", "--tp", "4"] and is_unknown(run.argv[3])

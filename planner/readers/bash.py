@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -166,6 +167,8 @@ class Evaluator(Expander):
             return self.list_(node, w, depth)
         if t == "pipeline":
             return self.block(node.named_children, [w], depth)
+        if t == "compound_statement" and node.children and node.children[0].type == "((":
+            return self.arith_command(self.raw(node)[2:-2], node, w, depth)
         if t in ("subshell", "compound_statement", "do_group"):
             return self.block(node.named_children, [w], depth)
         if t == "if_statement":
@@ -192,6 +195,33 @@ class Evaluator(Expander):
             raise SpecError(f"{self.where}:{self.line(node)}: {what} sets variables or runs the launch; "
                             "check cannot evaluate it without running the script")
         return [w]
+
+    def arith_command(self, text: str, node, w: World, depth: int) -> list[World]:
+        """``(( N = N * 2 ))``, ``(( N++ ))``, ``let N=N+1``: the assignment, as ``N=$(( ... ))`` would do it.
+        An arithmetic command that assigns in another form makes the variable unknown."""
+        text = text.strip()
+        m = re.fullmatch(r"([A-Za-z_]\w*)\s*([-+*/%]?)=\s*(.+)", text, flags=re.S)
+        inc = re.fullmatch(r"(\+\+|--)?\s*([A-Za-z_]\w*)\s*(\+\+|--)?", text)
+        if m:
+            name, op, rhs = m.group(1), m.group(2), m.group(3)
+            script = f"{name}=$(( {name} {op} ({rhs}) ))" if op else f"{name}=$(( {rhs} ))"
+        elif inc and (inc.group(1) or inc.group(3)):
+            name = inc.group(2)
+            script = f"{name}=$(( {name} {'+' if '+' in (inc.group(1) or inc.group(3)) else '-'} 1 ))"
+        else:
+            for assigned in re.findall(r"([A-Za-z_]\w*)\s*(?:[-+*/%]?=(?!=)|\+\+|--)", text):
+                w.env[assigned] = unknown(f"(( {text} ))")
+            return [w]
+        try:
+            tree = parse(script, self.where)
+        except SpecError:
+            w.env[name] = unknown(f"(( {text} ))")
+            return [w]
+        sub = Evaluator(script, self.where)
+        worlds = sub.block(tree.root_node.children, [w], depth + 1)
+        for x in worlds:
+            x.lines[name] = self.line(node)
+        return worlds
 
     def list_(self, node, w: World, depth: int) -> list[World]:
         """``a && b`` runs both; ``a || b`` runs only ``a`` (commands are taken to succeed)."""
@@ -295,6 +325,13 @@ class Evaluator(Expander):
             return [w]
         if name in ("export", "declare", "typeset", "local", "readonly"):
             return [w]
+        if name == "let":
+            worlds = [w]
+            for expr in argv[1:]:
+                worlds = [y for x in worlds for y in self.arith_command(expr, node, x, depth)]
+            return worlds
+        if name in ("source", ".") and len(argv) > 1 and depth < MAX_DEPTH:
+            return self.source(argv[1], node, w, depth)
         if name in w.functions and depth < MAX_DEPTH:
             saved = w.positional
             w.positional = argv[1:]
@@ -308,6 +345,21 @@ class Evaluator(Expander):
         if inner is not None and depth < MAX_DEPTH and not is_unknown(inner):
             return Evaluator(inner, self.where).block(parse(inner, self.where).root_node.children, [w], depth + 1)
         return [w]
+
+    def source(self, name: str, node, w: World, depth: int) -> list[World]:
+        """``source FILE`` / ``. FILE``: a file next to the script is read in the same World; one that is
+        not there leaves its variables unknown (flags that use them say so)."""
+        from pathlib import Path
+
+        target = Path(name) if Path(name).is_absolute() else Path(self.where).parent / name
+        if is_unknown(name) or not target.is_file() or target.stat().st_size > 1_000_000:
+            return [w]
+        try:
+            text = target.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return [w]
+        sub = Evaluator(text, str(target))
+        return sub.block(parse(text, str(target)).root_node.children, [w], depth + 1)
 
     # --- branches -----------------------------------------------------------------------------
     def if_(self, node, w: World, depth: int) -> list[World]:
