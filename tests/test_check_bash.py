@@ -36,6 +36,7 @@ CASES = {
     "no arguments: while $# loop": ('while [ $# -gt 0 ]; do shift; A=1; done\nrun ${A:-none}', ["none"]),
     "for over a list": ('A=()\nfor x in 1 2 3; do A+=(--l$x); done\nrun "${A[@]}"', ["--l1", "--l2", "--l3"]),
     "functions": ('f() { run "$1" --in-f; }\nf hello', ["hello", "--in-f"]),
+    "(( )) condition": ('N=3\nif (( N > 2 )); then A=big; else A=small; fi\nrun $A', ["big"]),
     "|| skips the right side": ('cd /x || exit 1\nrun ok', ["ok"]),
 }
 

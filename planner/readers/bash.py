@@ -530,6 +530,9 @@ class Evaluator(Expander):
             return left
         if t == "negated_command":
             return _not(self.cond(node.named_children[0], w))
+        if t == "compound_statement" and node.children and node.children[0].type == "((" and node.named_children:
+            value = self.arith(node.named_children[0], w)  # (( expr )): true when not 0
+            return None if value is None else value != 0
         if t == "command":
             argv = self.word_list(node, w)
             if argv and argv[0] in ("true", ":"):
