@@ -136,6 +136,9 @@ def _read_launch_file(path: Path, hardware: HardwareSpec, gpus: int | None, voca
         return [_toml_result(path, hardware, gpus)]
     if path.suffix == ".json":
         return _deepspeed_json_results(path, hardware, gpus, vocab_size)
+    if path.suffix in (".yaml", ".yml"):
+        raise SpecError(f"{path}: a YAML file that is not a plan3d plan (model, hardware, training, plan); "
+                        "check does not read NeMo or other YAML training configs")
     text = _read_text(path)
     notes, sbatch = _notes(text), _sbatch(text, path)
     worlds = evaluate(text, str(path), env=sbatch_env(sbatch))

@@ -128,7 +128,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         shard = gpus // fixed
     world = fixed * shard
     if gpus is not None and gpus != world:
-        raise SpecError(f"{where}: the degrees multiply to {world} GPUs but the launcher starts {gpus}")
+        raise SpecError(f"{where}: the degrees multiply to {world} GPUs, not the {gpus} the launcher (or --gpus) gives")
     if rep > 1 and shard > 1:
         raise SpecError(f"{where}: HSDP (data_parallel_replicate_degree {rep} x shard {shard}) is not modelled "
                         "(plan3d shards over all data-parallel ranks)")
