@@ -21,7 +21,7 @@ UNMODELLED_PROGRAMS = {
     "pretrain_vlm.py": "a vision-language model, which plan3d does not model",
     "pretrain_ict.py": "an ICT retriever, which plan3d does not model",
 }
-MEGATRON_PROGRAMS = {"pretrain_gpt.py", "pretrain_llama.py", "pretrain_gpt_core.py"}
+MEGATRON_PROGRAMS = {"pretrain_gpt.py", "pretrain_gpt_core.py"}  # pretrain_gpt_core.py: Megatron-LM 2023
 TORCHRUN = {"torchrun", "torch.distributed.run", "torch.distributed.launch"}
 PYTHON = re.compile(r"^python(\d(\.\d+)?)?$")
 
