@@ -1,268 +1,56 @@
-"""`plan3d check`: read plan files, Megatron-LM argument files and launch scripts, and estimate every stage's memory.
+"""`plan3d check`: read launch configurations as their frameworks read them, and estimate every stage.
 
-A launch script is read the way bash would see its words: comments dropped, line continuations
-joined, ``NAME=value`` assignments and ``${NAME:-default}`` substituted (the environment itself is
-never read, so a check gives the same answer everywhere). Megatron-LM flags are collected from
-all words; the GPU count comes from a ``# plan3d: num_gpus=N`` note, torchrun's ``--nnodes`` x
-``--nproc-per-node``, or Slurm's ``#SBATCH --nodes`` x ``--gpus-per-node``, else from ``--gpus``.
-Megatron-LM's defaults apply where a flag is absent (biases on, dropout 0.1, learned absolute
-positions, LayerNorm, tied embeddings), as ``megatron/training/arguments.py`` sets them.
+Inputs (by content, whatever their names):
+
+* plan files (``plan3d search --out``, ``*.plan.json``/``.yaml``);
+* bash and Slurm scripts, evaluated as bash would evaluate them without running them
+  (``planner/readers/bash.py``): the training launch found in them (torchrun / deepspeed / srun /
+  python starting Megatron-LM's ``pretrain_gpt.py`` or ``torchtitan.train``), its launcher's GPU
+  count and the program's arguments. A script whose values depend on ``if``/``case`` branches gives
+  one result per branch (branches that ``exit`` before launching are dropped);
+* Megatron-LM argument files (one or more flags per line, ``#`` comments), such as
+  ``plan3d emit``'s ``*.megatron.args`` and ``*.megatron-deepspeed.args``;
+* torchtitan TOML job configs;
+* DeepSpeed JSON configs: checked with the script or argument file next to them that passes them
+  (``--deepspeed_config NAME``).
+
+Megatron-LM's own defaults and normalisations apply (``planner/readers/megatron.py``); models
+plan3d does not model (Mamba, hybrid, MoE, MLA, ...) are refused with the reason, never read as
+dense. Notes (``CheckResult.notes``) say which defaults and assumptions were used.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.presets import SpecError, build, load_scenario, read_document
-from planner.specs import HardwareSpec, ModelSpec, Scenario
+from planner.readers import megatron, torchtitan
+from planner.readers.args import parse_args
+from planner.readers.bash import World, evaluate, sbatch_env
+from planner.readers.launch import Launch, find_launches, world_size
+from planner.specs import HardwareSpec, Scenario
 
-# Megatron-LM / torchrun / Slurm flags that take no value (store_true); every other flag takes one.
-SWITCHES = {
-    "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--add-qkv-bias", "--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--bf16",
-    "--fp16", "--overlap-grad-reduce", "--overlap-param-gather", "--grad-reduce-in-bf16", "--mock-data",
-    "--deepspeed", "--standalone", "--exclusive", "--use-flash-attn", "--no-python", "--recompute-activations",
-}
-_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
-_ASSIGN = re.compile(r"^([A-Za-z_]\w*)=")
+NOTE = re.compile(r"^\s*#\s*plan3d:\s*(\w+)\s*=\s*(.*?)\s*$", re.M)
+SBATCH = re.compile(r"^#SBATCH\s+(.*)$", re.M)
 
 
 @dataclass
-class Flags:
-    """The flags of one file: value and line of each (the last occurrence wins, as argparse does)."""
-
+class CheckResult:
     path: Path
-    values: dict[str, str | None] = field(default_factory=dict)
-    lines: dict[str, int] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)
-    sbatch: dict[str, str | None] = field(default_factory=dict)
+    line: int
+    scenario: Scenario | None = None
+    errors: list[str] = field(default_factory=list)
+    branch: str | None = None          # which if/case branch of a script this result is for
+    notes: list[str] = field(default_factory=list)
+    branches: list[str] = field(default_factory=list, repr=False)  # every branch decision taken
 
-    def get(self, flag: str, default=None):
-        return self.values.get(flag, default)
-
-    def has(self, flag: str) -> bool:
-        return flag in self.values
-
-    def line(self, *flags: str) -> int:
-        return min((self.lines[f] for f in flags if f in self.lines), default=1)
-
-    def int(self, flag: str, default: int | None = None) -> int | None:
-        if flag not in self.values:
-            return default
-        value = self.values[flag]
-        try:
-            return int(str(value))
-        except ValueError:
-            raise SpecError(f"{self.path}:{self.lines[flag]}: {flag}: '{value}' is not an integer") from None
-
-    def float(self, flag: str, default: float) -> float:
-        if flag not in self.values:
-            return default
-        try:
-            return float(str(self.values[flag]))
-        except ValueError:
-            raise SpecError(f"{self.path}:{self.lines[flag]}: {flag}: '{self.values[flag]}' is not a number") from None
-
-
-def _logical_lines(text: str):
-    """(first line number, text) of each logical line, continuations joined."""
-    buf, start = [], None
-    for n, raw in enumerate(text.splitlines(), start=1):
-        if start is None:
-            start = n
-        if raw.rstrip().endswith("\\"):
-            buf.append(raw.rstrip()[:-1])
-            continue
-        buf.append(raw)
-        yield start, " ".join(buf)
-        buf, start = [], None
-    if buf:
-        yield start, " ".join(buf)
-
-
-def _substitute(line: str, env: dict[str, str]) -> str:
-    def repl(m):
-        name = m.group(1) or m.group(3)
-        if name in env:
-            return env[name]
-        if m.group(2) is not None:
-            return m.group(2)
-        return m.group(0)
-
-    return _VAR.sub(repl, line)
-
-
-def read_flags(path: Path) -> Flags:
-    """Every ``--flag [value]`` word of a script or argument file, with its line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecError(f"{path}: cannot read: {err.__class__.__name__}") from None
-    out, env = Flags(path=path), {}
-    for lineno, line in _logical_lines(text):
-        stripped = line.strip()
-        if stripped.startswith("# plan3d:"):
-            key, _, value = stripped[len("# plan3d:"):].strip().partition("=")
-            out.notes[key.strip()] = value.strip()
-            continue
-        if stripped.startswith("#SBATCH"):
-            words = stripped[len("#SBATCH"):].split()
-            _collect(words, lineno, out.sbatch, {})
-            continue
-        line = _substitute(line, env)
-        try:
-            words = shlex.split(line, comments=True)
-        except ValueError as err:
-            raise SpecError(f"{path}:{lineno}: cannot split the line into words: {err}") from None
-        for word in words:  # NAME=value assignments, e.g. GPT_ARGS="--num-layers 80 ..."
-            m = _ASSIGN.match(word)
-            if m and not word.split("=", 1)[1].startswith("("):
-                env[m.group(1)] = word.split("=", 1)[1]
-                _collect(_split_quiet(env[m.group(1)]), lineno, out.values, out.lines)
-        _collect(words, lineno, out.values, out.lines)
-    return out
-
-
-def _split_quiet(text: str) -> list[str]:
-    try:
-        return shlex.split(text)
-    except ValueError:
-        return text.split()
-
-
-def _collect(words: list[str], lineno: int, values: dict, lines: dict) -> None:
-    i = 0
-    while i < len(words):
-        w = words[i].strip("()")
-        if w.startswith("--") and len(w) > 2:
-            flag, eq, value = w.partition("=")
-            flag = "--nproc-per-node" if flag == "--nproc_per_node" else flag
-            if not eq:
-                value = None
-                nxt = words[i + 1].strip("()") if i + 1 < len(words) else ""
-                if flag not in SWITCHES and nxt and not nxt.startswith("--"):
-                    value, i = nxt, i + 1
-            values[flag] = value
-            lines[flag] = lineno
-        i += 1
-
-
-def _gpus(f: Flags, override: int | None) -> int:
-    if override is not None:
-        return override
-    if "num_gpus" in f.notes:
-        return int(f.notes["num_gpus"])
-    nnodes, nproc = f.get("--nnodes"), f.get("--nproc-per-node")
-    if nproc and str(nproc).isdigit():
-        if nnodes is not None and str(nnodes).isdigit():
-            return int(nnodes) * int(nproc)
-        nodes = f.sbatch.get("--nodes") or f.sbatch.get("-N")
-        if nodes and str(nodes).isdigit():
-            return int(nodes) * int(nproc)
-        if f.has("--standalone") or nnodes is None:
-            return int(nproc)
-    nodes, per_node = f.sbatch.get("--nodes"), f.sbatch.get("--gpus-per-node")
-    if nodes and per_node and str(nodes).isdigit() and str(per_node).isdigit():
-        return int(nodes) * int(per_node)
-    raise SpecError(f"{f.path}: cannot tell the GPU count: no torchrun --nnodes/--nproc-per-node, no #SBATCH "
-                    "--nodes/--gpus-per-node and no '# plan3d: num_gpus=N'; pass --gpus")
-
-
-def _require(f: Flags, *flags: str) -> None:
-    missing = [x for x in flags if not f.has(x)]
-    if missing:
-        raise SpecError(f"{f.path}: no {', '.join(missing)}: not a Megatron-LM launch (or add the flags)")
-
-
-def model_from_flags(f: Flags) -> dict:
-    _require(f, "--num-layers", "--hidden-size", "--num-attention-heads", "--vocab-size")
-    h, heads = f.int("--hidden-size"), f.int("--num-attention-heads")
-    dropout = f.float("--attention-dropout", 0.1) > 0 or f.float("--hidden-dropout", 0.1) > 0
-    pos = {"learned_absolute": "learned", "rope": "rope", "none": "alibi"}.get(
-        f.get("--position-embedding-type", "learned_absolute"), "rope")
-    if f.has("--use-rotary-position-embeddings"):
-        pos = "rope"
-    model = {
-        "name": f.notes.get("name", f.path.stem),
-        "num_layers": f.int("--num-layers"), "hidden_size": h, "num_attention_heads": heads,
-        "num_kv_heads": f.int("--num-query-groups") if f.has("--group-query-attention") else None,
-        "head_dim": f.int("--kv-channels"), "ffn_hidden_size": f.int("--ffn-hidden-size"),
-        "vocab_size": f.int("--vocab-size"), "max_seq_len": f.int("--max-position-embeddings"),
-        "activation": "swiglu" if f.has("--swiglu") else "gelu",
-        "norm": "rmsnorm" if f.get("--normalization") == "RMSNorm" else "layernorm",
-        "tied_embeddings": not f.has("--untie-embeddings-and-output-weights"),
-        "position_embedding": pos, "linear_bias": not f.has("--disable-bias-linear"),
-        "qkv_bias": True if f.has("--add-qkv-bias") else None,
-        "embedding_norm": f.notes.get("embedding_norm") == "true", "dropout": dropout,
-    }
-    return model
-
-
-def _zero_stage(f: Flags) -> int:
-    if f.has("--zero-stage"):
-        return f.int("--zero-stage")
-    if f.has("--use-megatron-fsdp"):
-        strategy = f.get("--data-parallel-sharding-strategy", "no_shard")
-        return {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}.get(strategy, 0)
-    return 1 if f.has("--use-distributed-optimizer") else 0
-
-
-def _layers_per_stage(f: Flags, layers: int, pp: int) -> list[int] | None:
-    if f.has("--pipeline-model-parallel-layout"):
-        from planner.emit.megatron import layout_layers
-
-        return list(layout_layers(str(f.get("--pipeline-model-parallel-layout")), pp)[0])
-    first, last = f.int("--decoder-first-pipeline-num-layers"), f.int("--decoder-last-pipeline-num-layers")
-    if pp == 1 or (first is None and last is None):
-        return None
-    ends = [x for x in (first, last) if x is not None]
-    rest, others = layers - sum(ends), pp - len(ends)
-    if others == 0:
-        return [first, last]
-    if rest % others:
-        raise SpecError(f"{f.path}:{f.line('--decoder-first-pipeline-num-layers', '--decoder-last-pipeline-num-layers')}: "
-                        f"{rest} remaining layers do not split evenly over {others} stages")
-    middle = [rest // others] * others
-    return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
-
-
-def scenario_from_flags(f: Flags, hardware: HardwareSpec, gpus: int | None) -> Scenario:
-    _require(f, "--seq-length", "--micro-batch-size")
-    model = build(ModelSpec, model_from_flags(f), f"{f.path}:{f.line('--num-layers')}")
-    tp, pp, cp = (f.int(x, 1) for x in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                                        "--context-parallel-size"))
-    n = _gpus(f, gpus)
-    if n % (tp * pp * cp):
-        raise SpecError(f"{f.path}:{f.line('--tensor-model-parallel-size')}: {n} GPUs are not divisible by "
-                        f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp}")
-    dp = n // (tp * pp * cp)
-    mbs = f.int("--micro-batch-size")
-    vpp = 1
-    if f.has("--num-layers-per-virtual-pipeline-stage"):
-        per_chunk = f.int("--num-layers-per-virtual-pipeline-stage")
-        vpp = max(1, model.num_layers // (pp * per_chunk)) if per_chunk else 1
-    elif f.has("--num-virtual-stages-per-pipeline-rank"):
-        vpp = f.int("--num-virtual-stages-per-pipeline-rank")
-    elif f.has("--pipeline-model-parallel-layout"):
-        from planner.emit.megatron import layout_layers
-
-        vpp = layout_layers(str(f.get("--pipeline-model-parallel-layout")), pp)[1]
-    granularity = f.get("--recompute-granularity") or ("selective" if f.has("--recompute-activations") else None)
-    training = {"num_gpus": n, "global_batch_size": f.int("--global-batch-size", mbs * dp),
-                "seq_len": f.int("--seq-length"), "precision": "fp8" if f.has("--fp8-format") else "bf16",
-                "attention": "materialized" if f.get("--attention-backend") == "unfused" else "flash",
-                "overlap_grad_reduce": f.has("--overlap-grad-reduce"),
-                "grad_reduce_in_bf16": f.has("--grad-reduce-in-bf16")}
-    plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
-            "recompute": granularity or "none", "sequence_parallel": f.has("--sequence-parallel"),
-            "zero_stage": _zero_stage(f), "layers_per_stage": _layers_per_stage(f, model.num_layers, pp)}
-    where = f"{f.path}:{f.line('--tensor-model-parallel-size', '--micro-batch-size')}"
-    return build(Scenario, {"model": model.model_dump(), "hardware": hardware.model_dump(),
-                            "training": training, "plan": plan}, where)
+    @property
+    def label(self) -> str:
+        """The file name, and the branch when a script gives several results."""
+        return f"{self.path} [{self.branch}]" if self.branch else str(self.path)
 
 
 def is_plan_file(path: Path) -> bool:
@@ -272,34 +60,301 @@ def is_plan_file(path: Path) -> bool:
     return isinstance(doc, dict) and "plan" in doc and "model" in doc
 
 
-@dataclass
-class CheckResult:
-    path: Path
-    line: int
-    scenario: Scenario | None = None
-    errors: list[str] = field(default_factory=list)
+def _notes(text: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in NOTE.finditer(text)}
 
 
-def check_file(path: Path, hardware: HardwareSpec | None, headroom: float | None, gpus: int | None) -> CheckResult:
-    """One file's scenario, on ``hardware`` (a plan file keeps its own when none is given)."""
+def _sbatch(text: str, path: Path) -> dict:
+    values: dict = {}
+    for m in SBATCH.finditer(text):
+        words = m.group(1).split("#", 1)[0].split()
+        args = parse_args(words, [1] * len(words), path, underscores=False)
+        values.update(args.values)
+        for i, w in enumerate(words):  # -N 2 / -n 16
+            if w in ("-N", "-n") and i + 1 < len(words):
+                values[w] = words[i + 1]
+    return values
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(f"{path}: cannot read: {err.__class__.__name__}") from None
+
+
+# --- results per input kind ---------------------------------------------------------------------
+def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: float | None, gpus: int | None,
+                        vocab_size: int | None = None) -> list[CheckResult]:
+    """One result per configuration the file can launch (one per branch of a script)."""
     try:
         if not path.is_file():
-            raise SpecError(f"{path}: no such file")
+            raise SpecError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
         if is_plan_file(path):
             sc = load_scenario(str(path))
+            results = [CheckResult(path=path, line=1, scenario=sc)]
             hw = hardware or sc.hardware
-            line = 1
         else:
             if hardware is None:
-                raise SpecError(f"{path}: --hardware is required to check a Megatron-LM launch")
-            flags = read_flags(path)
-            sc, hw = scenario_from_flags(flags, hardware, gpus), hardware
-            line = flags.line("--micro-batch-size", "--tensor-model-parallel-size")
+                raise SpecError(f"{path}: --hardware is required to check a launch file (only plan files carry "
+                                "their hardware)")
+            results, hw = _read_launch_file(path, hardware, gpus, vocab_size), hardware
         if headroom is not None:
             hw = hw.model_copy(update={"fragmentation_headroom": headroom})
-        return CheckResult(path=path, line=line, scenario=sc.model_copy(update={"hardware": hw}))
+        for r in results:
+            if r.scenario is not None:
+                r.scenario = r.scenario.model_copy(update={"hardware": hw})
+        return results
     except SpecError as err:
-        return CheckResult(path=path, line=_error_line(err), errors=err.lines)
+        return [CheckResult(path=path, line=_error_line(err), errors=err.lines)]
+
+
+def check_file(path: Path, hardware: HardwareSpec | None, headroom: float | None, gpus: int | None,
+               vocab_size: int | None = None) -> CheckResult:
+    """The one result of a file, or, when a script gives one per branch, the worst of them (an error
+    first, then the branch with the least memory to spare); its notes name the other branches."""
+    results = check_file_branches(path, hardware, headroom, gpus, vocab_size)
+    if len(results) == 1:
+        return results[0]
+    worst = max(results, key=_badness)
+    others = [r.branch for r in results if r is not worst]
+    worst.notes = worst.notes + [f"worst of {len(results)} branches; the others: {'; '.join(others)}"]
+    return worst
+
+
+def _badness(r: CheckResult) -> float:
+    if r.errors:
+        return float("inf")
+    from planner.memory import estimate_scenario_memory
+
+    mem = estimate_scenario_memory(r.scenario)
+    return mem.peak_gib - mem.usable_gib
+
+
+def _read_launch_file(path: Path, hardware: HardwareSpec, gpus: int | None, vocab_size: int | None):
+    if path.suffix == ".toml":
+        return [_toml_result(path, hardware, gpus)]
+    if path.suffix == ".json":
+        return _deepspeed_json_results(path, hardware, gpus, vocab_size)
+    if path.suffix in (".yaml", ".yml"):
+        raise SpecError(f"{path}: a YAML file that is not a plan3d plan (model, hardware, training, plan); "
+                        "check does not read NeMo or other YAML training configs")
+    text = _read_text(path)
+    notes, sbatch = _notes(text), _sbatch(text, path)
+    if path.suffix == ".args":
+        # An argument file is passed as `$(grep -v '^#' FILE)` (docs/emit.md): whitespace-separated words,
+        # no shell syntax, so a layout such as `Ett|tt|ttL` is one word, not a pipe.
+        words, lines = [], []
+        for n, raw in enumerate(text.splitlines(), start=1):
+            if not raw.lstrip().startswith("#"):
+                words += raw.split()
+                lines += [n] * len(raw.split())
+        worlds = None
+    else:
+        worlds = evaluate(text, str(path), env=sbatch_env(sbatch))
+    if worlds is None or _is_argument_file(worlds):
+        if worlds is not None:
+            words, lines = [], []
+            for cmd in worlds[0].commands:
+                words += cmd.argv
+                lines += cmd.lines
+        args = parse_args(words, lines, path)
+        n = gpus or _note_gpus(notes, path)
+        if n is None:
+            raise SpecError(f"{path}: an argument file does not say the GPU count; add '# plan3d: num_gpus=N' or "
+                            "pass --gpus")
+        ds = _deepspeed_config(args, path, {}) if args.has("--deepspeed") else None
+        return [_megatron_result(args, n, path, hardware, vocab_size, ds, notes)]
+    return _script_results(path, worlds, notes, sbatch, hardware, gpus, vocab_size)
+
+
+def _is_argument_file(worlds: list[World]) -> bool:
+    cmds = [c for w in worlds for c in w.commands]
+    return bool(cmds) and len(worlds) == 1 and all(c.argv[0].startswith("--") for c in cmds)
+
+
+def _note_gpus(notes: dict, path: Path) -> int | None:
+    if "num_gpus" not in notes:
+        return None
+    if not notes["num_gpus"].isdigit():
+        raise SpecError(f"{path}: '# plan3d: num_gpus={notes['num_gpus']}' is not a whole number")
+    return int(notes["num_gpus"])
+
+
+def _script_results(path, worlds, notes, sbatch, hardware, gpus, vocab_size) -> list[CheckResult]:
+    per_world = []
+    for w in worlds:
+        launches = find_launches(w.commands, path)
+        if not launches and w.exited:
+            continue  # e.g. `if [ ! -f "$SCRIPT" ]; then echo ...; exit 1; fi`
+        per_world.append((w, launches))
+    if not any(launches for _, launches in per_world):
+        raise SpecError(f"{path}: no training launch found (torchrun, deepspeed, srun or python starting Megatron-LM's "
+                        "pretrain_gpt.py or torchtitan.train)")
+    results, idle = [], []
+    for w, launches in per_world:
+        branch = "; ".join(w.branch) or None
+        if not launches:  # e.g. the MODE=validate branch of plan3d's Slurm script
+            idle.append(branch)
+            continue
+        for launch in launches:
+            try:
+                results.append(_launch_result(path, w, launch, notes, sbatch, hardware, gpus, vocab_size))
+            except SpecError as err:
+                results.append(CheckResult(path=path, line=_error_line(err), errors=err.lines))
+            results[-1].branch, results[-1].branches = branch, list(w.branch)
+    results = _merge(results)
+    for r in results:
+        r.notes += [f"branch without a training launch, not checked: {b}" for b in idle]
+    return results
+
+
+def _merge(results: list[CheckResult]) -> list[CheckResult]:
+    """Branches that give the same configuration are one result; a lone result needs no branch label."""
+    out: list[CheckResult] = []
+    for r in results:
+        same = next((o for o in out if o.scenario == r.scenario and o.errors == r.errors), None)
+        if same is None:
+            out.append(r)
+    if len(out) == 1:
+        out[0].branch = None
+        return out
+    common = set.intersection(*(set(r.branches) for r in out))
+    for r in out:  # name a result by the decisions that set it apart
+        r.branch = "; ".join(b for b in r.branches if b not in common) or r.branch
+    return out
+
+
+def _launch_result(path, w: World, launch: Launch, notes, sbatch, hardware, gpus, vocab_size) -> CheckResult:
+    if launch.kind == "unmodelled":
+        raise SpecError(f"{path}:{launch.line}: {launch.reason}; refused rather than read as a dense GPT")
+    if launch.kind == "unknown":
+        raise SpecError(f"{path}:{launch.line}: {launch.reason}")
+    n = gpus or _note_gpus(notes, path) or world_size(launch, sbatch, path)
+    if launch.kind == "torchtitan":
+        return _torchtitan_launch(path, launch, n, hardware, gpus or _note_gpus(notes, path))
+    ds = _deepspeed_config(launch.args, path, w.files) if launch.args.has("--deepspeed") else None
+    return _megatron_result(launch.args, n, path, hardware, vocab_size, ds, notes)
+
+
+def _megatron_result(args, n, path, hardware, vocab_size, ds, notes) -> CheckResult:
+    name = notes.get("name", path.name.split(".")[0])
+    model, training, plan, msgs = megatron.scenario_dicts(args, n, vocab_size, ds, name, notes)
+    line = args.line("--micro-batch-size", "--tensor-model-parallel-size")
+    sc = build(Scenario, {"model": model, "hardware": hardware.model_dump(), "training": training, "plan": plan},
+               f"{path}:{line}")
+    return CheckResult(path=path, line=line, scenario=sc, notes=msgs)
+
+
+def _deepspeed_config(args, path: Path, files: dict) -> dict:
+    """The DeepSpeed config a Megatron-DeepSpeed launch passes: a file the script writes with a
+    here-document, or a file next to the script."""
+    name = args.get("--deepspeed_config") or args.get("--deepspeed-config")
+    if name is None:
+        raise SpecError(f"{path}:{args.line('--deepspeed')}: --deepspeed without --deepspeed_config")
+    text = files.get(name)
+    if text is None:
+        candidate = Path(name) if Path(name).is_absolute() else path.parent / name
+        if not candidate.is_file():
+            raise SpecError(f"{path}:{args.line('--deepspeed_config')}: the DeepSpeed config {name} is neither "
+                            f"written by the script nor next to it; it holds the ZeRO stage and batch sizes")
+        text = _read_text(candidate)
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path}:{args.line('--deepspeed_config')}: the DeepSpeed config {name} is not valid JSON: "
+                        f"{err.msg} (line {err.lineno})") from None
+    if not isinstance(doc, dict):
+        raise SpecError(f"{path}: the DeepSpeed config {name} is not a JSON object")
+    return doc
+
+
+def _is_deepspeed_config(doc) -> bool:
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization", "gradient_accumulation_steps")
+    return isinstance(doc, dict) and any(k in doc for k in keys)
+
+
+def _deepspeed_json_results(path, hardware, gpus, vocab_size) -> list[CheckResult]:
+    """A DeepSpeed config alone holds no model: check it with the file next to it that passes it."""
+    try:
+        doc = json.loads(_read_text(path))
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
+    if not _is_deepspeed_config(doc):
+        raise SpecError(f"{path}: neither a plan3d plan file (model, hardware, training, plan) nor a DeepSpeed config")
+    pattern = re.compile(r"--deepspeed[_-]config[=\s]+[\"']?(?:\S*/)?" + re.escape(path.name))
+    for sibling in sorted(path.parent.iterdir()):
+        if sibling == path or not sibling.is_file() or sibling.suffix in (".json", ".toml"):
+            continue
+        try:
+            text = sibling.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if pattern.search(text):
+            results = _read_launch_file(sibling, hardware, gpus, vocab_size)
+            for r in results:
+                r.path, r.notes = path, r.notes + [f"checked with {sibling.name}, which passes this config"]
+            return results
+    plan_file = path.with_name(path.name.removesuffix(".deepspeed.json") + ".plan.json")
+    if path.name.endswith(".deepspeed.json") and plan_file.is_file():  # `plan3d emit --format deepspeed` writes both
+        results = check_file_branches(plan_file, hardware, None, gpus, vocab_size)
+        for r in results:
+            if r.scenario is not None and not r.errors:
+                _agrees_with_deepspeed(r, doc, path)
+            r.path, r.notes = path, r.notes + [f"checked with {plan_file.name}, the plan it was emitted from"]
+        return results
+    raise SpecError(f"{path}: a DeepSpeed config holds no model; no file next to it passes it with --deepspeed_config "
+                    "(check the launch script instead)")
+
+
+def _agrees_with_deepspeed(result: CheckResult, doc: dict, path: Path) -> None:
+    """The plan's micro-batch, accumulation and ZeRO stage against the config's (DeepSpeed's own keys)."""
+    p = result.scenario.resolved_plan()
+    pairs = {"train_micro_batch_size_per_gpu": p.micro_batch_size, "gradient_accumulation_steps": p.num_microbatches,
+             "zero_optimization.stage": p.zero_stage}
+    for key, want in pairs.items():
+        got = doc
+        for part in key.split("."):
+            got = got.get(part) if isinstance(got, dict) else None
+        if got is not None and got != want:
+            result.errors.append(f"{path}: {key} is {got}, the plan next to it says {want}")
+
+
+def _toml_result(path: Path, hardware: HardwareSpec, gpus: int | None) -> CheckResult:
+    doc = torchtitan.read_toml(path)
+    if not torchtitan.is_torchtitan(doc):
+        raise SpecError(f"{path}: not a torchtitan job config (no [model] name with [parallelism] or [training])")
+    n = gpus or _note_gpus(_notes(_read_text(path)), path)
+    model, training, plan, msgs = torchtitan.scenario_dicts(doc, n, str(path))
+    line = _toml_line(path)
+    sc = build(Scenario, {"model": model, "hardware": hardware.model_dump(), "training": training, "plan": plan},
+               f"{path}:{line}")
+    return CheckResult(path=path, line=line, scenario=sc, notes=msgs)
+
+
+def _toml_line(path: Path) -> int:
+    for n, line in enumerate(_read_text(path).splitlines(), start=1):
+        if line.strip() == "[parallelism]":
+            return n
+    return 1
+
+
+def _torchtitan_launch(path, launch: Launch, n, hardware, pinned_gpus) -> CheckResult:
+    """``torchrun ... -m torchtitan.train [--job.config_file F.toml] [--section.key value ...]``."""
+    overrides = torchtitan.apply_overrides({}, launch.words)
+    doc: dict = {}
+    cfg = overrides.get("job", {}).get("config_file")
+    if cfg is not None:
+        cfg_path = Path(str(cfg))
+        cfg_path = cfg_path if cfg_path.is_absolute() else path.parent / cfg_path
+        if not cfg_path.is_file():
+            raise SpecError(f"{path}:{launch.line}: the torchtitan config {cfg} is not next to the script")
+        doc = torchtitan.read_toml(cfg_path)
+    doc = torchtitan.apply_overrides(doc, launch.words)
+    model, training, plan, msgs = torchtitan.scenario_dicts(doc, n, f"{path}:{launch.line}")
+    sc = build(Scenario, {"model": model, "hardware": hardware.model_dump(), "training": training, "plan": plan},
+               f"{path}:{launch.line}")
+    return CheckResult(path=path, line=launch.line, scenario=sc, notes=msgs)
 
 
 def _error_line(err: SpecError) -> int:
@@ -312,10 +367,45 @@ def to_json(results: list[CheckResult]) -> str:
 
     out = []
     for r in results:
+        entry = {"file": str(r.path), "line": r.line, "branch": r.branch, "notes": r.notes}
         if r.errors:
-            out.append({"file": str(r.path), "line": r.line, "valid": False, "errors": r.errors})
+            out.append(entry | {"valid": False, "errors": r.errors})
             continue
         mem = estimate_scenario_memory(r.scenario)
-        out.append({"file": str(r.path), "line": r.line, "valid": True, "fits": mem.fits,
-                    "plan": r.scenario.resolved_plan().model_dump(), "memory": mem.to_dict()})
+        out.append(entry | {"valid": True, "fits": mem.fits, "plan": r.scenario.resolved_plan().model_dump(),
+                            "memory": mem.to_dict()})
     return json.dumps(out, indent=2)
+
+
+def read_flags(path: Path):
+    """The program arguments (:class:`planner.readers.args.Args`) of an argument file, or of the first
+    training launch of a script's first branch."""
+    text = _read_text(path)
+    worlds = evaluate(text, str(path), env=sbatch_env(_sbatch(text, path)))
+    if _is_argument_file(worlds):
+        words, lines = [], []
+        for cmd in worlds[0].commands:
+            words += cmd.argv
+            lines += cmd.lines
+        return parse_args(words, lines, path)
+    for w in worlds:
+        launches = find_launches(w.commands, path)
+        if launches:
+            return launches[0].args
+    raise SpecError(f"{path}: no training launch found")
+
+
+def exit_code(results: list[CheckResult]) -> int:
+    """The gate's verdict: 2 when a file is unreadable, unsupported or invalid, else 1 when some
+    configuration does not fit, else 0."""
+    from planner.memory import estimate_scenario_memory
+
+    if any(r.errors for r in results):
+        return 2
+    return 0 if all(estimate_scenario_memory(r.scenario).fits for r in results) else 1
+
+
+def check_paths(files: list[str], hardware: HardwareSpec | None, headroom: float | None, gpus: int | None,
+                vocab_size: int | None = None) -> list[CheckResult]:
+    """Every result of every file, in order (what `plan3d check FILE...` reports)."""
+    return [r for f in files for r in check_file_branches(Path(f), hardware, headroom, gpus, vocab_size)]

@@ -259,22 +259,24 @@ def print_check(con, results) -> None:
                      overflow="fold", min_width=12 if col == "file" else None)
     for r in results:
         if r.errors:
-            t.add_row(escape(str(r.path)), "-", "-", "-", *(() if narrow else ("-",)), "[red]invalid[/red]")
+            t.add_row(escape(r.label), "-", "-", "-", *(() if narrow else ("-",)), "[red]invalid[/red]")
             continue
         mem, peak, short = _verdict(r.scenario)
         verdict = "[green]fits[/green]" if mem.fits else f"[red]short by {short:.2f} GiB[/red]"
-        t.add_row(escape(str(r.path)), escape(f"{r.scenario.model.name} {r.scenario.plan.label()}"), str(peak.stage),
+        t.add_row(escape(r.label), escape(f"{r.scenario.model.name} {r.scenario.plan.label()}"), str(peak.stage),
                   f"{mem.peak_gib:.2f}", *(() if narrow else (f"{mem.usable_gib:.2f}",)), verdict)
     con.print(t)
     for r in results:
         for line in r.errors:
-            con.print(f"[red]error[/red]: {line}", markup=True, highlight=False)
+            con.print(f"[red]error[/red]: {escape(line)}", markup=True, highlight=False)
+        for note in r.notes:
+            con.print(f"note: {r.label}: {note}", markup=False, highlight=False)
         if not r.errors:
             mem, peak, short = _verdict(r.scenario)
-            con.print(memory_table(mem.to_dict(), title=escape(f"{r.path}: memory per GPU of each stage (GiB)"),
+            con.print(memory_table(mem.to_dict(), title=escape(f"{r.label}: memory per GPU of each stage (GiB)"),
                                    narrow=narrow))
             if not mem.fits:
-                con.print(f"{r.path}: {stage_where(r.scenario.plan, peak.stage)} needs {mem.peak_gib:.2f} GiB of "
+                con.print(f"{r.label}: {stage_where(r.scenario.plan, peak.stage)} needs {mem.peak_gib:.2f} GiB of "
                           f"{mem.usable_gib:.2f} GiB usable, short by {short:.2f} GiB", highlight=False)
 
 
@@ -286,7 +288,7 @@ def print_github(results) -> None:
                 sys.stdout.write(f"::error file={r.path},line={r.line}::{line}\n")
             continue
         mem, peak, short = _verdict(r.scenario)
-        label = f"{r.scenario.model.name} {r.scenario.plan.label()}"
+        label = f"{r.scenario.model.name} {r.scenario.plan.label()}" + (f" [{r.branch}]" if r.branch else "")
         if mem.fits:
             sys.stdout.write(f"::notice file={r.path},line={r.line}::{label} fits: peak {mem.peak_gib:.2f} GiB "
                              f"(stage {peak.stage}) of {mem.usable_gib:.2f} GiB usable\n")

@@ -53,10 +53,13 @@ def test_round_trip_search_emit_megatron_check(tmp_path, model_name, hw_name):
             render_all(sc, ["megatron", "torchrun", "slurm"])
         return
     files = _write(tmp_path, sc, ["megatron", "torchrun", "slurm"])
-    expected = estimate_scenario_memory(sc)
     for name, path in files.items():
         if name.endswith(".plan.json"):
             continue
+        # Megatron's NullTokenizer has --vocab-size + 1 tokens, so the emitter writes V - 1 and the
+        # reader adds the end-of-document id back: the same V, the same memory
+        assert f"--vocab-size {sc.model.vocab_size - 1}" in path.read_text()
+        expected = estimate_scenario_memory(sc)
         result = check_file(path, load_hardware(hw_name), None, None)
         assert not result.errors, result.errors
         got = estimate_scenario_memory(result.scenario)

@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, ForceOpt, QuietOpt, app, console, fail, handle_errors, spinner,
+    ForceOpt, QuietOpt, app, console, fail, handle_errors, spinner,
 )
-from planner.errors import MAX_GPUS, SpecError
+from planner.errors import MAX_COUNT, MAX_GPUS, SpecError
 
 
 @app.command()
@@ -38,17 +38,16 @@ def emit_files(sc, formats: str, out_dir: str, force: bool, quiet: bool = False)
 
 @app.command()
 def check(
-    files: Annotated[list[str], typer.Argument(metavar="FILE...", help="Plan files, Megatron-LM argument files or launch scripts.")],
+    files: Annotated[list[str], typer.Argument(metavar="FILE...", help="Plan files, bash/Slurm launch scripts, Megatron-LM argument files, torchtitan TOML or DeepSpeed JSON configs.")],
     hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile (required for Megatron-LM files).")] = None,
     headroom: Annotated[Optional[float], typer.Option("--headroom", min=0.0, max=0.9, help="Fragmentation headroom, e.g. 0.05 (default: the profile's).")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, max=MAX_GPUS, help="GPU count when a file does not say it.")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option("--vocab-size", min=1, max=MAX_COUNT, help="Tokenizer vocabulary (before Megatron's padding) for launch files whose tokenizer check cannot size.")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table, json or github (GitHub Actions annotations).")] = "table",
 ) -> None:
     """CI memory gate: exit 0 when every file's plan fits, 1 when one does not, 2 on unreadable or invalid input."""
-    from pathlib import Path
-
     from planner import presets, render
-    from planner.check import check_file, to_json
+    from planner.check import check_paths, exit_code, to_json
 
     if fmt not in ("table", "json", "github"):
         fail([f"--format: '{fmt}' is not one of table, json, github"])
@@ -56,23 +55,16 @@ def check(
         hw = presets.load_hardware(hardware) if hardware else None
     except SpecError as err:
         fail(err.lines)
-    results = [check_file(Path(f), hw, headroom, gpus) for f in files]
+    results = check_paths(files, hw, headroom, gpus, vocab_size)
     if fmt == "json":
         render.print_json(json.loads(to_json(results)))
     elif fmt == "github":
         render.print_github(results)
     else:
         render.print_check(console(), results)
-    if any(r.errors for r in results):
-        raise typer.Exit(EXIT_BAD_INPUT)
-    if not all(_fits(r) for r in results):
-        raise typer.Exit(EXIT_DOES_NOT_FIT)
-
-
-def _fits(result) -> bool:
-    from planner.memory import estimate_scenario_memory
-
-    return estimate_scenario_memory(result.scenario).fits
+    code = exit_code(results)  # 2 unreadable or invalid, 1 does not fit, 0 fits
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()

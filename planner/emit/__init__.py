@@ -46,8 +46,9 @@ def render_all(sc: Scenario, formats: list[str]) -> dict[str, str]:
         elif fmt == "slurm":
             out[f"{base}.slurm"] = slurm.render(sc, plan_name)
             out[plan_name] = render.scenario_json(sc)
-        elif fmt == "deepspeed":
+        elif fmt == "deepspeed":  # the config holds no model: the plan file beside it does (plan3d check reads both)
             out[f"{base}.deepspeed.json"] = deepspeed.render_config(sc)
+            out[plan_name] = render.scenario_json(sc)
         elif fmt == "torchtitan":
             out[f"{base}.torchtitan.sh"] = torchtitan.render(sc)
         elif fmt == "plan":

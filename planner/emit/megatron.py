@@ -35,7 +35,10 @@ def model_flags(sc: Scenario) -> list[Flag]:
     ]
     if m.kv_heads != m.num_attention_heads:
         flags += [("--group-query-attention", None), ("--num-query-groups", str(m.kv_heads))]
-    flags += [("--vocab-size", str(m.vocab_size)), ("--make-vocab-size-divisible-by", "128"),
+    # The emitted runs use Megatron's NullTokenizer (run_flags), which has --vocab-size + 1 tokens (the
+    # end-of-document id: megatron/training/tokenizer/tokenizer.py _NullTokenizer.vocab_size), so V - 1
+    # builds the model's V rows before padding.
+    flags += [("--vocab-size", str(m.vocab_size - 1)), ("--make-vocab-size-divisible-by", "128"),
               ("--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm")]
     if m.max_seq_len is not None:
         flags.append(("--max-position-embeddings", str(m.max_seq_len)))

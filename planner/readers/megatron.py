@@ -1,0 +1,381 @@
+"""Megatron-LM (and Megatron-DeepSpeed) arguments -> a plan3d scenario, as Megatron reads them.
+
+Every default and normalisation below is Megatron-LM core_v0.16.1's, cited by code path
+(``megatron/training/arguments.py`` unless said otherwise):
+
+* ``--ffn-hidden-size`` absent: ``4 * h``, or with ``--swiglu`` ``int((4 * h * 2 / 3) / 64) * 64``
+  (``validate_args``, "if args.ffn_hidden_size is None");
+* ``--kv-channels`` absent: ``h // heads`` (``validate_args``);
+* ``--group-query-attention`` without ``--num-query-groups``: 1 group
+  (``megatron/core/transformer/transformer_config.py``, ``num_query_groups`` argparse default 1);
+  ``--num-query-groups`` without ``--group-query-attention`` is ignored (``core_transformer_config_from_args``:
+  ``kw_args['num_query_groups'] = None``);
+* ``--sequence-parallel`` with tp = 1: turned off, not an error (``validate_args``, "disable sequence
+  parallelism when tp=1");
+* ``--global-batch-size`` absent: ``micro_batch_size * dp`` (``validate_args``);
+* ``--recompute-activations``: ``--recompute-granularity selective`` (``validate_args``);
+* virtual pipeline: ``(num_layers / pp) / --num-layers-per-virtual-pipeline-stage``, or
+  ``--num-virtual-stages-per-pipeline-rank`` (``validate_args``);
+* dropout 0.1 (``--attention-dropout``/``--hidden-dropout`` defaults), LayerNorm
+  (``--normalization`` default), learned absolute positions (``--position-embedding-type`` default),
+  biases on (``--disable-bias-linear`` absent), tied embeddings (``--untie-embeddings-and-output-weights``
+  absent);
+* vocabulary: the tokenizer's size (``megatron/training/tokenizer/tokenizer.py::build_tokenizer``),
+  padded up to a multiple of ``--make-vocab-size-divisible-by`` (default 128) x tp
+  (``_vocab_size_with_padding``); ``--padded-vocab-size`` is used as given.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from planner.presets import SpecError
+from planner.readers.args import Args
+
+# The tokenizer's vocabulary (``tokenizer.vocab_size`` as Megatron builds it), per tokenizer and,
+# for Hugging Face tokenizers, per model family (matched in --tokenizer-model).
+GPT2_BPE_VOCAB = 50257     # Radford et al. 2019, "Language Models are Unsupervised Multitask Learners", sec. 2.2
+LLAMA2_VOCAB = 32000       # Touvron et al. 2023, "Llama 2", sec. 2.1 ("total vocabulary size is 32k tokens");
+#                            meta-llama/Llama-2-7b-hf config.json vocab_size 32000
+LLAMA3_VOCAB = 128256      # meta-llama/Meta-Llama-3-8B config.json vocab_size 128256 = len(tokenizer):
+#                            128,000 BPE tokens + 256 special (Llama 3 Herd paper, sec. 3.1 "128K tokens")
+MISTRAL_VOCAB = 32000      # Jiang et al. 2023, "Mistral 7B", Table 1 (vocab_size 32000)
+TIKTOKEN_DEFAULT_VOCAB = 2**17  # tokenizer.py CustomTikTokenizer: "Fallback vocab size is 131072"
+HF_TOKENIZERS = [          # (pattern in --tokenizer-model, vocab, source)
+    (re.compile(r"llama-?3|llama3", re.I), LLAMA3_VOCAB, "Llama-3 tokenizer (128,256 tokens)"),
+    (re.compile(r"llama-?2|llama2", re.I), LLAMA2_VOCAB, "Llama-2 tokenizer (32,000 tokens)"),
+    (re.compile(r"mistral-7b", re.I), MISTRAL_VOCAB, "Mistral-7B tokenizer (32,000 tokens)"),
+    (re.compile(r"(^|/)gpt2$", re.I), GPT2_BPE_VOCAB, "GPT-2 BPE (50,257 tokens)"),
+]
+SENTENCEPIECE_TOKENIZERS = [
+    (re.compile(r"llama-?2|llama2", re.I), LLAMA2_VOCAB, "Llama-2 tokenizer.model (32,000 pieces)"),
+]
+
+# Flags for models plan3d does not model: refused, never read as a dense GPT.
+UNMODELLED_FLAGS = {
+    "--num-experts": "a mixture-of-experts model (--num-experts)",
+    "--moe-layer-freq": "a mixture-of-experts model (--moe-layer-freq)",
+    "--hybrid-override-pattern": "a hybrid Mamba-Transformer model (--hybrid-override-pattern)",
+    "--hybrid-attention-ratio": "a hybrid Mamba-Transformer model (--hybrid-attention-ratio)",
+    "--hybrid-mlp-ratio": "a hybrid Mamba-Transformer model (--hybrid-mlp-ratio)",
+    "--is-hybrid-model": "a hybrid Mamba-Transformer model (--is-hybrid-model)",
+    "--multi-latent-attention": "multi-latent attention (--multi-latent-attention)",
+    "--mtp-num-layers": "multi-token prediction layers (--mtp-num-layers)",
+    "--account-for-embedding-in-pipeline-split": "embedding counted as a pipeline layer "
+                                                 "(--account-for-embedding-in-pipeline-split)",
+    "--account-for-loss-in-pipeline-split": "loss counted as a pipeline layer (--account-for-loss-in-pipeline-split)",
+    "--ds-sequence-parallel-size": "DeepSpeed-Ulysses sequence parallelism (--ds-sequence-parallel-size)",
+}
+
+
+def _refuse_unmodelled(a: Args) -> None:
+    for flag, what in UNMODELLED_FLAGS.items():
+        if not a.has(flag):
+            continue
+        value = a.values[flag]
+        if flag in ("--num-experts", "--ds-sequence-parallel-size", "--mtp-num-layers"):
+            counts = value if isinstance(value, list) else [value]
+            try:
+                if all(int(str(c)) <= 1 for c in counts):  # Megatron-DeepSpeed's --num-experts 1 is dense
+                    continue
+            except ValueError:
+                pass
+        raise SpecError(f"{a.path}:{a.line(flag)}: {what} is not modelled by plan3d; it would be read as a dense "
+                        "GPT and under-count memory, so the file is refused")
+
+
+def swiglu_ffn_default(h: int) -> int:
+    """Megatron's --swiglu FFN width when --ffn-hidden-size is absent: ``int((4h * 2/3) / 64) * 64``
+    (arguments.py ``validate_args``)."""
+    return int((4 * h * 2 / 3) / 64) * 64
+
+
+def vocab(a: Args, tp: int, override: int | None, notes: list[str]) -> int:
+    """The vocabulary to give plan3d's estimator (which pads by 128 x tp itself).
+
+    Megatron's padded size is ``ceil(V / (d * tp)) * d * tp`` with d = --make-vocab-size-divisible-by
+    (tokenizer.py ``_vocab_size_with_padding``). With d = 128 the unpadded V is returned, and the
+    estimator pads it exactly as Megatron does; with another d (or --padded-vocab-size) Megatron's
+    padded size is returned, which the estimator may pad further (a note says by how much).
+    """
+    divisor = a.count("--make-vocab-size-divisible-by", 128)
+    if override is not None:
+        size, source = override, f"--vocab-size {override} given to plan3d check"
+    elif a.has("--padded-vocab-size"):
+        padded = a.int("--padded-vocab-size")
+        notes.append(f"vocabulary: --padded-vocab-size {padded}, used as given")
+        return padded
+    else:
+        size, source = _tokenizer_vocab(a)
+    notes.append(f"vocabulary: {source}")
+    if divisor == 128:
+        return size
+    step = divisor * tp
+    padded = int(math.ceil(size / step) * step)
+    est = int(math.ceil(padded / (128 * tp)) * 128 * tp)
+    if est != padded:
+        notes.append(f"vocabulary: Megatron pads {size} to {padded} (--make-vocab-size-divisible-by {divisor}); "
+                     f"plan3d's estimator pads to {est} (128 x tp), {est - padded} rows more")
+    return padded
+
+
+def _tokenizer_vocab(a: Args) -> tuple[int, str]:
+    kind = a.get("--tokenizer-type")
+    model = a.get("--tokenizer-model") or ""
+    given = a.int("--vocab-size")
+    if kind is None and a.has("--merge-file"):
+        kind = "GPT2BPETokenizer"  # only GPT-2 BPE takes --vocab-file plus --merge-file (Megatron-LM examples/gpt3)
+    if kind == "NullTokenizer":
+        if given is None:
+            raise SpecError(f"{a.path}:{a.line('--tokenizer-type')}: --tokenizer-type NullTokenizer needs --vocab-size "
+                            "(Megatron asserts it)")
+        return given + 1, f"NullTokenizer: --vocab-size {given} + 1 end-of-document token (tokenizer.py _NullTokenizer)"
+    if kind == "TikTokenizer":
+        size = given or TIKTOKEN_DEFAULT_VOCAB
+        return size, f"TikTokenizer: {'--vocab-size' if given else 'its default'} {size} (tokenizer.py CustomTikTokenizer)"
+    if kind == "GPT2BPETokenizer":
+        return GPT2_BPE_VOCAB, "GPT2BPETokenizer: GPT-2's 50,257 tokens"
+    if kind == "Llama2Tokenizer":
+        return LLAMA2_VOCAB, "Llama2Tokenizer: Llama-2's 32,000 pieces"
+    table = HF_TOKENIZERS if kind == "HuggingFaceTokenizer" else SENTENCEPIECE_TOKENIZERS \
+        if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer") else []
+    for pattern, size, source in table:
+        if pattern.search(model):
+            return size, f"{kind} {model}: {source}"
+    if given is not None:
+        return given, (f"--vocab-size {given} taken as the size of {kind or 'the tokenizer'} {model}".rstrip()
+                       + " (Megatron itself takes the size from the tokenizer files)")
+    raise SpecError(f"{a.path}:{a.line('--tokenizer-type', '--tokenizer-model')}: cannot tell the vocabulary of "
+                    f"{kind or 'the tokenizer'} {model or '(no --tokenizer-type)'}; add --vocab-size N to the "
+                    "arguments or pass --vocab-size N to plan3d check")
+
+
+def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], name: str,
+               file_notes: dict | None = None) -> dict:
+    """ModelSpec fields from Megatron's arguments and defaults (see the module docstring)."""
+    _refuse_unmodelled(a)
+    file_notes = file_notes or {}
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads"):
+        if not a.has(flag):
+            raise SpecError(f"{a.path}:{a.line0}: no {flag}: Megatron-LM requires it (validate_args required_args)")
+    h, heads = a.int("--hidden-size"), a.int("--num-attention-heads")
+    swiglu = a.has("--swiglu") or a.has("--quick-geglu")
+    ffn = a.int("--ffn-hidden-size")
+    if ffn is None:
+        ffn = swiglu_ffn_default(h) if swiglu else 4 * h
+        notes.append(f"--ffn-hidden-size absent: Megatron uses {ffn} "
+                     f"({'int(4h*2/3/64)*64 with --swiglu' if swiglu else '4h'})")
+    groups = None
+    if a.has("--num-key-value-heads"):  # Megatron-DeepSpeed's GQA flag (megatron/arguments.py)
+        groups = a.int("--num-key-value-heads")
+    if a.has("--group-query-attention"):
+        groups = a.int("--num-query-groups", 1)
+        if not a.has("--num-query-groups"):
+            notes.append("--group-query-attention without --num-query-groups: Megatron uses 1 group")
+    kv = a.int("--kv-channels")
+    pos_type = a.get("--position-embedding-type", "learned_absolute")
+    if a.has("--use-rotary-position-embeddings"):
+        pos_type = "rope"
+    if a.has("--no-position-embedding"):
+        pos_type = "none"
+    if pos_type == "relative":
+        raise SpecError(f"{a.path}:{a.line('--position-embedding-type')}: relative position embeddings (T5) are "
+                        "not modelled")
+    pos = {"learned_absolute": "learned", "rope": "rope", "mrope": "rope", "none": "alibi"}.get(pos_type, "rope")
+    seq = a.int("--seq-length")
+    max_pos = a.int("--max-position-embeddings")
+    if max_pos is None:
+        if pos == "learned":
+            raise SpecError(f"{a.path}:{a.line0}: no --max-position-embeddings: Megatron-LM requires it "
+                            "(validate_args required_args)")
+        max_pos = seq
+    dropout = a.float("--attention-dropout", 0.1) > 0 or a.float("--hidden-dropout", 0.1) > 0
+    return {
+        "name": name, "num_layers": a.int("--num-layers"), "hidden_size": h, "num_attention_heads": heads,
+        "num_kv_heads": groups, "head_dim": kv if kv is not None and kv * heads != h else None,
+        "ffn_hidden_size": ffn, "vocab_size": vocab(a, tp, vocab_override, notes), "max_seq_len": max_pos,
+        "activation": "swiglu" if swiglu else "gelu",
+        "norm": "rmsnorm" if str(a.get("--normalization", "LayerNorm")).lower() == "rmsnorm" else "layernorm",
+        "tied_embeddings": not a.has("--untie-embeddings-and-output-weights"),
+        "position_embedding": pos, "linear_bias": not a.has("--disable-bias-linear"),
+        "qkv_bias": True if a.has("--add-qkv-bias") else None, "dropout": dropout,
+        # a LayerNorm after the word embedding: Megatron-DeepSpeed's --embed-layernorm (BLOOM), or the
+        # '# plan3d: embedding_norm=true' note plan3d emit writes (Megatron-LM has no such flag)
+        "embedding_norm": a.has("--embed-layernorm") or file_notes.get("embedding_norm") == "true",
+    }
+
+
+def zero_stage(a: Args, ds_config: dict | None) -> int:
+    """ZeRO stage: DeepSpeed's config under --deepspeed; Megatron's distributed optimizer is stage 1;
+    Megatron FSDP by its sharding strategy (--data-parallel-sharding-strategy)."""
+    if a.has("--deepspeed"):
+        if ds_config is not None:
+            stage = _section(ds_config, "zero_optimization", a).get("stage", 0)
+            if stage not in (0, 1, 2, 3):
+                raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.stage {stage!r}: not 0, 1, 2 or 3")
+            return stage
+        return a.int("--zero-stage", 0)
+    if a.has("--use-megatron-fsdp") or a.has("--use-torch-fsdp2"):
+        if a.has("--use-torch-fsdp2"):
+            return 3
+        strategy = a.get("--data-parallel-sharding-strategy", "no_shard")
+        return {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}.get(strategy, 0)
+    return 1 if a.has("--use-distributed-optimizer") else 0
+
+
+def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> str:
+    granularity = a.get("--recompute-granularity")
+    if a.has("--recompute-activations"):
+        granularity = "selective"
+    if a.has("--checkpoint-activations") or a.has("--deepspeed-activation-checkpointing"):
+        granularity = "full"  # Megatron-DeepSpeed / Megatron-LM before 2022: every layer
+    if granularity == "full" and a.get("--recompute-method") == "block":
+        n = a.int("--recompute-num-layers", 1)
+        if n < layers_per_chunk:  # recomputed layers keep only their input: no recompute bounds it from above
+            notes.append(f"--recompute-method block recomputes {n} of {layers_per_chunk} layers per stage: "
+                         "modelled as no recompute, an upper bound")
+            return "none"
+    return granularity or "none"
+
+
+def _layout(a: Args, pp: int) -> tuple[tuple[int, ...], int] | None:
+    """(layers per stage, vpp) of ``--pipeline-model-parallel-layout``, as ``planner.emit.megatron.layout_layers``
+    reads Megatron's layout string (core_v0.16.1 ``pipeline_parallel_layer_layout.py``)."""
+    if not a.has("--pipeline-model-parallel-layout"):
+        return None
+    from planner.emit.megatron import layout_layers
+
+    return layout_layers(str(a.get("--pipeline-model-parallel-layout")), pp)
+
+
+def layers_per_stage(a: Args, layers: int, pp: int) -> list[int] | None:
+    layout = _layout(a, pp)
+    if layout is not None:
+        return list(layout[0])
+    first, last = a.int("--decoder-first-pipeline-num-layers"), a.int("--decoder-last-pipeline-num-layers")
+    if pp == 1 or (first is None and last is None):
+        return None
+    ends = [x for x in (first, last) if x is not None]
+    rest, others = layers - sum(ends), pp - len(ends)
+    if others == 0:
+        return [first, last]
+    if rest % others:
+        raise SpecError(f"{a.path}:{a.line('--decoder-first-pipeline-num-layers', '--decoder-last-pipeline-num-layers')}: "
+                        f"{rest} remaining layers do not split evenly over {others} stages")
+    middle = [rest // others] * others
+    return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
+
+
+def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: dict | None,
+                   name: str, file_notes: dict | None = None) -> tuple[dict, dict, dict, list[str]]:
+    """(model, training, plan) dicts and notes for one Megatron launch on ``gpus`` GPUs."""
+    notes: list[str] = []
+    for flag in ("--seq-length", "--micro-batch-size"):
+        if not a.has(flag) and not (flag == "--micro-batch-size" and ds_config and
+                                    "train_micro_batch_size_per_gpu" in ds_config):
+            raise SpecError(f"{a.path}:{a.line0}: no {flag}: Megatron-LM needs it")
+    tp, pp, cp = (a.count(x, 1) for x in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                          "--context-parallel-size"))
+    if a.has("--no-pipeline-parallel") and pp > 1:
+        raise SpecError(f"{a.path}:{a.line('--no-pipeline-parallel')}: --no-pipeline-parallel with pp {pp}")
+    model = model_dict(a, tp, vocab_override, notes, name, file_notes)
+    if gpus % (tp * pp * cp):
+        raise SpecError(f"{a.path}:{a.line('--tensor-model-parallel-size')}: {gpus} GPUs are not divisible by "
+                        f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp}")
+    dp = gpus // (tp * pp * cp)
+    mbs, gbs = a.count("--micro-batch-size"), a.count("--global-batch-size")
+    if a.has("--fp4-format"):  # Transformer Engine NVFP4BlockScaling (--fp4-recipe nvfp4, the default)
+        precision = "nvfp4"
+    elif a.has("--fp8-format") and a.get("--fp8-recipe") == "mxfp8":  # TE MXFP8BlockScaling
+        precision = "mxfp8"
+    elif a.has("--fp8-format") or a.has("--fp8-e4m3") or a.has("--fp8-hybrid"):  # the last two: Megatron-LM 2023
+        precision = "fp8"
+    elif a.has("--bf16") or a.has("--fp16"):
+        precision = "bf16"
+    else:
+        precision = "fp32"
+        notes.append("no --bf16/--fp16/--fp8-format: Megatron trains in fp32")
+    if a.has("--fp16"):
+        notes.append("--fp16: modelled as bf16 (same 2 bytes per value)")
+    if ds_config is not None:
+        mbs, gbs, precision = _deepspeed_batch(a, ds_config, mbs, gbs, dp, precision)
+    if gbs is None:
+        gbs = mbs * dp
+    sp = a.has("--sequence-parallel")
+    if sp and tp == 1:
+        sp = False
+        notes.append("--sequence-parallel with tp 1: Megatron turns it off")
+    vpp = 1
+    per_chunk_layers = model["num_layers"] // pp
+    if a.has("--num-layers-per-virtual-pipeline-stage"):
+        per_chunk = a.count("--num-layers-per-virtual-pipeline-stage")
+        vpp = max(1, per_chunk_layers // per_chunk) if per_chunk else 1
+        per_chunk_layers = per_chunk or per_chunk_layers
+    elif a.has("--num-virtual-stages-per-pipeline-rank"):
+        vpp = a.count("--num-virtual-stages-per-pipeline-rank")
+        per_chunk_layers = per_chunk_layers // max(vpp, 1)
+    elif _layout(a, pp) is not None:
+        vpp = _layout(a, pp)[1]
+        per_chunk_layers = max(1, per_chunk_layers // vpp)
+    if a.has("--deepspeed") and pp > 1 and zero_stage(a, ds_config) >= 2:
+        raise SpecError(f"{a.path}:{a.line('--deepspeed')}: DeepSpeed's pipeline engine refuses ZeRO stage 2 or 3 "
+                        "with pipeline parallelism (deepspeed/runtime/pipe/engine.py); use stage 0/1 or "
+                        "--no-pipeline-parallel")
+    flash_flags = ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton")
+    if a.has("--deepspeed"):  # Megatron-DeepSpeed's attention is unfused unless a flash flag is given
+        attention = "flash" if any(a.has(f) for f in flash_flags) else "materialized"
+    else:
+        attention = "materialized" if a.get("--attention-backend") in ("unfused", "local") else "flash"
+    training = {"num_gpus": gpus, "global_batch_size": gbs, "seq_len": a.int("--seq-length"),
+                "precision": precision, "attention": attention, "framework": "megatron",
+                "overlap_grad_reduce": a.has("--overlap-grad-reduce"),
+                "grad_reduce_in_bf16": a.has("--grad-reduce-in-bf16"),
+                # absent flags leave the framework's default (planner.cost.framework_defaults)
+                "tp_comm_overlap": True if a.has("--tp-comm-overlap") else None,
+                "overlap_p2p_comm": False if a.has("--no-overlap-p2p-communication") else None}
+    plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
+            "recompute": recompute(a, per_chunk_layers, notes), "sequence_parallel": sp,
+            "zero_stage": zero_stage(a, ds_config),
+            "layers_per_stage": layers_per_stage(a, model["num_layers"], pp),
+            "microbatch_group_size": (a.count("--microbatch-group-size-per-virtual-pipeline-stage")
+                                      if a.has("--microbatch-group-size-per-virtual-pipeline-stage") and vpp > 1
+                                      else None)}
+    return model, training, plan, notes
+
+
+def _deepspeed_batch(a: Args, ds: dict, mbs, gbs, dp: int, precision: str):
+    """Batch sizes and precision from a DeepSpeed config, checked against the Megatron flags (DeepSpeed
+    asserts train_batch_size = micro x accumulation x dp, deepspeed/runtime/config.py)."""
+    ds_mbs, ds_gbs = ds.get("train_micro_batch_size_per_gpu"), ds.get("train_batch_size")
+    gas = ds.get("gradient_accumulation_steps")
+    for key, value in (("train_micro_batch_size_per_gpu", ds_mbs), ("train_batch_size", ds_gbs),
+                       ("gradient_accumulation_steps", gas)):
+        if value is not None and not isinstance(value, int):
+            raise SpecError(f"{a.path}: DeepSpeed config {key}: '{value}' is not an integer")
+    if ds_mbs is not None and mbs is not None and ds_mbs != mbs:
+        raise SpecError(f"{a.path}:{a.line('--micro-batch-size')}: --micro-batch-size {mbs} but the DeepSpeed config "
+                        f"says train_micro_batch_size_per_gpu {ds_mbs}; make them agree")
+    mbs = mbs if mbs is not None else ds_mbs
+    if ds_gbs is None and ds_mbs is not None and gas is not None:
+        ds_gbs = ds_mbs * gas * dp
+    if ds_gbs is not None and gbs is not None and ds_gbs != gbs:
+        raise SpecError(f"{a.path}:{a.line('--global-batch-size')}: --global-batch-size {gbs} but the DeepSpeed "
+                        f"config gives train_batch_size {ds_gbs}; make them agree")
+    gbs = gbs if gbs is not None else ds_gbs
+    if _section(ds, "fp16", a).get("enabled") is True or _section(ds, "bf16", a).get("enabled") is True:
+        precision = precision if precision == "fp8" else "bf16"
+    zero = _section(ds, "zero_optimization", a)
+    for key in ("offload_optimizer", "offload_param"):
+        device = _section(zero, key, a).get("device", "none")
+        if device not in (None, "none"):
+            raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.{key}.device {device}: CPU/NVMe offload "
+                            "is not modelled")
+    return mbs, gbs, precision
+
+
+def _section(doc: dict, key: str, a: Args) -> dict:
+    value = doc.get(key) or {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{a.path}: DeepSpeed config {key}: expected an object, got {value!r}")
+    return value

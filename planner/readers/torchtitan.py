@@ -1,0 +1,187 @@
+"""torchtitan job configs (TOML, ``--section.key`` overrides) -> a plan3d scenario.
+
+Keys and defaults are torchtitan's ``JobConfig`` (``torchtitan/config/job_config.py`` in the TOML
+releases, ``torchtitan/config/configs.py`` in 0.3): ``[model] name/flavor/converters``,
+``[training] local_batch_size`` (``batch_size`` before 2025), ``global_batch_size`` (-1: local x dp),
+``seq_len``; ``[parallelism] data_parallel_replicate_degree`` (1), ``data_parallel_shard_degree`` (-1:
+the ranks left over), ``tensor_parallel_degree``, ``pipeline_parallel_degree``,
+``pipeline_parallel_microbatch_size`` (1), ``context_parallel_degree``; ``[activation_checkpoint] mode``.
+Overrides on the command line win over the TOML (torchtitan's ConfigManager: "CLI args > TOML").
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from planner.presets import SpecError, load_model
+
+# torchtitan model (name, flavor) or config-registry function -> plan3d preset.
+# torchtitan/models/llama3/__init__.py llama3_configs "8B"/"70B"/"405B" are Llama 3.1 (max_seq_len 131072 with
+# rope scaling); torchtitan/models/llama2 (2024 releases) "7B"/"13B"/"70B".
+PRESETS = {
+    ("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b",
+    ("llama2", "7b"): "llama2-7b", ("llama2", "13b"): "llama2-13b", ("llama2", "70b"): "llama2-70b",
+}
+LLAMA31_MAX_SEQ_LEN = 131072  # torchtitan llama3 RoPE config max_seq_len (Llama 3.1 context)
+MOE_MODELS = ("deepseek", "llama4", "moe", "gpt_oss", "kimi", "mixtral")
+
+
+def read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(f"{path}: cannot read: {err.__class__.__name__}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{path}: not valid TOML: {err}") from None
+
+
+def is_torchtitan(doc: dict) -> bool:
+    return isinstance(doc.get("model"), dict) and ("parallelism" in doc or "training" in doc) and \
+        "name" in doc["model"]
+
+
+def apply_overrides(doc: dict, words: list[str]) -> dict:
+    """``--section.key value`` / ``--section.key=value`` / ``--section.flag`` (true) on top of the TOML;
+    ``activation_checkpoint:MODE`` (torchtitan 0.3's subcommand form) sets the mode."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        m = re.fullmatch(r"activation_checkpoint:(\w+)", word)
+        if m:
+            out.setdefault("activation_checkpoint", {})["mode"] = m.group(1)
+        elif word.startswith("--") and "." in word:
+            key, eq, value = word[2:].partition("=")
+            if not eq:
+                nxt = words[i + 1] if i + 1 < len(words) else None
+                if nxt is not None and not nxt.startswith("--") and not re.fullmatch(r"\w+:\w+", nxt):
+                    value, i = nxt, i + 1
+                else:
+                    value = "true"
+            section, _, name = key.partition(".")
+            out.setdefault(section, {})[name.replace("-", "_")] = _scalar(value)
+        elif word in ("--module", "--config") and i + 1 < len(words):
+            out.setdefault("_registry", {})[word[2:]] = words[i + 1]
+            i += 1
+        i += 1
+    return out
+
+
+def _scalar(value: str):
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+def _model(doc: dict, where: str, notes: list[str]) -> dict:
+    model = doc.get("model", {})
+    registry = doc.get("_registry", {}).get("config", "")
+    name = str(model.get("name", doc.get("_registry", {}).get("module", ""))).lower()
+    flavor = str(model.get("flavor", "")).lower()
+    if not flavor and registry:
+        m = re.fullmatch(r"([a-z]+\d?)_(\d+b)", registry.lower())
+        if m:
+            name, flavor = m.group(1), m.group(2)
+    if any(x in name for x in MOE_MODELS) or re.search(r"a\d+b", flavor):
+        raise SpecError(f"{where}: torchtitan model {name} {flavor} is a mixture-of-experts model, which plan3d "
+                        "does not model; refused rather than read as dense")
+    preset = PRESETS.get((name, flavor))
+    if preset is None:
+        raise SpecError(f"{where}: torchtitan model {name} flavor {flavor or registry or '?'} has no plan3d preset "
+                        f"(known: {', '.join(f'{n} {f.upper()}' for n, f in PRESETS)})")
+    spec = load_model(preset).model_dump()
+    if name == "llama3":
+        spec["max_seq_len"] = LLAMA31_MAX_SEQ_LEN
+    notes.append(f"model: torchtitan {name} {flavor.upper()} = plan3d preset {preset}")
+    return spec
+
+
+def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict, dict, list[str]]:
+    notes: list[str] = []
+    model = _model(doc, where, notes)
+    par, tr = doc.get("parallelism", {}), doc.get("training", {})
+    get = lambda key, default: par.get(key, tr.get(key, default))  # noqa: E731 (2024 TOMLs kept degrees in [training])
+    num = lambda key, value: _int(value, key, where)  # noqa: E731
+    rep = num("data_parallel_replicate_degree", get("data_parallel_replicate_degree", 1))
+    shard = num("data_parallel_shard_degree", get("data_parallel_shard_degree", -1))
+    tp, pp, cp = (num(k, get(k, 1)) for k in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                                              "context_parallel_degree"))
+    for key, value in (("data_parallel_replicate_degree", rep), ("tensor_parallel_degree", tp),
+                       ("pipeline_parallel_degree", pp), ("context_parallel_degree", cp)):
+        if value < 1:
+            raise SpecError(f"{where}: parallelism.{key} = {value}: must be at least 1")
+    if shard == 0 or shard < -1:
+        raise SpecError(f"{where}: parallelism.data_parallel_shard_degree = {shard}: at least 1, or -1 for the rest")
+    fixed = rep * tp * pp * cp
+    if shard == -1:
+        if gpus is None:
+            raise SpecError(f"{where}: data_parallel_shard_degree = -1 takes the ranks left over and no launcher gives "
+                            "the GPU count; pass --gpus")
+        if gpus % fixed:
+            raise SpecError(f"{where}: {gpus} GPUs are not divisible by replicate({rep}) * tp({tp}) * pp({pp}) * "
+                            f"cp({cp}) = {fixed}")
+        shard = gpus // fixed
+    world = fixed * shard
+    if gpus is not None and gpus != world:
+        raise SpecError(f"{where}: the degrees multiply to {world} GPUs, not the {gpus} the launcher (or --gpus) gives")
+    if rep > 1 and shard > 1:
+        raise SpecError(f"{where}: HSDP (data_parallel_replicate_degree {rep} x shard {shard}) is not modelled "
+                        "(plan3d shards over all data-parallel ranks)")
+    dp = rep * shard
+    local = num("local_batch_size", tr.get("local_batch_size", tr.get("batch_size", 8)))
+    gbs = num("global_batch_size", tr.get("global_batch_size", -1))
+    if local < 1:
+        raise SpecError(f"{where}: training.local_batch_size = {local}: must be at least 1")
+    gbs = local * dp if gbs <= 0 else gbs
+    if gbs % (local * dp):
+        raise SpecError(f"{where}: global_batch_size {gbs} is not a multiple of local_batch_size({local}) * dp({dp})")
+    mbs = num("pipeline_parallel_microbatch_size", par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
+    schedule = str(par.get("pipeline_parallel_schedule", "1F1B"))
+    vpp = 1
+    if pp > 1:
+        if schedule.lower() in ("gpipe", "zbvzerobubble", "dualpipev", "looped_bfs", "loopedbfs"):
+            raise SpecError(f"{where}: pipeline_parallel_schedule {schedule} keeps a different number of "
+                            "micro-batches in flight than 1F1B; not modelled")
+        if "interleaved" in schedule.lower():
+            per_stage = par.get("pipeline_parallel_layers_per_stage")
+            per_stage = num("pipeline_parallel_layers_per_stage", per_stage) if per_stage else None
+            if per_stage is not None and per_stage < 1:
+                raise SpecError(f"{where}: pipeline_parallel_layers_per_stage = {per_stage}: must be at least 1")
+            vpp = max(1, model["num_layers"] // (pp * per_stage)) if per_stage else 2
+    # JobConfig defaults: mode "selective", selective_ac_option "2" (every second layer fully checkpointed)
+    ac = doc.get("activation_checkpoint", {})
+    mode = str(ac.get("mode", "selective"))
+    if mode == "selective":
+        option = str(ac.get("selective_ac_option", "2"))
+        if option == "op":
+            notes.append("activation_checkpoint selective (op): modelled as selective recompute")
+        else:
+            mode = "none"  # checkpointed layers keep only their input: no recompute bounds it from above
+            notes.append(f"activation_checkpoint selective every {option} layers: modelled as no recompute, "
+                         "an upper bound")
+    converters = doc.get("model", {}).get("converters", [])
+    converters = [converters] if isinstance(converters, str) else list(converters)
+    fp8 = "float8" in converters or bool(doc.get("float8", {}).get("enable_float8_linear"))
+    training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
+                "precision": "fp8" if fp8 else "bf16", "attention": "flash", "framework": "torch"}
+    plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
+            "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"),
+            "sequence_parallel": tp > 1 and bool(par.get("enable_sequence_parallel", True)),
+            "zero_stage": 3 if shard > 1 else 0}
+    if shard > 1:
+        notes.append("FSDP2 (data_parallel_shard_degree > 1): modelled as ZeRO-3")
+    return model, training, plan, notes
+
+
+def _int(value, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SpecError(f"{where}: {key} = {value!r}: not an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecError(f"{where}: {key} = {value!r}: not an integer") from None

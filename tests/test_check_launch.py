@@ -1,0 +1,277 @@
+"""`plan3d check` on launch files in the style of each framework's own examples (tests/data/launch).
+
+Each case in tests/data/launch/expected.json gives the exit code the gate must give and the figures it
+must read; tests/data/launch/README.md says where each file's style comes from and how each figure
+follows from the file and the framework's rules.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.check import check_file, check_file_branches, check_paths, exit_code
+from planner.cli import app
+from planner.emit import render_all
+from planner.memory import estimate_scenario_memory
+from planner.presets import load_hardware, load_model
+from planner.specs import Plan, Scenario, TrainingSpec
+
+LAUNCH = Path(__file__).parent / "data" / "launch"
+CASES = json.loads((LAUNCH / "expected.json").read_text())["cases"]
+
+
+def _figures(result) -> dict:
+    sc = result.scenario
+    plan, model, tr = sc.resolved_plan(), sc.model, sc.training
+    out = plan.model_dump() | model.model_dump() | tr.model_dump()
+    out["fits"] = estimate_scenario_memory(sc).fits
+    return out
+
+
+def _case_id(case) -> str:
+    extra = [f"{k}={case[k]}" for k in ("hardware", "gpus", "vocab_size") if k in case]
+    return f"{case['file']}[{','.join(extra)}]"
+
+
+def _params():
+    for case in CASES:
+        marks = [pytest.mark.xfail(strict=True, reason=case["xfail"])] if "xfail" in case else []
+        yield pytest.param(case, id=_case_id(case), marks=marks)
+
+
+@pytest.mark.parametrize("case", _params())
+def test_launch_file_exit_code_and_figures(case):
+    path = LAUNCH / case["file"]
+    results = check_file_branches(path, load_hardware(case["hardware"]), None, case.get("gpus"),
+                                  case.get("vocab_size"))
+    assert exit_code(results) == case["exit"], [(r.branch, r.errors) for r in results]
+    if case["exit"] == 2:
+        assert len(results) == 1 and case["error"] in results[0].errors[0], results[0].errors
+        assert "\n" not in results[0].errors[0]  # one line
+        return
+    expected = case.get("results", [])
+    if expected:
+        assert len(results) == len(expected), [r.branch for r in results]
+    for want, got in zip(expected, results):
+        if "branch" in want:
+            assert want["branch"] in (got.branch or ""), got.branch
+        figures = _figures(got)
+        for key, value in want.items():
+            if key != "branch":
+                assert figures[key] == value, (key, got.branch)
+
+
+def test_every_file_in_the_folder_has_a_case():
+    files = {p.name for p in LAUNCH.iterdir() if p.name not in ("README.md", "expected.json")}
+    assert files == {c["file"] for c in CASES}
+
+
+def test_branches_that_exit_are_dropped_and_identical_branches_merge():
+    # megatron_llama3_8b_fp8.sh forks on `[ ! -f "$PRETRAIN_SCRIPT_PATH" ]` (the branch exits) and decides
+    # `[[ "$DTYPE" == "fp8" ]]` from a literal: one result, no branch label.
+    (r,) = check_file_branches(LAUNCH / "megatron_llama3_8b_fp8.sh", load_hardware("h200-141gb"), None, None)
+    assert r.branch is None and not r.errors
+    assert any("turns it off" in n for n in r.notes) and any("NullTokenizer" in n for n in r.notes)
+
+
+def test_check_file_returns_the_worst_branch():
+    r = check_file(LAUNCH / "megatron_size_case.sh", load_hardware("h100-sxm-80gb"), None, None)
+    assert "70B)" in r.branch and not estimate_scenario_memory(r.scenario).fits
+    assert any("worst of 3 branches" in n for n in r.notes)
+
+
+def test_cli_check_names_the_failing_branch_stage_and_ranks(runner):
+    res = runner.invoke(app, ["check", str(LAUNCH / "megatron_size_case.sh"), "--hardware", "h100-sxm-80gb",
+                              "--format", "github"])
+    assert res.exit_code == 1, res.output
+    assert "stage 0 (global ranks 0-7)" in res.stdout  # tp 8 x dp 1 ranks hold stage 0
+
+
+@pytest.mark.parametrize("name,code", [("megatron_moe.sh", 2), ("megatron_mamba.sh", 2),
+                                       ("megatron_llama3_8b_fp8_quoted.sh", 2), ("megatron_if_branch.sh", 1),
+                                       ("megatron_llama3_70b.slurm", 0)])
+def test_cli_exit_codes(runner, name, code):
+    res = runner.invoke(app, ["check", str(LAUNCH / name), "--hardware", "h100-sxm-80gb"])
+    assert res.exit_code == code, res.output
+    assert "Traceback" not in res.output
+
+
+def _llama_scenario(**plan):
+    base = dict(tp=8, pp=4, dp=2, micro_batch_size=1, recompute="selective", sequence_parallel=True, zero_stage=1)
+    return Scenario(model=load_model("llama3-70b"), hardware=load_hardware("h100-sxm-80gb"),
+                    training=TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192),
+                    plan=Plan(**(base | plan)))
+
+
+def test_a_folder_plan3d_emitted_checks_whole(tmp_path):
+    """`plan3d check launch/*` on everything `plan3d emit` writes: every file is read, none refused."""
+    sc = _llama_scenario()  # vpp 1: DeepSpeed's pipeline engine has no interleaved schedule (emit refuses it)
+    for name, text in render_all(sc, ["megatron", "torchrun", "slurm", "deepspeed", "torchtitan", "plan"]).items():
+        (tmp_path / name).write_text(text)
+    files = sorted(str(p) for p in tmp_path.iterdir())
+    assert {Path(f).suffix for f in files} >= {".json", ".args", ".sh", ".slurm"}
+    results = check_paths(files, load_hardware("h100-sxm-80gb"), None, None)
+    assert [r.errors for r in results if r.errors] == []
+    assert exit_code(results) == 0
+    for r in results:  # the slurm script's MODE=validate branch runs plan3d, not a training: dropped
+        assert r.branch is None, (r.path, r.branch)
+        p = r.scenario.resolved_plan()
+        assert (p.tp, p.pp, p.dp, p.vpp, p.micro_batch_size, p.num_microbatches) == (8, 4, 2, 1, 1, 64), r.path
+        assert r.scenario.training.global_batch_size == 128 and r.scenario.model.num_layers == 80
+
+
+def test_vocab_override_and_padding_note(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text((LAUNCH / "megatron_hf_tokenizer_unknown.sh").read_text().replace(
+        "--bf16", "--bf16 --make-vocab-size-divisible-by 64"))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None, vocab_size=50000)
+    # Megatron pads 50000 to a multiple of 64 x tp(1): 50048; plan3d's estimator pads to 128 x tp: 50048 too
+    assert r.scenario.model.vocab_size == 50048 and not r.errors
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None, vocab_size=50100)
+    # 50100 -> 50112 (64); the estimator pads 50112 -> 50176 (128): the note says 64 rows more
+    assert r.scenario.model.vocab_size == 50112
+    assert any("64 rows more" in n for n in r.notes)
+
+
+def test_unknown_value_is_named(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers $LAYERS --hidden-size 1024 "
+                      "--num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024 "
+                      "--micro-batch-size 1 --vocab-size 50000 --tokenizer-type NullTokenizer\n")
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
+    assert r.errors and "$LAYERS" in r.errors[0] and "--num-layers" in r.errors[0] and r.line == 1
+
+
+def test_deepspeed_pipeline_refuses_zero_2(tmp_path):
+    for name in ("megatron_deepspeed_llama2.sh",):
+        text = (LAUNCH / name).read_text().replace("ZERO_STAGE=0", "ZERO_STAGE=2")
+        (tmp_path / name).write_text(text)
+        (r,) = check_file_branches(tmp_path / name, load_hardware("h100-sxm-80gb"), None, None, vocab_size=32000)
+        assert r.errors and "pipeline engine" in r.errors[0]
+
+
+def test_deepspeed_config_disagreeing_with_the_flags(tmp_path):
+    for name in ("megatron_deepspeed_gpt_1.3B.sh", "ds_config_gpt_1.3B.json"):
+        (tmp_path / name).write_text((LAUNCH / name).read_text())
+    cfg = tmp_path / "ds_config_gpt_1.3B.json"
+    cfg.write_text(cfg.read_text().replace('"train_micro_batch_size_per_gpu": 8', '"train_micro_batch_size_per_gpu": 4'))
+    (r,) = check_file_branches(tmp_path / "megatron_deepspeed_gpt_1.3B.sh", load_hardware("h100-sxm-80gb"), None, None)
+    assert r.errors and "train_micro_batch_size_per_gpu 4" in r.errors[0]
+    lone = tmp_path / "other.json"
+    lone.write_text('{"train_batch_size": 8}')
+    (r,) = check_file_branches(lone, load_hardware("h100-sxm-80gb"), None, None)
+    assert r.errors and "holds no model" in r.errors[0]
+
+
+HOSTILE = {
+    "tp0.sh": "torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+              "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --tokenizer-type NullTokenizer "
+              "--vocab-size 100 --tensor-model-parallel-size 0\n",
+    "divisor0.sh": "torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                   "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --tokenizer-type NullTokenizer "
+                   "--vocab-size 100 --make-vocab-size-divisible-by 0\n",
+    "tp_text.toml": '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = "x"\n',
+    "tp_neg.toml": '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = -3\n',
+    "seq_list.toml": '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nseq_len = [1]\n',
+    "bad.toml": "[model\nname=",
+    "stage.json": '{"train_batch_size": 8, "zero_optimization": []}',
+    "notjson.json": "{",
+    "nolaunch.sh": "echo hello\n",
+    "elastic.sh": "torchrun --nnodes 1:4 --nproc_per_node 8 pretrain_gpt.py --num-layers 2\n",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_input_is_one_line_exit_2(runner, tmp_path, name):
+    path = tmp_path / name
+    path.write_text(HOSTILE[name])
+    res = runner.invoke(app, ["check", str(path), "--hardware", "h100-sxm-80gb", "--gpus", "8"])
+    assert res.exit_code == 2, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    results = check_file_branches(path, load_hardware("h100-sxm-80gb"), None, 8)
+    assert len(results) == 1 and len(results[0].errors) >= 1 and name in results[0].errors[0]
+
+
+SEEDS = sorted(p for p in LAUNCH.iterdir() if p.suffix in (".sh", ".slurm", ".toml"))
+
+
+def test_corrupted_launch_files_never_raise_and_stay_fast(tmp_path):
+    """Random edits of every launch file here: a result or a one-line error, each within 5 s."""
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    hw = load_hardware("h100-sxm-80gb")
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(seed=st.sampled_from(SEEDS), edits=st.lists(st.tuples(st.floats(0, 1), st.sampled_from(["del", "ins", "dup"]),
+                                                                  st.text(alphabet="\"'$(){}[]#\\\n =-0123456789abx;|&`",
+                                                                          max_size=6)), min_size=1, max_size=5))
+    def run(seed, edits):
+        text = seed.read_text()
+        for where, op, piece in edits:
+            i = int(where * (len(text) - 1))
+            text = {"del": text[:i] + text[i + len(piece) + 1:], "ins": text[:i] + piece + text[i:],
+                    "dup": text[:i] + text[i:i + 40] + text[i:]}[op]
+        path = tmp_path / seed.name
+        path.write_text(text)
+        start = time.perf_counter()
+        results = check_file_branches(path, hw, None, 64 if seed.suffix == ".toml" else None, None)
+        assert time.perf_counter() - start < 5
+        for r in results:
+            assert r.scenario is not None or (r.errors and all("\n" not in e for e in r.errors))
+
+    run()
+
+
+def test_json_output_names_branches_and_notes():
+    from planner.check import to_json
+
+    results = check_paths([str(LAUNCH / "megatron_size_case.sh"), str(LAUNCH / "megatron_moe.sh")],
+                          load_hardware("h100-sxm-80gb"), None, None)
+    out = json.loads(to_json(results))
+    assert [o["valid"] for o in out] == [True, True, True, False]
+    assert [o["fits"] for o in out[:3]] == [True, True, False]
+    assert all("case ${MODEL_SIZE} in" in o["branch"] for o in out[:3]) and out[3]["branch"] is None
+    assert any("vocabulary" in n for n in out[0]["notes"])
+
+
+def test_no_precision_flag_is_fp32_as_in_megatron(tmp_path):
+    """Megatron-LM trains in fp32 unless --bf16/--fp16 (arguments.py: params_dtype torch.float by default)."""
+    script = tmp_path / "fp32.sh"
+    script.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().replace("--bf16 ", ""))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
+    assert r.scenario.training.precision == "fp32" and any("fp32" in n for n in r.notes)
+
+
+def test_partial_checkpointing_is_bounded_by_no_recompute(tmp_path):
+    # torchtitan JobConfig: selective_ac_option defaults to "2" (every second layer); Megatron block recompute
+    # of 2 of 8 layers per stage: both store at most what no recompute stores
+    toml = tmp_path / "ac.toml"
+    toml.write_text((LAUNCH / "torchtitan_llama3_8b.toml").read_text().replace("selective_ac_option = 'op'", ""))
+    (r,) = check_file_branches(toml, load_hardware("h100-sxm-80gb"), None, 64)
+    assert r.scenario.plan.recompute == "none" and any("upper bound" in n for n in r.notes)
+    script = tmp_path / "block.sh"
+    script.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().replace(
+        "--bf16", "--bf16 --pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method block "
+                  "--recompute-num-layers 2"))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, 16)
+    assert r.scenario.plan.recompute == "none" and any("2 of 16 layers" in n for n in r.notes)
+
+
+def test_emitted_deepspeed_config_is_checked_with_its_plan(tmp_path):
+    """`plan3d emit --format deepspeed` writes the config and its plan; check reads the pair and refuses
+    a config edited to disagree with the plan."""
+    sc = _llama_scenario()
+    for name, text in render_all(sc, ["deepspeed"]).items():
+        (tmp_path / name).write_text(text)
+    (config,) = tmp_path.glob("*.deepspeed.json")
+    (r,) = check_paths([str(config)], load_hardware("h100-sxm-80gb"), None, None)
+    assert not r.errors and r.scenario.resolved_plan() == sc.resolved_plan()
+    doc = json.loads(config.read_text())
+    doc["train_micro_batch_size_per_gpu"] = 4
+    config.write_text(json.dumps(doc))
+    (r,) = check_paths([str(config)], load_hardware("h100-sxm-80gb"), None, None)
+    assert any("train_micro_batch_size_per_gpu is 4" in e for e in r.errors) and exit_code([r]) == 2
