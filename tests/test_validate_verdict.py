@@ -162,3 +162,19 @@ def test_every_change_of_the_miniature_is_listed():
     assert "ZeRO-1 -> ZeRO-2 (FSDP2 has no optimizer-only sharding)" in changed
     assert "layers per stage (15, 17) -> (1, 3)" in changed
     assert any(c.startswith("model scaled down: 32 -> 4 layers") for c in changed)
+
+
+def test_gpu_calibration_keeps_the_datasheet_peak():
+    """On a GPU the measured best GEMM rate is a share of the datasheet peak (the MAMF), not a new peak:
+    one H200 measured 786.8 TFLOP/s bf16 (benchmarks/gpu_check.sh, 2026-11-30) of 989.4."""
+    from planner.presets import load_hardware
+    from planner.validate.launch import profile_from_measurements
+
+    base = load_hardware("h200-141gb")
+    data = {"ranks": [{"gemms": [{"tflops": 786.8}, {"tflops": 700.0}], "intra": None}], "nodes": 1, "world": 1,
+            "gpus_per_node": 1, "backend": "nccl", "dtype": "torch.bfloat16"}
+    spec, text = profile_from_measurements(data, base)
+    assert spec.peak_bf16_tflops == base.peak_bf16_tflops
+    assert spec.gemm_efficiency_max == pytest.approx(786.8 / 989.4)
+    assert spec.inter_node_bandwidth_gbps == base.inter_node_bandwidth_gbps
+    assert "gemm_efficiency_max" in text.split("# Measured:")[1].splitlines()[0]
