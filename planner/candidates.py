@@ -24,7 +24,7 @@ def divisors(n: int) -> list[int]:
 def valid_tp(model: ModelSpec, hw: HardwareSpec, num_gpus: int, cross_node: bool = False) -> list[int]:
     """tp divides the heads, the KV heads (or is a multiple of them: KV replicated) and the FFN size,
     divides the GPU count, and stays inside a node unless ``cross_node``."""
-    limit = num_gpus if cross_node else min(num_gpus, hw.gpus_per_node)
+    limit = num_gpus if cross_node else min(num_gpus, hw.nvlink_domain)
     g = model.kv_heads
     return [t for t in divisors(limit) if num_gpus % t == 0 and model.num_attention_heads % t == 0
             and (g % t == 0 or t % g == 0) and model.ffn_size % t == 0]
@@ -130,7 +130,7 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
            ) -> Iterator[tuple[int, int, int, StageSplit]]:
     """(tp, cp, dp, split) for every legal parallel shape that respects the pins."""
     N, pins = training.num_gpus, space.pins
-    tps = valid_tp(model, hw, N, space.cross_node_tp or (pins.tp or 0) > hw.gpus_per_node)
+    tps = valid_tp(model, hw, N, space.cross_node_tp or (pins.tp or 0) > hw.nvlink_domain)
     for tp in tps:
         for cp in valid_cp(training, max(space.max_cp, pins.cp or 1)):
             if (N // tp) % cp:

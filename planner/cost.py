@@ -341,7 +341,7 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     merge_b = tokens * (a_r + 2 * g_r) * d * RING_MERGE_BYTES / rates.hbm_bytes_per_s + 2 * launch
     fi = step_flops / speed("fwd", False) + launch + merge_f
     bi = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", False) + 3 * launch + merge_b
-    group = axis_span(plan, "cp", hw.gpus_per_node, order)
+    group = axis_span(plan, "cp", hw.nvlink_domain, order)
     kv_bytes = 2 * tokens * g_r * d * act_bytes(training)
     c = contention(hw)
     # exchange k (k = 1..cp-1) runs while step k-1 computes: the first alongside the causal step
@@ -429,7 +429,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         fwd += tokens * cast_f / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
         bwd += tokens * cast_b / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
 
-    tp_group = axis_span(plan, "tp", hw.gpus_per_node, order)
+    tp_group = axis_span(plan, "tp", hw.nvlink_domain, order)
     e = act_bytes(training)
     buf = tokens * model.hidden_size * e
     c = contention(hw)
@@ -458,7 +458,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     if ring is not None:
         cp_fwd, cp_bwd = ring.fwd_exposed, ring.bwd_exposed
     elif plan.cp > 1:  # materialised attention: ring exchange of K and V overlapped with the core
-        cp_group = axis_span(plan, "cp", hw.gpus_per_node, order)
+        cp_group = axis_span(plan, "cp", hw.nvlink_domain, order)
         kv_bytes = 2 * tokens * kv_heads_per_rank(model, plan.tp) * model.kv_channels * e
         exchange = (plan.cp - 1) * comm.p2p_time_s(kv_bytes, not cp_group.intra_node, hw)
         cp_fwd, cp_bwd = overlapped_s(exchange, att_f, c), overlapped_s(2 * exchange, att_b, c)
@@ -478,7 +478,7 @@ def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     v_r = padded_vocab_size(model.vocab_size, plan.tp) / plan.tp
     f, dg, wg = gemm_fwd_bwd_s(tokens, model.hidden_size, v_r, rates)
     ce = tokens * v_r * (2 + 4 + 4 + 4 + 4 + 2) / rates.hbm_bytes_per_s  # bf16 logits -> fp32 softmax -> grad -> bf16
-    tp_group = axis_span(plan, "tp", hw.gpus_per_node, order)
+    tp_group = axis_span(plan, "tp", hw.nvlink_domain, order)
     kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
     tp = comm.collective_time_s(kind, tokens * model.hidden_size * act_bytes(training), tp_group, hw)
     return f + dg + wg + ce, overlapped_s(tp, wg, contention(hw))
@@ -635,8 +635,8 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                 order: str = DEFAULT_ORDER) -> tuple[StageTime, ...]:
     """Per-micro-batch time of every stage; uneven stages are costed from their own layer counts."""
     f = micro_factors(model, hw, training, plan, order)
-    hop = p2p_hop_s(model, hw, training, plan, pp_hop_crosses_nodes(plan, hw.gpus_per_node, order),
-                    axis_span(plan, "tp", hw.gpus_per_node, order))
+    hop = p2p_hop_s(model, hw, training, plan, pp_hop_crosses_nodes(plan, hw.nvlink_domain, order),
+                    axis_span(plan, "tp", hw.nvlink_domain, order))
     n, last, _, _ = _rows_of_all_stages(plan, model.num_layers)
     t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw))
     return tuple(StageTime(stage=r, compute=float(t["compute"][r]), recompute=float(t["recompute"][r]),
@@ -657,7 +657,7 @@ def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     shards = plan.dp * plan.cp
     if shards == 1:
         return 0.0, 0.0
-    group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.gpus_per_node, order)
+    group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.nvlink_domain, order)
     params = stage_params_per_rank(model, plan, stage, layers)
     g = params * grad_bytes(training)
     if plan.zero_stage == 0:
@@ -678,7 +678,7 @@ def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, l
     """ZeRO-3 / FSDP: all-gather the stage's weights in forward and again in backward, per micro-batch."""
     if plan.zero_stage < 3 or plan.dp * plan.cp == 1:
         return 0.0
-    group = axis_span(plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1}), "dp", hw.gpus_per_node, order)
+    group = axis_span(plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1}), "dp", hw.nvlink_domain, order)
     params = stage_params_per_rank(model, plan, stage, layers)
     return 2 * comm.collective_time_s("all_gather", params * weight_bytes, group, hw)
 

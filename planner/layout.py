@@ -16,6 +16,11 @@ TP pairs sit on NVLink; the DP pairs here share a node too (intra-node all-reduc
 stage 0 -> 1 stays in node 0 while 1 -> 2 crosses to node 1, so the slowest PP hop is inter-node.
 A group whose ranks span several nodes with several ranks on each node is "mixed": its
 collectives run hierarchically (intra-node first, then across nodes; see ``planner.comm``).
+
+"Node" here is the **NVLink domain** (``HardwareSpec.nvlink_domain``): the GPUs that reach each other
+at NVLink speed. It is the host (8 GPUs) on DGX H100/B200, but the whole rack on GB200/GB300 NVL72,
+where 18 trays of 4 GPUs share one NVLink switch domain of 72: there a TP group of 8 spans two
+trays and still runs on NVLink. The ``gpus_per_node`` parameters below take that domain size.
 """
 
 from __future__ import annotations
@@ -134,3 +139,17 @@ def pp_hop_crosses_nodes(plan: Plan, gpus_per_node: int, order: str = DEFAULT_OR
     # the ranks of a PP group increase along the pipeline, so it crosses a node boundary
     # between some pair of consecutive stages exactly when it touches more than one node
     return axis_span(plan, "pp", gpus_per_node, order).nodes > 1
+
+
+def placement_line(plan: Plan, domain: int, order: str = DEFAULT_ORDER) -> str:
+    """Where each parallel group sits, for the estimate's layout line: ``TP 8 inside one NVLink domain
+    of 72 GPUs; DP 9 across 9 domains`` (the worst-placed group of each axis of size > 1)."""
+    parts = []
+    for axis in parse_order(order):
+        size = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}[axis]
+        if size == 1:
+            continue
+        g = axis_span(plan, axis, domain, order)
+        where = "inside one NVLink domain" if g.nodes == 1 else f"across {g.nodes} domains ({g.per_node} per domain)"
+        parts.append(f"{axis.upper()} {size} {where}")
+    return f"Layout ({order}, NVLink domain of {domain} GPUs): " + ("; ".join(parts) or "one GPU")

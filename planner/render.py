@@ -115,6 +115,9 @@ def print_estimate(con, est) -> None:
     verdict = "[green]fits[/green]" if d["memory"]["fits"] else "[red]does NOT fit[/red]"
     con.print(f"Peak {d['memory']['peak_gib']:.2f} GiB of {d['memory']['usable_gib']:.2f} GiB usable: {verdict}")
     con.print(f"Peak on {stage_where(sc.plan, d['memory']['peak_stage'])}, in Megatron's rank order tp-cp-dp-pp")
+    from planner.layout import placement_line
+
+    con.print(placement_line(sc.plan, sc.hardware.nvlink_domain), highlight=False)
     f = d["flops"]
     con.print(f"Model FLOPs per step {f['model_flops_per_step']:.3e}; hardware FLOPs (with recompute) "
               f"{f['hardware_flops_per_step']:.3e}")

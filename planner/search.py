@@ -124,9 +124,9 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         if (tp, cp) not in factors:
             factors[(tp, cp)] = _micro_factors(model, hw, training, micros, base, order)
         f = factors[(tp, cp)]
-        crosses = pp_hop_crosses_nodes(base, hw.gpus_per_node, order)
+        crosses = pp_hop_crosses_nodes(base, hw.nvlink_domain, order)
         if (tp, cp, crosses) not in hops:
-            tp_group = axis_span(base, "tp", hw.gpus_per_node, order)
+            tp_group = axis_span(base, "tp", hw.nvlink_domain, order)
             hops[(tp, cp, crosses)] = np.array([
                 p2p_hop_s(model, hw, training, base.model_copy(update={"micro_batch_size": mbs, "sequence_parallel": sp}),
                           crosses, tp_group) for mbs, _, sp in micros])

@@ -48,3 +48,44 @@ def test_tp_may_span_trays_inside_the_nvl72_domain():
         Scenario(model=load_model("llama3-70b"), hardware=load_hardware("gb200-nvl72"),
                  training=TrainingSpec(num_gpus=80, global_batch_size=80, seq_len=8192),
                  plan=Plan(tp=16, pp=1, dp=5, micro_batch_size=1))  # 16 does not divide 72
+
+
+def _tp8_70b(hw):
+    from planner.estimate import estimate
+
+    return estimate(Scenario(model=load_model("llama3-70b"), hardware=hw,
+                             training=TrainingSpec(num_gpus=144, global_batch_size=288, seq_len=8192),
+                             plan=Plan(tp=8, pp=1, dp=18, micro_batch_size=1, sequence_parallel=True, zero_stage=1,
+                                       recompute="selective")))
+
+
+def test_tp_across_trays_is_fast_only_inside_the_domain():
+    """The same TP-8 plan on GB200 NVL72 trays of 4: on the 72-GPU NVLink domain its collectives use NVLink
+    (740 GB/s); were each tray its own domain (nvlink_domain_size 4 = gpus_per_node), they would go over the
+    400 Gb/s NICs (46 GB/s, hierarchically: 4 per tray first) and TP would cost over twice as much."""
+    rack = load_hardware("gb200-nvl72")
+    trays = rack.model_copy(update={"nvlink_domain_size": 4})
+    inside, across = _tp8_70b(rack), _tp8_70b(trays)
+    assert inside.time.breakdown["tp_comm"] * 2 < across.time.breakdown["tp_comm"]
+    assert inside.time.step_time_s < across.time.step_time_s
+
+
+def test_layout_line_names_the_domain():
+    from planner.layout import placement_line
+
+    plan = Plan(tp=8, pp=1, dp=18, micro_batch_size=1)
+    line = placement_line(plan, load_hardware("gb200-nvl72").nvlink_domain)
+    assert "NVLink domain of 72" in line and "TP 8 inside one NVLink domain" in line
+    assert "DP 18 across 2 domains" in line
+    assert "TP 8 across 2 domains" in placement_line(plan, 4)
+
+
+def test_search_on_nvl72_may_use_tp_beyond_a_tray():
+    """With TP pinned to 8 on GB200 (4 GPUs per tray) the search finds plans; on trays as domains it
+    could not place TP 8 inside one domain, and the pin is refused up front."""
+    from planner.candidates import Pins, SearchSpace
+    from planner.search import search
+
+    tr = TrainingSpec(num_gpus=144, global_batch_size=288, seq_len=8192)
+    res = search(load_model("llama3-70b"), load_hardware("gb200-nvl72"), tr, SearchSpace(pins=Pins(tp=8)))
+    assert res.best is not None and res.best.tp == 8
