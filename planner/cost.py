@@ -141,7 +141,9 @@ class Rates:
     def of(cls, hw: HardwareSpec, precision: str) -> Rates:
         sustained = hw.sustained_fraction
         mamf = hw.gemm_efficiency_max
-        if precision == "fp8":
+        if precision in LOW_PRECISION_CAST_BYTES:
+            # fp8 measured on an H200 (FP8_MAMF_RATIO); mxfp8 and nvfp4 assumed to reach the same share of
+            # their own peak, as no Blackwell block-scaled GEMM sweep is published (docs/cost-model.md)
             mamf = hw.fp8_gemm_efficiency_max or hw.gemm_efficiency_max * FP8_MAMF_RATIO / 2
         return cls(gemm_flops=hw.peak_flops(precision) * mamf * sustained, sm_count=hw.sm_count,
                    gemm_overhead_s=hw.kernel_overhead_us * 1e-6,
@@ -384,18 +386,28 @@ def _elementwise_kernels(model: ModelSpec) -> tuple[int, int]:
     return fwd, fwd + 2
 
 
-def _fp8_cast_bytes_per_token(model: ModelSpec, plan: Plan, linears) -> tuple[float, float]:
-    """(forward, backward) HBM bytes per token of FP8 casts, and their kernel counts, for one layer.
+#: HBM bytes per element of one quantisation of a GEMM input (Transformer Engine): read bf16 (2 B), write
+#: the row-wise and the column-wise copies. fp8 (per-tensor): 1 + 1 B (``fp8_cast_transpose_fused``; Hopper
+#: FP8 GEMMs take only the TN layout). mxfp8 (``MXFP8BlockScaling``): 1 + 1 B plus one E8M0 scale per 32
+#: values in each direction (2/32 B); a block-scaled tensor cannot be transposed, so both copies are
+#: quantised. nvfp4 (``NVFP4BlockScaling``): 0.5 + 0.5 B plus one E4M3 scale per 16 values each way
+#: (2/16 B); the random Hadamard transform of the wgrad inputs is fused into that cast (NVIDIA,
+#: "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, section 4).
+LOW_PRECISION_CAST_BYTES = {"fp8": 2 + 2.0, "mxfp8": 2 + 2.0 + 2 / 32, "nvfp4": 2 + 1.0 + 2 / 16}
 
-    Transformer Engine casts every GEMM input to FP8 with a fused cast-transpose kernel: it reads
-    the bf16 tensor (2 B) and writes the FP8 row-wise and column-wise (transposed) copies (1 + 1 B),
-    because Hopper FP8 GEMMs take only the TN layout (TE "Using FP8 with Transformer Engine",
-    ``fp8_cast_transpose_fused``). Forward: the input of each linear (``k`` wide); backward: each
-    output gradient (``n`` wide). Weights are cast once per step (``is_first_microbatch``), not per
-    micro-batch, and are left out. Attention, norms and the optimizer stay in bf16/fp32.
+
+def _fp8_cast_bytes_per_token(model: ModelSpec, plan: Plan, linears, precision: str = "fp8") -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of the low-precision casts of one layer.
+
+    Every GEMM input is quantised by a fused cast(-transpose) kernel (``LOW_PRECISION_CAST_BYTES`` per
+    element; TE "Using FP8 with Transformer Engine"). Forward: the input of each linear (``k`` wide);
+    backward: each output gradient (``n`` wide). Weights are cast once per step
+    (``is_first_microbatch``), not per micro-batch, and are left out. Attention, norms and the
+    optimizer stay in bf16/fp32.
     """
-    fwd = sum(4 * k for k, _, _ in linears)
-    bwd = sum(4 * n for _, n, _ in linears)
+    c = LOW_PRECISION_CAST_BYTES[precision]
+    fwd = sum(c * k for k, _, _ in linears)
+    bwd = sum(c * n for _, n, _ in linears)
     return fwd, bwd
 
 
@@ -424,8 +436,8 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     elem_f = tokens * _elementwise_bytes_per_token(model, plan) / rates.hbm_bytes_per_s
     fwd += att_f + max(elem_f, k_f * rates.gemm_overhead_s)
     bwd += att_b + max(2 * elem_f, k_b * rates.gemm_overhead_s)
-    if training.precision == "fp8":
-        cast_f, cast_b = _fp8_cast_bytes_per_token(model, plan, linears)
+    if training.precision in LOW_PRECISION_CAST_BYTES:
+        cast_f, cast_b = _fp8_cast_bytes_per_token(model, plan, linears, training.precision)
         fwd += tokens * cast_f / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
         bwd += tokens * cast_b / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
 

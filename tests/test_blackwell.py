@@ -89,3 +89,39 @@ def test_search_on_nvl72_may_use_tp_beyond_a_tray():
     tr = TrainingSpec(num_gpus=144, global_batch_size=288, seq_len=8192)
     res = search(load_model("llama3-70b"), load_hardware("gb200-nvl72"), tr, SearchSpace(pins=Pins(tp=8)))
     assert res.best is not None and res.best.tp == 8
+
+
+@pytest.mark.parametrize("precision,peak_tflops", [("bf16", 2500), ("fp8", 5000), ("mxfp8", 5000), ("nvfp4", 10000)])
+def test_gemm_rate_per_precision_hand_computed(precision, peak_tflops):
+    """GB200 profile: MAMF 0.776, sustained 0.87. Low precisions reach the H200-measured FP8 share of
+    their peak: 0.776 x (1414 / 808) / 2 = 0.6790 (planner/cost.py FP8_MAMF_RATIO)."""
+    from planner.cost import Rates
+
+    share = 0.776 if precision == "bf16" else 0.776 * (1414 / 808) / 2
+    rate = Rates.of(load_hardware("gb200-nvl72"), precision).gemm_flops
+    assert rate == pytest.approx(peak_tflops * 1e12 * share * 0.87, rel=1e-9)
+
+
+@pytest.mark.parametrize("precision,bytes_per_element", [("fp8", 4.0), ("mxfp8", 4.0625), ("nvfp4", 3.125)])
+def test_cast_bytes_per_precision_hand_computed(precision, bytes_per_element):
+    """One linear of width k=4096 in, n=14336 out: forward casts its input (k), backward its output
+    gradient (n); per element read 2 B bf16, write both copies: fp8 1+1; mxfp8 1+1 + 2/32 scales;
+    nvfp4 0.5+0.5 + 2/16 scales."""
+    from planner.cost import _fp8_cast_bytes_per_token
+
+    plan = Plan(tp=1, pp=1, dp=1, micro_batch_size=1)
+    fwd, bwd = _fp8_cast_bytes_per_token(load_model("llama3-8b"), plan, [(4096, 14336, "fc1")], precision)
+    assert (fwd, bwd) == (pytest.approx(bytes_per_element * 4096), pytest.approx(bytes_per_element * 14336))
+
+
+def test_nvfp4_step_is_faster_than_mxfp8_faster_than_bf16_on_gb200():
+    from planner.estimate import estimate
+
+    def step(precision):
+        return estimate(Scenario(model=load_model("llama3-70b"), hardware=load_hardware("gb200-nvl72"),
+                                 training=TrainingSpec(num_gpus=72, global_batch_size=72, seq_len=8192,
+                                                       precision=precision),
+                                 plan=Plan(tp=8, pp=1, dp=9, micro_batch_size=1, sequence_parallel=True,
+                                           zero_stage=1, recompute="selective"))).time.step_time_s
+
+    assert step("nvfp4") < step("mxfp8") < step("bf16")
