@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner import frameworks
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
@@ -38,7 +39,6 @@ OPTIMIZER_BYTES = 12  # fp32 master weights 4 + Adam m 4 + v 4 (ZeRO paper secti
 ACT_BYTES = 2  # bf16 activations
 FP32_BYTES = 4
 TOKEN_ID_BYTES = 8  # int64 input ids and labels (Korthikanti section 4.3)
-LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast in cross entropy (module docstring)
 
 
 @dataclass(frozen=True)
@@ -207,14 +207,14 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     TP divides what lies inside the column/row-parallel region; sequence parallelism also divides
     the norm and dropout regions (Table 2), and Megatron keeps only the 1/t shard of the
     column-parallel inputs (its ``LinearWithGradAccumulationAndAsyncCommunication`` re-gathers
-    them in backward), where torch's DTensor SP keeps them gathered (``framework="torch"``);
+    them in backward), where torch's DTensor SP keeps them gathered (``framework="torchtitan"``);
     CP divides the sequence (context_parallel.md). With
     fp8 the four GEMM inputs are saved in fp8 (1 B), as Transformer Engine does. The per-token
     fp32 norm statistics (mean, rstd) are included.
     """
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
-    gathered = 1 if training.framework == "torch" else sp  # column-parallel inputs kept gathered (DTensor SP)
+    gathered = 1 if frameworks.get(training.framework).sp_gathers_inputs else sp  # DTensor SP keeps them gathered
     lin = 1 if training.precision == "fp8" else e
     s, b, h, f = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size, model.ffn_size
     a_r, q_r = model.num_attention_heads / t, model.q_size / t
@@ -315,13 +315,15 @@ def input_bytes_per_microbatch(model: ModelSpec, training: TrainingSpec, plan: P
 
 def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     """Last stage: the final norm's and the output layer's inputs, the logits and cross-entropy
-    spike of one micro-batch (module docstring) and the int64 labels."""
+    spike of one micro-batch and the int64 labels. Bytes per logit are the framework's
+    (``FrameworkProfile.logits_bytes_per_element``: 6 for Megatron's vocab-parallel cross entropy,
+    module docstring; 12 for torchtitan's ``cross_entropy(pred.float())``)."""
     t = plan.tp
     sp = t if plan.sequence_parallel else 1
     s, b, h = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size
     v_pad = padded_vocab_size(model.vocab_size, t)
     e = act_bytes(training)
-    logits = LOGITS_BYTES_PER_ELEMENT if e == ACT_BYTES else e + FP32_BYTES  # fp32: logits + softmax
+    logits = frameworks.get(training.framework).logits_bytes_per_element(training, plan)
     return (2 * s * b * h * e / sp  # final-norm input and output-layer input
             + logits * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
 
@@ -341,18 +343,24 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
 
 # --- the estimate -------------------------------------------------------------------------------
 
+def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int
+                      ) -> frameworks.StateBytes:
+    """Weights, gradients and optimizer states of one GPU of stage ``stage``, as the framework of
+    ``training.framework`` holds them at the step's peak (``planner/frameworks``)."""
+    profile = frameworks.get(training.framework)
+    return profile.state_bytes(model, training, plan, stage_params_per_rank(model, plan, stage, layers),
+                               layer_params_per_rank(model, plan.tp), layers)
+
+
 def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                  stage: int, layers: int) -> StageMemory:
     """Every component of one GPU of stage ``stage``."""
-    params = stage_params_per_rank(model, plan, stage, layers)
-    per_param = param_bytes(training)
-    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, per_param)
-    w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param)
+    st = stage_state_bytes(model, training, plan, stage, layers)
     return StageMemory(
         stage=stage, layers=layers,
-        weights_bytes=min(params * w + w_work, params * per_param[0]),
-        grads_bytes=min(params * g + g_work, params * per_param[1]),
-        optimizer_bytes=params * o,
+        weights_bytes=st.weights_bytes,
+        grads_bytes=st.grads_bytes,
+        optimizer_bytes=st.optimizer_bytes,
         activations_bytes=stage_activation_bytes(model, training, plan, num_microbatches, stage, layers),
         other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)),
     )

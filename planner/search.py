@@ -34,10 +34,11 @@ from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumer
                                 valid_micro_batch_sizes)
 from planner.cost import (ADAM_BYTES_PER_PARAM, Rates, p2p_hop_s, _head_time_s, contention, dp_sync_s, layer_time,
                           zero3_gather_s)
+from planner import frameworks
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
-                            stage_params_per_rank, state_bytes_per_param, zero_working_set_bytes)
+                            stage_params_per_rank, stage_state_bytes)
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
 
 NS = 1e9  # time unit of the tables: nanoseconds
@@ -105,6 +106,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     rates = Rates.of(hw, training.precision)
     c = contention(hw)
     gb = param_bytes(training)
+    fw = frameworks.get(training.framework)
     mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
     factors: dict = {}
     hops: dict = {}
@@ -132,6 +134,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         hop = hops[(tp, cp, crosses)]
         m = B // (mbs_u * dp)
         ok = f["valid"] & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
+        ok = ok[:, None] & np.array([fw.allows_zero(z, p) for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue
         dp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, rates, order)
@@ -218,11 +221,10 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, rates, order):
     dp_s, z3_s, static, opt_s = [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
-        w, g, o = state_bytes_per_param(z, plan.dp * plan.cp, gb)
         row = []
-        for pr, (_, n) in zip(params, rows):
-            ww, gw = zero_working_set_bytes(model, zp, n, gb)
-            row.append(min(pr * w + ww, pr * gb[0]) + min(pr * g + gw, pr * gb[1]) + pr * o)
+        for r, n in rows:  # the framework's weights + gradients + optimizer, as memory.stage_memory
+            st = stage_state_bytes(model, training, zp, r, n)
+            row.append(st.weights_bytes + st.grads_bytes + st.optimizer_bytes)
         static.append(row)
         dp_s.append(sync[min(z, 1)])
         z3_s.append(gather if z == 3 else [0.0] * 3)

@@ -231,11 +231,12 @@ class TrainingSpec(_Spec):
         default="flash",
         description="flash: fused attention that stores no s x s scores (Dao et al. 2022); "
                     "materialized: the scores and softmax are stored, as in Korthikanti et al. 2022.")
-    framework: Literal["megatron", "torch"] = Field(
+    framework: Literal["megatron", "nemo", "torchtitan", "deepspeed", "torch"] = Field(
         default="megatron",
-        description="How sequence parallelism saves the column-parallel inputs: megatron keeps the 1/t shard "
-                    "and re-gathers it in backward; torch (DTensor, as torchtitan and plan3d validate) keeps "
-                    "the gathered input.")
+        description="The framework that runs the plan: sets how weights, gradients, optimizer states and "
+                    "logits are held (planner/frameworks) and what the search may propose. megatron "
+                    "(Megatron-Core), nemo (NeMo 2 on Megatron-Core), torchtitan (FSDP2, DTensor, "
+                    "torch pipelining; 'torch' is an alias), deepspeed (ZeRO engine, Megatron-DeepSpeed).")
     overlap_grad_reduce: bool = Field(
         default=True,
         description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "
@@ -347,6 +348,9 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")
     if v > 1 and B % (b * d) == 0 and (B // (b * d)) % p:
         errors.append(f"vpp: the interleaved schedule needs num_microbatches({B // (b * d)}) divisible by pp({p})")
+    from planner.frameworks import get as framework_profile
+
+    errors += framework_profile(training.framework).plan_problems(plan, training.precision)
     return errors + job_problems(model, hardware, training)
 
 

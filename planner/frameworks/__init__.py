@@ -1,0 +1,82 @@
+"""Framework profiles: how each training framework holds its model states, and what it can run.
+
+One module per framework (``megatron``, ``nemo``, ``torchtitan``, ``deepspeed``), each exposing a
+:class:`FrameworkProfile` as ``PROFILE``. A profile answers two questions for ``planner.memory``
+and ``planner.candidates``:
+
+* **memory policy**: the bytes of weights, gradients and optimizer states one GPU of a pipeline
+  stage holds at its peak (:meth:`FrameworkProfile.state_bytes`), how its loss keeps the logits
+  (bytes per logit), and whether sequence parallelism keeps the column-parallel inputs gathered;
+* **search limits**: the ZeRO stages, context parallelism, interleaving and uneven pipelines the
+  framework can run, so that ``plan3d search --framework X`` only proposes plans X can launch.
+
+``"torch"`` is accepted as an alias of ``torchtitan`` (the name plan3d used before the profiles).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed")
+ALIASES = {"torch": "torchtitan"}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one GPU holds for the model states of its stage at the step's peak."""
+
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+
+@dataclass(frozen=True)
+class FrameworkProfile:
+    """Memory policy and search limits of one framework (see the module of each)."""
+
+    name: str
+    # (model, training, plan, stage_params, layer_params, layers) -> StateBytes
+    state_bytes: Callable
+    logits_bytes_per_element: Callable  # (training, plan) -> bytes per logit live at the loss peak
+    sp_gathers_inputs: bool  # DTensor SP keeps QKV/FC1 inputs gathered (torch); Megatron keeps the 1/t shard
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    max_zero_with_pp: int = 3  # highest ZeRO stage the pipeline engine accepts when pp > 1
+    allows_cp: bool = True
+    allows_vpp: bool = True
+    allows_uneven: bool = True
+    allows_fp8: bool = True
+
+    def allows_zero(self, zero_stage: int, pp: int) -> bool:
+        """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages."""
+        return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp)
+
+    def plan_problems(self, plan, precision: str = "bf16") -> list[str]:
+        """What of ``plan`` this framework cannot run, one line each naming the field."""
+        errors = []
+        if not self.allows_zero(plan.zero_stage, plan.pp):
+            allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
+            errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
+        if plan.cp > 1 and not self.allows_cp:
+            errors.append(f"cp: {self.name} has no context parallelism (cp={plan.cp}); use cp=1")
+        if plan.vpp > 1 and not self.allows_vpp:
+            errors.append(f"vpp: {self.name}'s pipeline has no interleaved schedule (vpp={plan.vpp}); use vpp=1")
+        if plan.layers_per_stage is not None and len(set(plan.layers_per_stage)) > 1 and not self.allows_uneven:
+            errors.append(f"layers_per_stage: {self.name} splits layers evenly; drop layers_per_stage")
+        if precision == "fp8" and not self.allows_fp8:
+            errors.append(f"precision: {self.name} as plan3d emits it has no fp8 recipe; use bf16")
+        return errors
+
+
+def canonical(name: str) -> str:
+    """The profile name for ``name`` (``torch`` -> ``torchtitan``)."""
+    return ALIASES.get(name, name)
+
+
+def get(name: str) -> FrameworkProfile:
+    """The profile of framework ``name`` (an alias is resolved)."""
+    from planner.frameworks import deepspeed, megatron, nemo, torchtitan
+
+    profiles = {"megatron": megatron.PROFILE, "nemo": nemo.PROFILE, "torchtitan": torchtitan.PROFILE,
+                "deepspeed": deepspeed.PROFILE}
+    return profiles[canonical(name)]
