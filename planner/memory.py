@@ -210,11 +210,14 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     them in backward), where torch's DTensor SP keeps them gathered (``framework="torchtitan"``);
     CP divides the sequence (context_parallel.md). With
     fp8 the four GEMM inputs are saved in fp8 (1 B), as Transformer Engine does. The per-token
-    fp32 norm statistics (mean, rstd) are included.
+    fp32 norm statistics (mean, rstd) are included. A framework that runs SwiGLU unfused
+    (torchtitan eager: ``w2(F.silu(w1(x)) * w3(x))``, ``FrameworkProfile.swiglu_unfused``) also
+    keeps the SiLU output, which the multiply saves.
     """
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
-    gathered = 1 if frameworks.get(training.framework).sp_gathers_inputs else sp  # DTensor SP keeps them gathered
+    profile = frameworks.get(training.framework)
+    gathered = 1 if profile.sp_gathers_inputs else sp  # DTensor SP keeps them gathered
     lin = 1 if training.precision == "fp8" else e
     s, b, h, f = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size, model.ffn_size
     a_r, q_r = model.num_attention_heads / t, model.q_size / t
@@ -252,6 +255,8 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
         ActTerm("activation input (FC1 output)", fc1_out * e),
         ActTerm("FC2 input", sb * f / t * lin),
     ]
+    if model.activation == "swiglu" and profile.swiglu_unfused:
+        terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e))
     if drop:
         terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
     return terms
@@ -352,16 +357,38 @@ def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stag
                                layer_params_per_rank(model, plan.tp), layers)
 
 
+def layer_phase_bytes(st: frameworks.StateBytes, recompute_bytes: float, output_spike_bytes: float
+                      ) -> tuple[float, float, float]:
+    """(weights, gradients, activations) of the layer-phase working set that add to the peak.
+
+    Two transient sets never coexist: the **loss phase** (the last stage's logits and
+    cross-entropy spike, ``output_bytes``) and the **layer phase** (one layer's recompute working
+    set, and the framework's gathered layer and its gradient buffers, ``StateBytes.working_*``):
+    the loss is done before any layer runs its backward. The peak holds the larger, so the part of
+    the layer phase above the spike is counted, split in proportion (for a stage without the output
+    layer the spike is 0 and the whole layer phase counts).
+    """
+    work = st.working_weights_bytes + st.working_grads_bytes + recompute_bytes
+    if work <= 0:
+        return 0.0, 0.0, 0.0
+    keep = max(work - output_spike_bytes, 0.0) / work
+    return st.working_weights_bytes * keep, st.working_grads_bytes * keep, recompute_bytes * keep
+
+
 def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                  stage: int, layers: int) -> StageMemory:
-    """Every component of one GPU of stage ``stage``."""
+    """Every component of one GPU of stage ``stage``: the framework's states, the saved activations,
+    the inputs / outputs, and the larger of the layer phase and the loss spike (:func:`layer_phase_bytes`)."""
     st = stage_state_bytes(model, training, plan, stage, layers)
+    spike = output_bytes(model, training, plan) if stage == plan.pp - 1 else 0.0
+    recompute = recompute_working_bytes(layer_activation_terms(model, training, plan), plan.recompute)
+    w_work, g_work, a_work = layer_phase_bytes(st, recompute, spike)
     return StageMemory(
         stage=stage, layers=layers,
-        weights_bytes=st.weights_bytes,
-        grads_bytes=st.grads_bytes,
+        weights_bytes=st.weights_bytes + w_work,
+        grads_bytes=st.grads_bytes + g_work,
         optimizer_bytes=st.optimizer_bytes,
-        activations_bytes=stage_activation_bytes(model, training, plan, num_microbatches, stage, layers),
+        activations_bytes=stage_saved_bytes(model, training, plan, num_microbatches, stage, layers) + a_work,
         other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)),
     )
 

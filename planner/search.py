@@ -137,7 +137,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         ok = ok[:, None] & np.array([fw.allows_zero(z, p) for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue
-        dp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, rates, order)
+        dp_s, z3_s, static, work, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, rates, order)
         # per-micro-batch time of each stage kind [U, 3], as cost.stage_times
         pp_t = (2 * v * hop if p > 1 else 0 * hop)[:, None]
         h_c, h_t = f["head_compute"][:, None] * last, f["head_tp"][:, None] * last
@@ -155,11 +155,14 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         step = m[:, None] * per_mb.max(axis=2) + bubble + exposed.max(axis=2) + opt_s[None]
         # memory of each stage kind [U, Z, 3], as memory.stage_memory
         inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
-        act = inflight * n / v * f["saved"][:, None] + f["working"][:, None]
+        act = inflight * n / v * f["saved"][:, None]
         first_inputs = np.ceil(in_flight_chunks(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in rows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == p - 1) * f["output_bytes"][:, None]
-        mem = np.ceil((static[None] + (act + other)[:, None, :]) / KIB)
+        out_spike = (rows_r == p - 1) * f["output_bytes"][:, None]  # [U, 3]
+        layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, 3]: memory.layer_phase_bytes
+        work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
+        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak) / KIB)
         time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
         mem_kib[si, ok] = mem[ok].astype(np.int64)
         legal[si, ok] = True
@@ -206,7 +209,8 @@ def _dp_windows(bwd: np.ndarray, p: int) -> np.ndarray:
 
 
 def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, rates, order):
-    """Per ZeRO stage and stage kind: DP sync, ZeRO-3 gather and static memory [Z, 3]; optimizer time [Z].
+    """Per ZeRO stage and stage kind: DP sync, ZeRO-3 gather, static memory and the framework's transient
+    working set [Z, 3]; optimizer time [Z].
 
     The DP sync is the same for every stage >= 1 (reduce-scatter + all-gather) and the ZeRO-3
     gather exists only at stage 3, so each is computed once.
@@ -218,19 +222,21 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, rates, order):
         sync[z] = [dp_sync_s(model, hw, training, zp, r, n, order) for r, n in rows]
     z3p = plan.model_copy(update={"zero_stage": 3})
     gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
-    dp_s, z3_s, static, opt_s = [], [], [], []
+    dp_s, z3_s, static, work, opt_s = [], [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
-        row = []
+        row, wrow = [], []
         for r, n in rows:  # the framework's weights + gradients + optimizer, as memory.stage_memory
             st = stage_state_bytes(model, training, zp, r, n)
             row.append(st.weights_bytes + st.grads_bytes + st.optimizer_bytes)
+            wrow.append(st.working_weights_bytes + st.working_grads_bytes)
         static.append(row)
+        work.append(wrow)
         dp_s.append(sync[min(z, 1)])
         z3_s.append(gather if z == 3 else [0.0] * 3)
         shards = plan.dp * plan.cp if z >= 1 else 1
         opt_s.append(max(params) / shards * ADAM_BYTES_PER_PARAM / rates.hbm_bytes_per_s)
-    return np.array(dp_s), np.array(z3_s), np.array(static), np.array(opt_s)
+    return np.array(dp_s), np.array(z3_s), np.array(static), np.array(work), np.array(opt_s)
 
 
 def _stage_counts(p: int) -> tuple[int, int, int]:

@@ -29,6 +29,11 @@ class StateBytes:
     weights_bytes: float
     grads_bytes: float
     optimizer_bytes: float
+    # transient: live only while one layer (or the root module) runs its forward/backward, not while
+    # the loss holds the logits (FSDP2's gathered layer and its gradient buffers); planner.memory
+    # counts max(working, logits spike) on the last stage
+    working_weights_bytes: float = 0.0
+    working_grads_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class FrameworkProfile:
     state_bytes: Callable
     logits_bytes_per_element: Callable  # (training, plan) -> bytes per logit live at the loss peak
     sp_gathers_inputs: bool  # DTensor SP keeps QKV/FC1 inputs gathered (torch); Megatron keeps the 1/t shard
+    swiglu_unfused: bool = False  # eager ``w2(silu(w1 x) * w3 x)``: also saves the SiLU output (torchtitan)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     max_zero_with_pp: int = 3  # highest ZeRO stage the pipeline engine accepts when pp > 1
     allows_cp: bool = True

@@ -24,10 +24,17 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
 * **Without FSDP** (zero_stage 0: DDP or a single replica): fp32 parameters and gradients,
   AdamW 8 B, bf16 compute by ``torch.autocast`` (``maybe_enable_amp``), which keeps a bf16 cast
   of each weight for backward: 4 + 2 + 4 + 8 B.
-* **Logits**: the output layer's bf16 logits (vocabulary / t with ``loss_parallel``, the
-  default with TP), then ``cross_entropy(pred.flatten(0, 1).float(), labels)``
-  (``components/loss.py``): the fp32 copy and ``log_softmax``'s fp32 output, which it saves; in
-  backward the fp32 gradient of the log-softmax input and its bf16 cast: 2 + 4 + 4 + 2 B.
+* **Logits**: the output layer's bf16 logits, then ``cross_entropy(pred.flatten(0, 1).float(),
+  labels)`` (``components/loss.py``). Without TP the peak is in backward: ``log_softmax``'s saved
+  fp32 output, the fp32 gradient from ``nll_loss`` and the fp32 gradient of the log-softmax input:
+  12 B per logit. With TP, ``loss_parallel`` (the default, ``parallelism.disable_loss_parallel``)
+  keeps the vocabulary sharded (V / t per rank) but runs DTensor's decomposed log-softmax
+  (``torch/distributed/tensor/parallel/loss.py::_log_softmax``: the bf16 logits, their fp32 copy,
+  ``shifted``, ``exp(shifted)`` and the result live together): 22 B per local logit. Both are
+  measured on torch 2.13 with ``MemTracker`` under fake tensors and re-measured in CI
+  (``tests/test_fake_rank.py::test_loss_bytes_per_logit``).
+* **SwiGLU** runs eager and unfused (``FeedForward.forward``: ``w2(F.silu(w1(x)) * w3(x))``):
+  the multiply also saves the SiLU output, one more ``s b f`` tensor per layer.
 * **Sequence parallel**: DTensor's ``SequenceParallel`` + ``ColwiseParallel`` keep the gathered
   QKV/FC1 inputs for backward (``planner.memory.layer_activation_terms``).
 * float8 (torchao) is not modelled: its weights are cast per GEMM and, with
@@ -40,7 +47,8 @@ from planner.frameworks import FrameworkProfile, StateBytes
 
 BF16, FP32 = 2, 4
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in the parameter's dtype (fp32)
-LOGITS_BYTES_PER_ELEMENT = 12  # bf16 logits + fp32 copy + fp32 log_softmax output + bf16 grad (module docstring)
+LOGITS_BYTES_PER_ELEMENT = 12  # cross_entropy(pred.float()) peak in backward (module docstring)
+LOSS_PARALLEL_BYTES_PER_ELEMENT = 22  # loss_parallel's decomposed log-softmax, per local logit (module docstring)
 
 
 def reshard_after_forward(plan) -> bool:
@@ -50,35 +58,51 @@ def reshard_after_forward(plan) -> bool:
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int) -> StateBytes:
-    """Weights, gradients and AdamW states of one GPU of a stage (module docstring)."""
+    """Weights, gradients and AdamW states of one GPU of a stage (module docstring).
+
+    Persistent at the peak: the fp32 shards (parameters, gradients, Adam; the gradient shards only
+    with gradient accumulation or PP: with one micro-batch, ``optimizer.zero_grad()`` (set_to_none)
+    freed them and they are rebuilt in backward, after the loss); with PP also the
+    unsharded bf16 parameters and fp32 gradients of the whole stage; with ``reshard_after_forward``
+    off, the unsharded bf16 parameters. Working set (``StateBytes.working_*``): the gathered layer
+    and the next one, or the root module, with their bf16 gradient and its fp32 cast.
+    """
     P, Pl = stage_params, layer_params
-    if training.precision == "fp32":  # plain fp32 FSDP2 (plan3d validate): no bf16 copies
-        wb, gb = FP32, FP32
-    else:
-        wb, gb = BF16, BF16
+    wb = FP32 if training.precision == "fp32" else BF16  # param_dtype of the MixedPrecisionPolicy
+    if plan.zero_stage == 0:  # no FSDP: fp32 parameters and gradients, autocast's bf16 weight casts
+        cast = 0 if wb == FP32 else BF16
+        return StateBytes(weights_bytes=P * (FP32 + cast), grads_bytes=P * FP32, optimizer_bytes=P * ADAM_STATE_BYTES)
     n = plan.dp * plan.cp
-    if plan.zero_stage == 0:
-        autocast_copy = wb if training.precision != "fp32" else 0
-        return StateBytes(weights_bytes=P * (FP32 + autocast_copy), grads_bytes=P * FP32,
-                          optimizer_bytes=P * ADAM_STATE_BYTES)
     sharded = P / n
     root = max(P - layers * Pl, 0.0)  # embedding / final norm / output layer on this stage
-    if reshard_after_forward(plan):
-        unsharded_w = wb * (min(2, layers) * Pl + root)
+    grad_cast = FP32 if wb != FP32 else 0  # the bf16 gradient is cast to reduce_dtype for the reduce-scatter
+    weights, grads = FP32 * sharded, FP32 * sharded
+    work_w = work_g = 0.0
+    m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
+    if m == 1 and plan.pp == 1:  # zero_grad(set_to_none) freed them: the shards appear during backward only
+        grads, work_shards = 0.0, FP32 * sharded
     else:
-        unsharded_w = wb * P
-    if plan.pp > 1:  # no gradient sync until perform_reduce_grad: unsharded fp32 grads of the stage
-        grads = FP32 * P + FP32 * sharded
-    else:  # one layer's bf16 grad, its fp32 cast for the reduce-scatter, the fp32 shards
-        grads = (gb + FP32) * max(Pl, root) + FP32 * sharded if wb != FP32 else FP32 * (max(Pl, root) + sharded)
-    return StateBytes(weights_bytes=FP32 * sharded + unsharded_w, grads_bytes=grads,
-                      optimizer_bytes=ADAM_STATE_BYTES * sharded)
+        work_shards = 0.0
+    if plan.pp > 1:  # PipelineStage: no reshard after backward, no gradient sync until perform_reduce_grad
+        weights += wb * P
+        grads += FP32 * P
+    elif reshard_after_forward(plan):  # one layer gathered + the next prefetched, or the root module
+        layer_set = (wb * min(2, layers) * Pl, (wb + grad_cast) * Pl)
+        root_set = (wb * root, (wb + grad_cast) * root)
+        work_w, work_g = max(layer_set, root_set, key=sum)
+    else:  # reshard_after_forward=False: every layer stays gathered from its forward to its backward
+        weights += wb * P
+        work_g = (wb + grad_cast) * max(Pl, root)
+    return StateBytes(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=ADAM_STATE_BYTES * sharded,
+                      working_weights_bytes=work_w, working_grads_bytes=work_g + work_shards)
 
 
 def logits_bytes_per_element(training, plan) -> float:
     """Bytes per logit live at the loss (module docstring); fp32 training: logits, log-softmax, grad."""
-    return 3 * FP32 if training.precision == "fp32" else LOGITS_BYTES_PER_ELEMENT
+    if training.precision == "fp32":
+        return 3 * FP32
+    return LOSS_PARALLEL_BYTES_PER_ELEMENT if plan.tp > 1 else LOGITS_BYTES_PER_ELEMENT
 
 
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
-                           sp_gathers_inputs=True)
+                           sp_gathers_inputs=True, swiglu_unfused=True)

@@ -1,0 +1,366 @@
+"""Fake-rank harness: one CPU process plays one rank of a large job and runs the real torch
+code of a full-size training step (FSDP2 ``fully_shard``, DTensor tensor parallelism, AdamW)
+without allocating anything, and reports the peak memory torch's own tracker sees.
+
+The reference for the torchtitan profile of ``planner.memory`` (``tests/test_fake_rank.py``).
+What it is made of, all torch's:
+
+* ``torch._subclasses.fake_tensor.FakeTensorMode``: tensors with shapes and dtypes, no storage;
+* the fake process group (``torch.testing._internal.distributed.fake_pg.FakeStore``, backend
+  ``"fake"``): collectives return at once, so one process is rank ``rank`` of ``world``;
+* ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``: counts every live tensor
+  storage by category (sharded / unsharded parameters and gradients, optimizer state,
+  activations, temporaries) and keeps the peak.
+
+Two things differ from a plain CPU run and are set here to match a GPU:
+
+* RMSNorm saves its input and the fp32 rstd, as torch's fused CUDA kernel does (the composite
+  CPU ``F.rms_norm`` keeps fp32 copies as well);
+* attention is :class:`FlashAttention`, an autograd op that saves what FlashAttention-2 saves
+  for backward (q, k, v, the output and the fp32 log-sum-exp per query and head; Dao 2023,
+  arXiv:2307.08691, Algorithm 1 line 15) and no ``s x s`` scores; K and V stay at their
+  ``num_kv_heads`` (GQA without repetition, as flash-attn's kernel takes them);
+* every storage is rounded up to the CUDA caching allocator's 512-byte block
+  (``c10/cuda/CUDACachingAllocator.cpp``: ``kMinBlockSize = 512``, ``round_size``); the tracker
+  rounds only for CUDA devices, the fake tensors here are CPU tensors.
+
+The model is the Llama family of ``ModelSpec`` (RMSNorm, SwiGLU, GQA, RoPE not materialised:
+a fused RoPE saves nothing; no biases) built as torchtitan builds it: one ``fully_shard`` per
+block, then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, loss
+``cross_entropy(logits.float())``. Torch is imported inside the functions only: importing this
+module does not import torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+ALLOCATOR_BLOCK_BYTES = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
+
+
+@dataclass(frozen=True)
+class FakeRankResult:
+    """Peak memory of one rank, bytes by the tracker's categories, and the peak total."""
+
+    peak_bytes: float
+    by_category_bytes: dict
+    wall_s: float
+
+    def category(self, *names: str) -> float:
+        return sum(self.by_category_bytes.get(n, 0) for n in names)
+
+
+@contextlib.contextmanager
+def _allocator_rounding():
+    """Round every tracked storage up to the caching allocator's 512-byte block (module docstring)."""
+    from torch.distributed._tools import mem_tracker
+
+    original = mem_tracker._WeakRefInfo._calculate_mem_consumed
+
+    def rounded(self) -> int:
+        return math.ceil(self.size * self.element_size / ALLOCATOR_BLOCK_BYTES) * ALLOCATOR_BLOCK_BYTES
+
+    mem_tracker._WeakRefInfo._calculate_mem_consumed = rounded
+    try:
+        yield
+    finally:
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = original
+
+
+@contextlib.contextmanager
+def _real_device_meshes():
+    """Build every DeviceMesh with real tensors: FSDP2 + TP concatenates the DP and TP meshes
+    (``FSDPParam._init_sharding_spec_tp``) while fake mode is on, and a mesh holds rank ids."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int = 0):
+    """The fake process group: this process is ``rank`` of ``world`` (collectives are no-ops)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _modules(torch):
+    """The model classes, built here so that importing planner.fake_rank does not import torch."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class FlashAttention(torch.autograd.Function):
+        """Causal attention that saves q, k, v, out and the fp32 log-sum-exp, as FlashAttention-2."""
+
+        @staticmethod
+        def forward(ctx, q, k, v):  # [b, s, heads, d], [b, s, kv_heads, d]
+            b, s, heads, _ = q.shape
+            out = torch.empty_like(q)
+            lse = torch.empty((b, heads, s), dtype=torch.float32, device=q.device)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, out, lse = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    class RMSNormFn(torch.autograd.Function):
+        """Saves the input and the fp32 rstd, as the fused CUDA kernel (``torch._fused_rms_norm``) does."""
+
+        @staticmethod
+        def forward(ctx, x, weight):
+            rstd = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
+            ctx.save_for_backward(x, rstd, weight)
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, rstd, weight = ctx.saved_tensors
+            return torch.empty_like(x), torch.empty_like(weight)
+
+    class RMSNorm(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(h))
+
+        def forward(self, x):
+            return RMSNormFn.apply(x, self.weight)
+
+    class Attention(nn.Module):
+        def __init__(self, h, heads, kv_heads, d):
+            super().__init__()
+            self.heads, self.kv_heads, self.d = heads, kv_heads, d
+            self.wq = nn.Linear(h, heads * d, bias=False)
+            self.wk = nn.Linear(h, kv_heads * d, bias=False)
+            self.wv = nn.Linear(h, kv_heads * d, bias=False)
+            self.wo = nn.Linear(heads * d, h, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q = self.wq(x).view(b, s, -1, self.d)  # -1: the heads of this TP rank
+            k = self.wk(x).view(b, s, -1, self.d)
+            v = self.wv(x).view(b, s, -1, self.d)
+            return self.wo(FlashAttention.apply(q, k, v).reshape(b, s, -1))
+
+    class FeedForward(nn.Module):
+        def __init__(self, h, f):
+            super().__init__()
+            self.w1 = nn.Linear(h, f, bias=False)
+            self.w2 = nn.Linear(f, h, bias=False)
+            self.w3 = nn.Linear(h, f, bias=False)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self, spec):
+            super().__init__()
+            h = spec.hidden_size
+            self.attention_norm = RMSNorm(h)
+            self.attention = Attention(h, spec.num_attention_heads, spec.kv_heads, spec.kv_channels)
+            self.ffn_norm = RMSNorm(h)
+            self.feed_forward = FeedForward(h, spec.ffn_size)
+
+        def forward(self, x):
+            x = x + self.attention(self.attention_norm(x))
+            return x + self.feed_forward(self.ffn_norm(x))
+
+    class Transformer(nn.Module):
+        def __init__(self, spec, layers, embedding=True):
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size) if embedding else None
+            self.layers = nn.ModuleList(Block(spec) for _ in range(layers))
+            self.norm = RMSNorm(spec.hidden_size)
+            self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+        def forward(self, tokens):
+            x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+            for layer in self.layers:
+                x = layer(x)
+            return self.output(self.norm(x))
+
+    return Transformer
+
+
+def _apply_tp(torch, model, tp_mesh, loss_parallel: bool):
+    """torchtitan's ``apply_tp`` (models/llama3/infra/parallelize.py): colwise Q/K/V/W1/W3, rowwise
+    O/W2, sequence-parallel norms, vocab-parallel embedding and output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    if model.tok_embeddings is not None:
+        parallelize_module(model, tp_mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))})
+    parallelize_module(model, tp_mesh, {
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int, tp: int = 1,
+                 reshard_after_forward: bool = True, recompute: str = "none", microbatches: int = 1,
+                 pipeline_nosync: bool = False, last_stage: bool = False, steps: int = 2) -> FakeRankResult:
+    """Peak memory of rank 0 of a ``dp`` x ``tp`` job training ``spec`` with ``layers`` layers.
+
+    FSDP2 over ``dp`` (torchtitan's ``apply_fsdp``: each block, then the root; bf16 params, fp32
+    reduce), TP over ``tp`` with sequence parallelism and loss parallelism (torchtitan's
+    ``apply_tp``), AdamW (foreach). ``recompute="full"`` wraps each block in
+    ``checkpoint_wrapper`` (torchtitan's full AC). ``microbatches`` forward+backward passes per
+    step; with ``pipeline_nosync`` they run as a pipeline stage runs them under FSDP2
+    (``PipelineStage.backward_maybe_with_nosync``: no gradient sync, no reshard after backward,
+    then ``perform_reduce_grad``). ``last_stage``: the last stage of a pipeline (no embedding; its
+    input is the previous stage's bf16 hidden states). ``steps`` optimizer steps (2: the second has
+    Adam's states).
+    """
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    t0 = time.perf_counter()
+    Transformer = _modules(torch)
+    world = dp * tp
+    with fake_world(world), _allocator_rounding(), _real_device_meshes():
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))  # outside fake mode: real rank ids
+        mesh = {"dp": mesh["dp"], "tp": mesh["tp"]}
+        fake = FakeTensorMode(allow_non_fake_inputs=True)  # DeviceMesh keeps real int tensors of rank ids
+        fake.__enter__()
+        try:
+            return _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp,
+                        reshard_after_forward, recompute, microbatches, pipeline_nosync, last_stage, steps, t0)
+        finally:
+            fake.__exit__(None, None, None)
+
+
+def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp, reshard_after_forward,
+         recompute, microbatches, pipeline_nosync, last_stage, steps, t0):
+    import time
+
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = Transformer(spec, layers, embedding=not last_stage)
+    if tp > 1:
+        _apply_tp(torch, model, mesh["tp"], loss_parallel=True)
+    if recompute == "full":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    tracker = FSDPMemTracker(model, opt)
+    tokens = torch.randint(0, spec.vocab_size, (micro_batch_size, seq_len))
+    inputs = tokens
+    if last_stage:  # what the previous stage sends: bf16 hidden states (sequence-sharded with TP)
+        inputs = torch.empty(micro_batch_size, seq_len // tp, spec.hidden_size, dtype=torch.bfloat16,
+                             requires_grad=True)
+    tracker.track_inputs((inputs,))
+    loss_ctx = contextlib.nullcontext
+    if tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel as loss_ctx
+    with tracker:
+        for _ in range(steps):
+            if pipeline_nosync:
+                model.set_is_last_backward(False)
+                model.set_reshard_after_backward(False)
+                model.set_requires_gradient_sync(False)
+            for _ in range(microbatches):
+                tracker.reset_mod_stats()  # per-module stats cover one forward; the peak is kept
+                with loss_ctx():
+                    pred = model(inputs)
+                    loss = F.cross_entropy(pred.flatten(0, 1).float(), tokens.flatten(0, 1))
+                    del pred
+                    loss.backward()
+            if pipeline_nosync:  # torch's own PipelineStage.perform_reduce_grad on this module
+                from types import SimpleNamespace
+
+                from torch.distributed.pipelining.stage import _PipelineStageBase
+                _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=model), 1)
+            opt.step()
+            opt.zero_grad()
+        snap = tracker.get_tracker_snapshot("peak")
+    per_device = next(iter(snap.values()))
+    cats = {str(getattr(k, "value", k)): v for k, v in per_device.items()}
+    total = cats.pop("Total", sum(cats.values()))
+    return FakeRankResult(peak_bytes=float(total), by_category_bytes=cats, wall_s=time.perf_counter() - t0)
+
+
+def measure_loss_bytes(tokens: int, vocab: int, tp: int = 1) -> float:
+    """Peak bytes of torchtitan's loss on one rank: the output layer's bf16 logits for ``tokens``
+    tokens and ``vocab`` entries, ``cross_entropy(logits.float(), labels)`` and its backward;
+    with ``tp > 1`` the logits are vocabulary-sharded and the loss runs under ``loss_parallel``.
+    The hidden states, weights and labels are tracked apart and left out of the figure."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    hidden = 64
+    with fake_world(tp), _allocator_rounding(), _real_device_meshes():
+        mesh = init_device_mesh("cpu", (tp,))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            weight = torch.nn.Parameter(torch.empty(vocab, hidden, dtype=torch.bfloat16))
+            h = torch.empty(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+            labels = torch.randint(0, vocab, (tokens,))
+            tracker = MemTracker()
+            tracker.track_external(weight, h, labels)
+            with tracker:
+                if tp > 1:
+                    w = distribute_tensor(weight.detach(), mesh, [Shard(0)]).requires_grad_()
+                    pred = F.linear(DTensor.from_local(h, mesh, [Replicate()]), w)  # Shard(-1): vocab-parallel
+                    with loss_parallel():
+                        loss = F.cross_entropy(pred.float(), labels)
+                        del pred
+                        loss.backward()
+                else:
+                    pred = h @ weight.t()
+                    loss = F.cross_entropy(pred.float(), labels)
+                    del pred
+                    loss.backward()
+                snap = tracker.get_tracker_snapshot("peak")
+    per_device = next(iter(snap.values()))
+    # what the loss creates: activations and temporaries (not the tracked inputs, weights, labels)
+    return float(sum(v for k, v in per_device.items() if str(getattr(k, "value", k)) in ("Activation", "Temp")))
