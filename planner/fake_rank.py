@@ -16,7 +16,7 @@ Two things differ from a plain CPU run and are set here to match a GPU:
 
 * RMSNorm saves its input and the fp32 rstd, as torch's fused CUDA kernel does (the composite
   CPU ``F.rms_norm`` keeps fp32 copies as well);
-* attention is :class:`FlashAttention`, an autograd op that saves what FlashAttention-2 saves
+* attention is ``plan3d::flash_attention``, an op that saves what FlashAttention-2 saves
   for backward (q, k, v, the output and the fp32 log-sum-exp per query and head; Dao 2023,
   arXiv:2307.08691, Algorithm 1 line 15) and no ``s x s`` scores; K and V stay at their
   ``num_kv_heads`` (GQA without repetition, as flash-attn's kernel takes them);
@@ -104,25 +104,70 @@ def fake_world(world: int, rank: int = 0):
         dist.destroy_process_group()
 
 
+_FLASH_OP = []
+
+
+def _flash_attention_op(torch):
+    """``plan3d::flash_attention``: causal attention as one op that returns (out, fp32 log-sum-exp)
+    and saves q, k, v, out and the log-sum-exp, as FlashAttention-2 does (module docstring). An op,
+    not an autograd.Function, so that an op-level AC policy can keep its outputs as torchtitan's
+    keeps ``aten._scaled_dot_product_flash_attention``'s."""
+    if _FLASH_OP:
+        return _FLASH_OP[0]
+    @torch.library.custom_op("plan3d::flash_attention", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)")
+    def flash_attention(q, k, v):
+        b, s, heads, _ = q.shape
+        return torch.empty_like(q), torch.empty((b, heads, s), dtype=torch.float32, device=q.device)
+
+    @flash_attention.register_fake
+    def _(q, k, v):
+        b, s, heads, _ = q.shape
+        return torch.empty_like(q), torch.empty((b, heads, s), dtype=torch.float32, device=q.device)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, *output)
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    flash_attention.register_autograd(backward, setup_context=setup_context)
+    _FLASH_OP.append(flash_attention)
+    return flash_attention
+
+
+def _op_sac_context_fn(torch):
+    """torchtitan's selective op-level AC policy (``distributed/activation_checkpoint.py``:
+    ``_save_list`` and ``_get_custom_policy``): keep the outputs of mm (every second one
+    recomputed), attention, reduce-scatter and max; recompute everything else."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save_list = {torch.ops.aten.mm.default, torch.ops.plan3d.flash_attention.default,
+                 torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops.aten.max.default}
+
+    def context_fn():
+        meta = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+            if func == torch.ops.aten.mm.default:
+                meta[key] += 1
+            keep = func in save_list and not (func == torch.ops.aten.mm.default and meta[key] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
 def _modules(torch):
     """The model classes, built here so that importing planner.fake_rank does not import torch."""
     nn, F = torch.nn, torch.nn.functional
 
-    class FlashAttention(torch.autograd.Function):
-        """Causal attention that saves q, k, v, out and the fp32 log-sum-exp, as FlashAttention-2."""
-
-        @staticmethod
-        def forward(ctx, q, k, v):  # [b, s, heads, d], [b, s, kv_heads, d]
-            b, s, heads, _ = q.shape
-            out = torch.empty_like(q)
-            lse = torch.empty((b, heads, s), dtype=torch.float32, device=q.device)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad_out):
-            q, k, v, out, lse = ctx.saved_tensors
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    flash_attention = _flash_attention_op(torch)
 
     class RMSNormFn(torch.autograd.Function):
         """Saves the input and the fp32 rstd, as the fused CUDA kernel (``torch._fused_rms_norm``) does."""
@@ -160,7 +205,8 @@ def _modules(torch):
             q = self.wq(x).view(b, s, -1, self.d)  # -1: the heads of this TP rank
             k = self.wk(x).view(b, s, -1, self.d)
             v = self.wv(x).view(b, s, -1, self.d)
-            return self.wo(FlashAttention.apply(q, k, v).reshape(b, s, -1))
+            out, _ = flash_attention(q, k, v)
+            return self.wo(out.reshape(b, s, -1))
 
     class FeedForward(nn.Module):
         def __init__(self, h, f):
@@ -238,7 +284,7 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
     FSDP2 over ``dp`` (torchtitan's ``apply_fsdp``: each block, then the root; bf16 params, fp32
     reduce), TP over ``tp`` with sequence parallelism and loss parallelism (torchtitan's
     ``apply_tp``), AdamW (foreach). ``recompute="full"`` wraps each block in
-    ``checkpoint_wrapper`` (torchtitan's full AC). ``microbatches`` forward+backward passes per
+    ``checkpoint_wrapper`` (torchtitan's full AC), ``"selective"`` adds torchtitan's op-level policy. ``microbatches`` forward+backward passes per
     step; with ``pipeline_nosync`` they run as a pipeline stage runs them under FSDP2
     (``PipelineStage.backward_maybe_with_nosync``: no gradient sync, no reshard after backward,
     then ``perform_reduce_grad``). ``last_stage``: the last stage of a pipeline (no embedding; its
@@ -279,10 +325,11 @@ def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, t
     model = Transformer(spec, layers, embedding=not last_stage)
     if tp > 1:
         _apply_tp(torch, model, mesh["tp"], loss_parallel=True)
-    if recompute == "full":
+    if recompute in ("full", "selective"):  # torchtitan's full AC, or its selective op-level AC
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        extra = {"context_fn": _op_sac_context_fn(torch)} if recompute == "selective" else {}
         for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)

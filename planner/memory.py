@@ -192,6 +192,8 @@ class ActTerm:
     bytes: float
     core: bool = False  # inside the attention core (dropped by selective recompute)
     layer_input: bool = False  # the layer's input (the only tensor kept under full recompute)
+    selective: bool | None = None  # kept under selective recompute; None: unless ``core`` (Megatron's rule)
+    autograd: bool = True  # saved by autograd without recompute; False: kept only by an op-level AC policy
 
 
 def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:
@@ -259,25 +261,65 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
         terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e))
     if drop:
         terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
+    if profile.op_sac:
+        terms = op_sac_terms(terms, model, plan, e)
     return terms
+
+
+def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int) -> list[ActTerm]:
+    """The terms as torchtitan's selective op-level AC keeps them (``selective_ac_option = "op"``,
+    torchtitan ``distributed/activation_checkpoint.py::_get_custom_policy``): inside each block's
+    checkpoint it saves the outputs of the ops of ``_save_list`` (``aten.mm``, the SDPA kernels,
+    ``_c10d_functional.reduce_scatter_tensor``, ``aten.max``) except every second ``aten.mm``,
+    and recomputes the rest. Per block the mm are Q, K, V, O, W1, W3, W2, so Q, V, W1 and W2
+    outputs are kept, K, O and W3 recomputed; the block's input is kept by the checkpoint. The W2
+    output (full width on every TP rank, before its reduce-scatter) and, with TP, the two
+    reduce-scatter outputs are saved by the policy although autograd does not save them.
+    """
+    t = plan.tp
+    by_name = {x.name: x for x in terms}
+    keep = {"norm1 input", "Q", "out-proj input", "softmax log-sum-exp"}
+    out = []
+    for x in terms:
+        if x.name == "K, V":  # K (mm 2) recomputed, V (mm 3) kept
+            out += [ActTerm("K", x.bytes / 2, selective=False), ActTerm("V", x.bytes / 2, selective=True)]
+        elif x.name == "activation input (FC1 output)" and model.activation == "swiglu":  # W1 kept, W3 not
+            out += [ActTerm("W1 output", x.bytes / 2, selective=True), ActTerm("W3 output", x.bytes / 2, selective=False)]
+        else:
+            out.append(ActTerm(x.name, x.bytes, core=x.core, layer_input=x.layer_input, selective=x.name in keep))
+    sbh = by_name["norm1 input"].bytes * (plan.tp if plan.sequence_parallel else 1)  # s b h e, ungathered
+    out.append(ActTerm("W2 output (aten.mm kept by op AC)", sbh, selective=True, autograd=False))
+    if t > 1:
+        out.append(ActTerm("O and W2 reduce-scatter outputs (kept by op AC)", 2 * sbh / t, selective=True,
+                           autograd=False))
+    return out
 
 
 def saved_bytes_per_layer(terms: list[ActTerm], recompute: str) -> float:
     """Bytes a layer keeps between its forward and backward under ``recompute``.
 
-    none: every term; selective: all but the attention core (Korthikanti section 5); full: the
-    layer input only (``2 sbh``, / t with SP; Korthikanti Table 2).
+    none: every term autograd saves; selective: all but the attention core (Korthikanti section 5),
+    or what the framework's op-level policy keeps (``ActTerm.selective``, :func:`op_sac_terms`);
+    full: the layer input only (``2 sbh``, / t with SP; Korthikanti Table 2).
     """
     if recompute == "full":
         return sum(x.bytes for x in terms if x.layer_input)
     if recompute == "selective":
-        return sum(x.bytes for x in terms if not x.core)
-    return sum(x.bytes for x in terms)
+        return sum(x.bytes for x in terms if _kept_by_selective(x))
+    return sum(x.bytes for x in terms if x.autograd)
+
+
+def _kept_by_selective(x: ActTerm) -> bool:
+    return x.selective if x.selective is not None else not x.core
 
 
 def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
-    """Bytes recomputed for one layer during its backward, live on top of what is saved."""
-    return sum(x.bytes for x in terms) - saved_bytes_per_layer(terms, recompute)
+    """Bytes recomputed for one layer during its backward, live on top of what is saved: the
+    tensors autograd saves that ``recompute`` does not keep."""
+    if recompute == "none":
+        return 0.0
+    kept = (lambda x: x.layer_input) if recompute == "full" else _kept_by_selective
+    return sum(x.bytes for x in terms if x.autograd and not kept(x))
 
 
 def in_flight_chunks(plan: Plan, num_microbatches, stage: int):

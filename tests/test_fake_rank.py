@@ -68,6 +68,8 @@ CASES = {  # (layers, dp, tp, pp, zero, recompute, micro-batches)
     "fsdp64": (4, 64, 1, 1, 3, "none", 1),
     "fsdp8-reshard-never": (4, 8, 1, 1, 2, "none", 1),
     "fsdp8-full-ac": (4, 8, 1, 1, 3, "full", 1),
+    "fsdp8-selective-op-ac": (4, 8, 1, 1, 3, "selective", 1),
+    "fsdp4-tp2-selective-op-ac": (4, 4, 2, 1, 3, "selective", 1),
     "fsdp8-grad-accumulation": (2, 8, 1, 1, 3, "none", 2),
     "fsdp4-tp2-sp-loss-parallel": (4, 4, 2, 1, 3, "none", 1),
     "pp-last-stage-fsdp8": (2, 8, 1, 2, 3, "none", 2),

@@ -46,6 +46,7 @@ class FrameworkProfile:
     logits_bytes_per_element: Callable  # (training, plan) -> bytes per logit live at the loss peak
     sp_gathers_inputs: bool  # DTensor SP keeps QKV/FC1 inputs gathered (torch); Megatron keeps the 1/t shard
     swiglu_unfused: bool = False  # eager ``w2(silu(w1 x) * w3 x)``: also saves the SiLU output (torchtitan)
+    op_sac: bool = False  # "selective" recompute is torchtitan's op-level policy (planner.memory.op_sac_terms)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     max_zero_with_pp: int = 3  # highest ZeRO stage the pipeline engine accepts when pp > 1
     allows_cp: bool = True

@@ -35,6 +35,9 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
   (``tests/test_fake_rank.py::test_loss_bytes_per_logit``).
 * **SwiGLU** runs eager and unfused (``FeedForward.forward``: ``w2(F.silu(w1(x)) * w3(x))``):
   the multiply also saves the SiLU output, one more ``s b f`` tensor per layer.
+* **Selective AC** is torchtitan's op-level policy (``activation_checkpoint.mode = "selective"``,
+  ``selective_ac_option = "op"`` in its Llama 3 configs): ``planner.memory.op_sac_terms``.
+  Full AC (``mode = "full"``) keeps each block's input.
 * **Sequence parallel**: DTensor's ``SequenceParallel`` + ``ColwiseParallel`` keep the gathered
   QKV/FC1 inputs for backward (``planner.memory.layer_activation_terms``).
 * float8 (torchao) is not modelled: its weights are cast per GEMM and, with
@@ -105,4 +108,4 @@ def logits_bytes_per_element(training, plan) -> float:
 
 
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
-                           sp_gathers_inputs=True, swiglu_unfused=True)
+                           sp_gathers_inputs=True, swiglu_unfused=True, op_sac=True)
