@@ -235,8 +235,9 @@ class TrainingSpec(_Spec):
         default="megatron",
         description="The framework that runs the plan: sets how weights, gradients, optimizer states and "
                     "logits are held (planner/frameworks) and what the search may propose. megatron "
-                    "(Megatron-Core), nemo (NeMo 2 on Megatron-Core), torchtitan (FSDP2, DTensor, "
-                    "torch pipelining; 'torch' is an alias), deepspeed (ZeRO engine, Megatron-DeepSpeed).")
+                    "(Megatron-Core), nemo (NeMo on Megatron-Core), torchtitan (FSDP2, DTensor, torch "
+                    "pipelining), deepspeed (ZeRO engine, Megatron-DeepSpeed); torch: torchtitan's "
+                    "torch.distributed semantics with plan3d validate's fused kernels.")
     overlap_grad_reduce: bool = Field(
         default=True,
         description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "

@@ -10,7 +10,10 @@ and ``planner.candidates``:
 * **search limits**: the ZeRO stages, context parallelism, interleaving and uneven pipelines the
   framework can run, so that ``plan3d search --framework X`` only proposes plans X can launch.
 
-``"torch"`` is accepted as an alias of ``torchtitan`` (the name plan3d used before the profiles).
+``"torch"`` (the name plan3d used before the profiles, and what ``plan3d validate`` runs) is
+torchtitan's profile for everything torch.distributed decides (FSDP2 states, DTensor SP, loss
+parallel, pipelining), with the model code of ``plan3d validate`` instead of torchtitan's: fused
+SwiGLU (``planner/validate/kernels.py``) and Megatron's selective recompute of the attention core.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed")
-ALIASES = {"torch": "torchtitan"}
 
 
 @dataclass(frozen=True)
@@ -75,15 +77,10 @@ class FrameworkProfile:
         return errors
 
 
-def canonical(name: str) -> str:
-    """The profile name for ``name`` (``torch`` -> ``torchtitan``)."""
-    return ALIASES.get(name, name)
-
-
 def get(name: str) -> FrameworkProfile:
-    """The profile of framework ``name`` (an alias is resolved)."""
+    """The profile of framework ``name`` (``megatron``, ``nemo``, ``torchtitan``, ``deepspeed`` or ``torch``)."""
     from planner.frameworks import deepspeed, megatron, nemo, torchtitan
 
     profiles = {"megatron": megatron.PROFILE, "nemo": nemo.PROFILE, "torchtitan": torchtitan.PROFILE,
-                "deepspeed": deepspeed.PROFILE}
-    return profiles[canonical(name)]
+                "deepspeed": deepspeed.PROFILE, "torch": torchtitan.TORCH_PROFILE}
+    return profiles[name]

@@ -46,6 +46,8 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.frameworks import FrameworkProfile, StateBytes
 
 BF16, FP32 = 2, 4
@@ -109,3 +111,6 @@ def logits_bytes_per_element(training, plan) -> float:
 
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=True, swiglu_unfused=True, op_sac=True)
+
+# plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
+TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False)
