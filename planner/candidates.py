@@ -143,7 +143,8 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                 if not pins.ok(tp=tp, cp=cp, pp=pp, dp=dp):
                     continue
                 for split in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven):
-                    if pins.ok(vpp=split.vpp) and (split.vpp == 1 or fw.allows_vpp):
+                    if pins.ok(vpp=split.vpp) and (split.vpp == 1 or fw.allows_vpp) and \
+                            fw.allows_split(split.first, split.middle, split.last):
                         yield tp, cp, dp, split
 
 

@@ -315,7 +315,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.precision != "bf16" and getattr(hardware, f"peak_{training.precision}_tflops") is None:
         errors.append(f"precision: {hardware.name} has no {training.precision} peak "
                       f"(peak_{training.precision}_tflops); use bf16")
-    return errors
+    from planner.frameworks import get as framework_profile
+
+    return errors + framework_profile(training.framework).job_problems(training.precision)
 
 
 def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, plan: Plan) -> list[str]:
@@ -351,7 +353,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors.append(f"vpp: the interleaved schedule needs num_microbatches({B // (b * d)}) divisible by pp({p})")
     from planner.frameworks import get as framework_profile
 
-    errors += framework_profile(training.framework).plan_problems(plan, training.precision)
+    errors += framework_profile(training.framework).plan_problems(plan)
     return errors + job_problems(model, hardware, training)
 
 

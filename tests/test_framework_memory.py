@@ -167,3 +167,25 @@ def test_torchtitan_allocated_estimate_below_reserved_reading(i):
     (allocated) must not exceed them on the runs the profile models (no compile, no Float8)."""
     run = TT["runs"][i]
     assert _torchtitan_estimate(run).peak_gib <= run["reading_gib"]
+
+
+def test_torchtitan_search_gives_the_ends_fewer_layers_only():
+    """torchtitan's pipeline_parallel_first/last_stage_less_layers can only lighten the end stages
+    (emit/torchtitan refuses the rest), so its search proposes no heavier end stage."""
+    model = TINY.model_copy(update={"num_layers": 10})
+    tr = TrainingSpec(num_gpus=4, global_batch_size=8, seq_len=2048, framework="torchtitan")
+    splits = {p.layers_per_stage for p in enumerate_plans(model, H100, tr, SearchSpace(max_micro_batch_size=1))
+              if p.pp == 4 and p.layers_per_stage}
+    assert splits and all(max(s[0], s[-1]) <= s[1] for s in splits)
+    megatron = TrainingSpec(num_gpus=4, global_batch_size=8, seq_len=2048)
+    assert any(max(p.layers_per_stage[0], p.layers_per_stage[-1]) > p.layers_per_stage[1]
+               for p in enumerate_plans(model, H100, megatron, SearchSpace(max_micro_batch_size=1))
+               if p.pp == 4 and p.layers_per_stage)
+
+
+def test_deepspeed_fp8_is_a_job_problem():
+    from planner.specs import job_problems
+
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=2048, precision="fp8", framework="deepspeed")
+    assert job_problems(TINY, H100, tr) == ["precision: deepspeed as plan3d emits it has no fp8 recipe; use bf16"]
+    assert search(TINY, H100, tr, SearchSpace(max_micro_batch_size=2)).best is None

@@ -54,13 +54,26 @@ class FrameworkProfile:
     allows_cp: bool = True
     allows_vpp: bool = True
     allows_uneven: bool = True
+    allows_heavier_ends: bool = True  # uneven splits may give the first/last stage *more* layers
     allows_fp8: bool = True
 
     def allows_zero(self, zero_stage: int, pp: int) -> bool:
         """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages."""
         return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp)
 
-    def plan_problems(self, plan, precision: str = "bf16") -> list[str]:
+    def allows_split(self, first: int, middle: int, last: int) -> bool:
+        """Whether the framework can place ``first`` / ``middle`` / ``last`` layers on the stages."""
+        if first == middle == last:
+            return True
+        return self.allows_uneven and (self.allows_heavier_ends or max(first, last) <= middle)
+
+    def job_problems(self, precision: str) -> list[str]:
+        """What of the job (whatever the plan) this framework cannot run."""
+        if precision == "fp8" and not self.allows_fp8:
+            return [f"precision: {self.name} as plan3d emits it has no fp8 recipe; use bf16"]
+        return []
+
+    def plan_problems(self, plan) -> list[str]:
         """What of ``plan`` this framework cannot run, one line each naming the field."""
         errors = []
         if not self.allows_zero(plan.zero_stage, plan.pp):
@@ -70,10 +83,14 @@ class FrameworkProfile:
             errors.append(f"cp: {self.name} has no context parallelism (cp={plan.cp}); use cp=1")
         if plan.vpp > 1 and not self.allows_vpp:
             errors.append(f"vpp: {self.name}'s pipeline has no interleaved schedule (vpp={plan.vpp}); use vpp=1")
-        if plan.layers_per_stage is not None and len(set(plan.layers_per_stage)) > 1 and not self.allows_uneven:
-            errors.append(f"layers_per_stage: {self.name} splits layers evenly; drop layers_per_stage")
-        if precision == "fp8" and not self.allows_fp8:
-            errors.append(f"precision: {self.name} as plan3d emits it has no fp8 recipe; use bf16")
+        lps = plan.layers_per_stage
+        if lps is not None and len(set(lps)) > 1:
+            middle = lps[1] if len(lps) > 2 else max(lps)
+            if not self.allows_uneven:
+                errors.append(f"layers_per_stage: {self.name} splits layers evenly; drop layers_per_stage")
+            elif not self.allows_split(lps[0], middle, lps[-1]):
+                errors.append(f"layers_per_stage: {self.name} can only give the first and last stages fewer "
+                              f"layers, not {list(lps)}")
         return errors
 
 

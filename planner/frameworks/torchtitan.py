@@ -110,7 +110,8 @@ def logits_bytes_per_element(training, plan) -> float:
 
 
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
-                           sp_gathers_inputs=True, swiglu_unfused=True, op_sac=True)
+                           sp_gathers_inputs=True, swiglu_unfused=True, op_sac=True,
+                           allows_heavier_ends=False)  # pipeline_parallel_first/last_stage_less_layers
 
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False)
