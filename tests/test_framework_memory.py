@@ -189,3 +189,45 @@ def test_deepspeed_fp8_is_a_job_problem():
     tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=2048, precision="fp8", framework="deepspeed")
     assert job_problems(TINY, H100, tr) == ["precision: deepspeed as plan3d emits it has no fp8 recipe; use bf16"]
     assert search(TINY, H100, tr, SearchSpace(max_micro_batch_size=2)).best is None
+
+
+# --- the caching-allocator model of planner/fake_rank.py (no torch needed) ----------------------
+
+MIB = 2**20
+
+
+def test_caching_allocator_segment_sizes():
+    """CUDACachingAllocator.cpp get_allocation_size: 2 MiB small segments (<= 1 MiB requests),
+    20 MiB for large requests under 10 MiB, else the request rounded up to 2 MiB."""
+    from planner.fake_rank import CachingAllocator
+
+    for nbytes, segment in [(1000, 2 * MIB), (3 * MIB, 20 * MIB), (100 * MIB, 100 * MIB), (101 * MIB, 102 * MIB)]:
+        a = CachingAllocator()
+        a.malloc("x", nbytes)
+        assert a.reserved == segment
+
+
+def test_caching_allocator_reuses_splits_and_merges():
+    from planner.fake_rank import CachingAllocator
+
+    a = CachingAllocator()
+    a.malloc("a", 3 * MIB)
+    a.malloc("b", 3 * MIB)  # split from the 20 MiB segment's remainder
+    assert a.reserved == 20 * MIB
+    a.free("a")
+    a.free("b")
+    a.malloc("c", 19 * MIB)  # the two blocks merged back into the whole segment
+    assert a.reserved == 20 * MIB
+
+
+def test_caching_allocator_fragmentation_and_release_on_capacity():
+    """A freed 100 MiB block cannot serve 150 MiB: a new segment (reserved 350 MiB for 250 live).
+    Without a capacity the cache keeps growing; at a 400 MiB capacity the wholly free segments are
+    released first (release_cached_blocks) and the reserved peak stays under it."""
+    from planner.fake_rank import replay_reserved
+
+    trace = [("ADD", "a", 100 * MIB), ("ADD", "b", 100 * MIB), ("DEL", "a", 0), ("ADD", "c", 150 * MIB),
+             ("DEL", "b", 0), ("DEL", "c", 0), ("ADD", "d", 200 * MIB)]
+    assert replay_reserved(trace[:4]).peak_reserved == 350 * MIB
+    assert replay_reserved(trace).peak_reserved == 550 * MIB
+    assert replay_reserved(trace, 400 * MIB).peak_reserved == 350 * MIB
