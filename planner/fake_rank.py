@@ -462,9 +462,7 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
     import torch
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     t0 = time.perf_counter()
     Transformer = _modules(torch)

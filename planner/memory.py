@@ -284,7 +284,8 @@ def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int) -> 
         if x.name == "K, V":  # K (mm 2) recomputed, V (mm 3) kept
             out += [ActTerm("K", x.bytes / 2, selective=False), ActTerm("V", x.bytes / 2, selective=True)]
         elif x.name == "activation input (FC1 output)" and model.activation == "swiglu":  # W1 kept, W3 not
-            out += [ActTerm("W1 output", x.bytes / 2, selective=True), ActTerm("W3 output", x.bytes / 2, selective=False)]
+            out += [ActTerm("W1 output", x.bytes / 2, selective=True),
+                    ActTerm("W3 output", x.bytes / 2, selective=False)]
         else:
             out.append(ActTerm(x.name, x.bytes, core=x.core, layer_input=x.layer_input, selective=x.name in keep))
     sbh = by_name["norm1 input"].bytes * (plan.tp if plan.sequence_parallel else 1)  # s b h e, ungathered

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from planner import frameworks
 from planner.candidates import SearchSpace, enumerate_plans
 from planner.memory import estimate_memory, layer_params_per_rank, stage_params_per_rank, stage_state_bytes
 from planner.presets import load_hardware, load_model
 from planner.search import search
-from planner.specs import GIB, ModelSpec, Plan, Scenario, TrainingSpec, plan_problems
+from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec, plan_problems
 
 DATA = json.loads((Path(__file__).parent / "data" / "published_memory.json").read_text())
 LLAMA = load_model("llama3-8b")
