@@ -396,18 +396,18 @@ def _modules(torch):
             return x + self.feed_forward(self.ffn_norm(x))
 
     class Transformer(nn.Module):
-        def __init__(self, spec, layers, embedding=True):
+        def __init__(self, spec, layers, embedding=True, output=True):
             super().__init__()
             self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size) if embedding else None
             self.layers = nn.ModuleList(Block(spec) for _ in range(layers))
-            self.norm = RMSNorm(spec.hidden_size)
-            self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.norm = RMSNorm(spec.hidden_size) if output else None
+            self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if output else None
 
         def forward(self, tokens):
             x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
             for layer in self.layers:
                 x = layer(x)
-            return self.output(self.norm(x))
+            return self.output(self.norm(x)) if self.output is not None else x
 
     return Transformer
 
@@ -422,11 +422,12 @@ def _apply_tp(torch, model, tp_mesh, loss_parallel: bool):
     if model.tok_embeddings is not None:
         parallelize_module(model, tp_mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))})
-    parallelize_module(model, tp_mesh, {
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    })
+    if model.output is not None:
+        parallelize_module(model, tp_mesh, {
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                      use_local_output=not loss_parallel),
+        })
     for block in model.layers:
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
@@ -442,7 +443,8 @@ def _apply_tp(torch, model, tp_mesh, loss_parallel: bool):
 
 def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int, tp: int = 1,
                  reshard_after_forward: bool = True, recompute: str = "none", microbatches: int = 1,
-                 pipeline_nosync: bool = False, last_stage: bool = False, steps: int = 2,
+                 pipeline_nosync: bool = False, last_stage: bool = False, first_stage_in_flight: int = 0,
+                 steps: int = 2,
                  capacity_gib: float | None = None) -> FakeRankResult:
     """Peak memory of rank 0 of a ``dp`` x ``tp`` job training ``spec`` with ``layers`` layers.
 
@@ -453,7 +455,10 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
     step; with ``pipeline_nosync`` they run as a pipeline stage runs them under FSDP2
     (``PipelineStage.backward_maybe_with_nosync``: no gradient sync, no reshard after backward,
     then ``perform_reduce_grad``). ``last_stage``: the last stage of a pipeline (no embedding; its
-    input is the previous stage's bf16 hidden states). ``steps`` optimizer steps (2: the second has
+    input is the previous stage's bf16 hidden states). ``first_stage_in_flight`` = k > 0: the first
+    stage of a pipeline (no output layer) run in 1F1B order with k micro-batches in flight (k = p for
+    stage 0): k forwards, then one backward (with the gradient the next stage would send) per
+    forward, as ``Schedule1F1B`` orders them. ``steps`` optimizer steps (2: the second has
     Adam's states). The trace of every allocation is replayed through :class:`CachingAllocator`
     (device of ``capacity_gib``) for the peak reserved memory.
     """
@@ -475,7 +480,8 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
         fake.__enter__()
         try:
             result = _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp,
-                        reshard_after_forward, recompute, microbatches, pipeline_nosync, last_stage, steps, t0)
+                        reshard_after_forward, recompute, microbatches, pipeline_nosync or first_stage_in_flight > 0,
+                        last_stage, first_stage_in_flight, steps, t0)
         finally:
             fake.__exit__(None, None, None)
     reserved = replay_reserved(events, capacity_gib * 2**30 if capacity_gib else None).peak_reserved
@@ -483,13 +489,13 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
 
 
 def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp, reshard_after_forward,
-         recompute, microbatches, pipeline_nosync, last_stage, steps, t0):
+         recompute, microbatches, pipeline_nosync, last_stage, first_stage_in_flight, steps, t0):
     import time
 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = Transformer(spec, layers, embedding=not last_stage)
+    model = Transformer(spec, layers, embedding=not last_stage, output=not first_stage_in_flight)
     if tp > 1:
         _apply_tp(torch, model, mesh["tp"], loss_parallel=True)
     if recompute in ("full", "selective"):  # torchtitan's full AC, or its selective op-level AC
@@ -518,7 +524,19 @@ def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, t
                 model.set_is_last_backward(False)
                 model.set_reshard_after_backward(False)
                 model.set_requires_gradient_sync(False)
-            for _ in range(microbatches):
+            in_flight = []
+            for _ in range(microbatches if first_stage_in_flight else 0):  # 1F1B on the first stage
+                tracker.reset_mod_stats()
+                in_flight.append(model(inputs))
+                if len(in_flight) == first_stage_in_flight:
+                    out = in_flight.pop(0)
+                    out.backward(torch.empty_like(out))
+                    del out
+            while in_flight:
+                out = in_flight.pop(0)
+                out.backward(torch.empty_like(out))
+                del out
+            for _ in range(0 if first_stage_in_flight else microbatches):
                 tracker.reset_mod_stats()  # per-module stats cover one forward; the peak is kept
                 with loss_ctx():
                     pred = model(inputs)

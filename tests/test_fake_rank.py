@@ -138,3 +138,23 @@ def test_loss_bytes_per_logit(tp):
     train = TrainingSpec(num_gpus=tp, global_batch_size=1, seq_len=n, framework="torchtitan")
     plan = Plan(tp=tp, pp=1, dp=1, micro_batch_size=1)
     assert per_logit == pytest.approx(torchtitan.logits_bytes_per_element(train, plan), rel=0.01)
+
+
+FIRST_STAGE = {  # (layers, dp, pp, micro-batches, recompute): 1F1B holds p micro-batches on stage 0
+    "pp2-first-stage-fsdp8": (2, 8, 2, 4, "none"),
+    "pp4-first-stage-fsdp8": (2, 8, 4, 8, "none"),
+    "pp2-first-stage-fsdp8-full-ac": (2, 8, 2, 4, "full"),
+}
+
+
+@pytest.mark.parametrize("name", FIRST_STAGE)
+def test_first_pipeline_stage_in_1f1b_order(name):
+    """Stage 0 of a pipeline: embedding and layers, p micro-batches in flight (Schedule1F1B's
+    warm-up), FSDP2 without gradient sync until perform_reduce_grad."""
+    layers, dp, pp, mb, rc = FIRST_STAGE[name]
+    m = fake_rank.measure_step(LLAMA3_8B, layers=layers, seq_len=SEQ, micro_batch_size=MBS, dp=dp, recompute=rc,
+                               reshard_after_forward=False, microbatches=mb, first_stage_in_flight=pp)
+    model = LLAMA3_8B.model_copy(update={"num_layers": layers * pp})
+    training = TrainingSpec(num_gpus=dp * pp, global_batch_size=MBS * dp * mb, seq_len=SEQ, framework="torchtitan")
+    plan = Plan(tp=1, pp=pp, dp=dp, micro_batch_size=MBS, zero_stage=3, recompute=rc)
+    _check(estimate_memory(model, H100, training, plan).stages[0].total_bytes, m)

@@ -18,7 +18,8 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
   ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` for the
   micro-batches' backward and reduce-scatters only in ``perform_reduce_grad``; FSDP2 keeps the
   unsharded gradient in ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``): 4 B x
-  the stage of fp32 unsharded gradients, plus the 2 B unsharded parameters.
+  the stage of fp32 unsharded gradients, plus the 2 B unsharded parameters; while a layer (or the
+  root) runs its backward, its bf16 gradient is live until it is added to the fp32 one.
 * **Gradients without PP**: each layer's bf16 gradient (2 B) is cast to fp32 for the
   reduce-scatter (4 B, ``foreach_reduce``) and scattered into its 4 B / N shard.
 * **Without FSDP** (zero_stage 0: DDP or a single replica): fp32 parameters and gradients,
@@ -91,6 +92,9 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     if plan.pp > 1:  # PipelineStage: no reshard after backward, no gradient sync until perform_reduce_grad
         weights += wb * P
         grads += FP32 * P
+        # each group's bf16 gradient lives until it is added into the fp32 accumulator
+        # (FSDPParam.to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed)
+        work_g = grad_cast and wb * max(Pl, root)
     elif reshard_after_forward(plan):  # one layer gathered + the next prefetched, or the root module
         layer_set = (wb * min(2, layers) * Pl, (wb + grad_cast) * Pl)
         root_set = (wb * root, (wb + grad_cast) * root)
