@@ -70,14 +70,15 @@ def test_megatron_fp8_weight_cache():
 def test_torchtitan_pipeline_keeps_unsharded_params_and_fp32_grads():
     """torch.distributed.pipelining + FSDP2: no reshard after backward and no gradient sync until
     perform_reduce_grad, the unsharded gradient accumulated in reduce_dtype (fp32): 2 P + 4 P/N
-    weights, 4 P + 4 P/N gradients, 8 P/N AdamW."""
+    weights, 4 P + 4 P/N gradients, 8 P/N AdamW; the running layer's bf16 gradient transiently."""
     plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=3)
     st = stage_state_bytes(LLAMA, _training("torchtitan"), plan, 1, 8)
     p = _params(plan, 1)
     assert st.weights_bytes == pytest.approx(2 * p + 4 * p / 16)
     assert st.grads_bytes == pytest.approx(4 * p + 4 * p / 16)
     assert st.optimizer_bytes == pytest.approx(8 * p / 16)
-    assert st.working_weights_bytes == st.working_grads_bytes == 0
+    assert st.working_weights_bytes == 0  # a layer's bf16 gradient, until it joins the fp32 accumulator
+    assert st.working_grads_bytes == pytest.approx(2 * layer_params_per_rank(LLAMA, 1))
 
 
 def test_torchtitan_reshard_after_forward_only_without_pp():
