@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from planner import frameworks
 from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec, plan_problems
 
 RECOMPUTE = ("none", "selective", "full")
@@ -130,17 +131,20 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
            ) -> Iterator[tuple[int, int, int, StageSplit]]:
     """(tp, cp, dp, split) for every legal parallel shape that respects the pins."""
     N, pins = training.num_gpus, space.pins
+    fw = frameworks.get(training.framework)  # what the framework can run (planner/frameworks)
+    max_cp = max(space.max_cp, pins.cp or 1) if fw.allows_cp else 1
     tps = valid_tp(model, hw, N, space.cross_node_tp or (pins.tp or 0) > hw.nvlink_domain)
     for tp in tps:
-        for cp in valid_cp(training, max(space.max_cp, pins.cp or 1)):
+        for cp in valid_cp(training, max_cp):
             if (N // tp) % cp:
                 continue
             for pp in valid_pp(model, N // (tp * cp)):
                 dp = N // (tp * cp * pp)
                 if not pins.ok(tp=tp, cp=cp, pp=pp, dp=dp):
                     continue
-                for split in valid_splits(model, pp, space.allow_uneven):
-                    if pins.ok(vpp=split.vpp):
+                for split in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven):
+                    if pins.ok(vpp=split.vpp) and (split.vpp == 1 or fw.allows_vpp) and \
+                            fw.allows_split(split.first, split.middle, split.last):
                         yield tp, cp, dp, split
 
 
@@ -155,6 +159,7 @@ def micro_options(tp: int, space: SearchSpace) -> Iterator[tuple[str, bool]]:
 def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace) -> Iterator[Plan]:
     """Every legal plan in the space (brute force; the reference the solver is checked against)."""
     B = training.global_batch_size
+    fw = frameworks.get(training.framework)
     for tp, cp, dp, split in shapes(model, hw, training, space):
         if B % dp:
             continue
@@ -163,7 +168,7 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
                 continue
             for rc, sp in micro_options(tp, space):
                 for z in space.zero_stages:
-                    if not space.pins.ok(zero_stage=z):
+                    if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp):
                         continue
                     plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
                                 sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers())

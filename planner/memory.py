@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner import frameworks
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
@@ -38,7 +39,6 @@ OPTIMIZER_BYTES = 12  # fp32 master weights 4 + Adam m 4 + v 4 (ZeRO paper secti
 ACT_BYTES = 2  # bf16 activations
 FP32_BYTES = 4
 TOKEN_ID_BYTES = 8  # int64 input ids and labels (Korthikanti section 4.3)
-LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast in cross entropy (module docstring)
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,8 @@ class ActTerm:
     bytes: float
     core: bool = False  # inside the attention core (dropped by selective recompute)
     layer_input: bool = False  # the layer's input (the only tensor kept under full recompute)
+    selective: bool | None = None  # kept under selective recompute; None: unless ``core`` (Megatron's rule)
+    autograd: bool = True  # saved by autograd without recompute; False: kept only by an op-level AC policy
 
 
 def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:
@@ -210,10 +212,12 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     TP divides what lies inside the column/row-parallel region; sequence parallelism also divides
     the norm and dropout regions (Table 2), and Megatron keeps only the 1/t shard of the
     column-parallel inputs (its ``LinearWithGradAccumulationAndAsyncCommunication`` re-gathers
-    them in backward), where torch's DTensor SP keeps them gathered (``framework="torch"``);
+    them in backward), where torch's DTensor SP keeps them gathered (``framework="torchtitan"``);
     CP divides the sequence (context_parallel.md). With
     fp8 the four GEMM inputs are saved in fp8 (1 B), as Transformer Engine does. The per-token
-    fp32 norm statistics (mean, rstd) are included.
+    fp32 norm statistics (mean, rstd) are included. A framework that runs SwiGLU unfused
+    (torchtitan eager: ``w2(F.silu(w1(x)) * w3(x))``, ``FrameworkProfile.swiglu_unfused``) also
+    keeps the SiLU output, which the multiply saves.
 
     Layer structure beyond Megatron's GPT (the Hugging Face module graphs): parallel attention
     (GPT-NeoX, Falcon) feeds the layer input to both norms, so it is saved once, and a shared norm
@@ -226,7 +230,8 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     """
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
-    gathered = 1 if training.framework == "torch" else sp  # column-parallel inputs kept gathered (DTensor SP)
+    profile = frameworks.get(training.framework)
+    gathered = 1 if profile.sp_gathers_inputs else sp  # DTensor SP keeps them gathered
     lin = 1 if training.precision == "fp8" else e
     s, b, h, f = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size, model.ffn_size
     a_r, q_r = model.num_attention_heads / t, model.q_size / t
@@ -270,12 +275,16 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
         ActTerm("activation input (FC1 output)", fc1_out * e),
         ActTerm("FC2 input", sb * f / t * lin),
     ]
+    if model.activation == "swiglu" and profile.swiglu_unfused:
+        terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e))
     if drop:
         terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
     if model.norm_placement == "sandwich":
         for where in ("attention", "MLP"):
             terms += [ActTerm(f"post-{where} norm input", sb * h * e / sp),
                       ActTerm(f"post-{where} norm statistics", stats / sp)]
+    if profile.op_sac:
+        terms = op_sac_terms(terms, model, plan, e)
     return terms
 
 
@@ -290,22 +299,61 @@ def _qk_norm_terms(model: ModelSpec, sb: int, q_r: float, kv_r: float, a_r: floa
             ActTerm("Q/K-norm statistics", sb * (q_stats + k_stats) * per_stat)]
 
 
+def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int) -> list[ActTerm]:
+    """The terms as torchtitan's selective op-level AC keeps them (``selective_ac_option = "op"``,
+    torchtitan ``distributed/activation_checkpoint.py::_get_custom_policy``): inside each block's
+    checkpoint it saves the outputs of the ops of ``_save_list`` (``aten.mm``, the SDPA kernels,
+    ``_c10d_functional.reduce_scatter_tensor``, ``aten.max``) except every second ``aten.mm``,
+    and recomputes the rest. Per block the mm are Q, K, V, O, W1, W3, W2, so Q, V, W1 and W2
+    outputs are kept, K, O and W3 recomputed; the block's input is kept by the checkpoint. The W2
+    output (full width on every TP rank, before its reduce-scatter) and, with TP, the two
+    reduce-scatter outputs are saved by the policy although autograd does not save them.
+    """
+    t = plan.tp
+    by_name = {x.name: x for x in terms}
+    keep = {"norm1 input", "Q", "out-proj input", "softmax log-sum-exp"}
+    out = []
+    for x in terms:
+        if x.name == "K, V":  # K (mm 2) recomputed, V (mm 3) kept
+            out += [ActTerm("K", x.bytes / 2, selective=False), ActTerm("V", x.bytes / 2, selective=True)]
+        elif x.name == "activation input (FC1 output)" and model.activation == "swiglu":  # W1 kept, W3 not
+            out += [ActTerm("W1 output", x.bytes / 2, selective=True),
+                    ActTerm("W3 output", x.bytes / 2, selective=False)]
+        else:
+            out.append(ActTerm(x.name, x.bytes, core=x.core, layer_input=x.layer_input, selective=x.name in keep))
+    sbh = by_name["norm1 input"].bytes * (plan.tp if plan.sequence_parallel else 1)  # s b h e, ungathered
+    out.append(ActTerm("W2 output (aten.mm kept by op AC)", sbh, selective=True, autograd=False))
+    if t > 1:
+        out.append(ActTerm("O and W2 reduce-scatter outputs (kept by op AC)", 2 * sbh / t, selective=True,
+                           autograd=False))
+    return out
+
+
 def saved_bytes_per_layer(terms: list[ActTerm], recompute: str) -> float:
     """Bytes a layer keeps between its forward and backward under ``recompute``.
 
-    none: every term; selective: all but the attention core (Korthikanti section 5); full: the
-    layer input only (``2 sbh``, / t with SP; Korthikanti Table 2).
+    none: every term autograd saves; selective: all but the attention core (Korthikanti section 5),
+    or what the framework's op-level policy keeps (``ActTerm.selective``, :func:`op_sac_terms`);
+    full: the layer input only (``2 sbh``, / t with SP; Korthikanti Table 2).
     """
     if recompute == "full":
         return sum(x.bytes for x in terms if x.layer_input)
     if recompute == "selective":
-        return sum(x.bytes for x in terms if not x.core)
-    return sum(x.bytes for x in terms)
+        return sum(x.bytes for x in terms if _kept_by_selective(x))
+    return sum(x.bytes for x in terms if x.autograd)
+
+
+def _kept_by_selective(x: ActTerm) -> bool:
+    return x.selective if x.selective is not None else not x.core
 
 
 def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
-    """Bytes recomputed for one layer during its backward, live on top of what is saved."""
-    return sum(x.bytes for x in terms) - saved_bytes_per_layer(terms, recompute)
+    """Bytes recomputed for one layer during its backward, live on top of what is saved: the
+    tensors autograd saves that ``recompute`` does not keep."""
+    if recompute == "none":
+        return 0.0
+    kept = (lambda x: x.layer_input) if recompute == "full" else _kept_by_selective
+    return sum(x.bytes for x in terms if x.autograd and not kept(x))
 
 
 def in_flight_chunks(plan: Plan, num_microbatches, stage: int):
@@ -351,13 +399,15 @@ def input_bytes_per_microbatch(model: ModelSpec, training: TrainingSpec, plan: P
 
 def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     """Last stage: the final norm's and the output layer's inputs, the logits and cross-entropy
-    spike of one micro-batch (module docstring) and the int64 labels."""
+    spike of one micro-batch and the int64 labels. Bytes per logit are the framework's
+    (``FrameworkProfile.logits_bytes_per_element``: 6 for Megatron's vocab-parallel cross entropy,
+    module docstring; 12 for torchtitan's ``cross_entropy(pred.float())``)."""
     t = plan.tp
     sp = t if plan.sequence_parallel else 1
     s, b, h = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size
     v_pad = padded_vocab_size(model.vocab_size, t)
     e = act_bytes(training)
-    logits = LOGITS_BYTES_PER_ELEMENT if e == ACT_BYTES else e + FP32_BYTES  # fp32: logits + softmax
+    logits = frameworks.get(training.framework).logits_bytes_per_element(training, plan)
     if model.final_logit_softcap is not None:
         logits += e  # the tanh output of cap * tanh(logits / cap), saved for its backward (Gemma-2)
     return (2 * s * b * h * e / sp  # final-norm input and output-layer input
@@ -379,19 +429,47 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
 
 # --- the estimate -------------------------------------------------------------------------------
 
+def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int
+                      ) -> frameworks.StateBytes:
+    """Weights, gradients and optimizer states of one GPU of stage ``stage``, as the framework of
+    ``training.framework`` holds them at the step's peak (``planner/frameworks``)."""
+    profile = frameworks.get(training.framework)
+    return profile.state_bytes(model, training, plan, stage_params_per_rank(model, plan, stage, layers),
+                               layer_params_per_rank(model, plan.tp), layers)
+
+
+def layer_phase_bytes(st: frameworks.StateBytes, recompute_bytes: float, output_spike_bytes: float
+                      ) -> tuple[float, float, float]:
+    """(weights, gradients, activations) of the layer-phase working set that add to the peak.
+
+    Two transient sets never coexist: the **loss phase** (the last stage's logits and
+    cross-entropy spike, ``output_bytes``) and the **layer phase** (one layer's recompute working
+    set, and the framework's gathered layer and its gradient buffers, ``StateBytes.working_*``):
+    the loss is done before any layer runs its backward. The peak holds the larger, so the part of
+    the layer phase above the spike is counted, split in proportion (for a stage without the output
+    layer the spike is 0 and the whole layer phase counts).
+    """
+    work = st.working_weights_bytes + st.working_grads_bytes + recompute_bytes
+    if work <= 0:
+        return 0.0, 0.0, 0.0
+    keep = max(work - output_spike_bytes, 0.0) / work
+    return st.working_weights_bytes * keep, st.working_grads_bytes * keep, recompute_bytes * keep
+
+
 def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                  stage: int, layers: int) -> StageMemory:
-    """Every component of one GPU of stage ``stage``."""
-    params = stage_params_per_rank(model, plan, stage, layers)
-    per_param = param_bytes(training)
-    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, per_param)
-    w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param)
+    """Every component of one GPU of stage ``stage``: the framework's states, the saved activations,
+    the inputs / outputs, and the larger of the layer phase and the loss spike (:func:`layer_phase_bytes`)."""
+    st = stage_state_bytes(model, training, plan, stage, layers)
+    spike = output_bytes(model, training, plan) if stage == plan.pp - 1 else 0.0
+    recompute = recompute_working_bytes(layer_activation_terms(model, training, plan), plan.recompute)
+    w_work, g_work, a_work = layer_phase_bytes(st, recompute, spike)
     return StageMemory(
         stage=stage, layers=layers,
-        weights_bytes=min(params * w + w_work, params * per_param[0]),
-        grads_bytes=min(params * g + g_work, params * per_param[1]),
-        optimizer_bytes=params * o,
-        activations_bytes=stage_activation_bytes(model, training, plan, num_microbatches, stage, layers),
+        weights_bytes=st.weights_bytes + w_work,
+        grads_bytes=st.grads_bytes + g_work,
+        optimizer_bytes=st.optimizer_bytes,
+        activations_bytes=stage_saved_bytes(model, training, plan, num_microbatches, stage, layers) + a_work,
         other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)),
     )
 

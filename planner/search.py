@@ -35,9 +35,10 @@ from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumer
 from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, micro_factors, optimizer_s,
                           p2p_hop_s, resolved_overlap, stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
+from planner import frameworks
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
                             layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
-                            stage_params_per_rank, state_bytes_per_param, zero_working_set_bytes)
+                            stage_params_per_rank, stage_state_bytes)
 from planner.errors import MAX_GPUS
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
 
@@ -106,6 +107,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     c = contention(hw)
     overlap_p2p = resolved_overlap(training).overlap_p2p_comm
     gb = param_bytes(training)
+    fw = frameworks.get(training.framework)
     mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
     factors: dict = {}
     hops: dict = {}
@@ -133,9 +135,10 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         hop = hops[(tp, cp, crosses)]
         m = B // (mbs_u * dp)
         ok = f["valid"] & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
+        ok = ok[:, None] & np.array([fw.allows_zero(z, p) for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue
-        dpg_s, dpp_s, z3_s, static, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
+        dpg_s, dpp_s, z3_s, static, work, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
         # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
         t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
@@ -145,11 +148,14 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
                             before, training.overlap_grad_reduce, c)["step"]
         # memory of each stage kind [U, Z, 3], as memory.stage_memory
         inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
-        act = inflight * n / v * f["saved"][:, None] + f["working"][:, None]
+        act = inflight * n / v * f["saved"][:, None]
         first_inputs = np.ceil(in_flight_chunks(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in rows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == p - 1) * f["output_bytes"][:, None]
-        mem = np.ceil((static[None] + (act + other)[:, None, :]) / KIB)
+        out_spike = (rows_r == p - 1) * f["output_bytes"][:, None]  # [U, 3]
+        layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, 3]: memory.layer_phase_bytes
+        work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
+        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak) / KIB)
         time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
         mem_kib[si, ok] = mem[ok].astype(np.int64)
         legal[si, ok] = True
@@ -187,8 +193,9 @@ def _stage_before(p: int) -> np.ndarray:
 
 
 def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
-    """Per ZeRO stage and stage kind: gradient reduction, parameter all-gather, ZeRO-3 gather and static
-    memory [Z, 3]; optimizer time [Z]. Each distinct communication is computed once."""
+    """Per ZeRO stage and stage kind: gradient reduction, parameter all-gather, ZeRO-3 gather, static
+    memory (the framework's weights + gradients + optimizer, as memory.stage_memory) and its transient
+    working set [Z, 3]; optimizer time [Z]. Each distinct communication is computed once."""
     params = [stage_params_per_rank(model, plan, r, n) for r, n in rows]
     sync = {}
     for key in sorted({min(z, 1) if z < 3 else 3 for z in zeros}):
@@ -196,21 +203,23 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
         sync[key] = [dp_sync_parts_s(model, hw, training, zp, r, n, order) for r, n in rows]
     z3p = plan.model_copy(update={"zero_stage": 3})
     gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
-    dpg_s, dpp_s, z3_s, static, opt_s = [], [], [], [], []
+    dpg_s, dpp_s, z3_s, static, work, opt_s = [], [], [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
-        w, g, o = state_bytes_per_param(z, plan.dp * plan.cp, gb)
-        row = []
-        for pr, (_, n) in zip(params, rows):
-            ww, gw = zero_working_set_bytes(model, zp, n, gb)
-            row.append(min(pr * w + ww, pr * gb[0]) + min(pr * g + gw, pr * gb[1]) + pr * o)
+        row, wrow = [], []
+        for r, n in rows:
+            st = stage_state_bytes(model, training, zp, r, n)
+            row.append(st.weights_bytes + st.grads_bytes + st.optimizer_bytes)
+            wrow.append(st.working_weights_bytes + st.working_grads_bytes)
         static.append(row)
+        work.append(wrow)
         parts = sync[min(z, 1) if z < 3 else 3]
         dpg_s.append([x[0] for x in parts])
         dpp_s.append([x[1] for x in parts])
         z3_s.append(gather if z == 3 else [0.0] * 3)
         opt_s.append(optimizer_s(model, hw, training, zp, params))
-    return np.array(dpg_s), np.array(dpp_s), np.array(z3_s), np.array(static), np.array(opt_s)
+    return (np.array(dpg_s), np.array(dpp_s), np.array(z3_s), np.array(static), np.array(work),
+            np.array(opt_s))
 
 
 def _stage_counts(p: int) -> tuple[int, int, int]:

@@ -381,11 +381,13 @@ class TrainingSpec(_Spec):
         default="flash",
         description="flash: fused attention that stores no s x s scores (Dao et al. 2022); "
                     "materialized: the scores and softmax are stored, as in Korthikanti et al. 2022.")
-    framework: Literal["megatron", "torch"] = Field(
+    framework: Literal["megatron", "nemo", "torchtitan", "deepspeed", "torch"] = Field(
         default="megatron",
-        description="How sequence parallelism saves the column-parallel inputs: megatron keeps the 1/t shard "
-                    "and re-gathers it in backward; torch (DTensor, as torchtitan and plan3d validate) keeps "
-                    "the gathered input.")
+        description="The framework that runs the plan: sets how weights, gradients, optimizer states and "
+                    "logits are held (planner/frameworks) and what the search may propose. megatron "
+                    "(Megatron-Core), nemo (NeMo on Megatron-Core), torchtitan (FSDP2, DTensor, torch "
+                    "pipelining), deepspeed (ZeRO engine, Megatron-DeepSpeed); torch: torchtitan's "
+                    "torch.distributed semantics with plan3d validate's fused kernels.")
     overlap_grad_reduce: bool = Field(
         default=True,
         description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "
@@ -506,7 +508,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
             hardware.peak_flops(training.precision)
         except ValueError as err:
             errors.append(str(err))
-    return errors
+    from planner.frameworks import get as framework_profile
+
+    return errors + framework_profile(training.framework).job_problems(training.precision)
 
 
 def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, plan: Plan) -> list[str]:
@@ -547,6 +551,9 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         from planner.schedules import interleaved_problems
 
         errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
+    from planner.frameworks import get as framework_profile
+
+    errors += framework_profile(training.framework).plan_problems(plan)
     return errors + job_problems(model, hardware, training)
 
 

@@ -1,0 +1,103 @@
+"""Framework profiles: how each training framework holds its model states, and what it can run.
+
+One module per framework (``megatron``, ``nemo``, ``torchtitan``, ``deepspeed``), each exposing a
+:class:`FrameworkProfile` as ``PROFILE``. A profile answers two questions for ``planner.memory``
+and ``planner.candidates``:
+
+* **memory policy**: the bytes of weights, gradients and optimizer states one GPU of a pipeline
+  stage holds at its peak (:meth:`FrameworkProfile.state_bytes`), how its loss keeps the logits
+  (bytes per logit), and whether sequence parallelism keeps the column-parallel inputs gathered;
+* **search limits**: the ZeRO stages, context parallelism, interleaving and uneven pipelines the
+  framework can run, so that ``plan3d search --framework X`` only proposes plans X can launch.
+
+``"torch"`` (the name plan3d used before the profiles, and what ``plan3d validate`` runs) is
+torchtitan's profile for everything torch.distributed decides (FSDP2 states, DTensor SP, loss
+parallel, pipelining), with the model code of ``plan3d validate`` instead of torchtitan's: fused
+SwiGLU (``planner/validate/kernels.py``) and Megatron's selective recompute of the attention core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one GPU holds for the model states of its stage at the step's peak."""
+
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    # transient: live only while one layer (or the root module) runs its forward/backward, not while
+    # the loss holds the logits (FSDP2's gathered layer and its gradient buffers); planner.memory
+    # counts max(working, logits spike) on the last stage
+    working_weights_bytes: float = 0.0
+    working_grads_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class FrameworkProfile:
+    """Memory policy and search limits of one framework (see the module of each)."""
+
+    name: str
+    # (model, training, plan, stage_params, layer_params, layers) -> StateBytes
+    state_bytes: Callable
+    logits_bytes_per_element: Callable  # (training, plan) -> bytes per logit live at the loss peak
+    sp_gathers_inputs: bool  # DTensor SP keeps QKV/FC1 inputs gathered (torch); Megatron keeps the 1/t shard
+    swiglu_unfused: bool = False  # eager ``w2(silu(w1 x) * w3 x)``: also saves the SiLU output (torchtitan)
+    op_sac: bool = False  # "selective" recompute is torchtitan's op-level policy (planner.memory.op_sac_terms)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    max_zero_with_pp: int = 3  # highest ZeRO stage the pipeline engine accepts when pp > 1
+    allows_cp: bool = True
+    allows_vpp: bool = True
+    allows_uneven: bool = True
+    allows_heavier_ends: bool = True  # uneven splits may give the first/last stage *more* layers
+    allows_fp8: bool = True
+
+    def allows_zero(self, zero_stage: int, pp: int) -> bool:
+        """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages."""
+        return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp)
+
+    def allows_split(self, first: int, middle: int, last: int) -> bool:
+        """Whether the framework can place ``first`` / ``middle`` / ``last`` layers on the stages."""
+        if first == middle == last:
+            return True
+        return self.allows_uneven and (self.allows_heavier_ends or max(first, last) <= middle)
+
+    def job_problems(self, precision: str) -> list[str]:
+        """What of the job (whatever the plan) this framework cannot run."""
+        if precision == "fp8" and not self.allows_fp8:
+            return [f"precision: {self.name} as plan3d emits it has no fp8 recipe; use bf16"]
+        return []
+
+    def plan_problems(self, plan) -> list[str]:
+        """What of ``plan`` this framework cannot run, one line each naming the field."""
+        errors = []
+        if not self.allows_zero(plan.zero_stage, plan.pp):
+            allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
+            errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
+        if plan.cp > 1 and not self.allows_cp:
+            errors.append(f"cp: {self.name} has no context parallelism (cp={plan.cp}); use cp=1")
+        if plan.vpp > 1 and not self.allows_vpp:
+            errors.append(f"vpp: {self.name}'s pipeline has no interleaved schedule (vpp={plan.vpp}); use vpp=1")
+        lps = plan.layers_per_stage
+        if lps is not None and len(set(lps)) > 1:
+            middle = lps[1] if len(lps) > 2 else max(lps)
+            if not self.allows_uneven:
+                errors.append(f"layers_per_stage: {self.name} splits layers evenly; drop layers_per_stage")
+            elif not self.allows_split(lps[0], middle, lps[-1]):
+                errors.append(f"layers_per_stage: {self.name} can only give the first and last stages fewer "
+                              f"layers, not {list(lps)}")
+        return errors
+
+
+def get(name: str) -> FrameworkProfile:
+    """The profile of framework ``name`` (``megatron``, ``nemo``, ``torchtitan``, ``deepspeed`` or ``torch``)."""
+    from planner.frameworks import deepspeed, megatron, nemo, torchtitan
+
+    profiles = {"megatron": megatron.PROFILE, "nemo": nemo.PROFILE, "torchtitan": torchtitan.PROFILE,
+                "deepspeed": deepspeed.PROFILE, "torch": torchtitan.TORCH_PROFILE}
+    return profiles[name]

@@ -1,0 +1,68 @@
+"""Megatron-LM / Megatron-Core: how ``DistributedDataParallel`` and ``DistributedOptimizer`` hold the states.
+
+Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron/core/optimizer``):
+
+* **Weights**: bf16 parameters, full size on every DP rank. With ``--use-distributed-optimizer``
+  they live in the ``param_data`` buffer of ``_ParamAndGradBuffer`` (``param_and_grad_buffer.py``)
+  and the post-step all-gather writes into that buffer in place: no separate gather buffer.
+* **Gradients**: one contiguous ``grad_data`` buffer per dtype, full size, in fp32 by default:
+  ``arguments.py`` sets ``accumulate_allreduce_grads_in_fp32`` for bf16 ("bfloat16 requires
+  gradient accumulation and all-reduce to be done in fp32"); ``--grad-reduce-in-bf16`` makes it
+  bf16 (``TrainingSpec.grad_reduce_in_bf16``). The distributed optimizer reduce-scatters inside
+  that buffer, so it is **not** sharded (ZeRO-1 semantics, formulas.md A1 table "6 + 12/d").
+  Buckets (``DistributedDataParallelConfig.bucket_size`` = max(40M, 1M x dp) params) are views
+  of the buffer: no extra bytes beyond padding.
+* **Optimizer**: fp32 master copy + Adam m and v, 12 B/param, divided by DP x CP with the
+  distributed optimizer (``distrib_optimizer.py``, the ``data_parallel_group_with_cp``).
+* **ZeRO-2/3**: Megatron-FSDP (``--use-megatron-fsdp --data-parallel-sharding-strategy
+  optim_grads[_params]``), counted as ``planner.memory.zero_working_set_bytes`` says.
+* **fp8** (Transformer Engine, ``--fp8-format``): bf16 weights stay; TE's ``Linear`` caches the
+  fp8 weight and its transpose across micro-batches (``transformer_engine/pytorch/module/linear.py``
+  ``get_weight_workspace(cache_name="weight")`` when Megatron passes ``is_first_microbatch``):
+  +2 B per linear-layer parameter.
+* **Logits**: the vocab-parallel cross entropy (``tensor_parallel/cross_entropy.py``) upcasts the
+  bf16 logits to fp32 in place of a copy: 2 + 4 B per logit live together (``planner.memory``
+  contradiction 5).
+"""
+
+from __future__ import annotations
+
+from planner.frameworks import FrameworkProfile, StateBytes
+
+FP8_WEIGHT_CACHE_BYTES = 2  # TE fp8 weight + fp8 transpose, 1 B each (module docstring)
+LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
+
+
+def linear_params_per_rank(model, tp: int, layers: int) -> float:
+    """Parameters of the GEMM weights of ``layers`` layers on one TP rank (norms and biases left out)."""
+    from planner.memory import layer_params_per_rank
+
+    bias_and_norms = 2 * model.norm_params + (model.q_size + 2 * model.kv_heads * model.kv_channels
+                                              if model.has_qkv_bias else 0)
+    return layers * max(layer_params_per_rank(model, tp) - bias_and_norms, 0.0)
+
+
+def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int) -> StateBytes:
+    """Weights, gradients and optimizer of one GPU of a stage under Megatron-Core (module docstring):
+    ZeRO sharding as ``planner.memory.state_bytes_per_param`` with the ZeRO-2/3 working set of
+    ``planner.memory.zero_working_set_bytes``, plus TE's fp8 weight cache."""
+    from planner.memory import param_bytes, state_bytes_per_param, zero_working_set_bytes
+
+    per_param = param_bytes(training)
+    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, per_param)
+    w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param)
+    weights = min(stage_params * w + w_work, stage_params * per_param[0])
+    if training.precision == "fp8":
+        weights += FP8_WEIGHT_CACHE_BYTES * linear_params_per_rank(model, plan.tp, layers)
+    return StateBytes(weights_bytes=weights,
+                      grads_bytes=min(stage_params * g + g_work, stage_params * per_param[1]),
+                      optimizer_bytes=stage_params * o)
+
+
+def logits_bytes_per_element(training, plan) -> float:
+    """Bytes per logit at the loss: bf16 + fp32 upcast (6), or fp32 logits + softmax (8) in fp32 training."""
+    return 8 if training.precision == "fp32" else LOGITS_BYTES_PER_ELEMENT
+
+
+PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
+                           sp_gathers_inputs=False)

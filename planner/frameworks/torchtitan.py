@@ -1,0 +1,121 @@
+"""torchtitan: FSDP2 (``fully_shard``) + DTensor TP + ``torch.distributed.pipelining``.
+
+Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
+``distributed/fsdp/_fully_shard``; ``distributed/pipelining/stage.py``):
+
+* **Mixed precision**: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+  (``training.mixed_precision_param`` / ``mixed_precision_reduce`` defaults). The sharded
+  parameters stay fp32 (4 B / N), AdamW's ``exp_avg`` and ``exp_avg_sq`` are sharded like them
+  (8 B / N), the sharded gradients are fp32 (4 B / N); N = dp x cp (torchtitan's FSDP mesh is
+  ``dp_shard_cp``). There is no separate master copy: the sharded fp32 parameter is it.
+* **Unsharded bf16 parameters**: ``reshard_after_forward`` (``parallelism.fsdp_reshard_after_forward``,
+  default ``"default"`` = True without PP, **False with PP**). When True, one layer is gathered
+  and the next prefetched (FSDP2's implicit forward/backward prefetch): 2 layers of bf16. When
+  False, every layer of the stage stays gathered from its forward to its backward: 2 B x the stage.
+  plan3d's ``zero_stage`` 1 and 2 are emitted as ``never``, 3 as ``default``.
+  The root parameters (embedding, final norm, output layer) are gathered at the loss.
+* **Gradients under PP**: ``PipelineStage.backward_maybe_with_nosync`` calls
+  ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` for the
+  micro-batches' backward and reduce-scatters only in ``perform_reduce_grad``; FSDP2 keeps the
+  unsharded gradient in ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``): 4 B x
+  the stage of fp32 unsharded gradients, plus the 2 B unsharded parameters; while a layer (or the
+  root) runs its backward, its bf16 gradient is live until it is added to the fp32 one.
+* **Gradients without PP**: each layer's bf16 gradient (2 B) is cast to fp32 for the
+  reduce-scatter (4 B, ``foreach_reduce``) and scattered into its 4 B / N shard.
+* **Without FSDP** (zero_stage 0: DDP or a single replica): fp32 parameters and gradients,
+  AdamW 8 B, bf16 compute by ``torch.autocast`` (``maybe_enable_amp``), which keeps a bf16 cast
+  of each weight for backward: 4 + 2 + 4 + 8 B.
+* **Logits**: the output layer's bf16 logits, then ``cross_entropy(pred.flatten(0, 1).float(),
+  labels)`` (``components/loss.py``). Without TP the peak is in backward: ``log_softmax``'s saved
+  fp32 output, the fp32 gradient from ``nll_loss`` and the fp32 gradient of the log-softmax input:
+  12 B per logit. With TP, ``loss_parallel`` (the default, ``parallelism.disable_loss_parallel``)
+  keeps the vocabulary sharded (V / t per rank) but runs DTensor's decomposed log-softmax
+  (``torch/distributed/tensor/parallel/loss.py::_log_softmax``: the bf16 logits, their fp32 copy,
+  ``shifted``, ``exp(shifted)`` and the result live together): 22 B per local logit. Both are
+  measured on torch 2.13 with ``MemTracker`` under fake tensors and re-measured in CI
+  (``tests/test_fake_rank.py::test_loss_bytes_per_logit``).
+* **SwiGLU** runs eager and unfused (``FeedForward.forward``: ``w2(F.silu(w1(x)) * w3(x))``):
+  the multiply also saves the SiLU output, one more ``s b f`` tensor per layer.
+* **Selective AC** is torchtitan's op-level policy (``activation_checkpoint.mode = "selective"``,
+  ``selective_ac_option = "op"`` in its Llama 3 configs): ``planner.memory.op_sac_terms``.
+  Full AC (``mode = "full"``) keeps each block's input.
+* **Sequence parallel**: DTensor's ``SequenceParallel`` + ``ColwiseParallel`` keep the gathered
+  QKV/FC1 inputs for backward (``planner.memory.layer_activation_terms``).
+* float8 (torchao) is not modelled: its weights are cast per GEMM and, with
+  ``enable_fsdp_float8_all_gather``, gathered in fp8 (1 B instead of 2 unsharded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.frameworks import FrameworkProfile, StateBytes
+
+BF16, FP32 = 2, 4
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in the parameter's dtype (fp32)
+LOGITS_BYTES_PER_ELEMENT = 12  # cross_entropy(pred.float()) peak in backward (module docstring)
+LOSS_PARALLEL_BYTES_PER_ELEMENT = 22  # loss_parallel's decomposed log-softmax, per local logit (module docstring)
+
+
+def reshard_after_forward(plan) -> bool:
+    """torchtitan's ``fsdp_reshard_after_forward``: plan3d emits ``default`` for ZeRO-3 (True unless
+    PP, ``parallelize.py::apply_fsdp``) and ``never`` below."""
+    return plan.zero_stage >= 3 and plan.pp == 1
+
+
+def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int) -> StateBytes:
+    """Weights, gradients and AdamW states of one GPU of a stage (module docstring).
+
+    Persistent at the peak: the fp32 shards (parameters, gradients, Adam; the gradient shards only
+    with gradient accumulation or PP: with one micro-batch, ``optimizer.zero_grad()`` (set_to_none)
+    freed them and they are rebuilt in backward, after the loss); with PP also the
+    unsharded bf16 parameters and fp32 gradients of the whole stage; with ``reshard_after_forward``
+    off, the unsharded bf16 parameters. Working set (``StateBytes.working_*``): the gathered layer
+    and the next one, or the root module, with their bf16 gradient and its fp32 cast.
+    """
+    P, Pl = stage_params, layer_params
+    wb = FP32 if training.precision == "fp32" else BF16  # param_dtype of the MixedPrecisionPolicy
+    if plan.zero_stage == 0:  # no FSDP: fp32 parameters and gradients, autocast's bf16 weight casts
+        cast = 0 if wb == FP32 else BF16
+        return StateBytes(weights_bytes=P * (FP32 + cast), grads_bytes=P * FP32, optimizer_bytes=P * ADAM_STATE_BYTES)
+    n = plan.dp * plan.cp
+    sharded = P / n
+    root = max(P - layers * Pl, 0.0)  # embedding / final norm / output layer on this stage
+    grad_cast = FP32 if wb != FP32 else 0  # the bf16 gradient is cast to reduce_dtype for the reduce-scatter
+    weights, grads = FP32 * sharded, FP32 * sharded
+    work_w = work_g = 0.0
+    m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
+    if m == 1 and plan.pp == 1:  # zero_grad(set_to_none) freed them: the shards appear during backward only
+        grads, work_shards = 0.0, FP32 * sharded
+    else:
+        work_shards = 0.0
+    if plan.pp > 1:  # PipelineStage: no reshard after backward, no gradient sync until perform_reduce_grad
+        weights += wb * P
+        grads += FP32 * P
+        # each group's bf16 gradient lives until it is added into the fp32 accumulator
+        # (FSDPParam.to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed)
+        work_g = grad_cast and wb * max(Pl, root)
+    elif reshard_after_forward(plan):  # one layer gathered + the next prefetched, or the root module
+        layer_set = (wb * min(2, layers) * Pl, (wb + grad_cast) * Pl)
+        root_set = (wb * root, (wb + grad_cast) * root)
+        work_w, work_g = max(layer_set, root_set, key=sum)
+    else:  # reshard_after_forward=False: every layer stays gathered from its forward to its backward
+        weights += wb * P
+        work_g = (wb + grad_cast) * max(Pl, root)
+    return StateBytes(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=ADAM_STATE_BYTES * sharded,
+                      working_weights_bytes=work_w, working_grads_bytes=work_g + work_shards)
+
+
+def logits_bytes_per_element(training, plan) -> float:
+    """Bytes per logit live at the loss (module docstring); fp32 training: logits, log-softmax, grad."""
+    if training.precision == "fp32":
+        return 3 * FP32
+    return LOSS_PARALLEL_BYTES_PER_ELEMENT if plan.tp > 1 else LOGITS_BYTES_PER_ELEMENT
+
+
+PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
+                           sp_gathers_inputs=True, swiglu_unfused=True, op_sac=True,
+                           allows_heavier_ends=False)  # pipeline_parallel_first/last_stage_less_layers
+
+# plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
+TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False)

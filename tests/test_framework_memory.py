@@ -1,0 +1,233 @@
+"""Framework profiles (planner/frameworks): the bytes each framework holds, its search limits, and
+published configurations and readings (tests/data/published_memory.json).
+
+Expected values are written from each framework's documented bytes per parameter (cited per test),
+with parameter counts from ``stage_params_per_rank`` (not under test here).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.candidates import SearchSpace, enumerate_plans
+from planner.memory import estimate_memory, layer_params_per_rank, stage_params_per_rank, stage_state_bytes
+from planner.presets import load_hardware, load_model
+from planner.search import search
+from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec, plan_problems
+
+DATA = json.loads((Path(__file__).parent / "data" / "published_memory.json").read_text())
+LLAMA = load_model("llama3-8b")
+H100 = load_hardware("h100-sxm-80gb")
+
+
+def _training(framework, num_gpus=64, **kw):
+    return TrainingSpec(num_gpus=num_gpus, global_batch_size=kw.pop("gbs", 128), seq_len=4096, framework=framework, **kw)
+
+
+def _params(plan, stage=0, layers=8):
+    return stage_params_per_rank(LLAMA, plan, stage, layers)
+
+
+def test_torch_shares_torchtitans_distributed_semantics():
+    """'torch' (plan3d validate's model) holds states and logits as torchtitan does; its activations
+    differ only by the SiLU output that torchtitan's unfused SwiGLU also keeps (s b f / t x 2 B)."""
+    plan = Plan(tp=2, pp=2, dp=16, micro_batch_size=1, zero_stage=3, sequence_parallel=True)
+    a = estimate_memory(LLAMA, H100, _training("torch"), plan).stages
+    b = estimate_memory(LLAMA, H100, _training("torchtitan"), plan).stages
+    for x, y in zip(a, b):
+        assert (x.weights_bytes, x.grads_bytes, x.optimizer_bytes, x.other_bytes) == \
+            (y.weights_bytes, y.grads_bytes, y.optimizer_bytes, y.other_bytes)
+    silu = 4096 * 1 * LLAMA.ffn_size / 2 * 2
+    in_flight = (2, 1)  # 1F1B: min(m, p - r)
+    for r, (x, y) in enumerate(zip(a, b)):
+        assert y.activations_bytes - x.activations_bytes == pytest.approx(in_flight[r] * 16 * silu)
+
+
+@pytest.mark.parametrize("framework", ["megatron", "nemo"])
+@pytest.mark.parametrize("bf16_grads", [False, True])
+def test_megatron_distributed_optimizer_bytes(framework, bf16_grads):
+    """formulas.md A1 (Megatron distrib_optimizer.md table): bf16 params + fp32 grads = 6 + 12/d B;
+    with --grad-reduce-in-bf16 (NeMo grad_sync_dtype bf16) 4 + 12/d."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    st = stage_state_bytes(LLAMA, _training(framework, grad_reduce_in_bf16=bf16_grads), plan, 1, 8)
+    p = _params(plan, 1)
+    assert st.weights_bytes == pytest.approx(2 * p)
+    assert st.grads_bytes == pytest.approx((2 if bf16_grads else 4) * p)
+    assert st.optimizer_bytes == pytest.approx(12 * p / 16)
+
+
+def test_megatron_fp8_weight_cache():
+    """Transformer Engine keeps an fp8 weight and its fp8 transpose per GEMM weight: +2 B per
+    linear parameter (norms excluded; Llama has no biases)."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    bf16 = stage_state_bytes(LLAMA, _training("megatron"), plan, 1, 8)
+    fp8 = stage_state_bytes(LLAMA, _training("megatron", precision="fp8"), plan, 1, 8)
+    linear = 8 * (layer_params_per_rank(LLAMA, 1) - 2 * LLAMA.hidden_size)
+    assert fp8.weights_bytes - bf16.weights_bytes == pytest.approx(2 * linear)
+
+
+def test_torchtitan_pipeline_keeps_unsharded_params_and_fp32_grads():
+    """torch.distributed.pipelining + FSDP2: no reshard after backward and no gradient sync until
+    perform_reduce_grad, the unsharded gradient accumulated in reduce_dtype (fp32): 2 P + 4 P/N
+    weights, 4 P + 4 P/N gradients, 8 P/N AdamW; the running layer's bf16 gradient transiently."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=3)
+    st = stage_state_bytes(LLAMA, _training("torchtitan"), plan, 1, 8)
+    p = _params(plan, 1)
+    assert st.weights_bytes == pytest.approx(2 * p + 4 * p / 16)
+    assert st.grads_bytes == pytest.approx(4 * p + 4 * p / 16)
+    assert st.optimizer_bytes == pytest.approx(8 * p / 16)
+    assert st.working_weights_bytes == 0  # a layer's bf16 gradient, until it joins the fp32 accumulator
+    assert st.working_grads_bytes == pytest.approx(2 * layer_params_per_rank(LLAMA, 1))
+
+
+def test_torchtitan_reshard_after_forward_only_without_pp():
+    """fsdp_reshard_after_forward "default" is True without PP (one layer gathered + one prefetched),
+    and plan3d emits "never" below ZeRO-3 (all bf16 weights gathered)."""
+    z3 = stage_state_bytes(LLAMA, _training("torchtitan"), Plan(tp=1, pp=1, dp=64, micro_batch_size=2, zero_stage=3), 0, 32)
+    z2 = stage_state_bytes(LLAMA, _training("torchtitan"), Plan(tp=1, pp=1, dp=64, micro_batch_size=2, zero_stage=2), 0, 32)
+    p = stage_params_per_rank(LLAMA, Plan(tp=1, pp=1, dp=64, micro_batch_size=1), 0, 32)
+    assert z3.weights_bytes == pytest.approx(4 * p / 64)
+    assert z2.weights_bytes == pytest.approx(2 * p + 4 * p / 64)
+
+
+def test_deepspeed_zero2_matches_its_estimator_plus_buckets():
+    """DeepSpeed estimate_zero2_model_states_mem_needs: 2 + 18/N B per parameter on the GPU; the
+    engine also holds two ipg buffers of reduce_bucket_size (5e8) bf16 elements with overlap_comm."""
+    plan = Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=2)
+    st = stage_state_bytes(LLAMA, _training("deepspeed"), plan, 0, 32)
+    p = stage_params_per_rank(LLAMA, plan, 0, 32)
+    assert st.weights_bytes + st.grads_bytes + st.optimizer_bytes == pytest.approx(2 * p + 18 * p / 64 + 2 * 5e8 * 2)
+
+
+TINY = ModelSpec(name="tiny", num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=1024)
+
+
+def test_deepspeed_search_space_is_what_its_engine_runs():
+    """Pipeline engine: ZeRO 0/1 with pp > 1; no CP, no interleaving, even splits."""
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=2048, framework="deepspeed")
+    plans = list(enumerate_plans(TINY, H100, tr, SearchSpace(max_micro_batch_size=2)))
+    assert plans
+    assert all(p.zero_stage <= 1 for p in plans if p.pp > 1)
+    assert any(p.zero_stage == 3 for p in plans if p.pp == 1)
+    assert all(p.cp == 1 and p.vpp == 1 and p.layers_per_stage is None for p in plans)
+
+
+def test_nemo_search_space_has_no_megatron_fsdp():
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=2048, framework="nemo")
+    assert {p.zero_stage for p in enumerate_plans(TINY, H100, tr, SearchSpace(max_micro_batch_size=2))} == {0, 1}
+
+
+def test_plan_problems_name_the_framework_limit():
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=2048, framework="deepspeed")
+    errors = plan_problems(TINY, H100, tr, Plan(tp=1, pp=2, dp=4, micro_batch_size=1, zero_stage=2))
+    assert errors == ["zero_stage: deepspeed runs ZeRO [0, 1] with pp=2, not 2"]
+
+
+def test_search_for_deepspeed_finds_a_plan_it_can_emit():
+    """The solver respects the profile, so `search --emit deepspeed` no longer finds a plan and then
+    refuses it (emit/deepspeed.check_supported)."""
+    from planner.emit import deepspeed
+
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=2048, framework="deepspeed")
+    best = search(TINY, H100, tr, SearchSpace(max_micro_batch_size=2)).best
+    assert best is not None
+    deepspeed.check_supported(Scenario(model=TINY, hardware=H100, training=tr, plan=best))
+
+
+# --- published configurations and readings -----------------------------------------------------
+
+TT = DATA["torchtitan_h100_202412"]
+TT_DEVICE = H100.model_copy(update={"name": "h100-96gb", "gpu_memory_gib": TT["device_gib"]})
+
+
+def _torchtitan_estimate(run):
+    model = load_model(run["model"])
+    lps = None
+    if run["pp"] > 1 and model.num_layers % run["pp"]:  # torchtitan's split: full stages, the rest on the last
+        per = -(-model.num_layers // run["pp"])
+        lps = (per,) * (run["pp"] - 1) + (model.num_layers - per * (run["pp"] - 1),)
+    tr = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * run["dp"], seq_len=run["seq_len"],
+                      framework="torchtitan")
+    plan = Plan(tp=run["tp"], pp=run["pp"], dp=run["dp"], cp=run["cp"], micro_batch_size=run["micro_batch"],
+                recompute=run["ac"], sequence_parallel=run["tp"] > 1, zero_stage=3, layers_per_stage=lps)
+    return estimate_memory(model, TT_DEVICE, tr, plan)
+
+
+@pytest.mark.parametrize("i", range(len(TT["runs"])), ids=lambda i: f"table{TT['runs'][i]['table']}-{i}")
+def test_torchtitan_published_runs_fit(i):
+    """Every run of the benchmark ran on its 95.5 GiB GPUs: the estimate must say it fits."""
+    est = _torchtitan_estimate(TT["runs"][i])
+    assert est.fits, f"{est.peak_gib:.1f} GiB > usable {est.usable_gib:.1f}"
+
+
+@pytest.mark.parametrize("i", [i for i, r in enumerate(TT["runs"]) if r["modelled"]])
+def test_torchtitan_allocated_estimate_below_reserved_reading(i):
+    """The readings are peak *reserved* memory, which is at least the peak allocated: the estimate
+    (allocated) must not exceed them on the runs the profile models (no compile, no Float8)."""
+    run = TT["runs"][i]
+    assert _torchtitan_estimate(run).peak_gib <= run["reading_gib"]
+
+
+def test_torchtitan_search_gives_the_ends_fewer_layers_only():
+    """torchtitan's pipeline_parallel_first/last_stage_less_layers can only lighten the end stages
+    (emit/torchtitan refuses the rest), so its search proposes no heavier end stage."""
+    model = TINY.model_copy(update={"num_layers": 10})
+    tr = TrainingSpec(num_gpus=4, global_batch_size=8, seq_len=2048, framework="torchtitan")
+    splits = {p.layers_per_stage for p in enumerate_plans(model, H100, tr, SearchSpace(max_micro_batch_size=1))
+              if p.pp == 4 and p.layers_per_stage}
+    assert splits and all(max(s[0], s[-1]) <= s[1] for s in splits)
+    megatron = TrainingSpec(num_gpus=4, global_batch_size=8, seq_len=2048)
+    assert any(max(p.layers_per_stage[0], p.layers_per_stage[-1]) > p.layers_per_stage[1]
+               for p in enumerate_plans(model, H100, megatron, SearchSpace(max_micro_batch_size=1))
+               if p.pp == 4 and p.layers_per_stage)
+
+
+def test_deepspeed_fp8_is_a_job_problem():
+    from planner.specs import job_problems
+
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=2048, precision="fp8", framework="deepspeed")
+    assert job_problems(TINY, H100, tr) == ["precision: deepspeed as plan3d emits it has no fp8 recipe; use bf16"]
+    assert search(TINY, H100, tr, SearchSpace(max_micro_batch_size=2)).best is None
+
+
+# --- the caching-allocator model of planner/fake_rank.py (no torch needed) ----------------------
+
+MIB = 2**20
+
+
+def test_caching_allocator_segment_sizes():
+    """CUDACachingAllocator.cpp get_allocation_size: 2 MiB small segments (<= 1 MiB requests),
+    20 MiB for large requests under 10 MiB, else the request rounded up to 2 MiB."""
+    from planner.fake_rank import CachingAllocator
+
+    for nbytes, segment in [(1000, 2 * MIB), (3 * MIB, 20 * MIB), (100 * MIB, 100 * MIB), (101 * MIB, 102 * MIB)]:
+        a = CachingAllocator()
+        a.malloc("x", nbytes)
+        assert a.reserved == segment
+
+
+def test_caching_allocator_reuses_splits_and_merges():
+    from planner.fake_rank import CachingAllocator
+
+    a = CachingAllocator()
+    a.malloc("a", 3 * MIB)
+    a.malloc("b", 3 * MIB)  # split from the 20 MiB segment's remainder
+    assert a.reserved == 20 * MIB
+    a.free("a")
+    a.free("b")
+    a.malloc("c", 19 * MIB)  # the two blocks merged back into the whole segment
+    assert a.reserved == 20 * MIB
+
+
+def test_caching_allocator_fragmentation_and_release_on_capacity():
+    """A freed 100 MiB block cannot serve 150 MiB: a new segment (reserved 350 MiB for 250 live).
+    Without a capacity the cache keeps growing; at a 400 MiB capacity the wholly free segments are
+    released first (release_cached_blocks) and the reserved peak stays under it."""
+    from planner.fake_rank import replay_reserved
+
+    trace = [("ADD", "a", 100 * MIB), ("ADD", "b", 100 * MIB), ("DEL", "a", 0), ("ADD", "c", 150 * MIB),
+             ("DEL", "b", 0), ("DEL", "c", 0), ("ADD", "d", 200 * MIB)]
+    assert replay_reserved(trace[:4]).peak_reserved == 350 * MIB
+    assert replay_reserved(trace).peak_reserved == 550 * MIB
+    assert replay_reserved(trace, 400 * MIB).peak_reserved == 350 * MIB
