@@ -199,6 +199,13 @@ class ActTerm:
     autograd: bool = True  # saved by autograd without recompute; False: kept only by an op-level AC policy
 
 
+#: Bytes per element of a GEMM input saved for the weight gradient (Transformer Engine keeps the quantised
+#: column-wise copy, not the bf16 tensor): fp8 1 B; mxfp8 1 B + one E8M0 scale per 32 values; nvfp4
+#: 0.5 B + one E4M3 scale per 16 values (TE MXFP8BlockScaling / NVFP4BlockScaling; OCP MX spec v1.0;
+#: NVIDIA, arXiv:2509.25149).
+LINEAR_INPUT_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+
+
 def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:
     """Tensors one transformer layer saves for backward, per GPU and micro-batch.
 
@@ -232,7 +239,7 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     sp = t if plan.sequence_parallel else 1
     profile = frameworks.get(training.framework)
     gathered = 1 if profile.sp_gathers_inputs else sp  # DTensor SP keeps them gathered
-    lin = 1 if training.precision == "fp8" else e
+    lin = LINEAR_INPUT_BYTES.get(training.precision, e)
     s, b, h, f = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size, model.ffn_size
     a_r, q_r = model.num_attention_heads / t, model.q_size / t
     kv_r = kv_heads_per_rank(model, t) * model.kv_channels

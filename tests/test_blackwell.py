@@ -125,3 +125,35 @@ def test_nvfp4_step_is_faster_than_mxfp8_faster_than_bf16_on_gb200():
                                            zero_stage=1, recompute="selective"))).time.step_time_s
 
     assert step("nvfp4") < step("mxfp8") < step("bf16")
+
+
+@pytest.mark.parametrize("precision,saved_per_element", [("bf16", 2.0), ("fp8", 1.0), ("mxfp8", 1 + 1 / 32),
+                                                         ("nvfp4", 0.5 + 1 / 16)])
+def test_saved_gemm_inputs_per_precision_hand_computed(precision, saved_per_element):
+    """The FC2 input (s b f / t elements) is saved in the recipe's quantised column-wise form:
+    llama3-8b, s 8192, b 1, f 14336, t 8: 8192 * 14336 / 8 elements."""
+    from planner.memory import layer_activation_terms
+
+    training = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=8192, precision=precision)
+    plan = Plan(tp=8, pp=1, dp=1, micro_batch_size=1, sequence_parallel=True)
+    (fc2,) = [x for x in layer_activation_terms(load_model("llama3-8b"), training, plan) if x.name == "FC2 input"]
+    assert fc2.bytes == pytest.approx(8192 * 14336 / 8 * saved_per_element)
+
+
+@pytest.mark.parametrize("precision,cache_per_weight", [("bf16", 0), ("fp8", 2), ("mxfp8", 2 + 2 / 32),
+                                                        ("nvfp4", 1.0)])
+def test_te_weight_cache_per_precision_hand_computed(precision, cache_per_weight):
+    """Megatron/TE keep quantised copies of every GEMM weight: weights bytes = 2 B bf16 + the cache."""
+    from planner.frameworks.megatron import linear_params_per_rank
+    from planner.memory import estimate_scenario_memory
+
+    model = load_model("llama3-8b")
+
+    def weights(p):
+        sc = Scenario(model=model, hardware=load_hardware("gb200-nvl72"),
+                      training=TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, precision=p),
+                      plan=Plan(tp=8, pp=1, dp=1, micro_batch_size=1, sequence_parallel=True))
+        return estimate_scenario_memory(sc).stages[0].weights_bytes
+
+    extra = weights(precision) - weights("bf16")
+    assert extra == pytest.approx(cache_per_weight * linear_params_per_rank(model, 8, model.num_layers))

@@ -108,7 +108,7 @@ AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash 
 OverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="DP gradient reduction overlapped with backward (Megatron --overlap-grad-reduce; default on).", rich_help_panel="Job")]
 TpOverlapOpt = Annotated[Optional[bool], typer.Option("--tp-comm-overlap/--no-tp-comm-overlap", help="Overlap TP collectives with GEMMs (Megatron --tp-comm-overlap, needs SP; torchtitan async TP); default: the framework's.", rich_help_panel="Job")]
 P2pOverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-p2p/--no-overlap-p2p", help="Overlap pipeline send/receive with the next chunk in the interleaved schedule; default: the framework's.", rich_help_panel="Job")]
-FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default) or torch: how sequence parallelism keeps activations (torchtitan = torch).", rich_help_panel="Job")]
+FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default), nemo, torchtitan, deepspeed or torch: the framework that runs the plan; sets how weights, gradients, optimizer states and logits are held (docs/memory.md), the overlap defaults, and which plans search proposes; torch = torchtitan's torch.distributed semantics with plan3d validate's kernels.", rich_help_panel="Job")]
 
 
 def fail(lines: list[str], code: int = EXIT_BAD_INPUT) -> None:

@@ -69,8 +69,8 @@ class FrameworkProfile:
 
     def job_problems(self, precision: str) -> list[str]:
         """What of the job (whatever the plan) this framework cannot run."""
-        if precision == "fp8" and not self.allows_fp8:
-            return [f"precision: {self.name} as plan3d emits it has no fp8 recipe; use bf16"]
+        if precision in ("fp8", "mxfp8", "nvfp4") and not self.allows_fp8:
+            return [f"precision: {self.name} as plan3d emits it has no {precision} recipe; use bf16"]
         return []
 
     def plan_problems(self, plan) -> list[str]:

@@ -30,6 +30,10 @@ from __future__ import annotations
 from planner.frameworks import FrameworkProfile, StateBytes
 
 FP8_WEIGHT_CACHE_BYTES = 2  # TE fp8 weight + fp8 transpose, 1 B each (module docstring)
+#: The quantised weight copies TE keeps per GEMM weight, by recipe: fp8 row-wise + transpose; mxfp8 both
+#: block-scaled directions with their E8M0 scales (1/32 B each); nvfp4 both directions at 0.5 B with
+#: E4M3 scales per 16 (NVFP4 weights use 16x16 2D blocks, arXiv:2509.25149, so about 1/256 B: left out).
+WEIGHT_CACHE_BYTES = {"fp8": FP8_WEIGHT_CACHE_BYTES, "mxfp8": 2 + 2 / 32, "nvfp4": 1.0}
 LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
 
 
@@ -52,8 +56,8 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, per_param)
     w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param)
     weights = min(stage_params * w + w_work, stage_params * per_param[0])
-    if training.precision == "fp8":
-        weights += FP8_WEIGHT_CACHE_BYTES * linear_params_per_rank(model, plan.tp, layers)
+    if training.precision in WEIGHT_CACHE_BYTES:
+        weights += WEIGHT_CACHE_BYTES[training.precision] * linear_params_per_rank(model, plan.tp, layers)
     return StateBytes(weights_bytes=weights,
                       grads_bytes=min(stage_params * g + g_work, stage_params * per_param[1]),
                       optimizer_bytes=stage_params * o)
