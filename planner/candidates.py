@@ -14,6 +14,7 @@ from planner import frameworks
 from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec, plan_problems
 
 RECOMPUTE = ("none", "selective", "full")
+MAX_UNEVEN_VPP = 4  # uneven splits are searched with vpp up to this (beyond: `plan3d estimate --layers-per-stage`)
 MAX_UNEVEN_SHIFT = 3  # first/last stages may hold up to this many layers fewer (or more) than the middle ones
 MIN_CP_CHUNK = 512  # tokens per CP half-chunk (the load-balanced split cuts the sequence into 2 cp chunks)
 
@@ -62,11 +63,12 @@ class StageSplit:
 
 
 def valid_splits(model: ModelSpec, pp: int, allow_uneven: bool = True) -> list[StageSplit]:
-    """Even splits with every vpp that divides a stage's layers, and, with vpp = 1, splits whose
-    first and/or last stage hold up to MAX_UNEVEN_SHIFT layers fewer or more than the equal middle
-    stages (Megatron ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``):
-    fewer where the embedding or the output layer weigh on time or memory, more where the
-    other end is the lighter one."""
+    """Even splits with every vpp that divides a stage's layers, and splits whose first and/or last
+    stage hold up to MAX_UNEVEN_SHIFT layers fewer or more than the equal middle stages (Megatron
+    ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``, or its
+    ``--pipeline-model-parallel-layout`` when interleaved): fewer where the embedding or the output
+    layer weigh on time or memory, more where the other end is the lighter one. With pp > 2 the
+    uneven splits come with every vpp that divides the middle stages too."""
     return list(_splits(model.num_layers, pp, allow_uneven))
 
 
@@ -89,6 +91,12 @@ def _splits(L: int, pp: int, allow_uneven: bool) -> tuple[StageSplit, ...]:
             if pp == 2 and (first == last or max(first, last) != mid):
                 continue  # with two stages only the pair (first, last) matters: list it once
             out.append(StageSplit(pp, 1, first, mid, last))
+            # interleaved too, with the ends lighter (the case of the embedding and the loss: Meta's
+            # Llama 3 405B, 7 + 14 x 8 + 7): the middle stages split into vpp equal chunks, the ends as
+            # Plan.chunk_layers says, one layer per chunk at least; vpp <= 4 keeps the search under 2 s
+            if pp > 2 and max(first, last) <= mid:
+                out += [StageSplit(pp, v, first, mid, last) for v in divisors(mid)
+                        if 1 < v <= min(first, last, MAX_UNEVEN_VPP)]
     return tuple(out)
 
 
@@ -144,7 +152,7 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                     continue
                 for split in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven):
                     if pins.ok(vpp=split.vpp) and (split.vpp == 1 or fw.allows_vpp) and \
-                            fw.allows_split(split.first, split.middle, split.last):
+                            fw.allows_split(split.first, split.middle, split.last, split.vpp):
                         yield tp, cp, dp, split
 
 

@@ -129,8 +129,14 @@ def test_splits_even_and_uneven():
     assert any(s.vpp == 8 for s in splits) and any(s.vpp == 2 for s in splits)
     uneven = [s for s in splits if s.layers()]
     assert all(sum(s.layers()) == 32 for s in uneven)
-    assert all(s.vpp == 1 and abs(s.first - s.middle) <= 3 and abs(s.last - s.middle) <= 3 for s in uneven)
+    assert all(abs(s.first - s.middle) <= 3 and abs(s.last - s.middle) <= 3 for s in uneven)
     assert any(s.last < s.middle for s in uneven)
+    # uneven and interleaved together (Meta's layout): vpp divides the middle stages, each end has a
+    # layer per chunk at least (Plan.chunk_layers splits the ends)
+    interleaved = [s for s in uneven if s.vpp > 1]
+    assert interleaved and all(s.middle % s.vpp == 0 and min(s.first, s.last) >= s.vpp for s in interleaved)
+    assert any(s.first % s.vpp for s in interleaved)
+    assert all(s.vpp == 1 for s in valid_splits(model, 2) if s.layers())  # two stages: no middle to interleave
 
 
 def test_parse_gpu_counts():

@@ -135,7 +135,9 @@ def test_calibrate_on_one_node_keeps_the_base_inter_node_figures():
     lines = {ln.split(":")[0]: ln for ln in text.splitlines() if not ln.startswith("#")}
     assert "not measured (one node): kept from h100-sxm-80gb" in lines["inter_node_bandwidth_gbps"]
     assert "kept from" in lines["sustained_fraction"]
-    assert "all ranks loaded" not in text and "best GEMM rate of one process" in lines["peak_bf16_tflops"]
+    assert "all ranks loaded" not in text and "best GEMM rate of one process" in lines["gemm_efficiency_max"]
+    assert spec.peak_bf16_tflops == base.peak_bf16_tflops  # a GPU keeps its datasheet peak
+    assert spec.gemm_efficiency_max == pytest.approx(707.0 / base.peak_bf16_tflops)  # best rank / peak
     summary = launch.calibration_summary(base, spec)
     assert f"inter_node_bandwidth_gbps: {base.inter_node_bandwidth_gbps} (kept from h100-sxm-80gb)" in summary
 

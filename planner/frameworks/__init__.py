@@ -55,16 +55,19 @@ class FrameworkProfile:
     allows_vpp: bool = True
     allows_uneven: bool = True
     allows_heavier_ends: bool = True  # uneven splits may give the first/last stage *more* layers
+    allows_uneven_interleaved: bool = True  # uneven stages together with vpp > 1
     allows_fp8: bool = True
 
     def allows_zero(self, zero_stage: int, pp: int) -> bool:
         """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages."""
         return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp)
 
-    def allows_split(self, first: int, middle: int, last: int) -> bool:
+    def allows_split(self, first: int, middle: int, last: int, vpp: int = 1) -> bool:
         """Whether the framework can place ``first`` / ``middle`` / ``last`` layers on the stages."""
         if first == middle == last:
             return True
+        if vpp > 1 and not self.allows_uneven_interleaved:
+            return False
         return self.allows_uneven and (self.allows_heavier_ends or max(first, last) <= middle)
 
     def job_problems(self, precision: str) -> list[str]:
@@ -88,6 +91,9 @@ class FrameworkProfile:
             middle = lps[1] if len(lps) > 2 else max(lps)
             if not self.allows_uneven:
                 errors.append(f"layers_per_stage: {self.name} splits layers evenly; drop layers_per_stage")
+            elif plan.vpp > 1 and not self.allows_uneven_interleaved:
+                errors.append(f"layers_per_stage: {self.name} runs uneven stages only without interleaving "
+                              f"(vpp={plan.vpp}); use vpp=1 or an even split")
             elif not self.allows_split(lps[0], middle, lps[-1]):
                 errors.append(f"layers_per_stage: {self.name} can only give the first and last stages fewer "
                               f"layers, not {list(lps)}")

@@ -115,7 +115,11 @@ def logits_bytes_per_element(training, plan) -> float:
 
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=True, swiglu_unfused=True, op_sac=True,
-                           allows_heavier_ends=False)  # pipeline_parallel_first/last_stage_less_layers
+                           allows_heavier_ends=False,  # pipeline_parallel_first/last_stage_less_layers
+                           # its automatic split shortens only the first and last *virtual* stage, and
+                           # module_fqns_per_model_part cannot be passed on the command line (planner/emit/torchtitan.py)
+                           allows_uneven_interleaved=False)
 
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
-TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False)
+TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
+                        allows_uneven_interleaved=True)  # plan3d validate's miniature splits any stage
