@@ -1,6 +1,6 @@
 """One GPU runs one rank's share of a real plan at real dimensions: one tensor-parallel shard (t = 8)
-of two Llama-3-70B layers, sequence 8192, micro-batch 1, communication excluded. Compares
-torch.cuda.max_memory_allocated and the compute time with the estimate.
+of one and two Llama-3-70B layers, sequence 8192, micro-batch 1, communication excluded. Compares
+the saved activations per layer (torch.cuda.memory_allocated after the forward) with the estimate.
 
 Run on a machine with a GPU: ``pytest tests/test_validate_gpu.py -s``. Skipped without CUDA.
 """
