@@ -103,7 +103,7 @@ def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     tmp = os.path.join(tempfile.gettempdir(), f"plan3d-validate-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}.json")
     worker.main(["--plan", plan_file, "--steps", str(steps), "--out", tmp, "--backend", backend,
-                 "--timeout-s", str(timeout)])
+                 "--timeout-s", str(timeout), "--full-size"])
     if os.environ.get("RANK") != "0":
         return 0
     try:

@@ -232,3 +232,43 @@ def tensor_parallelize(chunk: Chunk, tp_mesh, sequence_parallel: bool) -> None:
         tp = tp_mesh.size()
         blk.attention.heads //= tp
         blk.attention.kv_heads = max(blk.attention.kv_heads // tp, 1)
+
+
+def build_local_chunks(model: ModelSpec, layers_per_chunk: list[int], pp: int, pp_rank: int,
+                       seed: int = 1234) -> list[Chunk]:
+    """This pipeline rank's chunks only, on the meta device: no storage is allocated.
+
+    The full-size path of ``plan3d validate`` builds these, applies TP (:func:`tensor_parallelize`)
+    and FSDP2 (``fully_shard``) while they are still on meta, and only then materialises the local
+    shards with :func:`materialize_local` -- torchtitan's order (``torchtitan/train.py``: model on
+    ``torch.device("meta")``, ``parallelize``, ``model.to_empty(device=...)``,
+    ``init_weights``). A 70B plan's rank never holds more than its shard (tests/test_validate_fullsize.py).
+    Tied embeddings across stages are refused by the caller (the copy needs the first stage's values).
+    """
+    del seed  # values are drawn after sharding, per local shard (materialize_local)
+    with torch.device("meta"):
+        last = len(layers_per_chunk) - 1
+        return [Chunk(model, first=i == 0, last=i == last, layers=[Block(model) for _ in range(n)])
+                for i, n in enumerate(layers_per_chunk) if i % pp == pp_rank]
+
+
+@torch.no_grad()
+def materialize_local(chunks: list[Chunk], device, seed: int = 1234) -> None:
+    """Allocate each parameter's local shard on ``device`` and initialise it as :func:`build_chunks`
+    does (matrices and embeddings N(0, 0.02), norm weights 1, biases 0), drawn per shard from a seed
+    that depends on the rank so shards differ. A full-size run measures memory and time, not the loss
+    against a single process (that is the miniature's check), so the values need not match it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    gen = torch.Generator(device="cpu").manual_seed(seed + rank)
+    for chunk in chunks:
+        chunk.to_empty(device=device)
+        for name, p in chunk.named_parameters():
+            local = p._local_tensor if hasattr(p, "_local_tensor") else p
+            if name.endswith("bias"):
+                local.zero_()
+            elif local.dim() >= 2:
+                local.copy_(torch.randn(local.shape, generator=gen, dtype=local.dtype) * 0.02)
+            else:
+                local.fill_(1.0)

@@ -37,7 +37,7 @@ from planner.presets import load_scenario
 from planner.specs import Scenario
 from planner.validate.calibrate import time_it
 from planner.validate.launch import OOM_EXIT_CODE, refusal
-from planner.validate.model import build_chunks, set_recompute, tensor_parallelize
+from planner.validate.model import build_chunks, build_local_chunks, materialize_local, set_recompute, tensor_parallelize
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
 
@@ -319,6 +319,8 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--reference", action="store_true", help="compare the first loss with a single-process run")
+    ap.add_argument("--full-size", action="store_true",
+                    help="the plan as written: build this rank's chunks on meta, shard, then materialise the shards")
     args = ap.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
@@ -349,8 +351,14 @@ def _main(argv: list[str] | None) -> int:
     phase("build")
     bad = sabotage(rank)
     counts = chunk_layer_counts(sc)
-    all_chunks = build_chunks(sc.model, counts)
-    mine = [c for i, c in enumerate(all_chunks) if i % p.pp == pp_rank]
+    if args.full_size:
+        if sc.model.tied_embeddings and p.pp > 1:
+            raise SystemExit("validate: a full-size run with tied embeddings across pipeline stages is not supported "
+                             "(the last stage's copy needs the first stage's values); run the miniature")
+        mine = build_local_chunks(sc.model, counts, p.pp, pp_rank)  # meta: nothing allocated yet
+    else:
+        all_chunks = build_chunks(sc.model, counts)
+        mine = [c for i, c in enumerate(all_chunks) if i % p.pp == pp_rank]
     reference_chunks = build_chunks(sc.model, [sc.model.num_layers]) if args.reference and rank == 0 else None
     stages = []
     for k, chunk in enumerate(mine):
@@ -361,11 +369,14 @@ def _main(argv: list[str] | None) -> int:
             with torch.no_grad():
                 w = chunk.layers[0].feed_forward.w2.weight
                 (w._local_tensor if hasattr(w, "_local_tensor") else w).add_(0.5)
-        chunk.to(device)
+        if not args.full_size:
+            chunk.to(device)
         dp_mesh = mesh["dp_replicate", "dp_shard"]
         for blk in chunk.layers:
             fully_shard(blk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3)
         fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3)
+        if args.full_size:
+            materialize_local([chunk], device)
         stages.append(PipelineStage(chunk, pp_rank + k * p.pp, p.pp * p.vpp, device, group=mesh["pp"].get_group()))
     params = list(dict.fromkeys(q for c in mine for q in c.parameters()))
     tied = tied_pair(sc, mine, pp_rank, mesh)
