@@ -52,7 +52,7 @@ def validate(
             raise SpecError(f"--out: {out} exists; pass --force to overwrite it")
     tolerance = launch.MEMORY_TOLERANCE if memory_tolerance is None else memory_tolerance
     if launch.inside_torchrun():
-        code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout, time_factor, tolerance)
+        code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout, time_factor, tolerance, json_out)
         raise typer.Exit(code)
     local_hw = presets.load_hardware(hardware)
     factor = time_factor if time_factor is not None else launch.time_factor_for(hardware, backend or "gloo")
@@ -66,11 +66,11 @@ def validate(
         for line in outcome.message:
             typer.echo(f"error: {line}", err=True)
         raise typer.Exit(1)
-    _report_verdict(outcome.report, sc, mini, out, force, json_out)
+    raise typer.Exit(_report_verdict(outcome.report, sc, mini, out, force, json_out))
 
 
-def _report_verdict(report: dict, sc, run, out, force: bool, json_out: bool) -> None:
-    """Write and print the report; exit 0 when the measured verdict passes, 1 when it fails."""
+def _report_verdict(report: dict, sc, run, out, force: bool, json_out: bool) -> int:
+    """Write and print the report; the exit code: 0 when the measured verdict passes, 1 when it fails."""
     from planner import render
     from planner.validate import launch
 
@@ -85,16 +85,15 @@ def _report_verdict(report: dict, sc, run, out, force: bool, json_out: bool) -> 
         render.print_validate(con, sc, run, report)
         for line in launch.summary_lines(report):
             con.print(line, highlight=False, markup=False)
-    raise typer.Exit(0 if report["verdict"] == "pass" else 1)
+    return 0 if report["verdict"] == "pass" else 1
 
 
 def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, timeout: float,
-                     time_factor, memory_tolerance: float) -> int:
+                     time_factor, memory_tolerance: float, json_out: bool = False) -> int:
     """Full-scale run: this process is one rank of the job; rank 0 compares and reports."""
     import os
     import tempfile
 
-    from planner import render
     from planner.validate import launch, worker
 
     if backend is None:
@@ -114,14 +113,7 @@ def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, 
             os.unlink(tmp)
     run = launch.run_scenario(sc)
     report = launch.compare(run, measured, time_factor=time_factor, memory_tolerance=memory_tolerance)
-    if out:
-        from planner.io import write_atomic
-
-        write_atomic(out, json.dumps(report, indent=2) + "\n", force)
-    render.print_validate(console(), sc, run, report)
-    for line in launch.summary_lines(report):
-        console().print(line, highlight=False, markup=False)
-    return 0 if report["verdict"] == "pass" else 1
+    return _report_verdict(report, sc, run, out, force, json_out)
 
 
 @app.command()
