@@ -50,6 +50,9 @@ def probe(layers: int, model, tp: int, seq: int) -> dict:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():  # `make bench` runs every benchmark; this one needs the GPU
+        print(f"{__file__.rsplit('/', 1)[-1]}: needs a CUDA GPU; skipped")
+        return
     model, tp, seq = load_model("llama3-70b"), 8, 8192
     training = TrainingSpec(num_gpus=tp, global_batch_size=1, seq_len=seq)
     plan = Plan(tp=tp, pp=1, dp=1, micro_batch_size=1)
