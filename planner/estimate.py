@@ -13,7 +13,7 @@ from planner.memory import MemoryEstimate, estimate_memory
 from planner.specs import Scenario
 
 PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute",
-             "sequence_parallel", "zero_stage", "layers_per_stage")
+             "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Estimate:
 
     def plan_dict(self) -> dict:
         plan = self.scenario.resolved_plan().model_dump()
+        if plan["vpp"] > 1 and plan["microbatch_group_size"] is None:
+            plan["microbatch_group_size"] = plan["pp"]  # Megatron's default N (planner/schedules.py)
         return {k: (list(plan[k]) if k == "layers_per_stage" else plan[k]) for k in PLAN_KEYS}
 
     def to_dict(self) -> dict:

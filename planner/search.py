@@ -134,7 +134,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
                           crosses, tp_group) for mbs, _, sp in micros])
         hop = hops[(tp, cp, crosses)]
         m = B // (mbs_u * dp)
-        ok = f["valid"] & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
+        ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
         ok = ok[:, None] & np.array([fw.allows_zero(z, p) for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue

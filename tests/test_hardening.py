@@ -363,3 +363,11 @@ def test_emit_refuses_a_model_megatron_cannot_build(runner, tmp_path):
     lines = _clean_failure(res)
     assert any("norm_placement" in line for line in lines) and any("final_logit_softcap" in line for line in lines)
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_pin_that_leaves_no_micro_batch_is_no_plan_not_a_crash(runner):
+    """Found by the fuzz test: a micro-batch size dividing no replica's batch left the search's tables
+    empty and numpy refused the mask; now it is 'no legal plan', exit 3."""
+    res = runner.invoke(app, ["search", *JOB, "--gpus", "16", "--micro-batch-size", "3"])
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert res.exit_code == 3 and "no legal plan" in res.output
