@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from planner.candidates import Pins, SearchSpace  # noqa: E402
 from planner.cost import estimate_time  # noqa: E402
 from planner.presets import load_hardware  # noqa: E402
+from planner.sanity import BEST_PUBLISHED_MFU as SANITY_MFU  # noqa: E402
 from planner.search import search  # noqa: E402
 from planner.specs import ModelSpec, TrainingSpec  # noqa: E402
 
@@ -56,17 +57,8 @@ KNOWN = {
                        vocab_size=32000),
 }
 
-# Best published MFU per (GPU profile, precision), as model FLOPs / dense peak of that precision.
-BEST_PUBLISHED_MFU = {
-    # Korthikanti et al. 2022 (arXiv:2205.05198), abstract: 530B GPT on 2240 A100, 54.2 % MFU
-    ("a100-80gb", "bf16"): 0.542,
-    # Megatron-LM README ("up to 47 % Model FLOP Utilization (MFU) on H100 clusters"); Llama 3
-    # (Dubey et al. 2024, arXiv:2407.21783) Table 4: 38-43 % BF16 on 16k H100
-    ("h100-sxm-80gb", "bf16"): 0.47,
-    # NeMo 24.07 performance summary (above): best FP8 row 842 TFLOP/s (GPT-3 175B, 512 GPUs) of the
-    # 1979 TFLOP/s dense FP8 peak, counted with Megatron's 2024 formula (full, not causal, attention)
-    ("h100-sxm-80gb", "fp8"): 842 / 1978.9,
-}
+# Best published MFU per (GPU profile, precision): planner/sanity.py, with its sources
+BEST_PUBLISHED_MFU = {key: value[0] for key, value in SANITY_MFU.items()}
 
 
 @dataclass

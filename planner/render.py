@@ -123,6 +123,11 @@ def print_estimate(con, est) -> None:
               f"{f['hardware_flops_per_step']:.3e}")
     if "time" in d:
         print_time(con, d["time"])
+        from planner.sanity import mfu_note
+
+        note = mfu_note(sc.hardware.name, sc.training.precision, d["time"]["mfu"])
+        if note:
+            con.print(note, highlight=False, markup=False)
 
 
 def print_time(con, time: dict) -> None:

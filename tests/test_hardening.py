@@ -372,3 +372,14 @@ def test_a_pin_that_leaves_no_micro_batch_is_no_plan_not_a_crash(runner):
     res = runner.invoke(app, ["search", *JOB, "--gpus", "16", "--micro-batch-size", "3"])
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     assert res.exit_code == 3 and "no legal plan" in res.output
+
+
+def test_estimate_notes_an_mfu_above_every_published_run(runner):
+    """A100 bf16: the best published MFU is 54.2 % (Korthikanti 2022, planner/sanity.py)."""
+    from planner.sanity import mfu_note
+
+    assert mfu_note("a100-80gb", "bf16", 0.55) is not None and mfu_note("a100-80gb", "bf16", 0.50) is None
+    assert mfu_note("gb200-nvl72", "nvfp4", 0.99) is None  # no published figure to compare with
+    res = runner.invoke(app, EST)
+    mfu = json.loads(runner.invoke(app, [*EST, "--json"]).stdout)["time"]["mfu"]
+    assert ("above the best published" in res.stdout) == (mfu > 0.47)
