@@ -121,6 +121,15 @@ class CachingAllocator:
         pool = self.free_blocks[b.small]
         pool.pop(bisect.bisect_left(pool, (b.size, b.addr, id(b))))
 
+    @staticmethod
+    def _join(left, right):
+        """Coalesce two neighbouring blocks into ``left`` and return it (the caller keeps the free lists)."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        return left
+
     def malloc(self, key, nbytes: int) -> None:
         import bisect
 
@@ -158,20 +167,11 @@ class CachingAllocator:
         self.allocated -= b.size
         b.free = True
         if b.prev is not None and b.prev.free:
-            p = b.prev
-            self._remove(p)
-            p.size += b.size
-            p.next = b.next
-            if b.next is not None:
-                b.next.prev = p
-            b = p
+            self._remove(b.prev)
+            b = self._join(b.prev, b)
         if b.next is not None and b.next.free:
-            n = b.next
-            self._remove(n)
-            b.size += n.size
-            b.next = n.next
-            if n.next is not None:
-                n.next.prev = b
+            self._remove(b.next)
+            b = self._join(b, b.next)
         self._insert(b)
 
     def _release_cached(self) -> None:

@@ -338,6 +338,14 @@ class HardwareSpec(_Spec):
         """GPUs of one NVLink domain (consecutive global ranks): ``nvlink_domain_size`` or ``gpus_per_node``."""
         return self.nvlink_domain_size or self.gpus_per_node
 
+    def tp_straddles(self, tp: int) -> str | None:
+        """Why TP groups of ``tp`` would straddle NVLink domains (neither a divisor nor a multiple of one), or None."""
+        n = self.nvlink_domain
+        if n % tp and tp % n:
+            return (f"neither divides nor is a multiple of the NVLink domain ({n} GPUs) of {self.name}, so TP "
+                    f"groups would straddle domains; choose a divisor of {n}")
+        return None
+
     @property
     def gpu_memory_bytes(self) -> float:
         return self.gpu_memory_gib * GIB
@@ -528,10 +536,9 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
                       f"(micro_batch_size({b}) * dp({d})) = {B // (b * d)}")
     if a % t:
         errors.append(f"tp: num_attention_heads({a}) is not divisible by tp({t})")
-    n = hardware.nvlink_domain
-    if n % t and t % n:
-        errors.append(f"tp: tp({t}) neither divides nor is a multiple of the NVLink domain ({n} GPUs) of "
-                      f"{hardware.name}, so TP groups would straddle domains; choose a divisor of {n}")
+    straddle = hardware.tp_straddles(t)
+    if straddle:
+        errors.append(f"tp: tp({t}) {straddle}")
     if g % t and t % g:
         errors.append(f"tp: num_kv_heads({g}) is not divisible by tp({t}), nor tp by num_kv_heads to replicate them")
     if model.ffn_size % t:

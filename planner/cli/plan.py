@@ -53,10 +53,9 @@ def estimate(
 
 def _check_pins(hw, tp: Optional[int]) -> None:
     """Refuse a pinned tp whose groups would straddle NVLink domains (``plan_problems`` says the same for a plan)."""
-    n = hw.nvlink_domain
-    if tp is not None and n % tp and tp % n:
-        raise SpecError(f"--tp: {tp} neither divides nor is a multiple of the NVLink domain ({n} GPUs) of {hw.name}, "
-                        f"so its TP groups would straddle domains; choose a divisor of {n}")
+    straddle = hw.tp_straddles(tp) if tp is not None else None
+    if straddle:
+        raise SpecError(f"--tp: {tp} {straddle}")
 
 
 @app.command()

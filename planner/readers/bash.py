@@ -405,9 +405,14 @@ class Evaluator(Expander):
     def choose(self, clauses, w: World, depth: int) -> list[World]:
         """Take the first clause whose condition holds; where a condition is unknown, fork: one World
         takes the clause, the rest go on to the next clause."""
+        decided = ((True if cond is None else self.condition(cond, w), body, label) for cond, body, label in clauses)
+        return self._take(decided, w, depth)
+
+    def _take(self, decided, w: World, depth: int) -> list[World]:
+        """Run the first clause that holds; a clause whose condition is unknown (None) forks: one World
+        takes it, the rest go on. ``decided`` yields (True/False/None, body, label), lazily."""
         out, forked = [], False
-        for cond, body, label in clauses:
-            value = True if cond is None else self.condition(cond, w)
+        for value, body, label in decided:
             if value is False:
                 continue
             if value is True:
@@ -440,15 +445,7 @@ class Evaluator(Expander):
         catch_all = any(p == "*" for p in all_patterns)
         if not catch_all:
             clauses.append((None, [], f"line {self.line(node)}: no pattern of the case matches"))
-        out, forked = [], False
-        for match, body, label in clauses:
-            if match is False:
-                continue
-            if match is True:
-                return out + self.block(body, [w.fork(label) if forked else w], depth)
-            out.extend(self.block(body, [w.fork(label)], depth))
-            forked = True
-        return out
+        return self._take(clauses, w, depth)
 
     def for_(self, node, w: World, depth: int) -> list[World]:
         var = self.raw(node.child_by_field_name("variable"))
