@@ -20,17 +20,46 @@ from planner.specs import ModelSpec
 PASSES_TRAIN = 3  # forward + backward (data grad + weight grad), Narayanan et al. 2021 appendix
 
 
-def gemm_flops_per_token_per_layer(model: ModelSpec) -> float:
-    """Forward FLOPs per token of one layer's weight GEMMs: ``2 * (params of its matrices)``."""
-    h, q, f = model.hidden_size, model.q_size, model.ffn_size
-    kv = 2 * model.kv_heads * model.kv_channels
-    mlp = (3 if model.gated_mlp else 2) * h * f
-    return 2.0 * (h * (q + kv) + q * h + mlp)
+def attention_gemm_params(model: ModelSpec) -> float:
+    """Weights of one layer's attention projections (no biases, no norms): ``h*(q + 2*g*d_h) + q*h``; under
+    MLA the five projections of DeepSeek-V2 (arXiv:2405.04434 section 2.1): ``h*r_q + r_q*a*d_qk`` (or
+    ``h*a*d_qk``), ``h*(r_kv + d_rope) + r_kv*a*(d_nope + d_v)`` and ``a*d_v*h`` (Megatron-LM
+    ``training.py::num_floating_point_operations``, multi-latent-attention branch)."""
+    h, a = model.hidden_size, model.num_attention_heads
+    if model.is_mla:
+        rq, rkv, dqk = model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim
+        q = h * rq + rq * a * dqk if rq else h * a * dqk
+        kv = h * (rkv + model.qk_rope_head_dim) + rkv * a * (model.qk_nope_head_dim + model.v_head_dim)
+        return float(q + kv + a * model.v_head_dim * h)
+    q, kv = model.q_size, 2 * model.kv_heads * model.kv_channels
+    return float(h * (q + kv) + q * h)
+
+
+def mlp_gemm_params(model: ModelSpec, moe: bool | None = None, active: bool = True) -> float:
+    """Weights of one layer's MLP GEMMs one token runs through: ``(3 if gated else 2) * h * f`` for a
+    dense layer; for a MoE layer ``top_k`` routed experts (all ``E`` with ``active=False``), the shared
+    experts, the ``h x E`` router and the shared-expert gate (Megatron-LM ``num_floating_point_operations``
+    counts ``moe_ffn_hidden_size * moe_router_topk + shared_expert_ffn_hidden_size``; the router GEMM is
+    added here, 2*h*E FLOPs per token, under 0.5 % of a layer for every preset)."""
+    h, m = model.hidden_size, (3 if model.gated_mlp else 2)
+    moe = model.is_moe if moe is None else moe
+    if not moe:
+        return float(m * h * model.ffn_size)
+    experts = (model.top_k if active else model.num_experts) * m * h * model.moe_ffn_size
+    shared = m * h * (model.shared_expert_ffn_hidden_size or 0) + (h if model.shared_expert_gate else 0)
+    return float(experts + shared + h * model.num_experts)
+
+
+def gemm_flops_per_token_per_layer(model: ModelSpec, moe: bool | None = None) -> float:
+    """Forward FLOPs per token of one layer's weight GEMMs: ``2 * (params of the matrices it uses)``
+    (a MoE layer: the activated experts only; ``moe`` picks the layer kind, default MoE for MoE models)."""
+    return 2.0 * (attention_gemm_params(model) + mlp_gemm_params(model, moe))
 
 
 def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: bool = True) -> float:
-    """Forward FLOPs per token of QK^T and PV: ``2 * 2 * q * s``, halved when causal (Megatron HEAD)."""
-    full = 4.0 * model.q_size * seq_len
+    """Forward FLOPs per token of QK^T and PV: ``2 * a * s * (d_qk + d_v)`` (``2 * 2 * q * s`` when
+    ``d_qk = d_v = d_h``), halved when causal (Megatron HEAD; MLA head widths from DeepSeek-V2)."""
+    full = 2.0 * model.num_attention_heads * seq_len * (model.qk_head_dim + model.v_dim)
     return full / 2 if causal else full
 
 
@@ -39,25 +68,38 @@ def logits_flops_per_token(model: ModelSpec) -> float:
     return 2.0 * model.hidden_size * model.vocab_size
 
 
-def recompute_flops_per_token_per_layer(model: ModelSpec, seq_len: int, recompute: str, causal: bool = True) -> float:
+def recompute_flops_per_token_per_layer(model: ModelSpec, seq_len: int, recompute: str, causal: bool = True,
+                                        moe: bool | None = None) -> float:
     """Extra forward FLOPs per token and layer spent recomputing (formulas.md B1 "Recompute cost").
 
     Full recompute repeats the layer's forward; selective repeats only the attention core
     (Korthikanti et al. 2022 section 5).
     """
     if recompute == "full":
-        return gemm_flops_per_token_per_layer(model) + attention_flops_per_token_per_layer(model, seq_len, causal)
+        return gemm_flops_per_token_per_layer(model, moe) + attention_flops_per_token_per_layer(model, seq_len, causal)
     if recompute == "selective":
         return attention_flops_per_token_per_layer(model, seq_len, causal)
     return 0.0
 
 
+def moe_share(model: ModelSpec, num_layers: float, moe_layers: float | None) -> float:
+    """MoE layers among ``num_layers``: ``moe_layers`` when given, else the model's share (all its MoE
+    layers when ``num_layers`` is the whole model)."""
+    if moe_layers is not None:
+        return moe_layers
+    return num_layers * model.num_moe_layers / model.num_layers
+
+
 def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True, num_layers: int | None = None,
-                          logits: bool = True) -> float:
-    """Training model FLOPs per token (no recompute), for ``num_layers`` layers (default: all)."""
+                          logits: bool = True, moe_layers: float | None = None) -> float:
+    """Training model FLOPs per token (no recompute), for ``num_layers`` layers (default: all) of which
+    ``moe_layers`` have experts (default: :func:`moe_share`); MoE layers count the activated experts."""
     L = model.num_layers if num_layers is None else num_layers
-    per_layer = gemm_flops_per_token_per_layer(model) + attention_flops_per_token_per_layer(model, seq_len, causal)
-    return PASSES_TRAIN * (L * per_layer + (logits_flops_per_token(model) if logits else 0.0))
+    n_moe = moe_share(model, L, moe_layers)
+    attn = attention_flops_per_token_per_layer(model, seq_len, causal)
+    layers = ((L - n_moe) * gemm_flops_per_token_per_layer(model, False)
+              + n_moe * (gemm_flops_per_token_per_layer(model, True) if model.is_moe else 0.0) + L * attn)
+    return PASSES_TRAIN * (layers + (logits_flops_per_token(model) if logits else 0.0))
 
 
 def model_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int, causal: bool = True) -> float:
@@ -68,16 +110,28 @@ def model_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int,
 def hardware_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int, recompute: str,
                             causal: bool = True) -> float:
     """Executed FLOPs of one step: model FLOPs plus the recomputed forward work (PaLM appendix B HFU)."""
-    extra = model.num_layers * recompute_flops_per_token_per_layer(model, seq_len, recompute, causal)
+    extra = _recompute_layers(model, model.num_layers, None, seq_len, recompute, causal)
     return model_flops_per_step(model, global_batch_size, seq_len, causal) + global_batch_size * seq_len * extra
 
 
+def _recompute_layers(model: ModelSpec, layers: float, moe_layers: float | None, seq_len: int, recompute: str,
+                      causal: bool) -> float:
+    """Recomputed forward FLOPs per token over ``layers`` layers, ``moe_layers`` of them with experts."""
+    n_moe = moe_share(model, layers, moe_layers)
+    dense = recompute_flops_per_token_per_layer(model, seq_len, recompute, causal, moe=False)
+    moe = recompute_flops_per_token_per_layer(model, seq_len, recompute, causal, moe=True) if model.is_moe else 0.0
+    return (layers - n_moe) * dense + n_moe * moe
+
+
 def stage_flops_per_microbatch(model: ModelSpec, layers: int, micro_batch_size: int, seq_len: int,
-                               last_stage: bool, recompute: str = "none", causal: bool = True) -> tuple[float, float]:
-    """(model, hardware) FLOPs of one micro-batch on a stage of ``layers`` layers, over all its GPUs."""
+                               last_stage: bool, recompute: str = "none", causal: bool = True,
+                               moe_layers: float | None = None) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one micro-batch on a stage of ``layers`` layers (``moe_layers`` of them
+    with experts), over all its GPUs."""
     tokens = micro_batch_size * seq_len
-    mf = tokens * model_flops_per_token(model, seq_len, causal, num_layers=layers, logits=last_stage)
-    hf = mf + tokens * layers * recompute_flops_per_token_per_layer(model, seq_len, recompute, causal)
+    mf = tokens * model_flops_per_token(model, seq_len, causal, num_layers=layers, logits=last_stage,
+                                        moe_layers=moe_layers)
+    hf = mf + tokens * _recompute_layers(model, layers, moe_layers, seq_len, recompute, causal)
     return mf, hf
 
 

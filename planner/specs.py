@@ -116,11 +116,69 @@ class ModelSpec(_Spec):
     embedding_norm: bool = Field(default=False, description="A norm right after the word embedding (BLOOM).")
     dropout: bool = Field(
         default=False, description="Dropout active in training (stores 1-byte masks); Llama-style models have none.")
+    attention_sinks: bool = Field(
+        default=False,
+        description="One learned sink logit per query head and layer (GPT-OSS ``sinks``; Xiao et al. 2023).")
+    # --- mixture of experts (Megatron-Core ``--num-experts`` ...; docs/moe.md) ---------------------
+    num_experts: int | None = Field(
+        default=None, ge=2, le=65536,
+        description="Routed experts per MoE layer (E; Megatron --num-experts). None: a dense model.")
+    top_k: int = Field(
+        default=2, ge=1, description="Experts each token is routed to (k; Megatron --moe-router-topk, default 2).")
+    moe_ffn_hidden_size: int | None = Field(
+        default=None, ge=1,
+        description="Intermediate width of one routed expert (Megatron --moe-ffn-hidden-size). Default: ffn_hidden_size.")
+    shared_expert_ffn_hidden_size: int | None = Field(
+        default=None, ge=1,
+        description="Total intermediate width of the shared experts every token goes through (Megatron "
+                    "--moe-shared-expert-intermediate-size; DeepSeek: n_shared_experts * moe_intermediate_size). "
+                    "None: no shared expert.")
+    shared_expert_gate: bool = Field(
+        default=False, description="A sigmoid gate (h -> 1 linear) scales the shared expert (Qwen2-MoE; "
+                                   "Megatron --moe-shared-expert-gate).")
+    first_k_dense: int = Field(
+        default=0, ge=0,
+        description="The first k layers have a dense MLP of ffn_hidden_size instead of experts (DeepSeek "
+                    "first_k_dense_replace; Megatron --moe-layer-freq '([0]*k+[1]*(L-k))').")
+    router_bias: bool = Field(default=False, description="The router linear layer has a bias (GPT-OSS).")
+    router_dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32", description="Precision of the router logits and probabilities (Megatron --moe-router-dtype).")
+    capacity_factor: float | None = Field(
+        default=None, gt=0,
+        description="Expert capacity as a multiple of the even share (Megatron --moe-expert-capacity-factor; "
+                    "tokens over capacity are dropped). None: dropless (Megatron's default).")
+    # --- multi-head latent attention (DeepSeek-V2 arXiv:2405.04434 section 2.1) -------------------
+    q_lora_rank: int | None = Field(
+        default=None, ge=1, description="MLA: rank of the query down-projection (None: a full q projection).")
+    kv_lora_rank: int | None = Field(
+        default=None, ge=1, description="MLA: rank of the joint key/value compression; set = MLA attention.")
+    qk_rope_head_dim: int | None = Field(default=None, ge=1, description="MLA: rotary part of a query/key head.")
+    qk_nope_head_dim: int | None = Field(default=None, ge=1, description="MLA: non-rotary part of a query/key head.")
+    v_head_dim: int | None = Field(default=None, ge=1, description="MLA: width of one value head.")
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
         a, g, h = self.num_attention_heads, self.kv_heads, self.hidden_size
         errors = []
+        mla = (self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
+        if any(x is not None for x in mla) and any(x is None for x in mla):
+            errors.append("kv_lora_rank: MLA needs kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim and v_head_dim "
+                          "together")
+        if self.q_lora_rank is not None and self.kv_lora_rank is None:
+            errors.append("q_lora_rank: applies to MLA only; set kv_lora_rank and the MLA head widths")
+        if self.is_moe:
+            if self.top_k > self.num_experts:
+                errors.append(f"top_k: {self.top_k} > num_experts({self.num_experts})")
+            if self.first_k_dense >= self.num_layers:
+                errors.append(f"first_k_dense: {self.first_k_dense} leaves no MoE layer of num_layers({self.num_layers})")
+        else:
+            moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size is not None,
+                        "shared_expert_ffn_hidden_size": self.shared_expert_ffn_hidden_size is not None,
+                        "shared_expert_gate": self.shared_expert_gate, "first_k_dense": self.first_k_dense > 0,
+                        "router_bias": self.router_bias, "capacity_factor": self.capacity_factor is not None}
+            errors += [f"{k}: applies to MoE models only; set num_experts or remove it" for k, v in moe_only.items() if v]
+        if self.shared_expert_gate and self.shared_expert_ffn_hidden_size is None:
+            errors.append("shared_expert_gate: needs shared_expert_ffn_hidden_size")
         if self.head_dim is None and h % a:
             errors.append(f"hidden_size({h}) is not divisible by num_attention_heads({a}); set head_dim")
         if a % g:
@@ -154,6 +212,40 @@ class ModelSpec(_Spec):
     def ffn_size(self) -> int:
         """f: MLP intermediate width per branch."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    # --- MLA and MoE sizes ----------------------------------------------------------------------
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from a low-rank latent."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one query/key head in the score product: ``nope + rope`` under MLA, else d_h."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.kv_channels
+
+    @property
+    def v_dim(self) -> int:
+        """Width of one value head: ``v_head_dim`` under MLA, else d_h."""
+        return self.v_head_dim if self.is_mla else self.kv_channels
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Intermediate width of one routed expert."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with experts: all but the ``first_k_dense`` (0 for a dense model)."""
+        return self.num_layers - self.first_k_dense if self.is_moe else 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) has experts (DeepSeek ``first_k_dense_replace`` rule)."""
+        return self.is_moe and index >= self.first_k_dense
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -201,24 +293,73 @@ class ModelSpec(_Spec):
             return n * (q + k)
         return 0
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer layer.
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention block (projections, their biases, Q/K norms, sinks).
+
+        Standard/GQA: ``h*q + 2*h*g*d_h + q*h`` (formulas.md A2, Megatron ``theoretical_memory_usage.py``),
+        biases QKV ``q + 2*g*d_h`` and O ``h``. MLA (DeepSeek-V2, arXiv:2405.04434 section 2.1; Hugging
+        Face ``modeling_deepseek_v3.py``): ``q_a_proj`` ``h*r_q`` + ``q_a_layernorm`` ``r_q`` + ``q_b_proj``
+        ``r_q*a*(nope+rope)`` (or ``q_proj`` ``h*a*(nope+rope)`` without a q rank), ``kv_a_proj_with_mqa``
+        ``h*(r_kv+rope)`` + ``kv_a_layernorm`` ``r_kv`` + ``kv_b_proj`` ``r_kv*a*(nope+v)``, ``o_proj`` ``a*v*h``.
+        """
+        h, a = self.hidden_size, self.num_attention_heads
+        sinks = a if self.attention_sinks else 0
+        if self.is_mla:
+            n = self.norm_weights_per_channel
+            rq, rkv, dqk = self.q_lora_rank, self.kv_lora_rank, self.qk_head_dim
+            q = (h * rq + n * rq + rq * a * dqk) if rq else h * a * dqk
+            kv = h * (rkv + self.qk_rope_head_dim) + n * rkv + rkv * a * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + a * self.v_head_dim * h + sinks
+        q = self.q_size
+        kv = 2 * self.kv_heads * self.kv_channels
+        bias = (q + kv if self.has_qkv_bias else 0) + (h if self.has_out_proj_bias else 0)
+        return h * (q + kv) + q * h + bias + int(self.qk_norm_params()) + sinks
+
+    def mlp_params(self, ffn: int | None = None) -> int:
+        """One MLP of intermediate width ``ffn`` (default f): FC1 ``h*f`` (``2*h*f`` gated) + FC2 ``f*h``,
+        biases FC1 ``f`` (``2f``) and FC2 ``h`` (formulas.md A2). A routed expert is one such MLP."""
+        h, f = self.hidden_size, ffn or self.ffn_size
+        mlp_in = 2 * f if self.gated_mlp else f
+        return h * mlp_in + f * h + ((mlp_in + h) if self.has_mlp_bias else 0)
+
+    def router_params(self) -> int:
+        """The router: an ``h x E`` linear layer (+ E biases with ``router_bias``; Megatron ``TopKRouter``)."""
+        return self.num_experts * (self.hidden_size + (1 if self.router_bias else 0)) if self.is_moe else 0
+
+    def shared_expert_params(self) -> int:
+        """The shared experts as one MLP of their total width, plus the ``h -> 1`` gate (Qwen2-MoE)."""
+        if self.shared_expert_ffn_hidden_size is None:
+            return 0
+        return self.mlp_params(self.shared_expert_ffn_hidden_size) + (self.hidden_size if self.shared_expert_gate else 0)
+
+    def expert_params(self) -> int:
+        """All routed experts of one MoE layer: ``E`` MLPs of width ``moe_ffn_hidden_size``."""
+        return self.num_experts * self.mlp_params(self.moe_ffn_size) if self.is_moe else 0
+
+    def layer_params(self, moe: bool | None = None) -> int:
+        """Parameters of one transformer layer; ``moe`` picks a MoE or a dense layer (default: MoE when the
+        model has experts).
 
         Source: formulas.md A2 [code] Megatron-LM ``theoretical_memory_usage.py``: attention
         ``h*q + 2*h*g*d_h + q*h``, MLP ``2*h*f`` (GeLU) or ``3*h*f`` (gated: SwiGLU, GeGLU), two norms;
         biases [derived]: QKV ``q + 2*g*d_h``, O ``h``, FC1 ``f`` (``2f`` gated), FC2 ``h``. Extra norms
         as the Hugging Face modules define them: Gemma-2 ``pre/post_feedforward_layernorm`` (4 per
         layer), OLMo-2 ``q_norm`` (``a*d_h``) and ``k_norm`` (``g*d_h``), Falcon-7B one shared norm.
+        A MoE layer replaces the MLP by the router, ``E`` routed experts and the shared experts
+        (Megatron-Core ``MoELayer``; docs/moe.md).
         """
-        h, f, q = self.hidden_size, self.ffn_size, self.q_size
-        kv = 2 * self.kv_heads * self.kv_channels
-        mlp_in = 2 * f if self.gated_mlp else f
-        attention = h * (q + kv) + q * h  # QKV + output projection
-        mlp = h * mlp_in + f * h  # FC1 (gate+up when gated) + FC2
-        norms = self.norms_per_layer * self.norm_params + int(self.qk_norm_params())
-        bias = ((q + kv if self.has_qkv_bias else 0) + (h if self.has_out_proj_bias else 0)
-                + ((mlp_in + h) if self.has_mlp_bias else 0))
-        return attention + mlp + norms + bias
+        moe = self.is_moe if moe is None else moe
+        norms = self.norms_per_layer * self.norm_params
+        mlp = (self.router_params() + self.expert_params() + self.shared_expert_params()) if moe else self.mlp_params()
+        return self.attention_params() + mlp + norms
+
+    def active_layer_params(self, moe: bool | None = None) -> int:
+        """Parameters one token goes through in a layer: ``top_k`` of the routed experts (DeepSeek-V3
+        report's "activated parameters"; Mixtral's "active parameters")."""
+        moe = self.is_moe if moe is None else moe
+        if not moe:
+            return self.layer_params(False)
+        return self.layer_params(True) - self.expert_params() + self.top_k * self.mlp_params(self.moe_ffn_size)
 
     def embedding_params(self, vocab_size: int | None = None) -> int:
         """Input-side parameters: word embedding, learned positions, embedding norm."""
@@ -234,8 +375,19 @@ class ModelSpec(_Spec):
 
     @property
     def num_params(self) -> int:
-        """Exact parameter count (formulas.md A2), embeddings included, tied head counted once."""
-        return self.num_layers * self.layer_params() + self.embedding_params() + self.output_params()
+        """Exact parameter count (formulas.md A2), embeddings included, tied head counted once; MoE
+        models count every expert (the "total parameters" of the Mixtral, DeepSeek-V3 and Qwen3 reports)."""
+        dense = self.num_layers - self.num_moe_layers
+        return (dense * self.layer_params(False) + self.num_moe_layers * self.layer_params(True)
+                + self.embedding_params() + self.output_params())
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses (embeddings included, as Mixtral's 12.9B and DeepSeek-V3's 37B count
+        them): the dense count for a dense model."""
+        dense = self.num_layers - self.num_moe_layers
+        return (dense * self.layer_params(False) + self.num_moe_layers * self.active_layer_params(True)
+                + self.embedding_params() + self.output_params())
 
     def megatron_gaps(self) -> list[str]:
         """What Megatron-LM's GPT model, as its command-line flags configure it, cannot build: one line
@@ -439,6 +591,14 @@ class Plan(_Spec):
         default=None,
         description="Layers on each pipeline stage, for uneven pipelines; default: even split. With vpp > 1 a "
                     "stage need not split evenly: see Plan.chunk_layers.")
+    ep: int = Field(
+        default=1, ge=1,
+        description="Expert-parallel degree: each MoE layer's experts are split over ep GPUs, drawn from the "
+                    "tp x cp x dp ranks (Megatron-Core parallel folding, --expert-model-parallel-size); 1 = off.")
+    etp: int | None = Field(
+        default=None, ge=1,
+        description="Expert tensor-parallel degree: each expert's matrices split over etp GPUs, independent of "
+                    "the attention tp (Megatron --expert-tensor-parallel-size). Default: tp.")
     microbatch_group_size: int | None = Field(
         default=None, ge=1,
         description="Interleaved 1F1B: micro-batches run through one virtual stage before the next (Megatron "
@@ -466,6 +626,17 @@ class Plan(_Spec):
         return self.tp * self.pp * self.cp
 
     @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel degree: ``etp``, or tp when unset (Megatron's default)."""
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel degree: ``tp*cp*dp / (etp*ep)``, the replicas of one expert shard per stage
+        (Megatron-Core ``parallel_state``: expert-data-parallel group). Not an integer when the plan is invalid."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
@@ -479,12 +650,31 @@ class Plan(_Spec):
         """Layers of each virtual stage, per pipeline rank (:func:`chunk_split` of the stage layers)."""
         return chunk_split(self.stage_layers(num_layers), self.vpp)
 
+    def chunk_starts(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
+        """Index of the first layer of each virtual stage, per pipeline rank: chunk ``c`` of rank ``r`` is
+        virtual stage ``c*pp + r`` (Megatron's interleaved assignment, Narayanan et al. 2021 section 2.2)."""
+        chunks = self.chunk_layers(num_layers)
+        order = sorted((c * self.pp + r, r, c) for r in range(self.pp) for c in range(self.vpp))
+        starts, at = [[0] * self.vpp for _ in range(self.pp)], 0
+        for _, r, c in order:
+            starts[r][c] = at
+            at += chunks[r][c]
+        return tuple(tuple(x) for x in starts)
+
+    def stage_moe_layers(self, model: ModelSpec) -> tuple[int, ...]:
+        """MoE layers on each pipeline rank (dense-first layers, ``first_k_dense``, are not counted)."""
+        chunks, starts = self.chunk_layers(model.num_layers), self.chunk_starts(model.num_layers)
+        return tuple(sum(sum(model.is_moe_layer(i) for i in range(s, s + n)) for s, n in zip(starts[r], chunks[r]))
+                     for r in range(self.pp))
+
     def label(self) -> str:
         """Short identifier used in file names, e.g. ``tp8-pp4-dp16_mbs1``."""
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
         parts += [f"vpp{self.vpp}"] if self.vpp > 1 else []
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"dp{self.dp}"]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"etp{self.etp}"] if self.etp is not None and self.etp != self.tp else []
         return "-".join(parts) + f"_mbs{self.micro_batch_size}"
 
 
@@ -552,6 +742,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         if any(n < v for n in plan.layers_per_stage):
             errors.append(f"layers_per_stage: every stage needs at least vpp({v}) layers, one per chunk, "
                           f"got {list(plan.layers_per_stage)}")
+    errors += moe_plan_problems(model, hardware, plan)
     if c > 1 and s % (2 * c):
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")
     if v > 1 and B % (b * d) == 0:
@@ -562,6 +753,30 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
 
     errors += framework_profile(training.framework).plan_problems(plan)
     return errors + job_problems(model, hardware, training)
+
+
+def moe_plan_problems(model: ModelSpec, hardware: HardwareSpec, plan: Plan) -> list[str]:
+    """Expert-parallel rules of Megatron-Core (``parallel_state.initialize_model_parallel`` and
+    ``arguments.py::validate_args``, core_v0.16.1): ``etp*ep`` divides ``tp*cp*dp`` (parallel folding:
+    the expert grid ETP x EP x EDP x PP reuses the same ranks as TP x CP x DP x PP); ``ep`` divides the
+    experts; ``etp`` divides the expert width; and both need a MoE model."""
+    errors = []
+    t, c, d, e, et = plan.tp, plan.cp, plan.dp, plan.ep, plan.expert_tp
+    if not model.is_moe:
+        if e > 1 or plan.etp is not None:
+            errors.append(f"ep: ep({e})/etp apply to mixture-of-experts models; {model.name} is dense (set ep 1)")
+        return errors
+    if model.num_experts % e:
+        errors.append(f"ep: num_experts({model.num_experts}) is not divisible by ep({e})")
+    if (t * c * d) % (et * e):
+        errors.append(f"ep: etp({et}) * ep({e}) = {et * e} does not divide tp({t}) * cp({c}) * dp({d}) = {t * c * d} "
+                      "(Megatron folds the expert ranks into the tp x cp x dp ranks)")
+    if model.moe_ffn_size % et:
+        errors.append(f"etp: moe_ffn_hidden_size({model.moe_ffn_size}) is not divisible by etp({et})")
+    straddle = hardware.tp_straddles(et)
+    if straddle and plan.etp is not None:
+        errors.append(f"etp: etp({et}) {straddle}")
+    return errors
 
 
 class Scenario(_Spec):

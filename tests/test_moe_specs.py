@@ -1,0 +1,77 @@
+"""MoE and MLA specs: parameter counts against the published totals and the Hugging Face checkpoints.
+
+Goldens (total / activated parameters, as the publishers state them):
+* Mixtral-8x7B: 46.7B / 12.9B (Mistral AI release post 2023-12-11; Jiang et al. 2024, arXiv:2401.04088);
+  the exact total 46,702,792,704 is the Hugging Face checkpoint's (mistralai/Mixtral-8x7B-v0.1 model card).
+* Mixtral-8x22B: 141B / 39B (Mistral AI release post 2024-04-17).
+* DeepSeek-V3: 671B / 37B (arXiv:2412.19437, abstract; main model without the 14B MTP module).
+* Qwen3-235B-A22B: 235B / 22B; Qwen3-30B-A3B: 30.5B / 3.3B (arXiv:2505.09388, Table 2).
+The published figures are rounded: the tolerance is half a unit of their last digit plus 1 %.
+"""
+
+import pytest
+
+from planner import flops
+from planner.presets import load_model
+from planner.specs import ModelSpec, Plan
+
+GOLDENS = [  # name, total (B), active (B), last published digit (B)
+    ("mixtral-8x7b", 46.7, 12.9, 0.1),
+    ("mixtral-8x22b", 141, 39, 1),
+    ("deepseek-v3", 671, 37, 1),
+    ("qwen3-235b-a22b", 235, 22, 1),
+    ("qwen3-30b-a3b", 30.5, 3.3, 0.1),
+]
+
+
+@pytest.mark.parametrize("name,total,active,unit", GOLDENS)
+def test_published_parameter_counts(name, total, active, unit):
+    m = load_model(name)
+    for got, want in ((m.num_params / 1e9, total), (m.num_active_params / 1e9, active)):
+        assert abs(got - want) <= unit / 2 + 0.01 * want, (name, got, want)
+
+
+def test_mixtral_exact_checkpoint_count():
+    assert load_model("mixtral-8x7b").num_params == 46_702_792_704
+
+
+def test_dense_model_unchanged_by_moe_fields():
+    m = load_model("llama3-70b")
+    assert not m.is_moe and m.num_active_params == m.num_params == 70_553_706_496
+
+
+def test_moe_flops_count_activated_experts():
+    m = load_model("mixtral-8x7b")
+    dense_twin = m.model_copy(update={"num_experts": None, "top_k": 2})
+    # top-2 routing: the MLP GEMMs of a layer are twice a dense MLP's, plus the 4096 x 8 router.
+    extra = flops.gemm_flops_per_token_per_layer(m) - flops.gemm_flops_per_token_per_layer(dense_twin)
+    assert extra == 2 * (3 * 4096 * 14336 + 4096 * 8)
+    # Model FLOPs per token ~ 6 x active parameters (no embedding lookups) at short sequences.
+    per_token = flops.model_flops_per_token(m, 128)
+    assert per_token == pytest.approx(6 * (m.num_active_params - 32000 * 4096), rel=0.02)
+
+
+def test_mla_attention_flops_use_qk_and_v_widths():
+    m = load_model("deepseek-v3")
+    # 2 * a * s * (d_qk + d_v) / 2 for causal attention: 128 heads, 192 + 128 wide.
+    assert flops.attention_flops_per_token_per_layer(m, 4096) == 2 * 128 * 4096 * (192 + 128) / 2
+
+
+def test_dense_first_layers_counted_per_stage():
+    m = load_model("deepseek-v3")
+    plan = Plan(tp=1, pp=16, dp=128, ep=64, micro_batch_size=1, layers_per_stage=(4,) * 15 + (1,))
+    assert plan.stage_moe_layers(m) == (1,) + (4,) * 14 + (1,)
+    interleaved = Plan(tp=1, pp=2, dp=1, vpp=2, micro_batch_size=1)
+    tiny = load_model("tiny-moe")  # layer 0 dense; chunks: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3
+    assert interleaved.stage_moe_layers(tiny) == (1, 2)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"num_experts": 8, "top_k": 9}, "top_k: 9 > num_experts(8)"),
+    ({"moe_ffn_hidden_size": 128}, "moe_ffn_hidden_size: applies to MoE models only"),
+    ({"kv_lora_rank": 512}, "kv_lora_rank: MLA needs"),
+    ({"num_experts": 8, "first_k_dense": 4}, "first_k_dense: 4 leaves no MoE layer"),
+])
+def test_bad_moe_fields_are_named(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelSpec(name="x", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100, **fields)
