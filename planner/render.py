@@ -28,12 +28,14 @@ def _billions(n: int) -> str:
 
 def models_table(specs: list[ModelSpec]) -> Table:
     t = Table(title="Model presets")
-    for col in ("name", "params", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "act", "norm"):
+    for col in ("name", "params", "active", "layers", "hidden", "heads", "kv heads", "ffn", "experts", "vocab", "act",
+                "norm"):
         t.add_column(col, justify="left" if col in ("name", "act", "norm") else "right")
     for s in specs:
-        t.add_row(s.name, _billions(s.num_params), str(s.num_layers), str(s.hidden_size),
-                  str(s.num_attention_heads), str(s.kv_heads), str(s.ffn_size), str(s.vocab_size),
-                  s.activation, s.norm)
+        experts = f"{s.top_k}/{s.num_experts} x {s.moe_ffn_size}" if s.is_moe else "-"
+        t.add_row(s.name, _billions(s.num_params), _billions(s.num_active_params), str(s.num_layers),
+                  str(s.hidden_size), str(s.num_attention_heads), str(s.kv_heads), str(s.ffn_size), experts,
+                  str(s.vocab_size), s.activation, s.norm)
     return t
 
 
@@ -53,7 +55,8 @@ def hardware_table(specs: list[HardwareSpec]) -> Table:
 def spec_dict(spec: ModelSpec | HardwareSpec) -> dict:
     data = spec.model_dump()
     if isinstance(spec, ModelSpec):
-        data |= {"num_params": spec.num_params, "layer_params": spec.layer_params(),
+        data |= {"num_params": spec.num_params, "num_active_params": spec.num_active_params,
+                 "layer_params": spec.layer_params(),
                  "kv_heads": spec.kv_heads, "ffn_size": spec.ffn_size, "head_dim": spec.kv_channels}
     else:
         data |= {"usable_memory_gib": spec.usable_memory_gib}
@@ -76,6 +79,8 @@ def spec_table(spec: ModelSpec | HardwareSpec) -> Table:
 def plan_line(plan: dict) -> str:
     extras = [f"vpp {plan['vpp']}"] if plan["vpp"] > 1 else []
     extras += [f"cp {plan['cp']}"] if plan["cp"] > 1 else []
+    extras += [f"ep {plan['ep']}"] if plan.get("ep", 1) > 1 else []
+    extras += [f"etp {plan['etp']}"] if plan.get("etp") not in (None, plan["tp"]) else []
     extras += ["sequence parallel"] if plan["sequence_parallel"] else []
     extras += [f"ZeRO-{plan['zero_stage']}"] if plan["zero_stage"] else []
     return (f"TP {plan['tp']} x PP {plan['pp']} x DP {plan['dp']}" + "".join(f", {x}" for x in extras) +

@@ -97,6 +97,8 @@ TpOpt = Annotated[Optional[int], typer.Option("--tp", min=1, max=MAX_GPUS, help=
 PpOpt = Annotated[Optional[int], typer.Option("--pp", min=1, max=MAX_GPUS, help="Pipeline-parallel degree.", rich_help_panel="Plan")]
 VppOpt = Annotated[Optional[int], typer.Option("--vpp", min=1, max=1024, help="Virtual stages per pipeline rank (interleaved 1F1B).", rich_help_panel="Plan")]
 CpOpt = Annotated[Optional[int], typer.Option("--cp", min=1, max=MAX_GPUS, help="Context-parallel degree.", rich_help_panel="Plan")]
+EpOpt = Annotated[Optional[int], typer.Option("--ep", min=1, max=MAX_GPUS, help="Expert-parallel degree (MoE; Megatron --expert-model-parallel-size), drawn from the tp x cp x dp ranks.", rich_help_panel="Plan")]
+EtpOpt = Annotated[Optional[int], typer.Option("--etp", min=1, max=MAX_GPUS, help="Expert tensor-parallel degree (MoE; Megatron --expert-tensor-parallel-size); default tp.", rich_help_panel="Plan")]
 MbsOpt = Annotated[Optional[int], typer.Option("--micro-batch-size", min=1, max=MAX_GPUS, help="Sequences per micro-batch.", rich_help_panel="Plan")]
 RecomputeOpt = Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.", rich_help_panel="Plan")]
 SpOpt = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.", rich_help_panel="Plan")]

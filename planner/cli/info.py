@@ -17,7 +17,7 @@ def models(json_out: JsonOpt = False) -> None:
 
     specs = [presets.load_model(n) for n in presets.preset_names(presets.MODEL_DIRNAME)]
     if json_out:
-        render.print_json([s.model_dump() | {"num_params": s.num_params} for s in specs])
+        render.print_json([s.model_dump() | {"num_params": s.num_params, "num_active_params": s.num_active_params} for s in specs])
     else:
         console().print(render.models_table(specs))
 

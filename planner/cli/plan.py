@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
     app, console, handle_errors, spinner,
@@ -28,6 +28,7 @@ def estimate(
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None, layers_per_stage: LayersOpt = None, microbatch_group_size: GroupOpt = None,
+    ep: EpOpt = None, etp: EtpOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Memory per pipeline stage, FLOPs and step time of one plan. Exit 0 fits, 1 does not fit, 2 bad input."""
@@ -41,7 +42,7 @@ def estimate(
                                cp=cp, micro_batch_size=micro_batch_size, recompute=recompute,
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage,
                                layers_per_stage=parse_layers_per_stage(layers_per_stage),
-                               microbatch_group_size=microbatch_group_size)
+                               microbatch_group_size=microbatch_group_size, ep=ep, etp=etp)
     est = run_estimate(sc)
     if json_out:
         render.print_json(est.to_dict())
