@@ -157,16 +157,21 @@ def _stats(errors: list[float]) -> tuple[float, float]:
     return sum(map(abs, errors)) / len(errors), max(errors, key=abs)
 
 
-def main() -> None:
+def scored_runs(quiet: bool = True) -> list[Scored]:
+    """Every calibration run with plan3d's prediction (runs no plan fits are left out; printed unless quiet)."""
     runs: list[Scored] = []
     for label, path in SETS.items():
         scored = load(path)
-        print(f"\n{label} ({path.relative_to(ROOT)}): {len(scored)} runs")
+        if not quiet:
+            print(f"\n{label} ({path.relative_to(ROOT)}): {len(scored)} runs")
         errs = []
         for run, pins in scored:
             predict(run, pins)
             if run.plan is None:
-                print(f"  MISS   {run.name[:64]}: no plan fits")
+                print(f"  MISS   {run.name[:64]}: no plan fits") if not quiet else None
+                continue
+            runs.append(run)
+            if quiet:
                 continue
             err = run.predicted_s / run.measured_s - 1
             errs.append(err)
@@ -174,10 +179,22 @@ def main() -> None:
             flag = f"  FLAG: MFU {run.mfu:.1%} > best published {best:.1%}" if best and run.mfu > best else ""
             print(f"  {100 * err:+6.1f}%  {run.name[:64]:64s} {run.plan.label():26s} measured {run.measured_s:7.2f} s  "
                   f"predicted {run.predicted_s:7.2f} s  MFU {run.mfu:5.1%}{flag}")
-            runs.append(run)
         if errs:
             mean, worst = _stats(errs)
             print(f"  {label}: mean |error| {100 * mean:.1f} %, worst {100 * worst:+.1f} %")
+    return runs
+
+
+def ratio_deciles(runs: list[Scored]) -> tuple[float, float]:
+    """10th and 90th percentile of measured / predicted step time (planner/uncertainty.CALIBRATION_RATIO)."""
+    import statistics
+
+    q = statistics.quantiles([r.measured_s / r.predicted_s for r in runs], n=10, method="inclusive")
+    return q[0], q[8]
+
+
+def main() -> None:
+    runs = scored_runs(quiet=False)
     families = sorted({r.family for r in runs})
     grid = [round(0.70 + 0.01 * i, 2) for i in range(31)]
 
@@ -198,6 +215,8 @@ def main() -> None:
     print(f"\nCalibration set, {len(runs)} runs at the profiles' values: mean {100 * all_mean:.1f} %, "
           f"worst {100 * all_worst:+.1f} %; leave-one-family-out mean {100 * sum(lofo) / len(lofo):.1f} %")
     print("Targets (issue 12): calibration mean <= 4 %, worst <= 10 %; leave-one-family-out mean <= 8 %.")
+    lo, hi = ratio_deciles(runs)
+    print(f"Measured / predicted, 10th-90th percentile: {lo:.3f} - {hi:.3f} (planner/uncertainty.py CALIBRATION_RATIO)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from planner.memory import MemoryEstimate, estimate_memory
 from planner.specs import Scenario
 
 PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute",
-             "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size")
+             "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,14 @@ class Estimate:
             "memory": self.memory.to_dict(),
             "flops": {"model_flops_per_step": self.model_flops_per_step,
                       "hardware_flops_per_step": self.hardware_flops_per_step},
-            "time": self.time.to_dict(),
+            "time": self.time.to_dict() | {"range": self.time_range()},
         }
+
+    def time_range(self) -> dict:
+        """The step time's range from the spread of its sources and the calibration runs (planner/uncertainty.py)."""
+        from planner.uncertainty import time_range
+
+        return time_range(self.time.step_time_s, self.time.breakdown)
 
 
 def estimate(sc: Scenario) -> Estimate:

@@ -147,6 +147,11 @@ def print_time(con, time: dict) -> None:
     con.print(t)
     con.print(f"{time['tokens_per_s']:,.0f} tokens/s, {time['tflops_per_gpu']:.1f} TFLOP/s per GPU, "
               f"MFU {100 * time['mfu']:.1f}%, HFU {100 * time['hfu']:.1f}%")
+    if "range" in time:
+        r = time["range"]
+        con.print(f"Step time range {r['low_s']:.4g}-{r['high_s']:.4g} s (sources {r['sources_s'][0]:.4g}-"
+                  f"{r['sources_s'][1]:.4g} s, calibration runs {r['calibration_s'][0]:.4g}-{r['calibration_s'][1]:.4g} s)",
+                  highlight=False)
 
 
 def scenario_json(sc) -> str:
@@ -164,10 +169,19 @@ def loses_on(best, alt) -> dict:
     return {"term": term, "seconds": a[term] - b[term]}
 
 
+def lead_within_range(best, alt) -> bool:
+    """Whether ``best``'s lead over ``alt`` is inside the prediction's uncertainty (planner/uncertainty.py)."""
+    from planner.uncertainty import lead_within_range as within
+
+    return within(best.time.breakdown, best.time.step_time_s, alt.time.breakdown, alt.time.step_time_s)
+
+
 def search_dict(result: dict) -> dict:
     best = result["best"]
     return best.to_dict() | {
-        "alternatives": [alt.to_dict() | {"loses_on": loses_on(best, alt)} for alt in result["alternatives"]],
+        "alternatives": [alt.to_dict() | {"loses_on": loses_on(best, alt),
+                                          "lead_within_range": lead_within_range(best, alt)}
+                         for alt in result["alternatives"]],
         "solver": result["solver"],
     }
 
@@ -192,7 +206,9 @@ def print_search(con, result: dict) -> None:
         "#", "plan", "step s", "tokens/s", "MFU", "peak GiB", "loses on")
     for col in cols:
         t.add_column(col, justify="left" if col in ("plan", "loses on") else "right")
-    rows = [(best, "")] + [(a, "{term} +{seconds:.3f} s".format(**loses_on(best, a))) for a in result["alternatives"]]
+    rows = [(best, "")] + [(a, "{term} +{seconds:.3f} s".format(**loses_on(best, a))
+                            + (" (within range)" if lead_within_range(best, a) else ""))
+                           for a in result["alternatives"]]
     for i, (est, why) in enumerate(rows):
         tokens = () if narrow else (f"{est.time.tokens_per_s:,.0f}",)
         peak = f"{est.memory.peak_gib:.1f}" + ("" if narrow else f" (stage {est.memory.peak.stage})")
@@ -201,6 +217,9 @@ def print_search(con, result: dict) -> None:
     con.print(t)
     s = result["solver"]
     con.print(f"Solver: {s['status']} over {s['candidates']:,} legal combinations in {s['wall_s']:.2f} s")
+    if any(lead_within_range(best, a) for a in result["alternatives"]):
+        con.print("(within range): the best plan's lead is inside the uncertainty of the terms where the two differ "
+                  "(docs/cost-model.md, Uncertainty); measure both before choosing")
     print_estimate(con, best)
 
 

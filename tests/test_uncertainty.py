@@ -1,0 +1,58 @@
+"""Prediction ranges (planner/uncertainty.py): the calibration range is recomputed from the calibration runs,
+so it cannot go stale; the sources range and the lead test follow their stated rules."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner import uncertainty as U
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _calibration_module():
+    spec = importlib.util.spec_from_file_location("calibration_bench", ROOT / "benchmarks" / "calibration.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_calibration_ratio_matches_the_calibration_runs():
+    """CALIBRATION_RATIO is the 10th/90th percentile of measured/predicted over the runs the benchmark scores
+    (published step times: Narayanan 2021, Korthikanti 2022, NeMo 24.07; sources in the data files)."""
+    bench = _calibration_module()
+    runs = bench.scored_runs()
+    assert len(runs) >= 30
+    lo, hi = bench.ratio_deciles(runs)
+    assert (lo, hi) == pytest.approx(U.CALIBRATION_RATIO, abs=0.005), (
+        f"the cost model changed: set CALIBRATION_RATIO = ({lo:.3f}, {hi:.3f}) in planner/uncertainty.py")
+
+
+def test_sources_range_sums_term_spreads():
+    breakdown = {"compute": 1.0, "tp_comm": 0.5, "new_term": 0.2}
+    r = U.time_range(1.7, breakdown)
+    half = 0.05 * 1.0 + 0.13 * 0.5 + 0.25 * 0.2
+    assert r["sources_s"] == pytest.approx([1.7 - half, 1.7 + half])
+    assert r["low_s"] == min(1.7 - half, 1.7 * U.CALIBRATION_RATIO[0])
+    assert r["high_s"] == max(1.7 + half, 1.7 * U.CALIBRATION_RATIO[1])
+
+
+def test_lead_within_range_uses_the_best_plans_sources_range():
+    best = {"compute": 10.0, "tp_comm": 1.0}  # sources half-width 0.05 * 10 + 0.13 * 1 = 0.63 s
+    assert U.lead_within_range(best, 11.0, {"compute": 10.5, "tp_comm": 1.1}, 11.6)
+    assert not U.lead_within_range(best, 11.0, {"compute": 10.6, "tp_comm": 1.1}, 11.7)
+
+
+def test_search_json_reports_range_and_marks_close_alternatives():
+    out = subprocess.run([sys.executable, "-m", "planner.cli", "search", "--model", "llama3-8b", "--hardware",
+                          "h100-sxm-80gb", "--gpus", "16", "--global-batch", "64", "--seq-len", "4096", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
+    data = json.loads(out.stdout)
+    r = data["time"]["range"]
+    assert r["low_s"] <= data["time"]["step_time_s"] <= r["high_s"]
+    assert data["alternatives"] and all(isinstance(a["lead_within_range"], bool) for a in data["alternatives"])
