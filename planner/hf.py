@@ -67,6 +67,12 @@ def _dropout(data: dict, *keys: str, default: float = 0.0) -> bool:
     return any(float(_get(data, "", k, default=default)) > 0 for k in keys)
 
 
+def _kv_heads(data: dict, default: int | None) -> int | None:
+    """``num_key_value_heads``: the class default when absent; an explicit null is MHA (``None`` here),
+    as the Llama, Mistral, Qwen2, Qwen3, Mixtral and GPT-OSS configs set it to ``num_attention_heads``."""
+    return data.get("num_key_value_heads", default)
+
+
 def _name(data: dict, default_name: str) -> str:
     return data.get("_name_or_path") or default_name
 
@@ -96,7 +102,7 @@ def _llama(data: dict, source: str, default_name: str, *, ffn_default: int = 110
     MistralForCausalLM has the same modules without biases (``modeling_mistral.py``)."""
     attention_bias = _flag(data, "attention_bias", False)
     return {**_core(data, source), "name": _name(data, default_name),
-            "num_kv_heads": _get(data, source, "num_key_value_heads", default=kv_default),
+            "num_kv_heads": _kv_heads(data, kv_default),
             "head_dim": _get(data, source, "head_dim", default=None),
             "ffn_hidden_size": _get(data, source, "intermediate_size", default=ffn_default),
             "max_seq_len": _get(data, source, "max_position_embeddings", default=None),
@@ -269,7 +275,8 @@ def _mixtral(data: dict, source: str, default_name: str) -> dict:
     fields = _mistral(data, source, default_name)
     experts = _experts(data, source, ("num_local_experts", "num_experts"), 8)
     if experts == 0:
-        return fields
+        raise SpecError(f"{source}: num_local_experts: 0 experts leaves MixtralSparseMoeBlock without an MLP; "
+                        "not a model plan3d (or Mixtral) describes")
     return fields | {"num_experts": experts, "top_k": _count(data, source, "num_experts_per_tok", default=2, minimum=1)}
 
 
@@ -418,7 +425,7 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
     if experts == 0:
         raise SpecError(f"{source}: num_local_experts: 0 experts is not a model transformers can build")
     return {**_core(data, source), "name": _name(data, default_name),
-            "num_kv_heads": _get(data, source, "num_key_value_heads", default=8),
+            "num_kv_heads": _kv_heads(data, 8),
             "head_dim": _get(data, source, "head_dim", default=64),
             "ffn_hidden_size": _count(data, source, "intermediate_size", default=2880, minimum=1),
             "max_seq_len": _get(data, source, "max_position_embeddings", default=None),

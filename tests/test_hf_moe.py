@@ -81,11 +81,14 @@ SMALL = {
                            "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
     "qwen3-moe-bias-dense-first": _small("qwen3-30b-a3b.json", hidden_size=256, num_hidden_layers=3, num_experts=16,
                                          attention_bias=True, mlp_only_layers=[0], vocab_size=1000),
-    "qwen3-moe-num-local-experts-key": {k: v for k, v in _small(
-        "qwen3-30b-a3b.json", num_hidden_layers=2, num_local_experts=16, vocab_size=1000).items() if k != "num_experts"},
+    "qwen3-moe-num-local-experts-key": {
+        k: v for k, v in _small("qwen3-30b-a3b.json", num_hidden_layers=2, num_local_experts=16,
+                                vocab_size=1000).items() if k != "num_experts"},
     "qwen3-dense-defaults-tied": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
                                   "num_hidden_layers": 2, "num_attention_heads": 32, "vocab_size": 1000,
                                   "tie_word_embeddings": True},
+    "qwen3-dense-kv-heads-null": _small("qwen3-8b.json", num_hidden_layers=2, num_key_value_heads=None,
+                                        vocab_size=1000),
     "qwen3-dense-attention-bias": _small("qwen3-8b.json", num_hidden_layers=2, attention_bias=True, vocab_size=1000),
     "deepseek-v3-defaults": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
                              "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "vocab_size": 1000},
@@ -100,8 +103,8 @@ SMALL = {
     "gpt-oss-defaults": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256,
                          "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
     "gpt-oss-no-attention-bias": _small("gpt-oss-20b.json", num_hidden_layers=2, layer_types=None,
-                                        attention_bias=False, num_local_experts=8, num_experts_per_tok=2, pad_token_id=None,
-                                        vocab_size=1000),
+                                        attention_bias=False, num_local_experts=8, num_experts_per_tok=2,
+                                        pad_token_id=None, vocab_size=1000),
 }
 
 
@@ -285,6 +288,12 @@ def test_expert_keys_of_an_unknown_moe_class_refused(tmp_path):
 def test_single_routed_expert_refused(tmp_path):
     data = json.loads((HF / "mixtral-8x7b.json").read_text()) | {"num_local_experts": 1}
     assert "num_local_experts: a single routed expert is not modelled" in _refusal(tmp_path, data)
+
+
+def test_mixtral_without_experts_refused(tmp_path):
+    # MixtralSparseMoeBlock with 0 experts has no MLP at all (unlike Qwen-MoE's 0 = dense MLP).
+    data = json.loads((HF / "mixtral-8x7b.json").read_text()) | {"num_local_experts": 0}
+    assert "num_local_experts: 0 experts leaves MixtralSparseMoeBlock without an MLP" in _refusal(tmp_path, data)
 
 
 def test_cli_reads_a_moe_config_and_refuses_an_unknown_one(runner, tmp_path):
