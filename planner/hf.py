@@ -5,14 +5,25 @@ class reads to ModelSpec fields, using that class's defaults for absent keys (``
 absent, as in ``transformers``), and the module structure of its ``modeling_*.py``: which linear
 layers carry biases, how many norms a layer has and where, whether the output layer is tied. The
 architecture is taken from ``architectures`` (else ``model_type``). Anything the estimator does
-not model is refused: mixture-of-experts, state-space and hybrid layers, unknown architectures,
-and options that change the structure in ways the spec cannot express.
+not model is refused: mixture-of-experts architectures without a reader (DBRX, Arctic, Grok, ...),
+state-space and hybrid layers, unknown architectures, and options that change the structure in
+ways the spec cannot express.
+
+Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS) follow the
+``transformers`` 5.x classes (checked against 5.24.0): routed experts, top-k, shared experts, dense
+layers first, router biases and multi-head latent attention (docs/moe.md). Read and deliberately
+ignored, because they change no parameters: routing options (``norm_topk_prob``, ``topk_method``,
+``n_group``, ``topk_group``, ``routed_scaling_factor``, ``scoring_func``, auxiliary-loss
+coefficients, ``router_jitter_noise``, GPT-OSS's ``swiglu_limit``/``swiglu_alpha``) and
+``quantization_config`` (GPT-OSS ships MXFP4 expert weights; the model class and the training
+plan3d estimates hold them at the training precision).
 
 The core sizes (layers, width, heads, vocabulary) are required even where ``transformers`` has a
 default: a config without them is not a published model. Read and deliberately ignored, because
 they change neither parameters nor saved activations: RoPE settings, sliding windows (the
-attention FLOPs are counted over the whole causal window, an over-estimate), initialisation and
-generation settings.
+attention FLOPs are counted over the whole causal window, an over-estimate; this includes the
+alternating sliding-window layers of GPT-OSS, ``layer_types``), initialisation and generation
+settings.
 """
 
 from __future__ import annotations
@@ -23,7 +34,8 @@ from typing import Any
 from planner.presets import SpecError
 
 MOE_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
-MOE_MESSAGE = "mixture-of-experts is not modelled yet; plan3d estimates dense models only"
+MOE_MESSAGE = ("this mixture-of-experts architecture is not modelled; plan3d reads the MoE classes of Mixtral, "
+               "Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 and GPT-OSS")
 SSM_NAME_PARTS = ("mamba", "jamba", "zamba", "bamba", "rwkv", "recurrentgemma", "falconh1", "nemotronh",
                   "hybrid", "xlstm", "lfm2")
 SSM_KEYS = ("ssm_cfg", "mamba_d_state", "mamba_d_ssm", "hybrid_override_pattern", "layers_block_type",
@@ -55,6 +67,12 @@ def _dropout(data: dict, *keys: str, default: float = 0.0) -> bool:
     return any(float(_get(data, "", k, default=default)) > 0 for k in keys)
 
 
+def _kv_heads(data: dict, default: int | None) -> int | None:
+    """``num_key_value_heads``: the class default when absent; an explicit null is MHA (``None`` here),
+    as the Llama, Mistral, Qwen2, Qwen3, Mixtral and GPT-OSS configs set it to ``num_attention_heads``."""
+    return data.get("num_key_value_heads", default)
+
+
 def _name(data: dict, default_name: str) -> str:
     return data.get("_name_or_path") or default_name
 
@@ -84,7 +102,7 @@ def _llama(data: dict, source: str, default_name: str, *, ffn_default: int = 110
     MistralForCausalLM has the same modules without biases (``modeling_mistral.py``)."""
     attention_bias = _flag(data, "attention_bias", False)
     return {**_core(data, source), "name": _name(data, default_name),
-            "num_kv_heads": _get(data, source, "num_key_value_heads", default=kv_default),
+            "num_kv_heads": _kv_heads(data, kv_default),
             "head_dim": _get(data, source, "head_dim", default=None),
             "ffn_hidden_size": _get(data, source, "intermediate_size", default=ffn_default),
             "max_seq_len": _get(data, source, "max_position_embeddings", default=None),
@@ -205,14 +223,236 @@ def _gpt_neox(data: dict, source: str, default_name: str) -> dict:
             "dropout": _dropout(data, "hidden_dropout", "attention_dropout")}
 
 
+# --- mixture-of-experts and Qwen3 readers --------------------------------------------------------
+
+def _count(data: dict, source: str, *keys: str, default: Any = ..., minimum: int = 0) -> int:
+    """An integer size (``_get``), refused with one line when it is not a whole number >= ``minimum``."""
+    value = _get(data, source, *keys, default=default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{source}: {keys[0]}: expected a whole number >= {minimum}, got {value!r}")
+    return value
+
+
+def _experts(data: dict, source: str, keys: tuple[str, ...], default: Any) -> int:
+    """Routed experts per MoE layer; one routed expert is refused (plan3d's MoE needs two or more)."""
+    n = _count(data, source, *keys, default=default)
+    if n == 1:
+        raise SpecError(f"{source}: {keys[0]}: a single routed expert is not modelled; plan3d models 2 or more "
+                        "(or 0 for a dense model)")
+    return n
+
+
+def _dense_first(data: dict, source: str, num_layers: Any) -> int:
+    """Dense (MLP) layers before the MoE layers of Qwen2-MoE and Qwen3-MoE.
+
+    ``Qwen{2,3}MoeDecoderLayer`` (``modeling_qwen{2,3}_moe.py``) uses experts in layer ``i`` when
+    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``, else a dense MLP of
+    ``intermediate_size``. ModelSpec expresses only a leading run of dense layers (``first_k_dense``):
+    ``decoder_sparse_step`` 1 (the default) with ``mlp_only_layers`` empty or ``[0, ..., k-1]``.
+    """
+    step = _count(data, source, "decoder_sparse_step", default=1, minimum=1)
+    if step != 1:
+        raise SpecError(f"{source}: decoder_sparse_step: {step} (experts in every {step}th layer) is not modelled; "
+                        "plan3d models MoE in every layer after a leading run of dense layers (1)")
+    only = _get(data, source, "mlp_only_layers", default=[])
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise SpecError(f"{source}: mlp_only_layers: expected a list of layer indices, got {only!r}")
+    dense = sorted(set(only))
+    if dense != list(range(len(dense))):
+        raise SpecError(f"{source}: mlp_only_layers: {only} is not modelled; plan3d models dense layers only as a "
+                        "leading run [0, ..., k-1] (first_k_dense)")
+    if isinstance(num_layers, int) and len(dense) >= num_layers:
+        raise SpecError(f"{source}: mlp_only_layers: every layer is dense; use the dense architecture's config")
+    return len(dense)
+
+
+def _mixtral(data: dict, source: str, default_name: str) -> dict:
+    """MixtralForCausalLM (``modeling_mixtral.py``, MixtralConfig defaults): Mistral attention without
+    biases (``head_dim`` default ``h // a``, 8 KV heads), ``num_local_experts`` (default 8, alias
+    ``num_experts``) SwiGLU experts of ``intermediate_size`` (default 14336) in every layer, top
+    ``num_experts_per_tok`` (default 2), a bias-free ``h x E`` router, RMSNorm, untied. Mixtral of
+    experts, Jiang et al. 2024, arXiv:2401.04088 section 2.1."""
+    fields = _mistral(data, source, default_name)
+    experts = _experts(data, source, ("num_local_experts", "num_experts"), 8)
+    if experts == 0:
+        raise SpecError(f"{source}: num_local_experts: 0 experts leaves MixtralSparseMoeBlock without an MLP; "
+                        "not a model plan3d (or Mixtral) describes")
+    return fields | {"num_experts": experts, "top_k": _count(data, source, "num_experts_per_tok", default=2, minimum=1)}
+
+
+def _qwen3(data: dict, source: str, default_name: str) -> dict:
+    """Qwen3ForCausalLM (``modeling_qwen3.py``, Qwen3Config defaults): Llama structure with RMSNorm
+    ``q_norm``/``k_norm`` over one head (``head_dim`` wide, shared by the heads: qk_norm "head"; Qwen3
+    report, arXiv:2505.09388 section 2), ``head_dim`` default 128 (not ``h // a``), ``attention_bias``
+    on q/k/v/o (default false), no MLP biases, ``intermediate_size`` default 22016, 32 KV heads, untied
+    by default."""
+    fields = _llama(data, source, default_name, ffn_default=22016, kv_default=32)
+    return fields | {"head_dim": _get(data, source, "head_dim", default=128), "qk_norm": "head", "mlp_bias": False}
+
+
+def _qwen_moe(data: dict, source: str, default_name: str, *, experts_default: int, top_k_default: int,
+              moe_ffn_default: int, ffn_default: int, kv_default: int | None) -> dict:
+    """The shared part of Qwen2-MoE and Qwen3-MoE: Llama-style attention (``head_dim`` default ``h // a``),
+    ``num_experts`` routed SwiGLU experts of ``moe_intermediate_size``, a bias-free ``h x E`` router, the
+    dense layers of ``intermediate_size`` (:func:`_dense_first`), RMSNorm, untied by default.
+    ``num_experts`` 0 is a dense model (``config.num_experts > 0`` in the decoder layer)."""
+    fields = _llama(data, source, default_name, ffn_default=ffn_default, kv_default=kv_default)
+    experts = _experts(data, source, ("num_experts", "num_local_experts"), experts_default)
+    if experts == 0:
+        return fields | {"mlp_bias": False}
+    return fields | {"mlp_bias": False, "num_experts": experts,
+                     "top_k": _count(data, source, "num_experts_per_tok", default=top_k_default, minimum=1),
+                     "moe_ffn_hidden_size": _count(data, source, "moe_intermediate_size", default=moe_ffn_default,
+                                                   minimum=1),
+                     "first_k_dense": _dense_first(data, source, fields["num_layers"])}
+
+
+def _qwen2_moe(data: dict, source: str, default_name: str) -> dict:
+    """Qwen2MoeForCausalLM (``modeling_qwen2_moe.py``, Qwen2MoeConfig defaults): biases on q/k/v per
+    ``qkv_bias`` (default true; ``o_proj`` has none), 16 KV heads, 60 experts of ``moe_intermediate_size``
+    1408, top 4, and in every MoE layer one shared SwiGLU expert of ``shared_expert_intermediate_size``
+    (default 5632) scaled by a sigmoid gate, ``shared_expert_gate`` (``h -> 1`` linear, no bias)."""
+    fields = _qwen_moe(data, source, default_name, experts_default=60, top_k_default=4, moe_ffn_default=1408,
+                       ffn_default=5632, kv_default=16)
+    qkv_bias = _flag(data, "qkv_bias", True)
+    fields |= {"qkv_bias": qkv_bias, "out_proj_bias": False}
+    if "num_experts" not in fields:
+        return fields
+    shared = _count(data, source, "shared_expert_intermediate_size", default=5632)
+    if shared == 0:
+        raise SpecError(f"{source}: shared_expert_intermediate_size: 0 leaves only the shared expert's gate; "
+                        "not modelled (plan3d's shared-expert gate needs a shared expert)")
+    return fields | {"shared_expert_ffn_hidden_size": shared, "shared_expert_gate": True}
+
+
+def _qwen3_moe(data: dict, source: str, default_name: str) -> dict:
+    """Qwen3MoeForCausalLM (``modeling_qwen3_moe.py``, Qwen3MoeConfig defaults): Qwen3 attention (per-head
+    ``q_norm``/``k_norm``, ``attention_bias`` on q/k/v/o, default false; ``head_dim`` default ``h // a``),
+    4 KV heads, 128 experts (``num_experts``, alias ``num_local_experts``) of ``moe_intermediate_size``
+    768, top 8, no shared expert (Qwen3 report, arXiv:2505.09388 section 2)."""
+    fields = _qwen_moe(data, source, default_name, experts_default=128, top_k_default=8, moe_ffn_default=768,
+                       ffn_default=6144, kv_default=4)
+    return fields | {"qk_norm": "head"}
+
+
+def _deepseek(data: dict, source: str, default_name: str, *, v3: bool) -> dict:
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (``modeling_deepseek_v{2,3}.py``, their config
+    defaults): multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 section 2.1) of ``q_lora_rank``
+    (null: a full ``q_proj``), ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and
+    ``v_head_dim``, with RMSNorms on the compressed q and kv; ``first_k_dense_replace`` dense SwiGLU
+    layers of ``intermediate_size``, then MoE layers of ``n_routed_experts`` experts of
+    ``moe_intermediate_size``, top ``num_experts_per_tok``, a bias-free fp32 ``h x E`` router, and
+    ``n_shared_experts`` shared experts as one MLP of ``n_shared_experts * moe_intermediate_size``;
+    RMSNorm; untied by default. ``num_key_value_heads`` is not used by MLA (every head has its own
+    key and value after ``kv_b_proj``): the spec's KV heads are the query heads.
+
+    Not part of the ``transformers`` model class, so not counted: DeepSeek-V3's multi-token-prediction
+    module (``num_nextn_predict_layers``; 14B, report arXiv:2412.19437 section 2.2, stored in the
+    published checkpoint as layer 61) and the router's ``e_score_correction_bias`` (a buffer, updated
+    by the load balancer, not by gradients; report section 2.1.2). ``moe_layer_freq`` (read by the
+    remote code, ignored by ``transformers``) must be 1, as in every published config.
+
+    Defaults: V3 (DeepseekV3Config) 7168 wide, 128 heads, ranks 1536/512, 256 experts of 2048, top 8,
+    1 shared, 3 dense layers of 18432; V2 (DeepseekV2Config) 4096 wide, 32 heads, 64 experts of 1407,
+    2 shared, no dense layers, ``num_experts_per_tok`` required (no usable default).
+    """
+    if _flag(data, "attention_bias", False):
+        raise SpecError(f"{source}: attention_bias: biases on MLA's q_a_proj, kv_a_proj_with_mqa and o_proj are "
+                        "not modelled; the published DeepSeek configs set it false")
+    if not v3 and _flag(data, "mlp_bias", False):
+        raise SpecError(f"{source}: mlp_bias: biases on the dense and shared MLPs only (the routed experts have "
+                        "none) are not modelled; the published DeepSeek-V2 configs set it false")
+    freq = _get(data, source, "moe_layer_freq", default=1)
+    if freq != 1:
+        raise SpecError(f"{source}: moe_layer_freq: {freq} is not modelled (transformers' DeepSeek classes put "
+                        "experts in every layer after first_k_dense_replace); set 1")
+    d = {"hidden_size": 7168, "num_attention_heads": 128, "intermediate_size": 18432, "q_lora_rank": 1536,
+         "n_routed_experts": 256, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+         "first_k_dense_replace": 3, "num_experts_per_tok": 8} if v3 else \
+        {"hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 11008, "q_lora_rank": 1536,
+         "n_routed_experts": 64, "moe_intermediate_size": 1407, "n_shared_experts": 2,
+         "first_k_dense_replace": 0, "num_experts_per_tok": ...}
+    a = _get(data, source, "num_attention_heads")
+    moe_ffn = _count(data, source, "moe_intermediate_size", default=d["moe_intermediate_size"], minimum=1)
+    shared = _count(data, source, "n_shared_experts", default=d["n_shared_experts"])
+    alias = ("n_routed_experts", "num_local_experts") if v3 else ("n_routed_experts", "num_experts")
+    experts = _experts(data, source, alias, d["n_routed_experts"])
+    if experts == 0:
+        raise SpecError(f"{source}: n_routed_experts: 0 routed experts is not a model transformers can build")
+    return {**_core(data, source), "name": _name(data, default_name), "num_kv_heads": a,
+            "ffn_hidden_size": _count(data, source, "intermediate_size", default=d["intermediate_size"], minimum=1),
+            "max_seq_len": _get(data, source, "max_position_embeddings", default=None),
+            "activation": _gate(data, source, "hidden_act", "silu"), "norm": "rmsnorm",
+            "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
+            "linear_bias": False, "dropout": _dropout(data, "attention_dropout"),
+            "q_lora_rank": data.get("q_lora_rank", d["q_lora_rank"]),  # an explicit null: a full q_proj
+            "kv_lora_rank": _count(data, source, "kv_lora_rank", default=512, minimum=1),
+            "qk_rope_head_dim": _count(data, source, "qk_rope_head_dim", default=64, minimum=1),
+            "qk_nope_head_dim": _count(data, source, "qk_nope_head_dim", default=128, minimum=1),
+            "v_head_dim": _count(data, source, "v_head_dim", default=128, minimum=1),
+            "num_experts": experts,
+            "top_k": _count(data, source, "num_experts_per_tok", default=d["num_experts_per_tok"], minimum=1),
+            "moe_ffn_hidden_size": moe_ffn,
+            "shared_expert_ffn_hidden_size": shared * moe_ffn if shared else None,
+            "first_k_dense": _count(data, source, "first_k_dense_replace", default=d["first_k_dense_replace"])}
+
+
+def _deepseek_v2(data: dict, source: str, default_name: str) -> dict:
+    return _deepseek(data, source, default_name, v3=False)
+
+
+def _deepseek_v3(data: dict, source: str, default_name: str) -> dict:
+    return _deepseek(data, source, default_name, v3=True)
+
+
+_deepseek_v2.__doc__ = _deepseek_v3.__doc__ = _deepseek.__doc__
+
+
+def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
+    """GptOssForCausalLM (``modeling_gpt_oss.py``, GptOssConfig defaults; gpt-oss model card,
+    arXiv:2508.10925 section 2): attention with biases on q/k/v/o (``attention_bias``, default true),
+    ``head_dim`` default 64, 8 KV heads, and one learned sink logit per head (``sinks``); in every layer
+    ``num_local_experts`` (default 128, alias ``num_experts``) gated experts of ``intermediate_size``
+    (default 2880) with biases (``gate_up_proj_bias``, ``down_proj_bias``), top ``num_experts_per_tok``
+    (default 4), a router with bias; RMSNorm; untied. The experts' clamped SwiGLU (``swiglu_limit``,
+    ``swiglu_alpha``) has SwiGLU's three matrices; ``hidden_act`` is not used by the experts.
+    ``experts_per_token`` is OpenAI's own key for the same top-k; ``transformers`` reads
+    ``num_experts_per_tok``. The alternating sliding-window layers (``layer_types``,
+    ``sliding_window`` 128) are read and ignored, as for every windowed model (module docstring):
+    ModelSpec has no per-layer window field, so attention FLOPs are counted over the full causal window."""
+    attention_bias = _flag(data, "attention_bias", True)
+    experts = _experts(data, source, ("num_local_experts", "num_experts"), 128)
+    if experts == 0:
+        raise SpecError(f"{source}: num_local_experts: 0 experts is not a model transformers can build")
+    return {**_core(data, source), "name": _name(data, default_name),
+            "num_kv_heads": _kv_heads(data, 8),
+            "head_dim": _get(data, source, "head_dim", default=64),
+            "ffn_hidden_size": _count(data, source, "intermediate_size", default=2880, minimum=1),
+            "max_seq_len": _get(data, source, "max_position_embeddings", default=None),
+            "activation": "swiglu", "norm": "rmsnorm", "tied_embeddings": _flag(data, "tie_word_embeddings", False),
+            "position_embedding": "rope", "linear_bias": False, "qkv_bias": attention_bias,
+            "out_proj_bias": attention_bias, "mlp_bias": True, "attention_sinks": True,
+            "dropout": _dropout(data, "attention_dropout"), "num_experts": experts,
+            "top_k": _count(data, source, "num_experts_per_tok", default=4, minimum=1), "router_bias": True}
+
+
 READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
     "Gemma2ForCausalLM": _gemma2, "Phi3ForCausalLM": _phi3, "FalconForCausalLM": _falcon,
     "Olmo2ForCausalLM": _olmo2, "GPT2LMHeadModel": _gpt2, "GPTNeoXForCausalLM": _gpt_neox,
+    "Qwen3ForCausalLM": _qwen3, "MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Qwen3MoeForCausalLM": _qwen3_moe, "DeepseekV2ForCausalLM": _deepseek_v2,
+    "DeepseekV3ForCausalLM": _deepseek_v3, "GptOssForCausalLM": _gpt_oss,
 }
+#: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
+MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+               "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM", "falcon": "FalconForCausalLM",
-               "olmo2": "Olmo2ForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}
+               "olmo2": "Olmo2ForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------
@@ -237,13 +477,14 @@ def architecture(data: dict, source: str) -> tuple[str, str]:
 
 def refusal(data: dict, arch: str) -> tuple[str, str] | None:
     """(field, reason) when the config describes something plan3d does not model, else None."""
-    for key in MOE_EXPERT_KEYS:
-        n = data.get(key)
-        if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 1:
-            return key, f"{n} experts: {MOE_MESSAGE}"
     name = arch.lower().replace("_", "")
-    if "moe" in name or name.startswith(("mixtral", "deepseekv2", "deepseekv3", "dbrx", "arctic", "grok")):
-        return "architectures", f"{arch}: {MOE_MESSAGE}"
+    if arch not in MOE_READERS:
+        for key in MOE_EXPERT_KEYS:
+            n = data.get(key)
+            if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 1:
+                return key, f"{n} experts in {arch}: {MOE_MESSAGE}"
+        if "moe" in name or name.startswith(("mixtral", "deepseek", "dbrx", "arctic", "grok", "gptoss")):
+            return "architectures", f"{arch}: {MOE_MESSAGE}"
     if any(part in name for part in SSM_NAME_PARTS):
         return "architectures", f"{arch}: {SSM_MESSAGE}"
     for key in SSM_KEYS:

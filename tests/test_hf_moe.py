@@ -1,0 +1,307 @@
+"""Hugging Face import of mixture-of-experts, MLA and Qwen3 configs (planner/hf.py).
+
+References, never recomputed here from the formula under test:
+
+* ``transformers`` itself: each published ``config.json`` (tests/data/hf/, Hub repository in
+  tests/data/README.md) is built with the real ``*ForCausalLM`` class on the meta device, and
+  ``sum(p.numel())`` over its parameters must equal ``ModelSpec.num_params`` exactly. Skipped where
+  ``transformers`` is not installed (it is not a plan3d dependency; checked with 5.24.0).
+* Published totals and activated counts from the model cards and reports, to the card's last
+  digit (less than one unit of its last printed digit away), as in tests/test_hf_import.py.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.presets import SpecError, load_model
+from planner.specs import ModelSpec
+
+HF = Path(__file__).resolve().parent / "data" / "hf"
+
+MOE_FIXTURES = ["mixtral-8x7b.json", "qwen1.5-moe-a2.7b.json", "qwen3-30b-a3b.json", "qwen3-235b-a22b.json",
+                "qwen3-8b.json", "deepseek-v2-lite.json", "deepseek-v2.json", "deepseek-v3.json",
+                "gpt-oss-20b.json", "gpt-oss-120b.json"]
+
+
+def _load(name: str) -> ModelSpec:
+    return load_model(str(HF / name))
+
+
+def _write(tmp_path, data: dict) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _transformers_count(data: dict) -> int:
+    """Parameters of the ``transformers`` model of ``data``, built on the meta device (no memory)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    data = dict(data)
+    # Remote-code pointers and checkpoint quantization are not model structure (planner/hf.py docstring).
+    for key in ("auto_map", "quantization_config"):
+        data.pop(key, None)
+    config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- exact against transformers, full-size published configs ------------------------------------
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_published_config_count_equals_transformers_on_meta(name):
+    data = json.loads((HF / name).read_text())
+    assert _load(name).num_params == _transformers_count(data)
+
+
+# --- exact against transformers, scaled-down variants that exercise each reader path ------------
+
+def _small(name: str, **over) -> dict:
+    data = json.loads((HF / name).read_text())
+    return data | over
+
+
+SMALL = {
+    # Class defaults: every optional key absent (MixtralConfig: 8 experts, top 2, 8 KV heads, 14336).
+    "mixtral-defaults": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 256,
+                         "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
+    "mixtral-head-dim-tied": _small("mixtral-8x7b.json", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    head_dim=64, num_local_experts=4, tie_word_embeddings=True, vocab_size=1000),
+    "qwen2-moe-defaults": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 256,
+                           "num_hidden_layers": 2, "num_attention_heads": 16, "vocab_size": 1000},
+    "qwen2-moe-no-qkv-bias-dense-first": _small(
+        "qwen1.5-moe-a2.7b.json", hidden_size=256, num_hidden_layers=4, num_experts=8, moe_intermediate_size=64,
+        shared_expert_intermediate_size=128, intermediate_size=320, qkv_bias=False, mlp_only_layers=[1, 0]),
+    "qwen2-moe-zero-experts-is-dense": _small("qwen1.5-moe-a2.7b.json", hidden_size=256, num_hidden_layers=2,
+                                              num_experts=0, vocab_size=1000),
+    "qwen3-moe-defaults": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256,
+                           "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
+    "qwen3-moe-bias-dense-first": _small("qwen3-30b-a3b.json", hidden_size=256, num_hidden_layers=3, num_experts=16,
+                                         attention_bias=True, mlp_only_layers=[0], vocab_size=1000),
+    "qwen3-moe-num-local-experts-key": {
+        k: v for k, v in _small("qwen3-30b-a3b.json", num_hidden_layers=2, num_local_experts=16,
+                                vocab_size=1000).items() if k != "num_experts"},
+    "qwen3-dense-defaults-tied": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
+                                  "num_hidden_layers": 2, "num_attention_heads": 32, "vocab_size": 1000,
+                                  "tie_word_embeddings": True},
+    "qwen3-dense-kv-heads-null": _small("qwen3-8b.json", num_hidden_layers=2, num_key_value_heads=None,
+                                        vocab_size=1000),
+    "qwen3-dense-attention-bias": _small("qwen3-8b.json", num_hidden_layers=2, attention_bias=True, vocab_size=1000),
+    "deepseek-v3-defaults": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                             "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "vocab_size": 1000},
+    "deepseek-v3-no-q-rank-no-shared": _small("deepseek-v3.json", hidden_size=512, num_hidden_layers=3,
+                                              num_attention_heads=8, n_routed_experts=16, q_lora_rank=None,
+                                              n_shared_experts=0, first_k_dense_replace=1, vocab_size=1000),
+    "deepseek-v2-defaults": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                             "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
+                             "vocab_size": 1000, "num_experts_per_tok": 4},
+    "deepseek-v2-three-shared": _small("deepseek-v2-lite.json", num_hidden_layers=3, n_routed_experts=8,
+                                       n_shared_experts=3, first_k_dense_replace=2, vocab_size=1000),
+    "gpt-oss-defaults": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256,
+                         "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
+    "gpt-oss-no-attention-bias": _small("gpt-oss-20b.json", num_hidden_layers=2, layer_types=None,
+                                        attention_bias=False, num_local_experts=8, num_experts_per_tok=2,
+                                        pad_token_id=None, vocab_size=1000),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # n_shared_experts 0: a 0-wide MLP
+@pytest.mark.parametrize("case", SMALL)
+def test_scaled_variant_count_equals_transformers_on_meta(tmp_path, case):
+    data = SMALL[case]
+    assert load_model(_write(tmp_path, data)).num_params == _transformers_count(data)
+
+
+# --- structure read from the published configs ---------------------------------------------------
+
+def test_mixtral_structure():
+    spec = _load("mixtral-8x7b.json")
+    assert (spec.num_experts, spec.top_k, spec.moe_ffn_size, spec.first_k_dense) == (8, 2, 14336, 0)
+    assert spec.shared_expert_ffn_hidden_size is None and not spec.router_bias and not spec.has_qkv_bias
+
+
+def test_qwen2_moe_shared_expert_and_gate():
+    spec = _load("qwen1.5-moe-a2.7b.json")
+    assert (spec.num_experts, spec.top_k, spec.moe_ffn_size) == (60, 4, 1408)
+    assert spec.shared_expert_ffn_hidden_size == 5632 and spec.shared_expert_gate
+    assert spec.has_qkv_bias and not spec.has_out_proj_bias and not spec.has_mlp_bias
+
+
+def test_qwen3_per_head_qk_norm():
+    dense, moe = _load("qwen3-8b.json"), _load("qwen3-235b-a22b.json")
+    assert dense.qk_norm == moe.qk_norm == "head" and not dense.is_moe
+    assert (moe.num_experts, moe.top_k, moe.moe_ffn_size, moe.kv_channels) == (128, 8, 1536, 128)
+
+
+def test_deepseek_v3_mla_and_dense_first():
+    spec = _load("deepseek-v3.json")
+    assert spec.is_mla and (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim,
+                            spec.v_head_dim) == (1536, 512, 64, 128, 128)
+    assert (spec.first_k_dense, spec.num_moe_layers, spec.num_experts, spec.top_k) == (3, 58, 256, 8)
+    assert spec.shared_expert_ffn_hidden_size == 1 * 2048 and spec.ffn_size == 18432
+
+
+def test_deepseek_v2_lite_full_q_projection_and_two_shared_experts():
+    spec = _load("deepseek-v2-lite.json")
+    assert spec.is_mla and spec.q_lora_rank is None
+    assert spec.shared_expert_ffn_hidden_size == 2 * 1408 and spec.first_k_dense == 1
+
+
+def test_gpt_oss_biases_sinks_and_router_bias():
+    spec = _load("gpt-oss-120b.json")
+    assert spec.has_qkv_bias and spec.has_out_proj_bias and spec.has_mlp_bias
+    assert spec.attention_sinks and spec.router_bias and spec.activation == "swiglu"
+    assert (spec.num_experts, spec.top_k, spec.moe_ffn_size, spec.kv_channels) == (128, 4, 2880, 64)
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_hf_import_agrees_with_the_preset(name):
+    """The hand-written presets (model_specs/) and the import of the published config are one model."""
+    hf, preset = _load(f"{name}.json"), load_model(name)
+    assert (hf.num_params, hf.num_active_params) == (preset.num_params, preset.num_active_params)
+    assert hf.model_dump(exclude={"name", "qkv_bias", "out_proj_bias", "mlp_bias"}) == \
+        preset.model_dump(exclude={"name", "qkv_bias", "out_proj_bias", "mlp_bias"})
+    assert (hf.has_qkv_bias, hf.has_out_proj_bias, hf.has_mlp_bias) == \
+        (preset.has_qkv_bias, preset.has_out_proj_bias, preset.has_mlp_bias)
+
+
+# --- published totals and activated counts -------------------------------------------------------
+
+# file, total, activated (None: not published), the figures' rounding step, source
+CARDS = [
+    ("mixtral-8x7b.json", 46.7e9, 12.9e9, 0.1e9),  # Mistral AI, "Mixtral of experts" (2023-12-11): 46.7B / 12.9B
+    ("qwen1.5-moe-a2.7b.json", 14.3e9, 2.7e9, 0.1e9),  # Qwen blog "Qwen1.5-MoE" (2024-03-28): 14.3B / 2.7B
+    ("qwen3-30b-a3b.json", 30.5e9, 3.3e9, 0.1e9),  # Qwen3 report (arXiv:2505.09388) Table 2; Hub card 30.5B / 3.3B
+    ("qwen3-235b-a22b.json", 235e9, 22e9, 1e9),  # Qwen3 report Table 2; Hub card 235B / 22B
+    ("qwen3-8b.json", 8.2e9, None, 0.1e9),  # Qwen/Qwen3-8B card: 8.2B
+    ("deepseek-v2-lite.json", 15.7e9, None, 0.1e9),  # deepseek-ai/DeepSeek-V2-Lite card: 15.7B total
+    ("deepseek-v2.json", 236e9, 21e9, 1e9),  # DeepSeek-V2 (arXiv:2405.04434) abstract: 236B / 21B
+    ("deepseek-v3.json", 671e9, 37e9, 1e9),  # DeepSeek-V3 (arXiv:2412.19437) abstract: 671B / 37B
+]
+
+
+@pytest.mark.parametrize("name,total,active,step", CARDS)
+def test_counts_round_to_the_published_figures(name, total, active, step):
+    spec = _load(name)
+    assert abs(spec.num_params - total) < step
+    if active is not None:
+        assert abs(spec.num_active_params - active) < step
+
+
+def test_qwen3_8b_non_embedding_count_from_the_card():
+    # Qwen/Qwen3-8B card: "Number of Paramaters (Non-Embedding): 6.95B"; untied 151936 x 4096 in and out.
+    spec = _load("qwen3-8b.json")
+    assert abs(spec.num_params - 2 * 151936 * 4096 - 6.95e9) < 0.01e9
+
+
+# gpt-oss model card (OpenAI 2025, arXiv:2508.10925) Table 1: total 116.83B / 20.91B and active
+# 5.13B / 3.61B per token (text: "116.8B total parameters (5.1B active)", "20.9B (3.6B active)").
+# The card's active count is the routed top-4 experts, attention, router and norms of every layer
+# plus the unembedding; the input embedding (a table lookup, 201088 x 2880) is not counted: Table 1
+# lists "Embed + Unembed" 1.16B = 2 x 0.58B, and 5.13B = total - 124 of 128 experts - one 0.58B matrix.
+# Tolerance: the table's last digit (0.01B).
+@pytest.mark.parametrize("name,total,active", [("gpt-oss-120b.json", 116.83e9, 5.13e9),
+                                               ("gpt-oss-20b.json", 20.91e9, 3.61e9)])
+def test_gpt_oss_total_and_active_from_the_model_card(name, total, active):
+    spec = _load(name)
+    embedding = 201088 * 2880
+    assert abs(spec.num_params - total) < 0.01e9
+    assert abs(spec.num_active_params - embedding - active) < 0.01e9
+
+
+# --- the configs the scorer runs load ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["deepseek-v3.json", "qwen3-30b-a3b.json", "qwen3-235b-a22b.json",
+                                  "gpt-oss-120b.json"])
+def test_scored_configs_load_as_moe(tmp_path, name):
+    # The scorer passes .../<repo>/config.json: the directory names the model.
+    path = tmp_path / name.removesuffix(".json") / "config.json"
+    path.parent.mkdir()
+    path.write_text((HF / name).read_text())
+    spec = load_model(str(path))
+    assert spec.is_moe and spec.name == name.removesuffix(".json")
+
+
+# --- refusals: one line naming the key -----------------------------------------------------------
+
+def _refusal(tmp_path, data) -> str:
+    with pytest.raises(SpecError) as exc:
+        load_model(_write(tmp_path, data))
+    assert len(exc.value.lines) == 1
+    return exc.value.lines[0]
+
+
+@pytest.mark.parametrize("over,key", [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step: 2"),
+    ({"mlp_only_layers": [3, 5]}, "mlp_only_layers: [3, 5] is not modelled"),
+    ({"mlp_only_layers": [1]}, "mlp_only_layers: [1] is not modelled"),
+    ({"mlp_only_layers": list(range(48))}, "mlp_only_layers: every layer is dense"),
+])
+def test_qwen_moe_layer_patterns_other_than_dense_first_refused(tmp_path, over, key):
+    data = json.loads((HF / "qwen3-30b-a3b.json").read_text()) | over
+    assert key in _refusal(tmp_path, data)
+
+
+@pytest.mark.parametrize("over,key", [
+    ({"attention_bias": True}, "attention_bias: biases on MLA"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq: 2 is not modelled"),
+])
+def test_deepseek_structures_not_modelled_refused(tmp_path, over, key):
+    data = json.loads((HF / "deepseek-v3.json").read_text()) | over
+    assert key in _refusal(tmp_path, data)
+
+
+def test_deepseek_v2_mlp_bias_refused(tmp_path):
+    data = json.loads((HF / "deepseek-v2-lite.json").read_text()) | {"mlp_bias": True}
+    assert "mlp_bias: biases on the dense and shared MLPs" in _refusal(tmp_path, data)
+
+
+def test_deepseek_v2_without_top_k_names_the_key(tmp_path):
+    data = json.loads((HF / "deepseek-v2-lite.json").read_text())
+    del data["num_experts_per_tok"]  # DeepseekV2Config's default is None: no model
+    assert "num_experts_per_tok: missing in the Hugging Face config" in _refusal(tmp_path, data)
+
+
+@pytest.mark.parametrize("arch,key", [
+    ("DbrxForCausalLM", "architectures"), ("ArcticForCausalLM", "architectures"), ("GrokForCausalLM", "architectures"),
+    ("OlmoeForCausalLM", "architectures"), ("DeepseekV32ForCausalLM", "architectures"),
+])
+def test_unmodelled_moe_architectures_refused_by_name(tmp_path, arch, key):
+    data = {"architectures": [arch], "hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "vocab_size": 1000}
+    line = _refusal(tmp_path, data)
+    assert line.endswith(f"{key}: {arch}: this mixture-of-experts architecture is not modelled; plan3d reads the "
+                         "MoE classes of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 and GPT-OSS")
+
+
+def test_expert_keys_of_an_unknown_moe_class_refused(tmp_path):
+    # Qwen3-Next (Qwen/Qwen3-Next-80B-A3B config.json): 512 experts in hybrid linear-attention layers.
+    data = {"architectures": ["Qwen3NextForCausalLM"], "num_experts": 512, "hidden_size": 2048,
+            "num_hidden_layers": 48, "num_attention_heads": 16, "vocab_size": 151936}
+    assert "num_experts: 512 experts in Qwen3NextForCausalLM: this mixture-of-experts architecture is not " \
+           "modelled" in _refusal(tmp_path, data)
+
+
+def test_single_routed_expert_refused(tmp_path):
+    data = json.loads((HF / "mixtral-8x7b.json").read_text()) | {"num_local_experts": 1}
+    assert "num_local_experts: a single routed expert is not modelled" in _refusal(tmp_path, data)
+
+
+def test_mixtral_without_experts_refused(tmp_path):
+    # MixtralSparseMoeBlock with 0 experts has no MLP at all (unlike Qwen-MoE's 0 = dense MLP).
+    data = json.loads((HF / "mixtral-8x7b.json").read_text()) | {"num_local_experts": 0}
+    assert "num_local_experts: 0 experts leaves MixtralSparseMoeBlock without an MLP" in _refusal(tmp_path, data)
+
+
+def test_cli_reads_a_moe_config_and_refuses_an_unknown_one(runner, tmp_path):
+    from planner.cli import app
+
+    res = runner.invoke(app, ["show", str(HF / "gpt-oss-120b.json")])
+    assert res.exit_code == 0 and "num_experts" in res.output, res.output
+    bad = _write(tmp_path, {"architectures": ["DbrxForCausalLM"], "hidden_size": 6144})
+    res = runner.invoke(app, ["show", bad])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "mixture-of-experts architecture is not modelled" in lines[0]
