@@ -177,7 +177,8 @@ def skip_reason(sc: Scenario, framework: str, megatron_lm: str | None = None) ->
     have = _gpus()
     if nodes > 1 or have < sc.training.num_gpus:
         return (f"the plan runs on {sc.training.num_gpus} GPUs ({nodes} node(s)) and this machine has {have}; run "
-                "the emitted launch file on the cluster and compare its logs with compare_logs")
+                "the emitted launch file on the cluster (with PET_LOG_DIR set, torchrun's --log-dir) and judge its logs "
+                "with judge_logs (`--logs DIR`)")
     return None
 
 
@@ -354,19 +355,33 @@ def launch_script(script: Path, args: list[str], env: dict[str, str], timeout_s:
 
 
 def rank_logs(workdir: Path) -> dict[int | None, str]:
-    """Each rank's output from torchrun's log folder (``<log_dir>/<run id>/attempt_<n>/<rank>/stdout.log``
-    and ``stderr.log``, torch/distributed/elastic/multiprocessing/api.py), the last attempt; the
-    launcher's own output under ``None``."""
+    """Each rank's output of a run in ``workdir`` (:func:`log_folder_texts` of its ``logs`` folder), and
+    the launcher's own output under ``None``."""
+    out = log_folder_texts(workdir / "logs") if (workdir / "logs").is_dir() else {}
+    launcher = workdir / "launcher.log"
+    out[None] = (out.get(None, "") + launcher.read_text(errors="replace")) if launcher.is_file() else out.get(None, "")
+    return out
+
+
+def log_folder_texts(folder: str | Path) -> dict[int | None, str]:
+    """The logs of a run for :func:`compare_logs`, e.g. a cluster run's: torchrun's ``--log-dir`` layout
+    (``<log_dir>/<run id>/attempt_<n>/<rank>/stdout.log`` and ``stderr.log``,
+    torch/distributed/elastic/multiprocessing/api.py; the last attempt, by local rank, which is the rank
+    on one node) when it is there, else every file of the folder as one text of unknown rank (``None``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SpecError(f"--logs: {folder} is not a folder")
     out: dict[int | None, str] = {}
-    attempts = sorted((workdir / "logs").glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    attempts = sorted(folder.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     if attempts:
         for rank_dir in sorted(attempts[-1].iterdir()):
             if rank_dir.is_dir() and rank_dir.name.isdigit():
                 out[int(rank_dir.name)] = "".join(
                     (rank_dir / f).read_text(errors="replace") for f in ("stdout.log", "stderr.log")
                     if (rank_dir / f).is_file())
-    launcher = workdir / "launcher.log"
-    out[None] = launcher.read_text(errors="replace") if launcher.is_file() else ""
+        return out
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    out[None] = "\n".join(p.read_text(errors="replace") for p in files)
     return out
 
 
@@ -527,3 +542,13 @@ def run_framework(sc: Scenario, framework: str, steps: int = 5, timeout_s: float
     finally:
         if not workdir:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def judge_logs(sc: Scenario, framework: str, folder: str | Path, time_factor: float | None = None,
+               hardware: HardwareSpec | None = None, warmup: int = WARMUP_STEPS) -> FrameworkRun:
+    """Judge the logs of a run made elsewhere (a cluster job of the emitted launch file) as
+    :func:`run_framework` judges its own: ``folder`` as :func:`log_folder_texts` reads it."""
+    if framework not in FRAMEWORKS:
+        raise SpecError(f"--framework: '{framework}' is not one of {', '.join(FRAMEWORKS)}")
+    report = compare_logs(sc, framework, log_folder_texts(folder), time_factor, hardware, warmup)
+    return FrameworkRun(framework, report["verdict"], report["reasons"], report)
