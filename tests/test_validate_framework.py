@@ -346,3 +346,36 @@ def test_judge_logs_of_a_cluster_run(tmp_path):
     assert {r["rank"] for r in run.report["device_memory"]} == {0, 4}
     with pytest.raises(SpecError, match="--logs"):
         fr.judge_logs(sc, "megatron", tmp_path / "missing")
+
+
+def test_sigterm_ends_every_process_and_removes_the_folder(stand_in, tmp_path, monkeypatch):
+    import threading
+
+    env, capture = stand_in
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def on_start(pid):
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    with pytest.raises(KeyboardInterrupt):
+        fr.run_framework(scenario(), "megatron", steps=1, timeout_s=60, preflight=False, env=env("hang"),
+                         on_start=on_start)
+    worker = int((capture / "worker.pid").read_text())
+    stat = Path(f"/proc/{worker}/stat")
+    for _ in range(50):
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail(f"worker {worker} outlived SIGTERM")
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_plan_the_emitter_refuses_is_bad_input_not_a_skip():
+    sc = Scenario(model=load_model("mistral-7b"), hardware=load_hardware("h100-sxm-80gb"),
+                  training=TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096),
+                  plan=Plan(tp=8, pp=1, dp=1, micro_batch_size=1))
+    with pytest.raises(SpecError, match="--emit torchtitan: torchtitan ships no model for mistral-7b"):
+        fr.run_framework(sc, "torchtitan")

@@ -259,22 +259,30 @@ def torchtitan_script(text: str) -> str:
     return new
 
 
+def _emitted(sc: Scenario, framework: str) -> dict[str, str]:
+    """The launch file the run executes, as ``plan3d emit`` writes it (``--format torchtitan`` with the
+    pass-through fixed by :func:`torchtitan_script`, or ``--format torchrun`` for Megatron-LM);
+    ``SpecError`` where the emitter refuses the plan."""
+    from planner.emit import render_all
+
+    if framework == "torchtitan":
+        (name, text), = render_all(sc, ["torchtitan"]).items()
+        return {name: torchtitan_script(text)}
+    return render_all(sc, ["torchrun"])
+
+
 def prepare(sc: Scenario, framework: str, steps: int, workdir: Path,
             megatron_lm: str | None = None) -> tuple[Path, list[str], dict[str, str]]:
     """Write the emitted launch file into ``workdir``; (script, its arguments, environment additions)."""
-    from planner.emit import render_all
     from planner.io import write_all
 
     total = steps + WARMUP_STEPS
     env = {"PET_LOG_DIR": str(workdir / "logs"), "PET_TEE": "3"}  # torchrun: per-rank log files (--log-dir, --tee)
     if framework == "torchtitan":
-        files = render_all(sc, ["torchtitan"])
-        (name, text), = files.items()
-        script = write_all(workdir, {name: torchtitan_script(text)})[0]
+        script = write_all(workdir, _emitted(sc, framework))[0]
         tok, data = write_torchtitan_assets(workdir / "assets")
         return script, torchtitan_run_options(total, workdir / "dump", tok, data), env
-    files = render_all(sc, ["torchrun"])
-    script = write_all(workdir, files)[0]
+    script = write_all(workdir, _emitted(sc, framework))[0]
     env |= {"TRAIN_ITERS": str(total)}
     checkout = megatron_checkout(megatron_lm)
     if checkout is not None:
@@ -517,6 +525,7 @@ def run_framework(sc: Scenario, framework: str, steps: int = 5, timeout_s: float
         raise SpecError(f"--framework: '{framework}' is not one of {', '.join(FRAMEWORKS)}")
     if steps < 1:
         raise SpecError("--steps: give at least 1 measured step")
+    _emitted(sc, framework)  # a plan the framework's launch file cannot express is bad input (exit 2), not a skip
     if preflight:
         reason = skip_reason(sc, framework, megatron_lm)
         if reason:
