@@ -379,3 +379,22 @@ def test_a_plan_the_emitter_refuses_is_bad_input_not_a_skip():
                   plan=Plan(tp=8, pp=1, dp=1, micro_batch_size=1))
     with pytest.raises(SpecError, match="--emit torchtitan: torchtitan ships no model for mistral-7b"):
         fr.run_framework(sc, "torchtitan")
+
+
+def test_validate_framework_entry_point(tmp_path, monkeypatch):
+    """The CLI's function: a logs folder is judged with the plan's hardware unless one is named; a
+    calibrated profile turns the step-time judgement on (launch.time_factor_for, nccl: 1.5x)."""
+    (tmp_path / "job.out").write_text((DATA / "megatron_pretrain_gpt.log").read_text())
+    run = fr.validate_framework(scenario(), "megatron", logs_dir=str(tmp_path))
+    assert not run.report["step_time"]["judged"] and run.report["changed"] == []
+    doc = fr.report_json(run)
+    assert doc["status"] == run.status and doc["reasons"] == run.reasons and "device_memory" in doc
+    calibrated = tmp_path / "local.yaml"
+    calibrated.write_text(launch.CALIBRATE_HEADER + " on 2026-11-30, from h100-sxm-80gb.\n"
+                          + (Path(__file__).resolve().parents[1] / "hardware_profiles" / "h100-sxm-80gb.yaml").read_text())
+    run = fr.validate_framework(scenario(), "megatron", logs_dir=str(tmp_path), hardware_ref=str(calibrated))
+    assert run.report["tolerances"]["step_time_factor"] == launch.TIME_FACTOR["nccl"]
+    assert run.report["step_time"]["judged"]
+    monkeypatch.delenv("MEGATRON_LM", raising=False)
+    if _no_gpu():
+        assert fr.validate_framework(scenario(), "megatron").status == "skipped"

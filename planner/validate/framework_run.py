@@ -561,3 +561,30 @@ def judge_logs(sc: Scenario, framework: str, folder: str | Path, time_factor: fl
         raise SpecError(f"--framework: '{framework}' is not one of {', '.join(FRAMEWORKS)}")
     report = compare_logs(sc, framework, log_folder_texts(folder), time_factor, hardware, warmup)
     return FrameworkRun(framework, report["verdict"], report["reasons"], report)
+
+
+def validate_framework(sc: Scenario, framework: str, steps: int = 5, timeout_s: float = 1800.0,
+                       keep: str | None = None, megatron_lm: str | None = None, hardware_ref: str | None = None,
+                       time_factor: float | None = None, logs_dir: str | None = None) -> FrameworkRun:
+    """What ``plan3d validate PLAN --framework F`` does, from the CLI's plain values.
+
+    ``hardware_ref``: a hardware profile for the prediction (default: the plan's own); the step time is
+    judged with ``time_factor``, else with ``launch.time_factor_for(hardware_ref, "nccl")`` (a profile that
+    `plan3d calibrate` wrote), else reported. ``logs_dir``: judge the logs of a run made elsewhere
+    (:func:`judge_logs`) instead of running. ``keep``: keep the launch file, assets and logs there.
+    """
+    from planner.presets import load_hardware
+    from planner.validate import launch
+
+    hw = load_hardware(hardware_ref) if hardware_ref else None
+    factor = time_factor if time_factor is not None else (
+        launch.time_factor_for(hardware_ref, "nccl") if hardware_ref else None)
+    if logs_dir:
+        return judge_logs(sc, framework, logs_dir, factor, hw)
+    return run_framework(sc, framework, steps, timeout_s, keep, megatron_lm, factor, hw)
+
+
+def report_json(run: FrameworkRun) -> dict:
+    """The ``--json`` / ``--out`` document: the comparison with the run's status and reasons."""
+    return {"framework": run.framework, "status": run.status, "reasons": run.reasons, "command": run.command,
+            "log_tail": run.log_tail, **{k: v for k, v in run.report.items() if k not in ("reasons",)}}
