@@ -238,6 +238,8 @@ def test_torchtitan_launch_runs_the_emitted_script_with_options_torchtitan_accep
     assert cfg.training.steps == 3 + fr.WARMUP_STEPS and cfg.metrics.log_freq == 1
     assert cfg.parallelism.tensor_parallel_degree == 2 and cfg.training.global_batch_size == 8
     assert not cfg.checkpoint.enable and not cfg.validator.enable and cfg.dataloader.dataset == "c4_test"
+    assert cfg.metrics.enable_tensorboard and cfg.metrics.save_for_all_ranks and cfg.metrics.save_tb_folder == fr.TB_FOLDER
+    assert cfg.dump_folder == str(tmp_path / "run" / "dump")
     seen_env = (capture / "env").read_text()
     assert f"PET_LOG_DIR={tmp_path / 'run' / 'logs'}" in seen_env and "PET_TEE=3" in seen_env
     # the assets load with torchtitan's tokenizer and the c4_test loader (datasets.load_dataset(path, split))
@@ -398,3 +400,40 @@ def test_validate_framework_entry_point(tmp_path, monkeypatch):
     monkeypatch.delenv("MEGATRON_LM", raising=False)
     if _no_gpu():
         assert fr.validate_framework(scenario(), "megatron").status == "skipped"
+
+
+def test_torchtitan_tensorboard_scalars_judge_active_memory_and_step_time(tmp_path):
+    """torchtitan's TensorBoard scalars, written as its TensorBoardLogger writes them
+    (``SummaryWriter(log_dir).add_scalar(key, value, step)`` per key of the metrics dict, one folder per
+    rank with ``save_for_all_ranks``), then read back: the active peak is judged both ways."""
+    pytest.importorskip("tensorboard", reason="TensorBoard is not installed (torchtitan requires it)")
+    from torch.utils.tensorboard import SummaryWriter
+
+    sc = scenario(tp=4, pp=1, gpus=4, gbs=8)
+    want = estimate(fr.predicted_scenario(sc, "torchtitan")).memory.stages[0].total_bytes
+    predicted_s = estimate(fr.predicted_scenario(sc, "torchtitan")).time.step_time_s
+
+    def write(folder, factor, seconds):
+        for rank in range(2):
+            writer = SummaryWriter(str(folder / "dump" / "tb" / "20261130-1840" / f"rank_{rank}"), max_queue=1000)
+            for step in (1, 2, 3, 4):
+                metrics = {"loss_metrics/global_avg_loss": 10.0, fr.TB_ACTIVE: want * factor / GIB,
+                           "memory/max_reserved(GiB)": want * factor * 1.1 / GIB,
+                           fr.TB_STEP_S: seconds * (10 if step == 1 else 1) * (1 + 0.01 * rank + 0.001 * step)}
+                for k, v in metrics.items():
+                    writer.add_scalar(k, v, step)
+            writer.close()
+        (folder / "rank0.log").write_text((DATA / "torchtitan_rank1.log").read_text())
+
+    write(tmp_path / "a", 1.04, predicted_s)
+    scalars = fr.tensorboard_metrics(tmp_path / "a")
+    assert sorted(scalars) == [0, 1] and [s for s, _ in scalars[1][fr.TB_STEP_S]] == [1, 2, 3, 4]
+    run = fr.judge_logs(sc, "torchtitan", tmp_path / "a", time_factor=1.5)
+    assert [r["metric"] for r in run.report["device_memory"]] == ["max_memory_active"] * 2
+    assert run.report["device_memory"][0]["rel_error"] == pytest.approx(0.04, abs=1e-3)
+    assert run.report["step_time"]["measured_s"] == pytest.approx(predicted_s * 1.013, rel=1e-4)  # rank 1, step 3
+    assert run.report["step_time_source"].startswith("torchtitan TensorBoard")
+    assert run.status == "pass", run.reasons
+    write(tmp_path / "b", 1.25, predicted_s)
+    run = fr.judge_logs(sc, "torchtitan", tmp_path / "b")
+    assert run.status == "fail" and run.reasons[0].startswith("memory: rank 0 max_memory_allocated")

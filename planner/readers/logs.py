@@ -188,6 +188,7 @@ class LogSummary:
     # per rank: {"max_allocated_bytes": ..., "max_reserved_bytes": ...} (None where the log has no figure)
     memory: dict[int, dict] = field(default_factory=dict)
     theoretical_bytes: dict | None = None
+    step_time_source: str = ""
 
 
 def _median(xs: list[float]) -> float | None:
@@ -206,7 +207,8 @@ def summarize_megatron(log: MegatronLog, warmup: int = 1) -> LogSummary:
         step_time_s=_median([i.elapsed_ms / 1e3 for i in kept]), step_times_s=[i.elapsed_ms / 1e3 for i in kept],
         losses=[i.loss for i in log.iterations if i.loss is not None],
         tflops_per_gpu=_median([i.tflops_per_gpu for i in kept if i.tflops_per_gpu is not None]),
-        tokens_per_s_per_gpu=None, memory=memory, theoretical_bytes=log.theoretical_bytes)
+        tokens_per_s_per_gpu=None, memory=memory, theoretical_bytes=log.theoretical_bytes,
+        step_time_source="Megatron-LM elapsed time per iteration (ms)")
 
 
 def summarize_torchtitan(per_rank: dict[int, list[TorchtitanStep]], tokens_per_step: float,
@@ -231,4 +233,4 @@ def summarize_torchtitan(per_rank: dict[int, list[TorchtitanStep]], tokens_per_s
         steps_logged=max((len(s) for s in per_rank.values()), default=0), steps_measured=len(kept),
         step_time_s=_median(times), step_times_s=times, losses=[s.loss for s in first],
         tflops_per_gpu=_median([s.tflops for s in kept]), tokens_per_s_per_gpu=_median([s.tps for s in kept]),
-        memory=memory)
+        memory=memory, step_time_source="torchtitan tps (tokens per step / (tps x non-data-parallel size))")

@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -230,11 +231,47 @@ def write_torchtitan_assets(folder: Path) -> tuple[Path, Path]:
     return tok_dir, data_dir
 
 
+TB_FOLDER = "tb"
+TB_ACTIVE = "memory/max_active(GiB)"  # torchtitan metrics.py MetricsProcessor.log, the metrics dict
+TB_STEP_S = "time_metrics/end_to_end(s)"
+
+
+def tensorboard_metrics(dump: str | Path) -> dict[int, dict[str, list[tuple[int, float]]]]:
+    """torchtitan's per-rank TensorBoard scalars: ``<dump>/tb/<YYYYmmdd-HHMM>/rank_<r>/events.*``
+    (``MetricsProcessor._build_metric_logger`` with ``save_for_all_ranks``; ``TensorBoardLogger.log``
+    writes ``add_scalar(key, value, step)`` for every key of the metrics dict), read with
+    TensorBoard's own ``EventAccumulator``. Empty when TensorBoard is absent or nothing was written.
+
+    They carry what the console line leaves out: ``memory/max_active(GiB)``, the peak of
+    ``active_bytes.all.peak`` (allocated blocks, plus freed ones still in use by a stream) since the
+    previous step, and ``time_metrics/end_to_end(s)``, the step's wall time.
+    """
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return {}
+    out: dict[int, dict[str, list[tuple[int, float]]]] = {}
+    for rank_dir in sorted(Path(dump).glob(f"**/{TB_FOLDER}/*/rank_*")):
+        try:
+            rank = int(rank_dir.name.split("_", 1)[1])
+        except ValueError:
+            continue
+        acc = EventAccumulator(str(rank_dir), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = acc.Tags().get("scalars", [])
+        series = out.setdefault(rank, {})
+        for tag in (TB_ACTIVE, TB_STEP_S):
+            if tag in tags:
+                series.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
 def torchtitan_run_options(steps: int, dump: Path, tokenizer: Path, data: Path) -> list[str]:
     """torchtitan 0.3.0 options of a short measured run (names from ``torchtitan/config/configs.py``,
     accepted by its ``ConfigManager``: tests/test_validate_framework.py)."""
     return ["--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.disable_color_printing",
-            "--metrics.no-enable-tensorboard", "--dump_folder", str(dump), "--hf_assets_path", str(tokenizer),
+            "--metrics.enable-tensorboard", "--metrics.save-for-all-ranks", "--metrics.save_tb_folder", TB_FOLDER,
+            "--dump_folder", str(dump), "--hf_assets_path", str(tokenizer),
             "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(data), "--checkpoint.no-enable",
             "--profiler.no-enable-profiling", "--validator.no-enable"]
 
@@ -401,10 +438,32 @@ def _rel(measured: float, predicted: float) -> float:
     return rel(measured, predicted)
 
 
+def _apply_scalars(summary: logs.LogSummary, scalars: dict, warmup: int) -> None:
+    """torchtitan's TensorBoard scalars into the summary (:func:`compare_logs`)."""
+    slowest = None
+    for rank, series in sorted(scalars.items()):
+        active = [v for _, v in series.get(TB_ACTIVE, [])]
+        if active:
+            m = summary.memory.setdefault(rank, {"max_reserved_bytes": None})
+            m["max_allocated_bytes"], m["metric"] = max(active) * logs.GIB, "max_memory_active"
+        times = [v for step, v in series.get(TB_STEP_S, []) if step > warmup]
+        if times and (slowest is None or statistics.median(times) > statistics.median(slowest)):
+            slowest = times
+    if slowest:
+        summary.step_times_s, summary.step_time_s = slowest, statistics.median(slowest)
+        summary.steps_measured = len(slowest)
+        summary.step_time_source = f"torchtitan TensorBoard {TB_STEP_S}"
+
+
 def compare_logs(sc: Scenario, framework: str, texts: dict[int | None, str], time_factor: float | None = None,
-                 hardware: HardwareSpec | None = None, warmup: int = WARMUP_STEPS) -> dict:
+                 hardware: HardwareSpec | None = None, warmup: int = WARMUP_STEPS,
+                 scalars: dict[int, dict[str, list[tuple[int, float]]]] | None = None) -> dict:
     """Measured (from the framework's logs, one text per rank; ``None``: text of unknown rank) against
-    predicted, with validate's verdict (:func:`planner.validate.launch.judge`) and reasons."""
+    predicted, with validate's verdict (:func:`planner.validate.launch.judge`) and reasons.
+
+    ``scalars`` (torchtitan, :func:`tensorboard_metrics`): where a rank has them, its peak active memory
+    is judged as the allocated peak (two-sided) and the step time is its ``end_to_end(s)``, not the
+    one derived from the rounded ``tps``."""
     from planner.estimate import estimate
     from planner.validate import launch
 
@@ -426,12 +485,13 @@ def compare_logs(sc: Scenario, framework: str, texts: dict[int | None, str], tim
             per_rank = {0: per_rank.get(None, [])}
         tokens = pred.training.global_batch_size / p.dp * pred.training.seq_len
         summary = logs.summarize_torchtitan(per_rank, tokens, p.tp * p.cp * p.pp, warmup)
+        _apply_scalars(summary, scalars or {}, warmup)
     device_rows, reserved_rows = [], []
     for rank, m in sorted(summary.memory.items()):
         stage = min(rank // per_stage, p.pp - 1)
         want = est.memory.stages[stage].total_bytes
         if m.get("max_allocated_bytes") is not None:
-            device_rows.append({"metric": "max_memory_allocated", "rank": rank, "stage": stage, "predicted": want,
+            device_rows.append({"metric": m.get("metric", "max_memory_allocated"), "rank": rank, "stage": stage, "predicted": want,
                                 "measured": m["max_allocated_bytes"], "reserved": m.get("max_reserved_bytes"),
                                 "rel_error": _rel(m["max_allocated_bytes"], want)})
         elif m.get("max_reserved_bytes") is not None:
@@ -453,6 +513,7 @@ def compare_logs(sc: Scenario, framework: str, texts: dict[int | None, str], tim
         "reserved_memory": reserved_rows,
         "step_time": step_time,
         "step_times_s": summary.step_times_s,
+        "step_time_source": summary.step_time_source,
         "steps_logged": summary.steps_logged,
         "steps_measured": summary.steps_measured,
         "warmup_steps": warmup,
@@ -546,7 +607,8 @@ def run_framework(sc: Scenario, framework: str, steps: int = 5, timeout_s: float
             if oom:
                 reasons.append("out of memory: " + ", ".join("launcher" if r is None else f"rank {r}" for r in oom))
             return FrameworkRun(framework, "fail", reasons, {"verdict": "fail", "reasons": reasons}, command, tail)
-        report = compare_logs(sc, framework, texts, time_factor, hardware)
+        scalars = tensorboard_metrics(folder / "dump") if framework == "torchtitan" else None
+        report = compare_logs(sc, framework, texts, time_factor, hardware, scalars=scalars)
         return FrameworkRun(framework, report["verdict"], report["reasons"], report, command, tail)
     finally:
         if not workdir:
@@ -559,7 +621,8 @@ def judge_logs(sc: Scenario, framework: str, folder: str | Path, time_factor: fl
     :func:`run_framework` judges its own: ``folder`` as :func:`log_folder_texts` reads it."""
     if framework not in FRAMEWORKS:
         raise SpecError(f"--framework: '{framework}' is not one of {', '.join(FRAMEWORKS)}")
-    report = compare_logs(sc, framework, log_folder_texts(folder), time_factor, hardware, warmup)
+    scalars = tensorboard_metrics(folder) if framework == "torchtitan" else None
+    report = compare_logs(sc, framework, log_folder_texts(folder), time_factor, hardware, warmup, scalars)
     return FrameworkRun(framework, report["verdict"], report["reasons"], report)
 
 
