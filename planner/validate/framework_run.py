@@ -25,9 +25,11 @@ What each framework needs to run, else the run is **skipped** with the reason (:
 * both: all the plan's GPUs on this one node.
 
 Memory: Megatron prints ``torch.cuda.max_memory_allocated`` per rank (judged) and the reserved peak
-(reported). torchtitan prints only the reserved peak: it is judged one way, as a miss when it is
-below the predicted allocated peak by more than the tolerance (reserved memory holds every allocated
-byte, so the prediction is then too high); above, it is reported.
+(reported). torchtitan's console line has only the reserved peak; its TensorBoard scalars, which the
+run turns on for every rank, have the active peak (:func:`tensorboard_metrics`), judged as the
+allocated one. Without them the reserved peak is judged one way, as a miss when it is below the
+predicted allocated peak by more than the tolerance (reserved memory holds every allocated byte, so
+the prediction is then too high); above, it is reported.
 
 A skipped run is neither a pass nor a miss: :func:`exit_code` gives ``SKIP_EXIT_CODE`` (77, the
 "skipped" status of the GNU Automake and Meson test harnesses).
