@@ -318,10 +318,10 @@ def prepare(sc: Scenario, framework: str, steps: int, workdir: Path,
     total = steps + WARMUP_STEPS
     env = {"PET_LOG_DIR": str(workdir / "logs"), "PET_TEE": "3"}  # torchrun: per-rank log files (--log-dir, --tee)
     if framework == "torchtitan":
-        script = write_all(workdir, _emitted(sc, framework))[0]
+        script = write_all(workdir, _emitted(sc, framework), option="--keep")[0]
         tok, data = write_torchtitan_assets(workdir / "assets")
         return script, torchtitan_run_options(total, workdir / "dump", tok, data), env
-    script = write_all(workdir, _emitted(sc, framework))[0]
+    script = write_all(workdir, _emitted(sc, framework), option="--keep")[0]
     env |= {"TRAIN_ITERS": str(total)}
     checkout = megatron_checkout(megatron_lm)
     if checkout is not None:
