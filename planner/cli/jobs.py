@@ -23,12 +23,15 @@ def validate(
     out: Annotated[Optional[str], typer.Option("--out", help="Write the JSON report here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")] = False,
     scale: Annotated[float, typer.Option("--scale", min=0.25, max=8.0, help="Size of the local miniature (head width and sequence, x1 = 16 and 128).")] = 1.0,
-    hardware: Annotated[str, typer.Option("--hardware", "-H", help="Profile of this machine for the miniature's prediction (e.g. from `plan3d calibrate`).")] = "cpu-gloo",
+    hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Profile of this machine for the miniature's prediction (e.g. from `plan3d calibrate`); default cpu-gloo (with --framework: the plan's own).")] = None,
     max_ranks: Annotated[int, typer.Option("--max-ranks", min=1, max=64, help="Local processes for the miniature.")] = 8,
-    timeout: Annotated[float, typer.Option("--timeout", min=10, max=7 * 24 * 3600, help="Wall-clock limit of the whole run, seconds.")] = 300.0,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=10, max=7 * 24 * 3600, help="Wall-clock limit of the whole run, seconds; default 300 (1800 with --framework).")] = None,
     time_factor: Annotated[Optional[float], typer.Option("--time-factor", min=1.0, max=100.0, help="Fail when measured/predicted step time is outside 1/F..F; default 4 (gloo) or 1.5 (nccl) when --hardware was written by `plan3d calibrate`, else reported, not judged.")] = None,
     memory_tolerance: Annotated[Optional[float], typer.Option("--memory-tolerance", min=0.0, max=1.0, help="Fail when a measured memory component is off the prediction by more than this fraction (default 0.05).")] = None,
     keep: Annotated[Optional[str], typer.Option("--keep", help="Keep the miniature's plan, logs and measurements in this folder.")] = None,
+    framework: Annotated[Optional[str], typer.Option("--framework", help="torchtitan or megatron: run the framework itself (the emitted launch file) for --steps steps after one warm-up and judge it from its logs; exit 77 when it cannot run here (docs/validation_framework.md).")] = None,
+    logs: Annotated[Optional[str], typer.Option("--logs", help="With --framework: judge the logs of a run made elsewhere (a torchrun --log-dir folder or log files).")] = None,
+    megatron_lm: Annotated[Optional[str], typer.Option("--megatron-lm", help="With --framework megatron: the Megatron-LM checkout (default $MEGATRON_LM).")] = None,
     json_out: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress spinner.")] = False,
 ) -> None:
@@ -50,6 +53,12 @@ def validate(
 
         if Path(out).exists():
             raise SpecError(f"--out: {out} exists; pass --force to overwrite it")
+    if framework is not None:
+        raise typer.Exit(_validate_framework(sc, framework, steps, timeout or 1800.0, keep, megatron_lm, hardware, time_factor,
+                                             logs, out, force, json_out))
+    if logs is not None or megatron_lm is not None:
+        raise SpecError(f"{'--logs' if logs is not None else '--megatron-lm'}: applies with --framework only")
+    hardware, timeout = hardware or "cpu-gloo", timeout or 300.0
     tolerance = launch.MEMORY_TOLERANCE if memory_tolerance is None else memory_tolerance
     if launch.inside_torchrun():
         code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout, time_factor, tolerance, json_out)
@@ -67,6 +76,29 @@ def validate(
             typer.echo(f"error: {line}", err=True)
         raise typer.Exit(1)
     raise typer.Exit(_report_verdict(outcome.report, sc, mini, out, force, json_out))
+
+
+def _validate_framework(sc, framework: str, steps: int, timeout: float, keep, megatron_lm, hardware, time_factor,
+                        logs, out, force: bool, json_out: bool) -> int:
+    """`validate --framework`: run (or read the logs of) torchtitan / Megatron-LM and judge its measurements."""
+    from planner import render
+    from planner.validate import framework_run
+
+    if framework not in ("torchtitan", "megatron"):
+        raise SpecError(f"--framework: '{framework}' is not one of torchtitan, megatron")
+    run = framework_run.validate_framework(sc, framework, steps, timeout, keep, megatron_lm, hardware, time_factor, logs)
+    report = framework_run.report_json(run)
+    if out:
+        from planner.io import write_atomic
+
+        write_atomic(out, json.dumps(report, indent=2) + "\n", force)
+    if json_out:
+        render.print_json(report)
+    else:
+        skipped = run.status == "skipped"
+        for line in framework_run.summary_lines(run):
+            typer.echo(line, err=skipped)
+    return framework_run.exit_code(run)
 
 
 def _report_verdict(report: dict, sc, run, out, force: bool, json_out: bool) -> int:
