@@ -67,9 +67,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, model: ModelSpec):
+    """The dense MLP, a routed expert (``ffn`` = moe_ffn_size) or the shared experts (their total width)."""
+
+    def __init__(self, model: ModelSpec, ffn: int | None = None):
         super().__init__()
-        h, f = model.hidden_size, model.ffn_size
+        h, f = model.hidden_size, ffn or model.ffn_size
         self.swiglu = model.activation == "swiglu"
         self.w1 = nn.Linear(h, f, bias=model.linear_bias)
         self.w3 = nn.Linear(h, f, bias=model.linear_bias) if self.swiglu else None
@@ -85,12 +87,18 @@ class Block(nn.Module):
     """One pre-norm transformer layer. ``saved_hooks`` (set by the worker) wraps its forward in a
     ``saved_tensors_hooks`` context that measures what autograd keeps for backward."""
 
-    def __init__(self, model: ModelSpec):
+    def __init__(self, model: ModelSpec, moe: bool = False):
         super().__init__()
         self.attention_norm = Norm(model)
         self.attention = Attention(model)
         self.ffn_norm = Norm(model)
-        self.feed_forward = MLP(model)
+        if moe:
+            from planner.validate.moe_layer import MoE
+
+            self.feed_forward = MoE(model)
+        else:
+            self.feed_forward = MLP(model)
+        self.is_moe = moe
         self.dropout = model.dropout
         self.recompute = "none"
         self.saved_hooks = None
@@ -160,10 +168,10 @@ def build_chunks(model: ModelSpec, layers_per_chunk: list[int], seed: int = 1234
     (``LanguageModule.setup_embeddings_and_output_layer``, ``_allreduce_word_embedding_grads``).
     """
     torch.manual_seed(seed)
-    blocks = [Block(model) for _ in range(model.num_layers)]
+    blocks = [Block(model, moe=model.is_moe_layer(i)) for i in range(model.num_layers)]
     for blk in blocks:
-        for p in blk.parameters():
-            if p.dim() == 2:
+        for name, p in blk.named_parameters():
+            if p.dim() == 2 or name.endswith("shared_gate"):  # the h -> 1 gate is kept as a vector (moe_layer.MoE)
                 nn.init.normal_(p, std=0.02)
     chunks, start = [], 0
     for i, n in enumerate(layers_per_chunk):
@@ -246,9 +254,11 @@ def build_local_chunks(model: ModelSpec, layers_per_chunk: list[int], pp: int, p
     Tied embeddings across stages are refused by the caller (the copy needs the first stage's values).
     """
     del seed  # values are drawn after sharding, per local shard (materialize_local)
+    starts = [sum(layers_per_chunk[:i]) for i in range(len(layers_per_chunk))]
     with torch.device("meta"):
         last = len(layers_per_chunk) - 1
-        return [Chunk(model, first=i == 0, last=i == last, layers=[Block(model) for _ in range(n)])
+        return [Chunk(model, first=i == 0, last=i == last,
+                      layers=[Block(model, moe=model.is_moe_layer(starts[i] + j)) for j in range(n)])
                 for i, n in enumerate(layers_per_chunk) if i % pp == pp_rank]
 
 
