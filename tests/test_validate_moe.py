@@ -103,6 +103,8 @@ def test_tokens_really_moved_between_ranks(run, request):
           f"routed tokens per MoE layer and micro-batch {min(a['routed_tokens_min'] for a in acts)}.."
           f"{max(a['routed_tokens_max'] for a in acts)} (balanced {balanced})")
     assert all(0.5 < x < 2.0 for x in ratios)
+    text = "\n".join(launch.summary_lines(report))
+    assert "expert gradients (rank 0, 6 tensors) vs single process" in text and "balanced 256" in text
 
 
 def test_a_wrong_expert_state_or_gradient_fails_the_verdict(pp2_ep4):

@@ -502,7 +502,8 @@ def moe_saved_rows(sc: Scenario, r: dict) -> tuple[list[dict], dict]:
     peak_pred = sum(expected.get(tuple(k), 0.0) for k in r["saved_peak_keys"])
     base = {"rank": r["rank"], "stage": r["pp_rank"]}
     rows = [{"metric": "saved_activation_peak_bytes", **base, "predicted": peak_pred,
-             "measured": r["saved_activation_peak_bytes"], "rel_error": _rel(r["saved_activation_peak_bytes"], peak_pred)},
+             "measured": r["saved_activation_peak_bytes"],
+             "rel_error": _rel(r["saved_activation_peak_bytes"], peak_pred)},
             {"metric": "saved_activation_microbatch_bytes", **base, "predicted": expected[tuple(worst["key"])],
              "measured": worst["bytes"], "rel_error": _rel(worst["bytes"], expected[tuple(worst["key"])])}]
     balanced = moe_balanced_saved_peak_bytes(sc, r["pp_rank"])
@@ -639,12 +640,34 @@ def summary_lines(report: dict) -> list[str]:
         reserved = f", reserved {row['reserved'] / 2**30:.3f} GiB" if row.get("reserved") else ""
         lines.append(f"rank {row['rank']}: max_memory_allocated {row['measured'] / 2**30:.3f} GiB, predicted "
                      f"{row['predicted'] / 2**30:.3f} GiB ({100 * row['rel_error']:+.1f}%){reserved}")
+    lines += moe_summary_lines(report.get("moe"))
     st = report.get("step_time")
     if st and not st.get("judged"):
         lines.append("step time: reported, not judged (the hardware profile was not calibrated here; "
                      "`plan3d calibrate`, or --time-factor)")
     lines.append(f"verdict: {report.get('verdict', 'fail').upper()}")
     lines += [f"  {r}" for r in report.get("reasons", [])]
+    return lines
+
+
+def moe_summary_lines(moe: dict | None) -> list[str]:
+    """The MoE part of the summary: rank 0's gradients against the single-process model (judged) and the
+    saved activations against balanced routing with the routed token counts (reported, not judged)."""
+    if not moe:
+        return []
+    lines = []
+    for group, g in (moe.get("grad_check") or {}).items():
+        lines.append(f"{group} gradients (rank 0, {g['params']} tensors) vs single process: "
+                     f"{100 * g['rel_diff']:.5f}% of the largest")
+    acts = moe.get("activations") or []
+    if acts:
+        ratios = [a["ratio_to_balanced"] for a in acts if a["ratio_to_balanced"]]
+        lows = [a["routed_tokens_min"] for a in acts if a["routed_tokens_min"] is not None]
+        highs = [a["routed_tokens_max"] for a in acts if a["routed_tokens_max"] is not None]
+        lines.append(f"saved activations / balanced-routing expectation: {min(ratios):.3f}..{max(ratios):.3f} over "
+                     f"ranks; tokens per rank's experts per layer and micro-batch {min(lows)}..{max(highs)} "
+                     f"(balanced {acts[0]['routed_tokens_balanced']}; reported, not judged: the rows above use "
+                     "the measured counts)")
     return lines
 
 

@@ -107,7 +107,8 @@ def moe_layer_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, routed
         terms += [ActTerm("shared expert activation input (FC1 output)", t * mlp_in * fs * e),
                   ActTerm("shared expert FC2 input", t * fs * e)]
         if model.shared_expert_gate:
-            terms += [ActTerm("shared expert output (gated)", t * h * e), ActTerm("shared expert gate (sigmoid)", t * e)]
+            terms += [ActTerm("shared expert output (gated)", t * h * e),
+                      ActTerm("shared expert gate (sigmoid)", t * e)]
     return terms
 
 

@@ -6,6 +6,11 @@ FSDP2 over the data-parallel ranks, activation checkpointing for recompute and A
 measures collectives on the plan's own groups, runs warm-up and measured steps on a fixed
 synthetic batch, and gathers every rank's measurements to rank 0, which writes them as JSON.
 
+A mixture-of-experts plan also gets an expert grid (:func:`moe_mesh`): each rank keeps its ``E/ep``
+experts of every MoE layer (planner.validate.moe_layer), FSDP2 shards them over the expert-data-parallel
+ranks, the worker records the tokens each rank's experts received per layer and micro-batch, and rank 0
+compares its first-step gradients with the single-process model's (:func:`_grad_check`).
+
 Each rank writes its current phase to ``--phase-dir``/rank<N>, so that the launcher can say which
 rank stalled where. ``PLAN3D_VALIDATE_FAULT=rank:phase`` makes that rank exit in that phase
 (used by the failure tests); ``rank:phase:hang`` makes it stall there instead.
