@@ -5,8 +5,9 @@ Two 8-rank gloo runs of tiny-moe (model_specs/tiny-moe.yaml) through ``validate_
 of the other validate tests (module-scoped fixtures, ~15 s each on an idle 2-core machine):
 
 * ``pp2_ep4``: tp1 pp2 dp4 ep4, ZeRO-0: one EP group of 4 per stage, experts not sharded (expert_dp 1);
-* ``pp1_ep4_zero3``: tp1 pp1 dp8 ep4, ZeRO-3, selective recompute, with the shared-expert gate and a router
-  bias: two EP groups, experts sharded over expert_dp = 2.
+* ``tp2_ep4_zero3``: tp2 (sequence parallel, etp 1) pp1 dp4 ep4, ZeRO-3, selective recompute, with the
+  shared-expert gate and a router bias: EP groups drawn from the tp x dp ranks, router and gate replicated
+  over TP, shared experts TP-parallel, experts sharded over expert_dp = tp*dp/ep = 2.
 
 The single-process checks need no process group: the saved bytes of one MoE layer against the per-tensor
 expectation, and the layer's output against a per-token loop over the experts.
@@ -47,12 +48,13 @@ def pp2_ep4():
 
 
 @pytest.fixture(scope="module")
-def pp1_ep4_zero3():
+def tp2_ep4_zero3():
     model = load_model("tiny-moe").model_copy(update={"shared_expert_gate": True, "router_bias": True})
-    return _validate(_scenario(model, pp=1, dp=8, zero_stage=3, recompute="selective"))
+    return _validate(_scenario(model, tp=2, pp=1, dp=4, etp=1, sequence_parallel=True, zero_stage=3,
+                               recompute="selective"))
 
 
-RUNS = ["pp2_ep4", "pp1_ep4_zero3"]
+RUNS = ["pp2_ep4", "tp2_ep4_zero3"]
 METRICS = {"weights_bytes", "grads_bytes", "optimizer_bytes", "expert_weights_bytes", "expert_grads_bytes",
            "expert_optimizer_bytes", "saved_activation_peak_bytes", "saved_activation_microbatch_bytes"}
 
@@ -92,11 +94,12 @@ def test_tokens_really_moved_between_ranks(run, request):
     """The random router (seed 1234 weights, seed 4321 + dp rank batches) sends each rank's experts a different
     number of tokens; the saved bytes follow the measured counts exactly (above), and differ from the
     balanced-routing expectation by the imbalance, which is reported, not judged."""
-    _, report = request.getfixturevalue(run)
+    mini, report = request.getfixturevalue(run)
     acts = report["moe"]["activations"]
     assert len(acts) == 8
     balanced = acts[0]["routed_tokens_balanced"]
-    assert balanced == 128 * 1 * 2  # b*s*k of the miniature: every rank's experts get N = b*s*k when even
+    # b*s/tp*k of the miniature (s 128, b 1, k 2): every rank's experts get what each rank sends when even
+    assert balanced == 128 * 1 // mini.plan.tp * 2
     assert any(a["routed_tokens_min"] < balanced < a["routed_tokens_max"] for a in acts)
     ratios = [a["ratio_to_balanced"] for a in acts]
     print(f"{run}: measured/balanced saved-activation peak per rank: {[round(x, 3) for x in ratios]}; "
@@ -104,7 +107,7 @@ def test_tokens_really_moved_between_ranks(run, request):
           f"{max(a['routed_tokens_max'] for a in acts)} (balanced {balanced})")
     assert all(0.5 < x < 2.0 for x in ratios)
     text = "\n".join(launch.summary_lines(report))
-    assert "expert gradients (rank 0, 6 tensors) vs single process" in text and "balanced 256" in text
+    assert "expert gradients (rank 0, 6 tensors) vs single process" in text and f"balanced {balanced}" in text
 
 
 def test_a_wrong_expert_state_or_gradient_fails_the_verdict(pp2_ep4):
@@ -132,6 +135,15 @@ def test_parameters_per_rank_by_hand():
     assert rank_param_split(sc.model, sc.resolved_plan(), 1, 2) == (2 * moe_dense + 64 + 512 * 64, 2 * 2 * 24576)
 
 
+def test_parameters_per_rank_with_tp_by_hand():
+    """tiny-moe tp2 (etp 1) pp2 dp2 ep4, stage 0 on one rank: attention 64*(32 + 32) + 32*64 = 6144 (Q and O
+    halves, one of the two KV heads), norms 128, dense MLP 64*256 + 128*64 = 24576 (half), router 512 (whole),
+    shared expert 64*128 + 64*64 = 12288 (half), vocab-parallel embedding 512*64/2; experts whole, 2 of 8."""
+    sc = _scenario(tp=2, dp=2, etp=1, sequence_parallel=True)
+    dense_layer, moe_dense = 6144 + 128 + 24576, 6144 + 128 + 512 + 12288
+    assert rank_param_split(sc.model, sc.resolved_plan(), 0, 2) == (512 * 64 / 2 + dense_layer + moe_dense, 2 * 24576)
+
+
 VARIANTS = {
     "swiglu-shared": {},
     "gate-router-bias": {"shared_expert_gate": True, "router_bias": True},
@@ -152,7 +164,7 @@ def test_one_moe_layer_saves_what_is_expected(variant, recompute):
     torch.manual_seed(0)
     blk = Block(model, moe=True)
     if model.shared_expert_gate:
-        torch.nn.init.normal_(blk.feed_forward.shared_gate, std=0.02)
+        torch.nn.init.normal_(blk.feed_forward.shared_gate.weight, std=0.02)
     chunk = torch.nn.Module()
     chunk.layers = [blk]
     set_recompute(chunk, recompute)
@@ -178,7 +190,7 @@ def test_moe_layer_output_equals_a_loop_over_tokens():
     model = load_model("tiny-moe").model_copy(update={"shared_expert_gate": True})
     torch.manual_seed(0)
     moe = MoE(model)
-    torch.nn.init.normal_(moe.shared_gate, std=0.02)
+    torch.nn.init.normal_(moe.shared_gate.weight, std=0.02)
     x = torch.randn(2, 5, model.hidden_size)
     got = moe(x).reshape(-1, model.hidden_size)
     for t, xt in enumerate(x.reshape(-1, model.hidden_size)):
@@ -186,14 +198,14 @@ def test_moe_layer_output_equals_a_loop_over_tokens():
         top, idx = logits.topk(model.top_k)
         probs = torch.softmax(top, dim=0)
         want = sum(p * moe.experts.experts[str(int(e))](xt[None])[0] for p, e in zip(probs, idx))
-        want = want + moe.shared(xt[None])[0] * torch.sigmoid(xt @ moe.shared_gate)
+        want = want + moe.shared(xt[None])[0] * torch.sigmoid(xt @ moe.shared_gate.weight)
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(("model", "update", "plan", "field"), [
     ("tiny-moe", {"capacity_factor": 1.25}, {}, "capacity_factor"),
     ("tiny-moe", {}, {"etp": 2, "tp": 1}, "etp=2"),
-    ("tiny-moe", {}, {"tp": 2, "dp": 2, "etp": 1}, "tp=2"),
+    ("tiny-moe", {}, {"tp": 2, "dp": 2, "etp": 1}, "sequence_parallel"),
     ("deepseek-v3", {}, {}, "MLA"),
 ])
 def test_what_the_moe_miniature_cannot_run_is_refused_in_one_line(model, update, plan, field):

@@ -153,7 +153,7 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
                             precision="fp32", attention="flash", framework="torch", overlap_grad_reduce=True)
     plan = Plan(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
                 sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage,
-                layers_per_stage=stage_layers, ep=math.gcd(p.ep, dp) if m.is_moe else 1,
+                layers_per_stage=stage_layers, ep=math.gcd(p.ep, tp * dp) if m.is_moe else 1,
                 etp=1 if m.is_moe and p.etp is not None else None)
     return Scenario(model=model, hardware=hardware or load_hardware("cpu-gloo"), training=training, plan=plan)
 

@@ -171,7 +171,7 @@ def build_chunks(model: ModelSpec, layers_per_chunk: list[int], seed: int = 1234
     blocks = [Block(model, moe=model.is_moe_layer(i)) for i in range(model.num_layers)]
     for blk in blocks:
         for name, p in blk.named_parameters():
-            if p.dim() == 2 or name.endswith("shared_gate"):  # the h -> 1 gate is kept as a vector (moe_layer.MoE)
+            if p.dim() == 2 or name.endswith("shared_gate.weight"):  # the h -> 1 gate is a vector (moe_layer.Gate)
                 nn.init.normal_(p, std=0.02)
     chunks, start = [], 0
     for i, n in enumerate(layers_per_chunk):
@@ -229,17 +229,48 @@ def tensor_parallelize(chunk: Chunk, tp_mesh, sequence_parallel: bool) -> None:
             "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if blk.feed_forward.w3 is not None:
-            layer_plan["feed_forward.w3"] = ColwiseParallel()
+        if blk.is_moe:
+            layer_plan |= moe_tp_plan(blk.feed_forward, sequence_parallel)
+        else:
+            layer_plan |= {
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            }
+            if blk.feed_forward.w3 is not None:
+                layer_plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
-            layer_plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+            layer_plan |= {"attention_norm": SequenceParallel()}
+            layer_plan.setdefault("ffn_norm", SequenceParallel())
         parallelize_module(blk, tp_mesh, layer_plan)
         tp = tp_mesh.size()
         blk.attention.heads //= tp
         blk.attention.kv_heads = max(blk.attention.kv_heads // tp, 1)
+
+
+def moe_tp_plan(moe, sequence_parallel: bool) -> dict:
+    """TP plan of a MoE layer (sequence parallelism required, planner.validate.moe.moe_refusal): the norm hands
+    the layer its local sequence shard; the router and the gate run on it with their weights replicated over
+    TP (``SequenceParallel`` on the flattened tokens: their gradients are summed over TP); the shared experts
+    gather the sequence, run column/row parallel and scatter it again (Megatron-Core's ``SharedExpertMLP`` is a
+    TP-parallel MLP); the routed experts are whole (etp = 1) and see only local tokens."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    if not sequence_parallel:
+        raise ValueError("a MoE layer with tp > 1 needs sequence parallelism")
+    plan = {"ffn_norm": SequenceParallel(use_local_output=True),
+            "feed_forward.router": SequenceParallel(sequence_dim=0, use_local_output=True)}
+    if moe.shared is not None:
+        plan |= {"feed_forward.shared": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
+                 "feed_forward.shared.w1": ColwiseParallel(),
+                 "feed_forward.shared.w2": RowwiseParallel(output_layouts=Shard(0))}
+        if moe.shared.w3 is not None:
+            plan["feed_forward.shared.w3"] = ColwiseParallel()
+    if moe.shared_gate is not None:
+        plan["feed_forward.shared_gate"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    return plan
 
 
 def build_local_chunks(model: ModelSpec, layers_per_chunk: list[int], pp: int, pp_rank: int,

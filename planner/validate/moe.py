@@ -44,17 +44,31 @@ def moe_refusal(model: ModelSpec, plan: Plan) -> str | None:
     if plan.expert_tp != 1:
         return (f"plan: etp={plan.expert_tp} (expert tensor parallelism) is not in the validate MoE layer, which runs "
                 "whole experts (etp=1); validate the same plan with etp=1")
-    if plan.tp != 1:
-        return (f"plan: tp={plan.tp} with experts is not in the validate miniature (the MoE layer runs on whole "
-                "sequences, tp=1); validate the same plan with tp=1")
+    if plan.tp > 1 and not plan.sequence_parallel:
+        return (f"plan: tp={plan.tp} with experts needs sequence_parallel (Megatron requires it for MoE with TP; the "
+                "validate MoE layer routes each rank's sequence shard); validate the plan with sequence_parallel")
     return None
 
 
+def mlp_params_per_rank(model: ModelSpec, ffn: int, tp: int) -> float:
+    """One MLP of width ``ffn`` on one TP rank: FC1 (and gate) column-parallel, FC2 row-parallel with its bias
+    replicated (the MLP part of planner.memory.layer_params_per_rank)."""
+    h, mlp_in = model.hidden_size, (2 if model.gated_mlp else 1) * ffn / tp
+    return h * mlp_in + (ffn / tp) * h + ((mlp_in + h) if model.has_mlp_bias else 0)
+
+
 def rank_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple[float, float]:
-    """(dense, expert) parameters held by one rank of pipeline stage ``stage`` (module docstring), tp = etp = 1."""
+    """(dense, expert) parameters held by one rank of pipeline stage ``stage`` (module docstring), etp = 1.
+
+    In each MoE layer the dense MLP of ``stage_params_per_rank`` is replaced by the router (replicated over
+    TP), the shared experts (TP-parallel like the dense MLP, Megatron-Core ``SharedExpertMLP``) and their
+    gate (replicated); the routed experts, ``expert_params() / ep``, are whole on each rank."""
+    t = plan.tp
     moe_layers = plan.stage_moe_layers(model)[stage]
     dense = stage_params_per_rank(model, plan, stage, layers)  # every layer with the dense MLP
-    dense += moe_layers * (model.router_params() + model.shared_expert_params() - model.mlp_params())
+    fs = model.shared_expert_ffn_hidden_size
+    shared = (mlp_params_per_rank(model, fs, t) if fs else 0) + (model.hidden_size if model.shared_expert_gate else 0)
+    dense += moe_layers * (model.router_params() + shared - mlp_params_per_rank(model, model.ffn_size, t))
     return dense, moe_layers * model.expert_params() / plan.ep
 
 
@@ -84,16 +98,22 @@ def rank_state_bytes(sc: Scenario, stage: int) -> dict[str, float]:
 
 def moe_layer_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, routed_tokens: float) -> list[ActTerm]:
     """Tensors one MoE layer of the validate model saves per micro-batch when its experts received
-    ``routed_tokens`` tokens (module docstring); tp = cp = 1."""
-    e, i = act_bytes(training), INDEX_BYTES
+    ``routed_tokens`` tokens (module docstring); cp = 1, and with tp > 1 sequence parallelism: the router
+    works on the ``b*s/tp`` local tokens and the shared experts on the gathered sequence (DTensor keeps the
+    gathered input, ``framework="torch"``)."""
+    e, i, tp = act_bytes(training), INDEX_BYTES, plan.tp
     t, h, k = training.seq_len * plan.micro_batch_size, model.hidden_size, model.top_k
-    n, r = t * k, routed_tokens
+    t_local = t // tp
+    n, r = t_local * k, routed_tokens
     mlp_in = 2 if model.gated_mlp else 1
     f = model.moe_ffn_size
     terms = [x for x in layer_activation_terms(model, training, plan) if x.name not in MLP_TERMS]
+    if tp > 1:  # the MLP input term is the gathered sequence; the router keeps the local shard instead
+        terms = [x for x in terms if x.name != "FC1 input"] + [ActTerm("router input (local norm2 output)",
+                                                                        t_local * h * e)]
     terms += [
-        ActTerm("router top-k indices", t * k * i),
-        ActTerm("router probabilities (softmax over the top k)", t * k * e),
+        ActTerm("router top-k indices", t_local * k * i),
+        ActTerm("router probabilities (softmax over the top k)", t_local * k * e),
         ActTerm("dispatch: token index of each routed copy", n * i),
         ActTerm("dispatch: expert-sorted order", n * i),
         ActTerm("expert inputs (received)", r * h * e),
@@ -104,11 +124,13 @@ def moe_layer_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, routed
     ]
     fs = model.shared_expert_ffn_hidden_size
     if fs:
-        terms += [ActTerm("shared expert activation input (FC1 output)", t * mlp_in * fs * e),
-                  ActTerm("shared expert FC2 input", t * fs * e)]
+        if tp > 1:
+            terms.append(ActTerm("shared expert FC1 input (gathered sequence)", t * h * e))
+        terms += [ActTerm("shared expert activation input (FC1 output)", t * mlp_in * fs / tp * e),
+                  ActTerm("shared expert FC2 input", t * fs / tp * e)]
         if model.shared_expert_gate:
-            terms += [ActTerm("shared expert output (gated)", t * h * e),
-                      ActTerm("shared expert gate (sigmoid)", t * e)]
+            terms += [ActTerm("shared expert output (gated)", t_local * h * e),
+                      ActTerm("shared expert gate (sigmoid)", t_local * e)]
     return terms
 
 
@@ -118,8 +140,9 @@ def moe_layer_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, 
 
 
 def balanced_routed_tokens(training: TrainingSpec, plan: Plan, model: ModelSpec) -> int:
-    """Tokens one rank's experts receive per MoE layer and micro-batch when routing is even: ``b*s*k``."""
-    return training.seq_len * plan.micro_batch_size * model.top_k
+    """Tokens one rank's experts receive per MoE layer and micro-batch when routing is even: ``b*s*k/tp``
+    (each of the ep ranks of a group sends that many routed copies, spread evenly over the ep ranks)."""
+    return training.seq_len * plan.micro_batch_size // plan.tp * model.top_k
 
 
 def microbatch_saved_bytes(sc: Scenario, dense_layers: int, routed: list[float]) -> float:

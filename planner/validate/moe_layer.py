@@ -19,8 +19,11 @@ Built from torch's own pieces, following Megatron-Core's ``MoELayer`` (core_v0.1
 * Experts: one MLP of ``moe_ffn_size`` each (gated per the spec: the same ``MLP`` as the dense
   layer, SwiGLU saving only its input as Megatron's fused kernel does). Expert tensor parallelism
   is 1 (the miniature refuses etp > 1). Shared experts: one MLP of their total width, with the
-  optional sigmoid gate (``--moe-shared-expert-gate``; Qwen2-MoE), whose ``h -> 1`` weight is kept as
-  an ``h`` vector so that FSDP2 shards it evenly.
+  optional sigmoid gate (:class:`Gate`).
+* Tensor parallelism (tp > 1, with sequence parallelism, as Megatron requires for MoE with TP): the layer
+  works on this rank's sequence shard. The router and the gate are replicated over TP (their gradients
+  summed over it) and the shared experts are column/row parallel, as in Megatron-Core
+  (planner.validate.model.tensor_parallelize); the EP group is drawn from the tp x dp ranks.
 
 Parameters keep the reference model's names (``experts.experts.<global index>``), so a rank's local
 experts can be compared with the single-process model parameter by parameter.
@@ -48,6 +51,19 @@ class Experts(nn.Module):
         return [mlp(x) for mlp, x in zip(self.experts.values(), inputs)]
 
 
+class Gate(nn.Module):
+    """The shared experts' sigmoid gate, ``sigmoid(x . w)`` (Megatron ``--moe-shared-expert-gate``; Qwen2-MoE
+    ``shared_expert_gate``, an ``h -> 1`` linear layer without bias). The weight is kept as an ``h`` vector
+    so that FSDP2 shards it evenly over dp (a ``1 x h`` matrix would sit whole on one rank)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden))
+
+    def forward(self, x):
+        return torch.sigmoid(x @ self.weight[:, None])
+
+
 class MoE(nn.Module):
     def __init__(self, model: ModelSpec):
         super().__init__()
@@ -58,7 +74,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(h, model.num_experts, bias=model.router_bias)
         self.experts = Experts(model)
         self.shared = MLP(model, model.shared_expert_ffn_hidden_size) if model.shared_expert_ffn_hidden_size else None
-        self.shared_gate = nn.Parameter(torch.empty(h)) if model.shared_expert_gate else None
+        self.shared_gate = Gate(h) if model.shared_expert_gate else None
         self.ep, self.ep_rank, self.ep_group = 1, 0, None
         self.on_routed = None  # set by the worker: called with the tokens this rank's experts received
 
@@ -117,6 +133,6 @@ class MoE(nn.Module):
         if self.shared is not None:
             shared = self.shared(xt)
             if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(xt @ self.shared_gate[:, None])
+                shared = shared * self.shared_gate(xt)
             out = out + shared
         return out.view(b, s, h)

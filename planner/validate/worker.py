@@ -305,9 +305,9 @@ def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
 
 
 def moe_mesh(sc: Scenario, device):
-    """The expert grid of a MoE plan over the same ranks, in Megatron's order (tp-cp-ep-dp-pp; etp = tp = 1
-    here): ``(pp, expert_dp, ep)`` with ep fastest, so an EP group is ep consecutive data-parallel ranks
-    (Megatron-Core ``parallel_state``, parallel folding). The expert-data-parallel dimension is split into
+    """The expert grid of a MoE plan over the same ranks, in Megatron's order (etp-ep-edp-pp over the ranks of
+    tp-cp-dp-pp; etp = 1 here): ``(pp, expert_dp, ep)`` with ep fastest, so an EP group is ep consecutive ranks
+    of a stage, drawn from its tp x dp ranks (Megatron-Core ``parallel_state``, parallel folding). The expert-data-parallel dimension is split into
     replicate and shard as the dense one is (ZeRO-0 replicates, ZeRO-2/3 shard)."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -487,8 +487,10 @@ def _main(argv: list[str] | None) -> int:
             raise torch.OutOfMemoryError("injected: CUDA out of memory (PLAN3D_VALIDATE_SABOTAGE)")
         if tied is not None:
             tied.sync_grads()
-        if step == 0 and reference_chunks is not None and sc.model.is_moe:
-            grad_check = _grad_check(reference_chunks[0], mine[0], sc, device, expert_params)
+        if step == 0 and args.reference and sc.model.is_moe:
+            full = _full_grads(mine[0])  # collective over each parameter's mesh: every rank takes part
+            if reference_chunks is not None:
+                grad_check = _grad_check(reference_chunks[0], mine[0], full, sc, device, expert_params)
         if bad.get("slow"):
             time.sleep(bad["slow"])
         optimizer.step()
@@ -540,14 +542,20 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-def _grad_check(model, chunk, sc: Scenario, device, expert_params: set) -> dict:
+def _full_grads(chunk) -> dict:
+    """The whole gradient of every parameter of ``chunk`` (DTensor ``full_tensor``: FSDP and TP shards gathered)."""
+    return {name: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad)
+            for name, q in chunk.named_parameters() if q.grad is not None}
+
+
+def _grad_check(model, chunk, full: dict, sc: Scenario, device, expert_params: set) -> dict:
     """Rank 0's first-step gradients of its first chunk against the single-process model (same weights)
     on every data-parallel replica's batch, the loss averaged over replicas and micro-batches.
 
-    For a MoE plan this checks dispatch and combine backward through the all-to-all and the expert
-    gradients' reduction over the expert-data-parallel ranks (divided by dp, not expert_dp). Rank 0 holds
-    the first shard (rows) of every sharded gradient, so the reference's first rows are compared.
-    Returns the largest absolute difference over each group, relative to that group's largest gradient."""
+    For a MoE plan this checks dispatch and combine backward through the all-to-all, TP's sums over the
+    router and gate, and the expert gradients' reduction over the expert-data-parallel ranks (divided by
+    dp, not expert_dp). ``full`` holds the gathered gradients (:func:`_full_grads`). Returns the largest
+    absolute difference over each group, relative to that group's largest gradient."""
     p = sc.resolved_plan()
     model.to(device)
     model.eval()  # no dropout: the distributed warm-up step runs without it
@@ -563,12 +571,11 @@ def _grad_check(model, chunk, sc: Scenario, device, expert_params: set) -> dict:
         diff = scale = 0.0
         count = 0
         for name, q in chunk.named_parameters():
-            if (id(q) in expert_params) != pick or q.grad is None:
+            if (id(q) in expert_params) != pick or name not in full:
                 continue
-            mine = _storage_tensor(q.grad)
-            want = ref[name].grad[:mine.shape[0]] if mine.dim() else ref[name].grad
-            diff = max(diff, float((mine - want).abs().max()) if mine.numel() else 0.0)
-            scale = max(scale, float(want.abs().max()) if want.numel() else 0.0)
+            mine, want = full[name], ref[name].grad
+            diff = max(diff, float((mine - want).abs().max()))
+            scale = max(scale, float(want.abs().max()))
             count += 1
         out[group] = {"params": count, "max_abs_diff": diff, "max_abs_grad": scale,
                       "rel_diff": diff / scale if scale else 0.0}
