@@ -96,7 +96,7 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
     kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` on gloo, torch 2.13, checked by
     tests/test_validate_features.py), and the worker does not wire it for NCCL yet. ALiBi: the
     validate model has no ALiBi bias. Mixture of experts: what the MoE layer does not run
-    (:func:`planner.validate.moe.moe_refusal`: capacity factors, MLA, expert TP, tp > 1).
+    (:func:`planner.validate.moe.moe_refusal`: capacity factors, MLA, expert TP, tp > 1 without SP).
     """
     cp = sc.plan.cp
     if cp > 1:
@@ -116,8 +116,10 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring).
 
     Kept from the plan: tp, pp, vpp, recompute, SP, the ZeRO stage (1 runs as 2), GQA, activation,
-    norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout.
-    Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, fp32.
+    norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout; for a
+    MoE model the experts, shared experts, gate and router bias (:func:`miniature_moe_fields`).
+    Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, fp32; for MoE the expert
+    count (at most 8), top-k (at most 2) and ep (``gcd(ep, tp*dp)``).
     """
     reason = refusal(sc, backend)
     if reason:
