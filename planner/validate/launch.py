@@ -19,6 +19,7 @@ that it owns and kills as a whole on a timeout, a failed rank, Ctrl-C or SIGTERM
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -47,6 +48,10 @@ GPU: transient buffers (logits, FSDP all-gathers, cuBLAS workspaces) come on top
 LOSS_TOLERANCE = 1e-4
 """Relative tolerance of the first distributed loss against the single-process loss of the same
 weights and batch (fp32: reduction order only)."""
+GRAD_TOLERANCE = 1e-4
+"""Largest difference of rank 0's first-step gradients (MoE runs) from the single-process model's, relative
+to the largest gradient: fp32 reduction order only, as :data:`LOSS_TOLERANCE`. A gradient reduced over the
+wrong group is off by a factor (ep: 2x or more)."""
 TIME_FACTOR = {"nccl": 1.5, "gloo": 4.0}
 """Largest ratio between measured and predicted step time (either way) that passes; judged only when
 the hardware profile was measured on this machine by `plan3d calibrate` (:func:`is_calibrated`).
@@ -90,7 +95,8 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
     Context parallelism: torch's ``context_parallel`` has no sharding rule for the CPU attention
     kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` on gloo, torch 2.13, checked by
     tests/test_validate_features.py), and the worker does not wire it for NCCL yet. ALiBi: the
-    validate model has no ALiBi bias.
+    validate model has no ALiBi bias. Mixture of experts: what the MoE layer does not run
+    (:func:`planner.validate.moe.moe_refusal`: capacity factors, MLA, expert TP, tp > 1 without SP).
     """
     cp = sc.plan.cp
     if cp > 1:
@@ -100,7 +106,9 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
                 "the CP terms stay with `plan3d estimate`")
     if sc.model.position_embedding == "alibi":
         return "model: position_embedding=alibi is not in the validate model; validate a rope or learned variant"
-    return None
+    from planner.validate.moe import moe_refusal
+
+    return moe_refusal(sc.model, sc.plan)
 
 
 def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: HardwareSpec | None = None,
@@ -108,8 +116,10 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring).
 
     Kept from the plan: tp, pp, vpp, recompute, SP, the ZeRO stage (1 runs as 2), GQA, activation,
-    norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout.
-    Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, fp32.
+    norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout; for a
+    MoE model the experts, shared experts, gate and router bias (:func:`miniature_moe_fields`).
+    Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, fp32; for MoE the expert
+    count (at most 8), top-k (at most 2) and ep (``gcd(ep, tp*dp)``).
     """
     reason = refusal(sc, backend)
     if reason:
@@ -136,14 +146,38 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
         activation=m.activation, norm=m.norm, tied_embeddings=m.tied_embeddings,
         position_embedding=m.position_embedding, embedding_norm=m.embedding_norm,
         linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=m.dropout)
+    if m.is_moe:
+        model = model.model_copy(update=miniature_moe_fields(m, hidden, dp, tp))
+        model = ModelSpec.model_validate(model.model_dump())  # re-check (first_k_dense < num_layers)
     mbs = min(p.micro_batch_size, 2)
     micro = 2 * pp
     training = TrainingSpec(num_gpus=tp * pp * dp, global_batch_size=mbs * micro * dp, seq_len=seq,
                             precision="fp32", attention="flash", framework="torch", overlap_grad_reduce=True)
     plan = Plan(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
                 sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage,
-                layers_per_stage=stage_layers)
+                layers_per_stage=stage_layers, ep=math.gcd(p.ep, tp * dp) if m.is_moe else 1,
+                etp=1 if m.is_moe and p.etp is not None else None)
     return Scenario(model=model, hardware=hardware or load_hardware("cpu-gloo"), training=training, plan=plan)
+
+
+MINIATURE_EXPERTS = 8
+"""Routed experts of a MoE miniature when the model has more (or a number that the miniature's dp does
+not divide): 8 divides every dp and ep of an 8-rank run, so FSDP2 shards the router rows evenly."""
+
+
+def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int) -> dict:
+    """The MoE fields of the miniature: experts (:data:`MINIATURE_EXPERTS` unless the model's count
+    already fits), top-k at most 2, expert and shared widths scaled with the hidden size, one
+    dense-first layer when the model has any; the gate, the router bias and dropless routing are kept."""
+    experts = m.num_experts if m.num_experts <= MINIATURE_EXPERTS and m.num_experts % dp == 0 else MINIATURE_EXPERTS
+
+    def width(f: int | None) -> int | None:
+        return None if f is None else _round_to(hidden * f / m.hidden_size, 8 * tp * dp)
+
+    return {"num_experts": experts, "top_k": min(m.top_k, 2), "moe_ffn_hidden_size": width(m.moe_ffn_size),
+            "shared_expert_ffn_hidden_size": width(m.shared_expert_ffn_hidden_size),
+            "shared_expert_gate": m.shared_expert_gate, "first_k_dense": min(m.first_k_dense, 1),
+            "router_bias": m.router_bias, "router_dtype": m.router_dtype}
 
 
 def changes(sc: Scenario, run: Scenario) -> list[str]:
@@ -171,6 +205,14 @@ def changes(sc: Scenario, run: Scenario) -> list[str]:
                    "torch.distributed.pipelining)")
     if p.pp > 1:
         out.append(f"layers per stage {tuple(sc.stage_layers)} -> {tuple(run.stage_layers)}")
+    if m.is_moe:
+        moe = [f"{name} {a} -> {b}" for name, a, b in (
+            ("experts", m.num_experts, n.num_experts), ("top_k", m.top_k, n.top_k),
+            ("expert ffn", m.moe_ffn_size, n.moe_ffn_size),
+            ("shared expert ffn", m.shared_expert_ffn_hidden_size, n.shared_expert_ffn_hidden_size),
+            ("dense-first layers", m.first_k_dense, n.first_k_dense), ("ep", p.ep, q.ep)) if a != b]
+        if moe:
+            out.append("mixture of experts: " + ", ".join(moe))
     return out
 
 
@@ -180,9 +222,18 @@ def predicted_rank_memory(sc: Scenario, pp_rank: int) -> dict:
 
     FSDP2 keeps weights sharded at rest for ZeRO-2 as for ZeRO-3 (``reshard_after_forward`` only
     decides whether they are re-gathered for backward), so the resident weights are 1/dp there.
+
+    A MoE plan (planner.validate.moe) also predicts the experts' share of each state, and its saved
+    activations here assume balanced routing; :func:`compare` replaces that by the bytes expected for
+    the tokens each rank's experts actually received (:func:`moe_saved_rows`).
     """
     p = sc.resolved_plan()
     layers = sc.stage_layers[pp_rank]
+    if sc.model.is_moe:
+        from planner.validate.moe import rank_state_bytes
+
+        return {**rank_state_bytes(sc, pp_rank),
+                "saved_activation_peak_bytes": moe_balanced_saved_peak_bytes(sc, pp_rank)}
     params = stage_params_per_rank(sc.model, p, pp_rank, layers)
     per_param = param_bytes(sc.training)
     w, g, o = state_bytes_per_param(p.zero_stage, p.dp * p.cp, per_param)
@@ -425,6 +476,48 @@ def predicted_term_s(sc: Scenario, name: str, bench: dict) -> float:
                        hw.intra_node_latency_us)
 
 
+def moe_balanced_saved_peak_bytes(sc: Scenario, pp_rank: int) -> float:
+    """Saved activations at the peak of stage ``pp_rank`` with balanced routing: in-flight chunks x the
+    chunk's dense layers and MoE layers, each MoE layer receiving ``b*s*k`` tokens."""
+    import numpy as np
+
+    from planner.memory import in_flight_chunks
+    from planner.validate.moe import balanced_routed_tokens, microbatch_saved_bytes
+
+    p = sc.resolved_plan()
+    moe_layers = p.stage_moe_layers(sc.model)[pp_rank]
+    dense_layers = sc.stage_layers[pp_rank] - moe_layers
+    r = balanced_routed_tokens(sc.training, p, sc.model)
+    per_stage_pass = microbatch_saved_bytes(sc, dense_layers, [r] * moe_layers)  # all chunks of the stage
+    return float(np.asarray(in_flight_chunks(p, p.num_microbatches, pp_rank)) * per_stage_pass / p.vpp)
+
+
+def moe_saved_rows(sc: Scenario, r: dict) -> tuple[list[dict], dict]:
+    """For one rank of a MoE run: the saved-activation rows against the bytes expected for the tokens its
+    experts received (each chunk-micro-batch, and the peak over the ones in flight), and a summary with
+    the ratio to the balanced-routing expectation and the routed token counts."""
+    from planner.validate.moe import balanced_routed_tokens, microbatch_saved_bytes
+
+    expected = {tuple(m["key"]): microbatch_saved_bytes(sc, m["dense_layers"], m["routed"])
+                for m in r["saved_by_microbatch"]}
+    worst = max(r["saved_by_microbatch"], key=lambda m: abs(_rel(m["bytes"], expected[tuple(m["key"])])))
+    peak_pred = sum(expected.get(tuple(k), 0.0) for k in r["saved_peak_keys"])
+    base = {"rank": r["rank"], "stage": r["pp_rank"]}
+    rows = [{"metric": "saved_activation_peak_bytes", **base, "predicted": peak_pred,
+             "measured": r["saved_activation_peak_bytes"],
+             "rel_error": _rel(r["saved_activation_peak_bytes"], peak_pred)},
+            {"metric": "saved_activation_microbatch_bytes", **base, "predicted": expected[tuple(worst["key"])],
+             "measured": worst["bytes"], "rel_error": _rel(worst["bytes"], expected[tuple(worst["key"])])}]
+    balanced = moe_balanced_saved_peak_bytes(sc, r["pp_rank"])
+    routed = [n for m in r["saved_by_microbatch"] for n in m["routed"]]
+    even = balanced_routed_tokens(sc.training, sc.resolved_plan(), sc.model)
+    summary = {**base, "measured_peak_bytes": r["saved_activation_peak_bytes"], "balanced_peak_bytes": balanced,
+               "ratio_to_balanced": r["saved_activation_peak_bytes"] / balanced if balanced else None,
+               "routed_tokens_min": min(routed, default=None), "routed_tokens_max": max(routed, default=None),
+               "routed_tokens_balanced": even}
+    return rows, summary
+
+
 def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
             memory_tolerance: float = MEMORY_TOLERANCE) -> dict:
     """Predicted against measured for each metric, with relative errors, and the verdict (:func:`judge`)."""
@@ -432,12 +525,19 @@ def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
 
     rows = []
     ranks = measured["ranks"]
+    moe_summary = []
     for r in ranks:
         pred = predicted_rank_memory(sc, r["pp_rank"])
+        if sc.model.is_moe:  # saved activations: against the routed token counts this rank measured
+            del pred["saved_activation_peak_bytes"]
         for key, value in pred.items():
             got = r[key]
             rows.append({"metric": key, "rank": r["rank"], "stage": r["pp_rank"], "predicted": value, "measured": got,
                          "rel_error": _rel(got, value)})
+        if sc.model.is_moe:
+            saved_rows, summary = moe_saved_rows(sc, r)
+            rows += saved_rows
+            moe_summary.append(summary)
     peak = estimate_memory(sc.model, sc.hardware, sc.training, sc.plan)
     device_rows = []
     for r in ranks:
@@ -484,6 +584,9 @@ def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
     tied = [r["tied_max_abs_diff"] for r in ranks if r.get("tied_max_abs_diff") is not None]
     if tied:
         out["tied_max_abs_diff"] = max(tied)
+    if sc.model.is_moe:
+        out["moe"] = {"activations": moe_summary,
+                      "grad_check": next((r["grad_check"] for r in ranks if r.get("grad_check")), None)}
     out["verdict"], out["reasons"] = judge(out, ranks, memory_tolerance, time_factor)
     return out
 
@@ -514,6 +617,11 @@ def judge(out: dict, ranks: list[dict], memory_tolerance: float, time_factor: fl
                        f"({100 * ref['rel_error']:+.4f}% > {100 * LOSS_TOLERANCE:.2f}%)")
     if not all(math.isfinite(x) for x in out["losses"]):
         reasons.append("loss: not finite")
+    grads = (out.get("moe") or {}).get("grad_check") or {}
+    for group, g in grads.items():
+        if not g["rel_diff"] <= GRAD_TOLERANCE:
+            reasons.append(f"gradients: rank 0's {group} gradients differ from the single-process model's by "
+                           f"{100 * g['rel_diff']:.4f}% of the largest (> {100 * GRAD_TOLERANCE:.2f}%)")
     if out.get("tied_max_abs_diff", 0.0) > 1e-6:
         reasons.append(f"tied embeddings: the two copies differ by {out['tied_max_abs_diff']:.2e} after training")
     st = out["step_time"]
@@ -534,12 +642,34 @@ def summary_lines(report: dict) -> list[str]:
         reserved = f", reserved {row['reserved'] / 2**30:.3f} GiB" if row.get("reserved") else ""
         lines.append(f"rank {row['rank']}: max_memory_allocated {row['measured'] / 2**30:.3f} GiB, predicted "
                      f"{row['predicted'] / 2**30:.3f} GiB ({100 * row['rel_error']:+.1f}%){reserved}")
+    lines += moe_summary_lines(report.get("moe"))
     st = report.get("step_time")
     if st and not st.get("judged"):
         lines.append("step time: reported, not judged (the hardware profile was not calibrated here; "
                      "`plan3d calibrate`, or --time-factor)")
     lines.append(f"verdict: {report.get('verdict', 'fail').upper()}")
     lines += [f"  {r}" for r in report.get("reasons", [])]
+    return lines
+
+
+def moe_summary_lines(moe: dict | None) -> list[str]:
+    """The MoE part of the summary: rank 0's gradients against the single-process model (judged) and the
+    saved activations against balanced routing with the routed token counts (reported, not judged)."""
+    if not moe:
+        return []
+    lines = []
+    for group, g in (moe.get("grad_check") or {}).items():
+        lines.append(f"{group} gradients (rank 0, {g['params']} tensors) vs single process: "
+                     f"{100 * g['rel_diff']:.5f}% of the largest")
+    acts = moe.get("activations") or []
+    if acts:
+        ratios = [a["ratio_to_balanced"] for a in acts if a["ratio_to_balanced"]]
+        lows = [a["routed_tokens_min"] for a in acts if a["routed_tokens_min"] is not None]
+        highs = [a["routed_tokens_max"] for a in acts if a["routed_tokens_max"] is not None]
+        lines.append(f"saved activations / balanced-routing expectation: {min(ratios):.3f}..{max(ratios):.3f} over "
+                     f"ranks; tokens per rank's experts per layer and micro-batch {min(lows)}..{max(highs)} "
+                     f"(balanced {acts[0]['routed_tokens_balanced']}; reported, not judged: the rows above use "
+                     "the measured counts)")
     return lines
 
 

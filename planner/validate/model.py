@@ -67,9 +67,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, model: ModelSpec):
+    """The dense MLP, a routed expert (``ffn`` = moe_ffn_size) or the shared experts (their total width)."""
+
+    def __init__(self, model: ModelSpec, ffn: int | None = None):
         super().__init__()
-        h, f = model.hidden_size, model.ffn_size
+        h, f = model.hidden_size, ffn or model.ffn_size
         self.swiglu = model.activation == "swiglu"
         self.w1 = nn.Linear(h, f, bias=model.linear_bias)
         self.w3 = nn.Linear(h, f, bias=model.linear_bias) if self.swiglu else None
@@ -85,12 +87,18 @@ class Block(nn.Module):
     """One pre-norm transformer layer. ``saved_hooks`` (set by the worker) wraps its forward in a
     ``saved_tensors_hooks`` context that measures what autograd keeps for backward."""
 
-    def __init__(self, model: ModelSpec):
+    def __init__(self, model: ModelSpec, moe: bool = False):
         super().__init__()
         self.attention_norm = Norm(model)
         self.attention = Attention(model)
         self.ffn_norm = Norm(model)
-        self.feed_forward = MLP(model)
+        if moe:
+            from planner.validate.moe_layer import MoE
+
+            self.feed_forward = MoE(model)
+        else:
+            self.feed_forward = MLP(model)
+        self.is_moe = moe
         self.dropout = model.dropout
         self.recompute = "none"
         self.saved_hooks = None
@@ -160,10 +168,10 @@ def build_chunks(model: ModelSpec, layers_per_chunk: list[int], seed: int = 1234
     (``LanguageModule.setup_embeddings_and_output_layer``, ``_allreduce_word_embedding_grads``).
     """
     torch.manual_seed(seed)
-    blocks = [Block(model) for _ in range(model.num_layers)]
+    blocks = [Block(model, moe=model.is_moe_layer(i)) for i in range(model.num_layers)]
     for blk in blocks:
-        for p in blk.parameters():
-            if p.dim() == 2:
+        for name, p in blk.named_parameters():
+            if p.dim() == 2 or name.endswith("shared_gate.weight"):  # the h -> 1 gate is a vector (moe_layer.Gate)
                 nn.init.normal_(p, std=0.02)
     chunks, start = [], 0
     for i, n in enumerate(layers_per_chunk):
@@ -221,17 +229,48 @@ def tensor_parallelize(chunk: Chunk, tp_mesh, sequence_parallel: bool) -> None:
             "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
-        if blk.feed_forward.w3 is not None:
-            layer_plan["feed_forward.w3"] = ColwiseParallel()
+        if blk.is_moe:
+            layer_plan |= moe_tp_plan(blk.feed_forward, sequence_parallel)
+        else:
+            layer_plan |= {
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            }
+            if blk.feed_forward.w3 is not None:
+                layer_plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
-            layer_plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+            layer_plan |= {"attention_norm": SequenceParallel()}
+            layer_plan.setdefault("ffn_norm", SequenceParallel())
         parallelize_module(blk, tp_mesh, layer_plan)
         tp = tp_mesh.size()
         blk.attention.heads //= tp
         blk.attention.kv_heads = max(blk.attention.kv_heads // tp, 1)
+
+
+def moe_tp_plan(moe, sequence_parallel: bool) -> dict:
+    """TP plan of a MoE layer (sequence parallelism required, planner.validate.moe.moe_refusal): the norm hands
+    the layer its local sequence shard; the router and the gate run on it with their weights replicated over
+    TP (``SequenceParallel`` on the flattened tokens: their gradients are summed over TP); the shared experts
+    gather the sequence, run column/row parallel and scatter it again (Megatron-Core's ``SharedExpertMLP`` is a
+    TP-parallel MLP); the routed experts are whole (etp = 1) and see only local tokens."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    if not sequence_parallel:
+        raise ValueError("a MoE layer with tp > 1 needs sequence parallelism")
+    plan = {"ffn_norm": SequenceParallel(use_local_output=True),
+            "feed_forward.router": SequenceParallel(sequence_dim=0, use_local_output=True)}
+    if moe.shared is not None:
+        plan |= {"feed_forward.shared": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
+                 "feed_forward.shared.w1": ColwiseParallel(),
+                 "feed_forward.shared.w2": RowwiseParallel(output_layouts=Shard(0))}
+        if moe.shared.w3 is not None:
+            plan["feed_forward.shared.w3"] = ColwiseParallel()
+    if moe.shared_gate is not None:
+        plan["feed_forward.shared_gate"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+    return plan
 
 
 def build_local_chunks(model: ModelSpec, layers_per_chunk: list[int], pp: int, pp_rank: int,
@@ -246,9 +285,11 @@ def build_local_chunks(model: ModelSpec, layers_per_chunk: list[int], pp: int, p
     Tied embeddings across stages are refused by the caller (the copy needs the first stage's values).
     """
     del seed  # values are drawn after sharding, per local shard (materialize_local)
+    starts = [sum(layers_per_chunk[:i]) for i in range(len(layers_per_chunk))]
     with torch.device("meta"):
         last = len(layers_per_chunk) - 1
-        return [Chunk(model, first=i == 0, last=i == last, layers=[Block(model) for _ in range(n)])
+        return [Chunk(model, first=i == 0, last=i == last,
+                      layers=[Block(model, moe=model.is_moe_layer(starts[i] + j)) for j in range(n)])
                 for i, n in enumerate(layers_per_chunk) if i % pp == pp_rank]
 
 

@@ -6,6 +6,11 @@ FSDP2 over the data-parallel ranks, activation checkpointing for recompute and A
 measures collectives on the plan's own groups, runs warm-up and measured steps on a fixed
 synthetic batch, and gathers every rank's measurements to rank 0, which writes them as JSON.
 
+A mixture-of-experts plan also gets an expert grid (:func:`moe_mesh`): each rank keeps its ``E/ep``
+experts of every MoE layer (planner.validate.moe_layer), FSDP2 shards them over the expert-data-parallel
+ranks, the worker records the tokens each rank's experts received per layer and micro-batch, and rank 0
+compares its first-step gradients with the single-process model's (:func:`_grad_check`).
+
 Each rank writes its current phase to ``--phase-dir``/rank<N>, so that the launcher can say which
 rank stalled where. ``PLAN3D_VALIDATE_FAULT=rank:phase`` makes that rank exit in that phase
 (used by the failure tests); ``rank:phase:hang`` makes it stall there instead.
@@ -142,6 +147,9 @@ class SavedBytes:
         self.peak = 0
         self.per_microbatch: list[int] = []
         self.events: list[str] = []
+        self.by_key: dict[tuple, int] = {}  # bytes of each (chunk, micro-batch), at its release
+        self.routed: dict[tuple, list[int]] = {}  # tokens this rank's experts received, per MoE layer in order
+        self.peak_keys: list[tuple] = []  # the micro-batches in flight at the peak
 
     @staticmethod
     def _is_weight(t) -> bool:
@@ -152,11 +160,19 @@ class SavedBytes:
         """Forget everything so far (the first step also runs torch's shape-inference forward)."""
         self.live, self.owner, self.current, self.peak = {}, {}, 0, 0
         self.per_microbatch, self.events = [], []
+        self.by_key, self.routed, self.peak_keys = {}, {}, []
 
     def begin(self, key: tuple) -> None:
         self.current_key = key
         self.live[key] = {}
+        self.routed[key] = []
         self.events.append(f"F{key}")
+
+    def note_routed(self, tokens: int) -> None:
+        """A MoE layer of the running chunk forward received ``tokens`` tokens for its local experts
+        (not counted during a recompute in backward, which runs outside any chunk forward)."""
+        if self.current_key is not None and self.current_key in self.live:
+            self.routed[self.current_key].append(tokens)
 
     def release(self, key: tuple) -> None:
         freed = self.live.pop(key, None)
@@ -166,6 +182,7 @@ class SavedBytes:
         for storage in freed:
             self.owner.pop(storage, None)
         self.per_microbatch.append(sum(freed.values()))
+        self.by_key[key] = sum(freed.values())
         self.current -= sum(freed.values())
 
     def pack(self, t):
@@ -178,7 +195,9 @@ class SavedBytes:
             bucket[key] = storage.nbytes()
             self.owner[key] = self.current_key
             self.current += bucket[key]
-            self.peak = max(self.peak, self.current)
+            if self.current > self.peak:
+                self.peak = self.current
+                self.peak_keys = list(self.live)
         return t
 
     def unpack(self, t):
@@ -285,6 +304,20 @@ def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
     return out
 
 
+def moe_mesh(sc: Scenario, device):
+    """The expert grid of a MoE plan over the same ranks, in Megatron's order (etp-ep-edp-pp over the ranks of
+    tp-cp-dp-pp; etp = 1 here): ``(pp, expert_dp, ep)`` with ep fastest, so an EP group is ep consecutive ranks
+    of a stage, drawn from its tp x dp ranks (Megatron-Core ``parallel_state``, parallel folding). The expert-data-parallel dimension is split into
+    replicate and shard as the dense one is (ZeRO-0 replicates, ZeRO-2/3 shard)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    p = sc.plan
+    edp = p.expert_dp
+    replicate, shard = (edp, 1) if p.zero_stage == 0 else (1, edp)
+    layout = torch.arange(p.world_size).view(p.pp, replicate, shard, p.ep)
+    return DeviceMesh(device.type, layout, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep"))
+
+
 def _dp_group(mesh, zero_stage: int):
     """The data-parallel group: the replicate dimension without ZeRO, the shard dimension with it."""
     return mesh["dp_replicate" if zero_stage == 0 else "dp_shard"].get_group()
@@ -347,11 +380,15 @@ def _main(argv: list[str] | None) -> int:
     mesh = init_device_mesh(device.type, (p.pp, replicate, shard, p.tp), mesh_dim_names=MESH_DIMS)
     pp_rank = mesh["pp"].get_local_rank()
     dp_rank = mesh["dp_replicate"].get_local_rank() * shard + mesh["dp_shard"].get_local_rank()
+    expert_mesh = moe_mesh(sc, device) if sc.model.is_moe else None
 
     phase("build")
     bad = sabotage(rank)
     counts = chunk_layer_counts(sc)
     if args.full_size:
+        if sc.model.is_moe:
+            raise SystemExit("validate: a full-size run of a mixture-of-experts plan is not supported yet; "
+                             "run the miniature")
         if sc.model.tied_embeddings and p.pp > 1:
             raise SystemExit("validate: a full-size run with tied embeddings across pipeline stages is not supported "
                              "(the last stage's copy needs the first stage's values); run the miniature")
@@ -359,6 +396,9 @@ def _main(argv: list[str] | None) -> int:
     else:
         all_chunks = build_chunks(sc.model, counts)
         mine = [c for i, c in enumerate(all_chunks) if i % p.pp == pp_rank]
+        if expert_mesh is not None:  # every rank built all experts from the same seed; keep the local ones
+            for blk in (b for c in mine for b in c.layers if b.is_moe):
+                blk.feed_forward.localize(expert_mesh["ep"].get_local_rank(), p.ep, expert_mesh["ep"].get_group())
     reference_chunks = build_chunks(sc.model, [sc.model.num_layers]) if args.reference and rank == 0 else None
     stages = []
     for k, chunk in enumerate(mine):
@@ -373,18 +413,34 @@ def _main(argv: list[str] | None) -> int:
             chunk.to(device)
         dp_mesh = mesh["dp_replicate", "dp_shard"]
         for blk in chunk.layers:
+            if blk.is_moe:  # the experts first: over the expert-data-parallel ranks (torchtitan's EP layout)
+                experts = blk.feed_forward.experts
+                fully_shard(experts, mesh=expert_mesh["edp_replicate", "edp_shard"],
+                            reshard_after_forward=p.zero_stage >= 3)
+                # each expert saw the tokens of ep data-parallel replicas: divide the sum by dp, not expert_dp
+                # (torchtitan parallelize.py sets the same factor). A sharded group needs plain sums on gloo
+                # (no PREMUL_SUM); with one rank per shard torch 2.13 would then divide twice (foreach_reduce
+                # divides its single-rank copy and again after), so the sums are forced only when shard > 1.
+                experts.set_gradient_divide_factor(float(p.dp * p.cp))
+                if expert_mesh["edp_shard"].size() > 1:
+                    experts.set_force_sum_reduction_for_comms(True)
             fully_shard(blk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3)
         fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3)
         if args.full_size:
             materialize_local([chunk], device)
         stages.append(PipelineStage(chunk, pp_rank + k * p.pp, p.pp * p.vpp, device, group=mesh["pp"].get_group()))
     params = list(dict.fromkeys(q for c in mine for q in c.parameters()))
+    grad_check = None
     tied = tied_pair(sc, mine, pp_rank, mesh)
     saved = SavedBytes()
     for k, c in enumerate(mine):
         saved.watch(k, c)
         for blk in c.layers:
             blk.saved_hooks = saved.context
+            if blk.is_moe:
+                blk.feed_forward.on_routed = saved.note_routed
+    expert_params = {id(q) for c in mine for blk in c.layers if blk.is_moe
+                     for q in blk.feed_forward.experts.parameters()}
     if bad.get("gpipe"):
         from torch.distributed.pipelining import ScheduleGPipe, ScheduleLoopedBFS
 
@@ -431,6 +487,10 @@ def _main(argv: list[str] | None) -> int:
             raise torch.OutOfMemoryError("injected: CUDA out of memory (PLAN3D_VALIDATE_SABOTAGE)")
         if tied is not None:
             tied.sync_grads()
+        if step == 0 and args.reference and sc.model.is_moe:
+            full = _full_grads(mine[0])  # collective over each parameter's mesh: every rank takes part
+            if reference_chunks is not None:
+                grad_check = _grad_check(reference_chunks[0], mine[0], full, sc, device, expert_params)
         if bad.get("slow"):
             time.sleep(bad["slow"])
         optimizer.step()
@@ -450,6 +510,15 @@ def _main(argv: list[str] | None) -> int:
         "weights_bytes": local_bytes(params),
         "grads_bytes": local_bytes([q.grad for q in params]),
         "optimizer_bytes": sum(local_bytes(v for k, v in st.items() if k != "step") for st in optimizer.state.values()),
+        **({"expert_weights_bytes": local_bytes(q for q in params if id(q) in expert_params),
+            "expert_grads_bytes": local_bytes(q.grad for q in params if id(q) in expert_params),
+            "expert_optimizer_bytes": sum(local_bytes(v for k, v in st.items() if k != "step")
+                                          for q, st in optimizer.state.items() if id(q) in expert_params),
+            "saved_by_microbatch": [{"key": list(k), "bytes": n, "routed": saved.routed.get(k, []),
+                                     "dense_layers": sum(not b.is_moe for b in mine[k[0]].layers)}
+                                    for k, n in sorted(saved.by_key.items())],
+            "saved_peak_keys": [list(k) for k in saved.peak_keys],
+            "grad_check": grad_check} if sc.model.is_moe else {}),
         "saved_activation_peak_bytes": saved.peak,
         "saved_bytes_per_microbatch": sorted(set(saved.per_microbatch)),
         "unreleased_microbatches": len(saved.live),
@@ -471,6 +540,47 @@ def _main(argv: list[str] | None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _full_grads(chunk) -> dict:
+    """The whole gradient of every parameter of ``chunk`` (DTensor ``full_tensor``: FSDP and TP shards gathered)."""
+    return {name: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad)
+            for name, q in chunk.named_parameters() if q.grad is not None}
+
+
+def _grad_check(model, chunk, full: dict, sc: Scenario, device, expert_params: set) -> dict:
+    """Rank 0's first-step gradients of its first chunk against the single-process model (same weights)
+    on every data-parallel replica's batch, the loss averaged over replicas and micro-batches.
+
+    For a MoE plan this checks dispatch and combine backward through the all-to-all, TP's sums over the
+    router and gate, and the expert gradients' reduction over the expert-data-parallel ranks (divided by
+    dp, not expert_dp). ``full`` holds the gathered gradients (:func:`_full_grads`). Returns the largest
+    absolute difference over each group, relative to that group's largest gradient."""
+    p = sc.resolved_plan()
+    model.to(device)
+    model.eval()  # no dropout: the distributed warm-up step runs without it
+    model.zero_grad(set_to_none=True)
+    n = p.dp * p.num_microbatches
+    for replica in range(p.dp):
+        tokens, labels = batch(sc, replica, device)
+        for t, y in zip(tokens.split(p.micro_batch_size), labels.split(p.micro_batch_size)):
+            (loss_fn(model(t), y) / n).backward()
+    ref = dict(model.named_parameters())
+    out = {}
+    for group, pick in (("expert", True), ("dense", False)):
+        diff = scale = 0.0
+        count = 0
+        for name, q in chunk.named_parameters():
+            if (id(q) in expert_params) != pick or name not in full:
+                continue
+            mine, want = full[name], ref[name].grad
+            diff = max(diff, float((mine - want).abs().max()))
+            scale = max(scale, float(want.abs().max()))
+            count += 1
+        out[group] = {"params": count, "max_abs_diff": diff, "max_abs_grad": scale,
+                      "rel_diff": diff / scale if scale else 0.0}
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def _reference_loss(model, sc: Scenario, device) -> float:

@@ -1,0 +1,152 @@
+"""What the validate run predicts for a mixture-of-experts plan, per rank (no torch here).
+
+Parameters (Megatron-Core parallel folding, ``parallel_state.initialize_model_parallel`` core_v0.16.1):
+the dense part of a stage (attention, norms, embeddings, the dense MLP of the ``first_k_dense``
+layers, and in every MoE layer the router and the shared experts) is replicated over ``ep`` and
+reduced and sharded over the data-parallel ranks (``dp * cp``); the routed experts of a MoE layer
+are split ``E/ep`` per rank (``etp = 1``: whole experts) and reduced and sharded over the
+expert-data-parallel ranks (``expert_dp = tp*cp*dp / (etp*ep)``). Counts come from
+``ModelSpec.expert_params``, ``mlp_params``, ``router_params`` and ``shared_expert_params``.
+
+TODO(lead, after merging the "memory" helper): planner.memory gains MoE-aware per-rank parameter
+and activation functions; switch :func:`rank_param_split` and :func:`moe_layer_saved_bytes` to
+them, and keep tests/test_validate_moe.py as the check that they agree with the measured run.
+
+Saved activations of one MoE layer per micro-batch (:func:`moe_layer_terms`): the attention half
+of the dense layer's terms (planner.memory.layer_activation_terms: norms, QKV, attention, and the
+MLP input, which the router saves) plus what the layer of planner.validate.moe_layer saves, one
+term per tensor: the top-k indices and probabilities, two int64 index vectors of the ``N = T*k``
+routed copies, the ``R`` tokens this rank's experts received (their inputs and the expert MLP
+terms), the ``N`` returned outputs and their weights, and the shared expert with its gate. ``R``
+depends on the router; balanced routing gives every rank ``R = N`` (``ep * N`` routed copies over
+``ep`` ranks).
+"""
+
+from __future__ import annotations
+
+from planner.memory import (ActTerm, act_bytes, layer_activation_terms, param_bytes, saved_bytes_per_layer,
+                            stage_params_per_rank, state_bytes_per_param)
+from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec
+
+INDEX_BYTES = 8  # int64 indices (torch.topk, argsort)
+MLP_TERMS = ("activation input (FC1 output)", "FC2 input", "SiLU output (unfused SwiGLU: the multiply saves it)")
+
+
+def moe_refusal(model: ModelSpec, plan: Plan) -> str | None:
+    """What the MoE miniature cannot run, in one line; None when it can (or the model is dense)."""
+    if not model.is_moe:
+        return None
+    if model.capacity_factor is not None:
+        return (f"model: capacity_factor={model.capacity_factor} (token dropping) is not in the validate MoE layer, "
+                "which is dropless; validate the dropless variant (capacity_factor unset)")
+    if model.is_mla:
+        return "model: MLA attention (kv_lora_rank) is not in the validate model; validate a variant with GQA attention"
+    if plan.expert_tp != 1:
+        return (f"plan: etp={plan.expert_tp} (expert tensor parallelism) is not in the validate MoE layer, which runs "
+                "whole experts (etp=1); validate the same plan with etp=1")
+    if plan.tp > 1 and not plan.sequence_parallel:
+        return (f"plan: tp={plan.tp} with experts needs sequence_parallel (Megatron requires it for MoE with TP; the "
+                "validate MoE layer routes each rank's sequence shard); validate the plan with sequence_parallel")
+    return None
+
+
+def mlp_params_per_rank(model: ModelSpec, ffn: int, tp: int) -> float:
+    """One MLP of width ``ffn`` on one TP rank: FC1 (and gate) column-parallel, FC2 row-parallel with its bias
+    replicated (the MLP part of planner.memory.layer_params_per_rank)."""
+    h, mlp_in = model.hidden_size, (2 if model.gated_mlp else 1) * ffn / tp
+    return h * mlp_in + (ffn / tp) * h + ((mlp_in + h) if model.has_mlp_bias else 0)
+
+
+def rank_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of pipeline stage ``stage`` (module docstring), etp = 1.
+
+    In each MoE layer the dense MLP of ``stage_params_per_rank`` is replaced by the router (replicated over
+    TP), the shared experts (TP-parallel like the dense MLP, Megatron-Core ``SharedExpertMLP``) and their
+    gate (replicated); the routed experts, ``expert_params() / ep``, are whole on each rank."""
+    t = plan.tp
+    moe_layers = plan.stage_moe_layers(model)[stage]
+    dense = stage_params_per_rank(model, plan, stage, layers)  # every layer with the dense MLP
+    fs = model.shared_expert_ffn_hidden_size
+    shared = (mlp_params_per_rank(model, fs, t) if fs else 0) + (model.hidden_size if model.shared_expert_gate else 0)
+    dense += moe_layers * (model.router_params() + shared - mlp_params_per_rank(model, model.ffn_size, t))
+    return dense, moe_layers * model.expert_params() / plan.ep
+
+
+def rank_state_bytes(sc: Scenario, stage: int) -> dict[str, float]:
+    """Weights, gradients and optimizer states of one rank, in total and for its experts alone.
+
+    Per parameter as ``planner.validate.launch.predicted_rank_memory`` counts them (fp32 4 + 4 + 8;
+    FSDP2 keeps weights sharded at rest for ZeRO-2 as for ZeRO-3), with the dense part sharded over
+    ``dp * cp`` and the experts over ``expert_dp``.
+    """
+    p = sc.resolved_plan()
+    dense, expert = rank_param_split(sc.model, p, stage, sc.stage_layers[stage])
+    per_param = param_bytes(sc.training)
+
+    def states(shards: int) -> tuple[float, float, float]:
+        w, g, o = state_bytes_per_param(p.zero_stage, shards, per_param)
+        if sc.training.framework == "torch" and p.zero_stage >= 2:
+            w = per_param[0] / shards
+        return w, g, o
+
+    dw, dg, do = states(p.dp * p.cp)
+    ew, eg, eo = states(p.expert_dp)
+    return {"weights_bytes": dense * dw + expert * ew, "grads_bytes": dense * dg + expert * eg,
+            "optimizer_bytes": dense * do + expert * eo, "expert_weights_bytes": expert * ew,
+            "expert_grads_bytes": expert * eg, "expert_optimizer_bytes": expert * eo}
+
+
+def moe_layer_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, routed_tokens: float) -> list[ActTerm]:
+    """Tensors one MoE layer of the validate model saves per micro-batch when its experts received
+    ``routed_tokens`` tokens (module docstring); cp = 1, and with tp > 1 sequence parallelism: the router
+    works on the ``b*s/tp`` local tokens and the shared experts on the gathered sequence (DTensor keeps the
+    gathered input, ``framework="torch"``)."""
+    e, i, tp = act_bytes(training), INDEX_BYTES, plan.tp
+    t, h, k = training.seq_len * plan.micro_batch_size, model.hidden_size, model.top_k
+    t_local = t // tp
+    n, r = t_local * k, routed_tokens
+    mlp_in = 2 if model.gated_mlp else 1
+    f = model.moe_ffn_size
+    terms = [x for x in layer_activation_terms(model, training, plan) if x.name not in MLP_TERMS]
+    if tp > 1:  # the MLP input term is the gathered sequence; the router keeps the local shard instead
+        terms = [x for x in terms if x.name != "FC1 input"] + [ActTerm("router input (local norm2 output)",
+                                                                        t_local * h * e)]
+    terms += [
+        ActTerm("router top-k indices", t_local * k * i),
+        ActTerm("router probabilities (softmax over the top k)", t_local * k * e),
+        ActTerm("dispatch: token index of each routed copy", n * i),
+        ActTerm("dispatch: expert-sorted order", n * i),
+        ActTerm("expert inputs (received)", r * h * e),
+        ActTerm("expert activation input (FC1 output)", r * mlp_in * f * e),
+        ActTerm("expert FC2 input", r * f * e),
+        ActTerm("combine: returned expert outputs", n * h * e),
+        ActTerm("combine: routing weights", n * e),
+    ]
+    fs = model.shared_expert_ffn_hidden_size
+    if fs:
+        if tp > 1:
+            terms.append(ActTerm("shared expert FC1 input (gathered sequence)", t * h * e))
+        terms += [ActTerm("shared expert activation input (FC1 output)", t * mlp_in * fs / tp * e),
+                  ActTerm("shared expert FC2 input", t * fs / tp * e)]
+        if model.shared_expert_gate:
+            terms += [ActTerm("shared expert output (gated)", t_local * h * e),
+                      ActTerm("shared expert gate (sigmoid)", t_local * e)]
+    return terms
+
+
+def moe_layer_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, routed_tokens: float) -> float:
+    """Bytes one MoE layer keeps for backward per micro-batch under the plan's recompute."""
+    return saved_bytes_per_layer(moe_layer_terms(model, training, plan, routed_tokens), plan.recompute)
+
+
+def balanced_routed_tokens(training: TrainingSpec, plan: Plan, model: ModelSpec) -> int:
+    """Tokens one rank's experts receive per MoE layer and micro-batch when routing is even: ``b*s*k/tp``
+    (each of the ep ranks of a group sends that many routed copies, spread evenly over the ep ranks)."""
+    return training.seq_len * plan.micro_batch_size // plan.tp * model.top_k
+
+
+def microbatch_saved_bytes(sc: Scenario, dense_layers: int, routed: list[float]) -> float:
+    """Saved bytes of one chunk forward: ``dense_layers`` dense layers and one MoE layer per entry of ``routed``."""
+    p = sc.resolved_plan()
+    dense = saved_bytes_per_layer(layer_activation_terms(sc.model, sc.training, p), p.recompute)
+    return dense_layers * dense + sum(moe_layer_saved_bytes(sc.model, sc.training, p, r) for r in routed)
