@@ -1,0 +1,179 @@
+"""Launch files for mixture-of-experts and MLA plans, run through their consumers' own checks.
+
+* Megatron-LM core_v0.16.1 (``../shared/consumers``): the emitted scripts' argv through ``parse_args``,
+  ``validate_args`` and ``core_transformer_config_from_args`` (as tests/test_emit_consumers.py does for
+  dense plans), then the MoE/MLA fields of Megatron's config against the plan, and the expert rank
+  grid built with Megatron's own ``parallel_state.RankGenerator`` as ``initialize_model_parallel`` builds it.
+* torchtitan 0.3.0: ``ConfigManager`` and ``ParallelDims`` on the emitted MoE launch.
+* `plan3d check` reads the Megatron files back into the same plan and model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.check import check_file
+from planner.emit import render_all
+from planner.emit.megatron import moe_layer_freq
+from planner.io import write_all
+from planner.memory import estimate_scenario_memory
+from planner.presets import SpecError, load_hardware
+from tests.test_emit_consumers import (  # noqa: F401  (megatron: the session fixture)
+    ARCH,
+    check_with_megatron,
+    megatron,
+    megatron_validate,
+    scenario,
+)
+
+DSV3_STAGES = (3,) + (4,) * 14 + (2,)           # 61 layers on 16 stages, the ends one or two short
+QWEN235_STAGES = (11,) + (12,) * 6 + (11,)      # 94 layers on 8 stages
+TINY = dict(model="tiny-moe", gpus=8, global_batch=16, seq_len=1024)
+MIXTRAL = dict(model="mixtral-8x7b", gpus=64, global_batch=128, seq_len=4096)
+MOE_PLANS = {
+    # tiny-moe: one dense layer then 3 MoE layers with a shared expert; EP folded into tp x dp
+    "tiny-tp2-ep4-etp1": (TINY, dict(tp=2, pp=2, dp=2, ep=4, etp=1, sequence_parallel=True, zero_stage=1)),
+    "tiny-tp1-ep8-zero0": (TINY, dict(tp=1, pp=1, dp=8, ep=8)),
+    "mixtral-ep8-etp2-vpp2": (MIXTRAL, dict(tp=2, pp=4, dp=8, vpp=2, ep=8, etp=2, sequence_parallel=True,
+                                            zero_stage=1, recompute="selective")),
+    # DeepSeek-V3's published layout (arXiv:2412.19437 section 3.2.1): PP16 x EP64 x ZeRO-1 DP, no TP, 2,048 GPUs
+    "deepseek-v3-pp16-ep64": (dict(model="deepseek-v3", gpus=2048, global_batch=4096, seq_len=4096),
+                              dict(tp=1, pp=16, dp=128, ep=64, zero_stage=1, layers_per_stage=DSV3_STAGES)),
+    "qwen3-235b-tp4-pp8-ep8-etp1": (dict(model="qwen3-235b-a22b", gpus=256, global_batch=512, seq_len=4096),
+                                    dict(tp=4, pp=8, dp=8, ep=8, etp=1, sequence_parallel=True, zero_stage=1,
+                                         layers_per_stage=QWEN235_STAGES)),
+}
+
+
+def _grouped_gemm_capability(monkeypatch, arch: int) -> None:
+    """Stand-in for exactly one CUDA query: ``validate_args`` asks ``torch.cuda.get_device_capability()``
+    when ``--moe-grouped-gemm`` is set ("Unsupported compute capability for GroupedGEMM kernels"); there is
+    no GPU here, so answer the plan's GPU (H100: 9.0)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (arch, 0))
+
+
+def _args_file_argv(sc, tmp_path) -> list[str]:
+    """torchrun's argv for the emitted argument file, passed on as docs/emit.md says ($(grep -v '^#' FILE))."""
+    (path,) = [p for p in write_all(tmp_path / "args", render_all(sc, ["megatron"]))]
+    words = " ".join(ln for ln in path.read_text().splitlines() if not ln.startswith("#")).split()
+    nodes = sc.training.num_gpus // 8 if sc.training.num_gpus >= 8 else 1
+    per_node = sc.training.num_gpus // nodes
+    return ["--nnodes", str(nodes), "--nproc_per_node", str(per_node), "/opt/Megatron-LM/pretrain_gpt.py"] + words
+
+
+def _expert_grid(arguments, p) -> tuple[int, list]:
+    """(expert data-parallel size, pipeline groups equal?) as ``parallel_state.initialize_model_parallel``
+    computes them, with Megatron's own RankGenerator and order ``tp-cp-ep-dp-pp``."""
+    from megatron.core.parallel_state import RankGenerator
+
+    world = p.world_size
+    etp_ep_pp = p.expert_tp * p.ep * p.pp
+    assert world % etp_ep_pp == 0, "initialize_model_parallel: world_size is not divisible by etp*ep*pp"
+    edp = world // etp_ep_pp
+    dense = RankGenerator(tp=p.tp, ep=1, dp=p.dp, pp=p.pp, cp=p.cp, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=p.expert_tp, ep=p.ep, dp=edp, pp=p.pp, cp=1, order="tp-cp-ep-dp-pp")
+    # initialize_model_parallel asserts the expert and dense pipeline groups are the same ranks
+    assert dense.get_ranks("pp") == expert.get_ranks("pp")
+    return edp, expert.get_ranks("ep")
+
+
+@pytest.mark.parametrize("case", MOE_PLANS)
+def test_megatron_accepts_emitted_moe_plans(megatron, monkeypatch, tmp_path, case):
+    job, plan = MOE_PLANS[case]
+    sc = scenario(**job, **plan)
+    p, m = sc.resolved_plan(), sc.model
+    arch = next(v for k, v in ARCH.items() if sc.hardware.name.startswith(k))
+    _grouped_gemm_capability(monkeypatch, arch)
+    check_with_megatron(megatron, monkeypatch, tmp_path, sc)  # the dense checks: degrees, batches, layers, ...
+    args, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(sc, tmp_path), "1", arch)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == \
+        (m.num_experts, m.top_k, m.moe_ffn_size)
+    assert config.moe_shared_expert_intermediate_size == m.shared_expert_ffn_hidden_size
+    freq = config.moe_layer_freq
+    pattern = [int(i % freq == 0) for i in range(m.num_layers)] if isinstance(freq, int) else list(freq)
+    assert pattern == [int(m.is_moe_layer(i)) for i in range(m.num_layers)]  # gpt_layer_specs.py's reading
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (p.ep, p.expert_tp)
+    assert config.moe_token_dispatcher_type == "alltoall" and config.moe_grouped_gemm
+    assert config.moe_router_dtype == ("fp32" if m.router_dtype == "fp32" else None)
+    assert config.moe_expert_capacity_factor == m.capacity_factor
+    assert config.qk_layernorm == (m.qk_norm == "head" or m.is_mla)
+    assert config.multi_latent_attention == m.is_mla
+    if m.is_mla:
+        assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
+                config.v_head_dim) == (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
+                                       m.v_head_dim)
+    if p.ep > 1 and p.tp > 1:
+        assert config.sequence_parallel  # MoELayer.forward refuses TP without SP in training
+    edp, ep_groups = _expert_grid(megatron["arguments"], p)
+    assert edp == p.expert_dp and len(ep_groups[0]) == p.ep
+
+
+def test_megatron_moe_variants(megatron, monkeypatch, tmp_path):
+    """A capacity factor (with padding to capacity), top-1 routing, a gated shared expert, a bf16 router."""
+    sc = scenario(**TINY, tp=2, pp=1, dp=4, ep=2, etp=2, sequence_parallel=True)
+    model = sc.model.model_copy(update={"capacity_factor": 1.25, "top_k": 1, "shared_expert_gate": True,
+                                        "router_dtype": "bf16"})
+    sc = sc.model_copy(update={"model": model})
+    _grouped_gemm_capability(monkeypatch, 9)
+    args, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(sc, tmp_path), "1")
+    assert config.moe_expert_capacity_factor == 1.25 and config.moe_pad_expert_input_to_capacity
+    assert config.moe_router_topk == 1 and config.moe_router_pre_softmax
+    assert config.moe_shared_expert_gate and config.moe_router_dtype is None
+    assert config.expert_tensor_parallel_size == 2
+
+
+def test_megatron_refuses_what_the_emitter_refuses(megatron, monkeypatch, tmp_path):
+    """The refusals are Megatron's own: without the flag the emitter adds, Megatron fails the same way."""
+    sc = scenario(**TINY, tp=2, pp=1, dp=4, ep=2, sequence_parallel=True)
+    argv = _args_file_argv(sc, tmp_path)
+    with pytest.raises(AssertionError, match="GroupedGEMM"):  # no stand-in: the CPU's answer refuses
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 0))
+        megatron_validate(megatron, monkeypatch, argv, "1")
+    _grouped_gemm_capability(monkeypatch, 9)
+    i = argv.index("--moe-router-topk")
+    with pytest.raises(ValueError, match="moe-router-pre-softmax"):  # top-1 softmax routing needs it
+        megatron_validate(megatron, monkeypatch, argv[:i] + ["--moe-router-topk", "1"] + argv[i + 2:], "1")
+    j = argv.index("--expert-model-parallel-size")
+    with pytest.raises(AssertionError, match="multiple of expert model parallel"):
+        megatron_validate(megatron, monkeypatch, argv[:j] + ["--expert-model-parallel-size", "3"] + argv[j + 2:], "1")
+
+
+def test_emit_refuses_moe_plans_megatron_cannot_run():
+    with pytest.raises(SpecError, match="without sequence parallelism"):
+        render_all(scenario(**TINY, tp=2, pp=1, dp=4, ep=2), ["megatron"])
+    biased = scenario(**TINY, tp=2, pp=1, dp=4, ep=2, sequence_parallel=True)
+    biased = biased.model_copy(update={"model": biased.model.model_copy(update={"linear_bias": True,
+                                                                                 "router_bias": True})})
+    with pytest.raises(SpecError, match="etp 1"):
+        render_all(biased, ["torchrun"])
+    gapped = biased.model_copy(update={"model": biased.model.model_copy(update={"router_bias": False})})
+    with pytest.raises(SpecError, match="router_bias"):
+        render_all(gapped, ["slurm"])
+
+
+def test_moe_layer_freq_is_megatrons_pattern(megatron):
+    """The pattern string evaluates, with Megatron's own parser, to the dense-first list."""
+    arguments = megatron["arguments"]
+    assert arguments.moe_freq_type(moe_layer_freq(61, 3)) == [0] * 3 + [1] * 58
+    assert arguments.moe_freq_type(moe_layer_freq(4, 1)) == [0, 1, 1, 1]
+
+
+# --- plan3d check reads the MoE flags back ------------------------------------------------------------
+@pytest.mark.parametrize("case", MOE_PLANS)
+def test_check_reads_moe_launch_files_back(tmp_path, case):
+    job, plan = MOE_PLANS[case]
+    sc = scenario(**job, **plan)
+    files = write_all(tmp_path, render_all(sc, ["megatron", "torchrun", "slurm"]))
+    expected = estimate_scenario_memory(sc)
+    for path in files:
+        if path.name.endswith(".plan.json"):
+            continue
+        result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+        assert not result.errors, result.errors
+        assert result.scenario.resolved_plan() == sc.resolved_plan(), path.name
+        assert result.scenario.model.model_dump(exclude={"name"}) == sc.model.model_dump(exclude={"name"}), path.name
+        assert estimate_scenario_memory(result.scenario).stages == expected.stages, path.name
