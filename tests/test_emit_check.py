@@ -52,6 +52,12 @@ def test_round_trip_search_emit_megatron_check(tmp_path, model_name, hw_name):
         with pytest.raises(SpecError, match="alibi|norm|softcap|bias|geglu|parallel"):
             render_all(sc, ["megatron", "torchrun", "slurm"])
         return
+    from planner.emit.megatron import moe_plan_refusals
+
+    if moe_plan_refusals(sc):  # a MoE plan Megatron-LM refuses (TP without SP); tests/test_emit_moe.py
+        with pytest.raises(SpecError, match="sequence parallelism|etp 1"):
+            render_all(sc, ["megatron", "torchrun", "slurm"])
+        return
     files = _write(tmp_path, sc, ["megatron", "torchrun", "slurm"])
     for name, path in files.items():
         if name.endswith(".plan.json"):

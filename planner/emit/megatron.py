@@ -258,7 +258,9 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         ("--context-parallel-size", str(p.cp)),
     ]
     if sc.model.is_moe:  # parallel folding: the expert grid etp x ep x expert-dp over the same ranks
-        flags += [("--expert-model-parallel-size", str(p.ep)), ("--expert-tensor-parallel-size", str(p.expert_tp))]
+        flags.append(("--expert-model-parallel-size", str(p.ep)))
+        if p.etp is not None:  # absent: Megatron's default, tp (validate_args), as the plan's None means
+            flags.append(("--expert-tensor-parallel-size", str(p.etp)))
     flags += pipeline_flags(sc)
     if p.sequence_parallel:
         flags.append(("--sequence-parallel", None))
