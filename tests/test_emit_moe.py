@@ -182,3 +182,99 @@ def test_check_reads_moe_launch_files_back(tmp_path, case):
         assert result.scenario.resolved_plan() == sc.resolved_plan(), path.name
         assert _shape(result.scenario.model) == _shape(sc.model), path.name
         assert estimate_scenario_memory(result.scenario).stages == expected.stages, path.name
+
+
+# --- torchtitan 0.3.0 -----------------------------------------------------------------------------------
+TORCHTITAN_MOE_PLANS = {
+    "qwen3-30b-tp2-ep8-etp1": (dict(model="qwen3-30b-a3b", gpus=16, global_batch=64, seq_len=4096),
+                               dict(tp=2, pp=1, dp=8, ep=8, etp=1, sequence_parallel=True, zero_stage=1)),
+    "qwen3-30b-tp2-ep1": (dict(model="qwen3-30b-a3b", gpus=16, global_batch=64, seq_len=4096),
+                          dict(tp=2, pp=1, dp=8, sequence_parallel=True, zero_stage=3)),
+    "qwen3-30b-zero0-ep-in-tp": (dict(model="qwen3-30b-a3b", gpus=16, global_batch=64, seq_len=4096),
+                                 dict(tp=4, pp=1, dp=4, ep=4, etp=1, sequence_parallel=True)),
+    "deepseek-v3-pp16-ep64": (dict(model="deepseek-v3", gpus=2048, global_batch=4096, seq_len=4096),
+                              dict(tp=1, pp=16, dp=128, ep=64, zero_stage=1, layers_per_stage=DSV3_STAGES)),
+    "deepseek-v3-pp8-tp2": (dict(model="deepseek-v3", gpus=512, global_batch=512, seq_len=4096),
+                                dict(tp=2, pp=8, dp=32, ep=32, etp=1, zero_stage=1, sequence_parallel=True,
+                                     layers_per_stage=(7,) + (8,) * 6 + (6,))),
+}
+
+
+@pytest.fixture(scope="module")
+def titan():
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (requirements-consumers.txt)")
+    pytest.importorskip("triton", reason="torchtitan's models import triton")
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import pipeline_parallel as pipe
+
+    return ConfigManager, ParallelDims, pipe
+
+
+@pytest.mark.parametrize("case", TORCHTITAN_MOE_PLANS)
+def test_torchtitan_accepts_emitted_moe_plans(titan, tmp_path, case):
+    from tests.test_emit_consumers import _torchtitan_argv
+
+    ConfigManager, ParallelDims, pipe = titan
+    job, plan = TORCHTITAN_MOE_PLANS[case]
+    sc = scenario(**job, **plan)
+    p = sc.resolved_plan()
+    (script,) = write_all(tmp_path / "o", render_all(sc, ["torchtitan"]))
+    world, argv = _torchtitan_argv(script, tmp_path / "run")
+    assert world == sc.training.num_gpus
+    cfg = ConfigManager().parse_args(argv)  # tyro parse + Trainer.Config.__post_init__
+    par = cfg.parallelism
+    dims = ParallelDims.from_config(par, world)  # the degrees multiply to WORLD_SIZE
+    assert (dims.tp, dims.pp, dims.cp, dims.ep, dims.dp_replicate * dims.dp_shard) == (p.tp, p.pp, p.cp, p.ep, p.dp)
+    if dims.ep > 1:
+        # ParallelismConfig.expert_parallel_degree: "dp_shard * cp * tp == efsdp * ep" (build_mesh's efsdp);
+        # an expert shard's replicas, efsdp x dp_replicate, are plan3d's expert data-parallel degree
+        efsdp, rest = divmod(dims.dp_shard * dims.cp * dims.tp, dims.ep)
+        assert rest == 0 and efsdp >= 1 and efsdp * dims.dp_replicate == p.expert_dp and p.expert_tp == 1
+    else:  # experts on the dense mesh, split over tp, replicated over dp x cp
+        assert p.expert_tp == dims.tp and dims.dp_replicate * dims.dp_shard * dims.cp == p.expert_dp
+    model = cfg.model_spec.model
+    assert cfg.model_spec.name == {"deepseek-v3": "deepseek_v3", "qwen3-30b-a3b": "qwen3"}[sc.model.name]
+    moe = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    assert len(moe) == sc.model.num_moe_layers and len(model.layers) == sc.model.num_layers
+    # what Trainer.__init__ calls next: the model's sharding for these degrees (enable_ep = ep > 1)
+    model.update_from_config(config=cfg)
+    if dims.pp > 1:  # pipeline_llm's own split puts the plan's layers on every virtual stage
+        num_stages, num_layers, first_less, last_less = pipe._get_pipeline_metadata(dims, par, model)
+        parts = pipe._generate_llm_fqn_per_model_part(num_stages, num_layers, first_less, last_less)
+        per_stage = [sum(name.startswith("layers.") for name in part) for part in parts]
+        per_rank = [sum(per_stage[s] for s in range(r, num_stages, p.pp)) for r in range(p.pp)]
+        assert per_rank == list(p.layers_per_stage), per_stage
+
+
+def test_torchtitan_refuses_moe_it_cannot_run():
+    with pytest.raises(SpecError, match="ships no model for qwen3-235b-a22b"):  # a flavour, no config function
+        render_all(scenario(**MOE_PLANS["qwen3-235b-tp4-pp8-ep8-etp1"][0], **MOE_PLANS["qwen3-235b-tp4-pp8-ep8-etp1"][1]),
+                   ["torchtitan"])
+    with pytest.raises(SpecError, match="ships no model for mixtral-8x7b"):
+        render_all(scenario(**MIXTRAL, tp=2, pp=4, dp=8, ep=8, sequence_parallel=True), ["torchtitan"])
+    q30 = dict(model="qwen3-30b-a3b", gpus=16, global_batch=64, seq_len=4096)
+    with pytest.raises(SpecError, match="set etp 1"):
+        render_all(scenario(**q30, tp=2, pp=1, dp=8, ep=4, sequence_parallel=True, zero_stage=1), ["torchtitan"])
+    with pytest.raises(SpecError, match="etp = tp"):
+        render_all(scenario(**q30, tp=2, pp=1, dp=8, etp=1, sequence_parallel=True, zero_stage=1), ["torchtitan"])
+    with pytest.raises(SpecError, match="ZeRO 0 keeps dp as replicas"):  # ep 8 folds into dp, which is dp_replicate
+        render_all(scenario(**q30, tp=2, pp=1, dp=8, ep=8, etp=1, sequence_parallel=True), ["torchtitan"])
+    with pytest.raises(SpecError, match="trains in bf16"):
+        render_all(scenario(**q30, precision="fp8", tp=2, pp=1, dp=8, sequence_parallel=True), ["torchtitan"])
+
+
+def test_torchtitan_fp8_deepseek_names_torchtitans_float8_config(titan):
+    """The fp8 config needs torchao to build (not installed here), so its name and its float8 converters are
+    checked in torchtitan's own registry instead of being parsed."""
+    import inspect
+
+    from planner.emit.torchtitan import args
+    from torchtitan.models.deepseek_v3 import config_registry
+
+    job = dict(model="deepseek-v3", gpus=512, global_batch=512, seq_len=4096)
+    plan = dict(tp=1, pp=8, dp=64, ep=64, zero_stage=1, layers_per_stage=(7,) + (8,) * 6 + (6,))
+    for precision, float8 in (("fp8", True), ("bf16", False)):
+        words = args(scenario(**job, precision=precision, **plan))
+        source = inspect.getsource(getattr(config_registry, words[words.index("--config") + 1]))
+        assert ("Float8LinearConverter" in source and "Float8GroupedExpertsConverter" in source) == float8
