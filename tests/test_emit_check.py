@@ -91,6 +91,21 @@ def test_every_megatron_flag_is_in_megatron_lm(tmp_path, case):
     assert flags <= MEGATRON_FLAGS, flags - MEGATRON_FLAGS
 
 
+def test_every_megatron_moe_and_mla_flag_is_in_megatron_lm(tmp_path):
+    """MoE with a capacity factor, top-1 routing, a gated shared expert, dense-first layers, EP and ETP; MLA."""
+    tiny = load_model("tiny-moe").model_copy(update={"capacity_factor": 1.25, "top_k": 1, "shared_expert_gate": True,
+                                                     "attention_sinks": True, "qk_norm": "head"})
+    mla = load_model("deepseek-v3").model_copy(update={"num_layers": 4, "first_k_dense": 1})
+    for model in (tiny, mla):
+        sc = Scenario(model=model, hardware=load_hardware("h100-sxm-80gb"),
+                      training=TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=1024),
+                      plan=Plan(tp=2, pp=2, dp=2, ep=4, etp=1, micro_batch_size=1, sequence_parallel=True))
+        (path,) = _write(tmp_path, sc, ["megatron"]).values()
+        flags = set(read_flags(path).values)
+        assert {"--num-experts", "--expert-tensor-parallel-size", "--moe-layer-freq"} <= flags
+        assert flags <= MEGATRON_FLAGS, flags - MEGATRON_FLAGS
+
+
 @pytest.mark.parametrize("case", SCENARIOS)
 def test_shell_scripts_pass_bash_n_and_shellcheck(tmp_path, case):
     files = _write(tmp_path, _llama_scenario(**SCENARIOS[case]), ["torchrun", "slurm", "torchtitan"])

@@ -278,3 +278,96 @@ def test_torchtitan_fp8_deepseek_names_torchtitans_float8_config(titan):
         words = args(scenario(**job, precision=precision, **plan))
         source = inspect.getsource(getattr(config_registry, words[words.index("--config") + 1]))
         assert ("Float8LinearConverter" in source and "Float8GroupedExpertsConverter" in source) == float8
+
+
+def test_check_reads_moe_variants_back(tmp_path):
+    """Capacity factor, top-1, gated shared expert, bf16 router, attention sinks; MLA without a q rank."""
+    sc = scenario(**TINY, tp=2, pp=2, dp=2, ep=2, sequence_parallel=True)
+    variants = [sc.model.model_copy(update={"capacity_factor": 1.25, "top_k": 1, "shared_expert_gate": True,
+                                            "router_dtype": "bf16", "attention_sinks": True, "first_k_dense": 0}),
+                sc.model.model_copy(update={"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                                            "v_head_dim": 16, "num_kv_heads": None, "first_k_dense": 2})]
+    for i, model in enumerate(variants):
+        v = sc.model_copy(update={"model": model})
+        (path,) = write_all(tmp_path / str(i), render_all(v, ["megatron"]))
+        result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+        assert not result.errors, result.errors
+        assert _shape(result.scenario.model) == _shape(model)
+        assert result.scenario.resolved_plan() == v.resolved_plan()
+
+
+ARGS_BASE = """# plan3d: num_gpus=8
+--num-layers 4 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4 --seq-length 1024
+--max-position-embeddings 1024 --micro-batch-size 1 --bf16 --tokenizer-type NullTokenizer --vocab-size 511
+--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear
+--num-experts 8 --expert-model-parallel-size 8
+"""
+
+
+@pytest.mark.parametrize("extra,wanted", [
+    ("", {"first_k_dense": 0, "top_k": 2, "moe_ffn_hidden_size": None, "router_dtype": "bf16",
+          "capacity_factor": None}),  # Megatron's defaults (TransformerConfig, validate_args)
+    ("--moe-layer-freq 1 --moe-expert-capacity-factor -1", {"first_k_dense": 0, "capacity_factor": None}),
+    ("--moe-layer-freq ([0]+[1]*3)", {"first_k_dense": 1}),
+    ("--moe-layer-freq [0,0,1,1]", {"first_k_dense": 2}),
+    ("--moe-layer-freq 2*[0]+[1]+[1]", {"first_k_dense": 2}),
+    ("--moe-router-dtype fp64 --moe-ffn-hidden-size 128", {"router_dtype": "fp32", "moe_ffn_hidden_size": 128}),
+    ("--multi-latent-attention --qk-layernorm", {"kv_lora_rank": 32, "qk_nope_head_dim": 128,
+                                                 "qk_rope_head_dim": 64, "v_head_dim": 128, "q_lora_rank": None,
+                                                 "qk_norm": "none"}),  # MLA's argparse defaults
+])
+def test_check_reads_megatron_moe_defaults(tmp_path, extra, wanted):
+    path = tmp_path / "moe.megatron.args"
+    path.write_text(ARGS_BASE + extra + "\n")
+    result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+    assert not result.errors, result.errors
+    got = result.scenario.model.model_dump()
+    assert {k: got[k] for k in wanted} == wanted
+    assert result.scenario.plan.ep == 8 and result.scenario.plan.etp is None
+
+
+@pytest.mark.parametrize("extra,error", [
+    ("--moe-layer-freq 2", "dense layers first"),                     # every other layer: not modelled
+    ("--moe-layer-freq ([1]+[0])*2", "dense layers first"),
+    ("--moe-layer-freq ([0]+[1]*5)", "lists 6 layers"),
+    ("--moe-layer-freq [0]*4", "dense layers first"),                 # no MoE layer at all
+    ("--moe-layer-freq [1]*99999999999", "longer than"),              # bounded, never built
+    ("--moe-layer-freq [__import__('os')]", "allows only digits"),    # never evaluated
+    ("--moe-layer-freq every", "neither an integer nor a list"),
+    ("--moe-layer-freq [[1]]*4", "not a list expression"),
+    ("--moe-latent-size 64", "latent projections"),
+    ("--multi-latent-attention --group-query-attention", "refuses the pair"),
+    ("--expert-model-parallel-size 3", "not divisible by ep(3)"),     # plan3d's rule, as Megatron's assert
+])
+def test_check_refuses_moe_it_does_not_model(tmp_path, extra, error):
+    path = tmp_path / "moe.megatron.args"
+    path.write_text(ARGS_BASE + extra + "\n")
+    result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+    assert result.errors and error in result.errors[0], result.errors
+    assert "\n" not in result.errors[0]
+
+
+def test_check_refuses_deepspeed_moe(tmp_path):
+    path = tmp_path / "ds.sh"
+    path.write_text("deepspeed --num_gpus 8 pretrain_gpt.py --deepspeed --deepspeed_config ds.json "
+                    "--num-experts 8 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 1024 "
+                    "--max-position-embeddings 1024 --micro-batch-size 1 --vocab-size 512\n")
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 1}')
+    result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+    assert result.errors and "DeepSpeed-MoE" in result.errors[0], result.errors
+
+
+def test_deepspeed_refuses_expert_parallelism():
+    """DeepSpeed-MoE's expert parallelism lives in model code (deepspeed.moe.layer.MoE ep_size), not the config."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (the Makefile installs it)")
+    import inspect
+
+    from deepspeed.moe.layer import MoE
+
+    assert "ep_size" in inspect.signature(MoE.__init__).parameters
+    with pytest.raises(SpecError, match="DeepSpeed-MoE") as err:
+        render_all(scenario(**TINY, tp=1, pp=1, dp=8, ep=8), ["deepspeed"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(SpecError, match="etp=1"):
+        render_all(scenario(**TINY, tp=2, pp=1, dp=4, etp=1, sequence_parallel=True), ["deepspeed"])
+    assert render_all(scenario(**TINY, tp=1, pp=1, dp=8), ["deepspeed"])  # ep 1: batches and ZeRO only
