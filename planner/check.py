@@ -16,7 +16,8 @@ Inputs (by content, whatever their names):
 
 Megatron-LM's own defaults and normalisations apply (``planner/readers/megatron.py``), mixture-of-experts
 and MLA flags included; models plan3d does not model (Mamba, hybrid, DeepSpeed-MoE, MoE latent
-projections, interleaved dense/MoE patterns, ...) are refused with the reason, never read as dense. Notes (``CheckResult.notes``) say which defaults and assumptions were used.
+projections, interleaved dense/MoE patterns, ...) are refused with the reason, never read as dense.
+Notes (``CheckResult.notes``) say which defaults and assumptions were used.
 """
 
 from __future__ import annotations

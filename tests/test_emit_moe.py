@@ -122,6 +122,13 @@ def test_megatron_moe_variants(megatron, monkeypatch, tmp_path):
     assert config.moe_router_topk == 1 and config.moe_router_pre_softmax
     assert config.moe_shared_expert_gate and config.moe_router_dtype is None
     assert config.expert_tensor_parallel_size == 2
+    # GPT-OSS-shaped: biases on every linear layer and the router, attention sinks; expert TP 1 (Megatron's rule)
+    oss = scenario(**TINY, tp=2, pp=1, dp=4, ep=2, etp=1, sequence_parallel=True)
+    oss = oss.model_copy(update={"model": oss.model.model_copy(update={"linear_bias": True, "router_bias": True,
+                                                                       "attention_sinks": True})})
+    args, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(oss, tmp_path / "oss"), "1")
+    assert config.add_bias_linear and config.softmax_type == "learnable"
+    assert config.expert_tensor_parallel_size == 1 and config.num_moe_experts == 8
 
 
 def test_megatron_refuses_what_the_emitter_refuses(megatron, monkeypatch, tmp_path):
