@@ -240,6 +240,12 @@ def test_torchtitan_accepts_emitted_moe_plans(titan, tmp_path, case):
         assert rest == 0 and efsdp >= 1 and efsdp * dims.dp_replicate == p.expert_dp and p.expert_tp == 1
     else:  # experts on the dense mesh, split over tp, replicated over dp x cp
         assert p.expert_tp == dims.tp and dims.dp_replicate * dims.dp_shard * dims.cp == p.expert_dp
+    read = check_file(script, load_hardware("h100-sxm-80gb"), None, None)  # plan3d check reads it back
+    assert not read.errors, read.errors
+    rp = read.scenario.resolved_plan()
+    assert (rp.tp, rp.pp, rp.dp, rp.cp, rp.ep, rp.expert_tp, rp.layers_per_stage) == \
+        (p.tp, p.pp, p.dp, p.cp, p.ep, p.expert_tp, p.layers_per_stage)
+    assert _shape(read.scenario.model) == _shape(sc.model)
     model = cfg.model_spec.model
     assert cfg.model_spec.name == {"deepseek-v3": "deepseek_v3", "qwen3-30b-a3b": "qwen3"}[sc.model.name]
     moe = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
