@@ -384,3 +384,18 @@ def test_deepspeed_refuses_expert_parallelism():
     with pytest.raises(SpecError, match="etp=1"):
         render_all(scenario(**TINY, tp=2, pp=1, dp=4, etp=1, sequence_parallel=True), ["deepspeed"])
     assert render_all(scenario(**TINY, tp=1, pp=1, dp=8), ["deepspeed"])  # ep 1: batches and ZeRO only
+
+
+def test_megatron_accepts_an_fp8_moe_plan(megatron, monkeypatch, tmp_path):
+    """fp8 MoE: TransformerConfig asks Transformer Engine's version (>= 1.7 for MoE fp8, >= 1.11 for fp8
+    grouped GEMM); TE needs CUDA and is absent here, so answer as an image with a recent TE would, for this
+    plan only. Everything else is Megatron's own check."""
+    import megatron.core.transformer.transformer_config as tc
+
+    asked = []
+    monkeypatch.setattr(tc, "is_te_min_version", lambda version, *a, **k: asked.append(version) or True)
+    _grouped_gemm_capability(monkeypatch, 9)
+    sc = scenario(**MIXTRAL, precision="fp8", tp=2, pp=4, dp=8, ep=8, etp=2, sequence_parallel=True, zero_stage=1)
+    args, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(sc, tmp_path), "1")
+    assert config.fp8 == "hybrid" and config.num_moe_experts == 8 and config.moe_grouped_gemm
+    assert {"1.7.0.dev0", "1.11.0"} <= set(asked)  # the MoE fp8 checks ran
