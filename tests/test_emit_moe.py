@@ -149,6 +149,24 @@ def test_megatron_refuses_what_the_emitter_refuses(megatron, monkeypatch, tmp_pa
         megatron_validate(megatron, monkeypatch, argv[:j] + ["--expert-model-parallel-size", "3"] + argv[j + 2:], "1")
 
 
+def test_megatron_refuses_moe_with_tp_and_no_sp_in_its_moe_layer(megatron, monkeypatch, tmp_path):
+    """validate_args lets MoE with tp > 1 and no SP through (ModelParallelConfig only warns), but MoELayer.forward
+    raises in training: the emitter's refusal rests on that code, asserted here at this version."""
+    import inspect
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    source = inspect.getsource(MoELayer.forward)
+    assert "self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel" in source
+    assert "raise ValueError" in source
+    _grouped_gemm_capability(monkeypatch, 9)
+    argv = _args_file_argv(scenario(**TINY, tp=2, pp=1, dp=4, ep=2, sequence_parallel=True), tmp_path)
+    argv.remove("--sequence-parallel")
+    with pytest.warns(UserWarning, match="sequence parallelism must be used"):
+        _, config, _ = megatron_validate(megatron, monkeypatch, argv, "1")
+    assert not config.sequence_parallel and config.tensor_model_parallel_size == 2
+
+
 def test_emit_refuses_moe_plans_megatron_cannot_run():
     with pytest.raises(SpecError, match="without sequence parallelism"):
         render_all(scenario(**TINY, tp=2, pp=1, dp=4, ep=2), ["megatron"])
