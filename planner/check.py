@@ -14,9 +14,10 @@ Inputs (by content, whatever their names):
 * DeepSpeed JSON configs: checked with the script or argument file next to them that passes them
   (``--deepspeed_config NAME``).
 
-Megatron-LM's own defaults and normalisations apply (``planner/readers/megatron.py``); models
-plan3d does not model (Mamba, hybrid, MoE, MLA, ...) are refused with the reason, never read as
-dense. Notes (``CheckResult.notes``) say which defaults and assumptions were used.
+Megatron-LM's own defaults and normalisations apply (``planner/readers/megatron.py``), mixture-of-experts
+and MLA flags included; models plan3d does not model (Mamba, hybrid, DeepSpeed-MoE, MoE latent
+projections, interleaved dense/MoE patterns, ...) are refused with the reason, never read as dense.
+Notes (``CheckResult.notes``) say which defaults and assumptions were used.
 """
 
 from __future__ import annotations
@@ -142,13 +143,7 @@ def _read_launch_file(path: Path, hardware: HardwareSpec, gpus: int | None, voca
     text = _read_text(path)
     notes, sbatch = _notes(text), _sbatch(text, path)
     if path.suffix == ".args":
-        # An argument file is passed as `$(grep -v '^#' FILE)` (docs/emit.md): whitespace-separated words,
-        # no shell syntax, so a layout such as `Ett|tt|ttL` is one word, not a pipe.
-        words, lines = [], []
-        for n, raw in enumerate(text.splitlines(), start=1):
-            if not raw.lstrip().startswith("#"):
-                words += raw.split()
-                lines += [n] * len(raw.split())
+        words, lines = _argument_file_words(text)
         worlds = None
     else:
         worlds = evaluate(text, str(path), env=sbatch_env(sbatch))
@@ -166,6 +161,18 @@ def _read_launch_file(path: Path, hardware: HardwareSpec, gpus: int | None, voca
         ds = _deepspeed_config(args, path, {}) if args.has("--deepspeed") else None
         return [_megatron_result(args, n, path, hardware, vocab_size, ds, notes)]
     return _script_results(path, worlds, notes, sbatch, hardware, gpus, vocab_size)
+
+
+def _argument_file_words(text: str) -> tuple[list[str], list[int]]:
+    """An argument file is passed as `$(grep -v '^#' FILE)` (docs/emit.md): whitespace-separated words,
+    no shell syntax, so a layout such as `Ett|tt|ttL` or a `--moe-layer-freq` pattern such as
+    `([0]*3+[1]*58)` is one word, not a pipe or a subshell."""
+    words, lines = [], []
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.lstrip().startswith("#"):
+            words += raw.split()
+            lines += [n] * len(raw.split())
+    return words, lines
 
 
 def _is_argument_file(worlds: list[World]) -> bool:
@@ -381,6 +388,8 @@ def read_flags(path: Path):
     """The program arguments (:class:`planner.readers.args.Args`) of an argument file, or of the first
     training launch of a script's first branch."""
     text = _read_text(path)
+    if path.suffix == ".args":
+        return parse_args(*_argument_file_words(text), path)
     worlds = evaluate(text, str(path), env=sbatch_env(_sbatch(text, path)))
     if _is_argument_file(worlds):
         words, lines = [], []

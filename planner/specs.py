@@ -413,6 +413,21 @@ class ModelSpec(_Spec):
                         "or on none (--disable-bias-linear, optionally --add-qkv-bias)")
         if self.position_embedding == "alibi":
             gaps.append("position_embedding: alibi is not a Megatron-LM --position-embedding-type")
+        return gaps + self._megatron_moe_gaps()
+
+    def _megatron_moe_gaps(self) -> list[str]:
+        """MoE and MLA fields Megatron-LM core_v0.16.1 cannot build: the router has a bias exactly when
+        every linear layer has one (``moe/router.py``: ``if config.add_bias_linear``); MLA's projections
+        take ``--add-bias-linear`` but the spec's MLA has no biases; MLA's only Q/K norms are its latent
+        norms (``--qk-layernorm``, ``gpt_layer_specs.py``)."""
+        gaps = []
+        if self.is_moe and self.router_bias != self.linear_bias:
+            gaps.append("router_bias: Megatron-LM's router has a bias exactly when every linear layer has one "
+                        "(--add-bias-linear)")
+        if self.is_mla and self.linear_bias:
+            gaps.append("linear_bias: plan3d's MLA attention has no biases; Megatron-LM would add them (--add-bias-linear)")
+        if self.is_mla and self.qk_norm != "none":
+            gaps.append("qk_norm: Megatron-LM's MLA has only its latent norms (--qk-layernorm), no Q/K head norms")
         return gaps
 
 

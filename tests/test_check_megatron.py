@@ -4,7 +4,8 @@ For every Megatron-LM launch in tests/data/launch (each branch) the arguments `p
 given to Megatron's own ``parse_args`` and ``validate_args``; the sizes Megatron derives (FFN width,
 query groups, sequence parallelism at tp 1, global batch, data-parallel size, virtual stages, padded
 vocabulary) must be the ones plan3d's scenario carries. Stand-ins, as ../shared/consumers/README.md
-allows: ``get_device_arch_version`` answers 9 (Hopper) because there is no CUDA device here; data and
+allows: ``get_device_arch_version`` answers 9 (Hopper) because there is no CUDA device here, and so does
+``torch.cuda.get_device_capability`` (asked under ``--moe-grouped-gemm``); data and
 checkpoint paths (``--data-path``, ``--save``, ...) are dropped since nothing is read or written.
 """
 
@@ -21,12 +22,13 @@ from planner.presets import load_hardware
 from planner.readers.args import megatron_flag_table
 from planner.readers.bash import is_unknown
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# ../shared beside the repository root (PLAN3D_SHARED overrides it, e.g. from a git worktree elsewhere)
+SHARED = Path(os.environ.get("PLAN3D_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
 TARBALL = SHARED / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 LAUNCH = Path(__file__).parent / "data" / "launch"
 MEGATRON_LM_FILES = ["megatron_gpt3_175b.sh", "megatron_llama3_8b_fp8.sh", "megatron_llama2_7b_swiglu_default.sh",
                      "megatron_gqa_default.sh", "megatron_size_case.sh", "megatron_if_branch.sh",
-                     "megatron_llama3_70b.slurm"]
+                     "megatron_llama3_70b.slurm", "megatron_moe.sh"]
 DROPPED = ("--save", "--load", "--data-path", "--tensorboard-dir", "--vocab-file", "--merge-file", "--data-cache-path")
 
 
@@ -61,6 +63,9 @@ def _words(args) -> list[str]:
 
 
 def _megatron(arguments, words, world, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))  # stand-in: no CUDA device
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + words)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
@@ -103,6 +108,10 @@ def test_reader_agrees_with_megatron_validate_args(megatron_arguments, name, mon
         assert (m.recompute_granularity or "none") == plan.recompute
         precision = "fp8" if m.fp8 else "bf16" if (m.bf16 or m.fp16) else "fp32"
         assert precision == sc.training.precision
+        assert m.num_experts == sc.model.num_experts and m.expert_model_parallel_size == plan.ep
+        assert m.expert_tensor_parallel_size == plan.expert_tp  # validate_args: absent = tp
+        if m.num_experts:
+            assert (m.moe_router_topk, m.moe_ffn_hidden_size) == (sc.model.top_k, sc.model.moe_ffn_size)
         if m.tokenizer_type == "NullTokenizer":  # the real tokenizer class, padded by Megatron's own function
             size = tokenizer._NullTokenizer(m.vocab_size).vocab_size
             assert tokenizer._vocab_size_with_padding(size, m, logging_enabled=False) == \

@@ -52,6 +52,12 @@ def test_round_trip_search_emit_megatron_check(tmp_path, model_name, hw_name):
         with pytest.raises(SpecError, match="alibi|norm|softcap|bias|geglu|parallel"):
             render_all(sc, ["megatron", "torchrun", "slurm"])
         return
+    from planner.emit.megatron import moe_plan_refusals
+
+    if moe_plan_refusals(sc):  # a MoE plan Megatron-LM refuses (TP without SP); tests/test_emit_moe.py
+        with pytest.raises(SpecError, match="sequence parallelism|etp 1"):
+            render_all(sc, ["megatron", "torchrun", "slurm"])
+        return
     files = _write(tmp_path, sc, ["megatron", "torchrun", "slurm"])
     for name, path in files.items():
         if name.endswith(".plan.json"):
@@ -83,6 +89,21 @@ def test_every_megatron_flag_is_in_megatron_lm(tmp_path, case):
     (path,) = _write(tmp_path, _llama_scenario(**SCENARIOS[case]), ["megatron"]).values()
     flags = set(read_flags(path).values)
     assert flags <= MEGATRON_FLAGS, flags - MEGATRON_FLAGS
+
+
+def test_every_megatron_moe_and_mla_flag_is_in_megatron_lm(tmp_path):
+    """MoE with a capacity factor, top-1 routing, a gated shared expert, dense-first layers, EP and ETP; MLA."""
+    tiny = load_model("tiny-moe").model_copy(update={"capacity_factor": 1.25, "top_k": 1, "shared_expert_gate": True,
+                                                     "attention_sinks": True, "qk_norm": "head"})
+    mla = load_model("deepseek-v3").model_copy(update={"num_layers": 4, "first_k_dense": 1})
+    for model in (tiny, mla):
+        sc = Scenario(model=model, hardware=load_hardware("h100-sxm-80gb"),
+                      training=TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=1024),
+                      plan=Plan(tp=2, pp=2, dp=2, ep=4, etp=1, micro_batch_size=1, sequence_parallel=True))
+        (path,) = _write(tmp_path, sc, ["megatron"]).values()
+        flags = set(read_flags(path).values)
+        assert {"--num-experts", "--expert-tensor-parallel-size", "--moe-layer-freq"} <= flags
+        assert flags <= MEGATRON_FLAGS, flags - MEGATRON_FLAGS
 
 
 @pytest.mark.parametrize("case", SCENARIOS)

@@ -2,7 +2,9 @@
 
 Keys are DeepSpeed's (``deepspeed/runtime/config.py``): ``train_batch_size`` =
 ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x data-parallel size,
-``zero_optimization.stage``, ``bf16.enabled`` / ``fp16.enabled``. DeepSpeed's pipeline engine
+``zero_optimization.stage``, ``bf16.enabled`` / ``fp16.enabled``. Expert parallelism is not a config key
+(DeepSpeed-MoE takes ``ep_size`` in ``deepspeed.moe.layer.MoE``, in model code): MoE plans with ep > 1
+or an expert TP other than tp are refused. DeepSpeed's pipeline engine
 (``deepspeed/runtime/pipe/engine.py``) takes ZeRO stage 0 or 1 only; the config has no context
 parallelism.
 
@@ -47,6 +49,10 @@ def check_supported(sc: Scenario) -> None:
                         "recipe; use bf16")
     if p.vpp > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's pipeline engine has no interleaved schedule (plan has vpp={p.vpp})")
+    if sc.model.is_moe and (p.ep > 1 or p.expert_tp != p.tp):
+        raise SpecError(f"--emit deepspeed: DeepSpeed-MoE sets expert parallelism in the model code (deepspeed.moe.layer.MoE "
+                        f"ep_size), not in this config, and plan3d does not write it; the plan has ep={p.ep}, "
+                        f"etp={p.expert_tp} (use --format megatron)")
 
 
 def render_config(sc: Scenario) -> str:

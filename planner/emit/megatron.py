@@ -33,7 +33,7 @@ def model_flags(sc: Scenario) -> list[Flag]:
         ("--ffn-hidden-size", str(m.ffn_size)), ("--num-attention-heads", str(m.num_attention_heads)),
         ("--kv-channels", str(m.kv_channels)),
     ]
-    if m.kv_heads != m.num_attention_heads:
+    if m.kv_heads != m.num_attention_heads and not m.is_mla:  # validate_args: MLA excludes GQA
         flags += [("--group-query-attention", None), ("--num-query-groups", str(m.kv_heads))]
     # The emitted runs use Megatron's NullTokenizer (run_flags), which has --vocab-size + 1 tokens (the
     # end-of-document id: megatron/training/tokenizer/tokenizer.py _NullTokenizer.vocab_size), so V - 1
@@ -54,7 +54,110 @@ def model_flags(sc: Scenario) -> list[Flag]:
             flags.append(("--add-qkv-bias", None))
     dropout = "0.1" if m.dropout else "0.0"
     flags += [("--attention-dropout", dropout), ("--hidden-dropout", dropout)]
+    return flags + attention_flags(sc) + moe_flags(sc)
+
+
+def attention_flags(sc: Scenario) -> list[Flag]:
+    """Q/K norms, MLA and attention sinks as Megatron-LM core_v0.16.1 flags.
+
+    * ``--qk-layernorm``: one ``normalization`` norm over each query and key head
+      (``TransformerConfig.qk_layernorm``; ``gpt_layer_specs.py`` builds ``q_layernorm``/``k_layernorm``
+      of ``hidden_size_per_attention_head``), the Qwen3 per-head Q/K RMSNorm (``qk_norm: head``).
+    * MLA (``MLATransformerConfig``, ``--multi-latent-attention``): ``--q-lora-rank`` (absent: a full q
+      projection, ``linear_q_proj``), ``--kv-lora-rank``, ``--qk-head-dim`` (the non-rotary part,
+      DeepSeek ``qk_nope_head_dim``), ``--qk-pos-emb-head-dim`` (the rotary part, ``qk_rope_head_dim``),
+      ``--v-head-dim``. ``--qk-layernorm`` builds the latent norms (DeepSeek ``q_a_layernorm`` and
+      ``kv_a_layernorm``): with MLA, ``gpt_layer_specs.py`` makes ``linear_q_up_proj`` and
+      ``linear_kv_up_proj`` layer-norm linears exactly when it is set.
+    * Attention sinks (GPT-OSS ``sinks``): ``--softmax-type learnable``, one learned offset per head
+      (``dot_product_attention.py``: ``softmax_offset`` of ``num_attention_heads_per_partition``).
+    """
+    m = sc.model
+    flags: list[Flag] = []
+    if m.is_mla:
+        flags.append(("--multi-latent-attention", None))
+        if m.q_lora_rank is not None:
+            flags.append(("--q-lora-rank", str(m.q_lora_rank)))
+        flags += [("--kv-lora-rank", str(m.kv_lora_rank)), ("--qk-head-dim", str(m.qk_nope_head_dim)),
+                  ("--qk-pos-emb-head-dim", str(m.qk_rope_head_dim)), ("--v-head-dim", str(m.v_head_dim)),
+                  ("--qk-layernorm", None)]
+    elif m.qk_norm == "head":
+        flags.append(("--qk-layernorm", None))
+    if m.attention_sinks:
+        flags.append(("--softmax-type", "learnable"))
     return flags
+
+
+#: Megatron-LM's recommended starting value of the auxiliary load-balancing loss coefficient
+#: (core_v0.16.1 ``arguments.py``, ``--moe-aux-loss-coeff`` help: "a starting value of 1e-2 is
+#: recommended"); Megatron's default, 0.0, trains with no balancing at all. A plan3d model carries no
+#: balancing coefficient (it changes no memory), so this is a stated choice, not the model's.
+MOE_AUX_LOSS_COEFF = "1e-2"
+
+
+def moe_layer_freq(num_layers: int, first_k_dense: int) -> str:
+    """``--moe-layer-freq`` for ``first_k_dense`` dense layers then experts, in Megatron's pattern syntax
+    (``arguments.py::moe_freq_type``: "([0]+[1]*23)": 1 dense layer followed by 23 expert layers)."""
+    return f"([0]*{first_k_dense}+[1]*{num_layers - first_k_dense})"
+
+
+def moe_flags(sc: Scenario) -> list[Flag]:
+    """A mixture-of-experts model as Megatron-LM core_v0.16.1 flags (``TransformerConfig`` MoE fields).
+
+    ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size`` (written even when equal to the
+    dense width), ``--moe-shared-expert-intermediate-size`` (+ ``--moe-shared-expert-gate``),
+    ``--moe-layer-freq`` for dense-first layers; ``--moe-grouped-gemm`` (TEGroupedMLP: the same
+    parameters as one MLP per expert, fewer kernel launches) and ``--moe-token-dispatcher-type
+    alltoall`` (the all-to-all dispatch the cost model prices; Megatron's default is allgather);
+    ``--moe-router-dtype fp32`` for an fp32 router (absent: the parameters' dtype);
+    ``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity`` for a capacity factor,
+    so every expert's input is exactly its capacity (absent: dropless). ``--moe-router-pre-softmax``
+    for top-1 routing (``TransformerConfig.__post_init__`` refuses top-1 softmax routing without it).
+    ``--moe-shared-expert-overlap`` is not written: it reorders the shared expert after the router to
+    overlap it with dispatch, a schedule choice plan3d's cost model does not price.
+    """
+    m = sc.model
+    if not m.is_moe:
+        return []
+    flags: list[Flag] = [("--num-experts", str(m.num_experts)), ("--moe-router-topk", str(m.top_k)),
+                         ("--moe-ffn-hidden-size", str(m.moe_ffn_size))]
+    if m.first_k_dense:
+        flags.append(("--moe-layer-freq", moe_layer_freq(m.num_layers, m.first_k_dense)))
+    if m.shared_expert_ffn_hidden_size is not None:
+        flags.append(("--moe-shared-expert-intermediate-size", str(m.shared_expert_ffn_hidden_size)))
+        if m.shared_expert_gate:
+            flags.append(("--moe-shared-expert-gate", None))
+    flags += [("--moe-grouped-gemm", None), ("--moe-token-dispatcher-type", "alltoall"),
+              ("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", MOE_AUX_LOSS_COEFF)]
+    if m.top_k == 1:
+        flags.append(("--moe-router-pre-softmax", None))
+    if m.router_dtype == "fp32":
+        flags.append(("--moe-router-dtype", "fp32"))
+    if m.capacity_factor is not None:
+        flags += [("--moe-expert-capacity-factor", f"{m.capacity_factor:g}"),
+                  ("--moe-pad-expert-input-to-capacity", None)]
+    return flags
+
+
+def moe_plan_refusals(sc: Scenario) -> list[str]:
+    """What Megatron-LM core_v0.16.1 refuses in a MoE plan that plan3d's own rules let through, one line each.
+
+    * ``moe_layer.py`` ``MoELayer.forward``: in training, tensor parallelism without sequence
+      parallelism raises ("performance may degrade if MoE and tensor parallelism are enabled without
+      also enabling sequence parallelism"); ``ModelParallelConfig`` only warns for ep > 1 with tp > 1.
+    * ``transformer_config.py``: "Bias in Moe is only supported when ETP==1".
+    """
+    m, p = sc.model, sc.plan
+    if not m.is_moe:
+        return []
+    errors = []
+    if p.tp > 1 and not p.sequence_parallel:
+        errors.append(f"--emit megatron: Megatron-LM's MoE layer refuses tp({p.tp}) > 1 without sequence parallelism "
+                      "in training (core/transformer/moe/moe_layer.py); use a plan with sequence_parallel")
+    if m.linear_bias and p.expert_tp > 1:
+        errors.append(f"--emit megatron: Megatron-LM supports biases in MoE layers only with expert tensor parallelism "
+                      f"1 (transformer_config.py), the plan has etp({p.expert_tp}); set etp 1")
+    return errors
 
 
 def is_even(sc: Scenario) -> bool:
@@ -154,6 +257,10 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         ("--tensor-model-parallel-size", str(p.tp)), ("--pipeline-model-parallel-size", str(p.pp)),
         ("--context-parallel-size", str(p.cp)),
     ]
+    if sc.model.is_moe:  # parallel folding: the expert grid etp x ep x expert-dp over the same ranks
+        flags.append(("--expert-model-parallel-size", str(p.ep)))
+        if p.etp is not None:  # absent: Megatron's default, tp (validate_args), as the plan's None means
+            flags.append(("--expert-tensor-parallel-size", str(p.etp)))
     flags += pipeline_flags(sc)
     if p.sequence_parallel:
         flags.append(("--sequence-parallel", None))
@@ -216,7 +323,10 @@ def run_flags() -> list[Flag]:
 
 
 def megatron_flags(sc: Scenario) -> list[Flag]:
-    """Every Megatron-LM flag of the plan, in order."""
+    """Every Megatron-LM flag of the plan, in order; a MoE plan Megatron-LM would refuse is refused."""
+    refusals = moe_plan_refusals(sc)
+    if refusals:
+        raise SpecError(refusals)
     return model_flags(sc) + parallel_flags(sc) + run_flags()
 
 

@@ -13,6 +13,9 @@ with PP the local batch is split into ``local / pipeline_parallel_microbatch_siz
 micro-batches, without PP it runs as one forward. So the local batch is the plan's micro-batch when
 pp = 1 (accumulation = the plan's micro-batch count) and all of a step's micro-batches when pp > 1.
 
+Mixture of experts: ``--parallelism.expert_parallel_degree`` (see :func:`expert_args` for what torchtitan
+can shard); DeepSeek-V3 and Qwen3-30B-A3B have torchtitan configs, other MoE presets are refused.
+
 Precision: torchtitan 0.3.0 sets float8 in its config-registry functions (``model_registry(...,
 converters=[Float8LinearConverter...])``), not on the command line. Of the presets plan3d maps,
 ``llama3_405b`` always converts to float8 and ``llama3_8b``/``llama3_70b`` never do, so a plan whose
@@ -28,9 +31,15 @@ from planner.names import slug
 from planner.presets import SpecError
 from planner.specs import Scenario
 
-# plan3d preset -> (torchtitan --module, --config, the precision that config trains in)
-REGISTRY = {"llama3-8b": ("llama3", "llama3_8b", "bf16"), "llama3-70b": ("llama3", "llama3_70b", "bf16"),
-            "llama3-405b": ("llama3", "llama3_405b", "fp8")}
+# plan3d preset -> (torchtitan --module, {precision: the --config function that trains in it}).
+# torchtitan 0.3.0 config registries: models/llama3/config_registry.py; models/deepseek_v3/config_registry.py
+# (deepseek_v3_671b: model_registry("671B"), no MTP layers; deepseek_v3_671b_float8: the same with float8
+# linears and grouped experts); models/qwen3/config_registry.py (qwen3_30b_a3b: model_registry("30B-A3B")).
+# Qwen3-235B-A22B has a model flavour ("235B-A22B") but no config function, and Mixtral no model: refused.
+REGISTRY = {"llama3-8b": ("llama3", {"bf16": "llama3_8b"}), "llama3-70b": ("llama3", {"bf16": "llama3_70b"}),
+            "llama3-405b": ("llama3", {"fp8": "llama3_405b"}),
+            "deepseek-v3": ("deepseek_v3", {"bf16": "deepseek_v3_671b", "fp8": "deepseek_v3_671b_float8"}),
+            "qwen3-30b-a3b": ("qwen3", {"bf16": "qwen3_30b_a3b"})}
 
 
 def split_layers(num_stages: int, num_layers: int, input_weight: int, output_weight: int) -> list[int] | None:
@@ -87,11 +96,14 @@ def args(sc: Scenario) -> list[str]:
         raise SpecError(f"--emit torchtitan: torchtitan ships no model for {slug(sc.model.name)}; "
                         f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets")
     p, tr = sc.resolved_plan(), sc.training
-    module, config, precision = REGISTRY[sc.model.name]
-    if tr.precision != precision:
-        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's {config} trains in {precision} and its command line "
-                        f"cannot change that; the plan is {tr.precision} (use --format megatron)")
+    module, configs = REGISTRY[sc.model.name]
+    if tr.precision not in configs:
+        trains = " and ".join(f"{c} trains in {prec}" for prec, c in configs.items())
+        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's {trains} and its command line cannot change that; "
+                        f"the plan is {tr.precision} (use --format megatron)")
+    config = configs[tr.precision]
     sharded = p.zero_stage >= 1 and p.dp > 1
+    expert = expert_args(sc, dp_shard=p.dp if sharded else 1)
     local_batch = p.micro_batch_size * (p.num_microbatches if p.pp > 1 else 1)
     out = ["--module", module, "--config", config,
            "--parallelism.data_parallel_replicate_degree", str(1 if sharded else p.dp),
@@ -102,7 +114,7 @@ def args(sc: Scenario) -> list[str]:
            "--parallelism.pipeline_parallel_degree", str(p.pp),
            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B" if p.vpp > 1 else "1F1B",
            "--parallelism.pipeline_parallel_microbatch_size", str(p.micro_batch_size),
-           "--parallelism.context_parallel_degree", str(p.cp),
+           "--parallelism.context_parallel_degree", str(p.cp), *expert,
            "--training.local_batch_size", str(local_batch),
            "--training.global_batch_size", str(tr.global_batch_size),
            "--training.seq_len", str(tr.seq_len)]
@@ -111,9 +123,42 @@ def args(sc: Scenario) -> list[str]:
         out += ["--parallelism.pipeline_parallel_layers_per_stage", str(per_stage),
                 "--parallelism.pipeline_parallel_first_stage_less_layers", str(first_less),
                 "--parallelism.pipeline_parallel_last_stage_less_layers", str(last_less)]
-        out.append("--training.disable_cuda_graphs")  # torchtitan: CUDA graphs do not support PP yet
+    # trainer.py _validate_cuda_graphs: "CUDA graphs do not support pipeline parallelism yet", nor EP with the
+    # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use
+    if p.pp > 1 or (sc.model.is_moe and p.ep > 1):
+        out.append("--training.disable_cuda_graphs")
     out.append(f"activation_checkpoint:{p.recompute}")
     return out
+
+
+def expert_args(sc: Scenario, dp_shard: int) -> list[str]:
+    """``--parallelism.expert_parallel_degree`` for a MoE plan, or a one-line refusal of what torchtitan 0.3.0
+    cannot shard that way.
+
+    torchtitan 0.3.0 (``config/configs.py`` ``ParallelismConfig.expert_parallel_degree``;
+    ``distributed/parallel_dims.py``): EP borrows ranks from ``dp_shard x cp x tp`` ("the dense region
+    (dp_shard * cp * tp) and sparse region (efsdp * ep) cover the same ranks", ``efsdp = dp_shard * cp * tp
+    / ep``), so ``ep`` must divide that product; ``dp_replicate`` (plan3d's ZeRO 0) lies outside it. The
+    sparse mesh ``pp x dp_replicate x efsdp x ep`` has no tensor axis: with ep > 1 each expert is whole on
+    its rank (expert TP 1, ``models/common/moe_sharding.py`` ``expert_param_placement_sparse``); with ep 1
+    the experts are split over the dense TP axis (``expert_param_placement_dense``): expert TP = tp.
+    There is no expert_tensor_parallel_degree option.
+    """
+    p = sc.plan
+    if not sc.model.is_moe:
+        return []
+    if p.ep > 1 and p.expert_tp != 1:
+        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 keeps each expert whole on its rank when ep > 1 (no "
+                        f"expert tensor parallelism); the plan has ep={p.ep}, etp={p.expert_tp}: set etp 1")
+    if p.ep == 1 and p.expert_tp != p.tp:
+        raise SpecError(f"--emit torchtitan: without expert parallelism torchtitan 0.3.0 splits the experts over the "
+                        f"tensor-parallel ranks (etp = tp = {p.tp}); the plan has etp={p.expert_tp}")
+    region = dp_shard * p.cp * p.tp
+    if region % p.ep:
+        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 draws ep from dp_shard({dp_shard}) x cp({p.cp}) x "
+                        f"tp({p.tp}) = {region}, which ep={p.ep} does not divide"
+                        + ("; ZeRO 0 keeps dp as replicas outside it, use zero_stage >= 1" if dp_shard == 1 else ""))
+    return ["--parallelism.expert_parallel_degree", str(p.ep)]
 
 
 def render(sc: Scenario) -> str:

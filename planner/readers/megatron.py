@@ -54,13 +54,11 @@ SENTENCEPIECE_TOKENIZERS = [
 
 # Flags for models plan3d does not model: refused, never read as a dense GPT.
 UNMODELLED_FLAGS = {
-    "--num-experts": "a mixture-of-experts model (--num-experts)",
-    "--moe-layer-freq": "a mixture-of-experts model (--moe-layer-freq)",
+    "--moe-latent-size": "MoE latent projections (--moe-latent-size)",
     "--hybrid-override-pattern": "a hybrid Mamba-Transformer model (--hybrid-override-pattern)",
     "--hybrid-attention-ratio": "a hybrid Mamba-Transformer model (--hybrid-attention-ratio)",
     "--hybrid-mlp-ratio": "a hybrid Mamba-Transformer model (--hybrid-mlp-ratio)",
     "--is-hybrid-model": "a hybrid Mamba-Transformer model (--is-hybrid-model)",
-    "--multi-latent-attention": "multi-latent attention (--multi-latent-attention)",
     "--mtp-num-layers": "multi-token prediction layers (--mtp-num-layers)",
     "--account-for-embedding-in-pipeline-split": "embedding counted as a pipeline layer "
                                                  "(--account-for-embedding-in-pipeline-split)",
@@ -70,11 +68,17 @@ UNMODELLED_FLAGS = {
 
 
 def _refuse_unmodelled(a: Args) -> None:
+    if a.has("--deepspeed") and a.has("--num-experts"):  # Megatron-DeepSpeed's --num-experts: a list (nargs '+')
+        counts = a.values["--num-experts"]
+        counts = counts if isinstance(counts, list) else [counts]
+        if not all(str(c).isdigit() and int(str(c)) <= 1 for c in counts):  # 1 expert is a dense model
+            raise SpecError(f"{a.path}:{a.line('--num-experts')}: DeepSpeed-MoE (Megatron-DeepSpeed --num-experts) is "
+                            "not modelled by plan3d; it would be read as a dense GPT, so the file is refused")
     for flag, what in UNMODELLED_FLAGS.items():
         if not a.has(flag):
             continue
         value = a.values[flag]
-        if flag in ("--num-experts", "--ds-sequence-parallel-size", "--mtp-num-layers"):
+        if flag in ("--ds-sequence-parallel-size", "--mtp-num-layers"):
             counts = value if isinstance(value, list) else [value]
             try:
                 if all(int(str(c)) <= 1 for c in counts):  # Megatron-DeepSpeed's --num-experts 1 is dense
@@ -191,6 +195,16 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
                             "(validate_args required_args)")
         max_pos = seq
     dropout = a.float("--attention-dropout", 0.1) > 0 or a.float("--hidden-dropout", 0.1) > 0
+    mla = a.has("--multi-latent-attention")
+    if mla and a.has("--group-query-attention"):
+        raise SpecError(f"{a.path}:{a.line('--group-query-attention')}: --group-query-attention with "
+                        "--multi-latent-attention: Megatron-LM refuses the pair (validate_args)")
+    if a.has("--qk-l2-norm"):
+        raise SpecError(f"{a.path}:{a.line('--qk-l2-norm')}: Llama-4 style Q/K L2 norms (--qk-l2-norm) are not modelled")
+    softmax = a.get("--softmax-type", "vanilla")
+    if softmax == "off-by-one":
+        notes.append("--softmax-type off-by-one: a fixed offset, no parameters")
+    linear_bias = not a.has("--disable-bias-linear")
     return {
         "name": name, "num_layers": a.int("--num-layers"), "hidden_size": h, "num_attention_heads": heads,
         "num_kv_heads": groups, "head_dim": kv if kv is not None and kv * heads != h else None,
@@ -203,7 +217,141 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
         # a LayerNorm after the word embedding: Megatron-DeepSpeed's --embed-layernorm (BLOOM), or the
         # '# plan3d: embedding_norm=true' note plan3d emit writes (Megatron-LM has no such flag)
         "embedding_norm": a.has("--embed-layernorm") or file_notes.get("embedding_norm") == "true",
-    }
+        # per-head Q/K norms (TransformerConfig.qk_layernorm); with MLA the flag builds the latent norms
+        "qk_norm": "head" if a.has("--qk-layernorm") and not mla else "none",
+        "attention_sinks": softmax == "learnable",  # dot_product_attention.py: one learned offset per head
+    } | mla_fields(a, notes) | moe_fields(a, ffn, linear_bias, notes)
+
+
+def mla_fields(a: Args, notes: list[str]) -> dict:
+    """MLA ranks and head widths from ``--multi-latent-attention`` and its flags, with Megatron-LM
+    core_v0.16.1's argparse defaults (``_add_mla_args``: ``--kv-lora-rank`` 32, ``--qk-head-dim`` 128,
+    ``--qk-pos-emb-head-dim`` 64, ``--v-head-dim`` 128, ``--q-lora-rank`` None = a full q projection).
+    ``--qk-head-dim`` is the non-rotary part of a head (DeepSeek ``qk_nope_head_dim``)."""
+    if not a.has("--multi-latent-attention"):
+        return {}
+    defaults = {"--kv-lora-rank": 32, "--qk-head-dim": 128, "--qk-pos-emb-head-dim": 64, "--v-head-dim": 128}
+    absent = [f for f in defaults if not a.has(f)]
+    if absent:
+        notes.append(f"MLA: Megatron's defaults for {', '.join(f'{f} {defaults[f]}' for f in absent)}")
+    if not a.has("--qk-layernorm"):
+        notes.append("MLA without --qk-layernorm: Megatron builds no latent norms; plan3d counts them "
+                     "(2 x rank weights per layer, an upper bound)")
+    return {"q_lora_rank": a.count("--q-lora-rank"), "kv_lora_rank": a.count("--kv-lora-rank", 32),
+            "qk_nope_head_dim": a.count("--qk-head-dim", 128), "qk_rope_head_dim": a.count("--qk-pos-emb-head-dim", 64),
+            "v_head_dim": a.count("--v-head-dim", 128)}
+
+
+MAX_PATTERN_LAYERS = 100_000  # bounds what `plan3d check` unrolls from a --moe-layer-freq it is given
+
+
+def eval_layer_pattern(text: str, where: str) -> list[int]:
+    """A ``--moe-layer-freq`` list expression such as ``([0]*3+[1]*58)``, evaluated as Megatron's
+    ``_eval_pattern`` does (core_v0.16.1 ``arguments.py``: digits, ``,``, ``[]``, ``()``, ``+``, ``*``;
+    Python's list arithmetic) but without ``eval``: Python's ``ast`` walked for list literals of integers,
+    ``+`` and ``*`` only, each list bounded."""
+    import ast
+
+    def walk(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [walk(e) for e in node.elts]
+            if not all(isinstance(i, int) for i in items):
+                raise ValueError("a list holds only integers")
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = walk(node.left), walk(node.right)
+            lists = isinstance(left, list) + isinstance(right, list)
+            if isinstance(node.op, ast.Add):
+                if lists == 1:
+                    raise ValueError("'+' joins two lists or two integers")
+                out = left + right
+            elif lists == 2:
+                raise ValueError("'*' repeats a list a whole number of times")
+            elif lists == 1:
+                seq, count = (left, right) if isinstance(left, list) else (right, left)
+                if len(seq) * max(count, 0) > MAX_PATTERN_LAYERS:
+                    raise ValueError(f"longer than {MAX_PATTERN_LAYERS} layers")
+                out = seq * count
+            else:
+                if abs(left) > MAX_PATTERN_LAYERS or abs(right) > MAX_PATTERN_LAYERS:
+                    raise ValueError(f"a count above {MAX_PATTERN_LAYERS}")
+                out = left * right
+            if isinstance(out, list) and len(out) > MAX_PATTERN_LAYERS:
+                raise ValueError(f"longer than {MAX_PATTERN_LAYERS} layers")
+            return out
+        raise ValueError("only integer lists, '+' and '*' are allowed")
+
+    if re.search(r"[^,\d\[\]()+*]", text) or len(text) > 10_000:
+        raise SpecError(f"{where}: --moe-layer-freq '{text[:40]}': Megatron allows only digits, ',', '[]', '()', "
+                        "'+' and '*' (arguments.py _eval_pattern)")
+    try:
+        value = walk(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError) as err:
+        raise SpecError(f"{where}: --moe-layer-freq '{text[:40]}' is not a list expression: {err}") from None
+    if not isinstance(value, list):
+        raise SpecError(f"{where}: --moe-layer-freq '{text[:40]}' is not a list")
+    return value
+
+
+def first_k_dense(a: Args, num_layers: int) -> int:
+    """Dense layers before the first MoE layer, from ``--moe-layer-freq`` (core_v0.16.1 ``gpt_layer_specs.py``:
+    an integer N puts experts on layers ``i % N == 0``; a list marks each layer, 1 = MoE). plan3d models
+    dense layers first, then experts (DeepSeek ``first_k_dense_replace``); other patterns are refused."""
+    if not a.has("--moe-layer-freq"):
+        return 0
+    raw, where = str(a.get("--moe-layer-freq")), f"{a.path}:{a.line('--moe-layer-freq')}"
+    if "[" in raw:
+        pattern = eval_layer_pattern(raw, where)
+    else:
+        try:
+            freq = int(raw)
+        except ValueError:
+            raise SpecError(f"{where}: --moe-layer-freq '{raw[:40]}' is neither an integer nor a list") from None
+        if freq < 1:
+            raise SpecError(f"{where}: --moe-layer-freq {freq} must be at least 1")
+        pattern = [int(i % freq == 0) for i in range(num_layers)]
+    if len(pattern) != num_layers:
+        raise SpecError(f"{where}: --moe-layer-freq lists {len(pattern)} layers, --num-layers is {num_layers} "
+                        "(Megatron asserts they match)")
+    k = next((i for i, x in enumerate(pattern) if x), num_layers)
+    if any(x not in (0, 1) for x in pattern) or pattern != [0] * k + [1] * (num_layers - k) or k == num_layers:
+        raise SpecError(f"{where}: --moe-layer-freq {raw[:40]}: plan3d models dense layers first, then MoE layers "
+                        "(DeepSeek's first_k_dense); other dense/MoE patterns are not modelled")
+    return k
+
+
+def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
+    """Mixture-of-experts fields from Megatron-LM core_v0.16.1's flags and defaults (``TransformerConfig``):
+    ``--moe-router-topk`` 2, ``--moe-ffn-hidden-size`` = ``--ffn-hidden-size`` (``validate_args``), the
+    router's bias = ``--add-bias-linear`` (``moe/router.py``), ``--moe-router-dtype`` absent = the
+    parameters' dtype, ``--moe-expert-capacity-factor`` below 0 = dropless (``TransformerConfig``),
+    ``--moe-shared-expert-gate`` effective only with a shared expert."""
+    experts = a.int("--num-experts")
+    if experts in (None, 0):  # validate_args: --num-experts 0 is None
+        return {}
+    if experts < 2:
+        raise SpecError(f"{a.path}:{a.line('--num-experts')}: --num-experts {experts}: plan3d models 2 or more experts")
+    num_layers = a.int("--num-layers")
+    moe_ffn = a.count("--moe-ffn-hidden-size", ffn)
+    shared = a.count("--moe-shared-expert-intermediate-size")
+    gate = a.has("--moe-shared-expert-gate")
+    if gate and shared is None:
+        notes.append("--moe-shared-expert-gate without a shared expert: Megatron ignores it")
+        gate = False
+    router_dtype = a.get("--moe-router-dtype")
+    if router_dtype == "fp64":
+        notes.append("--moe-router-dtype fp64: the router's logits modelled in fp32")
+    capacity = a.float("--moe-expert-capacity-factor", -1.0)
+    if a.has("--moe-router-dtype") and router_dtype not in ("fp32", "fp64"):
+        raise SpecError(f"{a.path}:{a.line('--moe-router-dtype')}: --moe-router-dtype {router_dtype}: not fp32 or fp64")
+    return {"num_experts": experts, "top_k": a.count("--moe-router-topk", 2),
+            "moe_ffn_hidden_size": None if moe_ffn == ffn else moe_ffn,
+            "shared_expert_ffn_hidden_size": shared, "shared_expert_gate": gate,
+            "first_k_dense": first_k_dense(a, num_layers), "router_bias": linear_bias,
+            "router_dtype": "fp32" if router_dtype in ("fp32", "fp64") else "bf16",
+            "capacity_factor": capacity if capacity > 0 else None}
 
 
 def zero_stage(a: Args, ds_config: dict | None) -> int:
@@ -335,6 +483,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "tp_comm_overlap": True if a.has("--tp-comm-overlap") else None,
                 "overlap_p2p_comm": False if a.has("--no-overlap-p2p-communication") else None}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
+            # absent --expert-tensor-parallel-size: tp (validate_args), the plan's None
+            "ep": a.count("--expert-model-parallel-size", 1), "etp": a.count("--expert-tensor-parallel-size"),
             "recompute": recompute(a, per_chunk_layers, notes), "sequence_parallel": sp,
             "zero_stage": zero_stage(a, ds_config),
             "layers_per_stage": layers_per_stage(a, model["num_layers"], pp),

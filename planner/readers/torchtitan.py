@@ -24,6 +24,12 @@ PRESETS = {
     ("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b",
     ("llama2", "7b"): "llama2-7b", ("llama2", "13b"): "llama2-13b", ("llama2", "70b"): "llama2-70b",
 }
+# torchtitan 0.3.0 MoE models with a plan3d preset: models/deepseek_v3/__init__.py "671B" (no MTP layers unless
+# asked), models/qwen3/__init__.py "30B-A3B"; and their config-registry functions (planner/emit/torchtitan.py).
+MOE_PRESETS = {("deepseek_v3", "671b"): "deepseek-v3", ("qwen3", "30b-a3b"): "qwen3-30b-a3b"}
+REGISTRY_CONFIGS = {"deepseek_v3_671b": ("deepseek_v3", "671b"), "deepseek_v3_671b_float8": ("deepseek_v3", "671b"),
+                    "qwen3_30b_a3b": ("qwen3", "30b-a3b")}
+FP8_CONFIGS = ("deepseek_v3_671b_float8",)  # its registry function converts linears and experts to float8
 LLAMA31_MAX_SEQ_LEN = 131072  # torchtitan llama3 RoPE config max_seq_len (Llama 3.1 context)
 MOE_MODELS = ("deepseek", "llama4", "moe", "gpt_oss", "kimi", "mixtral")
 
@@ -85,12 +91,16 @@ def _model(doc: dict, where: str, notes: list[str]) -> dict:
     flavor = str(model.get("flavor", "")).lower()
     if not flavor and registry:
         m = re.fullmatch(r"([a-z]+\d?)_(\d+b)", registry.lower())
-        if m:
+        if registry.lower() in REGISTRY_CONFIGS:
+            name, flavor = REGISTRY_CONFIGS[registry.lower()]
+        elif m:
             name, flavor = m.group(1), m.group(2)
-    if any(x in name for x in MOE_MODELS) or re.search(r"a\d+b", flavor):
-        raise SpecError(f"{where}: torchtitan model {name} {flavor} is a mixture-of-experts model, which plan3d "
-                        "does not model; refused rather than read as dense")
-    preset = PRESETS.get((name, flavor))
+    moe = any(x in name for x in MOE_MODELS) or re.search(r"a\d+b", flavor)
+    if moe and (name, flavor) not in MOE_PRESETS:
+        raise SpecError(f"{where}: torchtitan model {name} {flavor} is a mixture-of-experts model with no plan3d preset "
+                        f"(known: {', '.join(f'{n} {f.upper()}' for n, f in MOE_PRESETS)}); refused rather than read "
+                        "as another model")
+    preset = PRESETS.get((name, flavor)) or MOE_PRESETS.get((name, flavor))
     if preset is None:
         raise SpecError(f"{where}: torchtitan model {name} flavor {flavor or registry or '?'} has no plan3d preset "
                         f"(known: {', '.join(f'{n} {f.upper()}' for n, f in PRESETS)})")
@@ -153,6 +163,9 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
             if per_stage is not None and per_stage < 1:
                 raise SpecError(f"{where}: pipeline_parallel_layers_per_stage = {per_stage}: must be at least 1")
             vpp = max(1, model["num_layers"] // (pp * per_stage)) if per_stage else 2
+    layers_per_stage = _explicit_split(par, model["num_layers"], pp, where, num) if pp > 1 else None
+    if layers_per_stage is not None:
+        layers_per_stage, vpp = layers_per_stage
     # JobConfig defaults: mode "selective", selective_ac_option "2" (every second layer fully checkpointed)
     ac = doc.get("activation_checkpoint", {})
     mode = str(ac.get("mode", "selective"))
@@ -166,16 +179,55 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
                          "an upper bound")
     converters = doc.get("model", {}).get("converters", [])
     converters = [converters] if isinstance(converters, str) else list(converters)
-    fp8 = "float8" in converters or bool(doc.get("float8", {}).get("enable_float8_linear"))
+    fp8 = "float8" in converters or bool(doc.get("float8", {}).get("enable_float8_linear")) or \
+        str(doc.get("_registry", {}).get("config", "")).lower() in FP8_CONFIGS
+    ep = num("expert_parallel_degree", par.get("expert_parallel_degree", 1))
+    if ep < 1:
+        raise SpecError(f"{where}: parallelism.expert_parallel_degree = {ep}: must be at least 1")
+    if ep > 1 and model.get("num_experts") is None:
+        ep = 1  # ParallelismConfig: "No effect for non-MoE models"
+        notes.append("expert_parallel_degree on a dense model: torchtitan ignores it")
+    if (shard * cp * tp) % ep:
+        raise SpecError(f"{where}: expert_parallel_degree {ep} does not divide data_parallel_shard_degree({shard}) x "
+                        f"cp({cp}) x tp({tp}) = {shard * cp * tp}, the ranks torchtitan draws EP from")
     training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
                 "precision": "fp8" if fp8 else "bf16", "attention": "flash", "framework": "torch"}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"),
             "sequence_parallel": tp > 1 and bool(par.get("enable_sequence_parallel", True)),
-            "zero_stage": 3 if shard > 1 else 0}
+            "zero_stage": 3 if shard > 1 else 0, "layers_per_stage": layers_per_stage,
+            # the sparse mesh (pp, dp_replicate, efsdp, ep) has no tensor axis: experts are whole with ep > 1,
+            # split over tp without EP (models/common/moe_sharding.py)
+            "ep": ep, "etp": 1 if ep > 1 and tp > 1 else None}
     if shard > 1:
         notes.append("FSDP2 (data_parallel_shard_degree > 1): modelled as ZeRO-3")
     return model, training, plan, notes
+
+
+def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num):
+    """(layers per pipeline rank, vpp) when the job names ``pipeline_parallel_first_stage_less_layers`` or
+    ``..._last_stage_less_layers`` (as `plan3d emit` writes them): torchtitan 0.3.0's own split
+    (``pipeline_parallel.py::_get_pipeline_metadata``: ``ceil((L + first + last) / layers_per_stage)`` virtual
+    stages, virtual stage ``s`` on rank ``s % pp``; ``_generate_llm_fqn_per_model_part``, mirrored by
+    ``planner.emit.torchtitan.split_layers``). None otherwise (the even split is assumed, as before)."""
+    keys = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
+    if not any(k in par for k in keys):
+        return None
+    import math
+
+    from planner.emit.torchtitan import split_layers
+
+    first, last = (num(k, par.get(k, 1)) for k in keys)  # ParallelismConfig defaults: 1 and 1
+    per_stage = par.get("pipeline_parallel_layers_per_stage")
+    per_stage = num("pipeline_parallel_layers_per_stage", per_stage) if per_stage is not None else None
+    if first < 0 or last < 0 or (per_stage is not None and per_stage < 1):
+        raise SpecError(f"{where}: pipeline_parallel_*_less_layers must be >= 0 and layers_per_stage >= 1")
+    stages = math.ceil((num_layers + first + last) / per_stage) if per_stage else pp
+    split = split_layers(stages, num_layers, first, last)
+    if stages % pp or split is None:
+        raise SpecError(f"{where}: torchtitan cannot split {num_layers} layers into {stages} virtual stages over "
+                        f"pp {pp} with first/last stage {first}/{last} layers less")
+    return [sum(split[s] for s in range(r, stages, pp)) for r in range(pp)], stages // pp
 
 
 def _int(value, key: str, where: str) -> int:
