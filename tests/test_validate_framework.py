@@ -312,14 +312,13 @@ def test_timeout_ends_every_process_and_removes_the_folder(stand_in, tmp_path, m
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
-def test_torchtitan_script_moves_the_pass_through_before_the_subcommand():
+def test_emitted_torchtitan_script_passes_options_before_the_subcommand():
+    """torchtitan's parser applies options after the activation_checkpoint subcommand to it and refuses
+    --training.steps there: the emitted script puts the caller's "$@" first (the run relies on it)."""
     from planner.emit import render_all
 
     (text,) = render_all(scenario(tp=2, pp=1, gpus=2, gbs=8), ["torchtitan"]).values()
-    new = fr.torchtitan_script(text)
-    assert '  "$@" activation_checkpoint:none' in new and new.replace('"$@" ', "", 1) == text.replace(' "$@"', "")
-    with pytest.raises(SpecError, match="activation_checkpoint"):
-        fr.torchtitan_script("torchrun -m torchtitan.train")
+    assert '  "$@" \\\n  activation_checkpoint:none' in text and text.rstrip().endswith("activation_checkpoint:none")
 
 
 def test_launch_module_judge_is_the_rule_used():

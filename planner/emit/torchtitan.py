@@ -162,9 +162,15 @@ def expert_args(sc: Scenario, dp_shard: int) -> list[str]:
 
 
 def render(sc: Scenario) -> str:
-    lines = " \\\n  ".join(args(sc))
+    """The launch script. The caller's own options (``"$@"``) go before the ``activation_checkpoint:``
+    subcommand: torchtitan's parser (tyro) applies options after a subcommand to that subcommand and
+    refuses e.g. ``--training.steps`` there ("Unrecognized or misplaced options")."""
+    items = args(sc)
+    options = [a for a in items if not a.startswith("activation_checkpoint:")]
+    subcommands = [a for a in items if a.startswith("activation_checkpoint:")]
+    lines = " \\\n  ".join(options + ['"$@"'] + subcommands)
     return f"""#!/usr/bin/env bash
 {megatron.header(sc, "torchtitan training")}set -euo pipefail
 {torchrun.launcher(sc)} -m torchtitan.train \\
-  {lines} "$@"
+  {lines}
 """

@@ -283,31 +283,15 @@ MEGATRON_RUN_OPTIONS = ["--log-throughput", "--log-memory-interval", "1", "--eva
 iteration (``training.py::training_log``), no evaluation pass (names from core_v0.16.1's argument
 parser, accepted by its ``parse_args``: tests/test_validate_framework.py)."""
 
-_SUBCOMMAND = re.compile(r'^(\s*)(activation_checkpoint:\S+) "\$@"$', re.M)
-
-
-def torchtitan_script(text: str) -> str:
-    """The emitted torchtitan script with its pass-through ``"$@"`` moved before the
-    ``activation_checkpoint:`` subcommand: torchtitan's parser (tyro) applies options after a
-    subcommand to that subcommand and refuses ``--training.steps`` there ("Unrecognized or misplaced
-    options"), so the run's options must come first. Nothing else changes."""
-    new, n = _SUBCOMMAND.subn(r'\1"$@" \2', text)
-    if n != 1:
-        raise SpecError("--framework torchtitan: the emitted script has no trailing `activation_checkpoint:<mode> \"$@\"` "
-                        "line to pass the run's options through")
-    return new
 
 
 def _emitted(sc: Scenario, framework: str) -> dict[str, str]:
-    """The launch file the run executes, as ``plan3d emit`` writes it (``--format torchtitan`` with the
-    pass-through fixed by :func:`torchtitan_script`, or ``--format torchrun`` for Megatron-LM);
+    """The launch file the run executes, as ``plan3d emit`` writes it (``--format torchtitan``, or ``--format torchrun``
+    for Megatron-LM);
     ``SpecError`` where the emitter refuses the plan."""
     from planner.emit import render_all
 
-    if framework == "torchtitan":
-        (name, text), = render_all(sc, ["torchtitan"]).items()
-        return {name: torchtitan_script(text)}
-    return render_all(sc, ["torchrun"])
+    return render_all(sc, ["torchtitan" if framework == "torchtitan" else "torchrun"])
 
 
 def prepare(sc: Scenario, framework: str, steps: int, workdir: Path,
