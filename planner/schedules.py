@@ -23,7 +23,7 @@ import functools
 from typing import Literal
 
 Action = tuple[str, int, int]
-Family = Literal["megatron", "torch"]
+Family = Literal["megatron", "torch", "deepspeed"]
 
 
 def megatron_group_size(p: int, m: int, group: int | None = None) -> int:
@@ -49,10 +49,10 @@ def warmup_forwards(family: Family, p: int, v: int, m: int, r: int, group: int |
     return min(m * v, 2 * (p - r - 1) + (v - 1) * n)
 
 
-def peak_in_flight(family: Family, p: int, v: int, m: int, r: int, group: int | None = None) -> int:
+def peak_in_flight_1f1b(family: Family, p: int, v: int, m: int, r: int, group: int | None = None) -> int:
     """Chunk-micro-batches whose activations rank ``r`` holds at its peak: the warm-up forwards plus the
     one forward of the first 1F1B pair, at most all ``m * v`` (both families run F before B in a pair)."""
-    return min(m * v, warmup_forwards(family, p, v, m, r, group) + 1)
+    return min(m * v, warmup_forwards(family, p, v, m, r, group) + 1)  # also peak_in_flight(family, ...)
 
 
 def _interleaved_units(family: Family, p: int, v: int, m: int, group: int | None) -> tuple[list, list]:
@@ -306,12 +306,16 @@ def schedule_actions(schedule: str, p: int, m: int, r: int, v: int | None = None
 
     ``v`` (chunks per rank) is 1 for 1f1b, 2 for zbv and dualpipev, and the virtual-pipeline size for
     interleaved and interleaved_zb. ``family`` and ``group`` choose Megatron's or torch's order for
-    1f1b and interleaved (:func:`rank_actions`); the zero-bubble schedules and DualPipe-V are torch's.
+    1f1b and interleaved (:func:`rank_actions`); the zero-bubble schedules are torch's, DualPipe-V is
+    torch's or (``family="deepspeed"``) DeepSpeed's, which has no split backward.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
     if not 0 <= r < p:
         raise ValueError(f"rank: {r} must lie in [0, pp({p}))")
+    if family == "deepspeed" and schedule != "dualpipev":
+        raise ValueError(f"schedule: DeepSpeed's pipeline engine runs {schedule!r} as its own TrainSchedule, "
+                         "not modelled here; only dualpipev has a DeepSpeed order")
     if schedule == "1f1b":
         return rank_actions(family, p, 1, m, r, group)
     if schedule == "interleaved":
@@ -320,7 +324,14 @@ def schedule_actions(schedule: str, p: int, m: int, r: int, v: int | None = None
         return _interleaved_zb_actions(p, v or 1, m, r)
     if v not in (None, 2):
         raise ValueError(f"{schedule}: runs exactly 2 chunks per rank (got vpp = {v}; torch raises the same)")
-    return _zbv_actions(p, m, r) if schedule == "zbv" else _dualpipev_actions(p, m, r)
+    if schedule == "zbv":
+        return _zbv_actions(p, m, r)
+    acts = _dualpipev_actions(p, m, r)
+    if family == "deepspeed":
+        # DeepSpeed's DualPipeVSchedule (deepspeed/runtime/pipe/schedule.py, 0.19.8) runs the same steps
+        # but "keeps [weight gradients] inside BackwardPass": every I is a full backward, every W a no-op.
+        acts = [("B", mb, c) if k == "I" else (k, mb, c) for k, mb, c in acts if k != "W"]
+    return acts
 
 
 def chunks_per_rank(schedule: str, v: int | None) -> int:
@@ -500,3 +511,48 @@ def step_s(schedule: str, p: int, v: int | None, m: int, f_s: Durations, i_s: Du
     """Time of one pipeline step (seconds), from :func:`simulate`."""
     return simulate(schedule, p, m, f_s, i_s, w_s, hop_s, v, family, group)["step_s"]
 
+
+
+def peak_in_flight(schedule_or_family: str, p: int, v: int | None, m, r: int, group: int | None = None,
+                   w_fraction: float = 0.0, family: Family = "torch"):
+    """Closed forms of the in-flight peaks, for the search (``m`` may be a numpy array).
+
+    Called with a family (``"megatron"``/``"torch"``) first, it is the original 1F1B/interleaved count
+    (:func:`peak_in_flight_1f1b`). Called with a schedule name it gives, for rank ``r``:
+
+    * ``1f1b``: ``min(m, p - r)``; ``interleaved``: warm-up + 1 (:func:`warmup_forwards`) in ``family``;
+    * ``interleaved_zb`` (torch, N micro-batches per round): ``min(m v, (v - 1) N + p - r)`` chunks with
+      full activations (``w_fraction = 0``); with torch's runtime (``w_fraction = 1``, a pending W keeps
+      the chunk alive) ``min(m v, (v - 1) N + p)`` on every rank: rank ``r`` defers ``r`` W's;
+    * ``zbv``: ``min(2p, 2m, m + 1 + r)`` for either fraction (no W is pending at the peak);
+    * ``dualpipev``: ``2p + 1`` (``m >= 2p``) for either fraction.
+
+    Each is checked against the action lists' own peak in tests/test_schedules_zb.py, and those against
+    torch's saved-tensor peaks on gloo. ``w_fraction`` must be 0 or 1 here; use
+    :func:`peak_in_flight_of` for other fractions.
+    """
+    import numpy as np
+
+    if schedule_or_family in ("megatron", "torch"):
+        return peak_in_flight_1f1b(schedule_or_family, p, v or 1, m, r, group)
+    if w_fraction not in (0, 1):
+        raise ValueError("w_fraction: the closed forms hold for 0 or 1; use peak_in_flight_of for others")
+    name = schedule_or_family
+    m = np.asarray(m)
+    if name == "1f1b":
+        return np.minimum(m, p - r)
+    if name == "interleaved":
+        vv = v or 2
+        n = p if group is None else group
+        if family == "torch":
+            n = m // np.maximum(1, m // p)
+        return np.minimum(m * vv, 2 * (p - r - 1) + (vv - 1) * n + 1)
+    if name == "interleaved_zb":
+        vv = v or 1
+        n = m // np.maximum(1, m // p)
+        return np.minimum(m * vv, (vv - 1) * n + p - (0 if w_fraction else r))
+    if name == "zbv":
+        return np.minimum(np.minimum(2 * p, 2 * m), m + 1 + r)
+    if name == "dualpipev":
+        return np.full_like(m, 2 * p + 1)
+    raise ValueError(f"schedule: {name!r} is not one of {', '.join(SCHEDULES)}")

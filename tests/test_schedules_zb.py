@@ -71,6 +71,22 @@ def test_action_lists_match_torch_pipelining(name, p, v, m):
         assert S.schedule_actions(name, p, m, r, v) == theirs[r], (name, p, v, m, r)
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 8), (4, 11)])
+def test_dualpipev_matches_deepspeed(p, m):
+    """DeepSpeed's DualPipeVSchedule (runtime/pipe/schedule.py) yields per-step instruction lists; its
+    ForwardPass/BackwardPass buffers are ``phase * m + micro_batch`` and its phase is our chunk."""
+    schedule = pytest.importorskip("deepspeed.runtime.pipe.schedule")
+    for r in range(p):
+        theirs = []
+        for step in schedule.DualPipeVSchedule(micro_batches=m, stages=p, stage_id=r).steps():
+            for cmd in step:
+                if isinstance(cmd, (schedule.ForwardPass, schedule.BackwardPass)):
+                    phase = cmd.kwargs["phase"]
+                    kind = "F" if isinstance(cmd, schedule.ForwardPass) else "B"
+                    theirs.append((kind, cmd.buffer_id - phase * m, phase))
+        assert S.schedule_actions("dualpipev", p, m, r, 2, family="deepspeed") == theirs, r
+
+
 def test_refusals_name_the_limit():
     with pytest.raises(ValueError, match="multiple of the number of rounds"):
         S.schedule_actions("interleaved_zb", 3, 10, 0, 2)  # torch: 10 % 3 rounds
@@ -171,6 +187,28 @@ def test_zb_memory_matches_the_authors_table(p, m):
     assert one_f1b[0] == p
     assert [S.peak_in_flight_of("interleaved_zb", p, 1, m, r) for r in range(p)] == one_f1b
     assert max(S.peak_in_flight_of("zbv", p, 2, m, r) for r in range(p)) == 2 * p
+
+
+def _runs(name, p, v, m):
+    try:
+        S.schedule_actions(name, p, m, 0, v)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved_zb", 1),
+                                    ("interleaved_zb", 2), ("interleaved_zb", 3), ("zbv", 2), ("dualpipev", 2)])
+def test_closed_form_peaks_are_the_action_lists(name, v):
+    """The closed forms the search uses (numpy over m) against the peaks walked from the action lists."""
+    np = pytest.importorskip("numpy")
+    for p in (1, 2, 3, 4, 6, 8):
+        ms = [m for m in range(1, 5 * p + 3) if _runs(name, p, v, m)]
+        for wf in (0.0, 1.0):
+            for r in range(p):
+                walked = [S.peak_in_flight_of(name, p, v, m, r, wf) for m in ms]
+                closed = S.peak_in_flight(name, p, v, np.array(ms), r, w_fraction=wf)
+                assert list(closed) == walked, (name, p, v, wf, r)
 
 
 # --- measured on torch.distributed.pipelining (gloo) -------------------------------------------------
