@@ -556,3 +556,89 @@ def peak_in_flight(schedule_or_family: str, p: int, v: int | None, m, r: int, gr
     if name == "dualpipev":
         return np.full_like(m, 2 * p + 1)
     raise ValueError(f"schedule: {name!r} is not one of {', '.join(SCHEDULES)}")
+
+
+def bubble_closed_form_s(schedule: str, p: int, v: int | None, f_s, i_s, w_s):
+    """The published closed forms of the bubble (uniform stages, no P2P time; numpy arrays welcome),
+    or None where none applies; :func:`bubble_s` simulates every case.
+
+    * ``1f1b``: ``(p - 1)(f + i + w)`` (Narayanan et al. 2021, arXiv:2104.04473 section 2.2.1);
+    * ``interleaved``: ``(p - 1)(f + i + w)`` per chunk, i.e. ``(p - 1)(t_f + t_b) / v`` per whole stage
+      (ibid. section 2.2.2);
+    * ``interleaved_zb`` with ``v = 1`` (ZB-H1): ``(p - 1)(f + i - w)`` (Qi et al. 2024,
+      arXiv:2401.10241 section 2.1; DeepSeek-V3 Table 2's ZB1P row ``(PP - 1)(F + B - 2W)`` with B a
+      full backward), which torch's order reaches while ``w <= min(f, i)``: the deferred W's must fit in
+      the gaps they fill. None otherwise.
+    """
+    import numpy as np
+
+    f, i, w = (np.asarray(x, dtype=float) for x in (f_s, i_s, w_s))
+    if schedule in ("1f1b", "interleaved"):
+        return (p - 1) * (f + i + w)
+    if schedule == "interleaved_zb" and (v or 1) == 1 and bool(np.all(w <= np.minimum(f, i))):
+        return (p - 1) * (f + i - w)
+    return None
+
+
+# --- which framework runs which schedule -------------------------------------------------------------
+FRAMEWORK_SCHEDULES: dict[str, tuple[str, ...]] = {
+    # Megatron-Core core_v0.16.1 megatron/core/pipeline_parallel/schedules.py: 1F1B and interleaved only
+    # (no zero-bubble or DualPipe schedule); NeMo runs Megatron-Core's schedules.
+    "megatron": ("1f1b", "interleaved"),
+    "nemo": ("1f1b", "interleaved"),
+    # torchtitan 0.3.0 passes parallelism.pipeline_parallel_schedule to torch's get_schedule_class.
+    "torchtitan": SCHEDULES,
+    "torch": SCHEDULES,
+    # DeepSpeed 0.19.8: PipelineEngine (TrainSchedule) and DualPipeVEngine (runtime/pipe/dualpipev.py).
+    "deepspeed": ("1f1b", "dualpipev"),
+}
+"""Schedules each framework runs (docs/schedules.md lists the sources)."""
+
+TORCHTITAN_SCHEDULE_NAMES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B",
+                             "interleaved_zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble",
+                             "dualpipev": "DualPipeV"}
+"""torchtitan ``--parallelism.pipeline_parallel_schedule`` values (torch ``get_schedule_class`` keys)."""
+
+
+def framework_family(framework: str) -> Family:
+    """Whose order a framework runs: Megatron's (megatron, nemo), DeepSpeed's, or torch's."""
+    return {"megatron": "megatron", "nemo": "megatron", "deepspeed": "deepspeed"}.get(framework, "torch")
+
+
+def schedule_problems(schedule: str, framework: str, p: int, v: int, m: int, group: int | None = None) -> list[str]:
+    """One-line reasons ``framework`` cannot run ``schedule`` with ``p`` ranks, ``v`` chunks per rank and
+    ``m`` micro-batches; empty when it can. The rules are the frameworks' own checks:
+
+    * the schedule must be one the framework has (:data:`FRAMEWORK_SCHEDULES`);
+    * zbv, dualpipev: exactly 2 chunks per rank (torch raises for any other count); dualpipev needs
+      ``m >= 2p`` (torch ``ScheduleDualPipeV``, DeepSpeed ``DualPipeVEngine``);
+    * torch's interleaved and interleaved_zb: ``m`` a multiple of ``max(1, m // p)``;
+    * torchtitan: single-stage schedules (1f1b) need 1 chunk per rank and multi-stage ones at least 2
+      (``_get_pipeline_metadata``), so ZB-H1 (interleaved_zb with v = 1) runs in plain torch only;
+    * Megatron's interleaved: :func:`interleaved_problems`.
+    """
+    if schedule not in SCHEDULES:
+        return [f"schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}"]
+    allowed = FRAMEWORK_SCHEDULES.get(framework, SCHEDULES)
+    if schedule not in allowed:
+        return [f"schedule: {framework} does not run {schedule}; it runs {', '.join(allowed)}"]
+    errors = []
+    if schedule == "1f1b" and v != 1:
+        errors.append(f"vpp: 1f1b runs one chunk per rank (got {v}); use interleaved for vpp > 1")
+    if schedule == "interleaved" and v < 2:
+        errors.append("vpp: interleaved needs at least 2 chunks per rank")
+    if schedule in V_SHAPED and v != 2:
+        errors.append(f"vpp: {schedule} runs exactly 2 chunks per rank (got {v})")
+    if schedule == "dualpipev" and m < 2 * p:
+        errors.append(f"num_microbatches: dualpipev needs at least 2*pp = {2 * p} micro-batches (got {m})")
+    if framework_family(framework) == "torch" and schedule in ("interleaved", "interleaved_zb"):
+        rounds = max(1, m // p)
+        if m % rounds:
+            errors.append(f"num_microbatches: torch's {schedule} needs num_microbatches({m}) to be a multiple of "
+                          f"max(1, m // pp) = {rounds}; choose {m - m % rounds} or {m + rounds - m % rounds}")
+    if framework == "torchtitan" and schedule == "interleaved_zb" and v < 2:
+        errors.append("vpp: torchtitan runs multi-stage schedules (InterleavedZeroBubble) with at least 2 stages "
+                      "per rank; use vpp >= 2")
+    if framework_family(framework) == "megatron" and schedule == "interleaved":
+        errors += interleaved_problems(p, v, m, group)
+    return errors

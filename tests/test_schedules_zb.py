@@ -85,6 +85,7 @@ def test_dualpipev_matches_deepspeed(p, m):
                     kind = "F" if isinstance(cmd, schedule.ForwardPass) else "B"
                     theirs.append((kind, cmd.buffer_id - phase * m, phase))
         assert S.schedule_actions("dualpipev", p, m, r, 2, family="deepspeed") == theirs, r
+        assert S.peak_in_flight_of("dualpipev", p, 2, m, r, 0.0, family="deepspeed") == 2 * p + 1
 
 
 def test_refusals_name_the_limit():
@@ -109,6 +110,52 @@ def test_v_placement_is_torchs():
             assert [loop_map[S.stage_index("interleaved_zb", p, r, c)] for c in range(3)] == [r, r, r]
 
 
+def test_torchtitan_schedule_names_are_torchs_classes():
+    from torch.distributed.pipelining import schedules as TS
+
+    expected = {"1f1b": TS.Schedule1F1B, "interleaved": TS.ScheduleInterleaved1F1B,
+                "interleaved_zb": TS.ScheduleInterleavedZeroBubble, "zbv": TS.ScheduleZBVZeroBubble,
+                "dualpipev": TS.ScheduleDualPipeV}
+    for ours, name in S.TORCHTITAN_SCHEDULE_NAMES.items():
+        assert TS.get_schedule_class(name) is expected[ours]
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("1f1b", 2), ("interleaved", 2), ("interleaved_zb", 1),
+                                        ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2)])
+def test_torchtitan_stage_count_rule_is_torchtitans(schedule, v):
+    """torchtitan's own ``_get_pipeline_metadata`` (pipeline_parallel.py) on 16 layers and pp = 2, with
+    the layers per stage that give ``v`` stages per rank: it refuses exactly where we do."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import pipeline_parallel as PP
+
+    p, layers = 2, 16
+    par = ParallelismConfig(pipeline_parallel_degree=p, pipeline_parallel_schedule=S.TORCHTITAN_SCHEDULE_NAMES[schedule],
+                            pipeline_parallel_layers_per_stage=layers // (p * v),
+                            pipeline_parallel_first_stage_less_layers=0, pipeline_parallel_last_stage_less_layers=0)
+    ours = S.schedule_problems(schedule, "torchtitan", p, v, 8)
+    try:
+        stages, *_ = PP._get_pipeline_metadata(NS(pp=p), par, NS(layers=[None] * layers))
+        assert stages == p * v
+        theirs_ok = True
+    except ValueError:
+        theirs_ok = False
+    # our 1f1b-with-v>1 and interleaved_zb-with-v=1 refusals are torchtitan's stage-count rule
+    assert (not ours) == theirs_ok, ours
+
+
+def test_schedule_problems():
+    assert S.schedule_problems("zbv", "megatron", 4, 2, 8) == [
+        "schedule: megatron does not run zbv; it runs 1f1b, interleaved"]
+    assert S.schedule_problems("dualpipev", "deepspeed", 4, 2, 8) == []
+    assert "at least 2*pp = 8" in S.schedule_problems("dualpipev", "torchtitan", 4, 2, 7)[0]
+    assert "multiple of" in S.schedule_problems("interleaved_zb", "torch", 3, 2, 10)[0]
+    assert S.schedule_problems("interleaved_zb", "torch", 4, 1, 8) == []  # ZB-H1: torch yes, torchtitan no
+    assert "at least 2 stages" in S.schedule_problems("interleaved_zb", "torchtitan", 4, 1, 8)[0]
+    assert S.schedule_problems("interleaved", "megatron", 4, 2, 10) == S.interleaved_problems(4, 2, 10)
+    assert S.schedule_problems("interleaved", "megatron", 4, 2, 10, group=10) == []
+
+
 # --- the step simulator against published bubbles --------------------------------------------------
 TIMES = [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 2.0, 1.0), (0.7, 0.9, 0.6)]
 TOL = 1e-9  # the closed forms are exact for these schedules with uniform stages and no P2P time
@@ -120,6 +167,7 @@ def test_1f1b_bubble_is_narayanan(p, m, f, i, w):
     """(p - 1)(t_f + t_b): Narayanan et al. 2021, arXiv:2104.04473 section 2.2.1; B = I + W."""
     for family in ("torch", "megatron"):
         assert S.bubble_s("1f1b", p, 1, m, f, i, w, family=family) == pytest.approx((p - 1) * (f + i + w), abs=TOL)
+    assert S.bubble_closed_form_s("1f1b", p, 1, f, i, w) == pytest.approx((p - 1) * (f + i + w))
 
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (8, 2, 16), (4, 3, 12)])
@@ -139,8 +187,18 @@ def test_zb_h1_bubble_is_qi(p, m, f, i, w):
     """torch's ScheduleInterleavedZeroBubble with one chunk per rank is ZB-H1 (ZB1P): bubble
     (p - 1)(T_F + T_B - T_W), T_B the input backward (Qi et al. 2024, arXiv:2401.10241 section 2.1;
     the same as DeepSeek-V3's (PP - 1)(F + B - 2W) with B a full backward, arXiv:2412.19437 Table 2).
-    Valid while T_W <= T_F and m >= p (the deferred W's fill the tail)."""
+    torch's order reaches it while T_W <= min(T_F, T_B) (every case of TIMES)."""
     assert S.bubble_s("interleaved_zb", p, 1, m, f, i, w) == pytest.approx((p - 1) * (f + i - w), abs=TOL)
+    assert S.bubble_closed_form_s("interleaved_zb", p, 1, f, i, w) == pytest.approx((p - 1) * (f + i - w))
+
+
+def test_zb_h1_formula_needs_small_w():
+    """With T_W > T_B the deferred W's no longer fit the gaps: the simulated bubble exceeds the formula,
+    and the closed form declines (None) rather than under-charge."""
+    p, m, f, i, w = 4, 16, 1.96, 1.5, 1.94
+    assert S.bubble_s("interleaved_zb", p, 1, m, f, i, w) > (p - 1) * (f + i - w) + 0.5
+    assert S.bubble_closed_form_s("interleaved_zb", p, 1, f, i, w) is None
+    assert S.bubble_closed_form_s("zbv", p, 2, f, i, w) is None
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
