@@ -271,9 +271,9 @@ def test_closed_form_peaks_are_the_action_lists(name, v):
 
 # --- measured on torch.distributed.pipelining (gloo) -------------------------------------------------
 GLOO_RUNS = {
-    2: [("1f1b", 1, 4), ("interleaved_zb", 1, 4), ("interleaved_zb", 2, 4), ("interleaved_zb", 2, 3),
+    2: [("1f1b", 1, 4), ("interleaved", 2, 4), ("interleaved", 2, 3), ("interleaved_zb", 1, 4), ("interleaved_zb", 2, 4), ("interleaved_zb", 2, 3),
         ("zbv", 2, 4), ("zbv", 2, 3), ("dualpipev", 2, 4), ("dualpipev", 2, 5)],
-    3: [("interleaved_zb", 2, 5), ("zbv", 2, 7), ("dualpipev", 2, 7)],
+    3: [("1f1b", 1, 5), ("interleaved", 2, 5), ("interleaved_zb", 2, 5), ("zbv", 2, 7), ("dualpipev", 2, 7)],
 }
 
 
@@ -288,7 +288,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     dim, rows = 16, 2
-    classes = {"1f1b": TS.Schedule1F1B, "interleaved_zb": TS.ScheduleInterleavedZeroBubble,
+    classes = {"1f1b": TS.Schedule1F1B, "interleaved": TS.ScheduleInterleaved1F1B, "interleaved_zb": TS.ScheduleInterleavedZeroBubble,
                "zbv": TS.ScheduleZBVZeroBubble, "dualpipev": TS.ScheduleDualPipeV}
     results = []
     for name, v, m in GLOO_RUNS[world]:
