@@ -15,6 +15,12 @@ action:
 
 An action is ``(kind, microbatch, chunk)`` with kind ``"F"`` or ``"B"`` and ``chunk`` the local
 virtual stage (0 .. v-1); rank ``r``'s chunk ``c`` is the global virtual stage ``c * p + r``.
+
+A third family, torch's split-backward schedules (``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, and DeepSpeed's ``DualPipeVSchedule``), adds kinds
+``"I"`` and ``"W"`` (:func:`schedule_actions`); on top of the action lists sit a step simulator
+(:func:`simulate`, :func:`bubble_s`), in-flight peaks (:func:`peak_in_flight_of`, closed forms in
+:func:`peak_in_flight`) and which framework runs what (:func:`schedule_problems`). docs/schedules.md.
 """
 
 from __future__ import annotations
