@@ -130,7 +130,8 @@ def test_torchtitan_stage_count_rule_is_torchtitans(schedule, v):
     from torchtitan.distributed import pipeline_parallel as PP
 
     p, layers = 2, 16
-    par = ParallelismConfig(pipeline_parallel_degree=p, pipeline_parallel_schedule=S.TORCHTITAN_SCHEDULE_NAMES[schedule],
+    par = ParallelismConfig(pipeline_parallel_degree=p,
+                            pipeline_parallel_schedule=S.TORCHTITAN_SCHEDULE_NAMES[schedule],
                             pipeline_parallel_layers_per_stage=layers // (p * v),
                             pipeline_parallel_first_stage_less_layers=0, pipeline_parallel_last_stage_less_layers=0)
     ours = S.schedule_problems(schedule, "torchtitan", p, v, 8)
@@ -271,7 +272,8 @@ def test_closed_form_peaks_are_the_action_lists(name, v):
 
 # --- measured on torch.distributed.pipelining (gloo) -------------------------------------------------
 GLOO_RUNS = {
-    2: [("1f1b", 1, 4), ("interleaved", 2, 4), ("interleaved", 2, 3), ("interleaved_zb", 1, 4), ("interleaved_zb", 2, 4), ("interleaved_zb", 2, 3),
+    2: [("1f1b", 1, 4), ("interleaved", 2, 4), ("interleaved", 2, 3),
+        ("interleaved_zb", 1, 4), ("interleaved_zb", 2, 4), ("interleaved_zb", 2, 3),
         ("zbv", 2, 4), ("zbv", 2, 3), ("dualpipev", 2, 4), ("dualpipev", 2, 5)],
     3: [("1f1b", 1, 5), ("interleaved", 2, 5), ("interleaved_zb", 2, 5), ("zbv", 2, 7), ("dualpipev", 2, 7)],
 }
@@ -288,7 +290,8 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     dim, rows = 16, 2
-    classes = {"1f1b": TS.Schedule1F1B, "interleaved": TS.ScheduleInterleaved1F1B, "interleaved_zb": TS.ScheduleInterleavedZeroBubble,
+    classes = {"1f1b": TS.Schedule1F1B, "interleaved": TS.ScheduleInterleaved1F1B,
+               "interleaved_zb": TS.ScheduleInterleavedZeroBubble,
                "zbv": TS.ScheduleZBVZeroBubble, "dualpipev": TS.ScheduleDualPipeV}
     results = []
     for name, v, m in GLOO_RUNS[world]:
@@ -349,11 +352,17 @@ def gloo_peaks(tmp_path_factory):
     for world in GLOO_RUNS:
         store = tmp / f"store{world}"
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(store), str(tmp / f"{world}.{r}.json")],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-        for proc in procs:
-            out, _ = proc.communicate(timeout=240)
-            assert proc.returncode == 0, out.decode()[-3000:]
+        procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(store),
+                                   str(tmp / f"{world}.{r}.json")], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+        try:
+            for proc in procs:
+                out, _ = proc.communicate(timeout=240)
+                assert proc.returncode == 0, out.decode()[-3000:]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
         for r in range(world):
             for res in json.loads((tmp / f"{world}.{r}.json").read_text()):
                 found[(res["name"], world, res["v"], res["m"], r)] = res
