@@ -516,10 +516,12 @@ def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -
     * router scores ``[T, E]`` in ``router_dtype``: the sigmoid output (DeepSeek-V3's score function) or
       the softmax of the load-balancing loss (``compute_routing_scores_for_aux_loss``); a softmax
       router without an auxiliary loss saves less (its top-k softmax only): counted as one such tensor;
-    * ``topk_routing_with_score_function``: the int64 top-k indices and the ``[T, k]`` probabilities;
-    * ``moe_utils.py::permute``: the transposed bool routing map ``[E, T]`` (``masked_select``) and the
-      int64 ``sorted_indices`` ``[T k]`` (``index_select``; ``unpermute``'s ``scatter_add_`` saves a view
-      of the same indices);
+    * ``topk_routing_with_score_function``: the int64 top-k indices, the ``[T, k]`` probabilities and the
+      sigmoid's ``[T, 1]`` normaliser;
+    * ``moe_utils.py::permute`` (non-fused; ``--moe-permute-fusion`` saves TE's row-id map instead): the
+      transposed bool routing map ``[E, T]`` and the transposed probabilities ``[E, T]`` (router dtype),
+      both saved by ``masked_select``, and the int64 ``sorted_indices`` ``[T k]`` (``index_select``;
+      ``unpermute``'s ``scatter_add_`` saves a view of the same indices);
     * ``experts.py::TEGroupedMLP``: FC1 saves its input ``[R, h]`` (the dispatched tokens), the fused
       ``weighted_bias_swiglu_impl`` its input ``[R, 2 F_r]`` and the routed probabilities ``[R]``
       (router dtype), FC2 its input ``[R, F_r]``; a non-gated activation runs unfused (``activation * probs``:
@@ -580,8 +582,10 @@ def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -
     rb = FP32_BYTES if model.router_dtype == "fp32" else 2
     terms = [ActTerm("MoE input (pre-MLP norm output; router and shared-expert FC1 save it)", tokens * h * e),
              ActTerm("router scores (router dtype)", tokens * n_exp * rb),
-             ActTerm("router top-k indices (int64) and probabilities", tokens * k * (TOKEN_ID_BYTES + rb)),
+             ActTerm("router top-k indices (int64), probabilities and normaliser",
+                     tokens * k * (TOKEN_ID_BYTES + rb) + tokens * rb),
              ActTerm("permutation routing map (bool)", tokens * n_exp),
+             ActTerm("router probabilities, transposed (permute's masked_select saves them)", tokens * n_exp * rb),
              ActTerm("permutation sorted indices (int64)", tokens * k * TOKEN_ID_BYTES),
              ActTerm("expert FC1 input (dispatched tokens)", rows * h * lin),
              ActTerm("expert activation input (FC1 output)", rows * gated * f_r * e),
