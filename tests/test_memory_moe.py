@@ -359,3 +359,65 @@ def test_moe_layer_saves_more_than_its_dense_first_layer_in_deepseek_v3():
     assert saved_bytes_per_layer(list(layer_activation_terms(DSV3, tr, plan, moe=True)), "none") > \
         saved_bytes_per_layer(list(layer_activation_terms(DSV3, tr, plan, moe=False)), "none")
     assert profile("megatron").moe_needs_sp
+
+
+def test_mla_saved_bytes_match_a_megatron_shaped_mla_on_the_cpu():
+    """MLA as Megatron's MLASelfAttention runs it (tp 1): the norm output feeds the q and kv down projections
+    (one saved tensor), RMSNorms (``planner.validate.kernels.RMSNormFn``: input + fp32 rstd, as TE's) on the
+    q latent and on the kv latent split from the rope key, column up projections, K = cat(k_nope, the rope
+    key expanded to every head), V made contiguous, attention, the output projection. Stand-in: the CPU has
+    no FlashAttention for qk width 48 != v width 32 (torch falls back to the math path, which saves the
+    s x s scores), so the core is an autograd Function that saves what FlashAttention-2 saves (q, k, v, the
+    output, the fp32 log-sum-exp). No RoPE (the fused MLA RoPE saves nothing). Terms: exact."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from planner.validate.kernels import RMSNormFn
+
+    class Flash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            scores = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
+            scores = scores + torch.full(scores.shape[-2:], float("-inf")).triu(1)
+            lse = scores.logsumexp(-1)
+            out = ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            q, k, v, _, _ = ctx.saved_tensors
+            with torch.enable_grad():
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+                return torch.autograd.grad(out, (qq, kk, vv), g)
+
+    torch.manual_seed(0)
+    b, s, h, a, rq, rkv, nope, rope, vd = 2, 128, 256, 4, 64, 32, 32, 16, 32
+    model = ModelSpec(name="mla-cpu", num_layers=2, hidden_size=h, num_attention_heads=a, vocab_size=512,
+                      activation="swiglu", norm="rmsnorm", q_lora_rank=rq, kv_lora_rank=rkv, qk_rope_head_dim=rope,
+                      qk_nope_head_dim=nope, v_head_dim=vd)
+    bf = torch.bfloat16
+    weights = [torch.nn.Parameter(torch.randn(*shape, dtype=bf) * 0.05) for shape in
+               [(rq, h), (rq,), (a * (nope + rope), rq), (rkv + rope, h), (rkv,), (a * (nope + vd), rkv), (h, a * vd)]]
+    wqd, qn, wqu, wkvd, kvn, wkvu, wo = weights
+    x = torch.randn(b, s, h, dtype=bf, requires_grad=True)  # the input norm's output
+
+    def run():
+        q = F.linear(RMSNormFn.apply(F.linear(x, wqd), qn, 1e-6), wqu).view(b, s, a, nope + rope)
+        kv_latent, k_rope = F.linear(x, wkvd).split([rkv, rope], -1)
+        kv = F.linear(RMSNormFn.apply(kv_latent, kvn, 1e-6), wkvu).view(b, s, a, nope + vd)
+        k_nope, v = kv.split([nope, vd], -1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, a, -1)], -1)
+        out = Flash.apply(q.transpose(1, 2), k.transpose(1, 2), v.contiguous().transpose(1, 2))
+        return F.linear(out.transpose(1, 2).reshape(b, s, a * vd), wo)
+
+    measured = _saved_bytes(run, weights)
+    tr = TrainingSpec(num_gpus=1, global_batch_size=b, seq_len=s)
+    from planner.memory import mla_attention_terms
+
+    terms = mla_attention_terms(model, tr, _plan(micro_batch_size=b))
+    # the torch reference's out-projection input is a copy of the [b, a, s, v] attention output (TE's is a view
+    # of its sbhd output): one more [tokens, a v] tensor on the CPU
+    predicted = sum(t.bytes for t in terms) + b * s * a * vd * 2
+    assert predicted == measured, (predicted, measured, [(t.name, t.bytes) for t in terms])
