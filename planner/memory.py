@@ -779,8 +779,8 @@ def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stag
     dense, expert = stage_param_split(model, plan, stage, layers)
     if not model.is_moe:  # the dense path, unchanged
         return profile.state_bytes(model, training, plan, dense, layer_params_per_rank(model, plan.tp), layers)
-    return profile.state_bytes(model, training, plan, dense + expert, stage_max_layer_params(model, plan, stage, layers),
-                               layers, expert_params=expert,
+    largest = stage_max_layer_params(model, plan, stage, layers)
+    return profile.state_bytes(model, training, plan, dense + expert, largest, layers, expert_params=expert,
                                linear_params=stage_linear_params_per_rank(model, plan, stage, layers))
 
 

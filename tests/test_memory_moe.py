@@ -28,7 +28,7 @@ from planner.memory import (attention_params_per_rank, estimate_memory, layer_ac
                             moe_activation_terms, moe_tokens_per_rank, saved_bytes_per_layer, stage_memory,
                             stage_param_split, stage_params_per_rank, stage_state_bytes)
 from planner.presets import load_hardware, load_model
-from planner.specs import GIB, ModelSpec, Plan, TrainingSpec, plan_problems
+from planner.specs import ModelSpec, Plan, TrainingSpec, plan_problems
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 DSV3, MIXTRAL, TINY = load_model("deepseek-v3"), load_model("mixtral-8x7b"), load_model("tiny-moe")
