@@ -172,9 +172,12 @@ def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
     memory terms), as arrays over the options."""
     cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
                                   "valid")}
+    fw = frameworks.get(training.framework)
     for mbs, rc, sp in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp})
         valid = not (sp and base.tp == 1)
+        # memory/profiles: Megatron's MoE layer trains with tp > 1 only with SP (FrameworkProfile.moe_needs_sp)
+        valid = valid and not (fw.moe_needs_sp and model.is_moe and base.tp > 1 and not sp)
         row = micro_factors(model, hw, training, plan, order) if valid else dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
         # memory (owned with planner.memory): per dense and per MoE layer, as memory.stage_saved_bytes
         dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)

@@ -421,3 +421,17 @@ def test_mla_saved_bytes_match_a_megatron_shaped_mla_on_the_cpu():
     # of its sbhd output): one more [tokens, a v] tensor on the CPU
     predicted = sum(t.bytes for t in terms) + b * s * a * vd * 2
     assert predicted == measured, (predicted, measured, [(t.name, t.bytes) for t in terms])
+
+
+def test_search_proposes_no_moe_plan_megatron_cannot_train():
+    """Megatron's MoE layer needs SP with tp > 1: no legal table entry of a MoE model has tp > 1 without SP,
+    and every legal entry passes plan_problems (the rule `plan3d check` applies)."""
+    from planner.candidates import SearchSpace
+    from planner.search import build_tables
+
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=256)
+    tables = build_tables(TINY, H100, tr, SearchSpace(max_micro_batch_size=2, max_cp=1))
+    plans = [tables.plan(int(k)) for k in np.flatnonzero(tables.legal.ravel())]
+    assert any(p.tp > 1 for p in plans)
+    assert all(p.sequence_parallel for p in plans if p.tp > 1)
+    assert all(not plan_problems(TINY, H100, tr, p) for p in plans[:: max(1, len(plans) // 40)])
