@@ -440,7 +440,8 @@ def mla_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     ``a/t x v_head_dim`` (``.contiguous()`` copies the split view); the attention output
     ``a/t x v_head_dim`` is the out-projection input; the core's own tensors as
     :func:`_core_attention_terms`. RoPE is counted as saving nothing (the fused MLA RoPE kernels;
-    unfused RoPE saves only its cos/sin tables).
+    unfused RoPE saves only its cos/sin tables). Under torchtitan's op-level selective AC the MLA
+    tensors are counted as kept (an upper bound: its policy keeps every other ``aten.mm`` output).
     """
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
@@ -450,19 +451,23 @@ def mla_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     h, a_r = model.hidden_size, model.num_attention_heads / t
     rq, rkv, rope = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
     stat = FP32_BYTES * (2 if model.norm == "layernorm" else 1)
+    keep = True if frameworks.get(training.framework).op_sac else None
     copies = 2 if lin != e else 1  # one fp8 copy per down projection; bf16: the same tensor, saved once
-    terms = [ActTerm("q/kv down-projection input (norm1 output)", copies * sb * h * min(lin, e) / gathered)]
+    terms = [ActTerm("q/kv down-projection input (norm1 output)", copies * sb * h * min(lin, e) / gathered,
+                     selective=keep)]
     if rq:
-        terms += [ActTerm("q latent (q-norm input)", sb * rq * e / sp),
-                  ActTerm("q-norm statistics", sb * stat / sp),
-                  ActTerm("q up-projection input (normalised q latent)", sb * rq * lin / gathered)]
-    terms += [ActTerm("kv latent and rope key (kv-norm input)", sb * (rkv + rope) * e / sp),
-              ActTerm("kv-norm statistics", sb * stat / sp),
-              ActTerm("kv up-projection input (normalised kv latent)", sb * rkv * lin / gathered),
-              ActTerm("Q (nope + rope heads)", sb * a_r * model.qk_head_dim * e),
-              ActTerm("K (nope + rope heads)", sb * a_r * model.qk_head_dim * e),
-              ActTerm("V", sb * a_r * model.v_dim * e),
-              ActTerm("out-proj input", sb * a_r * model.v_dim * lin)]
+        terms += [ActTerm("q latent (q-norm input)", sb * rq * e / sp, selective=keep),
+                  ActTerm("q-norm statistics", sb * stat / sp, selective=keep),
+                  ActTerm("q up-projection input (normalised q latent)", sb * rq * lin / gathered,
+                          selective=keep)]
+    terms += [ActTerm("kv latent and rope key (kv-norm input)", sb * (rkv + rope) * e / sp, selective=keep),
+              ActTerm("kv-norm statistics", sb * stat / sp, selective=keep),
+              ActTerm("kv up-projection input (normalised kv latent)", sb * rkv * lin / gathered,
+                      selective=keep),
+              ActTerm("Q (nope + rope heads)", sb * a_r * model.qk_head_dim * e, selective=keep),
+              ActTerm("K (nope + rope heads)", sb * a_r * model.qk_head_dim * e, selective=keep),
+              ActTerm("V", sb * a_r * model.v_dim * e, selective=keep),
+              ActTerm("out-proj input", sb * a_r * model.v_dim * lin, selective=keep)]
     qk_r, v_r = a_r * model.qk_head_dim, a_r * model.v_dim
     return terms + _core_attention_terms(model, training, plan, qk_r, qk_r, v_r)
 
