@@ -94,22 +94,120 @@ def kv_heads_per_rank(model: ModelSpec, tp: int) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def layer_params_per_rank(model: ModelSpec, tp: int) -> float:
-    """Parameters of one layer on one TP rank.
+def attention_params_per_rank(model: ModelSpec, tp: int) -> float:
+    """Parameters of one layer's attention block on one TP rank.
+
+    Standard/GQA attention (formulas.md A2): QKV column-parallel (weights and biases / t, replicated
+    KV heads when ``t > g``), the output projection row-parallel (weights / t, bias replicated),
+    full-width QK norms split with their heads, per-head ones replicated; attention sinks (GPT-OSS)
+    one per local head.
+
+    MLA as Megatron-Core core_v0.16.1 builds it with Transformer Engine
+    (``transformer/multi_latent_attention.py::MLASelfAttention.__init__``, spec
+    ``models/gpt/gpt_layer_specs.py``): ``linear_q_down_proj`` ``h x r_q`` and ``linear_kv_down_proj``
+    ``h x (r_kv + rope)`` are ``TELinear(parallel_mode="duplicated")``: **replicated** on every TP
+    rank, as are the ``q_layernorm`` (``r_q``) and ``kv_layernorm`` (``r_kv``) weights fused into the
+    up projections; ``linear_q_up_proj`` ``r_q x a*(nope+rope)`` (or ``linear_q_proj`` ``h x a*(nope+rope)``
+    without a q rank) and ``linear_kv_up_proj`` ``r_kv x a*(nope+v)`` are column-parallel (/ t), and
+    ``linear_proj`` ``a*v x h`` row-parallel (/ t).
+    """
+    h, a = model.hidden_size, model.num_attention_heads
+    sinks = a / tp if model.attention_sinks else 0.0
+    if model.is_mla:
+        n = model.norm_weights_per_channel
+        rq, rkv, dqk = model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim
+        q = (h * rq + n * rq + rq * a * dqk / tp) if rq else h * a * dqk / tp
+        kv = h * (rkv + model.qk_rope_head_dim) + n * rkv + rkv * a * (model.qk_nope_head_dim + model.v_head_dim) / tp
+        return q + kv + a * model.v_head_dim * h / tp + sinks
+    q, kv = model.q_size, 2 * model.kv_channels * kv_heads_per_rank(model, tp)
+    bias = (q / tp + kv if model.has_qkv_bias else 0) + (h if model.has_out_proj_bias else 0)
+    return h * (q / tp + kv) + (q / tp) * h + bias + model.qk_norm_params(q / tp, kv / 2) + sinks
+
+
+def mlp_params_per_rank(model: ModelSpec, ffn: int, tp: int) -> float:
+    """One MLP of intermediate width ``ffn`` split over ``tp`` ranks: FC1 column-parallel (weights and
+    biases / t), FC2 row-parallel (weights / t, bias replicated) (Megatron ``mlp.py::MLP``; a routed
+    expert in ``moe/experts.py::TEGroupedMLP`` is split the same way over the expert-TP group)."""
+    h = model.hidden_size
+    mlp_in = (2 if model.gated_mlp else 1) * ffn / tp
+    return h * mlp_in + (ffn / tp) * h + ((mlp_in + h) if model.has_mlp_bias else 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_param_split(model: ModelSpec, tp: int, moe: bool = False, ep: int = 1, etp: int | None = None
+                      ) -> tuple[float, float]:
+    """(dense, expert) parameters of one layer on one GPU.
+
+    Dense: attention (:func:`attention_params_per_rank`), the layer's norms (replicated), and either the
+    dense MLP over ``tp`` or, in a MoE layer (Megatron-Core core_v0.16.1 ``moe/moe_layer.py::MoELayer``),
+    the router ``E x h`` (+ E biases), replicated on every TP rank (``moe/router.py::Router.__init__``:
+    a plain ``torch.nn.Parameter``, not TP-split) and the shared experts over the attention TP group
+    (``moe/shared_experts.py::SharedExpertMLP`` is an ``MLP`` with ``tp_group=pg_collection.tp``), whose
+    ``h -> 1`` gate is replicated. Expert: the ``E / ep`` routed experts of this EP rank
+    (``BaseMoELayer``: ``num_local_experts = num_moe_experts // ep_size``), each split over the
+    expert-TP group of ``etp`` ranks (``TEGroupedMLP`` with ``pg_collection.expt_tp``). Megatron's DDP
+    treats the routed experts (``allreduce=False``) apart: their gradients and optimizer states live
+    in the expert-data-parallel group (:func:`stage_state_bytes`).
+    """
+    dense = attention_params_per_rank(model, tp) + model.norms_per_layer * model.norm_params
+    if not (moe and model.is_moe):
+        return dense + mlp_params_per_rank(model, model.ffn_size, tp), 0.0
+    dense += model.router_params()
+    if model.shared_expert_ffn_hidden_size is not None:
+        dense += mlp_params_per_rank(model, model.shared_expert_ffn_hidden_size, tp)
+        dense += model.hidden_size if model.shared_expert_gate else 0
+    et = etp or tp
+    return dense, model.num_experts / ep * mlp_params_per_rank(model, model.moe_ffn_size, et)
+
+
+def layer_params_per_rank(model: ModelSpec, tp: int, moe: bool | None = None, ep: int = 1,
+                          etp: int | None = None) -> float:
+    """Parameters of one layer on one TP rank (dense + expert parts of :func:`layer_param_split`).
 
     Megatron-LM sharding (formulas.md A2): QKV and FC1 are column-parallel (weights and biases
     / t), the output projection and FC2 row-parallel (weights / t, biases replicated); norms are
     replicated. Replicated KV heads (``t > g``) are stored on every rank that uses them. A full-width
-    QK norm (OLMo-2) is split with the heads it normalises; a per-head one is replicated.
+    QK norm (OLMo-2) is split with the heads it normalises; a per-head one is replicated. ``moe``
+    (default: a MoE layer when the model has experts) with ``ep``/``etp`` picks the layer kind and
+    the expert split.
     """
-    h, q, f, d = model.hidden_size, model.q_size, model.ffn_size, model.kv_channels
-    kv = 2 * d * kv_heads_per_rank(model, tp)  # K and V widths on this rank
-    mlp_in = (2 if model.gated_mlp else 1) * f / tp  # FC1 (gate + up) output width
-    matrices = h * (q / tp + kv) + (q / tp) * h + h * mlp_in + (f / tp) * h
-    bias = ((q / tp + kv if model.has_qkv_bias else 0) + (h if model.has_out_proj_bias else 0)
-            + ((mlp_in + h) if model.has_mlp_bias else 0))
-    norms = model.norms_per_layer * model.norm_params + model.qk_norm_params(q / tp, kv / 2)
-    return matrices + bias + norms
+    dense, expert = layer_param_split(model, tp, model.is_moe if moe is None else moe, ep, etp)
+    return dense + expert
+
+
+def plan_layer_params_per_rank(model: ModelSpec, plan: Plan, moe: bool) -> float:
+    """Parameters of one dense (``moe=False``) or MoE layer on one GPU of ``plan``."""
+    return layer_params_per_rank(model, plan.tp, moe, plan.ep, plan.expert_tp)
+
+
+def stage_moe_layer_count(model: ModelSpec, plan: Plan, stage: int, layers: int) -> int:
+    """MoE layers among the ``layers`` of stage ``stage`` (``Plan.stage_moe_layers``, vpp-aware); when
+    ``layers`` is not the plan's count for that stage, its dense-first layers are kept and the rest are MoE."""
+    if not model.is_moe:
+        return 0
+    counts, planned = plan.stage_moe_layers(model), plan.stage_layers(model.num_layers)
+    if stage < len(planned) and layers == planned[stage]:
+        return counts[stage]
+    dense_here = planned[stage] - counts[stage] if stage < len(planned) else 0
+    return max(0, min(layers, layers - dense_here))
+
+
+def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one GPU of pipeline stage ``stage`` (see :func:`stage_params_per_rank`)."""
+    t, p = plan.tp, plan.pp
+    moe_layers = stage_moe_layer_count(model, plan, stage, layers)
+    dense_l, _ = layer_param_split(model, t, False)
+    moe_dense, moe_expert = layer_param_split(model, t, True, plan.ep, plan.expert_tp) if moe_layers else (0.0, 0.0)
+    dense = (layers - moe_layers) * dense_l + moe_layers * moe_dense
+    v_pad = padded_vocab_size(model.vocab_size, t)
+    h = model.hidden_size
+    if stage == 0:
+        dense += v_pad * h / t + model.embedding_params() - model.vocab_size * h
+    if stage == p - 1:
+        dense += model.norm_params
+        if not model.tied_embeddings or p > 1:
+            dense += v_pad * h / t
+    return dense, moe_layers * moe_expert
 
 
 def stage_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:
@@ -118,19 +216,19 @@ def stage_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int)
     Word embedding (vocab-parallel, padded as Megatron pads it) on the first stage, output layer
     on the last; a tied embedding is duplicated on the last stage when ``pp > 1``
     (``language_module.py::setup_embeddings_and_output_layer``). Learned position embeddings and
-    the embedding norm are replicated across TP.
+    the embedding norm are replicated across TP. MoE models: the stage's dense-first and MoE layers
+    as ``Plan.stage_moe_layers`` places them, each MoE layer with its ``E / ep`` experts split over
+    ``etp`` (:func:`layer_param_split`).
     """
-    t, p = plan.tp, plan.pp
-    v_pad = padded_vocab_size(model.vocab_size, t)
-    h = model.hidden_size
-    params = layers * layer_params_per_rank(model, t)
-    if stage == 0:
-        params += v_pad * h / t + model.embedding_params() - model.vocab_size * h
-    if stage == p - 1:
-        params += model.norm_params
-        if not model.tied_embeddings or p > 1:
-            params += v_pad * h / t
-    return params
+    return sum(stage_param_split(model, plan, stage, layers))
+
+
+def stage_max_layer_params(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:
+    """The largest layer of stage ``stage`` on one GPU (what ZeRO-3 / FSDP gathers at a time)."""
+    moe_layers = stage_moe_layer_count(model, plan, stage, layers)
+    sizes = ([plan_layer_params_per_rank(model, plan, False)] if layers > moe_layers else []) + \
+        ([plan_layer_params_per_rank(model, plan, True)] if moe_layers else [])
+    return max(sizes, default=plan_layer_params_per_rank(model, plan, False))
 
 
 def grad_bytes(training: TrainingSpec) -> int:
@@ -167,19 +265,21 @@ def state_bytes_per_param(zero_stage: int, shards: int, bytes_per_param: tuple[i
 
 
 def zero_working_set_bytes(model: ModelSpec, plan: Plan, layers: int,
-                           bytes_per_param: tuple[int, int, int] = (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
-                           ) -> tuple[float, float]:
+                           bytes_per_param: tuple[int, int, int] = (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES),
+                           layer_params: float | None = None) -> tuple[float, float]:
     """Extra (weights, gradients) bytes that ZeRO-2/3 keep unsharded while a layer runs.
 
     ZeRO-3 / FSDP gathers the current layer and prefetches the next (2 layers of bf16 weights);
     ZeRO-2/3 reduce-scatter one layer's fp32 gradients at a time (DeepSpeed
     ``estimate_zero3_model_states_mem_needs``: ``4 * largest_layer_params``). Capped so that a
-    higher stage never needs more than the stage below it holds unsharded.
+    higher stage never needs more than the stage below it holds unsharded. ``layer_params``: the
+    largest layer on this GPU (default: a dense layer at the plan's tp; MoE stages pass
+    :func:`stage_max_layer_params`).
     """
     shards = plan.dp * plan.cp
     if shards == 1:
         return 0.0, 0.0
-    per_layer = layer_params_per_rank(model, plan.tp)
+    per_layer = layer_params_per_rank(model, plan.tp, False) if layer_params is None else layer_params
     w = bytes_per_param[0] * min(2, layers) * per_layer if plan.zero_stage >= 3 else 0.0
     g = bytes_per_param[1] * per_layer if plan.zero_stage >= 2 else 0.0
     return w, g
@@ -206,7 +306,8 @@ class ActTerm:
 LINEAR_INPUT_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 
-def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:
+def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, moe: bool | None = None
+                           ) -> list[ActTerm]:
     """Tensors one transformer layer saves for backward, per GPU and micro-batch.
 
     Korthikanti et al. 2022 (arXiv:2205.05198) section 4.1: attention ``11 sbh + 5 a s^2 b``,
@@ -234,7 +335,12 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     K before the norm; a soft-capped materialised attention (Gemma-2 eager) keeps the ``tanh``
     output as well. Post-norm (OLMo-2) saves the same sizes as pre-norm: the norm input moves from
     the layer input to the sublayer output.
+
+    MLA attention (``model.is_mla``) saves what :func:`mla_attention_terms` lists; a MoE layer
+    (``moe``; default: a MoE layer when the model has experts, ``moe=False`` for its dense-first
+    layers) replaces the MLP terms by :func:`moe_activation_terms`.
     """
+    moe = model.is_moe if moe is None else (moe and model.is_moe)
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
     profile = frameworks.get(training.framework)
@@ -249,26 +355,18 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
     terms = [
         ActTerm("norm1 input", sb * h * e / sp, layer_input=True),
         ActTerm("norm1 statistics", stats / sp),
-        ActTerm("QKV input", sb * h * lin / gathered),
-        ActTerm("Q", sb * q_r * e),
-        ActTerm("K, V", 2 * sb * kv_r * e),
-        ActTerm("out-proj input", sb * q_r * lin),
     ]
-    terms += _qk_norm_terms(model, sb, q_r, kv_r, a_r, e)
-    if training.attention == "flash":
-        terms.append(ActTerm("softmax log-sum-exp", sb * a_r * FP32_BYTES, core=True))
-        if lin != e:
-            terms.append(ActTerm("attention output (bf16)", sb * q_r * e, core=True))
+    if model.is_mla:
+        terms += mla_attention_terms(model, training, plan)
     else:
-        s_kv = training.seq_len  # keys seen by each local query (all of them with CP ring attention)
-        if kv_r < q_r:  # GQA: Megatron's unfused DotProductAttention repeat_interleaves K and V to a heads
-            terms.append(ActTerm("K, V expanded to query heads", 2 * sb * q_r * e, core=True))
-        if model.attn_logit_softcap is not None:
-            terms.append(ActTerm("soft-capped scores (tanh output)", a_r * sb * s_kv * e, core=True))
-        terms.append(ActTerm("softmax output", a_r * sb * s_kv * e, core=True))
-        if drop:
-            terms.append(ActTerm("attention dropout mask", a_r * sb * s_kv, core=True))
-            terms.append(ActTerm("attention dropout output", a_r * sb * s_kv * e, core=True))
+        terms += [
+            ActTerm("QKV input", sb * h * lin / gathered),
+            ActTerm("Q", sb * q_r * e),
+            ActTerm("K, V", 2 * sb * kv_r * e),
+            ActTerm("out-proj input", sb * q_r * lin),
+        ]
+        terms += _qk_norm_terms(model, sb, q_r, kv_r, a_r, e)
+        terms += _core_attention_terms(model, training, plan, q_r, kv_r, q_r)
     if drop:
         terms.append(ActTerm("attention residual dropout mask", sb * h / sp))
     fc1_out = (2 if model.gated_mlp else 1) * sb * f / t
@@ -276,14 +374,17 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
         terms.append(ActTerm("norm2 input", sb * h * e / sp))
     if not model.shared_input_norm:
         terms.append(ActTerm("norm2 statistics", stats / sp))
-    if not (model.shared_input_norm and lin == e and gathered == sp):  # else the QKV input tensor itself
-        terms.append(ActTerm("FC1 input", sb * h * lin / gathered))
-    terms += [
-        ActTerm("activation input (FC1 output)", fc1_out * e),
-        ActTerm("FC2 input", sb * f / t * lin),
-    ]
-    if model.activation == "swiglu" and profile.swiglu_unfused:
-        terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e))
+    if moe:
+        terms += moe_activation_terms(model, training, plan)
+    else:
+        if not (model.shared_input_norm and lin == e and gathered == sp):  # else the QKV input tensor itself
+            terms.append(ActTerm("FC1 input", sb * h * lin / gathered))
+        terms += [
+            ActTerm("activation input (FC1 output)", fc1_out * e),
+            ActTerm("FC2 input", sb * f / t * lin),
+        ]
+        if model.activation == "swiglu" and profile.swiglu_unfused:
+            terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e))
     if drop:
         terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
     if model.norm_placement == "sandwich":
@@ -292,6 +393,217 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan)
                       ActTerm(f"post-{where} norm statistics", stats / sp)]
     if profile.op_sac:
         terms = op_sac_terms(terms, model, plan, e)
+    return terms
+
+
+def _core_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, q_r: float, kv_r: float,
+                          out_r: float) -> list[ActTerm]:
+    """The attention core's own saved tensors (dropped by selective recompute): FlashAttention's fp32
+    log-sum-exp (and the bf16 output when the out-projection saves an fp8 copy), or the materialised
+    softmax (+ GQA-expanded K/V, soft-cap and dropout tensors). ``q_r``/``kv_r``/``out_r``: Q, K/V and
+    output widths on this rank."""
+    t, e = plan.tp, act_bytes(training)
+    lin = LINEAR_INPUT_BYTES.get(training.precision, e)
+    s, b = training.seq_len // plan.cp, plan.micro_batch_size
+    sb, a_r = s * b, model.num_attention_heads / t
+    if training.attention == "flash":
+        terms = [ActTerm("softmax log-sum-exp", sb * a_r * FP32_BYTES, core=True)]
+        if lin != e:
+            terms.append(ActTerm("attention output (bf16)", sb * out_r * e, core=True))
+        return terms
+    s_kv = training.seq_len  # keys seen by each local query (all of them with CP ring attention)
+    terms = []
+    if kv_r < q_r:  # GQA: Megatron's unfused DotProductAttention repeat_interleaves K and V to a heads
+        terms.append(ActTerm("K, V expanded to query heads", 2 * sb * q_r * e, core=True))
+    if model.attn_logit_softcap is not None:
+        terms.append(ActTerm("soft-capped scores (tanh output)", a_r * sb * s_kv * e, core=True))
+    terms.append(ActTerm("softmax output", a_r * sb * s_kv * e, core=True))
+    if model.dropout:
+        terms.append(ActTerm("attention dropout mask", a_r * sb * s_kv, core=True))
+        terms.append(ActTerm("attention dropout output", a_r * sb * s_kv * e, core=True))
+    return terms
+
+
+def mla_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:
+    """What multi-head latent attention saves between the input norm and the output projection.
+
+    Megatron-Core core_v0.16.1 ``transformer/multi_latent_attention.py::MLASelfAttention``
+    (``get_query_key_value_tensors``) with the Transformer Engine spec: the duplicated (TP-replicated)
+    ``linear_q_down_proj`` and ``linear_kv_down_proj`` read the norm output on this rank's tokens
+    (``s/t`` with SP: no gather) and save it once (bf16; one fp8 copy each under fp8); the q latent
+    ``[s/t, r_q]`` and the kv latent + rope key ``[s/t, r_kv + rope]`` feed the fused
+    ``q_layernorm``/``kv_layernorm`` + column-parallel up projections (``TELayerNormColumnParallelLinear``),
+    which save the norm input, its fp32 rstd and the normalised latent (the ``s/t`` shard, re-gathered
+    in backward as Megatron's column-parallel linears do; DTensor SP keeps it gathered). The up
+    projections produce the full-sequence per-rank heads: Q and K ``a/t x (nope + rope)`` wide
+    (K's rope part is the shared rope key expanded to every head, ``torch.cat`` copies it), V
+    ``a/t x v_head_dim`` (``.contiguous()`` copies the split view); the attention output
+    ``a/t x v_head_dim`` is the out-projection input; the core's own tensors as
+    :func:`_core_attention_terms`. RoPE is counted as saving nothing (the fused MLA RoPE kernels;
+    unfused RoPE saves only its cos/sin tables). Under torchtitan's op-level selective AC the MLA
+    tensors are counted as kept (an upper bound: its policy keeps every other ``aten.mm`` output).
+    """
+    t, e = plan.tp, act_bytes(training)
+    sp = t if plan.sequence_parallel else 1
+    gathered = 1 if frameworks.get(training.framework).sp_gathers_inputs else sp
+    lin = LINEAR_INPUT_BYTES.get(training.precision, e)
+    sb = training.seq_len // plan.cp * plan.micro_batch_size
+    h, a_r = model.hidden_size, model.num_attention_heads / t
+    rq, rkv, rope = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
+    stat = FP32_BYTES * (2 if model.norm == "layernorm" else 1)
+    keep = True if frameworks.get(training.framework).op_sac else None
+    copies = 2 if lin != e else 1  # one fp8 copy per down projection; bf16: the same tensor, saved once
+    terms = [ActTerm("q/kv down-projection input (norm1 output)", copies * sb * h * min(lin, e) / gathered,
+                     selective=keep)]
+    if rq:
+        terms += [ActTerm("q latent (q-norm input)", sb * rq * e / sp, selective=keep),
+                  ActTerm("q-norm statistics", sb * stat / sp, selective=keep),
+                  ActTerm("q up-projection input (normalised q latent)", sb * rq * lin / gathered,
+                          selective=keep)]
+    terms += [ActTerm("kv latent and rope key (kv-norm input)", sb * (rkv + rope) * e / sp, selective=keep),
+              ActTerm("kv-norm statistics", sb * stat / sp, selective=keep),
+              ActTerm("kv up-projection input (normalised kv latent)", sb * rkv * lin / gathered,
+                      selective=keep),
+              ActTerm("Q (nope + rope heads)", sb * a_r * model.qk_head_dim * e, selective=keep),
+              ActTerm("K (nope + rope heads)", sb * a_r * model.qk_head_dim * e, selective=keep),
+              ActTerm("V", sb * a_r * model.v_dim * e, selective=keep),
+              ActTerm("out-proj input", sb * a_r * model.v_dim * lin, selective=keep)]
+    qk_r, v_r = a_r * model.qk_head_dim, a_r * model.v_dim
+    return terms + _core_attention_terms(model, training, plan, qk_r, qk_r, v_r)
+
+
+def moe_tokens_per_rank(model: ModelSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
+    """(tokens one GPU routes, expert rows one GPU computes) per micro-batch of a MoE layer.
+
+    Megatron-Core core_v0.16.1 alltoall dispatcher (``moe/token_dispatcher.py::MoEAlltoAllTokenDispatcher``):
+    each GPU routes its own ``s b / (cp t)`` tokens (sequence-parallel shard; ``MoELayer.forward``
+    requires SP with tp > 1), permutes ``k`` copies, sends them over the EP group (all-to-all)
+    and all-gathers them over the expert-TP group (``dispatch_postprocess``: ``AG(TP)``). Dropless
+    (``moe_expert_capacity_factor`` None), the balanced share per GPU is
+    ``tokens * k * etp`` rows (the EP group's ``ep * tokens * k`` rows over ``ep`` GPUs, times the
+    ``etp`` gathered shards); routing is data-dependent, so a GPU may receive more: at most all
+    ``ep * tokens * min(k, E/ep)`` of its group (docs/moe_memory.md states the risk; the estimate
+    uses the balanced share). With a capacity factor, each source keeps at most
+    ``ceil(tokens*k/E * cf)`` tokens per expert (``moe_utils.py::apply_router_token_dropping`` /
+    ``get_capacity`` on the local tokens), so a GPU computes at most ``cf`` times the balanced share,
+    exactly that with ``moe_pad_expert_input_to_capacity``.
+
+    torchtitan 0.3.0 (``models/common/moe.py``, ``moe_sharding.py``): with ep > 1 the MoE shards the
+    tokens over the TP axis (``s b / (cp t)`` routed per GPU) and experts are not TP-split (etp = 1);
+    with ep = 1 the router runs on all ``s b / cp`` tokens of the TP group (``Replicate`` input) and
+    every expert is TP-split. Rows per GPU ``tokens * k`` in both (dropless).
+    """
+    sb = training.seq_len // plan.cp * plan.micro_batch_size
+    t, ep, et, k, n_exp = plan.tp, plan.ep, plan.expert_tp, model.top_k, model.num_experts
+    if frameworks.get(training.framework).moe_dispatch == "torchtitan":
+        tokens = sb / t if ep > 1 else sb
+        gather = 1
+    else:
+        tokens = sb / (t if plan.sequence_parallel else 1)
+        gather = et
+    balanced = tokens * k * gather
+    if model.capacity_factor is None:
+        return tokens, balanced
+    worst = ep * tokens * min(k, n_exp / ep) * gather
+    return tokens, min(balanced * model.capacity_factor, worst)
+
+
+def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:
+    """What a MoE layer's router, dispatch, experts and shared experts save, per GPU and micro-batch
+    (after the pre-MLP norm, which :func:`layer_activation_terms` counts). ``T`` tokens routed and
+    ``R`` expert rows per GPU as :func:`moe_tokens_per_rank` says; ``F_r = moe_ffn / etp``.
+
+    Megatron-Core core_v0.16.1 (``moe/``), non-fused permutation, ``TEGroupedMLP``:
+
+    * ``router.py::RouterGatingLinearFunction`` saves its input, the pre-MLP norm output ``[T, h]``
+      (also what the shared expert's FC1 keeps: ``shared_experts.py`` notes "the output of
+      pre_mlp_layernorm is saved by router"), once;
+    * router scores ``[T, E]`` in ``router_dtype``: the sigmoid output (DeepSeek-V3's score function) or
+      the softmax of the load-balancing loss (``compute_routing_scores_for_aux_loss``); a softmax
+      router without an auxiliary loss saves less (its top-k softmax only): counted as one such tensor;
+    * ``topk_routing_with_score_function``: the int64 top-k indices, the ``[T, k]`` probabilities and the
+      sigmoid's ``[T, 1]`` normaliser;
+    * ``moe_utils.py::permute`` (non-fused; ``--moe-permute-fusion`` saves TE's row-id map instead): the
+      transposed bool routing map ``[E, T]`` and the transposed probabilities ``[E, T]`` (router dtype),
+      both saved by ``masked_select``, and the int64 ``sorted_indices`` ``[T k]`` (``index_select``;
+      ``unpermute``'s ``scatter_add_`` saves a view of the same indices);
+    * ``experts.py::TEGroupedMLP``: FC1 saves its input ``[R, h]`` (the dispatched tokens), the fused
+      ``weighted_bias_swiglu_impl`` its input ``[R, 2 F_r]`` and the routed probabilities ``[R]``
+      (router dtype), FC2 its input ``[R, F_r]``; a non-gated activation runs unfused (``activation * probs``:
+      its input and output);
+    * ``shared_experts.py::SharedExpertMLP`` (an ``MLP`` over the attention TP group, sequence-gathered):
+      FC1 output ``[s b, 2 F_s / t]`` and FC2 input ``[s b, F_s / t]``; with the sigmoid gate also the
+      shared output ``[T, h]`` and the gate score, which the multiply saves.
+
+    The all-to-alls, the expert-TP all-gather / reduce-scatter and the chunk sorts save nothing;
+    their outputs are transient (the fp32 reduce-scatter of ``combine_preprocess`` included).
+
+    torchtitan 0.3.0 (``models/common/moe.py``, ``token_dispatcher.py``), on a GPU: the router's
+    ``torch.autocast(dtype=float32)`` gate saves fp32 copies of its input ``[T, h]`` and weight ``[E, h]``;
+    the fp32 scores ``[T, E]`` (sigmoid/softmax output), top-k indices, the gathered scores and their
+    normaliser; two int64 index vectors ``[T k]`` (``argsort`` and its ``// top_k``);
+    ``GroupedExperts`` runs SwiGLU eagerly: the input ``[R, h]`` and four ``[R, F_r]`` tensors (W1
+    output, SiLU output, W3 output, W2 input); ``combine`` multiplies an fp32 copy of the expert
+    output ``[T k, h]`` by the sorted fp32 scores ``[T k]`` and saves both. Shared experts as
+    torchtitan's dense ``FeedForward`` (gathered input, four ``[s b, F_s / t]`` tensors).
+
+    Under recompute "selective" every MoE term is kept (Megatron's default ``--recompute-modules
+    core_attn``; torchtitan's op-level policy counted as keeping them, an upper bound); "full"
+    keeps only the layer input.
+    """
+    tokens, rows = moe_tokens_per_rank(model, training, plan)
+    t, e = plan.tp, act_bytes(training)
+    profile = frameworks.get(training.framework)
+    lin = LINEAR_INPUT_BYTES.get(training.precision, e)
+    sb = training.seq_len // plan.cp * plan.micro_batch_size
+    h, k, n_exp = model.hidden_size, model.top_k, model.num_experts
+    f_r = model.moe_ffn_size / plan.expert_tp
+    keep = True if profile.op_sac else None
+    gated = 2 if model.gated_mlp else 1
+    shared = model.shared_expert_ffn_hidden_size
+    if profile.moe_dispatch == "torchtitan":
+        f_r = model.moe_ffn_size / (1 if plan.ep > 1 else t)
+        terms = [ActTerm("router input, fp32 autocast copy", tokens * h * FP32_BYTES, selective=keep),
+                 ActTerm("router weight, fp32 autocast copy", n_exp * h * FP32_BYTES, selective=keep),
+                 ActTerm("router scores (fp32)", tokens * n_exp * FP32_BYTES, selective=keep),
+                 ActTerm("top-k indices (int64)", tokens * k * TOKEN_ID_BYTES, selective=keep),
+                 ActTerm("top-k scores and normaliser (fp32)", tokens * (k + 1) * FP32_BYTES, selective=keep),
+                 ActTerm("dispatch sort indices (two int64 vectors)", 2 * tokens * k * TOKEN_ID_BYTES, selective=keep),
+                 ActTerm("expert input (dispatched tokens)", rows * h * e, selective=keep),
+                 ActTerm("expert W1, SiLU, W3 outputs and W2 input (eager SwiGLU)", 4 * rows * f_r * e,
+                         selective=keep),
+                 ActTerm("routed scores, sorted (fp32)", tokens * k * FP32_BYTES, selective=keep),
+                 ActTerm("expert output, fp32 copy (the score multiply saves it)", tokens * k * h * FP32_BYTES,
+                         selective=keep)]
+        if shared is not None:
+            gathered = 1 if profile.sp_gathers_inputs else (t if plan.sequence_parallel else 1)
+            terms += [ActTerm("shared-expert input (gathered)", sb * h * e / gathered, selective=keep),
+                      ActTerm("shared-expert W1, SiLU, W3 outputs and W2 input", 4 * sb * shared / t * e,
+                              selective=keep)]
+            if model.shared_expert_gate:
+                terms.append(ActTerm("shared-expert output and gate score (the gate multiply saves them)",
+                                     tokens * (h + 1) * e, selective=keep))
+        return terms
+    rb = FP32_BYTES if model.router_dtype == "fp32" else 2
+    terms = [ActTerm("MoE input (pre-MLP norm output; router and shared-expert FC1 save it)", tokens * h * e),
+             ActTerm("router scores (router dtype)", tokens * n_exp * rb),
+             ActTerm("router top-k indices (int64), probabilities and normaliser",
+                     tokens * k * (TOKEN_ID_BYTES + rb) + tokens * rb),
+             ActTerm("permutation routing map (bool)", tokens * n_exp),
+             ActTerm("router probabilities, transposed (permute's masked_select saves them)", tokens * n_exp * rb),
+             ActTerm("permutation sorted indices (int64)", tokens * k * TOKEN_ID_BYTES),
+             ActTerm("expert FC1 input (dispatched tokens)", rows * h * lin),
+             ActTerm("expert activation input (FC1 output)", rows * gated * f_r * e),
+             ActTerm("routed probabilities (router dtype)", rows * rb),
+             ActTerm("expert FC2 input", rows * f_r * lin)]
+    if not model.gated_mlp:
+        terms.append(ActTerm("expert activation output (unfused activation * probs)", rows * f_r * e))
+    if shared is not None:
+        terms += [ActTerm("shared-expert activation input (FC1 output)", sb * gated * shared / t * e),
+                  ActTerm("shared-expert FC2 input", sb * shared / t * lin)]
+        if model.shared_expert_gate:
+            terms.append(ActTerm("shared-expert output and gate score (the gate multiply saves them)",
+                                 tokens * (h + 1) * e))
     return terms
 
 
@@ -327,9 +639,11 @@ def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int) -> 
             out += [ActTerm("W1 output", x.bytes / 2, selective=True),
                     ActTerm("W3 output", x.bytes / 2, selective=False)]
         else:
-            out.append(ActTerm(x.name, x.bytes, core=x.core, layer_input=x.layer_input, selective=x.name in keep))
+            out.append(ActTerm(x.name, x.bytes, core=x.core, layer_input=x.layer_input,
+                               selective=(x.name in keep) if x.selective is None else x.selective))
     sbh = by_name["norm1 input"].bytes * (plan.tp if plan.sequence_parallel else 1)  # s b h e, ungathered
-    out.append(ActTerm("W2 output (aten.mm kept by op AC)", sbh, selective=True, autograd=False))
+    if "FC2 input" in by_name:  # a dense MLP (a MoE layer's terms say what they keep themselves)
+        out.append(ActTerm("W2 output (aten.mm kept by op AC)", sbh, selective=True, autograd=False))
     if t > 1:
         out.append(ActTerm("O and W2 reduce-scatter outputs (kept by op AC)", 2 * sbh / t, selective=True,
                            autograd=False))
@@ -379,21 +693,39 @@ def in_flight_chunks(plan: Plan, num_microbatches, stage: int):
     return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * n + 1)
 
 
+def saved_bytes_per_layer_kind(model: ModelSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
+    """(dense layer, MoE layer) bytes one layer keeps for backward under ``plan.recompute`` (the MoE
+    value is 0 for a dense model)."""
+    dense = saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=False), plan.recompute)
+    if not model.is_moe:
+        return dense, 0.0
+    return dense, saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=True), plan.recompute)
+
+
+def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """One layer's recompute working set (:func:`recompute_working_bytes`), the larger of the dense and
+    the MoE layer for a MoE model."""
+    kinds = [False, True] if model.is_moe else [False]
+    return max(recompute_working_bytes(layer_activation_terms(model, training, plan, moe=m), plan.recompute)
+               for m in kinds)
+
+
 def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                       stage: int, layers: int) -> float:
     """What the layers of stage ``stage`` keep for backward at its peak: in-flight chunks x layers per chunk
-    x bytes saved per layer (A3, A4). `plan3d validate` measures exactly this."""
-    terms = layer_activation_terms(model, training, plan)
-    layers_in_flight = in_flight_chunks(plan, num_microbatches, stage) * layers / plan.vpp
-    return float(layers_in_flight * saved_bytes_per_layer(terms, plan.recompute))
+    x bytes saved per layer (A3, A4); a MoE model's dense-first and MoE layers each with their own bytes
+    (``Plan.stage_moe_layers``). `plan3d validate` measures exactly this."""
+    dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
+    moe_layers = stage_moe_layer_count(model, plan, stage, layers)
+    per_chunk = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / plan.vpp
+    return float(in_flight_chunks(plan, num_microbatches, stage) * per_chunk)
 
 
 def stage_activation_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                            stage: int, layers: int) -> float:
     """Saved activations of stage ``stage`` at its peak, plus one layer's recompute working set."""
-    terms = layer_activation_terms(model, training, plan)
     return stage_saved_bytes(model, training, plan, num_microbatches, stage, layers) + \
-        recompute_working_bytes(terms, plan.recompute)
+        layer_recompute_working_bytes(model, training, plan)
 
 
 def input_bytes_per_microbatch(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
@@ -439,10 +771,35 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
 def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int
                       ) -> frameworks.StateBytes:
     """Weights, gradients and optimizer states of one GPU of stage ``stage``, as the framework of
-    ``training.framework`` holds them at the step's peak (``planner/frameworks``)."""
+    ``training.framework`` holds them at the step's peak (``planner/frameworks``).
+
+    MoE models: the routed experts' part (``expert_params``) is sharded over the expert-data-parallel
+    group of ``Plan.expert_dp = tp*cp*dp / (etp*ep)`` ranks, the rest over dp x cp as for a dense
+    model. Megatron-Core core_v0.16.1 ``distributed/distributed_data_parallel.py``: parameters with
+    ``allreduce=False`` (the experts) go to ``expert_parallel_buffers`` over ``intra_expt_dp_group``,
+    and the distributed optimizer shards each buffer over its own data-parallel group;
+    torchtitan's FSDP2 shards the experts over its ``efsdp`` mesh (``dp_shard*cp*tp/ep``,
+    ``distributed/parallel_dims.py``), its other parameters over ``fsdp`` (``dp_shard*cp``)."""
     profile = frameworks.get(training.framework)
-    return profile.state_bytes(model, training, plan, stage_params_per_rank(model, plan, stage, layers),
-                               layer_params_per_rank(model, plan.tp), layers)
+    dense, expert = stage_param_split(model, plan, stage, layers)
+    if not model.is_moe:  # the dense path, unchanged
+        return profile.state_bytes(model, training, plan, dense, layer_params_per_rank(model, plan.tp), layers)
+    largest = stage_max_layer_params(model, plan, stage, layers)
+    return profile.state_bytes(model, training, plan, dense + expert, largest, layers, expert_params=expert,
+                               linear_params=stage_linear_params_per_rank(model, plan, stage, layers))
+
+
+def stage_linear_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:
+    """GEMM weights of the stage's layers on one GPU (norms, biases and the router left out): what
+    Transformer Engine caches quantised copies of under fp8 (``planner.frameworks.megatron``)."""
+    moe_layers = stage_moe_layer_count(model, plan, stage, layers)
+    norms = model.norms_per_layer * model.norm_params
+    dense_l, _ = layer_param_split(model, plan.tp, False)
+    total = (layers - moe_layers) * (dense_l - norms)
+    if moe_layers:
+        d, e = layer_param_split(model, plan.tp, True, plan.ep, plan.expert_tp)
+        total += moe_layers * (d - norms - model.router_params() + e)
+    return total
 
 
 def layer_phase_bytes(st: frameworks.StateBytes, recompute_bytes: float, output_spike_bytes: float
@@ -469,7 +826,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
     the inputs / outputs, and the larger of the layer phase and the loss spike (:func:`layer_phase_bytes`)."""
     st = stage_state_bytes(model, training, plan, stage, layers)
     spike = output_bytes(model, training, plan) if stage == plan.pp - 1 else 0.0
-    recompute = recompute_working_bytes(layer_activation_terms(model, training, plan), plan.recompute)
+    recompute = layer_recompute_working_bytes(model, training, plan)
     w_work, g_work, a_work = layer_phase_bytes(st, recompute, spike)
     return StageMemory(
         stage=stage, layers=layers,

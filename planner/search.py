@@ -36,8 +36,8 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
                           p2p_hop_s, resolved_overlap, stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
-from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
-                            layer_activation_terms, output_bytes, recompute_working_bytes, saved_bytes_per_layer,
+from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, layer_recompute_working_bytes,
+                            output_bytes, param_bytes, saved_bytes_per_layer_kind, stage_moe_layer_count,
                             stage_params_per_rank, stage_state_bytes)
 from planner.errors import MAX_GPUS
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
@@ -123,9 +123,10 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         n = np.array([x[1] for x in rows], dtype=float)
         last = np.array([r == p - 1 for r, _ in rows])
         base = probe(tp, cp, dp, split)
-        if (tp, cp) not in factors:
-            factors[(tp, cp)] = _micro_factors(model, hw, training, micros, base, order)
-        f = factors[(tp, cp)]
+        fkey = (tp, cp, base.ep, base.etp)  # MoE activations depend on ep/etp too (memory.moe_tokens_per_rank)
+        if fkey not in factors:
+            factors[fkey] = _micro_factors(model, hw, training, micros, base, order)
+        f = factors[fkey]
         crosses = pp_hop_crosses_nodes(base, hw.nvlink_domain, order)
         if (tp, cp, crosses) not in hops:
             tp_group = axis_span(base, "tp", hw.nvlink_domain, order)
@@ -148,7 +149,9 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
                             before, training.overlap_grad_reduce, c)["step"]
         # memory of each stage kind [U, Z, 3], as memory.stage_memory
         inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
-        act = inflight * n / v * f["saved"][:, None]
+        # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
+        n_moe = np.array([stage_moe_layer_count(model, base, r, x) for r, x in rows], dtype=float)
+        act = inflight / v * ((n - n_moe) * f["saved"][:, None] + n_moe * f["saved_moe"][:, None])
         first_inputs = np.ceil(in_flight_chunks(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in rows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == p - 1) * f["output_bytes"][:, None]
@@ -167,13 +170,18 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
     """For one (tp, cp): every per-micro-batch factor of every micro option (cost.micro_factors, and the
     memory terms), as arrays over the options."""
-    cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "working", "input_bytes", "output_bytes", "valid")}
+    cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
+                                  "valid")}
+    fw = frameworks.get(training.framework)
     for mbs, rc, sp in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp})
         valid = not (sp and base.tp == 1)
+        # memory/profiles: Megatron's MoE layer trains with tp > 1 only with SP (FrameworkProfile.moe_needs_sp)
+        valid = valid and not (fw.moe_needs_sp and model.is_moe and base.tp > 1 and not sp)
         row = micro_factors(model, hw, training, plan, order) if valid else dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
-        terms = layer_activation_terms(model, training, plan)
-        row |= {"saved": saved_bytes_per_layer(terms, rc), "working": recompute_working_bytes(terms, rc),
+        # memory (owned with planner.memory): per dense and per MoE layer, as memory.stage_saved_bytes
+        dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
+        row |= {"saved": dense_b, "saved_moe": moe_b, "working": layer_recompute_working_bytes(model, training, plan),
                 "input_bytes": input_bytes_per_microbatch(model, training, plan),
                 "output_bytes": output_bytes(model, training, plan), "valid": valid}
         for k, val in row.items():

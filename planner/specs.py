@@ -769,7 +769,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     from planner.frameworks import get as framework_profile
 
-    errors += framework_profile(training.framework).plan_problems(plan)
+    errors += framework_profile(training.framework).plan_problems(plan, model)
     return errors + job_problems(model, hardware, training)
 
 

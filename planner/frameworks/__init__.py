@@ -57,6 +57,15 @@ class FrameworkProfile:
     allows_heavier_ends: bool = True  # uneven splits may give the first/last stage *more* layers
     allows_uneven_interleaved: bool = True  # uneven stages together with vpp > 1
     allows_fp8: bool = True
+    # --- mixture of experts (planner.memory, docs/moe.md) ---
+    allows_ep: bool = True  # expert parallelism (ep > 1) as plan3d emits this framework
+    # which expert-TP degrees the framework builds: "free" (Megatron's --expert-tensor-parallel-size),
+    # "tp" (experts split like the dense MLP), "torchtitan" (1 with ep > 1, tp without: torchtitan 0.3.0)
+    expert_tp_rule: str = "free"
+    moe_needs_sp: bool = False  # a MoE layer with tp > 1 trains only with sequence parallelism (Megatron)
+    moe_ep_needs_fsdp: bool = False  # ep > 1 lives inside the FSDP mesh: ZeRO >= 1 (torchtitan's efsdp)
+    # how a MoE layer holds its tokens and saves them (planner.memory.moe_activation_terms)
+    moe_dispatch: str = "megatron"
 
     def allows_zero(self, zero_stage: int, pp: int) -> bool:
         """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages."""
@@ -76,9 +85,10 @@ class FrameworkProfile:
             return [f"precision: {self.name} as plan3d emits it has no {precision} recipe; use bf16"]
         return []
 
-    def plan_problems(self, plan) -> list[str]:
-        """What of ``plan`` this framework cannot run, one line each naming the field."""
-        errors = []
+    def plan_problems(self, plan, model=None) -> list[str]:
+        """What of ``plan`` this framework cannot run, one line each naming the field (``model``, when
+        given, adds the rules that depend on it: MoE)."""
+        errors = self._moe_problems(plan, model)
         if not self.allows_zero(plan.zero_stage, plan.pp):
             allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
             errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
@@ -97,6 +107,30 @@ class FrameworkProfile:
             elif not self.allows_split(lps[0], middle, lps[-1]):
                 errors.append(f"layers_per_stage: {self.name} can only give the first and last stages fewer "
                               f"layers, not {list(lps)}")
+        return errors
+
+
+    def _moe_problems(self, plan, model) -> list[str]:
+        """Expert-parallel limits of this framework (the ``FrameworkProfile`` MoE fields)."""
+        errors = []
+        ep, etp, tp = plan.ep, plan.expert_tp, plan.tp
+        if ep > 1 and not self.allows_ep:
+            errors.append(f"ep: {self.name} as plan3d emits it has no expert parallelism (ep={ep}); use ep=1")
+        if self.expert_tp_rule == "tp" and etp != tp:
+            errors.append(f"etp: {self.name} splits experts like the dense MLP (etp = tp = {tp}); drop etp")
+        elif self.expert_tp_rule == "torchtitan":
+            want = 1 if ep > 1 else tp
+            if etp != want:
+                errors.append(f"etp: {self.name} runs experts with etp={want} when ep={ep} "
+                              f"(torchtitan 0.3.0: EP replaces expert TP; without EP experts are split over tp); "
+                              f"set etp {want}")
+        if ep > 1 and self.moe_ep_needs_fsdp and plan.zero_stage < 1:
+            errors.append(f"zero_stage: {self.name}'s expert parallelism lives inside its FSDP mesh (efsdp); "
+                          f"use zero_stage >= 1 with ep={ep}")
+        if (self.moe_needs_sp and model is not None and model.is_moe and tp > 1
+                and not plan.sequence_parallel):
+            errors.append(f"sequence_parallel: {self.name}'s MoE layer trains with tp={tp} only with sequence "
+                          "parallelism (Megatron-Core MoELayer.forward); set sequence_parallel")
         return errors
 
 

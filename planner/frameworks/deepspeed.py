@@ -31,8 +31,11 @@ PREFETCH_BUCKET_ELEMENTS = 5e7  # zero/config.py: stage3_prefetch_bucket_size de
 BF16, FP32, MASTER_AND_ADAM = 2, 4, 12
 
 
-def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int) -> StateBytes:
-    """Weights, gradients and optimizer of one GPU of a stage (module docstring)."""
+def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
+                expert_params: float = 0.0, linear_params: float | None = None) -> StateBytes:
+    """Weights, gradients and optimizer of one GPU of a stage (module docstring). MoE models run here
+    without expert parallelism (``PROFILE.allows_ep`` is False), so the experts are ordinary
+    parameters, sharded over dp x cp like the rest: ``expert_params`` changes nothing."""
     P, Pl, n, z = stage_params, layer_params, plan.dp * plan.cp, plan.zero_stage
     if training.precision == "fp32":
         return StateBytes(weights_bytes=FP32 * P, grads_bytes=FP32 * P, optimizer_bytes=8 * P / (n if z else 1))
@@ -53,4 +56,6 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
 
 PROFILE = FrameworkProfile(name="deepspeed", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=False, max_zero_with_pp=1, allows_cp=False, allows_vpp=False,
-                           allows_uneven=False, allows_fp8=False)
+                           allows_uneven=False, allows_fp8=False,
+                           # plan3d's DeepSpeed launch files write no MoE/expert-parallel configuration
+                           allows_ep=False, expert_tp_rule="tp")

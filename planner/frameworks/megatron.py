@@ -43,24 +43,34 @@ def linear_params_per_rank(model, tp: int, layers: int) -> float:
 
     bias_and_norms = 2 * model.norm_params + (model.q_size + 2 * model.kv_heads * model.kv_channels
                                               if model.has_qkv_bias else 0)
-    return layers * max(layer_params_per_rank(model, tp) - bias_and_norms, 0.0)
+    return layers * max(layer_params_per_rank(model, tp, False) - bias_and_norms, 0.0)
 
 
-def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int) -> StateBytes:
+def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
+                expert_params: float = 0.0, linear_params: float | None = None) -> StateBytes:
     """Weights, gradients and optimizer of one GPU of a stage under Megatron-Core (module docstring):
     ZeRO sharding as ``planner.memory.state_bytes_per_param`` with the ZeRO-2/3 working set of
-    ``planner.memory.zero_working_set_bytes``, plus TE's fp8 weight cache."""
+    ``planner.memory.zero_working_set_bytes``, plus TE's fp8 weight cache.
+
+    ``expert_params`` (part of ``stage_params``): the routed experts, whose gradient buffers and
+    distributed-optimizer shards live in the expert-data-parallel group of ``plan.expert_dp`` ranks
+    (core_v0.16.1 ``distributed_data_parallel.py``: ``expert_parallel_buffers`` over
+    ``intra_expt_dp_group``), the rest over dp x cp. ``linear_params``: the stage's GEMM weights for
+    the fp8 cache (default: ``layers`` dense layers, :func:`linear_params_per_rank`)."""
     from planner.memory import param_bytes, state_bytes_per_param, zero_working_set_bytes
 
     per_param = param_bytes(training)
+    dense = stage_params - expert_params
     w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, per_param)
-    w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param)
-    weights = min(stage_params * w + w_work, stage_params * per_param[0])
+    we, ge, oe = state_bytes_per_param(plan.zero_stage, plan.expert_dp, per_param) if expert_params else (w, g, o)
+    w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param, layer_params)
+    weights = min(dense * w + expert_params * we + w_work, stage_params * per_param[0])
     if training.precision in WEIGHT_CACHE_BYTES:
-        weights += WEIGHT_CACHE_BYTES[training.precision] * linear_params_per_rank(model, plan.tp, layers)
+        linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
+        weights += WEIGHT_CACHE_BYTES[training.precision] * linear
     return StateBytes(weights_bytes=weights,
-                      grads_bytes=min(stage_params * g + g_work, stage_params * per_param[1]),
-                      optimizer_bytes=stage_params * o)
+                      grads_bytes=min(dense * g + expert_params * ge + g_work, stage_params * per_param[1]),
+                      optimizer_bytes=dense * o + expert_params * oe)
 
 
 def logits_bytes_per_element(training, plan) -> float:
@@ -69,4 +79,7 @@ def logits_bytes_per_element(training, plan) -> float:
 
 
 PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
-                           sp_gathers_inputs=False)
+                           sp_gathers_inputs=False,
+                           # core_v0.16.1 moe/moe_layer.py::MoELayer.forward raises in training when the attention
+                           # TP group is > 1 without sequence parallelism
+                           moe_needs_sp=True)

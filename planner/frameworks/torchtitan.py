@@ -63,7 +63,8 @@ def reshard_after_forward(plan) -> bool:
     return plan.zero_stage >= 3 and plan.pp == 1
 
 
-def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int) -> StateBytes:
+def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
+                expert_params: float = 0.0, linear_params: float | None = None) -> StateBytes:
     """Weights, gradients and AdamW states of one GPU of a stage (module docstring).
 
     Persistent at the peak: the fp32 shards (parameters, gradients, Adam; the gradient shards only
@@ -72,6 +73,12 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     unsharded bf16 parameters and fp32 gradients of the whole stage; with ``reshard_after_forward``
     off, the unsharded bf16 parameters. Working set (``StateBytes.working_*``): the gathered layer
     and the next one, or the root module, with their bf16 gradient and its fp32 cast.
+
+    MoE (``expert_params`` of ``stage_params``): torchtitan 0.3.0 ``distributed/fsdp.py`` shards the
+    routed experts of each MoE block over ``edp_mesh`` = ``efsdp`` (``dp_shard*cp*tp/ep``,
+    ``distributed/parallel_dims.py``; plan3d's ``Plan.expert_dp`` with ``etp`` = 1) when ep > 1, and
+    over the block's ``fsdp`` mesh (dp_shard x cp, the experts TP-split over tp) when ep = 1; the other
+    parameters over ``fsdp``. So the shards are ``dense / (dp*cp) + experts / expert_dp``.
     """
     P, Pl = stage_params, layer_params
     wb = FP32 if training.precision == "fp32" else BF16  # param_dtype of the MixedPrecisionPolicy
@@ -79,7 +86,7 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         cast = 0 if wb == FP32 else BF16
         return StateBytes(weights_bytes=P * (FP32 + cast), grads_bytes=P * FP32, optimizer_bytes=P * ADAM_STATE_BYTES)
     n = plan.dp * plan.cp
-    sharded = P / n
+    sharded = (P - expert_params) / n + expert_params / max(plan.expert_dp, 1)
     root = max(P - layers * Pl, 0.0)  # embedding / final norm / output layer on this stage
     grad_cast = FP32 if wb != FP32 else 0  # the bf16 gradient is cast to reduce_dtype for the reduce-scatter
     weights, grads = FP32 * sharded, FP32 * sharded
@@ -118,7 +125,8 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            allows_heavier_ends=False,  # pipeline_parallel_first/last_stage_less_layers
                            # its automatic split shortens only the first and last *virtual* stage, and
                            # module_fqns_per_model_part cannot be passed on the command line (planner/emit/torchtitan.py)
-                           allows_uneven_interleaved=False)
+                           allows_uneven_interleaved=False,
+                           expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan")
 
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
