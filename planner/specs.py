@@ -758,9 +758,6 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
             errors.append(f"layers_per_stage: every stage needs at least vpp({v}) layers, one per chunk, "
                           f"got {list(plan.layers_per_stage)}")
     errors += moe_plan_problems(model, hardware, plan)
-    if model.is_moe and training.framework in ("megatron", "nemo") and t > 1 and not plan.sequence_parallel:
-        errors.append(f"sequence_parallel: Megatron-Core's MoE layer refuses tp({t}) > 1 without sequence parallelism "
-                      "in training (core/transformer/moe/moe_layer.py); add --sequence-parallel or use tp 1")
     if c > 1 and s % (2 * c):
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")
     if v > 1 and B % (b * d) == 0:

@@ -130,4 +130,5 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
 
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
-                        allows_uneven_interleaved=True)  # plan3d validate's miniature splits any stage
+                        allows_uneven_interleaved=True,  # plan3d validate's miniature splits any stage
+                        moe_ep_needs_fsdp=False)  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)

@@ -8,9 +8,9 @@ are split ``E/ep`` per rank (``etp = 1``: whole experts) and reduced and sharded
 expert-data-parallel ranks (``expert_dp = tp*cp*dp / (etp*ep)``). Counts come from
 ``ModelSpec.expert_params``, ``mlp_params``, ``router_params`` and ``shared_expert_params``.
 
-TODO(lead, after merging the "memory" helper): planner.memory gains MoE-aware per-rank parameter
-and activation functions; switch :func:`rank_param_split` and :func:`moe_layer_saved_bytes` to
-them, and keep tests/test_validate_moe.py as the check that they agree with the measured run.
+The parameter split is the estimator's own (``planner.memory.stage_param_split``); the activation
+terms describe validate's torch-native MoE layer (not Megatron's dispatcher, whose terms are
+``planner.memory.moe_activation_terms``); tests/test_validate_moe.py checks both against the run.
 
 Saved activations of one MoE layer per micro-batch (:func:`moe_layer_terms`): the attention half
 of the dense layer's terms (planner.memory.layer_activation_terms: norms, QKV, attention, and the
@@ -25,7 +25,7 @@ depends on the router; balanced routing gives every rank ``R = N`` (``ep * N`` r
 from __future__ import annotations
 
 from planner.memory import (ActTerm, act_bytes, layer_activation_terms, param_bytes, saved_bytes_per_layer,
-                            stage_params_per_rank, state_bytes_per_param)
+                            stage_param_split, state_bytes_per_param)
 from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec
 
 INDEX_BYTES = 8  # int64 indices (torch.topk, argsort)
@@ -58,18 +58,9 @@ def mlp_params_per_rank(model: ModelSpec, ffn: int, tp: int) -> float:
 
 
 def rank_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple[float, float]:
-    """(dense, expert) parameters held by one rank of pipeline stage ``stage`` (module docstring), etp = 1.
-
-    In each MoE layer the dense MLP of ``stage_params_per_rank`` is replaced by the router (replicated over
-    TP), the shared experts (TP-parallel like the dense MLP, Megatron-Core ``SharedExpertMLP``) and their
-    gate (replicated); the routed experts, ``expert_params() / ep``, are whole on each rank."""
-    t = plan.tp
-    moe_layers = plan.stage_moe_layers(model)[stage]
-    dense = stage_params_per_rank(model, plan, stage, layers)  # every layer with the dense MLP
-    fs = model.shared_expert_ffn_hidden_size
-    shared = (mlp_params_per_rank(model, fs, t) if fs else 0) + (model.hidden_size if model.shared_expert_gate else 0)
-    dense += moe_layers * (model.router_params() + shared - mlp_params_per_rank(model, model.ffn_size, t))
-    return dense, moe_layers * model.expert_params() / plan.ep
+    """(dense, expert) parameters held by one rank of pipeline stage ``stage``: the estimator's own split
+    (:func:`planner.memory.stage_param_split`), which the measured run must match to the byte."""
+    return stage_param_split(model, plan, stage, layers)
 
 
 def rank_state_bytes(sc: Scenario, stage: int) -> dict[str, float]:
@@ -107,7 +98,7 @@ def moe_layer_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, routed
     n, r = t_local * k, routed_tokens
     mlp_in = 2 if model.gated_mlp else 1
     f = model.moe_ffn_size
-    terms = [x for x in layer_activation_terms(model, training, plan) if x.name not in MLP_TERMS]
+    terms = [x for x in layer_activation_terms(model, training, plan, moe=False) if x.name not in MLP_TERMS]
     if tp > 1:  # the MLP input term is the gathered sequence; the router keeps the local shard instead
         terms = [x for x in terms if x.name != "FC1 input"] + [ActTerm("router input (local norm2 output)",
                                                                         t_local * h * e)]
@@ -148,5 +139,5 @@ def balanced_routed_tokens(training: TrainingSpec, plan: Plan, model: ModelSpec)
 def microbatch_saved_bytes(sc: Scenario, dense_layers: int, routed: list[float]) -> float:
     """Saved bytes of one chunk forward: ``dense_layers`` dense layers and one MoE layer per entry of ``routed``."""
     p = sc.resolved_plan()
-    dense = saved_bytes_per_layer(layer_activation_terms(sc.model, sc.training, p), p.recompute)
+    dense = saved_bytes_per_layer(layer_activation_terms(sc.model, sc.training, p, moe=False), p.recompute)
     return dense_layers * dense + sum(moe_layer_saved_bytes(sc.model, sc.training, p, r) for r in routed)
