@@ -40,6 +40,7 @@ The model (docs/cost-model.md):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -888,6 +889,17 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                  for r in range(plan.pp))
 
 
+@functools.lru_cache(maxsize=8192)
+def _stage_moe_counts(model: ModelSpec, pp: int, vpp: int, layers_per_stage) -> tuple[int, ...]:
+    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=layers_per_stage)
+    return probe.stage_moe_layers(model)
+
+
+def stage_moe_counts(model: ModelSpec, plan: Plan) -> tuple[int, ...]:
+    """``plan.stage_moe_layers(model)``, cached on what it depends on (the search asks it per shape)."""
+    return _stage_moe_counts(model, plan.pp, plan.vpp, plan.layers_per_stage)
+
+
 def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple[float, float]:
     """(dense, expert) parameters one GPU of pipeline stage ``stage`` holds, for the DP sync and the optimizer.
 
@@ -900,7 +912,7 @@ def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> 
     """
     if not model.is_moe:
         return stage_params_per_rank(model, plan, stage, layers), 0.0
-    n_moe = plan.stage_moe_layers(model)[stage]
+    n_moe = stage_moe_counts(model, plan)[stage]
     dense_layers = (layers - n_moe) * model.layer_params(False) + n_moe * (model.layer_params(True) - model.expert_params())
     dense = stage_params_per_rank(model, plan, stage, 0) + dense_layers / plan.tp
     return dense, n_moe * model.expert_params() / (plan.ep * plan.expert_tp)
@@ -930,8 +942,35 @@ def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     (``plan.expert_dp`` ranks ``etp*ep`` apart, :func:`planner.layout.expert_span`; Megatron-Core
     ``expert_data_parallel_group``), after the dense ones on the same stream: the two add.
     """
-    shards = plan.dp * plan.cp
+    if model.is_moe:  # cached: the search asks the same stage kinds of many shapes
+        key = (plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.etp, plan.zero_stage, stage == 0,
+               stage == plan.pp - 1, layers, stage_moe_counts(model, plan)[stage])
+        return _dp_sync_moe(model, hw, training, key, order)
+    return _dp_sync(model, hw, training, plan, stage, layers, order)
+
+
+@functools.lru_cache(maxsize=65536)
+def _dp_sync_moe(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, key: tuple, order: str):
+    tp, cp, dp, pp, ep, etp, zero, first, last, layers, n_moe = key
+    stage = 0 if first else (pp - 1 if last else 1)
+    layout = (layers,) * pp if pp > 1 else (layers,)
+    # a stand-in plan with the same stage kind, layers and MoE layers on that stage
+    plan = Plan.model_construct(tp=tp, cp=cp, dp=dp, pp=pp, vpp=1, ep=ep, etp=etp, zero_stage=zero,
+                                micro_batch_size=1, layers_per_stage=layout)
+    dense = stage_params_per_rank(model, plan, stage, 0) + (
+        (layers - n_moe) * model.layer_params(False) + n_moe * (model.layer_params(True) - model.expert_params())) / tp
+    return _dp_sync_split(dense, n_moe * model.expert_params() / (ep * plan.expert_tp), hw, training, plan, order)
+
+
+def _dp_sync(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
+             order: str) -> tuple[float, float]:
     dense, expert = stage_param_split(model, plan, stage, layers)
+    return _dp_sync_split(dense, expert, hw, training, plan, order)
+
+
+def _dp_sync_split(dense: float, expert: float, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
+                   order: str) -> tuple[float, float]:
+    shards = plan.dp * plan.cp
     group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.nvlink_domain, order) \
         if shards > 1 else None
     rs, ag = _sync_s(dense, shards, group, hw, training, plan.zero_stage)
