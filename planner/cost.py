@@ -36,6 +36,14 @@ The model (docs/cost-model.md):
   stage and under the pipeline drain behind it, the weight all-gather under the next step's first
   forward (Megatron ``--overlap-grad-reduce`` / ``--overlap-param-gather``, formulas.md C4).
 * **Optimizer**: Adam is memory-bound, 42 B moved per parameter of the local shard (``ADAM_BYTES_PER_PARAM``).
+* **Mixture of experts** (docs/moe.md): a stage is ``n - n_moe`` dense layers plus ``n_moe`` MoE layers
+  (``Plan.stage_moe_layers``). A MoE layer is the attention (MLA: its five projections), the shared
+  experts as an ordinary TP MLP, and :func:`moe_layer_extra`: the router, the routed experts as one
+  grouped GEMM per matrix at the per-expert token count (the same tile-and-wave rate model), the token
+  permutation, the dispatch/combine all-to-all over the EP group's link tier (or DeepEP), the expert-TP
+  collectives; exposed unless ``moe_a2a_overlap``; a load-imbalance factor on the expert work. Expert
+  gradients are reduced over the expert-data-parallel group (:func:`dp_sync_parts_s`). MFU counts the
+  activated FLOPs (``planner.flops``).
 """
 
 from __future__ import annotations

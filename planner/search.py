@@ -4,7 +4,8 @@ How it works:
 
 1. ``planner.candidates`` lists the legal values of every knob: parallel *shapes* (tp, cp, dp, pp,
    vpp and the first/last-stage layer counts), *micro* options (micro-batch size, recompute,
-   sequence parallelism) and ZeRO stages.
+   sequence parallelism) and ZeRO stages; for a MoE model each shape also carries (ep, etp)
+   (``candidates.valid_expert``, Megatron-Core's folding rules).
 2. :func:`build_tables` evaluates the pure cost and memory functions once per factor
    (``cost.micro_factors`` per (tp, cp, micro-batch, recompute, SP); the P2P hop, DP sync and
    parameter counts per shape). It composes them into the step time with the same vectorised
@@ -18,7 +19,9 @@ How it works:
    combination index by element constraints. The constraints are ``tp*pp*dp*cp = N`` and
    ``mbs*m*dp = B`` as multiplication equalities, the pins, and every stage's memory within the
    usable memory. The objective is the tabulated step time. CP-SAT proves the optimum; the
-   status is reported. Alternatives are re-solves that forbid the (tp, pp, cp) already found.
+   status is reported. Alternatives are re-solves that forbid the (tp, pp, cp) already found. For MoE
+   models the candidates are first cut to the Pareto front of each (tp, pp, cp) (:func:`pareto_by_group`),
+   as (ep, etp) multiply the shapes.
 
 ``enumerate_plans`` + ``estimate_time`` is the brute-force reference (``--exhaustive`` and the tests).
 """
