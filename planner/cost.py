@@ -908,6 +908,12 @@ def stage_moe_counts(model: ModelSpec, plan: Plan) -> tuple[int, ...]:
     return _stage_moe_counts(model, plan.pp, plan.vpp, plan.layers_per_stage)
 
 
+@functools.lru_cache(maxsize=256)
+def _moe_layer_params(model: ModelSpec) -> tuple[int, int, int]:
+    """(dense layer, MoE layer without its routed experts, routed experts of one layer) parameters."""
+    return model.layer_params(False), model.layer_params(True) - model.expert_params(), model.expert_params()
+
+
 def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple[float, float]:
     """(dense, expert) parameters one GPU of pipeline stage ``stage`` holds, for the DP sync and the optimizer.
 
@@ -921,9 +927,9 @@ def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> 
     if not model.is_moe:
         return stage_params_per_rank(model, plan, stage, layers), 0.0
     n_moe = stage_moe_counts(model, plan)[stage]
-    dense_layers = (layers - n_moe) * model.layer_params(False) + n_moe * (model.layer_params(True) - model.expert_params())
-    dense = stage_params_per_rank(model, plan, stage, 0) + dense_layers / plan.tp
-    return dense, n_moe * model.expert_params() / (plan.ep * plan.expert_tp)
+    dense_layer, moe_layer, experts = _moe_layer_params(model)
+    dense = stage_params_per_rank(model, plan, stage, 0) + ((layers - n_moe) * dense_layer + n_moe * moe_layer) / plan.tp
+    return dense, n_moe * experts / (plan.ep * plan.expert_tp)
 
 
 def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int):
@@ -965,9 +971,9 @@ def _dp_sync_moe(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, key
     # a stand-in plan with the same stage kind, layers and MoE layers on that stage
     plan = Plan.model_construct(tp=tp, cp=cp, dp=dp, pp=pp, vpp=1, ep=ep, etp=etp, zero_stage=zero,
                                 micro_batch_size=1, layers_per_stage=layout)
-    dense = stage_params_per_rank(model, plan, stage, 0) + (
-        (layers - n_moe) * model.layer_params(False) + n_moe * (model.layer_params(True) - model.expert_params())) / tp
-    return _dp_sync_split(dense, n_moe * model.expert_params() / (ep * plan.expert_tp), hw, training, plan, order)
+    dense_layer, moe_layer, experts = _moe_layer_params(model)
+    dense = stage_params_per_rank(model, plan, stage, 0) + ((layers - n_moe) * dense_layer + n_moe * moe_layer) / tp
+    return _dp_sync_split(dense, n_moe * experts / (ep * plan.expert_tp), hw, training, plan, order)
 
 
 def _dp_sync(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,

@@ -36,7 +36,8 @@ import numpy as np
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
                                 valid_micro_batch_sizes)
 from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, micro_factors, optimizer_s,
-                          p2p_hop_s, resolved_overlap, stage_moe_counts, stage_terms, zero3_gather_s)
+                          p2p_hop_s, resolved_overlap, stage_moe_counts, stage_param_split, stage_terms,
+                          zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, param_bytes,
@@ -147,11 +148,14 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         dpg_s, dpp_s, z3_s, static, work, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
         # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
-        t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c, n_moe)
-        terms = {k: val[:, None, :] for k, val in t.items()}
-        counts, before = _stage_counts(p), _stage_before(p)
-        step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m[:, None], p, v, counts,
-                            before, training.overlap_grad_reduce, c)["step"]
+        if model.is_moe:  # every stage: dense-first layers make the middle stages differ
+            step = _moe_step(model, hw, training, base, f, hop, m, zeros, gb, order, c, overlap_p2p)
+        else:
+            t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
+            terms = {k: val[:, None, :] for k, val in t.items()}
+            counts, before = _stage_counts(p), _stage_before(p)
+            step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m[:, None], p, v, counts,
+                                before, training.overlap_grad_reduce, c)["step"]
         # memory of each stage kind [U, Z, 3], as memory.stage_memory
         inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
         act = inflight * n / v * f["saved"][:, None]
@@ -168,6 +172,43 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     usable_kib = int(hw.usable_memory_gib * GIB // KIB)
     return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
                   usable_kib=usable_kib, build_s=time.perf_counter() - t0)
+
+
+def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, overlap_p2p) -> np.ndarray:
+    """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it.
+
+    The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
+    of a MoE model need not be alike and the three stage kinds of the dense path do not suffice; every
+    stage is a row here (its distinct kinds computed once).
+    """
+    p, v = base.pp, base.vpp
+    layers = base.stage_layers(model.num_layers)
+    n_moe = stage_moe_counts(model, base)
+    t = stage_terms(np.array(layers, dtype=float), np.arange(p) == p - 1, f, hop, p, v, overlap_p2p, c,
+                    np.array(n_moe, dtype=float))
+    terms = {k: val[:, None, :] for k, val in t.items()}
+    dpg, dpp, z3, opt = [], [], [], []
+    kinds = [(layers[r], n_moe[r], r == 0, r == p - 1) for r in range(p)]
+    first_of = {}
+    for r, key in enumerate(kinds):
+        first_of.setdefault(key, r)
+    split = {key: stage_param_split(model, base, r, layers[r]) for key, r in first_of.items()}
+    by_zero: dict = {}  # ZeRO 1 and 2 sync alike (reduce-scatter + all-gather)
+    for z in zeros:
+        zp = base.model_copy(update={"zero_stage": z})
+        zk = min(z, 1) if z < 3 else 3
+        if zk not in by_zero:
+            by_zero[zk] = {key: (*dp_sync_parts_s(model, hw, training, zp, r, layers[r], order),
+                                 zero3_gather_s(model, hw, zp, r, layers[r], order, gb[0]) if z == 3 else 0.0)
+                           for key, r in first_of.items()}
+        rows = [(*by_zero[zk][key], *split[key]) for key in kinds]
+        dpg.append([x[0] for x in rows])
+        dpp.append([x[1] for x in rows])
+        z3.append([x[2] for x in rows])
+        opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
+    return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
+                        m[:, None], p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
+                        c)["step"]
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:

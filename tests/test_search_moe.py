@@ -59,3 +59,28 @@ def test_dense_search_has_no_expert_knobs():
     best = search(load_model("tiny-gpt"), H100, tr, SearchSpace(**SMALL)).best
     assert best.ep == 1 and best.etp is None
     assert search(load_model("tiny-gpt"), H100, tr, SearchSpace(pins=Pins(ep=2), **SMALL)).best is None
+
+
+def test_moe_table_times_are_estimate_time_when_dense_layers_spill():
+    """One cost model: with 3 dense-first layers and 1-layer chunks the dense layers reach ranks 1 and 2,
+    so the middle stages differ; every legal table entry is still estimate_time of its plan."""
+    import numpy as np
+
+    from planner.search import build_tables
+    from planner.specs import ModelSpec
+
+    model = ModelSpec(name="spill", num_layers=8, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=512, vocab_size=512, activation="swiglu", norm="rmsnorm", num_experts=8,
+                      top_k=2, moe_ffn_hidden_size=64, first_k_dense=3)
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=1024)
+    tables = build_tables(model, H100, tr, SearchSpace(pins=Pins(pp=4), max_micro_batch_size=2, max_cp=1))
+    legal = np.flatnonzero(tables.legal.ravel())
+    assert legal.size > 50
+    seen_spill = False
+    for k in legal[:: max(1, legal.size // 60)]:
+        plan = tables.plan(int(k))
+        s, u, z = tables.unindex(int(k))
+        seen_spill |= len(set(plan.stage_moe_layers(model)[1:-1])) > 1
+        assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, H100, tr, plan).step_time_s * 1e9,
+                                                        abs=1.0), plan
+    assert seen_spill
