@@ -581,7 +581,8 @@ def deepep_time_s(token_bytes: float, top_k: int, group, hw: HardwareSpec) -> fl
         return 0.0
     if group.intra_node:
         n = group.size
-        return hw.intra_node_latency_us * 1e-6 + top_k * (n - 1) / n * token_bytes / (hw.intra_node_bandwidth_gbps * 1e9)
+        bw = hw.intra_node_bandwidth_gbps * 1e9
+        return hw.intra_node_latency_us * 1e-6 + top_k * (n - 1) / n * token_bytes / bw
     nodes = group.nodes
     remote = nodes * (1 - (1 - 1 / nodes) ** top_k) * (nodes - 1) / nodes
     inter = remote * token_bytes / (hw.inter_node_bandwidth_gbps * 1e9)
@@ -769,8 +770,9 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
 
     A stage of ``n`` layers: ``n`` x each layer term, plus the output layer on the last stage, plus
     its exposed P2P. With ``n_moe`` (MoE models; [K], from ``Plan.stage_moe_layers``) ``n - n_moe`` dense
-    layers and ``n_moe`` MoE layers (the ``moe_*`` factors), whose EP communication is ``ep_comm``. ``fwd`` and ``bwd`` split the total into the forward and backward parts (P2P
-    half each), for the DP overlap window and the timeline.
+    layers and ``n_moe`` MoE layers (the ``moe_*`` factors), whose EP communication is ``ep_comm``.
+    ``fwd`` and ``bwd`` split the total into the forward and backward parts (P2P half each), for the DP
+    overlap window and the timeline.
 
     P2P: one receive forward and one backward per chunk and micro-batch. Megatron's interleaved
     schedule with ``overlap_p2p_comm`` (default on with vpp > 1) posts each chunk's send/receive
@@ -899,7 +901,8 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
 
 @functools.lru_cache(maxsize=8192)
 def _stage_moe_counts(model: ModelSpec, pp: int, vpp: int, layers_per_stage) -> tuple[int, ...]:
-    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=layers_per_stage)
+    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1,
+                                 layers_per_stage=layers_per_stage)
     return probe.stage_moe_layers(model)
 
 
@@ -928,7 +931,8 @@ def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> 
         return stage_params_per_rank(model, plan, stage, layers), 0.0
     n_moe = stage_moe_counts(model, plan)[stage]
     dense_layer, moe_layer, experts = _moe_layer_params(model)
-    dense = stage_params_per_rank(model, plan, stage, 0) + ((layers - n_moe) * dense_layer + n_moe * moe_layer) / plan.tp
+    dense = stage_params_per_rank(model, plan, stage, 0) + (
+        (layers - n_moe) * dense_layer + n_moe * moe_layer) / plan.tp
     return dense, n_moe * experts / (plan.ep * plan.expert_tp)
 
 
@@ -1024,7 +1028,8 @@ def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     shards = plan.dp * plan.cp if plan.zero_stage >= 1 else 1
     local = np.asarray(params_per_stage, dtype=float) / shards
     if expert_params_per_stage is not None:
-        local = local + np.asarray(expert_params_per_stage, dtype=float) / (plan.expert_dp if plan.zero_stage >= 1 else 1)
+        expert_shards = plan.expert_dp if plan.zero_stage >= 1 else 1
+        local = local + np.asarray(expert_params_per_stage, dtype=float) / expert_shards
         return float(local.max()) * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
     return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
 

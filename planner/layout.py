@@ -5,8 +5,9 @@ The layout is an explicit order string, fastest-varying axis first, as Megatron-
 ep axis, so the default order is ``"tp-cp-dp-pp"``. Mixture-of-experts layers use a second grid over
 the same ranks (Megatron-Core "parallel folding"): ETP x EP x EDP x PP in that order, fastest first
 (``RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")``), so an EP group
-is ``ep`` ranks ``etp`` apart inside a block of ``etp*ep`` consecutive ranks (:func:`expert_span`). Ranks are laid out with
-``np.arange(world).reshape(...)`` and groups are slices of that grid (as nanotron does).
+is ``ep`` ranks ``etp`` apart inside a block of ``etp*ep`` consecutive ranks (:func:`expert_span`).
+Ranks are laid out with ``np.arange(world).reshape(...)`` and groups are slices of that grid (as
+nanotron does).
 
 Worked example: 16 GPUs on 2 nodes of 8, TP=2, PP=4, DP=2 (order tp-cp-dp-pp)::
 

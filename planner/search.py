@@ -127,7 +127,6 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         n = np.array([x[1] for x in rows], dtype=float)
         last = np.array([r == p - 1 for r, _ in rows])
         base = probe(tp, cp, dp, split, ep, etp)
-        n_moe = np.array([stage_moe_counts(model, base)[r] for r, _ in rows], dtype=float) if model.is_moe else None
         # a layer's factors depend on (tp, cp), and a MoE layer's on (ep, etp) too (the EP group's
         # placement depends only on etp, ep and the GPU count, fixed here)
         if (tp, cp, ep, etp) not in factors:
