@@ -110,7 +110,8 @@ def valid_expert(model: ModelSpec, hw: HardwareSpec, tp: int, cp: int, dp: int,
     Unpinned, etp is searched over 1 (NVIDIA's MoE recipes: Megatron-Bridge ``scripts/performance``
     configs set ``expert_tensor_parallel_size=1`` for DeepSeek-V3 and Qwen3) and tp (Megatron's
     default); a pinned etp may be any legal value. This keeps the table small enough (each etp value
-    multiplies the shapes); ``enumerate_plans`` covers the same space."""
+    multiplies the shapes); ``enumerate_plans`` covers the same space. An etp equal to tp is returned as
+    None (``Plan.etp``'s default), so a plan reads back from a launch file without the flag unchanged."""
     pins = pins or Pins()
     if not model.is_moe:
         return [(1, None)] if pins.ok(ep=1, etp=None) else []
@@ -122,7 +123,7 @@ def valid_expert(model: ModelSpec, hw: HardwareSpec, tp: int, cp: int, dp: int,
             continue
         for ep in divisors(model.num_experts):
             if ranks % (etp * ep) == 0 and pins.ok(ep=ep, etp=etp):
-                out.append((ep, etp))
+                out.append((ep, None if etp == tp else etp))  # None: Megatron's default, etp = tp
     return out
 
 

@@ -370,7 +370,7 @@ def solve(tables: Tables, pins: Pins, candidates: np.ndarray, forbid_shapes: lis
         model.AddElement(i, values.tolist(), var)
         return var
 
-    shape_arr = np.array([(tp, cp, dp, sp.pp, sp.vpp, sp.first, sp.last, ep, etp or 0)
+    shape_arr = np.array([(tp, cp, dp, sp.pp, sp.vpp, sp.first, sp.last, ep, etp or tp)
                           for tp, cp, dp, sp, ep, etp in tables.shapes])[s_idx]
     micro_arr = np.array([(mbs, RECOMPUTE.index(rc), int(sp)) for mbs, rc, sp in tables.micros])[u_idx]
     knob = {name: table_var(name, shape_arr[:, j])
