@@ -51,7 +51,8 @@ def pinned_search(model, hw, training, plan) -> str:
     got = res.best.stage_layers(model.num_layers)
     if got == plan.stage_layers(model.num_layers):
         return "pinned search returns this plan"
-    return f"pinned search prefers layers {list(got)} ({estimate_time(model, hw, training, res.best).step_time_s:.2f} s)"
+    step_s = estimate_time(model, hw, training, res.best).step_time_s
+    return f"pinned search prefers layers {list(got)} ({step_s:.2f} s)"
 
 
 def main() -> None:
