@@ -100,6 +100,33 @@ def _splits(L: int, pp: int, allow_uneven: bool) -> tuple[StageSplit, ...]:
     return tuple(out)
 
 
+def valid_expert(model: ModelSpec, hw: HardwareSpec, tp: int, cp: int, dp: int,
+                 pins: Pins | None = None) -> list[tuple[int, int | None]]:
+    """(ep, etp) pairs for a MoE model on a (tp, cp, dp) shape, Megatron-Core's folding rules
+    (``specs.moe_plan_problems``): ``ep`` divides the experts, ``etp*ep`` divides ``tp*cp*dp``, ``etp``
+    divides the expert width and the NVLink domain (expert TP stays on NVLink, as TP does). A dense
+    model has only ``(1, None)``.
+
+    Unpinned, etp is searched over 1 (NVIDIA's MoE recipes: Megatron-Bridge ``scripts/performance``
+    configs set ``expert_tensor_parallel_size=1`` for DeepSeek-V3 and Qwen3) and tp (Megatron's
+    default); a pinned etp may be any legal value. This keeps the table small enough (each etp value
+    multiplies the shapes); ``enumerate_plans`` covers the same space. An etp equal to tp is returned as
+    None (``Plan.etp``'s default), so a plan reads back from a launch file without the flag unchanged."""
+    pins = pins or Pins()
+    if not model.is_moe:
+        return [(1, None)] if pins.ok(ep=1, etp=None) else []
+    ranks = tp * cp * dp
+    out = []
+    etps = divisors(hw.nvlink_domain) if pins.etp is not None else sorted({1, tp})
+    for etp in etps:
+        if model.moe_ffn_size % etp or ranks % etp or hw.nvlink_domain % etp:
+            continue
+        for ep in divisors(model.num_experts):
+            if ranks % (etp * ep) == 0 and pins.ok(ep=ep, etp=etp):
+                out.append((ep, None if etp == tp else etp))  # None: Megatron's default, etp = tp
+    return out
+
+
 def valid_micro_batch_sizes(samples_per_replica: int, max_mbs: int = 16) -> list[int]:
     """micro_batch_size divides the sequences each replica processes per step."""
     return [b for b in divisors(samples_per_replica) if b <= max_mbs]
@@ -118,6 +145,8 @@ class Pins:
     recompute: str | None = None
     sequence_parallel: bool | None = None
     zero_stage: int | None = None
+    ep: int | None = None
+    etp: int | None = None
 
     def ok(self, **values) -> bool:
         return all(getattr(self, k) is None or getattr(self, k) == v for k, v in values.items())
@@ -136,8 +165,9 @@ class SearchSpace:
 
 
 def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace
-           ) -> Iterator[tuple[int, int, int, StageSplit]]:
-    """(tp, cp, dp, split) for every legal parallel shape that respects the pins."""
+           ) -> Iterator[tuple[int, int, int, StageSplit, int, int | None]]:
+    """(tp, cp, dp, split, ep, etp) for every legal parallel shape that respects the pins (ep = 1 and
+    etp = None for a dense model; :func:`valid_expert` for a MoE model)."""
     N, pins = training.num_gpus, space.pins
     fw = frameworks.get(training.framework)  # what the framework can run (planner/frameworks)
     max_cp = max(space.max_cp, pins.cp or 1) if fw.allows_cp else 1
@@ -150,16 +180,19 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                 dp = N // (tp * cp * pp)
                 if not pins.ok(tp=tp, cp=cp, pp=pp, dp=dp):
                     continue
+                experts = valid_expert(model, hw, tp, cp, dp, pins)
                 for split in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven):
                     if pins.ok(vpp=split.vpp) and (split.vpp == 1 or fw.allows_vpp) and \
                             fw.allows_split(split.first, split.middle, split.last, split.vpp):
-                        yield tp, cp, dp, split
+                        for ep, etp in experts:
+                            yield tp, cp, dp, split, ep, etp
 
 
-def micro_options(tp: int, space: SearchSpace) -> Iterator[tuple[str, bool]]:
-    """(recompute, sequence_parallel) pairs for a given tp."""
+def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tuple[str, bool]]:
+    """(recompute, sequence_parallel) pairs for a given tp. A MoE model with tp > 1 needs sequence
+    parallelism (Megatron-Core ``moe_layer.py`` refuses MoE + TP without it in training)."""
     for rc in RECOMPUTE:
-        for sp in ((False, True) if tp > 1 else (False,)):
+        for sp in (((True,) if moe else (False, True)) if tp > 1 else (False,)):
             if space.pins.ok(recompute=rc, sequence_parallel=sp):
                 yield rc, sp
 
@@ -168,17 +201,17 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     """Every legal plan in the space (brute force; the reference the solver is checked against)."""
     B = training.global_batch_size
     fw = frameworks.get(training.framework)
-    for tp, cp, dp, split in shapes(model, hw, training, space):
+    for tp, cp, dp, split, ep, etp in shapes(model, hw, training, space):
         if B % dp:
             continue
         for mbs in valid_micro_batch_sizes(B // dp, max(space.max_micro_batch_size, space.pins.micro_batch_size or 1)):
             if not space.pins.ok(micro_batch_size=mbs):
                 continue
-            for rc, sp in micro_options(tp, space):
+            for rc, sp in micro_options(tp, space, model.is_moe):
                 for z in space.zero_stages:
                     if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp):
                         continue
                     plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
-                                sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers())
+                                sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers(), ep=ep, etp=etp)
                     if not plan_problems(model, hw, training, plan):
                         yield plan

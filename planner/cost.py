@@ -36,18 +36,28 @@ The model (docs/cost-model.md):
   stage and under the pipeline drain behind it, the weight all-gather under the next step's first
   forward (Megatron ``--overlap-grad-reduce`` / ``--overlap-param-gather``, formulas.md C4).
 * **Optimizer**: Adam is memory-bound, 42 B moved per parameter of the local shard (``ADAM_BYTES_PER_PARAM``).
+* **Mixture of experts** (docs/moe.md): a stage is ``n - n_moe`` dense layers plus ``n_moe`` MoE layers
+  (``Plan.stage_moe_layers``). A MoE layer is the attention (MLA: its five projections), the shared
+  experts as an ordinary TP MLP, and :func:`moe_layer_extra`: the router, the routed experts as one
+  grouped GEMM per matrix at the per-expert token count (the same tile-and-wave rate model), the token
+  permutation, the dispatch/combine all-to-all over the EP group's link tier (or DeepEP), the expert-TP
+  collectives; exposed unless ``moe_a2a_overlap``; a load-imbalance factor on the expert work. Expert
+  gradients are reduced over the expert-data-parallel group (:func:`dp_sync_parts_s`). MFU counts the
+  activated FLOPs (``planner.flops``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from planner import comm, flops
-from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
-from planner.memory import act_bytes, grad_bytes, kv_heads_per_rank, param_bytes, stage_params_per_rank
+from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
+from planner.memory import (act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
+                            stage_param_split, stage_params_per_rank)
 from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 ACT_BYTES = 2
@@ -168,9 +178,13 @@ def gemm_time_s(m: float, k: float, n: float, rates: Rates, batch: float = 1.0) 
     return max(compute, moved / rates.hbm_bytes_per_s) + rates.gemm_overhead_s
 
 
-def gemm_fwd_bwd_s(m: float, k: float, n: float, rates: Rates) -> tuple[float, float, float]:
-    """(forward, data-grad, weight-grad) times of a linear layer ``[m, k] -> [m, n]``."""
-    return gemm_time_s(m, k, n, rates), gemm_time_s(m, n, k, rates), gemm_time_s(k, m, n, rates)
+def gemm_fwd_bwd_s(m: float, k: float, n: float, rates: Rates, batch: float = 1.0) -> tuple[float, float, float]:
+    """(forward, data-grad, weight-grad) times of a linear layer ``[m, k] -> [m, n]``; ``batch`` such
+    layers in one grouped GEMM (the local experts of a MoE layer, each with its own weights)."""
+    if batch == 1.0:
+        return gemm_time_s(m, k, n, rates), gemm_time_s(m, n, k, rates), gemm_time_s(k, m, n, rates)
+    return (gemm_time_s(m, k, n, rates, batch), gemm_time_s(m, n, k, rates, batch),
+            gemm_time_s(k, m, n, rates, batch))
 
 
 @dataclass(frozen=True)
@@ -239,6 +253,8 @@ class LayerTime:
     tp_bwd: float
     cp_fwd: float
     cp_bwd: float
+    ep_fwd: float = 0.0  # MoE: token dispatch/combine all-to-all and expert-TP collectives
+    ep_bwd: float = 0.0
 
     @property
     def tp(self) -> float:
@@ -248,14 +264,38 @@ class LayerTime:
     def cp(self) -> float:
         return self.cp_fwd + self.cp_bwd
 
+    @property
+    def ep(self) -> float:
+        return self.ep_fwd + self.ep_bwd
 
-def _linear_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[float, float, str]]:
-    """(k, n, kind) of each linear layer on one TP rank; kind is column or row parallel."""
+
+def _linear_shapes(model: ModelSpec, plan: Plan, moe: bool = False) -> dict[str, tuple[float, float, str]]:
+    """(k, n, kind) of each linear layer on one TP rank; kind is column or row parallel, or inner (no TP
+    collective of its own). Each column-parallel linear opens a TP region (one AG/RS pair with SP, one
+    all-reduce without), so a dense layer has two.
+
+    MLA (DeepSeek-V2 section 2.1; Megatron-Core ``multi_latent_attention.py``): the down-projections
+    ``h -> r_q`` and ``h -> r_kv + d_rope`` are duplicated on every TP rank (``parallel_mode='duplicated'``),
+    the up-projections column-parallel, the output projection row-parallel; the q down-projection
+    stands for the region's entrance. A MoE layer (``moe``) keeps only the shared experts as an ordinary
+    TP MLP (Megatron ``SharedExpertMLP``); the router and the routed experts are costed apart
+    (:func:`moe_layer_extra`).
+    """
     t, h, d = plan.tp, model.hidden_size, model.kv_channels
-    q_r, kv_r = model.q_size / t, kv_heads_per_rank(model, t) * d
-    fc1 = (2 if model.gated_mlp else 1) * model.ffn_size / t
-    return {"qkv": (h, q_r + 2 * kv_r, "column"), "proj": (q_r, h, "row"),
-            "fc1": (h, fc1, "column"), "fc2": (model.ffn_size / t, h, "row")}
+    if model.is_mla:
+        a, rq, rkv = model.num_attention_heads, model.q_lora_rank, model.kv_lora_rank
+        q_up, kv_up = a * model.qk_head_dim / t, a * (model.qk_nope_head_dim + model.v_head_dim) / t
+        att = {"q_down": (h, rq, "column"), "q_up": (rq, q_up, "inner")} if rq else {"q": (h, q_up, "column")}
+        att |= {"kv_down": (h, rkv + model.qk_rope_head_dim, "inner"), "kv_up": (rkv, kv_up, "inner"),
+                "proj": (a * model.v_head_dim / t, h, "row")}
+    else:
+        q_r, kv_r = model.q_size / t, kv_heads_per_rank(model, t) * d
+        att = {"qkv": (h, q_r + 2 * kv_r, "column"), "proj": (q_r, h, "row")}
+    ffn = (model.shared_expert_ffn_hidden_size or 0) if moe else model.ffn_size
+    if not ffn:
+        return att
+    fc1 = (2 if model.gated_mlp else 1) * ffn / t
+    return att | {"fc1": (h, fc1, "column"), "fc2": (ffn / t, h, "row")}
 
 
 def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rates: Rates) -> tuple[float, float]:
@@ -325,6 +365,8 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     tokens = b * s_c
     # every step does the same FLOPs: 2·q·s_c² (causal s_c x s_c, or full s_c x s_c/2), per rank / t
     step_flops = b * 2.0 * model.q_size * s_c * s_c / t
+    if model.is_mla:  # a * (d_qk + d_v) per query-key pair (flops.attention_flops_per_token_per_layer)
+        step_flops = b * model.num_attention_heads * (model.qk_head_dim + model.v_dim) * s_c * s_c / t
     launch = rates.gemm_overhead_s
     heads, sm = b * a_r, rates.sm_count
 
@@ -345,6 +387,8 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     bi = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", False) + 3 * launch + merge_b
     group = axis_span(plan, "cp", hw.nvlink_domain, order)
     kv_bytes = 2 * tokens * g_r * d * act_bytes(training)
+    if model.is_mla:  # MLA rings the up-projected keys and values: a heads of d_qk + d_v
+        kv_bytes = tokens * a_r * (model.qk_head_dim + model.v_dim) * act_bytes(training)
     c = contention(hw)
     # exchange k (k = 1..cp-1) runs while step k-1 computes: the first alongside the causal step
     x_f = comm.p2p_time_s(kv_bytes, not group.intra_node, hw)
@@ -356,20 +400,30 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
                          fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed)
 
 
-def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan) -> float:
+def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False, imbalance: float = 1.0) -> float:
     """Forward HBM bytes per token of one layer's memory-bound operations.
 
     Norms read and write ``2h`` bytes each; each fused bias-dropout-add reads the branch and the
     residual and writes the sum (``6h``, plus a 1-byte mask with dropout). These replicated
     regions are / t only with SP (Korthikanti section 4.2.2). The activation function reads its
-    input (``2f``, ``4f`` for SwiGLU) and writes ``2f``; RoPE rewrites Q and K.
+    input (``2f``, ``4f`` for SwiGLU) and writes ``2f``; RoPE rewrites Q and K. In a MoE layer the
+    activation runs over ``top_k`` routed copies of each token at the expert width (times the load
+    imbalance on the busiest rank) and over the shared experts: ``f = imbalance*k*f_moe + f_shared``.
+    Under MLA RoPE rewrites only the rotary parts, ``a*d_rope`` of Q and the shared ``d_rope`` key.
     """
     t, h, f = plan.tp, model.hidden_size, model.ffn_size
+    if moe:
+        f = imbalance * model.top_k * model.moe_ffn_size + (model.shared_expert_ffn_hidden_size or 0)
     sp = t if plan.sequence_parallel else 1
     mask = h if model.dropout else 0
     replicated = (2 * 4 * h + 2 * (6 * h + mask)) / sp
     act = ((4 if model.gated_mlp else 2) * f + 2 * f) / t
-    rope = 4 * (model.q_size + 2 * model.kv_heads * model.kv_channels) / t if model.position_embedding == "rope" else 0
+    if model.position_embedding != "rope":
+        rope = 0
+    elif model.is_mla:
+        rope = 4 * (model.num_attention_heads + 1) * model.qk_rope_head_dim / t
+    else:
+        rope = 4 * (model.q_size + 2 * model.kv_heads * model.kv_channels) / t
     return replicated + act + rope
 
 
@@ -411,15 +465,143 @@ def _fp8_cast_bytes_per_token(model: ModelSpec, plan: Plan, linears, precision: 
     return fwd, bwd
 
 
+#: Load imbalance of the routed experts: tokens on the busiest expert-parallel rank over the mean.
+#: 1.0 (balanced) by default: NVIDIA's published Megatron-Bridge MoE throughput is measured with the
+#: routing forced to balance ("In MoE training benchmarks, we force-balance the token distribution among
+#: experts", docs/performance-summary.md, Megatron-Bridge 25.11 and 26.02), and DeepSeek-V3 trains with
+#: auxiliary-loss-free balancing that keeps every batch near balance (arXiv:2412.19437 section 2.1.2).
+#: A TrainingSpec field ``moe_load_imbalance`` (when the spec has one) overrides it.
+MOE_LOAD_IMBALANCE = 1.0
+
+
+def moe_load_imbalance(training: TrainingSpec) -> float:
+    """The expert load-imbalance factor (``MOE_LOAD_IMBALANCE`` unless the training spec sets one)."""
+    value = getattr(training, "moe_load_imbalance", None)
+    return MOE_LOAD_IMBALANCE if value is None else float(value)
+
+
+#: Kernels of the token permutation per MoE layer and pass: permute, sort by local expert, unsort,
+#: unpermute (Megatron-Core ``MoEAlltoAllTokenDispatcher``: ``permute``, ``sort_chunks_by_idxs`` twice,
+#: ``unpermute``), and the router's top-k + softmax + aux-loss kernels (3).
+MOE_PERMUTE_KERNELS = 4
+MOE_ROUTER_KERNELS = 3
+
+
+@dataclass(frozen=True)
+class MoEExtra:
+    """What a MoE layer adds to its attention and shared experts, per micro-batch on one GPU (seconds)."""
+
+    fwd_compute: float  # router, grouped expert GEMMs, permutation
+    bwd_compute: float
+    comm_fwd: float  # dispatch + combine all-to-all, expert-TP all-gather + reduce-scatter (exposed)
+    comm_bwd: float
+
+
+def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
+                    tokens: float) -> MoEExtra:
+    """Router, routed experts and token dispatch of one MoE layer, as Megatron-Core's
+    ``MoEAlltoAllTokenDispatcher`` (the default ``--moe-token-dispatcher-type alltoall``) runs them.
+
+    Each rank routes its ``T_r = tokens/tp`` tokens (Megatron requires sequence parallelism with
+    MoE and tp > 1, ``moe_layer.py``), ``k`` copies each. The copies go through one all-to-all over
+    the EP group (``ep`` ranks ``etp`` apart, :func:`planner.layout.expert_span`), then an all-gather
+    over the expert-TP group; each rank then holds ``etp*T_r*k`` copies for its ``E/ep`` local experts,
+    ``m = etp*T_r*k*ep/E`` per expert (times the load imbalance), and runs the expert MLP as one grouped
+    GEMM over the local experts at the width ``f_moe/etp`` (:func:`gemm_fwd_bwd_s` with ``batch=E/ep``,
+    the same tile-and-wave rate model as every GEMM). The combine reverses it (reduce-scatter over
+    expert TP, all-to-all). Backward repeats both all-to-alls and both expert-TP collectives.
+
+    Not overlapped with compute: Megatron's default (``--overlap-moe-expert-parallel-comm``, the 1F1B
+    all-to-all overlap, and ``--moe-shared-expert-overlap`` are off by default; core_v0.16.1
+    ``arguments.py``). The router GEMM ``[T_r, h] x [h, E]`` runs in ``router_dtype`` (fp32: the
+    profile's fp32 rate), its softmax/top-k move ``3 x 4 B`` per logit. Permutation and unpermutation
+    are memory-bound copies of the hidden states: ``T_r*h`` read and ``T_r*k*h`` written (and back),
+    plus the sort by local expert (read + write of the received copies) when a rank has several experts.
+    FP8: each grouped GEMM input and output gradient pays the cast (``LOW_PRECISION_CAST_BYTES``).
+    """
+    rates = Rates.of(hw, training.precision)
+    t, h, e = plan.tp, model.hidden_size, act_bytes(training)
+    E, k, f = model.num_experts, model.top_k, model.moe_ffn_size
+    ep, etp = plan.ep, plan.expert_tp
+    imb = moe_load_imbalance(training)
+    t_r = tokens / t
+    local = E / ep
+    copies = imb * etp * t_r * k  # routed token copies on this rank (the busiest)
+    m = copies / local
+    gate = 2 if model.gated_mlp else 1
+    fwd = bwd = 0.0
+    for kk, nn in ((h, gate * f / etp), (f / etp, h)):
+        gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local)
+        fwd, bwd = fwd + gf, bwd + gd + gw
+    if training.precision in LOW_PRECISION_CAST_BYTES:
+        cb = LOW_PRECISION_CAST_BYTES[training.precision]
+        fwd += copies * cb * (h + f / etp) / rates.hbm_bytes_per_s + 2 * rates.gemm_overhead_s
+        bwd += copies * cb * (gate * f / etp + h) / rates.hbm_bytes_per_s + 2 * rates.gemm_overhead_s
+    # router: logits GEMM in router_dtype, softmax/top-k memory-bound
+    try:
+        r_rates = Rates.of(hw, "fp32") if model.router_dtype == "fp32" else rates
+    except ValueError:
+        r_rates = rates
+    rf, rd, rw = gemm_fwd_bwd_s(t_r, h, E, r_rates)
+    router_mem = t_r * E * 3 * 4 / rates.hbm_bytes_per_s
+    launches = MOE_ROUTER_KERNELS * rates.gemm_overhead_s
+    fwd += rf + max(router_mem, launches)
+    bwd += rd + rw + max(router_mem, launches)
+    # permutation: T_r*h -> T_r*k*h copies and back; sort/unsort of the received copies by local expert
+    perm = 2 * t_r * h * e * (1 + imb * k) + (4 * copies * h * e if local > 1 else 0.0)
+    perm_s = max(perm / rates.hbm_bytes_per_s, MOE_PERMUTE_KERNELS * rates.gemm_overhead_s)
+    fwd, bwd = fwd + perm_s, bwd + perm_s
+    # dispatch + combine: all-to-all over EP of the busiest rank's copies, AG + RS over expert TP
+    ep_group = expert_span(plan, "ep", hw.nvlink_domain)
+    if getattr(training, "moe_token_dispatcher", "alltoall") == "deepep":
+        dispatch = combine = deepep_time_s(imb * t_r * h * e, k, ep_group, hw)
+        if training.precision in LOW_PRECISION_CAST_BYTES:  # DeepEP dispatches FP8 (1 B + 1/128 scale), combines BF16
+            dispatch = deepep_time_s(imb * t_r * h * (1 + 4 / 128), k, ep_group, hw)
+    else:
+        dispatch = combine = comm.all_to_all_time_s(imb * t_r * k * h * e, ep_group, hw)
+    etp_group = expert_span(plan, "etp", hw.nvlink_domain)
+    etp_s = (comm.collective_time_s("all_gather", copies * h * e, etp_group, hw)
+             + comm.collective_time_s("reduce_scatter", copies * h * e, etp_group, hw))
+    comm_f = comm_b = dispatch + combine + etp_s
+    if getattr(training, "moe_a2a_overlap", False):
+        # --overlap-moe-expert-parallel-comm: one micro-batch's forward runs merged with another's backward
+        # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute
+        exposed = overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw))
+        comm_f = comm_b = exposed / 2
+    return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b)
+
+
+def deepep_time_s(token_bytes: float, top_k: int, group, hw: HardwareSpec) -> float:
+    """DeepEP dispatch (or combine) of ``token_bytes`` of tokens per rank over an EP group (DeepEP README,
+    "normal kernels": a token crosses the network once per destination node, then NVLink forwards it to
+    the ranks there; DeepSeek-V3 report arXiv:2412.19437 section 3.2.2). With the ``k`` experts of a token
+    spread evenly over ``N`` nodes the expected destination nodes are ``N * (1 - (1 - 1/N)^k)``, of which
+    ``(N-1)/N`` are remote: those bytes go over the rank's NIC; the ``k`` copies inside the node go over
+    NVLink at the same time. One alpha of the slowest link."""
+    if group.size <= 1 or token_bytes <= 0:
+        return 0.0
+    if group.intra_node:
+        n = group.size
+        bw = hw.intra_node_bandwidth_gbps * 1e9
+        return hw.intra_node_latency_us * 1e-6 + top_k * (n - 1) / n * token_bytes / bw
+    nodes = group.nodes
+    remote = nodes * (1 - (1 - 1 / nodes) ** top_k) * (nodes - 1) / nodes
+    inter = remote * token_bytes / (hw.inter_node_bandwidth_gbps * 1e9)
+    intra = top_k * token_bytes / (hw.intra_node_bandwidth_gbps * 1e9)
+    return hw.inter_node_latency_us * 1e-6 + max(inter, intra)
+
+
 def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
-               order: str = DEFAULT_ORDER) -> LayerTime:
-    """Compute and communication of one transformer layer for one micro-batch on one GPU."""
+               order: str = DEFAULT_ORDER, moe: bool = False) -> LayerTime:
+    """Compute and communication of one transformer layer for one micro-batch on one GPU; ``moe``: a
+    MoE layer (attention, shared experts, router and routed experts: :func:`moe_layer_extra`)."""
     rates = Rates.of(hw, training.precision)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     overlap = resolved_overlap(training)
+    imbalance = moe_load_imbalance(training)
     fwd = bwd = 0.0
     gemms = []  # (fwd, dgrad, wgrad, kind) of each linear, in forward order
-    linears = list(_linear_shapes(model, plan).values())
+    linears = list(_linear_shapes(model, plan, moe).values())
     for k, n, kind in linears:
         f, dg, wg = gemm_fwd_bwd_s(tokens, k, n, rates)
         fwd, bwd = fwd + f, bwd + dg + wg
@@ -433,7 +615,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     # memory-bound ops move their bytes, and are never faster than their launches (a floor, as a
     # GEMM is never faster than its HBM traffic): it bites only on small micro-batches
     k_f, k_b = _elementwise_kernels(model)
-    elem_f = tokens * _elementwise_bytes_per_token(model, plan) / rates.hbm_bytes_per_s
+    elem_f = tokens * _elementwise_bytes_per_token(model, plan, moe, imbalance) / rates.hbm_bytes_per_s
     fwd += att_f + max(elem_f, k_f * rates.gemm_overhead_s)
     bwd += att_b + max(2 * elem_f, k_b * rates.gemm_overhead_s)
     if training.precision in LOW_PRECISION_CAST_BYTES:
@@ -446,6 +628,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     buf = tokens * model.hidden_size * e
     c = contention(hw)
     col = [(dg, wg) for _, dg, wg, kind in gemms if kind == "column"]
+    regions = len(col)  # TP regions: 2 in a dense layer, 1 in a MoE layer without shared experts
     if plan.sequence_parallel:
         ag = comm.collective_time_s("all_gather", buf, tp_group, hw)
         rs = comm.collective_time_s("reduce_scatter", buf, tp_group, hw)
@@ -456,15 +639,21 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
             # --tp-comm-overlap (TE userbuffers): each AG is pipelined with the GEMM it feeds, each
             # RS with the GEMM that produces it, and the backward AG of the output gradient with
             # the row-parallel data-grad GEMM (Megatron-Core ModelParallelConfig.tp_comm_overlap)
-            tp_fwd = sum(overlapped_s(ag if kind == "column" else rs, f, c) for f, _, _, kind in gemms)
+            tp_fwd = sum(overlapped_s(ag if kind == "column" else rs, f, c) for f, _, _, kind in gemms
+                         if kind != "inner")
             tp_bwd = col_bwd + sum(overlapped_s(ag, dg, c) for _, dg, _, kind in gemms if kind == "row")
         else:
-            tp_fwd = 2 * (ag + rs)
-            tp_bwd = 2 * ag + col_bwd  # the AG conjugates of the forward RS are exposed
+            tp_fwd = regions * (ag + rs)
+            tp_bwd = regions * ag + col_bwd  # the AG conjugates of the forward RS are exposed
     else:
         ar = comm.collective_time_s("all_reduce", buf, tp_group, hw)
-        tp_fwd = 2 * ar
+        tp_fwd = regions * ar
         tp_bwd = sum(overlapped_s(ar, wg, c) for _, wg in col)
+    ep_fwd = ep_bwd = 0.0
+    if moe:
+        x = moe_layer_extra(model, hw, training, plan, tokens)
+        fwd, bwd = fwd + x.fwd_compute, bwd + x.bwd_compute
+        ep_fwd, ep_bwd = x.comm_fwd, x.comm_bwd
 
     cp_fwd = cp_bwd = 0.0
     if ring is not None:
@@ -477,10 +666,11 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     recompute = {"none": 0.0, "selective": att_f, "full": fwd}[plan.recompute]
     if plan.recompute == "full":
         tp_bwd += tp_fwd  # the recomputed forward repeats its collectives
+        ep_bwd += ep_fwd  # and its token dispatch and combine
     if plan.recompute != "none":
         cp_bwd += cp_fwd  # and its ring exchange
     return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
-                     cp_fwd=cp_fwd, cp_bwd=cp_bwd)
+                     cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
 
 
 def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, order: str) -> tuple[float, float]:
@@ -508,10 +698,11 @@ class StageTime:
     pp_comm: float
     fwd: float  # forward part (compute + its TP/P2P), for the timeline
     bwd: float
+    ep_comm: float = 0.0  # MoE token dispatch/combine and expert-TP collectives
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm
+        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.ep_comm
 
 
 @dataclass(frozen=True)
@@ -548,27 +739,41 @@ def p2p_hop_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
 
 # --- the one composition of a step (used by estimate_time and, vectorised, by planner.search) -----
 
-FACTOR_KEYS = ("fwd", "bwd", "recompute", "tp", "tp_fwd", "tp_bwd", "cp", "cp_fwd", "cp_bwd",
-               "head_compute", "head_tp")
+LAYER_KEYS = ("fwd", "bwd", "recompute", "tp", "tp_fwd", "tp_bwd", "cp", "cp_fwd", "cp_bwd")
+#: a MoE layer's terms: the same as a dense layer's (``moe_`` prefix) plus its EP communication
+MOE_KEYS = tuple(f"moe_{k}" for k in LAYER_KEYS) + ("moe_ep", "moe_ep_fwd", "moe_ep_bwd")
+FACTOR_KEYS = LAYER_KEYS + ("head_compute", "head_tp") + MOE_KEYS
+
+
+def _layer_factors(lt: LayerTime, prefix: str = "") -> dict[str, float]:
+    out = {"fwd": lt.fwd_compute, "bwd": lt.bwd_compute, "recompute": lt.recompute, "tp": lt.tp,
+           "tp_fwd": lt.tp_fwd, "tp_bwd": lt.tp_bwd, "cp": lt.cp, "cp_fwd": lt.cp_fwd, "cp_bwd": lt.cp_bwd}
+    if prefix:
+        out |= {"ep": lt.ep, "ep_fwd": lt.ep_fwd, "ep_bwd": lt.ep_bwd}
+    return {prefix + k: v for k, v in out.items()}
 
 
 def micro_factors(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                   order: str = DEFAULT_ORDER) -> dict[str, float]:
-    """Per-micro-batch factors of one plan: one layer's terms (:func:`layer_time`) and the output layer's."""
-    lt = layer_time(model, hw, training, plan, order)
+    """Per-micro-batch factors of one plan: one dense layer's terms (:func:`layer_time`), one MoE layer's
+    (``moe_*``, zero for a dense model) and the output layer's."""
     head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
-    return {"fwd": lt.fwd_compute, "bwd": lt.bwd_compute, "recompute": lt.recompute, "tp": lt.tp,
-            "tp_fwd": lt.tp_fwd, "tp_bwd": lt.tp_bwd, "cp": lt.cp, "cp_fwd": lt.cp_fwd, "cp_bwd": lt.cp_bwd,
-            "head_compute": head_compute, "head_tp": head_tp}
+    out = _layer_factors(layer_time(model, hw, training, plan, order)) | {"head_compute": head_compute,
+                                                                         "head_tp": head_tp}
+    if model.is_moe:
+        return out | _layer_factors(layer_time(model, hw, training, plan, order, moe=True), "moe_")
+    return out | dict.fromkeys(MOE_KEYS, 0.0)
 
 
-def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float) -> dict:
+def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float, n_moe=None) -> dict:
     """Per-micro-batch terms of stage rows, vectorised: ``n`` and ``last`` are arrays over the rows
     [K]; every factor in ``f`` and ``hop`` is a scalar or an array over options [U]; results are [U, K].
 
     A stage of ``n`` layers: ``n`` x each layer term, plus the output layer on the last stage, plus
-    its exposed P2P. ``fwd`` and ``bwd`` split the total into the forward and backward parts (P2P
-    half each), for the DP overlap window and the timeline.
+    its exposed P2P. With ``n_moe`` (MoE models; [K], from ``Plan.stage_moe_layers``) ``n - n_moe`` dense
+    layers and ``n_moe`` MoE layers (the ``moe_*`` factors), whose EP communication is ``ep_comm``.
+    ``fwd`` and ``bwd`` split the total into the forward and backward parts (P2P half each), for the DP
+    overlap window and the timeline.
 
     P2P: one receive forward and one backward per chunk and micro-batch. Megatron's interleaved
     schedule with ``overlap_p2p_comm`` (default on with vpp > 1) posts each chunk's send/receive
@@ -581,6 +786,8 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
         return np.asarray(x, dtype=float)[..., None]
 
     n, last = np.asarray(n, dtype=float), np.asarray(last, dtype=float)
+    if n_moe is not None:
+        return _moe_stage_terms(n, last, np.asarray(n_moe, dtype=float), f, hop, pp, vpp, overlap_p2p, c)
     fwd, bwd, hop_c = col(f["fwd"]), col(f["bwd"]), col(hop)
     if pp == 1:
         pp_t = 0.0 * hop_c * n
@@ -598,6 +805,38 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
             "total": compute + recompute + tp + cp + pp_t,
             "fwd": n * (fwd + col(f["tp_fwd"]) + col(f["cp_fwd"])) + hc * share + pp_t / 2,
             "bwd": n * (bwd + col(f["recompute"]) + col(f["tp_bwd"]) + col(f["cp_bwd"])) + hc * (1 - share) + ht + pp_t / 2}
+
+
+def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float) -> dict:
+    """:func:`stage_terms` for a stage of ``n - n_moe`` dense and ``n_moe`` MoE layers (same rules)."""
+    def col(x):
+        return np.asarray(x, dtype=float)[..., None]
+
+    nd = n - n_moe
+    fwd, bwd, hop_c = col(f["fwd"]), col(f["bwd"]), col(hop)
+
+    def layers(key):  # the stage's layers' total of one per-layer term
+        return nd * col(f[key]) + n_moe * col(f["moe_" + key])
+
+    fwd_all, bwd_all = layers("fwd"), layers("bwd")
+    if pp == 1:
+        pp_t = 0.0 * hop_c * n
+    elif overlap_p2p and vpp > 1:
+        pp_t = vpp * (overlapped_s_array(hop_c, fwd_all / vpp, c) + overlapped_s_array(hop_c, bwd_all / vpp, c))
+    else:
+        pp_t = 2 * vpp * hop_c + 0.0 * n
+    hc, ht = col(f["head_compute"]) * last, col(f["head_tp"]) * last
+    share = fwd / (fwd + bwd)
+    compute = fwd_all + bwd_all + hc
+    recompute = layers("recompute") + 0.0 * hc
+    tp = layers("tp") + ht
+    cp = layers("cp") + 0.0 * hc
+    ep = n_moe * col(f["moe_ep"]) + 0.0 * hc
+    return {"compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp, "ep_comm": ep, "pp_comm": pp_t,
+            "total": compute + recompute + tp + cp + ep + pp_t,
+            "fwd": fwd_all + layers("tp_fwd") + layers("cp_fwd") + n_moe * col(f["moe_ep_fwd"]) + hc * share + pp_t / 2,
+            "bwd": bwd_all + layers("recompute") + layers("tp_bwd") + layers("cp_bwd") + n_moe * col(f["moe_ep_bwd"])
+            + hc * (1 - share) + ht + pp_t / 2}
 
 
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
@@ -650,11 +889,38 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     hop = p2p_hop_s(model, hw, training, plan, pp_hop_crosses_nodes(plan, hw.nvlink_domain, order),
                     axis_span(plan, "tp", hw.nvlink_domain, order))
     n, last, _, _ = _rows_of_all_stages(plan, model.num_layers)
-    t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw))
+    n_moe = plan.stage_moe_layers(model) if model.is_moe else None
+    t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw),
+                    n_moe)
+    ep = t.get("ep_comm")
     return tuple(StageTime(stage=r, compute=float(t["compute"][r]), recompute=float(t["recompute"][r]),
                            tp_comm=float(t["tp_comm"][r]), cp_comm=float(t["cp_comm"][r]),
-                           pp_comm=float(t["pp_comm"][r]), fwd=float(t["fwd"][r]), bwd=float(t["bwd"][r]))
+                           pp_comm=float(t["pp_comm"][r]), fwd=float(t["fwd"][r]), bwd=float(t["bwd"][r]),
+                           ep_comm=0.0 if ep is None else float(ep[r]))
                  for r in range(plan.pp))
+
+
+@functools.lru_cache(maxsize=8192)
+def _stage_moe_counts(model: ModelSpec, pp: int, vpp: int, layers_per_stage) -> tuple[int, ...]:
+    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1,
+                                 layers_per_stage=layers_per_stage)
+    return probe.stage_moe_layers(model)
+
+
+def stage_moe_counts(model: ModelSpec, plan: Plan) -> tuple[int, ...]:
+    """``plan.stage_moe_layers(model)``, cached on what it depends on (the search asks it per shape)."""
+    return _stage_moe_counts(model, plan.pp, plan.vpp, plan.layers_per_stage)
+
+
+def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int):
+    if shards == 1 or params == 0:
+        return 0.0, 0.0
+    g = params * grad_bytes(training)
+    if zero_stage == 0:
+        return comm.collective_time_s("all_reduce", g, group, hw), 0.0
+    gather = 0.0 if zero_stage >= 3 else \
+        comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw)
+    return comm.collective_time_s("reduce_scatter", g, group, hw), gather
 
 
 def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
@@ -665,18 +931,49 @@ def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     optimizer): reduce-scatter of the gradients, all-gather of the updated 16-bit weights after the
     optimizer step. ZeRO 3 (FSDP): reduce-scatter only; its weights are gathered per micro-batch
     (:func:`zero3_gather_s`), not after the step.
+
+    MoE: the expert parameters are reduced (and sharded) over the expert-data-parallel group instead
+    (``plan.expert_dp`` ranks ``etp*ep`` apart, :func:`planner.layout.expert_span`; Megatron-Core
+    ``expert_data_parallel_group``), after the dense ones on the same stream: the two add.
     """
+    if model.is_moe:  # cached: the search asks the same stage kinds of many shapes
+        key = (plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.etp, plan.zero_stage, stage == 0,
+               stage == plan.pp - 1, layers, stage_moe_counts(model, plan)[stage])
+        return _dp_sync_moe(model, hw, training, key, order)
+    return _dp_sync(model, hw, training, plan, stage, layers, order)
+
+
+@functools.lru_cache(maxsize=65536)
+def _dp_sync_moe(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, key: tuple, order: str):
+    tp, cp, dp, pp, ep, etp, zero, first, last, layers, n_moe = key
+    stage = 0 if first else (pp - 1 if last else 1)
+    layout = (layers,) * pp if pp > 1 else (layers,)
+    # a stand-in plan with the same stage kind, layers and MoE layers on that stage
+    plan = Plan.model_construct(tp=tp, cp=cp, dp=dp, pp=pp, vpp=1, ep=ep, etp=etp, zero_stage=zero,
+                                micro_batch_size=1, layers_per_stage=layout)
+    dense_layer, _ = layer_param_split(model, tp, False)
+    moe_dense, moe_expert = layer_param_split(model, tp, True, ep, etp)
+    dense = stage_params_per_rank(model, plan, stage, 0) + (layers - n_moe) * dense_layer + n_moe * moe_dense
+    return _dp_sync_split(dense, n_moe * moe_expert, hw, training, plan, order)
+
+
+def _dp_sync(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
+             order: str) -> tuple[float, float]:
+    dense, expert = stage_param_split(model, plan, stage, layers)
+    return _dp_sync_split(dense, expert, hw, training, plan, order)
+
+
+def _dp_sync_split(dense: float, expert: float, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
+                   order: str) -> tuple[float, float]:
     shards = plan.dp * plan.cp
-    if shards == 1:
-        return 0.0, 0.0
-    group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.nvlink_domain, order)
-    params = stage_params_per_rank(model, plan, stage, layers)
-    g = params * grad_bytes(training)
-    if plan.zero_stage == 0:
-        return comm.collective_time_s("all_reduce", g, group, hw), 0.0
-    gather = 0.0 if plan.zero_stage >= 3 else \
-        comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw)
-    return comm.collective_time_s("reduce_scatter", g, group, hw), gather
+    group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.nvlink_domain, order) \
+        if shards > 1 else None
+    rs, ag = _sync_s(dense, shards, group, hw, training, plan.zero_stage)
+    if expert:
+        ers, eag = _sync_s(expert, plan.expert_dp, expert_span(plan, "edp", hw.nvlink_domain), hw, training,
+                           plan.zero_stage)
+        rs, ag = rs + ers, ag + eag
+    return rs, ag
 
 
 def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
@@ -688,16 +985,29 @@ def dp_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
 def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, layers: int,
                    order: str = DEFAULT_ORDER, weight_bytes: int = ACT_BYTES) -> float:
     """ZeRO-3 / FSDP: all-gather the stage's weights in forward and again in backward, per micro-batch."""
-    if plan.zero_stage < 3 or plan.dp * plan.cp == 1:
+    if plan.zero_stage < 3:
         return 0.0
-    group = axis_span(plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1}), "dp", hw.nvlink_domain, order)
-    params = stage_params_per_rank(model, plan, stage, layers)
-    return 2 * comm.collective_time_s("all_gather", params * weight_bytes, group, hw)
+    dense, expert = stage_param_split(model, plan, stage, layers)
+    out = 0.0
+    if plan.dp * plan.cp > 1:
+        group = axis_span(plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1}), "dp", hw.nvlink_domain, order)
+        out = 2 * comm.collective_time_s("all_gather", dense * weight_bytes, group, hw)
+    if expert and plan.expert_dp > 1:  # experts gathered over the expert-data-parallel group
+        out += 2 * comm.collective_time_s("all_gather", expert * weight_bytes,
+                                          expert_span(plan, "edp", hw.nvlink_domain), hw)
+    return out
 
 
-def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params_per_stage) -> float:
-    """Adam on the largest stage's local shard: ``ADAM_BYTES_PER_PARAM`` moved per parameter."""
+def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params_per_stage,
+                expert_params_per_stage=None) -> float:
+    """Adam on the largest stage's local shard: ``ADAM_BYTES_PER_PARAM`` moved per parameter. MoE: the
+    expert parameters (``expert_params_per_stage``) are sharded over the expert-data-parallel group."""
     shards = plan.dp * plan.cp if plan.zero_stage >= 1 else 1
+    local = np.asarray(params_per_stage, dtype=float) / shards
+    if expert_params_per_stage is not None:
+        expert_shards = plan.expert_dp if plan.zero_stage >= 1 else 1
+        local = local + np.asarray(expert_params_per_stage, dtype=float) / expert_shards
+        return float(local.max()) * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
     return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
 
 
@@ -711,13 +1021,14 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     layers = plan.stage_layers(model.num_layers)
     _, _, counts, before = _rows_of_all_stages(plan, model.num_layers)
     terms = {k: np.array([[getattr(st, k) for st in stages]]) for k in
-             ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "fwd", "bwd")}
+             ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "fwd", "bwd", "ep_comm")}
     terms["total"] = np.array([[st.total for st in stages]])
     z3 = np.array([zero3_gather_s(model, hw, plan, r, n, order, param_bytes(training)[0]) for r, n in enumerate(layers)])
     dp_grad, dp_param = np.array([dp_sync_parts_s(model, hw, training, plan, r, n, order)
                                   for r, n in enumerate(layers)]).T
-    optimizer = optimizer_s(model, hw, training, plan, [stage_params_per_rank(model, plan, r, n)
-                                                         for r, n in enumerate(layers)])
+    split = [stage_param_split(model, plan, r, n) for r, n in enumerate(layers)]
+    optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
+                            [x[1] for x in split] if model.is_moe else None)
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
                        training.overlap_grad_reduce, c)
     pace = int(np.argmax(out["per_mb"][0]))
@@ -727,9 +1038,11 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
         "cp_comm": m * sp_.cp_comm, "pp_comm": m * sp_.pp_comm, "bubble": float(out["bubble"][0]),
         "dp_comm_exposed": float(out["dp_exposed"][0]) + m * float(out["z3"][0, pace]), "optimizer": optimizer,
     }
+    if model.is_moe:
+        breakdown["ep_comm"] = m * sp_.ep_comm
     step = float(out["step"][0])
     tokens = training.global_batch_size * training.seq_len
-    mf = flops.model_flops_per_step(model, training.global_batch_size, training.seq_len)
+    mf = flops.model_flops_per_step(model, training.global_batch_size, training.seq_len)  # activated FLOPs (MoE)
     hf = flops.hardware_flops_per_step(model, training.global_batch_size, training.seq_len, plan.recompute)
     peak = hw.peak_flops(training.precision)
     n = training.num_gpus

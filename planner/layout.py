@@ -1,9 +1,13 @@
 """Rank layout: which GPUs form each TP, CP, DP and PP group, and which link each group uses.
 
 The layout is an explicit order string, fastest-varying axis first, as Megatron-LM's
-``RankGenerator(order="tp-cp-ep-dp-pp")`` (``megatron/core/parallel_state.py``); plan3d has no
-expert parallelism, so the default order is ``"tp-cp-dp-pp"``. Ranks are laid out with
-``np.arange(world).reshape(...)`` and groups are slices of that grid (as nanotron does).
+``RankGenerator(order="tp-cp-ep-dp-pp")`` (``megatron/core/parallel_state.py``); the dense grid has no
+ep axis, so the default order is ``"tp-cp-dp-pp"``. Mixture-of-experts layers use a second grid over
+the same ranks (Megatron-Core "parallel folding"): ETP x EP x EDP x PP in that order, fastest first
+(``RankGenerator(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")``), so an EP group
+is ``ep`` ranks ``etp`` apart inside a block of ``etp*ep`` consecutive ranks (:func:`expert_span`).
+Ranks are laid out with ``np.arange(world).reshape(...)`` and groups are slices of that grid (as
+nanotron does).
 
 Worked example: 16 GPUs on 2 nodes of 8, TP=2, PP=4, DP=2 (order tp-cp-dp-pp)::
 
@@ -132,6 +136,16 @@ def _progression_span(stride: int, n: int, outer: int, g: int) -> GroupSpan:
     starts = {(a + b * stride * n) % g for a in range(min(stride, g)) for b in range(min(outer, g))}
     k = np.arange(n)
     return _worst(span(list(r0 + k * stride), g) for r0 in sorted(starts))
+
+
+def expert_span(plan: Plan, axis: str, gpus_per_node: int) -> GroupSpan:
+    """The worst-placed group of ``axis`` ("etp", "ep" or "edp") of the expert grid ETP x EP x EDP x PP
+    (module docstring; Megatron-Core ``parallel_state.initialize_model_parallel``, expert rank generator
+    with order ``tp-cp-ep-dp-pp``): strides 1, ``etp`` and ``etp*ep``."""
+    etp, ep = plan.expert_tp, plan.ep
+    edp = plan.tp * plan.cp * plan.dp // (etp * ep)
+    stride, n = {"etp": (1, etp), "ep": (etp, ep), "edp": (etp * ep, edp)}[axis]
+    return _progression_span(stride, n, plan.world_size // (stride * n), gpus_per_node)
 
 
 def pp_hop_crosses_nodes(plan: Plan, gpus_per_node: int, order: str = DEFAULT_ORDER) -> bool:

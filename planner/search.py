@@ -4,7 +4,8 @@ How it works:
 
 1. ``planner.candidates`` lists the legal values of every knob: parallel *shapes* (tp, cp, dp, pp,
    vpp and the first/last-stage layer counts), *micro* options (micro-batch size, recompute,
-   sequence parallelism) and ZeRO stages.
+   sequence parallelism) and ZeRO stages; for a MoE model each shape also carries (ep, etp)
+   (``candidates.valid_expert``, Megatron-Core's folding rules).
 2. :func:`build_tables` evaluates the pure cost and memory functions once per factor
    (``cost.micro_factors`` per (tp, cp, micro-batch, recompute, SP); the P2P hop, DP sync and
    parameter counts per shape). It composes them into the step time with the same vectorised
@@ -18,7 +19,9 @@ How it works:
    combination index by element constraints. The constraints are ``tp*pp*dp*cp = N`` and
    ``mbs*m*dp = B`` as multiplication equalities, the pins, and every stage's memory within the
    usable memory. The objective is the tabulated step time. CP-SAT proves the optimum; the
-   status is reported. Alternatives are re-solves that forbid the (tp, pp, cp) already found.
+   status is reported. Alternatives are re-solves that forbid the (tp, pp, cp) already found. For MoE
+   models the candidates are first cut to the Pareto front of each (tp, pp, cp) (:func:`pareto_by_group`),
+   as (ep, etp) multiply the shapes.
 
 ``enumerate_plans`` + ``estimate_time`` is the brute-force reference (``--exhaustive`` and the tests).
 """
@@ -33,7 +36,8 @@ import numpy as np
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
                                 valid_micro_batch_sizes)
 from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, micro_factors, optimizer_s,
-                          p2p_hop_s, resolved_overlap, stage_terms, zero3_gather_s)
+                          p2p_hop_s, resolved_overlap, stage_moe_counts, stage_param_split, stage_terms,
+                          zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, layer_recompute_working_bytes,
@@ -51,7 +55,7 @@ INFEASIBLE = 2**52
 class Tables:
     """Step time and stage memory for every (shape, micro, zero) combination, flattened."""
 
-    shapes: list[tuple[int, int, int, StageSplit]]
+    shapes: list[tuple[int, int, int, StageSplit, int, int | None]]  # tp, cp, dp, split, ep, etp
     micros: list[tuple[int, str, bool]]
     zeros: tuple[int, ...]
     time_ns: np.ndarray  # [S, U, Z] int64
@@ -67,10 +71,10 @@ class Tables:
 
     def plan(self, k: int) -> Plan:
         s, u, z = self.unindex(k)
-        tp, cp, dp, split = self.shapes[s]
+        tp, cp, dp, split, ep, etp = self.shapes[s]
         mbs, rc, sp = self.micros[u]
         return Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
-                    sequence_parallel=sp, zero_stage=self.zeros[z], layers_per_stage=split.layers())
+                    sequence_parallel=sp, zero_stage=self.zeros[z], layers_per_stage=split.layers(), ep=ep, etp=etp)
 
     @property
     def candidates(self) -> int:
@@ -112,21 +116,22 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     factors: dict = {}
     hops: dict = {}
 
-    def probe(tp, cp, dp, split, mbs=1, rc="none", sp=False, z=0):
+    def probe(tp, cp, dp, split, ep=1, etp=None, mbs=1, rc="none", sp=False, z=0):
         return Plan.model_construct(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,
                                     num_microbatches=None, recompute=rc, sequence_parallel=sp, zero_stage=z,
-                                    layers_per_stage=split.layers())
+                                    layers_per_stage=split.layers(), ep=ep, etp=etp, microbatch_group_size=None)
 
-    for si, (tp, cp, dp, split) in enumerate(shape_list):
+    for si, (tp, cp, dp, split, ep, etp) in enumerate(shape_list):
         p, v = split.pp, split.vpp
         rows = _stage_rows(split)
         n = np.array([x[1] for x in rows], dtype=float)
         last = np.array([r == p - 1 for r, _ in rows])
-        base = probe(tp, cp, dp, split)
-        fkey = (tp, cp, base.ep, base.etp)  # MoE activations depend on ep/etp too (memory.moe_tokens_per_rank)
-        if fkey not in factors:
-            factors[fkey] = _micro_factors(model, hw, training, micros, base, order)
-        f = factors[fkey]
+        base = probe(tp, cp, dp, split, ep, etp)
+        # a layer's factors depend on (tp, cp), and a MoE layer's on (ep, etp) too (the EP group's
+        # placement depends only on etp, ep and the GPU count, fixed here)
+        if (tp, cp, ep, etp) not in factors:
+            factors[(tp, cp, ep, etp)] = _micro_factors(model, hw, training, micros, base, order)
+        f = factors[(tp, cp, ep, etp)]
         crosses = pp_hop_crosses_nodes(base, hw.nvlink_domain, order)
         if (tp, cp, crosses) not in hops:
             tp_group = axis_span(base, "tp", hw.nvlink_domain, order)
@@ -142,11 +147,14 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         dpg_s, dpp_s, z3_s, static, work, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
         # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
-        t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
-        terms = {k: val[:, None, :] for k, val in t.items()}
-        counts, before = _stage_counts(p), _stage_before(p)
-        step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m[:, None], p, v, counts,
-                            before, training.overlap_grad_reduce, c)["step"]
+        if model.is_moe:  # every stage: dense-first layers make the middle stages differ
+            step = _moe_step(model, hw, training, base, f, hop, m, zeros, gb, order, c, overlap_p2p)
+        else:
+            t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
+            terms = {k: val[:, None, :] for k, val in t.items()}
+            counts, before = _stage_counts(p), _stage_before(p)
+            step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m[:, None], p, v, counts,
+                                before, training.overlap_grad_reduce, c)["step"]
         # memory of each stage kind [U, Z, 3], as memory.stage_memory
         inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
@@ -165,6 +173,43 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     usable_kib = int(hw.usable_memory_gib * GIB // KIB)
     return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
                   usable_kib=usable_kib, build_s=time.perf_counter() - t0)
+
+
+def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, overlap_p2p) -> np.ndarray:
+    """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it.
+
+    The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
+    of a MoE model need not be alike and the three stage kinds of the dense path do not suffice; every
+    stage is a row here (its distinct kinds computed once).
+    """
+    p, v = base.pp, base.vpp
+    layers = base.stage_layers(model.num_layers)
+    n_moe = stage_moe_counts(model, base)
+    t = stage_terms(np.array(layers, dtype=float), np.arange(p) == p - 1, f, hop, p, v, overlap_p2p, c,
+                    np.array(n_moe, dtype=float))
+    terms = {k: val[:, None, :] for k, val in t.items()}
+    dpg, dpp, z3, opt = [], [], [], []
+    kinds = [(layers[r], n_moe[r], r == 0, r == p - 1) for r in range(p)]
+    first_of = {}
+    for r, key in enumerate(kinds):
+        first_of.setdefault(key, r)
+    split = {key: stage_param_split(model, base, r, layers[r]) for key, r in first_of.items()}
+    by_zero: dict = {}  # ZeRO 1 and 2 sync alike (reduce-scatter + all-gather)
+    for z in zeros:
+        zp = base.model_copy(update={"zero_stage": z})
+        zk = min(z, 1) if z < 3 else 3
+        if zk not in by_zero:
+            by_zero[zk] = {key: (*dp_sync_parts_s(model, hw, training, zp, r, layers[r], order),
+                                 zero3_gather_s(model, hw, zp, r, layers[r], order, gb[0]) if z == 3 else 0.0)
+                           for key, r in first_of.items()}
+        rows = [(*by_zero[zk][key], *split[key]) for key in kinds]
+        dpg.append([x[0] for x in rows])
+        dpp.append([x[1] for x in rows])
+        z3.append([x[2] for x in rows])
+        opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
+    return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
+                        m[:, None], p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
+                        c)["step"]
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
@@ -272,6 +317,39 @@ def pareto_candidates(tables: Tables) -> np.ndarray:
     return np.concatenate(keep) if keep else np.array([], dtype=np.int64)
 
 
+def pareto_by_group(tables: Tables) -> np.ndarray:
+    """Flat indices of the legal combinations not dominated within their (tp, pp, cp): no other of the
+    same (tp, pp, cp) is no slower, needs no more memory on its fullest stage and shards no more.
+
+    Coarser than :func:`pareto_candidates` (which compares within a shape), so far fewer survive; the
+    optimum survives (a stage fits exactly when the fullest one does) and so does the best plan of every
+    (tp, pp, cp), which the alternatives need. Used for MoE models, whose (ep, etp) knobs multiply the
+    shapes. Sort by time, then a running minimum of memory per ZeRO stage, in numpy per group.
+    """
+    S, U, Z = tables.legal.shape
+    idx = np.flatnonzero(tables.legal.ravel())
+    if idx.size == 0:
+        return idx.astype(np.int64)
+    s_idx, _, z_idx = np.unravel_index(idx, (S, U, Z))
+    group_of_shape = {}
+    gid = np.array([group_of_shape.setdefault((sh[0], sh[3].pp, sh[1]), len(group_of_shape)) for sh in tables.shapes])
+    group = gid[s_idx]
+    t = tables.time_ns.ravel()[idx]
+    mem = tables.mem_kib.reshape(-1, 3)[idx].max(axis=1)
+    zero = np.array(tables.zeros)[z_idx]
+    order = np.lexsort((mem, zero, t, group))
+    group, t, mem, zero, idx = group[order], t[order], mem[order], zero[order], idx[order]
+    keep = np.ones(idx.size, dtype=bool)
+    bounds = np.flatnonzero(np.diff(group)) + 1
+    for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, idx.size]):
+        m, zz = mem[lo:hi].astype(float), zero[lo:hi]
+        for z in np.unique(zz):
+            mz = np.where(zz <= z, m, np.inf)
+            before = np.minimum.accumulate(np.r_[np.inf, mz[:-1]])  # best memory of the faster ones
+            keep[lo:hi] &= ~((zz == z) & (before <= m))
+    return np.sort(idx[keep])
+
+
 def solve(tables: Tables, pins: Pins, candidates: np.ndarray, forbid_shapes: list[tuple] = (),
           time_limit_s: float = 10.0) -> Solution | None:
     """The fastest combination among ``candidates`` that fits, as CP-SAT proves it; None when none fits."""
@@ -298,16 +376,17 @@ def solve(tables: Tables, pins: Pins, candidates: np.ndarray, forbid_shapes: lis
         model.AddElement(i, values.tolist(), var)
         return var
 
-    shape_arr = np.array([(tp, cp, dp, sp.pp, sp.vpp, sp.first, sp.last) for tp, cp, dp, sp in tables.shapes])[s_idx]
+    shape_arr = np.array([(tp, cp, dp, sp.pp, sp.vpp, sp.first, sp.last, ep, etp or tp)
+                          for tp, cp, dp, sp, ep, etp in tables.shapes])[s_idx]
     micro_arr = np.array([(mbs, RECOMPUTE.index(rc), int(sp)) for mbs, rc, sp in tables.micros])[u_idx]
     knob = {name: table_var(name, shape_arr[:, j])
-            for j, name in enumerate(("tp", "cp", "dp", "pp", "vpp", "first_layers", "last_layers"))}
+            for j, name in enumerate(("tp", "cp", "dp", "pp", "vpp", "first_layers", "last_layers", "ep", "etp"))}
     knob |= {name: table_var(name, micro_arr[:, j])
              for j, name in enumerate(("micro_batch_size", "recompute", "sequence_parallel"))}
     knob["zero_stage"] = table_var("zero_stage", np.array(tables.zeros)[z_idx])
     for j, kind in enumerate(("first", "middle", "last")):  # every stage within the usable memory
         model.Add(table_var(f"memory_{kind}_stage_kib", tables.mem_kib[s_idx, u_idx, z_idx, j]) <= tables.usable_kib)
-    for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "zero_stage"):
+    for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "zero_stage", "ep", "etp"):
         if getattr(pins, name) is not None:
             model.Add(knob[name] == getattr(pins, name))
     if pins.recompute is not None:
@@ -349,7 +428,7 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     t0 = time.perf_counter()
     tables = build_tables(model, hw, training, space, order)
     result = SearchResult(best=None, candidates=tables.candidates)
-    candidates = pareto_candidates(tables)
+    candidates = pareto_by_group(tables) if model.is_moe else pareto_candidates(tables)
     found = []
     for _ in range(top_k + 1):
         forbid = [(p.tp, p.pp, p.cp) for p in found]

@@ -581,6 +581,19 @@ class TrainingSpec(_Spec):
         default=False,
         description="Keep and reduce gradients in 16 bits (Megatron --grad-reduce-in-bf16; fp16 training "
                     "in 2021); default fp32 main grads.")
+    moe_token_dispatcher: Literal["alltoall", "deepep"] = Field(
+        default="alltoall",
+        description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, the default) or "
+                    "deepep (--moe-token-dispatcher-type flex with DeepEP: one copy per destination node across "
+                    "the network, FP8 dispatch in fp8 training).")
+    moe_a2a_overlap: bool = Field(
+        default=False,
+        description="Overlap the MoE dispatch/combine all-to-all with another micro-batch's compute (Megatron "
+                    "--overlap-moe-expert-parallel-comm, 1F1B all-to-all overlap); off by default.")
+    moe_load_imbalance: float = Field(
+        default=1.0, ge=1.0,
+        description="Tokens on the busiest expert-parallel rank over the mean; 1.0 = balanced (NVIDIA's MoE "
+                    "benchmarks force balance).")
 
 
 class Plan(_Spec):

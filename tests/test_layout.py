@@ -1,5 +1,8 @@
 """Rank layout: groups are a partition of the ranks, TP stays inside a node, the docstring example holds."""
 
+from pathlib import Path
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,3 +75,47 @@ def test_stage_ranks_are_the_pp_groups_columns():
         for stage, rank in enumerate(group):
             assert rank in stage_ranks(plan, stage)
     assert ranges_text([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+# --- the expert grid against Megatron-Core's own RankGenerator (core_v0.16.1, ../shared/consumers) ---------
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+MEGATRON_TARBALL = SHARED / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
+
+
+@pytest.fixture(scope="module")
+def rank_generator(tmp_path_factory):
+    import sys
+    import tarfile
+
+    if not MEGATRON_TARBALL.is_file():
+        pytest.skip(f"{MEGATRON_TARBALL} is absent (../shared/consumers is only on the project's machines)")
+    pytest.importorskip("torch", reason="Megatron-Core's parallel_state imports torch")
+    root = tmp_path_factory.mktemp("megatron")
+    with tarfile.open(MEGATRON_TARBALL) as tar:
+        tar.extractall(root, members=[m for m in tar.getmembers() if m.name.startswith("megatron/core")],
+                       filter="data")
+    sys.path.insert(0, str(root))
+    try:
+        from megatron.core.parallel_state import RankGenerator
+    except ImportError as err:
+        pytest.skip(f"Megatron-Core does not import here: {err}")
+    yield RankGenerator
+    sys.path.remove(str(root))
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp,ep,etp", [
+    (2, 1, 64, 8, 64, 1), (2, 1, 64, 8, 32, 2), (1, 1, 16, 2, 8, 1), (4, 2, 8, 2, 8, 2), (8, 1, 8, 4, 16, 4),
+    (2, 1, 16, 8, 32, 1),
+])
+def test_expert_span_matches_megatron_rank_generator(rank_generator, tp, cp, dp, pp, ep, etp):
+    """layout.expert_span places the ETP, EP and expert-DP groups where Megatron-Core's expert rank
+    generator (``initialize_model_parallel``: tp=etp, ep, dp=expert_dp, pp, cp=1, order tp-cp-ep-dp-pp) does."""
+    from planner.layout import _worst, expert_span, span
+
+    plan = Plan(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, etp=etp, micro_batch_size=1, sequence_parallel=tp > 1)
+    gen = rank_generator(tp=etp, ep=ep, dp=plan.expert_dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for axis, token in (("etp", "tp"), ("ep", "ep"), ("edp", "dp")):
+        for domain in (4, 8):
+            want = _worst(span(g, domain) for g in gen.get_ranks(token))
+            assert expert_span(plan, axis, domain) == want, (axis, domain)

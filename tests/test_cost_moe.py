@@ -1,0 +1,180 @@
+"""MoE and MLA step time: the all-to-all, the expert-grid placement, grouped expert GEMMs, stages as dense +
+MoE layers, expert gradients over the expert-data-parallel group. Expected values are hand-computed from
+the hardware profile's figures (cited in hardware_profiles/h100-sxm-80gb.yaml), not from the code."""
+
+import math
+
+import numpy as np
+import pytest
+
+from planner import comm, cost, flops
+from planner.cost import estimate_time, layer_time, micro_factors, moe_layer_extra, stage_terms
+from planner.layout import GroupSpan, expert_span
+from planner.presets import load_hardware, load_model
+from planner.specs import Plan, TrainingSpec
+
+H100 = load_hardware("h100-sxm-80gb")
+MIXTRAL = load_model("mixtral-8x7b")
+DSV3 = load_model("deepseek-v3")
+TINY = load_model("tiny-moe")
+# H100 profile: NVLink busbw 370 GB/s, 1.5 us; IB 46 GB/s per GPU, 5 us
+NVL, NVL_A, IB, IB_A = 370e9, 1.5e-6, 46e9, 5e-6
+
+
+def test_all_to_all_inside_one_nvlink_domain():
+    # nccl-tests AlltoAll: (n-1)/n of the buffer leaves each rank; one alpha (grouped send/recv)
+    s = 1e9
+    assert comm.all_to_all_time_s(s, GroupSpan(size=8, nodes=1, per_node=8), H100) == pytest.approx(
+        NVL_A + 7 / 8 * s / NVL)
+    assert comm.collective_time_s("all_to_all", s, GroupSpan(size=8, nodes=1, per_node=8), H100) == \
+        comm.all_to_all_time_s(s, GroupSpan(size=8, nodes=1, per_node=8), H100)
+
+
+def test_all_to_all_across_nodes_is_paced_by_the_nic():
+    # 64 ranks, 8 per node: 56/64 of the buffer over the NIC, 7/64 over NVLink at the same time
+    s = 1e9
+    got = comm.all_to_all_time_s(s, GroupSpan(size=64, nodes=8, per_node=8), H100)
+    assert got == pytest.approx(IB_A + 56 / 64 * s / IB)
+    assert comm.all_to_all_time_s(s, GroupSpan(size=1, nodes=1, per_node=1), H100) == 0.0
+
+
+def test_expert_grid_places_ep_groups_after_etp():
+    # Megatron expert grid ETP x EP x EDP x PP, fastest first: EP stride etp, EDP stride etp*ep
+    plan = Plan(tp=2, pp=8, dp=64, ep=64, etp=1, micro_batch_size=1, sequence_parallel=True)
+    assert expert_span(plan, "ep", 8) == GroupSpan(size=64, nodes=8, per_node=8)  # ranks 0..63
+    plan2 = plan.model_copy(update={"etp": 2})
+    assert expert_span(plan2, "ep", 8) == GroupSpan(size=64, nodes=16, per_node=4)  # ranks 0, 2, ..., 126
+    assert expert_span(plan2, "etp", 8) == GroupSpan(size=2, nodes=1, per_node=2)
+    assert expert_span(plan, "edp", 8) == GroupSpan(size=2, nodes=2, per_node=1)  # tp*dp/(etp*ep) = 2
+
+
+def _tr(**kw):
+    return TrainingSpec(num_gpus=kw.pop("num_gpus", 8), global_batch_size=kw.pop("global_batch_size", 64),
+                        seq_len=kw.pop("seq_len", 4096), **kw)
+
+
+def test_expert_gemms_run_the_activated_flops_at_the_gemm_rate():
+    # Mixtral on one GPU, 8k tokens: 2 of 8 experts per token, f = 14336, SwiGLU (3 matrices);
+    # large per-expert GEMMs (m = 8192 * 2 / 8 = 2048) run near the H100's sustained MAMF rate
+    tr = _tr(num_gpus=1, global_batch_size=2, seq_len=4096)
+    plan = Plan(tp=1, pp=1, dp=1, micro_batch_size=2)
+    x = moe_layer_extra(MIXTRAL, H100, tr, plan, tokens=8192)
+    expert_fwd_flops = 2 * 8192 * 2 * 3 * 4096 * 14336
+    rate = 989.4e12 * 0.801 * 0.87  # peak x MAMF x sustained (profile)
+    assert x.fwd_compute == pytest.approx(expert_fwd_flops / rate, rel=0.08)
+    assert x.bwd_compute == pytest.approx(2 * expert_fwd_flops / rate, rel=0.08)
+    assert x.comm_fwd == x.comm_bwd == 0.0  # ep = etp = 1: no dispatch
+
+
+def test_expert_parallel_keeps_the_flops_per_rank_and_adds_the_all_to_all():
+    tr = _tr()
+    one = Plan(tp=1, pp=1, dp=8, micro_batch_size=1)
+    eight = one.model_copy(update={"ep": 8})
+    a, b = moe_layer_extra(MIXTRAL, H100, tr, one, 4096), moe_layer_extra(MIXTRAL, H100, tr, eight, 4096)
+    # one expert per rank at 4x the tokens (m = 4096*2*8/8) against 8 experts at m = 1024: same FLOPs
+    assert b.fwd_compute == pytest.approx(a.fwd_compute, rel=0.05)
+    # dispatch + combine: each rank sends its 4096 x 2 copies of h = 4096 bf16 values over 8 NVLink ranks
+    s = 4096 * 2 * 4096 * 2
+    assert b.comm_fwd == pytest.approx(2 * (NVL_A + 7 / 8 * s / NVL))
+    assert b.comm_bwd == b.comm_fwd
+
+
+def test_fine_grained_experts_run_less_efficiently():
+    # DeepSeek-V3: 256 experts of f = 2048; at 4096 tokens, ep = 8 leaves m = 4096*8*8/256 = 1024 rows
+    # per expert, ep = 1 only 128: wave quantisation and weight traffic cost more per FLOP
+    tr = _tr(seq_len=4096)
+    small = moe_layer_extra(DSV3, H100, tr, Plan(tp=1, pp=1, dp=8, micro_batch_size=1), 4096)
+    big = moe_layer_extra(DSV3, H100, tr, Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1), 4096)
+    assert small.fwd_compute > 1.1 * big.fwd_compute
+
+
+def test_load_imbalance_scales_expert_compute_and_dispatch():
+    plan = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
+    a = moe_layer_extra(MIXTRAL, H100, _tr(), plan, 4096)
+    b = moe_layer_extra(MIXTRAL, H100, _tr(moe_load_imbalance=1.5), plan, 4096)
+    assert b.comm_fwd == pytest.approx(1.5 * a.comm_fwd, rel=0.01)  # bandwidth-bound, alpha is small
+    assert 1.3 * a.fwd_compute < b.fwd_compute < 1.55 * a.fwd_compute
+
+
+def test_deepep_sends_a_token_once_per_destination_node():
+    # EP 64 over 16 nodes (etp 2 stride): alltoall sends k = 8 copies, DeepEP one per remote node:
+    # 16 * (1 - (15/16)^8) * 15/16 = 6.03 of them
+    tr = _tr(num_gpus=1024, global_batch_size=1024)
+    plan = Plan(tp=2, pp=8, dp=64, ep=64, etp=2, micro_batch_size=1, sequence_parallel=True)
+    grp = expert_span(plan, "ep", 8)
+    assert grp == GroupSpan(size=64, nodes=16, per_node=4)
+    tok = 2048 * 7168 * 2
+    remote = 16 * (1 - (15 / 16) ** 8) * 15 / 16
+    assert cost.deepep_time_s(tok, 8, grp, H100) == pytest.approx(IB_A + remote * tok / IB)
+    a2a = comm.all_to_all_time_s(8 * tok, grp, H100)
+    assert a2a == pytest.approx(IB_A + 60 / 64 * 8 * tok / IB)
+    x = moe_layer_extra(DSV3, H100, tr.model_copy(update={"moe_token_dispatcher": "deepep"}), plan, 4096)
+    y = moe_layer_extra(DSV3, H100, tr, plan, 4096)
+    assert x.comm_fwd < y.comm_fwd
+
+
+def test_a2a_overlap_hides_the_dispatch_under_compute():
+    plan = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
+    off = moe_layer_extra(MIXTRAL, H100, _tr(), plan, 4096)
+    on = moe_layer_extra(MIXTRAL, H100, _tr(moe_a2a_overlap=True), plan, 4096)
+    total = off.comm_fwd + off.comm_bwd
+    assert total < off.fwd_compute + off.bwd_compute  # all of it fits under the compute here
+    c = min(1.0, H100.nccl_channels / H100.sm_count)
+    assert on.comm_fwd + on.comm_bwd == pytest.approx(c * total)
+
+
+def test_mla_linear_shapes_carry_the_attention_weights():
+    # the five MLA projections on one rank hold exactly the GEMM weights flops.attention_gemm_params counts
+    plan = Plan(tp=1, pp=1, dp=1, micro_batch_size=1)
+    shapes = cost._linear_shapes(DSV3, plan, moe=True)
+    att = sum(k * n for name, (k, n, _) in shapes.items() if name not in ("fc1", "fc2"))
+    assert att == flops.attention_gemm_params(DSV3)
+    # the shared expert is the MoE layer's only ordinary MLP: 2048 wide, gated
+    assert shapes["fc1"][:2] == (7168, 2 * 2048) and shapes["fc2"][:2] == (2048, 7168)
+    # one TP region opens at the q down-projection, one at the shared expert
+    assert [kind for _, _, kind in shapes.values()].count("column") == 2
+    assert "fc1" not in cost._linear_shapes(MIXTRAL, plan, moe=True)  # no shared expert: attention only
+
+
+def test_a_stage_is_its_dense_layers_plus_its_moe_layers():
+    tr = _tr(num_gpus=1, global_batch_size=1, seq_len=1024)
+    plan = Plan(tp=1, pp=1, dp=1, micro_batch_size=1)
+    f = micro_factors(TINY, H100, tr, plan)
+    dense, moe = layer_time(TINY, H100, tr, plan), layer_time(TINY, H100, tr, plan, moe=True)
+    assert f["fwd"] == dense.fwd_compute and f["moe_fwd"] == moe.fwd_compute
+    t = stage_terms(np.array([4.0]), np.array([False]), f, 0.0, 1, 1, False, 0.0, n_moe=np.array([3.0]))
+    assert t["compute"][0] == pytest.approx(dense.fwd_compute + dense.bwd_compute
+                                               + 3 * (moe.fwd_compute + moe.bwd_compute))
+    # tiny-moe's first layer is dense (first_k_dense = 1): estimate_time costs rank 0 of pp 2 as 1 dense + 1 MoE
+    est = estimate_time(TINY, H100, _tr(num_gpus=2, global_batch_size=4, seq_len=1024),
+                        Plan(tp=1, pp=2, dp=1, micro_batch_size=1))
+    assert est.stages[0].compute < est.stages[1].compute
+
+
+def test_expert_gradients_sync_over_the_expert_data_parallel_group():
+    # 8 GPUs, dp 8: with ep 8 each expert lives on one rank (expert dp 1): only the dense part syncs
+    tr = _tr(global_batch_size=8, seq_len=1024)
+    base = Plan(tp=1, pp=1, dp=8, micro_batch_size=1, zero_stage=1)
+    ep8 = base.model_copy(update={"ep": 8})
+    dense, expert = cost.stage_param_split(MIXTRAL, ep8, 0, 32)
+    assert expert == pytest.approx(32 * 8 * 3 * 4096 * 14336 / 8)
+    rs, ag = cost.dp_sync_parts_s(MIXTRAL, H100, tr, ep8, 0, 32)
+    g = GroupSpan(size=8, nodes=1, per_node=8)
+    assert rs == pytest.approx(7 * NVL_A + 7 / 8 * dense * 4 / NVL)  # reduce-scatter of fp32 grads
+    assert ag == pytest.approx(comm.collective_time_s("all_gather", dense * 2, g, H100))
+    rs1, _ = cost.dp_sync_parts_s(MIXTRAL, H100, tr, base, 0, 32)
+    assert rs1 > 5 * rs  # ep 1: every expert's gradient is reduced over all 8 ranks
+
+
+def test_estimate_reports_ep_comm_and_activated_mfu():
+    tr = _tr(num_gpus=16, global_batch_size=64, precision="bf16")
+    plan = Plan(tp=1, pp=2, dp=8, ep=8, micro_batch_size=1, zero_stage=1)
+    est = estimate_time(MIXTRAL, H100, tr, plan)
+    assert est.breakdown["ep_comm"] > 0
+    # MFU on the activated FLOPs (Megatron/DeepSeek convention), 6 x 12.9B-ish per token plus attention
+    per_token = flops.model_flops_per_token(MIXTRAL, 4096)
+    assert per_token < 6 * 14e9 + 6 * 32 * 4096 * 4096 * 2  # far below the 46.7B total parameters' 280 GFLOP
+    assert est.mfu == pytest.approx(64 * 4096 * per_token / (est.step_time_s * 16 * 989.4e12))
+    dense = estimate_time(load_model("llama3-8b"), H100, tr, Plan(tp=1, pp=2, dp=8, micro_batch_size=1))
+    assert "ep_comm" not in dense.breakdown
+    assert math.isfinite(est.step_time_s)
