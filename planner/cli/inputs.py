@@ -62,7 +62,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
                           precision: Optional[str], attention: Optional[str] = None,
                           overlap_grad_reduce: Optional[bool] = None, framework: Optional[str] = None,
                           tp_comm_overlap: Optional[bool] = None, overlap_p2p_comm: Optional[bool] = None,
-                          **plan_opts):
+                          moe: Optional[dict] = None, **plan_opts):
     """Build a Scenario from a plan file and/or flags; flags win over the file."""
     from planner import presets
     from planner.specs import Scenario
@@ -83,6 +83,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     job = given(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len)
     training |= job | given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
                             framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
+    training |= given(**(moe or {}))
     if not plan_file:
         required(gpus, "--gpus"), required(global_batch, "--global-batch"), required(seq_len, "--seq-len")
     plan = dict(data.get("plan") or {})
@@ -101,10 +102,17 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     return presets.build(Scenario, data, source)
 
 
+def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imbalance: Optional[float]) -> dict:
+    """The MoE job options as TrainingSpec fields (the unset ones left out)."""
+    if dispatcher is not None and dispatcher not in ("alltoall", "deepep"):
+        raise SpecError(f"--moe-dispatcher: '{dispatcher}' is not one of alltoall, deepep")
+    return given(moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap, moe_load_imbalance=load_imbalance)
+
+
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],
                      attention: Optional[str], overlap_grad_reduce: Optional[bool] = None,
                      framework: Optional[str] = None, tp_comm_overlap: Optional[bool] = None,
-                     overlap_p2p_comm: Optional[bool] = None):
+                     overlap_p2p_comm: Optional[bool] = None, moe: Optional[dict] = None):
     """(ModelSpec, HardwareSpec, TrainingSpec) from the shared job options."""
     from planner import presets
     from planner.specs import TrainingSpec, job_problems
@@ -112,6 +120,7 @@ def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, se
     training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
     training |= given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
                       framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
+    training |= given(**(moe or {}))
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
     tr = presets.build(TrainingSpec, training, "")
     problems = job_problems(spec_model, spec_hw, tr)
