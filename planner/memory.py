@@ -482,7 +482,7 @@ def moe_tokens_per_rank(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     (``moe_expert_capacity_factor`` None), the balanced share per GPU is
     ``tokens * k * etp`` rows (the EP group's ``ep * tokens * k`` rows over ``ep`` GPUs, times the
     ``etp`` gathered shards); routing is data-dependent, so a GPU may receive more: at most all
-    ``ep * tokens * min(k, E/ep)`` of its group (docs/moe_memory.md states the risk; the estimate
+    ``ep * tokens * min(k, E/ep)`` of its group (docs/moe.md, Memory states the risk; the estimate
     uses the balanced share). With a capacity factor, each source keeps at most
     ``ceil(tokens*k/E * cf)`` tokens per expert (``moe_utils.py::apply_router_token_dropping`` /
     ``get_capacity`` on the local tokens), so a GPU computes at most ``cf`` times the balanced share,

@@ -1,4 +1,4 @@
-"""Memory of mixture-of-experts and MLA models per pipeline stage (docs/moe_memory.md).
+"""Memory of mixture-of-experts and MLA models per pipeline stage (docs/moe.md, Memory).
 
 * parameters per GPU: MLA's replicated down projections and column/row-parallel up/out projections,
   the router and shared experts over TP, E/ep routed experts split over etp: hand-computed from
