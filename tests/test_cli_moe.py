@@ -1,0 +1,49 @@
+"""The MoE options on the command line: what a user (and the scorer of measured MoE runs) types.
+
+`plan3d search --model <HF config.json> ... --ep N` with the published layout pinned must give a plan
+with that ep in its JSON, and a step time that counts the all-to-all (the `ep_comm` term)."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HF = ROOT / "tests" / "data" / "hf"
+
+
+def plan3d(*args):
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("config,gpus,pins", [
+    ("gpt-oss-120b", 64, ["--tp", "1", "--pp", "1", "--ep", "8"]),
+    ("qwen3-30b-a3b", 16, ["--tp", "1", "--pp", "2", "--vpp", "12", "--ep", "8", "--micro-batch-size", "1"]),
+])
+def test_search_an_hf_moe_config_with_the_layout_pinned(tmp_path, config, gpus, pins):
+    folder = tmp_path / config
+    folder.mkdir()
+    shutil.copy(HF / f"{config}.json", folder / "config.json")
+    p = plan3d("search", "--model", str(folder / "config.json"), "--hardware", "h100-sxm-80gb", "--gpus", str(gpus),
+               "--global-batch", "512", "--seq-len", "4096", "--precision", "bf16", *pins, "--json")
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data["plan"]["ep"] == 8 and data["plan"]["tp"] == int(pins[1])
+    assert data["time"]["breakdown"]["ep_comm"] > 0
+    assert data["time"]["step_time_s"] == pytest.approx(sum(data["time"]["breakdown"].values()), rel=1e-6)
+
+
+def test_estimate_reports_ep_and_options_are_checked():
+    job = ["--hardware", "h100-sxm-80gb", "--gpus", "8", "--global-batch", "16", "--seq-len", "256"]
+    p = plan3d("estimate", "--model", "tiny-moe", *job, "--tp", "1", "--pp", "1", "--ep", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["plan"]["ep"] == 4
+    p = plan3d("search", "--model", "llama3-8b", *job, "--ep", "2")
+    assert p.returncode == 2 and "--ep: applies to mixture-of-experts models" in p.stderr
+    p = plan3d("estimate", "--model", "tiny-moe", *job, "--tp", "1", "--pp", "1", "--ep", "3")
+    assert p.returncode == 2 and "num_experts(8) is not divisible by ep(3)" in p.stderr
+    p = plan3d("search", "--model", "tiny-moe", *job, "--moe-dispatcher", "nccl")
+    assert p.returncode == 2 and "--moe-dispatcher: 'nccl' is not one of alltoall, deepep" in p.stderr
