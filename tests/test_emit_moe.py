@@ -168,7 +168,7 @@ def test_megatron_refuses_moe_with_tp_and_no_sp_in_its_moe_layer(megatron, monke
 
 
 def test_emit_refuses_moe_plans_megatron_cannot_run():
-    with pytest.raises(ValueError, match="without sequence parallelism"):  # a plan rule, so search never picks it
+    with pytest.raises(ValueError, match="MoE layer trains with tp=2 only with sequence parallelism"):  # a plan rule
         render_all(scenario(**TINY, tp=2, pp=1, dp=4, ep=2), ["megatron"])
     biased = scenario(**TINY, tp=2, pp=1, dp=4, ep=2, sequence_parallel=True)
     biased = biased.model_copy(update={"model": biased.model.model_copy(update={"linear_bias": True,
