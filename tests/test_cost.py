@@ -161,7 +161,12 @@ H200_KERNELS = json.loads((Path(__file__).parents[1] / "benchmarks/data/h200_ker
 # H100 80GB SXM5, BF16, head dim 128, TFLOP/s at 512 ... 16k, without and with causal mask.
 FA3_CUDNN_FWD = {False: (497, 574, 617, 609, 600, 595), True: (315, 410, 484, 518, 529, 539)}
 H100 = load_hardware("h100-sxm-80gb")
-H200 = load_hardware("h200-141gb")
+# The kernel tables were measured in back-to-back benchmark loops on one GPU, not through a training run:
+# the model reproduces them at sustained_fraction 0.87 (the A100 calibration, which these tables also
+# support: mean GEMM bias within 5 %). Training runs on Hopper lose about 6 % more (the profiles' 0.82,
+# fit on the NeMo 24.07 H100 runs, docs/cost-model.md), which a kernel loop does not see.
+KERNEL_LOOP_SUSTAINED = 0.87
+H200 = load_hardware("h200-141gb").model_copy(update={"sustained_fraction": KERNEL_LOOP_SUSTAINED})
 
 
 def _h200_rows(kind, **match):
