@@ -1,8 +1,15 @@
 import os
+import sys
+import tarfile
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("COLUMNS", "200")
+
+#: ../shared beside the repository (PLAN3D_SHARED overrides it, e.g. from a git worktree).
+SHARED = Path(os.environ.get("PLAN3D_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
+MEGATRON_TARBALL = SHARED / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 
 
 @pytest.fixture
@@ -10,3 +17,16 @@ def runner():
     from typer.testing import CliRunner
 
     return CliRunner()
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_root(tmp_path_factory):
+    """Megatron-LM core_v0.16.1 (../shared/consumers) extracted once per session and put on sys.path;
+    the test skips, with the reason, where ../shared is absent."""
+    if not MEGATRON_TARBALL.is_file():
+        pytest.skip(f"{MEGATRON_TARBALL} is absent (../shared is laid only on the project's machines)")
+    root = tmp_path_factory.mktemp("megatron-lm")
+    with tarfile.open(MEGATRON_TARBALL) as tar:
+        tar.extractall(root, filter="data")
+    sys.path.insert(0, str(root))
+    yield root

@@ -11,7 +11,6 @@ checkpoint paths (``--data-path``, ``--save``, ...) are dropped since nothing is
 
 import os
 import sys
-import tarfile
 import warnings
 from pathlib import Path
 
@@ -22,9 +21,6 @@ from planner.presets import load_hardware
 from planner.readers.args import megatron_flag_table
 from planner.readers.bash import is_unknown
 
-# ../shared beside the repository root (PLAN3D_SHARED overrides it, e.g. from a git worktree elsewhere)
-SHARED = Path(os.environ.get("PLAN3D_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
-TARBALL = SHARED / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 LAUNCH = Path(__file__).parent / "data" / "launch"
 MEGATRON_LM_FILES = ["megatron_gpt3_175b.sh", "megatron_llama3_8b_fp8.sh", "megatron_llama2_7b_swiglu_default.sh",
                      "megatron_gqa_default.sh", "megatron_size_case.sh", "megatron_if_branch.sh",
@@ -33,23 +29,16 @@ DROPPED = ("--save", "--load", "--data-path", "--tensorboard-dir", "--vocab-file
 
 
 @pytest.fixture(scope="module")
-def megatron_arguments(tmp_path_factory):
-    if not TARBALL.is_file():
-        pytest.skip(f"{TARBALL} is absent (../shared/consumers is only on the project's machines)")
+def megatron_arguments(megatron_lm_root):
     for module in ("torch", "six", "regex", "einops"):
         pytest.importorskip(module, reason=f"Megatron-LM's argument module imports {module} "
                                            "(requirements-consumers.txt)")
-    root = tmp_path_factory.mktemp("megatron")
-    with tarfile.open(TARBALL) as tar:
-        tar.extractall(root, filter="data")
-    sys.path.insert(0, str(root))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.training import arguments
         from megatron.training.tokenizer import tokenizer
     arguments.get_device_arch_version = lambda: 9  # stand-in: no CUDA device on CI
     yield arguments, tokenizer
-    sys.path.remove(str(root))
 
 
 def _words(args) -> list[str]:

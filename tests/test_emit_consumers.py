@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,6 @@ from planner.names import slug
 from planner.presets import SpecError, load_hardware, load_model
 from planner.specs import Plan, Scenario, TrainingSpec, chunk_split
 
-# ../shared beside the repository root (PLAN3D_SHARED overrides it, e.g. from a git worktree elsewhere)
-SHARED = Path(os.environ.get("PLAN3D_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
-MEGATRON_TARBALL = SHARED / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 # pretrain_gpt.py (core_v0.16.1) calls pretrain(..., args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}).
 PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
@@ -199,14 +195,8 @@ MEGATRON_PLANS = {
 
 
 @pytest.fixture(scope="session")
-def megatron(tmp_path_factory):
-    """Megatron-LM core_v0.16.1 extracted once per session and put on sys.path."""
-    if not MEGATRON_TARBALL.is_file():
-        pytest.skip(f"{MEGATRON_TARBALL} is absent (../shared is laid only on the project's machines)")
-    root = tmp_path_factory.mktemp("megatron-lm")
-    with tarfile.open(MEGATRON_TARBALL) as tar:
-        tar.extractall(root, filter="data")
-    sys.path.insert(0, str(root))
+def megatron(megatron_lm_root):
+    """Megatron-LM core_v0.16.1's argument, micro-batch and config modules (conftest.megatron_lm_root)."""
     try:
         import megatron.training.arguments as arguments
         from megatron.core import num_microbatches_calculator as mbc

@@ -1,6 +1,5 @@
 """Rank layout: groups are a partition of the ranks, TP stays inside a node, the docstring example holds."""
 
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -79,29 +78,16 @@ def test_stage_ranks_are_the_pp_groups_columns():
 
 # --- the expert grid against Megatron-Core's own RankGenerator (core_v0.16.1, ../shared/consumers) ---------
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-MEGATRON_TARBALL = SHARED / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 
 
 @pytest.fixture(scope="module")
-def rank_generator(tmp_path_factory):
-    import sys
-    import tarfile
-
-    if not MEGATRON_TARBALL.is_file():
-        pytest.skip(f"{MEGATRON_TARBALL} is absent (../shared/consumers is only on the project's machines)")
+def rank_generator(megatron_lm_root):
     pytest.importorskip("torch", reason="Megatron-Core's parallel_state imports torch")
-    root = tmp_path_factory.mktemp("megatron")
-    with tarfile.open(MEGATRON_TARBALL) as tar:
-        tar.extractall(root, members=[m for m in tar.getmembers() if m.name.startswith("megatron/core")],
-                       filter="data")
-    sys.path.insert(0, str(root))
     try:
         from megatron.core.parallel_state import RankGenerator
     except ImportError as err:
         pytest.skip(f"Megatron-Core does not import here: {err}")
     yield RankGenerator
-    sys.path.remove(str(root))
 
 
 @pytest.mark.parametrize("tp,cp,dp,pp,ep,etp", [

@@ -15,10 +15,7 @@
 
 from __future__ import annotations
 
-import sys
-import tarfile
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +27,6 @@ from planner.memory import (attention_params_per_rank, estimate_memory, layer_ac
 from planner.presets import load_hardware, load_model
 from planner.specs import ModelSpec, Plan, TrainingSpec, plan_problems
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 DSV3, MIXTRAL, TINY = load_model("deepseek-v3"), load_model("mixtral-8x7b"), load_model("tiny-moe")
 H100 = load_hardware("h100-sxm-80gb")
 
@@ -174,14 +170,8 @@ def _saved_bytes(run, params) -> int:
 
 
 @pytest.fixture(scope="module")
-def megatron_moe(tmp_path_factory):
-    if not SHARED.is_file():
-        pytest.skip(f"Megatron-LM source not found at {SHARED} (../shared is absent outside this workspace)")
+def megatron_moe(megatron_lm_root):
     pytest.importorskip("torch")
-    root = tmp_path_factory.mktemp("megatron")
-    with tarfile.open(SHARED) as tar:
-        tar.extractall(root, filter="data")
-    sys.path.insert(0, str(root))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -193,7 +183,6 @@ def megatron_moe(tmp_path_factory):
     # None``, a name moe_utils binds only when TE imports; None selects Megatron's own torch.mm path.
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     yield moe_utils, weighted_bias_swiglu_impl
-    sys.path.remove(str(root))
 
 
 def test_megatron_moe_saved_bytes_match_megatron_code(megatron_moe):

@@ -13,9 +13,6 @@
 
 from __future__ import annotations
 
-import sys
-import tarfile
-from pathlib import Path
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -93,18 +90,11 @@ def test_memory_model_charges_the_megatron_peak(p, v, m):
 
 
 # --- Megatron-Core's own schedule code -------------------------------------------------------------
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 
 
 @pytest.fixture(scope="module")
-def megatron_schedules(tmp_path_factory):
-    if not SHARED.is_file():
-        pytest.skip(f"Megatron-LM source not found at {SHARED} (../shared is absent outside this workspace)")
+def megatron_schedules(megatron_lm_root):
     pytest.importorskip("torch")
-    root = tmp_path_factory.mktemp("megatron")
-    with tarfile.open(SHARED) as tar:
-        tar.extractall(root, filter="data")
-    sys.path.insert(0, str(root))
     try:
         import warnings
 
@@ -114,7 +104,6 @@ def megatron_schedules(tmp_path_factory):
     except ImportError as err:
         pytest.skip(f"Megatron-Core does not import here: {err}")
     yield MS
-    sys.path.remove(str(root))
 
 
 @pytest.mark.parametrize("p,v,m,group", [(2, 2, 4, None), (4, 2, 8, None), (4, 3, 12, None), (4, 2, 10, 10),

@@ -13,7 +13,6 @@ import os
 import signal
 import statistics
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -27,8 +26,6 @@ from planner.validate import framework_run as fr
 from planner.validate import launch
 
 DATA = Path(__file__).resolve().parent / "data" / "logs"
-SHARED = Path(os.environ.get("PLAN3D_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
-MEGATRON_TARBALL = SHARED / "consumers" / "megatron-lm-core_v0.16.1.tar.gz"
 GIB, MIB = 2**30, 2**20
 
 
@@ -272,13 +269,8 @@ def test_megatron_launch_passes_steps_and_log_options(stand_in, tmp_path):
     assert any(ln.startswith("rank 4 (stage 1): max_memory_allocated 54.000 GiB") for ln in lines)
 
 
-def test_megatron_accepts_the_run_options(tmp_path, monkeypatch):
+def test_megatron_accepts_the_run_options(megatron_lm_root, tmp_path, monkeypatch):
     """Megatron-LM core_v0.16.1's own parse_args on the options the run adds."""
-    if not MEGATRON_TARBALL.is_file():
-        pytest.skip(f"{MEGATRON_TARBALL} is absent (../shared is laid only on the project's machines)")
-    with tarfile.open(MEGATRON_TARBALL) as tar:
-        tar.extractall(tmp_path, filter="data")
-    monkeypatch.syspath_prepend(str(tmp_path))
     try:
         import megatron.training.arguments as arguments
     except ImportError as err:
