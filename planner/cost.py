@@ -900,16 +900,9 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                  for r in range(plan.pp))
 
 
-@functools.lru_cache(maxsize=8192)
-def _stage_moe_counts(model: ModelSpec, pp: int, vpp: int, layers_per_stage) -> tuple[int, ...]:
-    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1,
-                                 layers_per_stage=layers_per_stage)
-    return probe.stage_moe_layers(model)
-
-
 def stage_moe_counts(model: ModelSpec, plan: Plan) -> tuple[int, ...]:
-    """``plan.stage_moe_layers(model)``, cached on what it depends on (the search asks it per shape)."""
-    return _stage_moe_counts(model, plan.pp, plan.vpp, plan.layers_per_stage)
+    """``plan.stage_moe_layers(model)`` (cached there on what it depends on)."""
+    return plan.stage_moe_layers(model)
 
 
 def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int):

@@ -23,6 +23,7 @@ names of a target framework appear only in ``planner/emit``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -691,9 +692,10 @@ class Plan(_Spec):
 
     def stage_moe_layers(self, model: ModelSpec) -> tuple[int, ...]:
         """MoE layers on each pipeline rank (dense-first layers, ``first_k_dense``, are not counted)."""
-        chunks, starts = self.chunk_layers(model.num_layers), self.chunk_starts(model.num_layers)
-        return tuple(sum(sum(model.is_moe_layer(i) for i in range(s, s + n)) for s, n in zip(starts[r], chunks[r]))
-                     for r in range(self.pp))
+        if not model.is_moe:
+            return (0,) * self.pp
+        return _stage_moe_layers(self.pp, self.vpp, self.stage_layers(model.num_layers), model.num_layers,
+                                 model.first_k_dense)
 
     def label(self) -> str:
         """Short identifier used in file names, e.g. ``tp8-pp4-dp16_mbs1``."""
@@ -704,6 +706,16 @@ class Plan(_Spec):
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp is not None and self.etp != self.tp else []
         return "-".join(parts) + f"_mbs{self.micro_batch_size}"
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_moe_layers(pp: int, vpp: int, stage_layers: tuple[int, ...], num_layers: int, first_k_dense: int
+                      ) -> tuple[int, ...]:
+    """MoE layers per rank: the layers of each chunk ``[start, start + n)`` at or past ``first_k_dense``
+    (cached: the search asks it for every shape and stage kind)."""
+    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=stage_layers)
+    chunks, starts = probe.chunk_layers(num_layers), probe.chunk_starts(num_layers)
+    return tuple(sum(max(0, min(n, s + n - first_k_dense)) for s, n in zip(starts[r], chunks[r])) for r in range(pp))
 
 
 def chunk_split(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> tuple[tuple[int, ...], ...]:
