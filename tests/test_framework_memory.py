@@ -67,6 +67,20 @@ def test_megatron_fp8_weight_cache():
     assert fp8.weights_bytes - bf16.weights_bytes == pytest.approx(2 * linear)
 
 
+@pytest.mark.parametrize("framework", ["megatron", "nemo"])
+def test_megatron_fp8_params_drop_the_bf16_copy(framework):
+    """--fp8-param-gather / NeMo fp8_params: each GEMM weight is a Float8Tensor in a uint8 param
+    buffer (core_v0.16.1 distributed_data_parallel.py) plus TE's fp8 transpose: 1 + 1 B per linear
+    parameter; norms stay bf16 (2 B); gradients and optimizer as without it."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    base = stage_state_bytes(LLAMA, _training(framework, precision="fp8"), plan, 1, 8)
+    st = stage_state_bytes(LLAMA, _training(framework, precision="fp8", fp8_params=True), plan, 1, 8)
+    p = _params(plan, 1)
+    linear = 8 * (layer_params_per_rank(LLAMA, 1) - 2 * LLAMA.hidden_size)
+    assert st.weights_bytes == pytest.approx(2 * (p - linear) + (1 + 1) * linear)
+    assert (st.grads_bytes, st.optimizer_bytes) == (base.grads_bytes, base.optimizer_bytes)
+
+
 def test_torchtitan_pipeline_keeps_unsharded_params_and_fp32_grads():
     """torch.distributed.pipelining + FSDP2: no reshard after backward and no gradient sync until
     perform_reduce_grad, the unsharded gradient accumulated in reduce_dtype (fp32): 2 P + 4 P/N

@@ -20,4 +20,5 @@ from planner.frameworks import FrameworkProfile
 from planner.frameworks.megatron import logits_bytes_per_element, state_bytes
 
 PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
-                           sp_gathers_inputs=False, zero_stages=(0, 1), moe_needs_sp=True)
+                           sp_gathers_inputs=False, zero_stages=(0, 1), moe_needs_sp=True,
+                           allows_fp8_params=True)
