@@ -26,7 +26,10 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   a ``torch.uint8`` param buffer ("its actual data is stored in the form of a torch uint8 tensor"),
   1 B per weight, and the distributed optimizer all-gathers fp8 into it; the gradient buffer keeps
   the parameter's nominal dtype (bf16, or fp32 with grad_reduce_in_fp32, line 147). TE keeps the
-  fp8 transpose of each weight for the backward (``Float8Tensor`` transpose cache), 1 B: 2 B per
+  fp8 transpose of each weight for the backward: ``module/linear.py`` (TE 1.x, NVIDIA/TransformerEngine
+  commit 0004dbd0) ``_Linear.backward`` takes it as ``weight.transpose(cache=ctx.is_first_microbatch
+  is not None)`` when ``primary_weights_in_fp8``, and Megatron passes ``is_first_microbatch`` unless
+  ``disable_parameter_transpose_cache`` (core_v0.16.1 ``extensions/transformer_engine.py``), 1 B: 2 B per
   GEMM weight in place of bf16 + cache's 4. Norms, embedding and output layer stay bf16. Modelled
   for ZeRO 0/1 only (Megatron-FSDP's fp8 gather is left at the bf16 bytes, the larger).
 * **Logits**: the vocab-parallel cross entropy (``tensor_parallel/cross_entropy.py``) upcasts the
