@@ -81,6 +81,24 @@ def test_megatron_fp8_params_drop_the_bf16_copy(framework):
     assert (st.grads_bytes, st.optimizer_bytes) == (base.grads_bytes, base.optimizer_bytes)
 
 
+@pytest.mark.parametrize("fp8_params", [False, True])
+def test_nemo_apex_bf16_optimizer_states(fp8_params):
+    """NeMo distributed_fused_adam with optim.dtype bf16 (Apex DistributedFusedAdam StateBucket):
+    m and v in bf16 (2 + 2 B), plus a bf16 master copy only with fp8_params (store_params), over dp."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    st = stage_state_bytes(LLAMA, _training("nemo", precision="fp8", fp8_params=fp8_params, optimizer_dtype="bf16"),
+                           plan, 1, 8)
+    assert st.optimizer_bytes == pytest.approx((6 if fp8_params else 4) * _params(plan, 1) / 16)
+
+
+def test_bf16_optimizer_states_only_where_modelled():
+    from planner.specs import job_problems
+
+    tr = _training("megatron", optimizer_dtype="bf16")
+    assert job_problems(LLAMA, H100, tr) == [
+        "optimizer_dtype: megatron as plan3d models it keeps fp32 optimizer states, not bf16; use fp32"]
+
+
 def test_torchtitan_pipeline_keeps_unsharded_params_and_fp32_grads():
     """torch.distributed.pipelining + FSDP2: no reshard after backward and no gradient sync until
     perform_reduce_grad, the unsharded gradient accumulated in reduce_dtype (fp32): 2 P + 4 P/N

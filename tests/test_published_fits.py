@@ -24,9 +24,10 @@ NEMOTRON_340B = ModelSpec(name="nemotron4-340b", **NEMOTRON["model"])
 # GBS = 2 x nodes (= 32 on the 16 nodes of 128 GPUs), model.fp8=True model.fp8_hybrid=True
 # model.sequence_parallel=True and "+model.fp8_params=${FP8_ENABLED^}" (True for the fp8 run);
 # nemotron4-340b-synth.yaml: activations_checkpoint_granularity: selective, optim
-# distributed_fused_adam with grad_sync_dtype: bf16 (NeMo megatron_base_model.py
-# setup_mcore_distributed_parallel: grad_reduce_in_fp32 = grad_sync_dtype == 'fp32').
-NEMOTRON_RECIPE = dict(precision="fp8", fp8_params=True, grad_reduce_in_bf16=True, framework="nemo")
+# distributed_fused_adam (Apex DistributedFusedAdam) with grad_sync_dtype: bf16 (its gradient buckets
+# in bf16) and dtype: bf16 (its Adam states in bf16; planner/frameworks/nemo.py).
+NEMOTRON_RECIPE = dict(precision="fp8", fp8_params=True, grad_reduce_in_bf16=True, optimizer_dtype="bf16",
+                       framework="nemo")
 NEMOTRON_PLAN = Plan(tp=8, pp=8, dp=2, vpp=12, micro_batch_size=1, sequence_parallel=True, zero_stage=1,
                      recompute="selective")
 
@@ -48,7 +49,7 @@ def test_nemotron4_340b_nemo_fp8_recipe_fits():
 
 def test_nemotron4_340b_without_pipeline_cannot_fit():
     """The same model on TP8 x DP16 without a pipeline: each GPU holds 1/8 of 341B parameters, over
-    42B, whose fp8 weights and transposes alone (2 B each) and bf16 gradients (2 B) pass 80 GB."""
+    42B, whose fp8 weights and transposes (2 B each) and bf16 gradients (2 B) alone pass 80 GB."""
     tr = _nemotron_training()
     est = estimate_memory(NEMOTRON_340B, H100, tr, Plan(tp=8, pp=1, dp=16, micro_batch_size=1,
                                                         sequence_parallel=True, zero_stage=1,
@@ -63,6 +64,7 @@ def test_fp8_params_are_refused_where_not_modelled():
     assert job_problems(NEMOTRON_340B, H100, bf16) == [
         "fp8_params: fp8 weights need precision fp8 (Megatron --fp8-param-gather), not bf16; "
         "set precision fp8 or drop fp8_params"]
-    tt = _nemotron_training(framework="torchtitan")
+    tt = _nemotron_training(framework="torchtitan", optimizer_dtype="fp32")
     assert job_problems(NEMOTRON_340B, H100, tt) == [
         "fp8_params: torchtitan as plan3d models it keeps bf16 weights; drop fp8_params"]
+
