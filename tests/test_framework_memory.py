@@ -99,6 +99,24 @@ def test_bf16_optimizer_states_only_where_modelled():
         "optimizer_dtype: megatron as plan3d models it keeps fp32 optimizer states, not bf16; use fp32"]
 
 
+def test_fp8_param_gather_read_from_a_launch_file_and_emitted():
+    """A Megatron-LM launch with --fp8-param-gather (tests/data/launch, in the style of Megatron-LM's
+    examples/llama/train_llama3_8b_h100_fp8.sh) is read as fp8_params; the emitter writes the flag
+    back, and refuses it without the distributed optimizer (core_v0.16.1 arguments.py: "--fp8-param-gather
+    only supported with distributed optimizer, ...")."""
+    from planner.check import check_file_branches
+    from planner.emit.megatron import megatron_flags
+    from planner.presets import SpecError
+
+    (r,) = check_file_branches(Path(__file__).parent / "data" / "launch" / "megatron_llama3_8b_fp8.sh",
+                               load_hardware("h200-141gb"), None, None)
+    assert r.scenario.training.fp8_params and r.scenario.training.precision == "fp8"
+    assert ("--fp8-param-gather", None) in megatron_flags(r.scenario)
+    z0 = r.scenario.model_copy(update={"plan": r.scenario.plan.model_copy(update={"zero_stage": 0})})
+    with pytest.raises(SpecError, match="fp8_params needs the distributed optimizer"):
+        megatron_flags(z0)
+
+
 def test_torchtitan_pipeline_keeps_unsharded_params_and_fp32_grads():
     """torch.distributed.pipelining + FSDP2: no reshard after backward and no gradient sync until
     perform_reduce_grad, the unsharded gradient accumulated in reduce_dtype (fp32): 2 P + 4 P/N

@@ -31,7 +31,9 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   is not None)`` when ``primary_weights_in_fp8``, and Megatron passes ``is_first_microbatch`` unless
   ``disable_parameter_transpose_cache`` (core_v0.16.1 ``extensions/transformer_engine.py``), 1 B: 2 B per
   GEMM weight in place of bf16 + cache's 4. Norms, embedding and output layer stay bf16. Modelled
-  for ZeRO 0/1 only (Megatron-FSDP's fp8 gather is left at the bf16 bytes, the larger).
+  with the distributed optimizer (ZeRO 1) only: Megatron refuses ``--fp8-param-gather`` without it
+  (``training/arguments.py`` line 655), and Megatron-FSDP's fp8 gather is left at the bf16 bytes,
+  the larger.
 * **Logits**: the vocab-parallel cross entropy (``tensor_parallel/cross_entropy.py``) upcasts the
   bf16 logits to fp32 in place of a copy: 2 + 4 B per logit live together (``planner.memory``
   contradiction 5).
@@ -84,7 +86,7 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     weights = min(dense * w + expert_params * we + w_work, stage_params * per_param[0])
     if training.precision in WEIGHT_CACHE_BYTES:
         linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
-        if training.fp8_params and plan.zero_stage <= 1:
+        if training.fp8_params and plan.zero_stage == 1:
             # the GEMM weights are TE Float8Tensors in a uint8 param buffer: 1 B in place of the bf16
             # 2 B, and TE keeps only their fp8 transpose (1 B) for the backward (module docstring)
             weights += (FP8_PARAM_BYTES - per_param[0] + FP8_PARAM_TRANSPOSE_BYTES) * linear
