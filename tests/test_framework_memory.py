@@ -115,6 +115,10 @@ def test_fp8_param_gather_read_from_a_launch_file_and_emitted():
     z0 = r.scenario.model_copy(update={"plan": r.scenario.plan.model_copy(update={"zero_stage": 0})})
     with pytest.raises(SpecError, match="fp8_params needs the distributed optimizer"):
         megatron_flags(z0)
+    apex = r.scenario.model_copy(update={"training": r.scenario.training.model_copy(
+        update={"framework": "nemo", "optimizer_dtype": "bf16"})})
+    with pytest.raises(SpecError, match="optimizer_dtype bf16 is NeMo's Apex"):
+        megatron_flags(apex)  # a Megatron-LM launch would hold fp32 Adam states the estimate left out
 
 
 def test_torchtitan_pipeline_keeps_unsharded_params_and_fp32_grads():
