@@ -582,6 +582,17 @@ class TrainingSpec(_Spec):
         default=False,
         description="Keep and reduce gradients in 16 bits (Megatron --grad-reduce-in-bf16; fp16 training "
                     "in 2021); default fp32 main grads.")
+    fp8_params: bool = Field(
+        default=False,
+        description="Keep the GEMM weights in fp8, with no bf16 copy (Megatron --fp8-param-gather, NeMo "
+                    "fp8_params / transformer_engine.pytorch.fp8_model_init); needs precision fp8 and the "
+                    "megatron or nemo framework (planner/frameworks/megatron.py).")
+    optimizer_dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="Adam state dtype. fp32: Megatron's distributed optimizer (fp32 master copy, m, v). "
+                    "bf16: NeMo's Apex DistributedFusedAdam with optim.name distributed_fused_adam and "
+                    "optim.dtype bf16 (m and v in bf16, a bf16 master copy only with fp8_params); nemo only "
+                    "(planner/frameworks/nemo.py).")
     moe_token_dispatcher: Literal["alltoall", "deepep"] = Field(
         default="alltoall",
         description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, the default) or "
@@ -748,7 +759,8 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
             errors.append(str(err))
     from planner.frameworks import get as framework_profile
 
-    return errors + framework_profile(training.framework).job_problems(training.precision)
+    return errors + framework_profile(training.framework).job_problems(training.precision, training.fp8_params,
+                                                                        training.optimizer_dtype)
 
 
 def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, plan: Plan) -> list[str]:

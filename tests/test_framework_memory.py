@@ -67,6 +67,60 @@ def test_megatron_fp8_weight_cache():
     assert fp8.weights_bytes - bf16.weights_bytes == pytest.approx(2 * linear)
 
 
+@pytest.mark.parametrize("framework", ["megatron", "nemo"])
+def test_megatron_fp8_params_drop_the_bf16_copy(framework):
+    """--fp8-param-gather / NeMo fp8_params: each GEMM weight is a Float8Tensor in a uint8 param
+    buffer (core_v0.16.1 distributed_data_parallel.py) plus TE's fp8 transpose: 1 + 1 B per linear
+    parameter; norms stay bf16 (2 B); gradients and optimizer as without it."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    base = stage_state_bytes(LLAMA, _training(framework, precision="fp8"), plan, 1, 8)
+    st = stage_state_bytes(LLAMA, _training(framework, precision="fp8", fp8_params=True), plan, 1, 8)
+    p = _params(plan, 1)
+    linear = 8 * (layer_params_per_rank(LLAMA, 1) - 2 * LLAMA.hidden_size)
+    assert st.weights_bytes == pytest.approx(2 * (p - linear) + (1 + 1) * linear)
+    assert (st.grads_bytes, st.optimizer_bytes) == (base.grads_bytes, base.optimizer_bytes)
+
+
+@pytest.mark.parametrize("fp8_params", [False, True])
+def test_nemo_apex_bf16_optimizer_states(fp8_params):
+    """NeMo distributed_fused_adam with optim.dtype bf16 (Apex DistributedFusedAdam StateBucket):
+    m and v in bf16 (2 + 2 B), plus a bf16 master copy only with fp8_params (store_params), over dp."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    st = stage_state_bytes(LLAMA, _training("nemo", precision="fp8", fp8_params=fp8_params, optimizer_dtype="bf16"),
+                           plan, 1, 8)
+    assert st.optimizer_bytes == pytest.approx((6 if fp8_params else 4) * _params(plan, 1) / 16)
+
+
+def test_bf16_optimizer_states_only_where_modelled():
+    from planner.specs import job_problems
+
+    tr = _training("megatron", optimizer_dtype="bf16")
+    assert job_problems(LLAMA, H100, tr) == [
+        "optimizer_dtype: megatron as plan3d models it keeps fp32 optimizer states, not bf16; use fp32"]
+
+
+def test_fp8_param_gather_read_from_a_launch_file_and_emitted():
+    """A Megatron-LM launch with --fp8-param-gather (tests/data/launch, in the style of Megatron-LM's
+    examples/llama/train_llama3_8b_h100_fp8.sh) is read as fp8_params; the emitter writes the flag
+    back, and refuses it without the distributed optimizer (core_v0.16.1 arguments.py: "--fp8-param-gather
+    only supported with distributed optimizer, ...")."""
+    from planner.check import check_file_branches
+    from planner.emit.megatron import megatron_flags
+    from planner.presets import SpecError
+
+    (r,) = check_file_branches(Path(__file__).parent / "data" / "launch" / "megatron_llama3_8b_fp8.sh",
+                               load_hardware("h200-141gb"), None, None)
+    assert r.scenario.training.fp8_params and r.scenario.training.precision == "fp8"
+    assert ("--fp8-param-gather", None) in megatron_flags(r.scenario)
+    z0 = r.scenario.model_copy(update={"plan": r.scenario.plan.model_copy(update={"zero_stage": 0})})
+    with pytest.raises(SpecError, match="fp8_params needs the distributed optimizer"):
+        megatron_flags(z0)
+    apex = r.scenario.model_copy(update={"training": r.scenario.training.model_copy(
+        update={"framework": "nemo", "optimizer_dtype": "bf16"})})
+    with pytest.raises(SpecError, match="optimizer_dtype bf16 is NeMo's Apex"):
+        megatron_flags(apex)  # a Megatron-LM launch would hold fp32 Adam states the estimate left out
+
+
 def test_torchtitan_pipeline_keeps_unsharded_params_and_fp32_grads():
     """torch.distributed.pipelining + FSDP2: no reshard after backward and no gradient sync until
     perform_reduce_grad, the unsharded gradient accumulated in reduce_dtype (fp32): 2 P + 4 P/N

@@ -282,6 +282,14 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
             flags.append(("--overlap-param-gather", None))
     if tr.grad_reduce_in_bf16:
         flags.append(("--grad-reduce-in-bf16", None))
+    if tr.optimizer_dtype != "fp32":  # the memory estimate assumed NeMo's Apex optimizer (planner/frameworks/nemo.py)
+        raise SpecError(f"--emit megatron: optimizer_dtype {tr.optimizer_dtype} is NeMo's Apex DistributedFusedAdam; "
+                        "Megatron-LM's distributed optimizer keeps fp32 states; use optimizer_dtype fp32")
+    if tr.fp8_params:  # fp8 weights, no bf16 copy (planner/frameworks/megatron.py)
+        if p.zero_stage < 1:  # core_v0.16.1 arguments.py: "--fp8-param-gather only supported with distributed optimizer, ..."
+            raise SpecError("--emit megatron: fp8_params needs the distributed optimizer (Megatron --fp8-param-gather); "
+                            f"use zero_stage 1 (plan has {p.zero_stage}) or drop fp8_params")
+        flags.append(("--fp8-param-gather", None))
     flags += overlap_flags(sc)
     return flags
 

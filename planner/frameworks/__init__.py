@@ -57,6 +57,8 @@ class FrameworkProfile:
     allows_heavier_ends: bool = True  # uneven splits may give the first/last stage *more* layers
     allows_uneven_interleaved: bool = True  # uneven stages together with vpp > 1
     allows_fp8: bool = True
+    allows_fp8_params: bool = False  # fp8 GEMM weights with no bf16 copy (Megatron --fp8-param-gather)
+    optimizer_dtypes: tuple[str, ...] = ("fp32",)  # Adam state dtypes modelled (TrainingSpec.optimizer_dtype)
     # --- mixture of experts (planner.memory, docs/moe.md) ---
     allows_ep: bool = True  # expert parallelism (ep > 1) as plan3d emits this framework
     # which expert-TP degrees the framework builds: "free" (Megatron's --expert-tensor-parallel-size),
@@ -79,10 +81,21 @@ class FrameworkProfile:
             return False
         return self.allows_uneven and (self.allows_heavier_ends or max(first, last) <= middle)
 
-    def job_problems(self, precision: str) -> list[str]:
+    def job_problems(self, precision: str, fp8_params: bool = False, optimizer_dtype: str = "fp32") -> list[str]:
         """What of the job (whatever the plan) this framework cannot run."""
+        if optimizer_dtype not in self.optimizer_dtypes:
+            return [f"optimizer_dtype: {self.name} as plan3d models it keeps {'/'.join(self.optimizer_dtypes)} "
+                    f"optimizer states, not {optimizer_dtype}; use {self.optimizer_dtypes[0]}"]
+        if optimizer_dtype != "fp32" and precision == "fp32":
+            return [f"optimizer_dtype: {optimizer_dtype} optimizer states go with mixed precision, not fp32 training; "
+                    "use fp32"]
         if precision in ("fp8", "mxfp8", "nvfp4") and not self.allows_fp8:
             return [f"precision: {self.name} as plan3d emits it has no {precision} recipe; use bf16"]
+        if fp8_params and not self.allows_fp8_params:
+            return [f"fp8_params: {self.name} as plan3d models it keeps bf16 weights; drop fp8_params"]
+        if fp8_params and precision != "fp8":
+            return [f"fp8_params: fp8 weights need precision fp8 (Megatron --fp8-param-gather), not {precision}; "
+                    "set precision fp8 or drop fp8_params"]
         return []
 
     def plan_problems(self, plan, model=None) -> list[str]:

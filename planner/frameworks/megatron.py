@@ -20,6 +20,20 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   fp8 weight and its transpose across micro-batches (``transformer_engine/pytorch/module/linear.py``
   ``get_weight_workspace(cache_name="weight")`` when Megatron passes ``is_first_microbatch``):
   +2 B per linear-layer parameter.
+* **fp8 parameters** (``--fp8-param-gather``, NeMo ``fp8_params``, ``TrainingSpec.fp8_params``): the
+  model is built under TE's ``fp8_model_init``, so each GEMM weight is a ``Float8Tensor`` and no bf16
+  copy exists. ``distributed_data_parallel.py`` (core_v0.16.1, lines 138-146) puts such parameters in
+  a ``torch.uint8`` param buffer ("its actual data is stored in the form of a torch uint8 tensor"),
+  1 B per weight, and the distributed optimizer all-gathers fp8 into it; the gradient buffer keeps
+  the parameter's nominal dtype (bf16, or fp32 with grad_reduce_in_fp32, line 147). TE keeps the
+  fp8 transpose of each weight for the backward: ``module/linear.py`` (TE 1.x, NVIDIA/TransformerEngine
+  commit 0004dbd0) ``_Linear.backward`` takes it as ``weight.transpose(cache=ctx.is_first_microbatch
+  is not None)`` when ``primary_weights_in_fp8``, and Megatron passes ``is_first_microbatch`` unless
+  ``disable_parameter_transpose_cache`` (core_v0.16.1 ``extensions/transformer_engine.py``), 1 B: 2 B per
+  GEMM weight in place of bf16 + cache's 4. Norms, embedding and output layer stay bf16. Modelled
+  with the distributed optimizer (ZeRO 1) only: Megatron refuses ``--fp8-param-gather`` without it
+  (``training/arguments.py`` line 655), and Megatron-FSDP's fp8 gather is left at the bf16 bytes,
+  the larger.
 * **Logits**: the vocab-parallel cross entropy (``tensor_parallel/cross_entropy.py``) upcasts the
   bf16 logits to fp32 in place of a copy: 2 + 4 B per logit live together (``planner.memory``
   contradiction 5).
@@ -34,6 +48,11 @@ FP8_WEIGHT_CACHE_BYTES = 2  # TE fp8 weight + fp8 transpose, 1 B each (module do
 #: block-scaled directions with their E8M0 scales (1/32 B each); nvfp4 both directions at 0.5 B with
 #: E4M3 scales per 16 (NVFP4 weights use 16x16 2D blocks, arXiv:2509.25149, so about 1/256 B: left out).
 WEIGHT_CACHE_BYTES = {"fp8": FP8_WEIGHT_CACHE_BYTES, "mxfp8": 2 + 2 / 32, "nvfp4": 1.0}
+#: ``fp8_params`` (Megatron --fp8-param-gather, NeMo fp8_params; module docstring): the fp8 weight itself
+#: (core_v0.16.1 distributed_data_parallel.py builds the param buffer of Float8Tensor params in torch.uint8)
+#: and the fp8 transpose TE keeps beside it for the dgrad GEMM (Hopper fp8 GEMMs take TN layouts only).
+FP8_PARAM_BYTES = 1
+FP8_PARAM_TRANSPOSE_BYTES = 1
 LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
 
 
@@ -67,7 +86,12 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     weights = min(dense * w + expert_params * we + w_work, stage_params * per_param[0])
     if training.precision in WEIGHT_CACHE_BYTES:
         linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
-        weights += WEIGHT_CACHE_BYTES[training.precision] * linear
+        if training.fp8_params and plan.zero_stage == 1:
+            # the GEMM weights are TE Float8Tensors in a uint8 param buffer: 1 B in place of the bf16
+            # 2 B, and TE keeps only their fp8 transpose (1 B) for the backward (module docstring)
+            weights += (FP8_PARAM_BYTES - per_param[0] + FP8_PARAM_TRANSPOSE_BYTES) * linear
+        else:
+            weights += WEIGHT_CACHE_BYTES[training.precision] * linear
     return StateBytes(weights_bytes=weights,
                       grads_bytes=min(dense * g + expert_params * ge + g_work, stage_params * per_param[1]),
                       optimizer_bytes=dense * o + expert_params * oe)
@@ -82,4 +106,4 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            sp_gathers_inputs=False,
                            # core_v0.16.1 moe/moe_layer.py::MoELayer.forward raises in training when the attention
                            # TP group is > 1 without sequence parallelism
-                           moe_needs_sp=True)
+                           moe_needs_sp=True, allows_fp8_params=True)

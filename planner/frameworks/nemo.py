@@ -10,14 +10,56 @@ What differs is the defaults a NeMo recipe sets, not the code that holds the mem
   (``nemo/collections/llm/recipes/optim/adam.py``): ZeRO-1;
 * fp8 through Transformer Engine, with TE's fp8 weight cache (see ``planner.frameworks.megatron``).
 
+* ``optimizer_dtype="bf16"``: NeMo 1's ``optim.name: distributed_fused_adam`` is Apex's
+  ``DistributedFusedAdam`` (``nemo/core/optim/distributed_adam.py``, ``MegatronDistributedFusedAdam``),
+  whose ``StateBucket`` (``apex/contrib/optimizers/distributed_fused_adam.py``) allocates
+  ``exp_avg_shard`` and ``exp_avg_sq_shard`` of ``shard_size`` (bucket / distributed group) in the
+  optimizer ``dtype``, and ``params_shard`` in that dtype only with ``store_params``. NeMo's
+  ``MegatronBaseModel.setup_optimization`` (``nemo/collections/nlp/models/language_modeling/
+  megatron_base_model.py``) takes ``dtype`` from ``optim.dtype`` and sets
+  ``store_params=True`` when ``fp8_params`` (the fp8 weights cannot serve as master), else
+  ``store_params=False`` when the optimizer dtype equals the model's (bf16 with
+  ``megatron_amp_O2``). So with ``optim.dtype: bf16``: 2 + 2 (+ 2 with fp8_params) B per parameter,
+  over dp x cp (``process_group = get_data_parallel_group(with_context_parallel=True)``), in place
+  of Megatron's 12. NVIDIA's Nemotron-4 340B recipe sets it (dgxc-benchmarking
+  ``nemotron/nemotron4-340b-synth.yaml``). Apex's gradient buckets are in ``grad_sync_dtype``
+  (``grad_reduce_in_bf16``, as Megatron's buffer); its transient per-bucket shard buffers
+  (``bucket_cap_mb``, ``pipeline_size`` = 2 buckets at a time) are left out. Apex shards
+  regardless of the plan's ZeRO stage; at ZeRO 0 the bytes are counted unsharded (the larger).
+
 The search limits are Megatron's distributed optimizer and no Megatron-FSDP (ZeRO 0 and 1):
 NeMo's recipes run Megatron's ``DistributedDataParallel``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.frameworks import FrameworkProfile
-from planner.frameworks.megatron import logits_bytes_per_element, state_bytes
+from planner.frameworks.megatron import logits_bytes_per_element
+from planner.frameworks.megatron import state_bytes as megatron_state_bytes
+
+#: Apex DistributedFusedAdam states per parameter with optim.dtype bf16 (module docstring): m, v.
+BF16_ADAM_MOMENTS_BYTES = 2 + 2
+#: and the bf16 master copy (``store_params``), which NeMo keeps only with fp8 parameters.
+BF16_ADAM_MASTER_BYTES = 2
+
+
+def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
+                expert_params: float = 0.0, linear_params: float | None = None):
+    """Megatron-Core's states (``planner.frameworks.megatron.state_bytes``); with
+    ``optimizer_dtype="bf16"`` the optimizer shards are Apex DistributedFusedAdam's bf16 states
+    (module docstring), sharded over the same data-parallel groups as Megatron's."""
+    st = megatron_state_bytes(model, training, plan, stage_params, layer_params, layers,
+                              expert_params=expert_params, linear_params=linear_params)
+    if training.optimizer_dtype != "bf16":
+        return st
+    per_param = BF16_ADAM_MOMENTS_BYTES + (BF16_ADAM_MASTER_BYTES if training.fp8_params else 0)
+    from planner.memory import OPTIMIZER_BYTES
+
+    return replace(st, optimizer_bytes=st.optimizer_bytes * per_param / OPTIMIZER_BYTES)
+
 
 PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
-                           sp_gathers_inputs=False, zero_stages=(0, 1), moe_needs_sp=True)
+                           sp_gathers_inputs=False, zero_stages=(0, 1), moe_needs_sp=True,
+                           allows_fp8_params=True, optimizer_dtypes=("fp32", "bf16"))
