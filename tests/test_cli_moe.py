@@ -47,3 +47,18 @@ def test_estimate_reports_ep_and_options_are_checked():
     assert p.returncode == 2 and "num_experts(8) is not divisible by ep(3)" in p.stderr
     p = plan3d("search", "--model", "tiny-moe", *job, "--moe-dispatcher", "nccl")
     assert p.returncode == 2 and "--moe-dispatcher: 'nccl' is not one of alltoall, deepep" in p.stderr
+
+
+def test_state_options_reach_the_estimate():
+    """--grad-reduce-in-bf16, --fp8-params, --optimizer-dtype: NVIDIA's Nemotron-4 340B recipe settings
+    (tests/test_published_fits.py has the citations) bring its plan under the usable memory."""
+    job = ["--model", "llama3-70b", "--hardware", "h100-sxm-80gb", "--gpus", "64", "--global-batch", "64",
+           "--seq-len", "4096", "--tp", "8", "--pp", "4", "--sequence-parallel", "--zero-stage", "1",
+           "--precision", "fp8", "--framework", "nemo", "--json"]
+    base = json.loads(plan3d("estimate", *job).stdout)["memory"]["stages"][0]
+    p = plan3d("estimate", *job, "--grad-reduce-in-bf16", "--fp8-params", "--optimizer-dtype", "bf16")
+    lean = json.loads(p.stdout)["memory"]["stages"][0]
+    assert lean["grads_gib"] < base["grads_gib"] and lean["weights_gib"] < base["weights_gib"]
+    assert lean["optimizer_gib"] < base["optimizer_gib"]
+    p = plan3d("estimate", *job, "--optimizer-dtype", "fp16")
+    assert p.returncode == 2 and "--optimizer-dtype: 'fp16' is not one of fp32, bf16" in p.stderr

@@ -337,3 +337,17 @@ def test_param_gather_hides_under_the_next_forward_not_the_backward():
     expected = overlapped_s(rs, st.bwd, c) + overlapped_s(ag, st.fwd, c)
     assert t.breakdown["dp_comm_exposed"] == pytest.approx(expected)
     assert ag > st.fwd and rs > st.bwd  # the case is communication-bound: both parts are partly exposed
+
+
+def test_fp8_params_all_gather_one_byte_per_weight():
+    """--fp8-param-gather: the distributed optimizer all-gathers fp8 weights (1 B), not bf16 (2 B)."""
+    from planner.cost import dp_sync_parts_s
+
+    hw, model = load_hardware("h100-sxm-80gb"), load_model("llama3-8b")
+    plan = Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=1)
+    bf16 = TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=4096, precision="fp8")
+    fp8 = bf16.model_copy(update={"fp8_params": True})
+    _, gather_bf16 = dp_sync_parts_s(model, hw, bf16, plan, 0, 32)
+    grads_fp8, gather_fp8 = dp_sync_parts_s(model, hw, fp8, plan, 0, 32)
+    assert grads_fp8 == dp_sync_parts_s(model, hw, bf16, plan, 0, 32)[0]
+    assert gather_fp8 < gather_bf16 and gather_fp8 == pytest.approx(gather_bf16 / 2, rel=0.02)  # alpha terms aside

@@ -109,6 +109,14 @@ def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imb
     return given(moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap, moe_load_imbalance=load_imbalance)
 
 
+def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool], optimizer_dtype: Optional[str]
+                  ) -> dict:
+    """How the framework holds gradients, weights and optimizer states, as TrainingSpec fields (unset left out)."""
+    if optimizer_dtype is not None and optimizer_dtype not in ("fp32", "bf16"):
+        raise SpecError(f"--optimizer-dtype: '{optimizer_dtype}' is not one of fp32, bf16")
+    return given(grad_reduce_in_bf16=grad_reduce_in_bf16, fp8_params=fp8_params, optimizer_dtype=optimizer_dtype)
+
+
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],
                      attention: Optional[str], overlap_grad_reduce: Optional[bool] = None,
                      framework: Optional[str] = None, tp_comm_overlap: Optional[bool] = None,

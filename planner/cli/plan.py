@@ -7,12 +7,13 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt,
+    OptimizerDtypeOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
     app, console, handle_errors, spinner,
 )
-from planner.cli.inputs import job_from_options, moe_options, parse_layers_per_stage, scenario_from_options
+from planner.cli.inputs import job_from_options, moe_options, parse_layers_per_stage, scenario_from_options, state_options
 from planner.errors import SpecError
 
 
@@ -30,6 +31,7 @@ def estimate(
     zero_stage: ZeroOpt = None, layers_per_stage: LayersOpt = None, microbatch_group_size: GroupOpt = None,
     ep: EpOpt = None, etp: EtpOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
+    grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Memory per pipeline stage, FLOPs and step time of one plan. Exit 0 fits, 1 does not fit, 2 bad input."""
@@ -44,7 +46,8 @@ def estimate(
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage,
                                layers_per_stage=parse_layers_per_stage(layers_per_stage),
                                microbatch_group_size=microbatch_group_size, ep=ep, etp=etp,
-                               moe=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance))
+                               moe=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance)
+                               | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype))
     est = run_estimate(sc)
     if json_out:
         render.print_json(est.to_dict())
@@ -74,6 +77,7 @@ def search(
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None, ep: EpOpt = None, etp: EtpOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
+    grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, max=50, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
@@ -101,7 +105,8 @@ def search(
     spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision,
                                                      attention, overlap_grad_reduce, framework, tp_comm_overlap,
                                                      overlap_p2p_comm,
-                                                     moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance))
+                                                     moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance)
+                                                     | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype))
     _check_pins(spec_hw, tp)
     if not spec_model.is_moe and (ep not in (None, 1) or etp is not None):
         raise SpecError(f"{'--ep' if ep not in (None, 1) else '--etp'}: applies to mixture-of-experts models; "
