@@ -911,8 +911,11 @@ def schedule_bubble_s(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total
     out = np.empty(f.shape)
     for ix in np.ndindex(f.shape):
         # a round to 0.1 ns keeps the simulator's cache useful when the search asks alike options
-        out[ix] = schedules.bubble_s(schedule, pp, vpp, int(m_b[ix]), round(float(f[ix]), 10),
-                                     round(float(i[ix]), 10), round(float(w[ix]), 10), 0.0, fam)
+        try:
+            out[ix] = schedules.bubble_s(schedule, pp, vpp, int(m_b[ix]), round(float(f[ix]), 10),
+                                         round(float(i[ix]), 10), round(float(w[ix]), 10), 0.0, fam)
+        except ValueError:  # a micro-batch count the schedule refuses (schedule_problems says why)
+            out[ix] = np.inf
     return out
 
 

@@ -13,7 +13,7 @@ from planner.memory import MemoryEstimate, estimate_memory
 from planner.specs import Scenario
 
 PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute",
-             "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep", "etp")
+             "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep", "etp", "pipeline_schedule")
 
 
 @dataclass(frozen=True)
