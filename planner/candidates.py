@@ -217,6 +217,21 @@ def schedule_splits(split: StageSplit, framework: str, pins: Pins) -> list[Stage
     return [x for x in out if pins.pipeline_schedule is None or x.resolved_schedule == pins.pipeline_schedule]
 
 
+def schedule_pin_problems(framework: str, schedule: str | None) -> str | None:
+    """One line when ``--pipeline-schedule`` pins a schedule ``framework`` does not run (the search would
+    find nothing), else None (``schedules.FRAMEWORK_SCHEDULES``)."""
+    from planner.schedules import FRAMEWORK_SCHEDULES, SCHEDULES
+
+    if schedule is None:
+        return None
+    if schedule not in SCHEDULES:
+        return f"--pipeline-schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}"
+    runs = FRAMEWORK_SCHEDULES.get(framework, SCHEDULES)
+    if schedule not in runs:
+        return f"--pipeline-schedule: {framework} does not run {schedule}; it runs {', '.join(runs)}"
+    return None
+
+
 def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tuple[str, bool]]:
     """(recompute, sequence_parallel) pairs for a given tp. A MoE model with tp > 1 needs sequence
     parallelism (Megatron-Core ``moe_layer.py`` refuses MoE + TP without it in training)."""
