@@ -197,22 +197,24 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
 
 
 ZB_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+MAX_ZB_VPP = 4  # interleaved_zb is searched with vpp up to this (beyond: `plan3d estimate --pipeline-schedule`)
 
 
 def schedule_splits(split: StageSplit, framework: str, pins: Pins) -> list[StageSplit]:
     """``split`` with each pipeline schedule ``framework`` runs (``schedules.FRAMEWORK_SCHEDULES``) that fits it:
-    the plain one (``schedule=None``: 1F1B, or interleaved with vpp > 1) and the zero-bubble ones, where the
-    chunk count is right (zbv and dualpipev: 2 per rank, on an even split, the V layout being modelled for
-    even stages only; interleaved_zb: any). ``schedules.schedule_problems`` checks the rest per micro-batch
+    the plain one (``schedule=None``: 1F1B, or interleaved with vpp > 1) and the zero-bubble ones on even
+    splits (the V layout is modelled for even stages only, and each zero-bubble bubble is simulated, so the
+    search keeps to even splits for all three), where the chunk count is right (zbv and dualpipev: 2 per
+    rank; interleaved_zb: vpp up to ``MAX_ZB_VPP``). ``schedules.schedule_problems`` checks the rest per micro-batch
     count. The pin ``pipeline_schedule`` keeps only that schedule."""
     from planner.schedules import FRAMEWORK_SCHEDULES
 
     runs = FRAMEWORK_SCHEDULES.get(framework, ())
     out = [split] if split.resolved_schedule in runs or split.pp == 1 else []
-    if split.pp > 1:
-        even = split.first == split.middle == split.last
-        for s in ZB_SCHEDULES:
-            if s in runs and (s == "interleaved_zb" or (split.vpp == 2 and even)):
+    even = split.first == split.middle == split.last
+    if split.pp > 1 and even:  # each zero-bubble bubble is simulated (cost.schedule_bubble_s): even splits only,
+        for s in ZB_SCHEDULES:  # and interleaved_zb with vpp <= MAX_ZB_VPP, keep the table build in seconds
+            if s in runs and ((s == "interleaved_zb" and split.vpp <= MAX_ZB_VPP) or split.vpp == 2):
                 out.append(StageSplit(split.pp, split.vpp, split.first, split.middle, split.last, s))
     return [x for x in out if pins.pipeline_schedule is None or x.resolved_schedule == pins.pipeline_schedule]
 

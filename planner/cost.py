@@ -896,7 +896,8 @@ def schedule_bubble_s(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total
     recompute, exposed TP/CP/EP communication). P2P is already in ``total_s`` (``stage_terms``), so the
     schedule is timed with ``hop_s = 0``. The published closed form where one holds
     (``schedules.bubble_closed_form_s``: ZB-H1, Qi et al. 2024 arXiv:2401.10241 section 2.1), else the
-    action lists run against each other (``schedules.bubble_s``, cached on its arguments)."""
+    action lists run against each other (:func:`simulated_bubble_s`: ``schedules.bubble_s``'s rules, over all
+    options of one micro-batch count at once)."""
     from planner import schedules
 
     nv = schedules.chunks_per_rank(schedule, vpp)
@@ -908,15 +909,82 @@ def schedule_bubble_s(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total
     if closed is not None:
         return np.asarray(closed, dtype=float)
     fam = "deepspeed" if family == "deepspeed" else "torch"
-    out = np.empty(f.shape)
-    for ix in np.ndindex(f.shape):
-        # a round to 0.1 ns keeps the simulator's cache useful when the search asks alike options
+    out = np.full(f.shape, np.inf)  # inf: not asked (m < 1: the search's illegal or non-fitting combinations)
+    for mv in np.unique(m_b[m_b >= 1]):  # one run of the action lists per micro-batch count, over all options
+        sel = m_b == mv
         try:
-            out[ix] = schedules.bubble_s(schedule, pp, vpp, int(m_b[ix]), round(float(f[ix]), 10),
-                                         round(float(i[ix]), 10), round(float(w[ix]), 10), 0.0, fam)
+            out[sel] = simulated_bubble_s(schedule, pp, vpp, int(mv), f[sel], i[sel], w[sel], fam)
         except ValueError:  # a micro-batch count the schedule refuses (schedule_problems says why)
-            out[ix] = np.inf
+            pass
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_program(schedule: str, p: int, v: int, m: int, family: str):
+    """The action lists of ``schedules.simulate`` as a fixed program: for each action in an order where its
+    inputs come first, its kind (0 F, 1 I, 2 W, 3 B), the action it waits for (-1: none) and the one before it
+    on its rank (-1: none); and each rank's last action. The order of the actions and their dependencies
+    do not depend on the durations, so one program times any number of (f, i, w) at once."""
+    from planner import schedules
+
+    n_stages = p * schedules.chunks_per_rank(schedule, v)
+    acts = [schedules.schedule_actions(schedule, p, m, r, v, family) for r in range(p)]
+    ptr, last = [0] * p, [-1] * p
+    done: dict = {}
+    kinds, deps, prevs, ranks = [], [], [], []
+    remaining = sum(len(a) for a in acts)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while ptr[r] < len(acts[r]):
+                kind, mb, c = acts[r][ptr[r]]
+                s = schedules.stage_index(schedule, p, r, c)
+                if kind == "F":
+                    dep = ("F", s - 1, mb) if s > 0 else None
+                elif kind in ("I", "B"):
+                    dep = ("I", s + 1, mb) if s < n_stages - 1 else ("F", s, mb)
+                else:
+                    dep = ("I", s, mb)
+                if dep is not None and dep not in done:
+                    break
+                idx = len(kinds)
+                kinds.append("FIWB".index(kind))
+                deps.append(-1 if dep is None else done[dep])
+                prevs.append(last[r])
+                ranks.append(r)
+                last[r] = idx
+                if kind == "B":
+                    done[("I", s, mb)] = done[("W", s, mb)] = idx
+                else:
+                    done[(kind, s, mb)] = idx
+                ptr[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError(f"{schedule}: the action lists deadlock")
+    counts = np.zeros((p, 4))
+    np.add.at(counts, (np.array(ranks, dtype=int), np.array(kinds, dtype=int)), 1.0)
+    return tuple(kinds), tuple(deps), tuple(prevs), tuple(last), counts
+
+
+def simulated_bubble_s(schedule: str, pp: int, vpp: int, m: int, f_s, i_s, w_s, family: str = "torch"):
+    """``schedules.bubble_s`` with ``hop_s = 0`` and uniform stages, for arrays of per-chunk (f, i, w) at once:
+    the same rules (each rank in list order, each action when the rank is free and its input is there; a full
+    backward B lasts i + w), run as one program over the options (:func:`_schedule_program`).
+    tests/test_schedules_hook.py checks it equals ``schedules.bubble_s``."""
+    kinds, deps, prevs, last, counts = _schedule_program(schedule, pp, vpp, m, family)
+    f, i, w = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (f_s, i_s, w_s))
+    dur = [f, i, w, i + w]
+    zero = np.zeros_like(f)
+    end = [zero] * len(kinds)
+    for a, (k, d, q) in enumerate(zip(kinds, deps, prevs)):
+        start = end[q] if q >= 0 else zero
+        if d >= 0:
+            start = np.maximum(start, end[d])
+        end[a] = start + dur[k]
+    step = np.max([end[a] for a in last if a >= 0], axis=0)
+    work = counts @ np.stack(dur)  # [p, K]
+    return step - work.max(axis=0)
 
 
 def overlapped_s_array(comm_s, compute_s, c: float):

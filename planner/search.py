@@ -122,6 +122,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         return in_flight_chunks(plan, m, r, w_fraction)
     factors: dict = {}
     hops: dict = {}
+    usable_kib = int(hw.usable_memory_gib * GIB // KIB)
 
     def probe(tp, cp, dp, split, ep=1, etp=None, mbs=1, rc="none", sp=False, z=0):
         return Plan.model_construct(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,
@@ -158,16 +159,6 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         if not ok.any():
             continue
         dpg_s, dpp_s, z3_s, static, work, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
-        # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
-        # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
-        if model.is_moe:  # every stage: dense-first layers make the middle stages differ
-            step = _moe_step(model, hw, training, base, f, hop, m, zeros, gb, order, c, overlap_p2p)
-        else:
-            t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
-            terms = {k: val[:, None, :] for k, val in t.items()}
-            counts, before = _stage_counts(p), _stage_before(p)
-            step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m[:, None], p, v, counts,
-                                before, training.overlap_grad_reduce, c, split.schedule, family)["step"]
         # memory of each stage kind [U, Z, 3], as memory.stage_memory
         inflight = np.stack([in_flight(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
@@ -180,16 +171,31 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, 3]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
         mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak) / KIB)
+        # the zero-bubble schedules' bubble is simulated (cost.schedule_bubble_s): only for the combinations
+        # that are legal and fit (m = 0 elsewhere: no simulation, no time; they cannot be chosen)
+        m_step = m[:, None] if split.schedule is None else \
+            np.where(ok & (mem.max(axis=-1) <= usable_kib), m[:, None], 0)
+        # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
+        # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
+        if model.is_moe:  # every stage: dense-first layers make the middle stages differ
+            step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p)
+        else:
+            t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
+            terms = {k: val[:, None, :] for k, val in t.items()}
+            counts, before = _stage_counts(p), _stage_before(p)
+            step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m_step, p, v, counts,
+                                before, training.overlap_grad_reduce, c, split.schedule, family)["step"]
+        step = np.where(np.isfinite(step), step, INFEASIBLE / NS)
         time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
         mem_kib[si, ok] = mem[ok].astype(np.int64)
         legal[si, ok] = True
-    usable_kib = int(hw.usable_memory_gib * GIB // KIB)
     return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
                   usable_kib=usable_kib, build_s=time.perf_counter() - t0)
 
 
 def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, overlap_p2p) -> np.ndarray:
-    """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it.
+    """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it
+    (``m``: micro-batches per step, [U, 1] or [U, Z]).
 
     The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
     of a MoE model need not be alike and the three stage kinds of the dense path do not suffice; every
@@ -221,7 +227,7 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         z3.append([x[2] for x in rows])
         opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
-                        m[:, None], p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
+                        m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
                         c, base.pipeline_schedule, schedule_family(training))["step"]
 
 

@@ -127,6 +127,20 @@ def test_zb_h1_bubble_is_qi_et_al():
     assert sum(zb.breakdown.values()) == pytest.approx(zb.step_time_s)
 
 
+@pytest.mark.parametrize("schedule,p,v,m,family", [("zbv", 4, 2, 8, "torch"), ("zbv", 3, 2, 5, "torch"),
+                                                   ("dualpipev", 4, 2, 8, "torch"), ("dualpipev", 3, 2, 7, "deepspeed"),
+                                                   ("interleaved_zb", 4, 2, 6, "torch"),
+                                                   ("interleaved_zb", 4, 1, 8, "torch")])
+def test_vectorised_simulation_is_schedules_simulate(schedule, p, v, m, family):
+    from planner import schedules
+
+    rng = np.random.default_rng(7)
+    f, i, w = rng.uniform(0.2, 2.0, (3, 6))
+    got = cost.simulated_bubble_s(schedule, p, v, m, f, i, w, family)
+    want = [schedules.bubble_s(schedule, p, v, m, float(a), float(b), float(c), 0.0, family) for a, b, c in zip(f, i, w)]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
 def test_zbv_bubble_from_the_action_lists():
     """zbv: no closed form applies; with the stage's own f, i, w the simulated bubble lies under interleaved
     1F1B's (p - 1)(f + i + w) per chunk and at least (p - 1) f (the last rank's first forward waits)."""
