@@ -30,7 +30,9 @@ The model (docs/cost-model.md):
   slowest stage paces the steady state and the bubble is ``(p - 1) / v`` stage-times (the
   "ratio to ideal" form of contradiction 9, as a time). Interleaved P2P overlaps the chunks'
   compute with ``overlap_p2p_comm``. Written once, vectorised: :func:`stage_terms` and
-  :func:`compose_step`, which ``planner.search`` uses too.
+  :func:`compose_step`, which ``planner.search`` uses too. The zero-bubble schedules
+  (``Plan.pipeline_schedule``, docs/schedules.md) take their bubble from their action lists
+  (:func:`schedule_bubble_s`) with the forward, weight-gradient and rest-of-backward time per chunk.
 * **DP**: all-reduce (or reduce-scatter + all-gather with ZeRO 1-2) of each stage's gradients. With
   ``overlap_grad_reduce`` the reduction is hidden under the last micro-batch's backward of that
   stage and under the pipeline drain behind it, the weight all-gather under the next step's first
