@@ -265,3 +265,10 @@ def test_torchtitan_accepts_the_schedule_and_check_reads_it_back(tmp_path, sched
     back = check_file(script, H100, None, None)
     assert back.scenario is not None, back
     assert back.scenario.plan.pipeline_schedule == schedule and back.scenario.plan.vpp == 2
+
+
+def test_validate_refuses_a_zero_bubble_plan_it_would_not_run():
+    from planner.validate.launch import refusal
+
+    assert refusal(_zbv_scenario()).startswith("plan: pipeline_schedule=zbv: the validate worker runs 1F1B")
+    assert refusal(Scenario(model=L8, hardware=H100, training=_tr("torchtitan"), plan=_plan(vpp=2))) is None
