@@ -26,7 +26,7 @@ class Estimate:
 
     def plan_dict(self) -> dict:
         plan = self.scenario.resolved_plan().model_dump()
-        if plan["vpp"] > 1 and plan["microbatch_group_size"] is None:
+        if self.scenario.plan.schedule == "interleaved" and plan["microbatch_group_size"] is None:
             plan["microbatch_group_size"] = plan["pp"]  # Megatron's default N (planner/schedules.py)
         return {k: (list(plan[k]) if k == "layers_per_stage" else plan[k]) for k in PLAN_KEYS}
 

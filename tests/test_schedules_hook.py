@@ -272,3 +272,13 @@ def test_validate_refuses_a_zero_bubble_plan_it_would_not_run():
 
     assert refusal(_zbv_scenario()).startswith("plan: pipeline_schedule=zbv: the validate worker runs 1F1B")
     assert refusal(Scenario(model=L8, hardware=H100, training=_tr("torchtitan"), plan=_plan(vpp=2))) is None
+
+
+def test_estimate_json_names_the_schedule():
+    from planner.estimate import PLAN_KEYS, estimate
+
+    est = estimate(_zbv_scenario()).to_dict()["plan"]
+    assert tuple(est) == PLAN_KEYS
+    assert est["pipeline_schedule"] == "zbv" and est["microbatch_group_size"] is None
+    plain = estimate(Scenario(model=L8, hardware=H100, training=_tr("megatron"), plan=_plan(vpp=2))).to_dict()["plan"]
+    assert plain["pipeline_schedule"] is None and plain["microbatch_group_size"] == 4
