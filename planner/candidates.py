@@ -54,6 +54,12 @@ class StageSplit:
     first: int
     middle: int
     last: int
+    schedule: str | None = None  # Plan.pipeline_schedule: None (1f1b / interleaved) or a zero-bubble schedule
+
+    @property
+    def resolved_schedule(self) -> str:
+        """The schedule run: ``schedule``, or 1f1b (interleaved when ``vpp > 1``), as ``Plan.schedule``."""
+        return self.schedule or ("interleaved" if self.vpp > 1 else "1f1b")
 
     def layers(self) -> tuple[int, ...] | None:
         """``layers_per_stage`` for a Plan: None when even."""
@@ -147,6 +153,7 @@ class Pins:
     zero_stage: int | None = None
     ep: int | None = None
     etp: int | None = None
+    pipeline_schedule: str | None = None  # 1f1b, interleaved, interleaved_zb, zbv or dualpipev
 
     def ok(self, **values) -> bool:
         return all(getattr(self, k) is None or getattr(self, k) == v for k, v in values.items())
@@ -181,11 +188,50 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                 if not pins.ok(tp=tp, cp=cp, pp=pp, dp=dp):
                     continue
                 experts = valid_expert(model, hw, tp, cp, dp, pins)
-                for split in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven):
-                    if pins.ok(vpp=split.vpp) and (split.vpp == 1 or fw.allows_vpp) and \
-                            fw.allows_split(split.first, split.middle, split.last, split.vpp):
-                        for ep, etp in experts:
-                            yield tp, cp, dp, split, ep, etp
+                for plain in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven):
+                    if pins.ok(vpp=plain.vpp) and (plain.vpp == 1 or fw.allows_vpp) and \
+                            fw.allows_split(plain.first, plain.middle, plain.last, plain.vpp):
+                        for split in schedule_splits(plain, training.framework, pins):
+                            for ep, etp in experts:
+                                yield tp, cp, dp, split, ep, etp
+
+
+ZB_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+MAX_ZB_VPP = 4  # interleaved_zb is searched with vpp up to this (beyond: `plan3d estimate --pipeline-schedule`)
+
+
+def schedule_splits(split: StageSplit, framework: str, pins: Pins) -> list[StageSplit]:
+    """``split`` with each pipeline schedule ``framework`` runs (``schedules.FRAMEWORK_SCHEDULES``) that fits it:
+    the plain one (``schedule=None``: 1F1B, or interleaved with vpp > 1) and the zero-bubble ones on even
+    splits (the V layout is modelled for even stages only, and each zero-bubble bubble is simulated, so the
+    search keeps to even splits for all three), where the chunk count is right (zbv and dualpipev: 2 per
+    rank; interleaved_zb: vpp up to ``MAX_ZB_VPP``). ``schedules.schedule_problems`` checks the rest per micro-batch
+    count. The pin ``pipeline_schedule`` keeps only that schedule."""
+    from planner.schedules import FRAMEWORK_SCHEDULES
+
+    runs = FRAMEWORK_SCHEDULES.get(framework, ())
+    out = [split] if split.resolved_schedule in runs or split.pp == 1 else []
+    even = split.first == split.middle == split.last
+    if split.pp > 1 and even:  # each zero-bubble bubble is simulated (cost.schedule_bubble_s): even splits only,
+        for s in ZB_SCHEDULES:  # and interleaved_zb with vpp <= MAX_ZB_VPP, keep the table build in seconds
+            if s in runs and ((s == "interleaved_zb" and split.vpp <= MAX_ZB_VPP) or split.vpp == 2):
+                out.append(StageSplit(split.pp, split.vpp, split.first, split.middle, split.last, s))
+    return [x for x in out if pins.pipeline_schedule is None or x.resolved_schedule == pins.pipeline_schedule]
+
+
+def schedule_pin_problems(framework: str, schedule: str | None) -> str | None:
+    """One line when ``--pipeline-schedule`` pins a schedule ``framework`` does not run (the search would
+    find nothing), else None (``schedules.FRAMEWORK_SCHEDULES``)."""
+    from planner.schedules import FRAMEWORK_SCHEDULES, SCHEDULES
+
+    if schedule is None:
+        return None
+    if schedule not in SCHEDULES:
+        return f"--pipeline-schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}"
+    runs = FRAMEWORK_SCHEDULES.get(framework, SCHEDULES)
+    if schedule not in runs:
+        return f"--pipeline-schedule: {framework} does not run {schedule}; it runs {', '.join(runs)}"
+    return None
 
 
 def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tuple[str, bool]]:
@@ -212,6 +258,7 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
                     if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp):
                         continue
                     plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
-                                sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers(), ep=ep, etp=etp)
+                                sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers(), ep=ep, etp=etp,
+                                pipeline_schedule=split.schedule)
                     if not plan_problems(model, hw, training, plan):
                         yield plan

@@ -30,7 +30,9 @@ The model (docs/cost-model.md):
   slowest stage paces the steady state and the bubble is ``(p - 1) / v`` stage-times (the
   "ratio to ideal" form of contradiction 9, as a time). Interleaved P2P overlaps the chunks'
   compute with ``overlap_p2p_comm``. Written once, vectorised: :func:`stage_terms` and
-  :func:`compose_step`, which ``planner.search`` uses too.
+  :func:`compose_step`, which ``planner.search`` uses too. The zero-bubble schedules
+  (``Plan.pipeline_schedule``, docs/schedules.md) take their bubble from their action lists
+  (:func:`schedule_bubble_s`) with the forward, weight-gradient and rest-of-backward time per chunk.
 * **DP**: all-reduce (or reduce-scatter + all-gather with ZeRO 1-2) of each stage's gradients. With
   ``overlap_grad_reduce`` the reduction is hidden under the last micro-batch's backward of that
   stage and under the pipeline drain behind it, the weight all-gather under the next step's first
@@ -255,6 +257,7 @@ class LayerTime:
     cp_bwd: float
     ep_fwd: float = 0.0  # MoE: token dispatch/combine all-to-all and expert-TP collectives
     ep_bwd: float = 0.0
+    wgrad: float = 0.0  # the weight-gradient GEMMs inside bwd_compute (the zero-bubble schedules' W step)
 
     @property
     def tp(self) -> float:
@@ -495,6 +498,7 @@ class MoEExtra:
     bwd_compute: float
     comm_fwd: float  # dispatch + combine all-to-all, expert-TP all-gather + reduce-scatter (exposed)
     comm_bwd: float
+    wgrad: float = 0.0  # the weight-gradient GEMMs inside bwd_compute (experts, router)
 
 
 def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
@@ -529,10 +533,10 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     copies = imb * etp * t_r * k  # routed token copies on this rank (the busiest)
     m = copies / local
     gate = 2 if model.gated_mlp else 1
-    fwd = bwd = 0.0
+    fwd = bwd = wgrad = 0.0
     for kk, nn in ((h, gate * f / etp), (f / etp, h)):
         gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local)
-        fwd, bwd = fwd + gf, bwd + gd + gw
+        fwd, bwd, wgrad = fwd + gf, bwd + gd + gw, wgrad + gw
     if training.precision in LOW_PRECISION_CAST_BYTES:
         cb = LOW_PRECISION_CAST_BYTES[training.precision]
         fwd += copies * cb * (h + f / etp) / rates.hbm_bytes_per_s + 2 * rates.gemm_overhead_s
@@ -547,6 +551,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     launches = MOE_ROUTER_KERNELS * rates.gemm_overhead_s
     fwd += rf + max(router_mem, launches)
     bwd += rd + rw + max(router_mem, launches)
+    wgrad += rw
     # permutation: T_r*h -> T_r*k*h copies and back; sort/unsort of the received copies by local expert
     perm = 2 * t_r * h * e * (1 + imb * k) + (4 * copies * h * e if local > 1 else 0.0)
     perm_s = max(perm / rates.hbm_bytes_per_s, MOE_PERMUTE_KERNELS * rates.gemm_overhead_s)
@@ -568,7 +573,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute
         exposed = overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw))
         comm_f = comm_b = exposed / 2
-    return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b)
+    return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad)
 
 
 def deepep_time_s(token_bytes: float, top_k: int, group, hw: HardwareSpec) -> float:
@@ -599,12 +604,12 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     overlap = resolved_overlap(training)
     imbalance = moe_load_imbalance(training)
-    fwd = bwd = 0.0
+    fwd = bwd = wgrad = 0.0
     gemms = []  # (fwd, dgrad, wgrad, kind) of each linear, in forward order
     linears = list(_linear_shapes(model, plan, moe).values())
     for k, n, kind in linears:
         f, dg, wg = gemm_fwd_bwd_s(tokens, k, n, rates)
-        fwd, bwd = fwd + f, bwd + dg + wg
+        fwd, bwd, wgrad = fwd + f, bwd + dg + wg, wgrad + wg
         gemms.append((f, dg, wg, kind))
     ring = None
     if plan.cp > 1 and training.attention == "flash":
@@ -652,7 +657,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     ep_fwd = ep_bwd = 0.0
     if moe:
         x = moe_layer_extra(model, hw, training, plan, tokens)
-        fwd, bwd = fwd + x.fwd_compute, bwd + x.bwd_compute
+        fwd, bwd, wgrad = fwd + x.fwd_compute, bwd + x.bwd_compute, wgrad + x.wgrad
         ep_fwd, ep_bwd = x.comm_fwd, x.comm_bwd
 
     cp_fwd = cp_bwd = 0.0
@@ -670,7 +675,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     if plan.recompute != "none":
         cp_bwd += cp_fwd  # and its ring exchange
     return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
-                     cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
+                     cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd, wgrad=wgrad)
 
 
 def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, order: str) -> tuple[float, float]:
@@ -699,6 +704,7 @@ class StageTime:
     fwd: float  # forward part (compute + its TP/P2P), for the timeline
     bwd: float
     ep_comm: float = 0.0  # MoE token dispatch/combine and expert-TP collectives
+    wgrad: float = 0.0  # weight-gradient GEMMs inside compute (the zero-bubble schedules' W steps)
 
     @property
     def total(self) -> float:
@@ -739,7 +745,7 @@ def p2p_hop_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
 
 # --- the one composition of a step (used by estimate_time and, vectorised, by planner.search) -----
 
-LAYER_KEYS = ("fwd", "bwd", "recompute", "tp", "tp_fwd", "tp_bwd", "cp", "cp_fwd", "cp_bwd")
+LAYER_KEYS = ("fwd", "bwd", "recompute", "tp", "tp_fwd", "tp_bwd", "cp", "cp_fwd", "cp_bwd", "wgrad")
 #: a MoE layer's terms: the same as a dense layer's (``moe_`` prefix) plus its EP communication
 MOE_KEYS = tuple(f"moe_{k}" for k in LAYER_KEYS) + ("moe_ep", "moe_ep_fwd", "moe_ep_bwd")
 FACTOR_KEYS = LAYER_KEYS + ("head_compute", "head_tp") + MOE_KEYS
@@ -747,7 +753,8 @@ FACTOR_KEYS = LAYER_KEYS + ("head_compute", "head_tp") + MOE_KEYS
 
 def _layer_factors(lt: LayerTime, prefix: str = "") -> dict[str, float]:
     out = {"fwd": lt.fwd_compute, "bwd": lt.bwd_compute, "recompute": lt.recompute, "tp": lt.tp,
-           "tp_fwd": lt.tp_fwd, "tp_bwd": lt.tp_bwd, "cp": lt.cp, "cp_fwd": lt.cp_fwd, "cp_bwd": lt.cp_bwd}
+           "tp_fwd": lt.tp_fwd, "tp_bwd": lt.tp_bwd, "cp": lt.cp, "cp_fwd": lt.cp_fwd, "cp_bwd": lt.cp_bwd,
+           "wgrad": lt.wgrad}
     if prefix:
         out |= {"ep": lt.ep, "ep_fwd": lt.ep_fwd, "ep_bwd": lt.ep_bwd}
     return {prefix + k: v for k, v in out.items()}
@@ -802,7 +809,7 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
     tp = n * col(f["tp"]) + ht
     cp = n * col(f["cp"]) + 0.0 * hc
     return {"compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp, "pp_comm": pp_t,
-            "total": compute + recompute + tp + cp + pp_t,
+            "total": compute + recompute + tp + cp + pp_t, "wgrad": n * col(f["wgrad"]),
             "fwd": n * (fwd + col(f["tp_fwd"]) + col(f["cp_fwd"])) + hc * share + pp_t / 2,
             "bwd": n * (bwd + col(f["recompute"]) + col(f["tp_bwd"]) + col(f["cp_bwd"])) + hc * (1 - share) + ht + pp_t / 2}
 
@@ -833,14 +840,14 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
     cp = layers("cp") + 0.0 * hc
     ep = n_moe * col(f["moe_ep"]) + 0.0 * hc
     return {"compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp, "ep_comm": ep, "pp_comm": pp_t,
-            "total": compute + recompute + tp + cp + ep + pp_t,
+            "total": compute + recompute + tp + cp + ep + pp_t, "wgrad": layers("wgrad"),
             "fwd": fwd_all + layers("tp_fwd") + layers("cp_fwd") + n_moe * col(f["moe_ep_fwd"]) + hc * share + pp_t / 2,
             "bwd": bwd_all + layers("recompute") + layers("tp_bwd") + layers("cp_bwd") + n_moe * col(f["moe_ep_bwd"])
             + hc * (1 - share) + ht + pp_t / 2}
 
 
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
-                 overlap_grad_reduce: bool, c: float) -> dict:
+                 overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch") -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
     ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
@@ -856,10 +863,18 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
 
     ``T = m · X_max + (p - 1) · X_mean / v + exposed DP + optimizer``, X = per-micro-batch stage time
     with the ZeRO-3 gathers' exposed part.
+
+    ``schedule`` (``Plan.pipeline_schedule``): the zero-bubble schedules replace the bubble term by
+    :func:`schedule_bubble_s` (the same ``m · X_max`` steady state; their bubble from the action lists).
     """
     z3_exposed = overlapped_s_array(z3, terms["compute"], c)
     per_mb = terms["total"] + z3_exposed
-    bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
+    if schedule in ZB_SCHEDULES and pp > 1:
+        w = np.asarray(counts, dtype=float)
+        bubble = schedule_bubble_s(schedule, pp, vpp, m, (terms["fwd"] @ w) / pp, (terms["wgrad"] @ w) / pp,
+                                   (per_mb @ w) / pp, family)
+    else:
+        bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
     if overlap_grad_reduce:
         before = np.asarray(before, dtype=float).T
         exposed = overlapped_s_array(dp_grad, terms["bwd"] + terms["bwd"] @ before, c) + \
@@ -871,6 +886,109 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     return {"step": step, "per_mb": per_mb, "z3": z3_exposed, "bubble": bubble, "dp_exposed": dp_exposed}
 
 
+ZB_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def schedule_bubble_s(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total_s, family: str = "torch"):
+    """Bubble of a zero-bubble schedule (seconds), elementwise over the options.
+
+    ``fwd_s``, ``wgrad_s`` and ``total_s`` are a mean stage's per-micro-batch forward, weight-gradient GEMM
+    and total time; per chunk (``vpp`` chunks per rank) they give ``f = fwd / vpp``, ``w = wgrad / vpp`` and
+    ``i = total / vpp - f - w`` (the rest of the backward: data-gradient GEMMs, attention, element-wise ops,
+    recompute, exposed TP/CP/EP communication). P2P is already in ``total_s`` (``stage_terms``), so the
+    schedule is timed with ``hop_s = 0``. The published closed form where one holds
+    (``schedules.bubble_closed_form_s``: ZB-H1, Qi et al. 2024 arXiv:2401.10241 section 2.1), else the
+    action lists run against each other (:func:`simulated_bubble_s`: ``schedules.bubble_s``'s rules, over all
+    options of one micro-batch count at once)."""
+    from planner import schedules
+
+    nv = schedules.chunks_per_rank(schedule, vpp)
+    f = np.asarray(fwd_s, dtype=float) / nv
+    w = np.asarray(wgrad_s, dtype=float) / nv
+    i = np.maximum(np.asarray(total_s, dtype=float) / nv - f - w, 0.0)
+    m_b, f, i, w = np.broadcast_arrays(np.asarray(m), f, i, w)
+    closed = schedules.bubble_closed_form_s(schedule, pp, vpp, f, i, w)
+    if closed is not None:
+        return np.asarray(closed, dtype=float)
+    fam = "deepspeed" if family == "deepspeed" else "torch"
+    out = np.full(f.shape, np.inf)  # inf: not asked (m < 1: the search's illegal or non-fitting combinations)
+    for mv in np.unique(m_b[m_b >= 1]):  # one run of the action lists per micro-batch count, over all options
+        sel = m_b == mv
+        try:
+            out[sel] = simulated_bubble_s(schedule, pp, vpp, int(mv), f[sel], i[sel], w[sel], fam)
+        except ValueError:  # a micro-batch count the schedule refuses (schedule_problems says why)
+            pass
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_program(schedule: str, p: int, v: int, m: int, family: str):
+    """The action lists of ``schedules.simulate`` as a fixed program: for each action in an order where its
+    inputs come first, its kind (0 F, 1 I, 2 W, 3 B), the action it waits for (-1: none) and the one before it
+    on its rank (-1: none); and each rank's last action. The order of the actions and their dependencies
+    do not depend on the durations, so one program times any number of (f, i, w) at once."""
+    from planner import schedules
+
+    n_stages = p * schedules.chunks_per_rank(schedule, v)
+    acts = [schedules.schedule_actions(schedule, p, m, r, v, family) for r in range(p)]
+    ptr, last = [0] * p, [-1] * p
+    done: dict = {}
+    kinds, deps, prevs, ranks = [], [], [], []
+    remaining = sum(len(a) for a in acts)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while ptr[r] < len(acts[r]):
+                kind, mb, c = acts[r][ptr[r]]
+                s = schedules.stage_index(schedule, p, r, c)
+                if kind == "F":
+                    dep = ("F", s - 1, mb) if s > 0 else None
+                elif kind in ("I", "B"):
+                    dep = ("I", s + 1, mb) if s < n_stages - 1 else ("F", s, mb)
+                else:
+                    dep = ("I", s, mb)
+                if dep is not None and dep not in done:
+                    break
+                idx = len(kinds)
+                kinds.append("FIWB".index(kind))
+                deps.append(-1 if dep is None else done[dep])
+                prevs.append(last[r])
+                ranks.append(r)
+                last[r] = idx
+                if kind == "B":
+                    done[("I", s, mb)] = done[("W", s, mb)] = idx
+                else:
+                    done[(kind, s, mb)] = idx
+                ptr[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError(f"{schedule}: the action lists deadlock")
+    counts = np.zeros((p, 4))
+    np.add.at(counts, (np.array(ranks, dtype=int), np.array(kinds, dtype=int)), 1.0)
+    return tuple(kinds), tuple(deps), tuple(prevs), tuple(last), counts
+
+
+def simulated_bubble_s(schedule: str, pp: int, vpp: int, m: int, f_s, i_s, w_s, family: str = "torch"):
+    """``schedules.bubble_s`` with ``hop_s = 0`` and uniform stages, for arrays of per-chunk (f, i, w) at once:
+    the same rules (each rank in list order, each action when the rank is free and its input is there; a full
+    backward B lasts i + w), run as one program over the options (:func:`_schedule_program`).
+    tests/test_schedules_hook.py checks it equals ``schedules.bubble_s``."""
+    kinds, deps, prevs, last, counts = _schedule_program(schedule, pp, vpp, m, family)
+    f, i, w = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (f_s, i_s, w_s))
+    dur = [f, i, w, i + w]
+    zero = np.zeros_like(f)
+    end = [zero] * len(kinds)
+    for a, (k, d, q) in enumerate(zip(kinds, deps, prevs)):
+        start = end[q] if q >= 0 else zero
+        if d >= 0:
+            start = np.maximum(start, end[d])
+        end[a] = start + dur[k]
+    step = np.max([end[a] for a in last if a >= 0], axis=0)
+    work = counts @ np.stack(dur)  # [p, K]
+    return step - work.max(axis=0)
+
+
 def overlapped_s_array(comm_s, compute_s, c: float):
     """:func:`overlapped_s`, elementwise on arrays."""
     return np.maximum(0.0, comm_s - compute_s) + c * np.minimum(comm_s, compute_s)
@@ -879,7 +997,8 @@ def overlapped_s_array(comm_s, compute_s, c: float):
 def _rows_of_all_stages(plan: Plan, num_layers: int):
     layers = plan.stage_layers(num_layers)
     p = plan.pp
-    return (np.array(layers, dtype=float), np.arange(p) == p - 1, np.ones(p), np.tril(np.ones((p, p)), -1))
+    return (np.array(layers, dtype=float), np.arange(p) == plan.loss_stage, np.ones(p),
+            np.tril(np.ones((p, p)), -1))
 
 
 def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
@@ -896,7 +1015,7 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     return tuple(StageTime(stage=r, compute=float(t["compute"][r]), recompute=float(t["recompute"][r]),
                            tp_comm=float(t["tp_comm"][r]), cp_comm=float(t["cp_comm"][r]),
                            pp_comm=float(t["pp_comm"][r]), fwd=float(t["fwd"][r]), bwd=float(t["bwd"][r]),
-                           ep_comm=0.0 if ep is None else float(ep[r]))
+                           ep_comm=0.0 if ep is None else float(ep[r]), wgrad=float(t["wgrad"][r]))
                  for r in range(plan.pp))
 
 
@@ -933,19 +1052,20 @@ def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     """
     if model.is_moe:  # cached: the search asks the same stage kinds of many shapes
         key = (plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.etp, plan.zero_stage, stage == 0,
-               stage == plan.pp - 1, layers, stage_moe_counts(model, plan)[stage])
+               stage == plan.loss_stage, layers, stage_moe_counts(model, plan)[stage], plan.v_shaped)
         return _dp_sync_moe(model, hw, training, key, order)
     return _dp_sync(model, hw, training, plan, stage, layers, order)
 
 
 @functools.lru_cache(maxsize=65536)
 def _dp_sync_moe(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, key: tuple, order: str):
-    tp, cp, dp, pp, ep, etp, zero, first, last, layers, n_moe = key
+    tp, cp, dp, pp, ep, etp, zero, first, last, layers, n_moe, v_shaped = key
     stage = 0 if first else (pp - 1 if last else 1)
     layout = (layers,) * pp if pp > 1 else (layers,)
-    # a stand-in plan with the same stage kind, layers and MoE layers on that stage
-    plan = Plan.model_construct(tp=tp, cp=cp, dp=dp, pp=pp, vpp=1, ep=ep, etp=etp, zero_stage=zero,
-                                micro_batch_size=1, layers_per_stage=layout)
+    # a stand-in plan with the same stage kind, layers and MoE layers on that stage (V: the loss on rank 0)
+    plan = Plan.model_construct(tp=tp, cp=cp, dp=dp, pp=pp, vpp=2 if v_shaped else 1, ep=ep, etp=etp, zero_stage=zero,
+                                micro_batch_size=1, layers_per_stage=layout,
+                                pipeline_schedule="zbv" if v_shaped else None)
     dense_layer, _ = layer_param_split(model, tp, False)
     moe_dense, moe_expert = layer_param_split(model, tp, True, ep, etp)
     dense = stage_params_per_rank(model, plan, stage, 0) + (layers - n_moe) * dense_layer + n_moe * moe_dense
@@ -1006,6 +1126,13 @@ def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
 
 
+def schedule_family(training: TrainingSpec) -> str:
+    """Whose action order the framework runs (``schedules.framework_family``)."""
+    from planner.schedules import framework_family
+
+    return framework_family(training.framework)
+
+
 def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                   order: str = DEFAULT_ORDER) -> TimeEstimate:
     """Step time and its breakdown (module docstring), composed by :func:`compose_step` over every stage."""
@@ -1016,7 +1143,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     layers = plan.stage_layers(model.num_layers)
     _, _, counts, before = _rows_of_all_stages(plan, model.num_layers)
     terms = {k: np.array([[getattr(st, k) for st in stages]]) for k in
-             ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "fwd", "bwd", "ep_comm")}
+             ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "fwd", "bwd", "ep_comm", "wgrad")}
     terms["total"] = np.array([[st.total for st in stages]])
     z3 = np.array([zero3_gather_s(model, hw, plan, r, n, order, param_bytes(training)[0]) for r, n in enumerate(layers)])
     dp_grad, dp_param = np.array([dp_sync_parts_s(model, hw, training, plan, r, n, order)
@@ -1025,7 +1152,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
                             [x[1] for x in split] if model.is_moe else None)
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
-                       training.overlap_grad_reduce, c)
+                       training.overlap_grad_reduce, c, plan.pipeline_schedule, schedule_family(training))
     pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {

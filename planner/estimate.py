@@ -13,7 +13,7 @@ from planner.memory import MemoryEstimate, estimate_memory
 from planner.specs import Scenario
 
 PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute",
-             "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep", "etp")
+             "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep", "etp", "pipeline_schedule")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Estimate:
 
     def plan_dict(self) -> dict:
         plan = self.scenario.resolved_plan().model_dump()
-        if plan["vpp"] > 1 and plan["microbatch_group_size"] is None:
+        if self.scenario.plan.schedule == "interleaved" and plan["microbatch_group_size"] is None:
             plan["microbatch_group_size"] = plan["pp"]  # Megatron's default N (planner/schedules.py)
         return {k: (list(plan[k]) if k == "layers_per_stage" else plan[k]) for k in PLAN_KEYS}
 

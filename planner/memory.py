@@ -203,9 +203,9 @@ def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> 
     h = model.hidden_size
     if stage == 0:
         dense += v_pad * h / t + model.embedding_params() - model.vocab_size * h
-    if stage == p - 1:
+    if stage == plan.loss_stage:  # rank p - 1, or rank 0 in a V (zbv, dualpipev)
         dense += model.norm_params
-        if not model.tied_embeddings or p > 1:
+        if not model.tied_embeddings or (p > 1 and not plan.v_shaped):  # V: tied copy on the same rank
             dense += v_pad * h / t
     return dense, moe_layers * moe_expert
 
@@ -677,8 +677,13 @@ def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
     return sum(x.bytes for x in terms if x.autograd and not kept(x))
 
 
-def in_flight_chunks(plan: Plan, num_microbatches, stage: int):
+def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float = 0.0):
     """Micro-batches (chunk-micro-batches when ``vpp > 1``) whose activations stage ``stage`` holds at peak.
+
+    The zero-bubble schedules (``plan.pipeline_schedule`` interleaved_zb, zbv, dualpipev) take the closed
+    forms of ``schedules.peak_in_flight``, checked against torch.distributed.pipelining's action lists and
+    its saved-tensor peaks on gloo (docs/schedules.md); ``w_fraction`` is what a chunk waiting for its
+    weight-gradient step still holds (:func:`schedule_w_fraction`).
 
     1F1B: ``min(m, p - r)`` (Megatron ``schedules.py``: ``p - r - 1`` warm-up forwards + 1).
     Interleaved: warm-up ``2 (p - r - 1) + (v - 1) N`` chunk forwards + 1, at most ``m v``, with ``N`` the
@@ -687,10 +692,28 @@ def in_flight_chunks(plan: Plan, num_microbatches, stage: int):
     ``num_microbatches`` may be a numpy array (the search evaluates many at once).
     """
     p, v, m, r = plan.pp, plan.vpp, num_microbatches, stage
+    if plan.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev"):
+        from planner.schedules import peak_in_flight
+
+        return np.asarray(peak_in_flight(plan.pipeline_schedule, p, v, m, r, w_fraction=w_fraction))
     if v == 1:
         return np.minimum(m, p - r)
     n = plan.microbatch_group_size or p  # Megatron's group size N, default p (planner/schedules.py)
     return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * n + 1)
+
+
+def schedule_w_fraction(training: TrainingSpec) -> float:
+    """Share of a chunk's saved activations kept between its input-gradient (I) and weight-gradient (W)
+    steps: torch's runtime keeps all of them (``schedules.TORCH_W_FRACTION``, measured on gloo); the
+    other frameworks run no split backward (0)."""
+    from planner.schedules import TORCH_W_FRACTION, framework_family
+
+    return TORCH_W_FRACTION if framework_family(training.framework) == "torch" else 0.0
+
+
+def stage_in_flight_chunks(training: TrainingSpec, plan: Plan, num_microbatches, stage: int):
+    """:func:`in_flight_chunks` with the framework's ``w_fraction``."""
+    return in_flight_chunks(plan, num_microbatches, stage, schedule_w_fraction(training))
 
 
 def saved_bytes_per_layer_kind(model: ModelSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
@@ -718,7 +741,7 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
     moe_layers = stage_moe_layer_count(model, plan, stage, layers)
     per_chunk = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / plan.vpp
-    return float(in_flight_chunks(plan, num_microbatches, stage) * per_chunk)
+    return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * per_chunk)
 
 
 def stage_activation_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
@@ -759,9 +782,9 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     first stage, the output layer's on the last."""
     other = 0.0
     if stage == 0:
-        mbs_in_flight = np.ceil(in_flight_chunks(plan, num_microbatches, 0) / plan.vpp)
+        mbs_in_flight = np.ceil(stage_in_flight_chunks(training, plan, num_microbatches, 0) / plan.vpp)
         other = other + mbs_in_flight * input_bytes_per_microbatch(model, training, plan)
-    if stage == plan.pp - 1:
+    if stage == plan.loss_stage:
         other = other + output_bytes(model, training, plan)
     return other
 
@@ -825,7 +848,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
     """Every component of one GPU of stage ``stage``: the framework's states, the saved activations,
     the inputs / outputs, and the larger of the layer phase and the loss spike (:func:`layer_phase_bytes`)."""
     st = stage_state_bytes(model, training, plan, stage, layers)
-    spike = output_bytes(model, training, plan) if stage == plan.pp - 1 else 0.0
+    spike = output_bytes(model, training, plan) if stage == plan.loss_stage else 0.0
     recompute = layer_recompute_working_bytes(model, training, plan)
     w_work, g_work, a_work = layer_phase_bytes(st, recompute, spike)
     return StageMemory(

@@ -36,13 +36,14 @@ import numpy as np
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
                                 valid_micro_batch_sizes)
 from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, micro_factors, optimizer_s,
-                          p2p_hop_s, resolved_overlap, stage_moe_counts, stage_param_split, stage_terms,
-                          zero3_gather_s)
+                          p2p_hop_s, resolved_overlap, schedule_family, stage_moe_counts, stage_param_split,
+                          stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, layer_recompute_working_bytes,
-                            output_bytes, param_bytes, saved_bytes_per_layer_kind, stage_moe_layer_count,
-                            stage_params_per_rank, stage_state_bytes)
+                            output_bytes, param_bytes, saved_bytes_per_layer_kind, schedule_w_fraction,
+                            stage_moe_layer_count, stage_params_per_rank, stage_state_bytes)
+from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS
 from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
 
@@ -74,7 +75,8 @@ class Tables:
         tp, cp, dp, split, ep, etp = self.shapes[s]
         mbs, rc, sp = self.micros[u]
         return Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
-                    sequence_parallel=sp, zero_stage=self.zeros[z], layers_per_stage=split.layers(), ep=ep, etp=etp)
+                    sequence_parallel=sp, zero_stage=self.zeros[z], layers_per_stage=split.layers(), ep=ep, etp=etp,
+                    pipeline_schedule=split.schedule)
 
     @property
     def candidates(self) -> int:
@@ -113,20 +115,27 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     gb = param_bytes(training)
     fw = frameworks.get(training.framework)
     mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
+    family = schedule_family(training)
+    w_fraction = schedule_w_fraction(training)
+
+    def in_flight(plan, m, r):  # memory.stage_in_flight_chunks: the framework's w_fraction
+        return in_flight_chunks(plan, m, r, w_fraction)
     factors: dict = {}
     hops: dict = {}
+    usable_kib = int(hw.usable_memory_gib * GIB // KIB)
 
     def probe(tp, cp, dp, split, ep=1, etp=None, mbs=1, rc="none", sp=False, z=0):
         return Plan.model_construct(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,
                                     num_microbatches=None, recompute=rc, sequence_parallel=sp, zero_stage=z,
-                                    layers_per_stage=split.layers(), ep=ep, etp=etp, microbatch_group_size=None)
+                                    layers_per_stage=split.layers(), ep=ep, etp=etp, microbatch_group_size=None,
+                                    pipeline_schedule=split.schedule)
 
     for si, (tp, cp, dp, split, ep, etp) in enumerate(shape_list):
         p, v = split.pp, split.vpp
         rows = _stage_rows(split)
         n = np.array([x[1] for x in rows], dtype=float)
-        last = np.array([r == p - 1 for r, _ in rows])
         base = probe(tp, cp, dp, split, ep, etp)
+        last = np.array([r == base.loss_stage for r, _ in rows])  # the output layer: rank p - 1, or 0 in a V
         # a layer's factors depend on (tp, cp), and a MoE layer's on (ep, etp) too (the EP group's
         # placement depends only on etp, ep and the GPU count, fixed here)
         if (tp, cp, ep, etp) not in factors:
@@ -140,43 +149,53 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
                           crosses, tp_group) for mbs, _, sp in micros])
         hop = hops[(tp, cp, crosses)]
         m = B // (mbs_u * dp)
-        ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & ((v == 1) | (m % p == 0))
+        if split.schedule is None:  # Megatron's interleaved rule (specs.plan_problems)
+            sched_ok = (v == 1) | (m % p == 0)
+        else:  # the framework's own rules for the schedule (schedules.schedule_problems)
+            sched_ok = np.array([B % (b * dp) == 0 and not schedule_problems(split.schedule, training.framework, p, v,
+                                                                              B // (b * dp)) for b in mbs_u])
+        ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok
         ok = ok[:, None] & np.array([fw.allows_zero(z, p) for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue
         dpg_s, dpp_s, z3_s, static, work, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
+        # memory of each stage kind [U, Z, 3], as memory.stage_memory
+        inflight = np.stack([in_flight(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
+        # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
+        n_moe = np.array([stage_moe_layer_count(model, base, r, x) for r, x in rows], dtype=float)
+        act = inflight / v * ((n - n_moe) * f["saved"][:, None] + n_moe * f["saved_moe"][:, None])
+        first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
+        rows_r = np.array([r for r, _ in rows])
+        other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
+        out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, 3]
+        layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, 3]: memory.layer_phase_bytes
+        work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
+        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak) / KIB)
+        # the zero-bubble schedules' bubble is simulated (cost.schedule_bubble_s): only for the combinations
+        # that are legal and fit (m = 0 elsewhere: no simulation, no time; they cannot be chosen)
+        m_step = m[:, None] if split.schedule is None else \
+            np.where(ok & (mem.max(axis=-1) <= usable_kib), m[:, None], 0)
         # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
         # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
         if model.is_moe:  # every stage: dense-first layers make the middle stages differ
-            step = _moe_step(model, hw, training, base, f, hop, m, zeros, gb, order, c, overlap_p2p)
+            step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p)
         else:
             t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
             terms = {k: val[:, None, :] for k, val in t.items()}
             counts, before = _stage_counts(p), _stage_before(p)
-            step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m[:, None], p, v, counts,
-                                before, training.overlap_grad_reduce, c)["step"]
-        # memory of each stage kind [U, Z, 3], as memory.stage_memory
-        inflight = np.stack([in_flight_chunks(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
-        # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
-        n_moe = np.array([stage_moe_layer_count(model, base, r, x) for r, x in rows], dtype=float)
-        act = inflight / v * ((n - n_moe) * f["saved"][:, None] + n_moe * f["saved_moe"][:, None])
-        first_inputs = np.ceil(in_flight_chunks(base, m, 0) / v) * f["input_bytes"]
-        rows_r = np.array([r for r, _ in rows])
-        other = (rows_r == 0) * first_inputs[:, None] + (rows_r == p - 1) * f["output_bytes"][:, None]
-        out_spike = (rows_r == p - 1) * f["output_bytes"][:, None]  # [U, 3]
-        layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, 3]: memory.layer_phase_bytes
-        work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
-        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak) / KIB)
+            step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m_step, p, v, counts,
+                                before, training.overlap_grad_reduce, c, split.schedule, family)["step"]
+        step = np.where(np.isfinite(step), step, INFEASIBLE / NS)
         time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
         mem_kib[si, ok] = mem[ok].astype(np.int64)
         legal[si, ok] = True
-    usable_kib = int(hw.usable_memory_gib * GIB // KIB)
     return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
                   usable_kib=usable_kib, build_s=time.perf_counter() - t0)
 
 
 def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, overlap_p2p) -> np.ndarray:
-    """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it.
+    """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it
+    (``m``: micro-batches per step, [U, 1] or [U, Z]).
 
     The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
     of a MoE model need not be alike and the three stage kinds of the dense path do not suffice; every
@@ -185,11 +204,11 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     p, v = base.pp, base.vpp
     layers = base.stage_layers(model.num_layers)
     n_moe = stage_moe_counts(model, base)
-    t = stage_terms(np.array(layers, dtype=float), np.arange(p) == p - 1, f, hop, p, v, overlap_p2p, c,
+    t = stage_terms(np.array(layers, dtype=float), np.arange(p) == base.loss_stage, f, hop, p, v, overlap_p2p, c,
                     np.array(n_moe, dtype=float))
     terms = {k: val[:, None, :] for k, val in t.items()}
     dpg, dpp, z3, opt = [], [], [], []
-    kinds = [(layers[r], n_moe[r], r == 0, r == p - 1) for r in range(p)]
+    kinds = [(layers[r], n_moe[r], r == 0, r == base.loss_stage, r == p - 1) for r in range(p)]
     first_of = {}
     for r, key in enumerate(kinds):
         first_of.setdefault(key, r)
@@ -208,8 +227,8 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         z3.append([x[2] for x in rows])
         opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
-                        m[:, None], p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
-                        c)["step"]
+                        m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
+                        c, base.pipeline_schedule, schedule_family(training))["step"]
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:

@@ -644,6 +644,11 @@ class Plan(_Spec):
         description="Interleaved 1F1B: micro-batches run through one virtual stage before the next (Megatron "
                     "--microbatch-group-size-per-virtual-pipeline-stage; Meta's N). Default: pp. Must lie in "
                     "[pp, num_microbatches]; more holds more activations, and lets num_microbatches % pp != 0.")
+    pipeline_schedule: Literal["1f1b", "interleaved", "interleaved_zb", "zbv", "dualpipev"] | None = Field(
+        default=None,
+        description="Pipeline schedule (docs/schedules.md): 1f1b, interleaved (1F1B with vpp chunks), "
+                    "interleaved_zb (torch ScheduleInterleavedZeroBubble), zbv (ScheduleZBVZeroBubble, 2 chunks "
+                    "in a V), dualpipev (DualPipe-V, 2 chunks in a V). Default: 1f1b, or interleaved when vpp > 1.")
 
     @model_validator(mode="after")
     def _check(self) -> Plan:
@@ -658,8 +663,28 @@ class Plan(_Spec):
             errors.append(f"layers_per_stage: every stage needs at least 1 layer, got {list(self.layers_per_stage)}")
         if self.microbatch_group_size is not None and self.vpp == 1:
             errors.append("microbatch_group_size: applies to the interleaved schedule only (vpp > 1)")
+        if self.microbatch_group_size is not None and self.schedule != "interleaved":
+            errors.append(f"microbatch_group_size: applies to the interleaved schedule only, not {self.schedule}")
+        if self.v_shaped and self.layers_per_stage is not None and len(set(self.layers_per_stage)) > 1:
+            errors.append(f"layers_per_stage: {self.schedule} places stages r and 2*pp-1-r on rank r; uneven V "
+                          "layouts are not modelled, give an even split")
         _problems(errors)
         return self
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule run: ``pipeline_schedule``, or 1f1b (interleaved when ``vpp > 1``)."""
+        return self.pipeline_schedule or ("interleaved" if self.vpp > 1 else "1f1b")
+
+    @property
+    def v_shaped(self) -> bool:
+        """Rank ``r`` holds stages ``r`` and ``2p - 1 - r`` (zbv, dualpipev; ``schedules.stage_index``)."""
+        return self.pipeline_schedule in ("zbv", "dualpipev")
+
+    @property
+    def loss_stage(self) -> int:
+        """The pipeline rank holding the output layer and the loss: ``pp - 1``, or 0 in a V (its stage 2p - 1)."""
+        return 0 if self.v_shaped else self.pp - 1
 
     @property
     def model_parallel(self) -> int:
@@ -693,8 +718,11 @@ class Plan(_Spec):
     def chunk_starts(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
         """Index of the first layer of each virtual stage, per pipeline rank: chunk ``c`` of rank ``r`` is
         virtual stage ``c*pp + r`` (Megatron's interleaved assignment, Narayanan et al. 2021 section 2.2)."""
+        from planner.schedules import stage_index
+
         chunks = self.chunk_layers(num_layers)
-        order = sorted((c * self.pp + r, r, c) for r in range(self.pp) for c in range(self.vpp))
+        order = sorted((stage_index(self.schedule, self.pp, r, c), r, c) for r in range(self.pp)
+                       for c in range(self.vpp))
         starts, at = [[0] * self.vpp for _ in range(self.pp)], 0
         for _, r, c in order:
             starts[r][c] = at
@@ -706,12 +734,13 @@ class Plan(_Spec):
         if not model.is_moe:
             return (0,) * self.pp
         return _stage_moe_layers(self.pp, self.vpp, self.stage_layers(model.num_layers), model.num_layers,
-                                 model.first_k_dense)
+                                 model.first_k_dense, self.pipeline_schedule)
 
     def label(self) -> str:
         """Short identifier used in file names, e.g. ``tp8-pp4-dp16_mbs1``."""
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
         parts += [f"vpp{self.vpp}"] if self.vpp > 1 else []
+        parts += [self.pipeline_schedule] if self.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev") else []
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"dp{self.dp}"]
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
@@ -720,11 +749,12 @@ class Plan(_Spec):
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_moe_layers(pp: int, vpp: int, stage_layers: tuple[int, ...], num_layers: int, first_k_dense: int
-                      ) -> tuple[int, ...]:
-    """MoE layers per rank: the layers of each chunk ``[start, start + n)`` at or past ``first_k_dense``
-    (cached: the search asks it for every shape and stage kind)."""
-    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=stage_layers)
+def _stage_moe_layers(pp: int, vpp: int, stage_layers: tuple[int, ...], num_layers: int, first_k_dense: int,
+                      schedule: str | None = None) -> tuple[int, ...]:
+    """MoE layers per rank: the layers of each chunk ``[start, start + n)`` at or past ``first_k_dense``,
+    chunks placed as the schedule places them (cached: the search asks it for every shape and stage kind)."""
+    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=stage_layers,
+                                 pipeline_schedule=schedule)
     chunks, starts = probe.chunk_layers(num_layers), probe.chunk_starts(num_layers)
     return tuple(sum(max(0, min(n, s + n - first_k_dense)) for s, n in zip(starts[r], chunks[r])) for r in range(pp))
 
@@ -797,7 +827,14 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     errors += moe_plan_problems(model, hardware, plan)
     if c > 1 and s % (2 * c):
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")
-    if v > 1 and B % (b * d) == 0:
+    if plan.pipeline_schedule is not None and B % (b * d) == 0:
+        from planner.schedules import schedule_problems  # the framework's own rules (docs/schedules.md)
+
+        errors += schedule_problems(plan.pipeline_schedule, training.framework, p, v, B // (b * d),
+                                    plan.microbatch_group_size)
+        if p == 1 and plan.pipeline_schedule != "1f1b":
+            errors.append(f"pipeline_schedule: {plan.pipeline_schedule} needs pp > 1 (pp is 1)")
+    elif v > 1 and B % (b * d) == 0:
         from planner.schedules import interleaved_problems
 
         errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)

@@ -47,6 +47,13 @@ def check_supported(sc: Scenario) -> None:
     if sc.training.precision != "bf16":
         raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no {sc.training.precision} "
                         "recipe; use bf16")
+    if p.pipeline_schedule not in (None, "1f1b"):
+        from planner.schedules import schedule_problems
+
+        lines = schedule_problems(p.pipeline_schedule, "deepspeed", p.pp, p.vpp, sc.num_microbatches)
+        raise SpecError(f"--emit deepspeed: {lines[0]}" if lines else
+                        f"--emit deepspeed: the config written here drives PipelineEngine (1F1B); plan3d does not "
+                        f"write DeepSpeed's DualPipeVEngine setup (plan has {p.pipeline_schedule})")
     if p.vpp > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's pipeline engine has no interleaved schedule (plan has vpp={p.vpp})")
     if sc.model.is_moe and (p.ep > 1 or p.expert_tp != p.tp):

@@ -330,9 +330,21 @@ def run_flags() -> list[Flag]:
             ("--lr", "1.0e-4"), ("--lr-decay-style", "constant"), ("--log-interval", "1")]
 
 
+def schedule_refusals(sc: Scenario, framework: str) -> list[str]:
+    """``--emit <framework>``: the plan's pipeline schedule, when the framework does not run it
+    (``schedules.schedule_problems``: Megatron-Core core_v0.16.1 runs 1F1B and interleaved 1F1B only)."""
+    p = sc.plan
+    if p.pipeline_schedule is None:
+        return []
+    from planner.schedules import schedule_problems
+
+    return [f"--emit {framework}: {line}" for line in
+            schedule_problems(p.pipeline_schedule, framework, p.pp, p.vpp, sc.num_microbatches, p.microbatch_group_size)]
+
+
 def megatron_flags(sc: Scenario) -> list[Flag]:
     """Every Megatron-LM flag of the plan, in order; a MoE plan Megatron-LM would refuse is refused."""
-    refusals = moe_plan_refusals(sc)
+    refusals = schedule_refusals(sc, "megatron") + moe_plan_refusals(sc)
     if refusals:
         raise SpecError(refusals)
     return model_flags(sc) + parallel_flags(sc) + run_flags()

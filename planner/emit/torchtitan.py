@@ -29,6 +29,7 @@ import math
 from planner.emit import megatron, torchrun
 from planner.names import slug
 from planner.presets import SpecError
+from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
 from planner.specs import Scenario
 
 # plan3d preset -> (torchtitan --module, {precision: the --config function that trains in it}).
@@ -112,7 +113,7 @@ def args(sc: Scenario) -> list[str]:
            "--parallelism.tensor_parallel_degree", str(p.tp),
            "--parallelism.enable-sequence-parallel" if p.sequence_parallel else "--parallelism.no-enable-sequence-parallel",
            "--parallelism.pipeline_parallel_degree", str(p.pp),
-           "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B" if p.vpp > 1 else "1F1B",
+           "--parallelism.pipeline_parallel_schedule", TORCHTITAN_SCHEDULE_NAMES[p.schedule],
            "--parallelism.pipeline_parallel_microbatch_size", str(p.micro_batch_size),
            "--parallelism.context_parallel_degree", str(p.cp), *expert,
            "--training.local_batch_size", str(local_batch),

@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 
 from planner.presets import SpecError, load_model
+from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
 
 # torchtitan model (name, flavor) or config-registry function -> plan3d preset.
 # torchtitan/models/llama3/__init__.py llama3_configs "8B"/"70B"/"405B" are Llama 3.1 (max_seq_len 131072 with
@@ -153,11 +154,18 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     mbs = num("pipeline_parallel_microbatch_size", par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
     schedule = str(par.get("pipeline_parallel_schedule", "1F1B"))
     vpp = 1
+    pipeline_schedule = None
     if pp > 1:
-        if schedule.lower() in ("gpipe", "zbvzerobubble", "dualpipev", "looped_bfs", "loopedbfs"):
-            raise SpecError(f"{where}: pipeline_parallel_schedule {schedule} keeps a different number of "
-                            "micro-batches in flight than 1F1B; not modelled")
-        if "interleaved" in schedule.lower():
+        # torch get_schedule_class matches the names case-insensitively (schedules.TORCHTITAN_SCHEDULE_NAMES)
+        known = {name.lower(): ours for ours, name in TORCHTITAN_SCHEDULE_NAMES.items()}
+        if schedule.lower() not in known:
+            raise SpecError(f"{where}: pipeline_parallel_schedule {schedule} is not modelled; plan3d models "
+                            f"{', '.join(TORCHTITAN_SCHEDULE_NAMES.values())} (docs/schedules.md)")
+        ours = known[schedule.lower()]
+        pipeline_schedule = ours if ours in ("interleaved_zb", "zbv", "dualpipev") else None
+        if ours in ("zbv", "dualpipev"):
+            vpp = 2  # torch: exactly 2 stages per rank, in a V
+        elif ours in ("interleaved", "interleaved_zb"):
             per_stage = par.get("pipeline_parallel_layers_per_stage")
             per_stage = num("pipeline_parallel_layers_per_stage", per_stage) if per_stage else None
             if per_stage is not None and per_stage < 1:
@@ -166,6 +174,8 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     layers_per_stage = _explicit_split(par, model["num_layers"], pp, where, num) if pp > 1 else None
     if layers_per_stage is not None:
         layers_per_stage, vpp = layers_per_stage
+        if pipeline_schedule in ("zbv", "dualpipev") and len(set(layers_per_stage)) == 1:
+            layers_per_stage = None  # an even V layout, as Plan wants it
     # JobConfig defaults: mode "selective", selective_ac_option "2" (every second layer fully checkpointed)
     ac = doc.get("activation_checkpoint", {})
     mode = str(ac.get("mode", "selective"))
@@ -199,6 +209,8 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
             # the sparse mesh (pp, dp_replicate, efsdp, ep) has no tensor axis: experts are whole with ep > 1,
             # split over tp without EP (models/common/moe_sharding.py)
             "ep": ep, "etp": 1 if ep > 1 and tp > 1 else None}
+    if pipeline_schedule is not None:
+        plan["pipeline_schedule"] = pipeline_schedule
     if shard > 1:
         notes.append("FSDP2 (data_parallel_shard_degree > 1): modelled as ZeRO-3")
     return model, training, plan, notes

@@ -106,6 +106,9 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
                 "the CP terms stay with `plan3d estimate`")
     if sc.model.position_embedding == "alibi":
         return "model: position_embedding=alibi is not in the validate model; validate a rope or learned variant"
+    if sc.plan.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev"):
+        return (f"plan: pipeline_schedule={sc.plan.pipeline_schedule}: the validate worker runs 1F1B / interleaved "
+                "1F1B only; tests/test_schedules_zb.py checks the zero-bubble schedules against torch")
     from planner.validate.moe import moe_refusal
 
     return moe_refusal(sc.model, sc.plan)
