@@ -282,3 +282,26 @@ def test_estimate_json_names_the_schedule():
     assert est["pipeline_schedule"] == "zbv" and est["microbatch_group_size"] is None
     plain = estimate(Scenario(model=L8, hardware=H100, training=_tr("megatron"), plan=_plan(vpp=2))).to_dict()["plan"]
     assert plain["pipeline_schedule"] is None and plain["microbatch_group_size"] == 4
+
+
+def test_cli_pipeline_schedule_option():
+    """`--pipeline-schedule` on search and estimate: pinned where the framework runs it, refused where not."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def plan3d(*args):
+        return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+
+    job = ["--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "16", "--global-batch", "64",
+           "--seq-len", "4096"]
+    p = plan3d("search", *job, "--pipeline-schedule", "zbv")
+    assert p.returncode == 2 and "--pipeline-schedule: megatron does not run zbv" in p.stderr
+    p = plan3d("search", *job, "--pipeline-schedule", "zbv", "--framework", "torchtitan", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["plan"]["pipeline_schedule"] == "zbv"
+    p = plan3d("estimate", *job, "--tp", "1", "--pp", "2", "--vpp", "2", "--pipeline-schedule", "zbv",
+               "--framework", "torchtitan", "--zero-stage", "1", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["plan"]["pipeline_schedule"] == "zbv"

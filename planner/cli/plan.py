@@ -8,7 +8,7 @@ import typer
 
 from planner.cli.common import (
     EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt,
-    OptimizerDtypeOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
+    OptimizerDtypeOpt, ScheduleOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
     app, console, handle_errors, spinner,
@@ -32,6 +32,7 @@ def estimate(
     ep: EpOpt = None, etp: EtpOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
+    pipeline_schedule: ScheduleOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Memory per pipeline stage, FLOPs and step time of one plan. Exit 0 fits, 1 does not fit, 2 bad input."""
@@ -46,6 +47,7 @@ def estimate(
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage,
                                layers_per_stage=parse_layers_per_stage(layers_per_stage),
                                microbatch_group_size=microbatch_group_size, ep=ep, etp=etp,
+                               pipeline_schedule=pipeline_schedule,
                                moe=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance)
                                | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype))
     est = run_estimate(sc)
@@ -78,6 +80,7 @@ def search(
     zero_stage: ZeroOpt = None, ep: EpOpt = None, etp: EtpOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
+    pipeline_schedule: ScheduleOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, max=50, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
@@ -100,7 +103,8 @@ def search(
     if recompute is not None and recompute not in ("none", "selective", "full"):
         raise SpecError(f"--recompute: '{recompute}' is not one of none, selective, full")
     pins = Pins(tp=tp, pp=pp, cp=cp, vpp=vpp, micro_batch_size=micro_batch_size, recompute=recompute,
-                sequence_parallel=sequence_parallel, zero_stage=zero_stage, ep=ep, etp=etp)
+                sequence_parallel=sequence_parallel, zero_stage=zero_stage, ep=ep, etp=etp,
+                pipeline_schedule=pipeline_schedule)
     space = SearchSpace(pins=pins)
     spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision,
                                                      attention, overlap_grad_reduce, framework, tp_comm_overlap,
@@ -108,6 +112,11 @@ def search(
                                                      moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance)
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype))
     _check_pins(spec_hw, tp)
+    from planner.candidates import schedule_pin_problems
+
+    schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
+    if schedule_problem:
+        raise SpecError(schedule_problem)
     if not spec_model.is_moe and (ep not in (None, 1) or etp is not None):
         raise SpecError(f"{'--ep' if ep not in (None, 1) else '--etp'}: applies to mixture-of-experts models; "
                         f"{spec_model.name} is dense")
