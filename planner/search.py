@@ -159,18 +159,27 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         if not ok.any():
             continue
         dpg_s, dpp_s, z3_s, static, work, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
-        # memory of each stage kind [U, Z, 3], as memory.stage_memory
-        inflight = np.stack([in_flight(base, m, r) for r, _ in rows], axis=1)  # [U, 3]
+        # memory of each stage kind [U, Z, 3], as memory.stage_memory. A MoE model's dense-first layers can
+        # reach past rank 0, so its middle stages need not fall with the stage index: every middle stage
+        # that may hold a dense layer, and the first one after them, is computed, and the middle kind is
+        # their maximum (a stage the three kinds miss could not fit while the table says it does)
+        mrows = _memory_rows(model, base, rows)
+        if len(mrows) > len(rows):
+            static, work = _state_rows(model, training, base, mrows, zeros)
+        nm = np.array([x[1] for x in mrows], dtype=float)
+        inflight = np.stack([in_flight(base, m, r) for r, _ in mrows], axis=1)  # [U, R]
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
-        n_moe = np.array([stage_moe_layer_count(model, base, r, x) for r, x in rows], dtype=float)
-        act = inflight / v * ((n - n_moe) * f["saved"][:, None] + n_moe * f["saved_moe"][:, None])
+        n_moe = np.array([stage_moe_layer_count(model, base, r, x) for r, x in mrows], dtype=float)
+        act = inflight / v * ((nm - n_moe) * f["saved"][:, None] + n_moe * f["saved_moe"][:, None])
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
-        rows_r = np.array([r for r, _ in rows])
+        rows_r = np.array([r for r, _ in mrows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
-        out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, 3]
-        layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, 3]: memory.layer_phase_bytes
+        out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
+        layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
         mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak) / KIB)
+        if len(mrows) > len(rows):  # back to the three kinds: first, the worst middle, last
+            mem = np.stack([mem[..., 0], mem[..., 1:-1].max(axis=-1), mem[..., -1]], axis=-1)
         # the zero-bubble schedules' bubble is simulated (cost.schedule_bubble_s): only for the combinations
         # that are legal and fit (m = 0 elsewhere: no simulation, no time; they cannot be chosen)
         m_step = m[:, None] if split.schedule is None else \
@@ -292,6 +301,34 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
         opt_s.append(optimizer_s(model, hw, training, zp, params))
     return (np.array(dpg_s), np.array(dpp_s), np.array(z3_s), np.array(static), np.array(work),
             np.array(opt_s))
+
+
+def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(stage, layers) whose memory the tables must compute: the three kinds of :func:`_stage_rows`, and for
+    a MoE model with ``p > 2`` every middle stage up to the first that holds no dense-first layer (in-flight
+    activations fall with the stage index only among stages of equal layers)."""
+    p = plan.pp
+    if not model.is_moe or model.first_k_dense == 0 or p <= 2:
+        return rows
+    layers, n_moe = plan.stage_layers(model.num_layers), plan.stage_moe_layers(model)
+    middles = []
+    for r in range(1, p - 1):
+        middles.append((r, layers[r]))
+        if n_moe[r] == layers[r]:  # no dense layer here: the later ones hold fewer micro-batches
+            break
+    return [rows[0], *middles, rows[-1]]
+
+
+def _state_rows(model, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, np.ndarray]:
+    """Static memory (weights + gradients + optimizer) and its transient working set [Z, R] of each row,
+    as :func:`_zero_terms` computes them for the three kinds (memory.stage_state_bytes)."""
+    static, work = [], []
+    for z in zeros:
+        zp = plan.model_copy(update={"zero_stage": z})
+        states = [stage_state_bytes(model, training, zp, r, n) for r, n in rows]
+        static.append([st.weights_bytes + st.grads_bytes + st.optimizer_bytes for st in states])
+        work.append([st.working_weights_bytes + st.working_grads_bytes for st in states])
+    return np.array(static), np.array(work)
 
 
 def _stage_counts(p: int) -> tuple[int, int, int]:

@@ -84,3 +84,25 @@ def test_moe_table_times_are_estimate_time_when_dense_layers_spill():
         assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, H100, tr, plan).step_time_s * 1e9,
                                                         abs=1.0), plan
     assert seen_spill
+
+
+def test_table_memory_covers_every_stage_when_dense_layers_spill():
+    """Dense-first layers on ranks 0-1 (8 layers, 2 dense, pp 4 x vpp 2: one layer per chunk) make the
+    middle stages differ: the table's middle kind must bound the worst of them, or the search would call a
+    plan that does not fit a fit (found on DeepSeek-V3, PP16 VPP2: stage 2 at 78 GiB of 73.6)."""
+    import numpy as np
+
+    from planner.memory import estimate_memory
+    from planner.search import KIB, build_tables
+
+    model = TINY.model_copy(update={"num_layers": 8, "first_k_dense": 2})
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=1024)
+    tables = build_tables(model, H100, tr, SearchSpace(pins=Pins(pp=4, vpp=2), max_micro_batch_size=4))
+    legal = np.flatnonzero(tables.legal.ravel())
+    assert len(legal) > 0
+    for k in legal:
+        plan = tables.plan(int(k))
+        assert plan.stage_moe_layers(model) != (2,) * 4  # the middle stages really differ
+        peak = max(s.total_bytes for s in estimate_memory(model, H100, tr, plan).stages)
+        s, u, z = tables.unindex(int(k))
+        assert tables.mem_kib[s, u, z].max() * KIB >= peak - KIB, plan
