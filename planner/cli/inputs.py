@@ -62,7 +62,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
                           precision: Optional[str], attention: Optional[str] = None,
                           overlap_grad_reduce: Optional[bool] = None, framework: Optional[str] = None,
                           tp_comm_overlap: Optional[bool] = None, overlap_p2p_comm: Optional[bool] = None,
-                          moe: Optional[dict] = None, **plan_opts):
+                          job_extra: Optional[dict] = None, **plan_opts):
     """Build a Scenario from a plan file and/or flags; flags win over the file."""
     from planner import presets
     from planner.specs import Scenario
@@ -83,7 +83,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     job = given(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len)
     training |= job | given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
                             framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
-    training |= given(**(moe or {}))
+    training |= given(**(job_extra or {}))  # MoE and state options (moe_options, state_options)
     if not plan_file:
         required(gpus, "--gpus"), required(global_batch, "--global-batch"), required(seq_len, "--seq-len")
     plan = dict(data.get("plan") or {})
@@ -120,7 +120,7 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],
                      attention: Optional[str], overlap_grad_reduce: Optional[bool] = None,
                      framework: Optional[str] = None, tp_comm_overlap: Optional[bool] = None,
-                     overlap_p2p_comm: Optional[bool] = None, moe: Optional[dict] = None):
+                     overlap_p2p_comm: Optional[bool] = None, job_extra: Optional[dict] = None):
     """(ModelSpec, HardwareSpec, TrainingSpec) from the shared job options."""
     from planner import presets
     from planner.specs import TrainingSpec, job_problems
@@ -128,7 +128,7 @@ def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, se
     training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
     training |= given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
                       framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
-    training |= given(**(moe or {}))
+    training |= given(**(job_extra or {}))
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
     tr = presets.build(TrainingSpec, training, "")
     problems = job_problems(spec_model, spec_hw, tr)

@@ -48,7 +48,7 @@ def estimate(
                                layers_per_stage=parse_layers_per_stage(layers_per_stage),
                                microbatch_group_size=microbatch_group_size, ep=ep, etp=etp,
                                pipeline_schedule=pipeline_schedule,
-                               moe=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance)
+                               job_extra=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance)
                                | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype))
     est = run_estimate(sc)
     if json_out:
