@@ -923,56 +923,19 @@ def schedule_bubble_s(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total
 
 @functools.lru_cache(maxsize=256)
 def _schedule_program(schedule: str, p: int, v: int, m: int, family: str):
-    """The action lists of ``schedules.simulate`` as a fixed program: for each action in an order where its
-    inputs come first, its kind (0 F, 1 I, 2 W, 3 B), the action it waits for (-1: none) and the one before it
-    on its rank (-1: none); and each rank's last action. The order of the actions and their dependencies
-    do not depend on the durations, so one program times any number of (f, i, w) at once."""
+    """``schedules.action_program`` with each rank's action counts per kind [p, 4] (its work for any durations)."""
     from planner import schedules
 
-    n_stages = p * schedules.chunks_per_rank(schedule, v)
-    acts = [schedules.schedule_actions(schedule, p, m, r, v, family) for r in range(p)]
-    ptr, last = [0] * p, [-1] * p
-    done: dict = {}
-    kinds, deps, prevs, ranks = [], [], [], []
-    remaining = sum(len(a) for a in acts)
-    while remaining:
-        progressed = False
-        for r in range(p):
-            while ptr[r] < len(acts[r]):
-                kind, mb, c = acts[r][ptr[r]]
-                s = schedules.stage_index(schedule, p, r, c)
-                if kind == "F":
-                    dep = ("F", s - 1, mb) if s > 0 else None
-                elif kind in ("I", "B"):
-                    dep = ("I", s + 1, mb) if s < n_stages - 1 else ("F", s, mb)
-                else:
-                    dep = ("I", s, mb)
-                if dep is not None and dep not in done:
-                    break
-                idx = len(kinds)
-                kinds.append("FIWB".index(kind))
-                deps.append(-1 if dep is None else done[dep])
-                prevs.append(last[r])
-                ranks.append(r)
-                last[r] = idx
-                if kind == "B":
-                    done[("I", s, mb)] = done[("W", s, mb)] = idx
-                else:
-                    done[(kind, s, mb)] = idx
-                ptr[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError(f"{schedule}: the action lists deadlock")
+    kinds, _, ranks, deps, prevs, last = schedules.action_program(schedule, p, m, v, family)
     counts = np.zeros((p, 4))
     np.add.at(counts, (np.array(ranks, dtype=int), np.array(kinds, dtype=int)), 1.0)
-    return tuple(kinds), tuple(deps), tuple(prevs), tuple(last), counts
+    return kinds, deps, prevs, last, counts
 
 
 def simulated_bubble_s(schedule: str, pp: int, vpp: int, m: int, f_s, i_s, w_s, family: str = "torch"):
     """``schedules.bubble_s`` with ``hop_s = 0`` and uniform stages, for arrays of per-chunk (f, i, w) at once:
     the same rules (each rank in list order, each action when the rank is free and its input is there; a full
-    backward B lasts i + w), run as one program over the options (:func:`_schedule_program`).
+    backward B lasts i + w), run as one program over the options (``schedules.action_program``).
     tests/test_schedules_hook.py checks it equals ``schedules.bubble_s``."""
     kinds, deps, prevs, last, counts = _schedule_program(schedule, pp, vpp, m, family)
     f, i, w = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (f_s, i_s, w_s))

@@ -445,19 +445,19 @@ def simulate(schedule: str, p: int, m: int, f_s: Durations, i_s: Durations, w_s:
 
 
 @functools.lru_cache(maxsize=4096)
-def _simulate(schedule: str, p: int, m: int, f_s: Durations, i_s: Durations, w_s: Durations, hop_s: float,
-              v: int | None, family: Family, group: int | None) -> dict:
-    """The body of :func:`simulate` on hashable arguments."""
-    nv = chunks_per_rank(schedule, v)
-    n_stages = p * nv
-    acts = {r: schedule_actions(schedule, p, m, r, v, family, group) for r in range(p)}
-    rank_of = {stage_index(schedule, p, r, c): r for r in range(p) for c in range(nv)}
-    done: dict[tuple[str, int, int], float] = {}  # (kind F/I/W, stage, mb) -> end time
-    clock = [0.0] * p
-    first = [None] * p
-    work = [0.0] * p
-    ptr = [0] * p
-    remaining = sum(len(a) for a in acts.values())
+def action_program(schedule: str, p: int, m: int, v: int | None = None, family: Family = "torch",
+                   group: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """The per-rank action lists of ``schedule`` as one fixed program, in an order where every action's
+    input comes first (the rules of :func:`simulate`): per action its kind (0 F, 1 I, 2 W, 3 B), global
+    stage, rank, the action it waits for (-1: none) and the one before it on its rank (-1: none); and
+    each rank's last action. The order and the dependencies do not depend on the durations, so one
+    program times any durations (:func:`simulate`, and ``cost.simulated_bubble_s`` on arrays)."""
+    n_stages = p * chunks_per_rank(schedule, v)
+    acts = [schedule_actions(schedule, p, m, r, v, family, group) for r in range(p)]
+    ptr, last = [0] * p, [-1] * p
+    done: dict[tuple[str, int, int], int] = {}  # (kind F/I/W, stage, mb) -> action index
+    kinds, stages, ranks, deps, prevs = [], [], [], [], []
+    remaining = sum(len(a) for a in acts)
     while remaining:
         progressed = False
         for r in range(p):
@@ -466,34 +466,54 @@ def _simulate(schedule: str, p: int, m: int, f_s: Durations, i_s: Durations, w_s
                 s = stage_index(schedule, p, r, c)
                 if kind == "F":
                     dep = ("F", s - 1, mb) if s > 0 else None
-                    dur = _per_stage(f_s, s)
                 elif kind in ("I", "B"):
                     dep = ("I", s + 1, mb) if s < n_stages - 1 else ("F", s, mb)
-                    dur = _per_stage(i_s, s) + (_per_stage(w_s, s) if kind == "B" else 0.0)
                 else:
                     dep = ("I", s, mb)
-                    dur = _per_stage(w_s, s)
                 if dep is not None and dep not in done:
                     break
-                ready = 0.0
-                if dep is not None:
-                    ready = done[dep] + (hop_s if rank_of[dep[1]] != r else 0.0)
-                start = max(clock[r], ready)
-                end = start + dur
-                if first[r] is None:
-                    first[r] = start
-                clock[r] = end
-                work[r] += dur
+                idx = len(kinds)
+                kinds.append("FIWB".index(kind))
+                stages.append(s)
+                ranks.append(r)
+                deps.append(-1 if dep is None else done[dep])
+                prevs.append(last[r])
+                last[r] = idx
                 if kind == "B":
-                    done[("I", s, mb)] = done[("W", s, mb)] = end
+                    done[("I", s, mb)] = done[("W", s, mb)] = idx
                 else:
-                    done[(kind, s, mb)] = end
+                    done[(kind, s, mb)] = idx
                 ptr[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             stuck = {r: acts[r][ptr[r]] for r in range(p) if ptr[r] < len(acts[r])}
             raise ValueError(f"{schedule}: the action lists deadlock at {stuck}")
+    return tuple(kinds), tuple(stages), tuple(ranks), tuple(deps), tuple(prevs), tuple(last)
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulate(schedule: str, p: int, m: int, f_s: Durations, i_s: Durations, w_s: Durations, hop_s: float,
+              v: int | None, family: Family, group: int | None) -> dict:
+    """The body of :func:`simulate` on hashable arguments: :func:`action_program` timed."""
+    kinds, stages, ranks, deps, prevs, last = action_program(schedule, p, m, v, family, group)
+    end = [0.0] * len(kinds)
+    first: list[float | None] = [None] * p
+    work = [0.0] * p
+    for a, (k, s, r, d, q) in enumerate(zip(kinds, stages, ranks, deps, prevs)):
+        if k == 0:
+            dur = _per_stage(f_s, s)
+        elif k == 2:
+            dur = _per_stage(w_s, s)
+        else:  # I, or a full backward B = I + W
+            dur = _per_stage(i_s, s) + (_per_stage(w_s, s) if k == 3 else 0.0)
+        ready = 0.0 if d < 0 else end[d] + (hop_s if ranks[d] != r else 0.0)
+        start = max(end[q] if q >= 0 else 0.0, ready)
+        end[a] = start + dur
+        if first[r] is None:
+            first[r] = start
+        work[r] += dur
+    clock = [end[a] if a >= 0 else 0.0 for a in last]
     step = max(clock)
     return {"step_s": step, "work_s": tuple(work), "bubble_s": step - max(work),
             "span_idle_s": tuple(clock[r] - (first[r] or 0.0) - work[r] for r in range(p))}
