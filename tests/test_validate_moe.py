@@ -24,7 +24,8 @@ torch = pytest.importorskip("torch")
 from planner.presets import SpecError, load_hardware, load_model  # noqa: E402
 from planner.specs import Plan, Scenario, TrainingSpec  # noqa: E402
 from planner.validate import launch  # noqa: E402
-from planner.validate.moe import moe_layer_saved_bytes, rank_param_split  # noqa: E402
+from planner.memory import stage_param_split  # noqa: E402
+from planner.validate.moe import moe_layer_saved_bytes  # noqa: E402
 
 LIMIT_S = 120
 
@@ -131,8 +132,8 @@ def test_parameters_per_rank_by_hand():
     router 8*64 = 512; shared expert 3*64*128 = 24576; one expert 3*64*128 = 24576."""
     sc = _scenario()
     dense_layer, moe_dense = 12288 + 128 + 49152, 12288 + 128 + 512 + 24576
-    assert rank_param_split(sc.model, sc.resolved_plan(), 0, 2) == (512 * 64 + dense_layer + moe_dense, 2 * 24576)
-    assert rank_param_split(sc.model, sc.resolved_plan(), 1, 2) == (2 * moe_dense + 64 + 512 * 64, 2 * 2 * 24576)
+    assert stage_param_split(sc.model, sc.resolved_plan(), 0, 2) == (512 * 64 + dense_layer + moe_dense, 2 * 24576)
+    assert stage_param_split(sc.model, sc.resolved_plan(), 1, 2) == (2 * moe_dense + 64 + 512 * 64, 2 * 2 * 24576)
 
 
 def test_parameters_per_rank_with_tp_by_hand():
@@ -141,7 +142,7 @@ def test_parameters_per_rank_with_tp_by_hand():
     shared expert 64*128 + 64*64 = 12288 (half), vocab-parallel embedding 512*64/2; experts whole, 2 of 8."""
     sc = _scenario(tp=2, dp=2, etp=1, sequence_parallel=True)
     dense_layer, moe_dense = 6144 + 128 + 24576, 6144 + 128 + 512 + 12288
-    assert rank_param_split(sc.model, sc.resolved_plan(), 0, 2) == (512 * 64 / 2 + dense_layer + moe_dense, 2 * 24576)
+    assert stage_param_split(sc.model, sc.resolved_plan(), 0, 2) == (512 * 64 / 2 + dense_layer + moe_dense, 2 * 24576)
 
 
 VARIANTS = {

@@ -50,19 +50,6 @@ def moe_refusal(model: ModelSpec, plan: Plan) -> str | None:
     return None
 
 
-def mlp_params_per_rank(model: ModelSpec, ffn: int, tp: int) -> float:
-    """One MLP of width ``ffn`` on one TP rank: FC1 (and gate) column-parallel, FC2 row-parallel with its bias
-    replicated (the MLP part of planner.memory.layer_params_per_rank)."""
-    h, mlp_in = model.hidden_size, (2 if model.gated_mlp else 1) * ffn / tp
-    return h * mlp_in + (ffn / tp) * h + ((mlp_in + h) if model.has_mlp_bias else 0)
-
-
-def rank_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple[float, float]:
-    """(dense, expert) parameters held by one rank of pipeline stage ``stage``: the estimator's own split
-    (:func:`planner.memory.stage_param_split`), which the measured run must match to the byte."""
-    return stage_param_split(model, plan, stage, layers)
-
-
 def rank_state_bytes(sc: Scenario, stage: int) -> dict[str, float]:
     """Weights, gradients and optimizer states of one rank, in total and for its experts alone.
 
@@ -71,7 +58,7 @@ def rank_state_bytes(sc: Scenario, stage: int) -> dict[str, float]:
     ``dp * cp`` and the experts over ``expert_dp``.
     """
     p = sc.resolved_plan()
-    dense, expert = rank_param_split(sc.model, p, stage, sc.stage_layers[stage])
+    dense, expert = stage_param_split(sc.model, p, stage, sc.stage_layers[stage])
     per_param = param_bytes(sc.training)
 
     def states(shards: int) -> tuple[float, float, float]:
