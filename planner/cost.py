@@ -468,21 +468,6 @@ def _fp8_cast_bytes_per_token(model: ModelSpec, plan: Plan, linears, precision: 
     return fwd, bwd
 
 
-#: Load imbalance of the routed experts: tokens on the busiest expert-parallel rank over the mean.
-#: 1.0 (balanced) by default: NVIDIA's published Megatron-Bridge MoE throughput is measured with the
-#: routing forced to balance ("In MoE training benchmarks, we force-balance the token distribution among
-#: experts", docs/performance-summary.md, Megatron-Bridge 25.11 and 26.02), and DeepSeek-V3 trains with
-#: auxiliary-loss-free balancing that keeps every batch near balance (arXiv:2412.19437 section 2.1.2).
-#: A TrainingSpec field ``moe_load_imbalance`` (when the spec has one) overrides it.
-MOE_LOAD_IMBALANCE = 1.0
-
-
-def moe_load_imbalance(training: TrainingSpec) -> float:
-    """The expert load-imbalance factor (``MOE_LOAD_IMBALANCE`` unless the training spec sets one)."""
-    value = getattr(training, "moe_load_imbalance", None)
-    return MOE_LOAD_IMBALANCE if value is None else float(value)
-
-
 #: Kernels of the token permutation per MoE layer and pass: permute, sort by local expert, unsort,
 #: unpermute (Megatron-Core ``MoEAlltoAllTokenDispatcher``: ``permute``, ``sort_chunks_by_idxs`` twice,
 #: ``unpermute``), and the router's top-k + softmax + aux-loss kernels (3).
@@ -527,7 +512,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     t, h, e = plan.tp, model.hidden_size, act_bytes(training)
     E, k, f = model.num_experts, model.top_k, model.moe_ffn_size
     ep, etp = plan.ep, plan.expert_tp
-    imb = moe_load_imbalance(training)
+    imb = training.moe_load_imbalance
     t_r = tokens / t
     local = E / ep
     copies = imb * etp * t_r * k  # routed token copies on this rank (the busiest)
@@ -558,7 +543,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     fwd, bwd = fwd + perm_s, bwd + perm_s
     # dispatch + combine: all-to-all over EP of the busiest rank's copies, AG + RS over expert TP
     ep_group = expert_span(plan, "ep", hw.nvlink_domain)
-    if getattr(training, "moe_token_dispatcher", "alltoall") == "deepep":
+    if training.moe_token_dispatcher == "deepep":
         dispatch = combine = deepep_time_s(imb * t_r * h * e, k, ep_group, hw)
         if training.precision in LOW_PRECISION_CAST_BYTES:  # DeepEP dispatches FP8 (1 B + 1/128 scale), combines BF16
             dispatch = deepep_time_s(imb * t_r * h * (1 + 4 / 128), k, ep_group, hw)
@@ -568,7 +553,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     etp_s = (comm.collective_time_s("all_gather", copies * h * e, etp_group, hw)
              + comm.collective_time_s("reduce_scatter", copies * h * e, etp_group, hw))
     comm_f = comm_b = dispatch + combine + etp_s
-    if getattr(training, "moe_a2a_overlap", False):
+    if training.moe_a2a_overlap:
         # --overlap-moe-expert-parallel-comm: one micro-batch's forward runs merged with another's backward
         # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute
         exposed = overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw))
@@ -603,7 +588,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     rates = Rates.of(hw, training.precision)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     overlap = resolved_overlap(training)
-    imbalance = moe_load_imbalance(training)
+    imbalance = training.moe_load_imbalance
     fwd = bwd = wgrad = 0.0
     gemms = []  # (fwd, dgrad, wgrad, kind) of each linear, in forward order
     linears = list(_linear_shapes(model, plan, moe).values())

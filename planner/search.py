@@ -284,23 +284,16 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
         sync[key] = [dp_sync_parts_s(model, hw, training, zp, r, n, order) for r, n in rows]
     z3p = plan.model_copy(update={"zero_stage": 3})
     gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
-    dpg_s, dpp_s, z3_s, static, work, opt_s = [], [], [], [], [], []
+    static, work = _state_rows(model, training, plan, rows, zeros)
+    dpg_s, dpp_s, z3_s, opt_s = [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
-        row, wrow = [], []
-        for r, n in rows:
-            st = stage_state_bytes(model, training, zp, r, n)
-            row.append(st.weights_bytes + st.grads_bytes + st.optimizer_bytes)
-            wrow.append(st.working_weights_bytes + st.working_grads_bytes)
-        static.append(row)
-        work.append(wrow)
         parts = sync[min(z, 1) if z < 3 else 3]
         dpg_s.append([x[0] for x in parts])
         dpp_s.append([x[1] for x in parts])
         z3_s.append(gather if z == 3 else [0.0] * 3)
         opt_s.append(optimizer_s(model, hw, training, zp, params))
-    return (np.array(dpg_s), np.array(dpp_s), np.array(z3_s), np.array(static), np.array(work),
-            np.array(opt_s))
+    return np.array(dpg_s), np.array(dpp_s), np.array(z3_s), static, work, np.array(opt_s)
 
 
 def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -320,8 +313,9 @@ def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> l
 
 
 def _state_rows(model, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, np.ndarray]:
-    """Static memory (weights + gradients + optimizer) and its transient working set [Z, R] of each row,
-    as :func:`_zero_terms` computes them for the three kinds (memory.stage_state_bytes)."""
+    """Static memory (weights + gradients + optimizer) and its transient working set [Z, R] of each
+    (stage, layers) row (memory.stage_state_bytes): the three kinds in :func:`_zero_terms`, more rows for a
+    MoE model's middle stages (:func:`_memory_rows`)."""
     static, work = [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})

@@ -602,6 +602,10 @@ class TrainingSpec(_Spec):
         default=False,
         description="Overlap the MoE dispatch/combine all-to-all with another micro-batch's compute (Megatron "
                     "--overlap-moe-expert-parallel-comm, 1F1B all-to-all overlap); off by default.")
+    # 1.0 (balanced) by default: NVIDIA's published Megatron-Bridge MoE throughput is measured with the
+    # routing forced to balance ("In MoE training benchmarks, we force-balance the token distribution among
+    # experts", docs/performance-summary.md, Megatron-Bridge 25.11 and 26.02), and DeepSeek-V3 trains with
+    # auxiliary-loss-free balancing that keeps every batch near balance (arXiv:2412.19437 section 2.1.2).
     moe_load_imbalance: float = Field(
         default=1.0, ge=1.0,
         description="Tokens on the busiest expert-parallel rank over the mean; 1.0 = balanced (NVIDIA's MoE "
