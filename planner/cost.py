@@ -561,6 +561,50 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad)
 
 
+#: Kernel-launching operators Megatron-Core's own MoE layer issues per micro-batch and pass, measured on the
+#: CPU by ``benchmarks/megatron_host_ops.py`` (core_v0.16.1 ``MoELayer``, alltoall dispatcher, ``SequentialMLP``
+#: experts, aux-loss router; ``tests/test_host_overhead.py`` re-measures them): a base (router, token
+#: counts, permutation, dispatch, combine) plus a count per local expert (its two linears and activation).
+#: View and metadata operators (about as many again) launch nothing and are left out. ``router``: the
+#: router's own share of the base (Megatron's ``moe_router`` CUDA-graph scope).
+MOE_HOST_OPS = {"fwd_base": 36, "fwd_per_expert": 6, "bwd_base": 27, "bwd_per_expert": 13,
+                "router_fwd": 23, "router_bwd": 15}
+
+
+def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
+    """(forward, backward) host seconds to issue one MoE layer's kernels for one micro-batch.
+
+    Why it matters: the dropless all-to-all dispatcher copies the token counts to the host and waits for
+    them every layer (Megatron-Core ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``, sync point
+    ``before_ep_alltoall``; skipped only with drop-and-pad), so the CPU cannot run ahead of the GPU across
+    layers and the layer takes at least the host's issue time (:func:`layer_time`). NVIDIA's MoE tuning
+    guide names the symptom ("CPU overhead: gaps between GPU kernels") and the remedies, CUDA graphs and
+    "decrease TP or increase MBS" (Megatron-Bridge docs, training/moe-optimization.md).
+
+    Kernels: the attention block's fused Transformer Engine kernels as :func:`layer_time` counts them (each
+    linear's GEMM and, in low precision, its cast; the attention kernel, 1 forward and 3 backward; the
+    norms, residual adds and RoPE of :func:`_elementwise_kernels`), plus Megatron's own MoE layer as
+    measured (``MOE_HOST_OPS``). Each costs ``host_launch_us``. A part captured in a CUDA graph
+    (``cuda_graph_modules``: attn, moe_router) costs one launch instead. ``moe_preprocess`` is not
+    separated in the measurement and is left at full cost.
+    """
+    linears = len(_linear_shapes(model, plan, moe=True))
+    casts = linears if training.precision in LOW_PRECISION_CAST_BYTES else 0
+    k_f, k_b = _elementwise_kernels(model)  # less the activation, which the experts' count holds
+    attn_f, attn_b = linears + casts + 1 + k_f - 1, 2 * linears + casts + 3 + k_b - 1
+    graphs = training.cuda_graph_modules
+    if "attn" in graphs:
+        attn_f = attn_b = 1
+    local = model.num_experts / plan.ep
+    o = MOE_HOST_OPS
+    moe_f = o["fwd_base"] + o["fwd_per_expert"] * local
+    moe_b = o["bwd_base"] + o["bwd_per_expert"] * local
+    if "moe_router" in graphs:
+        moe_f, moe_b = moe_f - o["router_fwd"] + 1, moe_b - o["router_bwd"] + 1
+    launch_s = hw.host_launch_us * 1e-6
+    return (attn_f + moe_f) * launch_s, (attn_b + moe_b) * launch_s
+
+
 def deepep_time_s(token_bytes: float, top_k: int, group, hw: HardwareSpec) -> float:
     """DeepEP dispatch (or combine) of ``token_bytes`` of tokens per rank over an EP group (DeepEP README,
     "normal kernels": a token crosses the network once per destination node, then NVLink forwards it to
@@ -659,6 +703,10 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         ep_bwd += ep_fwd  # and its token dispatch and combine
     if plan.recompute != "none":
         cp_bwd += cp_fwd  # and its ring exchange
+    if moe:  # the per-layer host sync exposes the host's issue time where it exceeds the GPU's (moe_host_s)
+        host_f, host_b = moe_host_s(model, hw, training, plan)
+        fwd += max(0.0, host_f - (fwd + tp_fwd + cp_fwd + ep_fwd))
+        bwd += max(0.0, host_b - (bwd + recompute + tp_bwd + cp_bwd + ep_bwd))
     return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
                      cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd, wgrad=wgrad)
 

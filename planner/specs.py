@@ -485,6 +485,12 @@ class HardwareSpec(_Spec):
                     "overlaps communication loses this share of the GPU.")
     kernel_overhead_us: float = Field(
         default=5.0, ge=0, description="Fixed cost per GEMM kernel (launch, prologue, epilogue), us.")
+    host_launch_us: float = Field(
+        default=10.0, ge=0,
+        description="CPU time to issue one kernel from the framework (dispatch and launch), us: 5-20 us per "
+                    "launch on the CPU side (HolisticTraceAnalysis docs, cuda_kernel_launch_stats), the middle "
+                    "of that range by default. Bites where the host must wait for the device every layer "
+                    "(dropless MoE dispatch): planner.cost.moe_host_s.")
     attention_efficiency: float = Field(
         default=0.5, gt=0, le=1,
         description="Achieved fraction of peak in the fused (flash) attention forward kernel.")
@@ -598,6 +604,12 @@ class TrainingSpec(_Spec):
         description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, the default) or "
                     "deepep (--moe-token-dispatcher-type flex with DeepEP: one copy per destination node across "
                     "the network, FP8 dispatch in fp8 training).")
+    cuda_graph_modules: tuple[Literal["attn", "moe_router", "moe_preprocess"], ...] = Field(
+        default=(),
+        description="Per-layer parts captured in CUDA graphs (Megatron --cuda-graph-impl transformer_engine "
+                    "--cuda-graph-modules; Megatron-Bridge cuda_graph_scope): a captured part is replayed with one "
+                    "launch instead of one per kernel, which matters only where the host bounds the layer "
+                    "(planner.cost.moe_host_s).")
     moe_a2a_overlap: bool = Field(
         default=False,
         description="Overlap the MoE dispatch/combine all-to-all with another micro-batch's compute (Megatron "

@@ -1,0 +1,142 @@
+"""Count the operators Megatron-Core's own MoE layer issues per micro-batch, forward and backward, on the CPU.
+
+Run: PYTHONPATH=<Megatron-LM checkout> python benchmarks/megatron_host_ops.py [--json]
+
+Why: a MoE layer with small per-expert GEMMs can be bound by the host (each operator costs CPU time to
+dispatch and launch, and the dropless all-to-all dispatcher synchronises host and device every layer), so
+``planner.cost`` needs the number of operators the framework issues. This script measures it on the real
+library rather than counting by hand: it builds Megatron-Core's ``MoELayer`` (``--moe-token-dispatcher-type
+alltoall``, ``SequentialMLP`` experts: the path that runs without Transformer Engine) in one gloo process,
+runs a forward and a backward under a ``TorchDispatchMode`` that records every aten operator, and splits them
+into operators that launch a kernel on a GPU and view/metadata operators (``OpOverload.is_view`` and the
+aliasing ops ``t``/``detach``/``split``), which launch nothing. CUDA streams and events, which the dispatcher
+uses to copy the token counts to the host, are stood in by no-op objects (there is no GPU here); that changes
+no operator count. The counts are linear in the number of local experts, so the script reports a base and a
+per-expert slope, fitted on two expert counts and checked on a third.
+
+Prints (or with ``--json`` writes to stdout) ``{"fwd_kernel_base": ..., "fwd_kernel_per_expert": ...,
+"fwd_view_base": ..., ...}``. ``tests/test_host_overhead.py`` runs it and checks the constants that
+``planner.cost`` carries (``MOE_HOST_OPS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import warnings
+from collections import Counter
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+class _NoStream:
+    """Stands in for torch.cuda.Stream/Event on a CPU-only build (no operator is issued by them)."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _shim_cuda() -> None:
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoStream
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *a: _NoStream()
+    torch.cuda.current_device = lambda: "cpu"
+
+
+_ALIASING = {"t", "detach", "split", "split_with_sizes", "chunk", "unbind", "alias", "_unsafe_view"}
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.kernel, self.view = Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        (self.view if func.is_view or name in _ALIASING else self.kernel)[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _layer(local_experts: int, top_k: int):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256,
+                            num_moe_experts=local_experts, moe_router_topk=top_k, moe_ffn_hidden_size=64,
+                            moe_token_dispatcher_type="alltoall", gated_linear_unit=True, add_bias_linear=False,
+                            normalization="RMSNorm", use_cpu_initialization=True, params_dtype=torch.float32,
+                            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3)
+    spec = get_gpt_layer_local_spec(num_experts=local_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    return TransformerLayer(cfg, spec.submodules).mlp
+
+
+def count(local_experts: int, top_k: int = 2) -> dict[str, int]:
+    """Operators of one MoE layer's forward and backward with ``local_experts`` experts on this rank."""
+    moe = _layer(local_experts, top_k)
+    x = torch.randn(64, 2, 128, requires_grad=True)
+    for _ in range(2):  # the second pass is the one counted (first-call caches settle)
+        with _Count() as f:
+            out, _ = moe(x)
+        with _Count() as b:
+            out.sum().backward()
+    out = {"fwd_kernel": sum(f.kernel.values()), "fwd_view": sum(f.view.values()),
+           "bwd_kernel": sum(b.kernel.values()), "bwd_view": sum(b.view.values())}
+    # the router alone (Megatron's ``moe_router`` CUDA-graph scope): its forward, and the backward from its probs
+    for _ in range(2):
+        with _Count() as f:
+            probs, _ = moe.router(x.detach().requires_grad_())
+        with _Count() as b:
+            probs.sum().backward()
+    out |= {"router_fwd_kernel": sum(f.kernel.values()), "router_fwd_view": sum(f.view.values()),
+            "router_bwd_kernel": sum(b.kernel.values()), "router_bwd_view": sum(b.view.values())}
+    return out
+
+
+def measure() -> dict:
+    _shim_cuda()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # core_v0.16.1 names it only when TE imports
+        moe_utils.te_general_gemm = None
+    parallel_state.initialize_model_parallel(1, 1)
+    a, b, c = count(4), count(8), count(16)
+    out = {}
+    for key in a:
+        slope = (b[key] - a[key]) / 4
+        base = a[key] - 4 * slope
+        if base + 16 * slope != c[key]:
+            raise SystemExit(f"{key}: not linear in the expert count ({a[key]}, {b[key]}, {c[key]})")
+        out[key + "_base"], out[key + "_per_expert"] = int(base), int(slope)
+    out["megatron"] = "core_v0.16.1 MoELayer, alltoall dispatcher, SequentialMLP, aux-loss router, top-2"
+    dist.destroy_process_group()
+    return out
+
+
+if __name__ == "__main__":
+    result = measure()
+    print(json.dumps(result, indent=1) if "--json" in sys.argv else
+          "\n".join(f"{k:24} {v}" for k, v in result.items()))

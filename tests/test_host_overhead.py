@@ -1,0 +1,71 @@
+"""The host-issue floor of a MoE layer (planner.cost.moe_host_s): its operator counts are measured on
+Megatron-Core's own MoE layer, and it binds only where the host, not the GPU, bounds the layer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.cost import MOE_HOST_OPS, layer_time, moe_host_s
+from planner.presets import load_hardware, load_model
+from planner.specs import Plan, TrainingSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_operator_counts_are_megatrons_own(megatron_lm_root):
+    """MOE_HOST_OPS equals what benchmarks/megatron_host_ops.py measures on core_v0.16.1's MoELayer."""
+    env = dict(os.environ, PYTHONPATH=f"{megatron_lm_root}{os.pathsep}{ROOT}")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/megatron_host_ops.py"), "--json"], env=env,
+                         capture_output=True, text=True, timeout=600, check=True)
+    got = json.loads(out.stdout)
+    assert {"fwd_base": got["fwd_kernel_base"], "fwd_per_expert": got["fwd_kernel_per_expert"],
+            "bwd_base": got["bwd_kernel_base"], "bwd_per_expert": got["bwd_kernel_per_expert"],
+            "router_fwd": got["router_fwd_kernel_base"], "router_bwd": got["router_bwd_kernel_base"]} == MOE_HOST_OPS
+
+
+def _setup(mbs: int, **training):
+    model, hw = load_model("qwen3-30b-a3b"), load_hardware("b200-180gb")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=512, seq_len=4096, precision="fp8", framework="nemo", **training)
+    plan = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=mbs, zero_stage=1)
+    return model, hw, tr, plan
+
+
+def test_host_time_by_hand():
+    """Qwen3-30B-A3B (128 experts, EP8: 16 local), fp8, TP1: attention block 2 linears (QKV, proj) + their
+    2 casts + 1 attention kernel + 6 elementwise (2 norms, 2 adds, RoPE on Q and K) = 11 forward; backward
+    2x2 GEMMs + 2 casts + 3 attention kernels + 8 elementwise = 17. MoE: 36 + 6 x 16 = 132 forward,
+    27 + 13 x 16 = 235 backward. At 10 us each: 1.43 ms and 2.52 ms."""
+    model, hw, tr, plan = _setup(1)
+    f, b = moe_host_s(model, hw, tr, plan)
+    assert f == pytest.approx(143 * 10e-6) and b == pytest.approx(252 * 10e-6)
+    # the router captured in a CUDA graph: its 23 forward and 15 backward kernels become one launch each
+    model, hw, tr, plan = _setup(1, cuda_graph_modules=("moe_router",))
+    g_f, g_b = moe_host_s(model, hw, tr, plan)
+    assert (f - g_f, b - g_b) == pytest.approx((22 * 10e-6, 14 * 10e-6))
+
+
+def test_floor_binds_at_small_micro_batch_only():
+    for mbs, binds in ((1, True), (8, False)):
+        model, hw, tr, plan = _setup(mbs)
+        with_host = layer_time(model, hw, tr, plan, moe=True)
+        without = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
+        host_f, _ = moe_host_s(model, hw, tr, plan)
+        if binds:  # the forward then takes exactly the host's issue time
+            assert with_host.fwd_compute > without.fwd_compute
+            assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(host_f)
+        else:
+            assert with_host == without
+
+
+def test_dense_layers_have_no_host_floor():
+    """Without a per-layer host sync the CPU runs ahead of the GPU: a dense layer ignores host_launch_us."""
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=128, precision="bf16")
+    plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=1)
+    assert layer_time(model, hw, tr, plan) == layer_time(model, hw.model_copy(update={"host_launch_us": 1e4}), tr, plan)
