@@ -1,0 +1,163 @@
+"""Every row of NVIDIA's Megatron-Bridge performance summary against plan3d's predicted throughput.
+
+Run: python benchmarks/megatron_bridge.py [--by-term] [--json PATH] [--no-memory]
+
+Data and sources: benchmarks/data/megatron_bridge_perf.json (the performance summary of the 26.04, 26.02.01,
+26.02, 25.11 and 25.09 NeMo containers, and the Megatron-Bridge performance recipes for the per-run switches the
+table leaves out; each run names its source). Each run's plan is pinned to the published layout and costed
+by ``planner.cost.estimate_time``; its memory by ``planner.memory.estimate_memory`` (``--no-memory`` skips it).
+Nothing was fitted to these runs. Error = predicted tokens/s/GPU / published - 1 (positive: plan3d is
+optimistic). A run is scored only when its own two figures agree (tokens/s/GPU x planner.flops model FLOPs
+per token within 10 % of its published model TFLOP/s/GPU, the rule of benchmarks/data/moe_published.json),
+when plan3d models its precision and model, and when ``plan_problems`` accepts its layout. Prints each run,
+then mean |error| and worst signed error per system, precision, family and overall; it asserts nothing.
+
+Mapping (the brief of this benchmark; the table gives no ZeRO stage, recompute or SP): framework nemo;
+zero_stage 3 when FSDP is on, else 1 (Megatron distributed optimizer); sequence parallelism when TP > 1;
+recompute none (the recipes' partial recompute_modules are recorded, not modelled); vpp = VP or 1; EP from
+the row, ETP 1 (the recipes' expert_tensor_parallel_size=1); dispatcher (hybridep/deepep backends ->
+plan3d 'deepep'), MoE all-to-all overlap and pipeline layout from the run's ``recipe``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from planner import flops  # noqa: E402
+from planner.cost import estimate_time  # noqa: E402
+from planner.memory import estimate_memory  # noqa: E402
+from planner.presets import MODEL_DIRNAME, load_hardware, load_model, preset_names  # noqa: E402
+from planner.specs import Plan, TrainingSpec, plan_problems  # noqa: E402
+
+DATA = ROOT / "benchmarks/data/megatron_bridge_perf.json"
+CONSISTENCY = 0.10  # benchmarks/data/moe_published.json's consistency_rule
+MODELLED_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")  # planner.specs.Precision, less fp32
+
+
+def run_label(r: dict) -> str:
+    lab = f"TP{r['tp']} PP{r['pp']} CP{r['cp']} VP{r['vp'] or '-'} EP{r['ep'] or '-'} mbs{r['mbs']} gbs{r['gbs']}"
+    return lab + (" fsdp" if r["fsdp"] else "")
+
+
+def plan_of(r: dict, moe: bool) -> Plan:
+    dp = r["gpus"] // (r["tp"] * r["pp"] * r["cp"])
+    lps = tuple(r["layers_per_stage"]) if r.get("layers_per_stage") else None
+    experts = {"ep": r["ep"] or 1, "etp": 1} if moe else {}  # dense rows print EP 1 or n/a: no expert layers
+    return Plan(tp=r["tp"], pp=r["pp"], dp=dp, cp=r["cp"], vpp=r["vp"] or 1, micro_batch_size=r["mbs"],
+                recompute="none", sequence_parallel=r["tp"] > 1, zero_stage=3 if r["fsdp"] else 1,
+                layers_per_stage=lps, **experts)
+
+
+def not_modelled(r: dict, models: set[str]) -> str | None:
+    if r.get("inconsistent"):
+        return f"row inconsistent ({r['inconsistent']})"
+    if r["precision"] not in MODELLED_PRECISIONS:
+        return f"precision {r['precision']} not modelled ({r['precision_published'] or '25.09 parenthesised'})"
+    if r["model"] not in models:
+        return f"no plan3d preset {r['model']}"
+    if r.get("model_note") == "tokendrop":
+        return "token-dropping run (plan3d costs dropless routing)"
+    return None
+
+
+def score(r: dict, models: set[str], memory: bool) -> dict:
+    out = {k: r[k] for k in ("release", "system", "hardware", "model", "model_note", "variant", "precision",
+                             "precision_published", "gpus", "tokens_per_s_per_gpu", "model_tflops_per_gpu")}
+    out["label"] = run_label(r)
+    out["family"] = None
+    why = not_modelled(r, models)
+    if why:
+        return out | {"scored": False, "reason": why}
+    model, hw = load_model(r["model"]), load_hardware(r["hardware"])
+    out["family"] = "MoE" if model.is_moe else "dense"
+    training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
+                            framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=r["a2a_overlap"])
+    plan = plan_of(r, model.is_moe)
+    problems = plan_problems(model, hw, training, plan)
+    if problems:
+        return out | {"scored": False, "reason": "plan refused: " + "; ".join(problems)}
+    implied = r["tokens_per_s_per_gpu"] * flops.model_flops_per_token(model, r["seq"]) / 1e12
+    est = estimate_time(model, hw, training, plan)
+    predicted = est.tokens_per_s / r["gpus"]
+    out |= {"predicted_tokens_per_s_per_gpu": predicted, "error": predicted / r["tokens_per_s_per_gpu"] - 1,
+            "published_step_s": r["gbs"] * r["seq"] / (r["tokens_per_s_per_gpu"] * r["gpus"]),
+            "predicted_step_s": est.step_time_s, "predicted_tflops_per_gpu": est.tflops_per_gpu,
+            "implied_tflops_per_gpu": implied, "breakdown_s": dict(est.breakdown), "mfu": est.mfu}
+    if memory:
+        mem = estimate_memory(model, hw, training, plan)
+        out |= {"peak_gib": mem.peak_gib, "usable_gib": mem.usable_gib, "fits": mem.fits}
+    if abs(implied / r["model_tflops_per_gpu"] - 1) > CONSISTENCY:
+        return out | {"scored": False, "reason": f"page inconsistent (implied {implied:.0f} vs published "
+                                                 f"{r['model_tflops_per_gpu']} TFLOP/s)"}
+    return out | {"scored": True, "reason": None}
+
+
+def line(o: dict) -> str:
+    head = (f"{o['release']:<8} {o['system']:<9} {o['precision']:<13} {o['model']:<16} {o['variant'][:5]:<5} "
+            f"{o['label']:<44} published {o['tokens_per_s_per_gpu']:>6}")
+    if "predicted_tokens_per_s_per_gpu" not in o:
+        return f"{head}  unscored: {o['reason']}"
+    s = f"{head}  predicted {o['predicted_tokens_per_s_per_gpu']:>7.0f}  {100 * o['error']:+6.1f}%"
+    if "peak_gib" in o:
+        s += f"  mem {o['peak_gib']:6.1f}/{o['usable_gib']:.1f} GiB fits {'yes' if o['fits'] else 'NO'}"
+    return s if o["scored"] else f"{s}  unscored: {o['reason']}"
+
+
+def breakdown_line(o: dict) -> str:
+    b = o["breakdown_s"]
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in b.items() if v)
+    return (f"    step published {o['published_step_s']:.2f} s, predicted {o['predicted_step_s']:.2f} s "
+            f"(MFU {100 * o['mfu']:.0f} %): {parts} s")
+
+
+def summary(results: list[dict]) -> None:
+    scored = [o for o in results if o["scored"]]
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for o in scored:
+        groups[f"system {o['system']}"].append(o)
+        groups[f"precision {o['precision']}"].append(o)
+        groups[f"family {o['family']}"].append(o)
+        groups[f"model {o['model']}"].append(o)
+        groups["overall"].append(o)
+    print(f"\n{'group':<24} {'runs':>4} {'mean |err|':>10} {'worst':>8}")
+    for key in sorted(groups, key=lambda k: (k == "overall", k)):
+        errs = [o["error"] for o in groups[key]]
+        worst = max(errs, key=abs)
+        print(f"{key:<24} {len(errs):>4} {100 * sum(map(abs, errs)) / len(errs):>9.1f}% {100 * worst:>+7.1f}%")
+    reasons: dict[str, int] = defaultdict(int)
+    for o in results:
+        if not o["scored"]:
+            reasons[o["reason"].split(" (")[0].split(":")[0]] += 1
+    print(f"\nscored {len(scored)}, unscored {len(results) - len(scored)} of {len(results)} runs: "
+          + ", ".join(f"{n} {k}" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--by-term", action="store_true", help="print each scored run's step-time breakdown")
+    ap.add_argument("--json", metavar="PATH", help="write the per-run results here")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory estimates")
+    args = ap.parse_args()
+    data = json.loads(DATA.read_text())
+    models = set(preset_names(MODEL_DIRNAME))
+    results = []
+    for r in data["runs"]:
+        o = score(r, models, not args.no_memory)
+        results.append(o)
+        print(line(o))
+        if args.by_term and o["scored"]:
+            print(breakdown_line(o))
+    summary(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
