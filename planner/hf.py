@@ -445,7 +445,7 @@ def _gpt_oss_windows(data: dict, source: str) -> dict:
     window = data.get("sliding_window", 128)
     if window is None:
         return {}
-    window = _count(data, source, "sliding_window", minimum=1)
+    window = _count(data, source, "sliding_window", default=128, minimum=1)
     types = data.get("layer_types")
     if types is None:
         if isinstance(layers, bool) or not isinstance(layers, int):

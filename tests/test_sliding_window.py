@@ -150,3 +150,11 @@ def test_presets_match_the_model_card_and_the_import(name, total, active):
     assert abs(preset.num_active_params - 201088 * 2880 - active) < 0.01e9
     hf = load_model(str(HF / f"{name}.json"))
     assert hf.model_dump(exclude={"name"}) == preset.model_dump(exclude={"name"})
+
+
+def test_hf_window_absent_is_the_class_default(tmp_path):
+    # GptOssConfig: sliding_window 128, layer_types from (i + 1) % 2 (layers 0 and 2 of 3)
+    data = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256,
+            "num_hidden_layers": 3, "num_attention_heads": 8, "vocab_size": 1000}
+    spec = load_model(_write(tmp_path, data))
+    assert (spec.sliding_window, spec.sliding_window_layers) == (128, 2)
