@@ -308,15 +308,33 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
     (:func:`attention_shape`), backward 2.5x the forward FLOPs (Dao 2023) at the backward speed;
     1 kernel forward, 3 backward (dO.O preprocessing, the main kernel, dQ conversion; FlashAttention-2
     ``flash_bwd_kernel`` launch sequence) at ``kernel_overhead_us`` each.
+
+    Sliding-window layers (``model.windowed_layers``): FlashAttention-2's local attention
+    (``flash_attn_func(..., window_size=(w-1, 0))``, v2.3+) and cuDNN's sliding-window SDPA skip the key
+    blocks wholly outside the window, so such a layer does its windowed FLOPs
+    (:func:`flops.attention_flops_per_token_per_layer` with ``window``) at the speed the table gives a
+    kernel whose queries each see ``min(s, w)`` keys. The per-layer time is the average over the model's
+    layers (``flops.mean_attention_flops_per_token_per_layer``'s mix): every layer of a stage gets the same
+    time, exact for a stage's sum when it holds whole periods of the pattern. Materialised attention
+    computes the full masked ``s x s`` whatever the window, so it is unchanged.
     """
     t, b, s = plan.tp, plan.micro_batch_size, training.seq_len
     a_r, d = model.num_attention_heads / t, model.kv_channels
     if training.attention == "flash":
-        fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True) * s / t
         rate = rates.attention_flops * attention_wave_factor(s, b * a_r, rates.sm_count)
-        fwd = fwd_flops / (rate * attention_shape(s, True, "fwd")) + rates.gemm_overhead_s
-        bwd = FLASH_BWD_OVER_FWD * fwd_flops / (rate * attention_shape(s, True, "bwd"))
-        return fwd, bwd + 3 * rates.gemm_overhead_s
+
+        def core_s(window: int | None) -> tuple[float, float]:
+            fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True, window=window) * s / t
+            span = s if window is None else min(s, window)  # keys one query sees: the kernel's speed
+            return (fwd_flops / (rate * attention_shape(span, True, "fwd")),
+                    FLASH_BWD_OVER_FWD * fwd_flops / (rate * attention_shape(span, True, "bwd")))
+
+        fwd, bwd = core_s(None)
+        share = model.windowed_layers / model.num_layers
+        if share:
+            w_fwd, w_bwd = core_s(model.sliding_window)
+            fwd, bwd = (1 - share) * fwd + share * w_fwd, (1 - share) * bwd + share * w_bwd
+        return fwd + rates.gemm_overhead_s, bwd + 3 * rates.gemm_overhead_s
     # materialised: QK^T and PV as batched GEMMs over a_r * b heads, full s x s (masked, not skipped)
     heads = a_r * b
     sq = s / plan.cp
@@ -359,6 +377,11 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     Forward: cp-1 K/V exchanges of ``2·b·(s/cp)·g_r·d_h`` bytes, each overlapped with one step.
     Backward: the K/V exchange again plus the dK/dV return, twice the bytes per step. Every step
     after the first merges its partial output (``RING_MERGE_BYTES``) and costs its kernel launches.
+
+    Sliding-window layers are costed here as full causal ones (an over-estimate): Transformer Engine's
+    p2p ring refuses a window (``attn_forward_func_with_cp`` asserts ``cp_comm_type`` in
+    ``("a2a", "all_gather")`` for sliding-window attention, ``pytorch/attention/dot_product_attention/
+    context_parallel.py``), and those CP variants are not modelled.
     """
     rates = Rates.of(hw, training.precision)
     cp, t, b = plan.cp, plan.tp, plan.micro_batch_size

@@ -10,7 +10,10 @@ commit 8873b55 with causal halving): per token and layer,
 The factor 6 is 3 passes (forward, weight grad, data grad) x 2 FLOPs per multiply-add. Norms,
 biases, softmax and the embedding lookup are not counted (they are memory-bound). With
 ``causal=False`` the attention scores are counted in full, as Narayanan et al. 2021, PaLM and
-``torch.utils.flop_counter`` do (formulas.md, contradiction 2).
+``torch.utils.flop_counter`` do (formulas.md, contradiction 2). Sliding-window layers (GPT-OSS,
+``ModelSpec.sliding_window``) count the pairs their window attends to (:func:`attended_pairs`), in the
+model FLOPs as well as in the time: Megatron-Bridge's ``num_floating_point_operations`` does the same,
+so MFU figures stay comparable with its published TFLOP/s.
 """
 
 from __future__ import annotations
@@ -56,11 +59,50 @@ def gemm_flops_per_token_per_layer(model: ModelSpec, moe: bool | None = None) ->
     return 2.0 * (attention_gemm_params(model) + mlp_gemm_params(model, moe))
 
 
-def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: bool = True) -> float:
+def attended_pairs(seq_len: int, window: int | None = None) -> float:
+    """Query-key pairs of one sequence's causal attention, the count the FLOPs below are proportional to.
+
+    Full causal: ``s^2 / 2`` (Megatron-LM's halving convention, module docstring; the exact count is
+    ``s(s+1)/2``). A sliding window of ``w`` keys (Hugging Face semantics, query included): query ``i``
+    (0-based) attends to ``min(i+1, w)`` keys, so for ``w < s`` exactly
+    ``sum_{i<s} min(i+1, w) = (1 + 2 + ... + w) + (s - w) * w = w(w+1)/2 + (s-w)*w``; for ``w >= s`` the
+    window covers every prefix and the full-causal ``s^2/2`` is used. Megatron-Bridge counts GPT-OSS
+    the same way (``src/megatron/bridge/training/utils/flop_utils.py::num_floating_point_operations``,
+    commit 0494433: ``swa_context = W - W(W-1)/(2T)`` per token if ``W < T``, else the causal ``T/2``).
+    """
+    if window is None or window >= seq_len:
+        return seq_len * seq_len / 2
+    return window * (window + 1) / 2 + (seq_len - window) * window
+
+
+def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: bool = True,
+                                        window: int | None = None) -> float:
     """Forward FLOPs per token of QK^T and PV: ``2 * a * s * (d_qk + d_v)`` (``2 * 2 * q * s`` when
-    ``d_qk = d_v = d_h``), halved when causal (Megatron HEAD; MLA head widths from DeepSeek-V2)."""
+    ``d_qk = d_v = d_h``), halved when causal (Megatron HEAD; MLA head widths from DeepSeek-V2).
+
+    ``window``: a sliding-window layer of that many keys; ``2 * a * (d_qk + d_v)`` FLOPs per attended
+    pair times :func:`attended_pairs` / s (equal to the causal count when ``window >= seq_len``). A window
+    applies to causal counting only: ``causal=False`` is the count of papers that ignore every mask.
+    """
     full = 2.0 * model.num_attention_heads * seq_len * (model.qk_head_dim + model.v_dim)
-    return full / 2 if causal else full
+    if not causal:
+        return full
+    if window is None or window >= seq_len:
+        return full / 2
+    return 2.0 * model.num_attention_heads * (model.qk_head_dim + model.v_dim) * attended_pairs(seq_len, window) / seq_len
+
+
+def mean_attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: bool = True) -> float:
+    """:func:`attention_flops_per_token_per_layer` averaged over the model's layers: ``windowed_layers`` at
+    the sliding window, the rest full causal (GPT-OSS: 18 of 36 at 128 keys, ``layer_types``). Exact for
+    the whole model; for a pipeline stage it assumes the stage holds the model's mix (exact when it holds
+    whole periods of the pattern, e.g. an even number of GPT-OSS layers)."""
+    full = attention_flops_per_token_per_layer(model, seq_len, causal)
+    n_w, L = model.windowed_layers, model.num_layers
+    if not n_w or not causal:
+        return full
+    windowed = attention_flops_per_token_per_layer(model, seq_len, causal, window=model.sliding_window)
+    return (n_w * windowed + (L - n_w) * full) / L
 
 
 def logits_flops_per_token(model: ModelSpec) -> float:
@@ -76,9 +118,9 @@ def recompute_flops_per_token_per_layer(model: ModelSpec, seq_len: int, recomput
     (Korthikanti et al. 2022 section 5).
     """
     if recompute == "full":
-        return gemm_flops_per_token_per_layer(model, moe) + attention_flops_per_token_per_layer(model, seq_len, causal)
+        return gemm_flops_per_token_per_layer(model, moe) + mean_attention_flops_per_token_per_layer(model, seq_len, causal)
     if recompute == "selective":
-        return attention_flops_per_token_per_layer(model, seq_len, causal)
+        return mean_attention_flops_per_token_per_layer(model, seq_len, causal)
     return 0.0
 
 
@@ -96,7 +138,8 @@ def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True, n
     ``moe_layers`` have experts (default: :func:`moe_share`); MoE layers count the activated experts."""
     L = model.num_layers if num_layers is None else num_layers
     n_moe = moe_share(model, L, moe_layers)
-    attn = attention_flops_per_token_per_layer(model, seq_len, causal)
+    attn = mean_attention_flops_per_token_per_layer(model, seq_len, causal)  # sliding windows counted, as
+    # Megatron-Bridge counts GPT-OSS's (attended_pairs)
     layers = ((L - n_moe) * gemm_flops_per_token_per_layer(model, False)
               + n_moe * (gemm_flops_per_token_per_layer(model, True) if model.is_moe else 0.0) + L * attn)
     return PASSES_TRAIN * (layers + (logits_flops_per_token(model) if logits else 0.0))

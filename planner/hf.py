@@ -20,10 +20,10 @@ plan3d estimates hold them at the training precision).
 
 The core sizes (layers, width, heads, vocabulary) are required even where ``transformers`` has a
 default: a config without them is not a published model. Read and deliberately ignored, because
-they change neither parameters nor saved activations: RoPE settings, sliding windows (the
-attention FLOPs are counted over the whole causal window, an over-estimate; this includes the
-alternating sliding-window layers of GPT-OSS, ``layer_types``), initialisation and generation
-settings.
+they change neither parameters nor saved activations: RoPE settings, sliding windows other than
+GPT-OSS's (Mistral, Qwen2 ``use_sliding_window``, Gemma-2: their attention FLOPs are counted over the
+whole causal window, an over-estimate), initialisation and generation settings. GPT-OSS's windows
+(``sliding_window``, ``layer_types``) are read into ``sliding_window`` / ``sliding_window_layers``.
 """
 
 from __future__ import annotations
@@ -417,9 +417,10 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
     (default 4), a router with bias; RMSNorm; untied. The experts' clamped SwiGLU (``swiglu_limit``,
     ``swiglu_alpha``) has SwiGLU's three matrices; ``hidden_act`` is not used by the experts.
     ``experts_per_token`` is OpenAI's own key for the same top-k; ``transformers`` reads
-    ``num_experts_per_tok``. The alternating sliding-window layers (``layer_types``,
-    ``sliding_window`` 128) are read and ignored, as for every windowed model (module docstring):
-    ModelSpec has no per-layer window field, so attention FLOPs are counted over the full causal window."""
+    ``num_experts_per_tok``. Sliding windows (``GptOssAttention.sliding_window`` is
+    ``config.sliding_window`` in the ``"sliding_attention"`` layers of ``layer_types``): the window
+    (default 128) and the count of windowed layers; ``layer_types`` absent: GptOssConfig's default,
+    ``"sliding_attention"`` for even layer indices (``(i + 1) % 2``), i.e. ``ceil(L/2)`` layers."""
     attention_bias = _flag(data, "attention_bias", True)
     experts = _experts(data, source, ("num_local_experts", "num_experts"), 128)
     if experts == 0:
@@ -433,7 +434,29 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
             "position_embedding": "rope", "linear_bias": False, "qkv_bias": attention_bias,
             "out_proj_bias": attention_bias, "mlp_bias": True, "attention_sinks": True,
             "dropout": _dropout(data, "attention_dropout"), "num_experts": experts,
-            "top_k": _count(data, source, "num_experts_per_tok", default=4, minimum=1), "router_bias": True}
+            "top_k": _count(data, source, "num_experts_per_tok", default=4, minimum=1), "router_bias": True,
+            **_gpt_oss_windows(data, source)}
+
+
+def _gpt_oss_windows(data: dict, source: str) -> dict:
+    """``sliding_window`` and ``sliding_window_layers`` of a GPT-OSS config (see :func:`_gpt_oss`); a null
+    window is full attention in every layer (``GptOssAttention`` passes ``sliding_window=None``)."""
+    layers = _get(data, source, "num_hidden_layers")
+    window = data.get("sliding_window", 128)
+    if window is None:
+        return {}
+    window = _count(data, source, "sliding_window", default=128, minimum=1)
+    types = data.get("layer_types")
+    if types is None:
+        if isinstance(layers, bool) or not isinstance(layers, int):
+            return {"sliding_window": window}  # ModelSpec refuses num_layers with its own line
+        return {"sliding_window": window, "sliding_window_layers": (layers + 1) // 2}
+    known = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or not all(t in known for t in types):
+        raise SpecError(f"{source}: layer_types: expected a list of {' / '.join(known)}, got {types!r}")
+    if len(types) != layers:
+        raise SpecError(f"{source}: layer_types: {len(types)} entries for num_hidden_layers {layers}")
+    return {"sliding_window": window, "sliding_window_layers": types.count("sliding_attention")}
 
 
 READERS: dict[str, Callable[[dict, str, str], dict]] = {

@@ -120,6 +120,16 @@ class ModelSpec(_Spec):
     attention_sinks: bool = Field(
         default=False,
         description="One learned sink logit per query head and layer (GPT-OSS ``sinks``; Xiao et al. 2023).")
+    sliding_window: int | None = Field(
+        default=None, ge=1,
+        description="Keys a query attends to in a windowed layer, itself included (Hugging Face semantics: "
+                    "transformers masking_utils.sliding_window_overlay keeps kv_idx > q_idx - sliding_window; "
+                    "GPT-OSS 128). None: every layer attends over the full causal window.")
+    sliding_window_layers: int | None = Field(
+        default=None, ge=0,
+        description="How many layers are windowed (GPT-OSS: the 'sliding_attention' entries of layer_types, "
+                    "every other layer starting with the first). Default with sliding_window: all layers "
+                    "(Mistral-7B v0.1). Only the count matters: the estimator averages attention over the layers.")
     # --- mixture of experts (Megatron-Core ``--num-experts`` ...; docs/moe.md) ---------------------
     num_experts: int | None = Field(
         default=None, ge=2, le=65536,
@@ -178,6 +188,11 @@ class ModelSpec(_Spec):
                         "shared_expert_gate": self.shared_expert_gate, "first_k_dense": self.first_k_dense > 0,
                         "router_bias": self.router_bias, "capacity_factor": self.capacity_factor is not None}
             errors += [f"{k}: applies to MoE models only; set num_experts or remove it" for k, v in moe_only.items() if v]
+        if self.sliding_window_layers is not None:
+            if self.sliding_window is None:
+                errors.append("sliding_window_layers: needs sliding_window (the window those layers use)")
+            elif self.sliding_window_layers > self.num_layers:
+                errors.append(f"sliding_window_layers: {self.sliding_window_layers} > num_layers({self.num_layers})")
         if self.shared_expert_gate and self.shared_expert_ffn_hidden_size is None:
             errors.append("shared_expert_gate: needs shared_expert_ffn_hidden_size")
         if self.head_dim is None and h % a:
@@ -233,6 +248,14 @@ class ModelSpec(_Spec):
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers with a sliding window: ``sliding_window_layers``, all layers when only the window is set,
+        0 without a window."""
+        if self.sliding_window is None:
+            return 0
+        return self.num_layers if self.sliding_window_layers is None else self.sliding_window_layers
 
     @property
     def moe_ffn_size(self) -> int:
