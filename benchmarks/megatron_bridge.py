@@ -16,7 +16,8 @@ Mapping (the brief of this benchmark; the table gives no ZeRO stage, recompute o
 zero_stage 3 when FSDP is on, else 1 (Megatron distributed optimizer); sequence parallelism when TP > 1;
 recompute none (the recipes' partial recompute_modules are recorded, not modelled); vpp = VP or 1; EP from
 the row, ETP 1 (the recipes' expert_tensor_parallel_size=1); dispatcher (hybridep/deepep backends ->
-plan3d 'deepep'), MoE all-to-all overlap and pipeline layout from the run's ``recipe``.
+plan3d 'deepep'), MoE all-to-all overlap, CUDA-graph scopes (``graph_modules``) and pipeline layout from the
+run's ``recipe``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ MODELLED_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")  # planner.specs.Precisi
 def run_label(r: dict) -> str:
     lab = f"TP{r['tp']} PP{r['pp']} CP{r['cp']} VP{r['vp'] or '-'} EP{r['ep'] or '-'} mbs{r['mbs']} gbs{r['gbs']}"
     return lab + (" fsdp" if r["fsdp"] else "")
+
+
+GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
+
+
+def graph_modules(r: dict) -> tuple[str, ...]:
+    """The recipe's CUDA-graph capture as plan3d's ``cuda_graph_modules``: the TE scopes plan3d knows;
+    ``full_iteration`` (the whole step in one graph) as all of them, the nearest plan3d can say."""
+    graph = (r.get("recipe") or {}).get("cuda_graph") or ""
+    if "full_iteration" in graph:
+        return GRAPH_MODULES
+    return tuple(m for m in GRAPH_MODULES if m in graph.replace(",", " ").replace("[", " ").replace("]", " ").split())
 
 
 def plan_of(r: dict, moe: bool) -> Plan:
@@ -78,7 +91,8 @@ def score(r: dict, models: set[str], memory: bool) -> dict:
     model, hw = load_model(r["model"]), load_hardware(r["hardware"])
     out["family"] = "MoE" if model.is_moe else "dense"
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
-                            framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=r["a2a_overlap"])
+                            framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=r["a2a_overlap"],
+                            cuda_graph_modules=graph_modules(r))
     plan = plan_of(r, model.is_moe)
     problems = plan_problems(model, hw, training, plan)
     if problems:

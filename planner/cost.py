@@ -148,6 +148,11 @@ class Rates:
     gemm_overhead_s: float
     attention_flops: float
     hbm_bytes_per_s: float
+    attention_bwd_flops: float = 0.0  # the backward kernels' level; 0: as the forward's
+
+    def attention_rate(self, pass_: str) -> float:
+        """FLOP/s level of the fused attention kernel in one pass (``attention_shape`` sets its shape)."""
+        return self.attention_bwd_flops if pass_ == "bwd" and self.attention_bwd_flops else self.attention_flops
 
     @classmethod
     def of(cls, hw: HardwareSpec, precision: str) -> Rates:
@@ -160,7 +165,9 @@ class Rates:
         return cls(gemm_flops=hw.peak_flops(precision) * mamf * sustained, sm_count=hw.sm_count,
                    gemm_overhead_s=hw.kernel_overhead_us * 1e-6,
                    attention_flops=hw.peak_flops("bf16") * hw.attention_efficiency * sustained,
-                   hbm_bytes_per_s=hw.hbm_bandwidth_gbps * 1e9 * hw.hbm_efficiency)
+                   hbm_bytes_per_s=hw.hbm_bandwidth_gbps * 1e9 * hw.hbm_efficiency,
+                   attention_bwd_flops=hw.peak_flops("bf16") * (hw.attention_bwd_efficiency
+                                                                 or hw.attention_efficiency) * sustained)
 
 
 def _waves_flops(m: float, k: float, n: float, batch: float, sm_count: int) -> float:
@@ -223,8 +230,15 @@ def framework_defaults(framework: str) -> Overlap:
 
 
 def resolved_overlap(training: TrainingSpec) -> Overlap:
-    """The training spec's overlap switches, ``None`` replaced by the framework's default."""
+    """The training spec's overlap switches, ``None`` replaced by the framework's default.
+
+    NVFP4 under NeMo: the Megatron-Bridge performance recipes turn TP communication overlap off for it on
+    every GPU ("tp_comm_overlap = False if precision == 'nvfp4'", scripts/performance/configs/llama/
+    llama3_llm_pretrain.py and llama31_llm_pretrain.py), so the nemo default follows.
+    """
     base = framework_defaults(training.framework)
+    if training.framework == "nemo" and training.precision == "nvfp4":
+        base = Overlap(tp_comm_overlap=False, overlap_p2p_comm=base.overlap_p2p_comm)
     tp = base.tp_comm_overlap if training.tp_comm_overlap is None else training.tp_comm_overlap
     p2p = base.overlap_p2p_comm if training.overlap_p2p_comm is None else training.overlap_p2p_comm
     return Overlap(tp_comm_overlap=tp, overlap_p2p_comm=p2p)
@@ -321,13 +335,14 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
     t, b, s = plan.tp, plan.micro_batch_size, training.seq_len
     a_r, d = model.num_attention_heads / t, model.kv_channels
     if training.attention == "flash":
-        rate = rates.attention_flops * attention_wave_factor(s, b * a_r, rates.sm_count)
+        wave = attention_wave_factor(s, b * a_r, rates.sm_count)
+        rate_f, rate_b = rates.attention_rate("fwd") * wave, rates.attention_rate("bwd") * wave
 
         def core_s(window: int | None) -> tuple[float, float]:
             fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True, window=window) * s / t
             span = s if window is None else min(s, window)  # keys one query sees: the kernel's speed
-            return (fwd_flops / (rate * attention_shape(span, True, "fwd")),
-                    FLASH_BWD_OVER_FWD * fwd_flops / (rate * attention_shape(span, True, "bwd")))
+            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd")),
+                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd")))
 
         fwd, bwd = core_s(None)
         share = model.windowed_layers / model.num_layers
@@ -398,10 +413,10 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
 
     def speed(pass_: str, causal: bool) -> float:
         if causal:  # step 0: the local chunk against itself
-            return rates.attention_flops * attention_shape(s_c, True, pass_) * attention_wave_factor(s_c, heads, sm)
+            return rates.attention_rate(pass_) * attention_shape(s_c, True, pass_) * attention_wave_factor(s_c, heads, sm)
         # later steps: s_c queries x s_c/2 keys on half the ranks, s_c/2 x s_c on the others; the
         # ring is synchronous, so the slower of the two paces every step
-        return rates.attention_flops * min(
+        return rates.attention_rate(pass_) * min(
             attention_shape(s_c / 2, False, pass_) * attention_wave_factor(s_c, heads, sm),
             attention_shape(s_c, False, pass_) * attention_wave_factor(s_c / 2, heads, sm))
 

@@ -27,7 +27,7 @@ import functools
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from planner.errors import MAX_COUNT, MAX_GPUS
 
@@ -509,14 +509,21 @@ class HardwareSpec(_Spec):
     kernel_overhead_us: float = Field(
         default=5.0, ge=0, description="Fixed cost per GEMM kernel (launch, prologue, epilogue), us.")
     host_launch_us: float = Field(
-        default=10.0, ge=0,
-        description="CPU time to issue one kernel from the framework (dispatch and launch), us: 5-20 us per "
-                    "launch on the CPU side (HolisticTraceAnalysis docs, cuda_kernel_launch_stats), the middle "
-                    "of that range by default. Bites where the host must wait for the device every layer "
+        default=20.0, ge=0,
+        description="CPU time to issue one kernel from the framework, us. The launch call alone takes 5-20 us "
+                    "on the CPU side (HolisticTraceAnalysis docs, cuda_kernel_launch_stats); each operator also "
+                    "passes Python and the ATen dispatcher (eager split: 3.3 us, pytorch/pytorch#32194), so the "
+                    "upper end is taken for the whole. Bites where the host must wait for the device every layer "
                     "(dropless MoE dispatch): planner.cost.moe_host_s.")
     attention_efficiency: float = Field(
         default=0.5, gt=0, le=1,
         description="Achieved fraction of peak in the fused (flash) attention forward kernel.")
+    attention_bwd_efficiency: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Level of the fused attention backward kernels, as attention_efficiency is of the forward; "
+                    "None: the same as the forward. Set where the two passes have different bottlenecks (Blackwell "
+                    "Ultra doubles the exponential units that bound the forward, not the shared-memory traffic that "
+                    "bounds the backward).")
     hbm_efficiency: float = Field(
         default=0.7, gt=0, le=1, description="Achieved fraction of HBM bandwidth in memory-bound kernels.")
 
@@ -633,6 +640,13 @@ class TrainingSpec(_Spec):
                     "--cuda-graph-modules; Megatron-Bridge cuda_graph_scope): a captured part is replayed with one "
                     "launch instead of one per kernel, which matters only where the host bounds the layer "
                     "(planner.cost.moe_host_s).")
+
+    @field_validator("cuda_graph_modules")
+    @classmethod
+    def _graph_modules(cls, v: tuple) -> tuple:
+        if "moe_preprocess" in v and "moe_router" not in v:  # Megatron arguments.py, --cuda-graph-scope help
+            raise ValueError("moe_preprocess must be captured together with moe_router; add moe_router")
+        return tuple(dict.fromkeys(v))
     moe_a2a_overlap: bool = Field(
         default=False,
         description="Overlap the MoE dispatch/combine all-to-all with another micro-batch's compute (Megatron "

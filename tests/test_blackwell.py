@@ -93,11 +93,12 @@ def test_search_on_nvl72_may_use_tp_beyond_a_tray():
 
 @pytest.mark.parametrize("precision,peak_tflops", [("bf16", 2500), ("fp8", 5000), ("mxfp8", 5000), ("nvfp4", 10000)])
 def test_gemm_rate_per_precision_hand_computed(precision, peak_tflops):
-    """GB200 profile: MAMF 0.776, sustained 0.87. Low precisions reach the H200-measured FP8 share of
-    their peak: 0.776 x (1414 / 808) / 2 = 0.6790 (planner/cost.py FP8_MAMF_RATIO)."""
+    """GB200 profile: GEMM ceiling 1745 / 2500 = 0.698 (the B200 die's MAMF over the 1200 W peak),
+    sustained 0.87. Low precisions reach the H200-measured FP8 share of their peak:
+    0.698 x (1414 / 808) / 2 = 0.6108 (planner/cost.py FP8_MAMF_RATIO)."""
     from planner.cost import Rates
 
-    share = 0.776 if precision == "bf16" else 0.776 * (1414 / 808) / 2
+    share = 0.698 if precision == "bf16" else 0.698 * (1414 / 808) / 2
     rate = Rates.of(load_hardware("gb200-nvl72"), precision).gemm_flops
     assert rate == pytest.approx(peak_tflops * 1e12 * share * 0.87, rel=1e-9)
 

@@ -40,14 +40,15 @@ def test_host_time_by_hand():
     """Qwen3-30B-A3B (128 experts, EP8: 16 local), fp8, TP1: attention block 2 linears (QKV, proj) + their
     2 casts + 1 attention kernel + 6 elementwise (2 norms, 2 adds, RoPE on Q and K) = 11 forward; backward
     2x2 GEMMs + 2 casts + 3 attention kernels + 8 elementwise = 17. MoE: 36 + 6 x 16 = 132 forward,
-    27 + 13 x 16 = 235 backward. At 10 us each: 1.43 ms and 2.52 ms."""
+    27 + 13 x 16 = 235 backward: 143 and 252 launches at host_launch_us each."""
     model, hw, tr, plan = _setup(1)
+    launch_s = hw.host_launch_us * 1e-6
     f, b = moe_host_s(model, hw, tr, plan)
-    assert f == pytest.approx(143 * 10e-6) and b == pytest.approx(252 * 10e-6)
+    assert f == pytest.approx(143 * launch_s) and b == pytest.approx(252 * launch_s)
     # the router captured in a CUDA graph: its 23 forward and 15 backward kernels become one launch each
     model, hw, tr, plan = _setup(1, cuda_graph_modules=("moe_router",))
     g_f, g_b = moe_host_s(model, hw, tr, plan)
-    assert (f - g_f, b - g_b) == pytest.approx((22 * 10e-6, 14 * 10e-6))
+    assert (f - g_f, b - g_b) == pytest.approx((22 * launch_s, 14 * launch_s))
 
 
 def test_floor_binds_at_small_micro_batch_only():
@@ -69,3 +70,19 @@ def test_dense_layers_have_no_host_floor():
     tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=128, precision="bf16")
     plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=1)
     assert layer_time(model, hw, tr, plan) == layer_time(model, hw.model_copy(update={"host_launch_us": 1e4}), tr, plan)
+
+
+def _plan3d(*args):
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_cuda_graph_modules():
+    job = ["estimate", "--model", "qwen3-30b-a3b", "--hardware", "b200-180gb", "--gpus", "8", "--global-batch", "512",
+           "--seq-len", "4096", "--precision", "fp8", "--framework", "nemo", "--tp", "1", "--pp", "1", "--ep", "8", "--json"]
+    plain, graphed = _plan3d(*job), _plan3d(*job, "--cuda-graph-modules", "attn,moe_router,moe_preprocess")
+    assert plain.returncode == graphed.returncode == 0, plain.stderr + graphed.stderr
+    step = [json.loads(p.stdout)["time"]["step_time_s"] for p in (plain, graphed)]
+    assert step[1] < step[0]  # micro-batch 1: the host bounds the MoE layers, and the graphs shorten it
+    for bad, says in (("bogus", "--cuda-graph-modules: 'bogus'"), ("moe_preprocess", "together with moe_router")):
+        p = _plan3d(*job, "--cuda-graph-modules", bad)
+        assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1

@@ -102,11 +102,22 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     return presets.build(Scenario, data, source)
 
 
-def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imbalance: Optional[float]) -> dict:
+CUDA_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
+
+
+def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imbalance: Optional[float],
+                cuda_graph_modules: Optional[str] = None) -> dict:
     """The MoE job options as TrainingSpec fields (the unset ones left out)."""
     if dispatcher is not None and dispatcher not in ("alltoall", "deepep"):
         raise SpecError(f"--moe-dispatcher: '{dispatcher}' is not one of alltoall, deepep")
-    return given(moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap, moe_load_imbalance=load_imbalance)
+    graphs = None
+    if cuda_graph_modules is not None:
+        graphs = tuple(m.strip() for m in cuda_graph_modules.split(",") if m.strip())
+        bad = [m for m in graphs if m not in CUDA_GRAPH_MODULES]
+        if bad:
+            raise SpecError(f"--cuda-graph-modules: '{bad[0]}' is not one of {', '.join(CUDA_GRAPH_MODULES)}")
+    return given(moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap, moe_load_imbalance=load_imbalance,
+                 cuda_graph_modules=graphs)
 
 
 def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool], optimizer_dtype: Optional[str]

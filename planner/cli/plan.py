@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt,
     OptimizerDtypeOpt, ScheduleOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
@@ -31,6 +31,7 @@ def estimate(
     zero_stage: ZeroOpt = None, layers_per_stage: LayersOpt = None, microbatch_group_size: GroupOpt = None,
     ep: EpOpt = None, etp: EtpOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
+    cuda_graph_modules: CudaGraphOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
     pipeline_schedule: ScheduleOpt = None,
     json_out: JsonOpt = False,
@@ -48,7 +49,7 @@ def estimate(
                                layers_per_stage=parse_layers_per_stage(layers_per_stage),
                                microbatch_group_size=microbatch_group_size, ep=ep, etp=etp,
                                pipeline_schedule=pipeline_schedule,
-                               job_extra=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance)
+                               job_extra=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
                                | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype))
     est = run_estimate(sc)
     if json_out:
@@ -79,6 +80,7 @@ def search(
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None, ep: EpOpt = None, etp: EtpOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
+    cuda_graph_modules: CudaGraphOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
     pipeline_schedule: ScheduleOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, max=50, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
@@ -109,7 +111,7 @@ def search(
     spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision,
                                                      attention, overlap_grad_reduce, framework, tp_comm_overlap,
                                                      overlap_p2p_comm,
-                                                     moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance)
+                                                     moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype))
     _check_pins(spec_hw, tp)
     from planner.candidates import schedule_pin_problems
