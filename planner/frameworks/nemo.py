@@ -27,8 +27,12 @@ What differs is the defaults a NeMo recipe sets, not the code that holds the mem
   (``bucket_cap_mb``, ``pipeline_size`` = 2 buckets at a time) are left out. Apex shards
   regardless of the plan's ZeRO stage; at ZeRO 0 the bytes are counted unsharded (the larger).
 
-The search limits are Megatron's distributed optimizer and no Megatron-FSDP (ZeRO 0 and 1):
-NeMo's recipes run Megatron's ``DistributedDataParallel``.
+The search limits: Megatron's ``DistributedDataParallel`` with or without the distributed optimizer
+(ZeRO 0 and 1), and Megatron-FSDP with parameters, gradients and optimizer sharded (ZeRO 3): the
+Megatron-Bridge performance recipes run it (``use_megatron_fsdp=True``,
+``data_parallel_sharding_strategy="optim_grads_params"``, scripts/performance/utils/overrides.py) and
+its performance summary lists such runs ("FSDP = 1: use FSDP", docs/performance-summary.md). ZeRO 2
+(``optim_grads``) is not offered: no NeMo recipe uses it.
 """
 
 from __future__ import annotations
@@ -61,5 +65,5 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
 
 
 PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
-                           sp_gathers_inputs=False, zero_stages=(0, 1), moe_needs_sp=True,
+                           sp_gathers_inputs=False, zero_stages=(0, 1, 3), moe_needs_sp=True,
                            allows_fp8_params=True, optimizer_dtypes=("fp32", "bf16"))
