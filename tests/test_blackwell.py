@@ -158,3 +158,27 @@ def test_te_weight_cache_per_precision_hand_computed(precision, cache_per_weight
 
     extra = weights(precision) - weights("bf16")
     assert extra == pytest.approx(cache_per_weight * linear_params_per_rank(model, 8, model.num_layers))
+
+
+def test_nemo_runs_nvfp4_without_tp_overlap():
+    """Megatron-Bridge's recipes: "tp_comm_overlap = False if precision == 'nvfp4'" (llama3_llm_pretrain.py);
+    an explicit setting still wins."""
+    from planner.cost import resolved_overlap
+
+    def tp_overlap(**kw):
+        return resolved_overlap(TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, **kw)).tp_comm_overlap
+
+    assert tp_overlap(framework="nemo", precision="fp8") is True
+    assert tp_overlap(framework="nemo", precision="nvfp4") is False
+    assert tp_overlap(framework="nemo", precision="nvfp4", tp_comm_overlap=True) is True
+
+
+def test_blackwell_ultra_attention_forward_and_backward_levels():
+    """GB300: forward at FlashAttention-4's 1613 TFLOP/s (0.645 of 2500; the doubled SFU), backward at the
+    B200 die's cuDNN 1240 TFLOP/s (0.496 of 2500); GB200 both at 0.496. Times sustained 0.87."""
+    from planner.cost import Rates
+
+    gb300, gb200 = Rates.of(load_hardware("gb300-nvl72"), "bf16"), Rates.of(load_hardware("gb200-nvl72"), "bf16")
+    assert gb300.attention_rate("fwd") == pytest.approx(2500e12 * 0.645 * 0.87, rel=1e-9)
+    assert gb300.attention_rate("bwd") == pytest.approx(2500e12 * 0.496 * 0.87, rel=1e-9)
+    assert gb200.attention_rate("fwd") == gb200.attention_rate("bwd") == pytest.approx(2500e12 * 0.496 * 0.87, rel=1e-9)
