@@ -417,3 +417,49 @@ def test_megatron_accepts_an_fp8_moe_plan(megatron, monkeypatch, tmp_path):
     args, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(sc, tmp_path), "1")
     assert config.fp8 == "hybrid" and config.num_moe_experts == 8 and config.moe_grouped_gemm
     assert {"1.7.0.dev0", "1.11.0"} <= set(asked)  # the MoE fp8 checks ran
+
+
+def test_megatron_runs_the_jobs_dispatcher_and_a2a_overlap(megatron, monkeypatch, tmp_path):
+    """The job's MoE switches reach Megatron's config: deepep is the flex dispatcher with the DeepEP backend,
+    moe_a2a_overlap is --overlap-moe-expert-parallel-comm (interleaved, as Megatron requires with pp > 1)."""
+    sc = scenario(**TINY, tp=1, pp=2, dp=4, vpp=2, ep=4, etp=1)
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"moe_token_dispatcher": "deepep",
+                                                                          "moe_a2a_overlap": True})})
+    _grouped_gemm_capability(monkeypatch, 9)
+    args, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(sc, tmp_path), "1")
+    assert config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == "deepep"
+    assert config.overlap_moe_expert_parallel_comm
+
+
+@pytest.mark.parametrize("plan,says", [
+    (dict(tp=1, pp=1, dp=8, ep=1), "needs expert parallelism"),
+    (dict(tp=1, pp=2, dp=4, ep=4), "needs virtual pipeline stages"),
+    (dict(tp=1, pp=1, dp=8, ep=8, recompute="full"), "refuses full recomputation"),
+])
+def test_emit_refuses_a2a_overlap_megatron_cannot_run(plan, says):
+    from planner.emit import megatron as emit_megatron
+
+    sc = scenario(**TINY, **plan)
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"moe_a2a_overlap": True})})
+    assert any(says in e for e in emit_megatron.moe_plan_refusals(sc))
+
+
+def test_megatron_captures_the_jobs_cuda_graph_modules(megatron, monkeypatch, tmp_path):
+    """cuda_graph_modules reach Megatron's own parser and config as --cuda-graph-impl transformer_engine
+    --cuda-graph-scope attn moe_router moe_preprocess (several values, one flag)."""
+    sc = scenario(**TINY, tp=1, pp=1, dp=8, ep=8)
+    graphs = ("attn", "moe_router", "moe_preprocess")
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"cuda_graph_modules": graphs})})
+    _grouped_gemm_capability(monkeypatch, 9)
+    args, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(sc, tmp_path), "1")
+    assert config.cuda_graph_impl == "transformer_engine"
+    assert [s.name for s in config.cuda_graph_scope] == list(graphs)
+
+
+def test_emit_refuses_moe_graph_scopes_on_a_dense_model():
+    from planner.emit import megatron as emit_megatron
+
+    sc = scenario(model="tiny-gpt", gpus=8, global_batch=16, seq_len=512, tp=1, pp=1, dp=8)
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"cuda_graph_modules": ("moe_router",)})})
+    with pytest.raises(SpecError, match="moe_\\* scopes need a MoE model"):
+        emit_megatron.megatron_flags(sc)

@@ -15,7 +15,7 @@ from planner.names import slug
 from planner.presets import SpecError
 from planner.specs import Scenario, chunk_split
 
-Flag = tuple[str, "str | None"]
+Flag = tuple[str, "str | tuple[str, ...] | None"]  # a tuple: one flag with several values (argparse nargs)
 
 # ZeRO stage -> Megatron flags: the distributed optimizer is ZeRO-1; Megatron FSDP shards more.
 ZERO_FLAGS: dict[int, list[Flag]] = {
@@ -114,7 +114,10 @@ def moe_flags(sc: Scenario) -> list[Flag]:
     so every expert's input is exactly its capacity (absent: dropless). ``--moe-router-pre-softmax``
     for top-1 routing (``TransformerConfig.__post_init__`` refuses top-1 softmax routing without it).
     ``--moe-shared-expert-overlap`` is not written: it reorders the shared expert after the router to
-    overlap it with dispatch, a schedule choice plan3d's cost model does not price.
+    overlap it with dispatch, a schedule choice plan3d's cost model does not price. The job's
+    ``moe_token_dispatcher`` deepep is ``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend
+    deepep`` (``TransformerConfig``: "DeepEP backend is only supported with flex token dispatcher") and
+    ``moe_a2a_overlap`` is ``--overlap-moe-expert-parallel-comm``.
     """
     m = sc.model
     if not m.is_moe:
@@ -127,8 +130,14 @@ def moe_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--moe-shared-expert-intermediate-size", str(m.shared_expert_ffn_hidden_size)))
         if m.shared_expert_gate:
             flags.append(("--moe-shared-expert-gate", None))
-    flags += [("--moe-grouped-gemm", None), ("--moe-token-dispatcher-type", "alltoall"),
-              ("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", MOE_AUX_LOSS_COEFF)]
+    flags.append(("--moe-grouped-gemm", None))
+    if sc.training.moe_token_dispatcher == "deepep":  # transformer_config.py: DeepEP runs under the flex dispatcher
+        flags += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
+    else:
+        flags.append(("--moe-token-dispatcher-type", "alltoall"))
+    flags += [("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", MOE_AUX_LOSS_COEFF)]
+    if sc.training.moe_a2a_overlap:
+        flags.append(("--overlap-moe-expert-parallel-comm", None))
     if m.top_k == 1:
         flags.append(("--moe-router-pre-softmax", None))
     if m.router_dtype == "fp32":
@@ -157,6 +166,17 @@ def moe_plan_refusals(sc: Scenario) -> list[str]:
     if m.linear_bias and p.expert_tp > 1:
         errors.append(f"--emit megatron: Megatron-LM supports biases in MoE layers only with expert tensor parallelism "
                       f"1 (transformer_config.py), the plan has etp({p.expert_tp}); set etp 1")
+    if sc.training.moe_a2a_overlap:
+        # TransformerConfig.__post_init__ (core_v0.16.1), overlap_moe_expert_parallel_comm's asserts
+        if p.ep == 1:
+            errors.append("--emit megatron: --overlap-moe-expert-parallel-comm needs expert parallelism (ep > 1), "
+                          "the plan has ep 1; drop --moe-a2a-overlap")
+        if p.pp > 1 and p.vpp == 1:
+            errors.append(f"--emit megatron: --overlap-moe-expert-parallel-comm with pp({p.pp}) > 1 needs virtual "
+                          "pipeline stages (vpp > 1); use an interleaved plan or drop --moe-a2a-overlap")
+        if p.recompute == "full":
+            errors.append("--emit megatron: --overlap-moe-expert-parallel-comm refuses full recomputation; use "
+                          "recompute none or selective, or drop --moe-a2a-overlap")
     return errors
 
 
@@ -347,7 +367,20 @@ def megatron_flags(sc: Scenario) -> list[Flag]:
     refusals = schedule_refusals(sc, "megatron") + moe_plan_refusals(sc)
     if refusals:
         raise SpecError(refusals)
-    return model_flags(sc) + parallel_flags(sc) + run_flags()
+    return model_flags(sc) + parallel_flags(sc) + run_flags() + cuda_graph_flags(sc)
+
+
+def cuda_graph_flags(sc: Scenario) -> list[Flag]:
+    """The job's ``cuda_graph_modules`` as Megatron-LM core_v0.16.1 captures them: ``--cuda-graph-impl
+    transformer_engine`` (TE ``make_graphed_callables`` per layer) with ``--cuda-graph-scope`` listing the
+    parts (``arguments.py``: attn, moe_router, moe_preprocess; moe_preprocess only with moe_router)."""
+    modules = sc.training.cuda_graph_modules
+    if not modules:
+        return []
+    if not sc.model.is_moe and any(m.startswith("moe") for m in modules):
+        raise SpecError(f"--emit megatron: cuda_graph_modules {', '.join(modules)}: the moe_* scopes need a MoE "
+                        "model; keep attn only")
+    return [("--cuda-graph-impl", "transformer_engine"), ("--cuda-graph-scope", tuple(modules))]
 
 
 def annotations(sc: Scenario) -> list[str]:
@@ -367,6 +400,8 @@ def args_block(flags: list[Flag], indent: str = "  ", quote: bool = True) -> str
     for flag, value in flags:
         if value is None:
             lines.append(f"{indent}{flag}")
+        elif isinstance(value, tuple):
+            lines.append(f"{indent}{flag} " + " ".join(shlex.quote(v) if quote else v for v in value))
         elif value.startswith("${"):
             lines.append(f'{indent}{flag} "{value}"' if quote else f"{indent}{flag} {value}")
         else:
