@@ -17,7 +17,8 @@ zero_stage 3 when FSDP is on, else 1 (Megatron distributed optimizer); sequence 
 recompute none (the recipes' partial recompute_modules are recorded, not modelled); vpp = VP or 1; EP from
 the row, ETP 1 (the recipes' expert_tensor_parallel_size=1); dispatcher (hybridep/deepep backends ->
 plan3d 'deepep'), MoE all-to-all overlap, CUDA-graph scopes (``graph_modules``) and pipeline layout from the
-run's ``recipe``.
+run's ``recipe``. FP8-CS (per-tensor current scaling) is ``fp8_recipe='tensorwise'``; the 25.09 table names
+no precision and is read as delayed, TE's default.
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def score(r: dict, models: set[str], memory: bool) -> dict:
     out["family"] = "MoE" if model.is_moe else "dense"
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
                             framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=r["a2a_overlap"],
-                            cuda_graph_modules=graph_modules(r))
+                            cuda_graph_modules=graph_modules(r),
+                            fp8_recipe="tensorwise" if (r.get("precision_published") or "").startswith("FP8-CS")
+                            else "delayed")
     plan = plan_of(r, model.is_moe)
     problems = plan_problems(model, hw, training, plan)
     if problems:

@@ -64,7 +64,7 @@ def main() -> None:
         model = load_model(r["model"])
         training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"],
                                 precision=r["precision"], framework="nemo", moe_token_dispatcher=r["dispatcher"],
-                                moe_a2a_overlap=r["a2a_overlap"])
+                                moe_a2a_overlap=r["a2a_overlap"], fp8_recipe="tensorwise")  # FP8-CS rows
         plan = plan_of(r)
         problems = plan_problems(model, hw, training, plan)
         if problems:

@@ -158,11 +158,16 @@ class Rates:
     def of(cls, hw: HardwareSpec, precision: str) -> Rates:
         sustained = hw.sustained_fraction
         mamf = hw.gemm_efficiency_max
-        if precision in LOW_PRECISION_CAST_BYTES:
-            # fp8 measured on an H200 (FP8_MAMF_RATIO); mxfp8 and nvfp4 assumed to reach the same share of
-            # their own peak, as no Blackwell block-scaled GEMM sweep is published (docs/cost-model.md)
+        gemm_flops = hw.peak_flops(precision) * mamf * sustained
+        if precision in LOW_PRECISIONS:
+            # fp8: the measured FP8 MAMF, or the FP8/BF16 ratio measured on an H200 (FP8_MAMF_RATIO); mxfp8 and
+            # nvfp4: that FP8 rate times TE's measured block-scaled/FP8 kernel ratio (BLOCK_SCALED_OVER_FP8), never
+            # above the datasheets' own ratio
             mamf = hw.fp8_gemm_efficiency_max or hw.gemm_efficiency_max * FP8_MAMF_RATIO / 2
-        return cls(gemm_flops=hw.peak_flops(precision) * mamf * sustained, sm_count=hw.sm_count,
+            gemm_flops = hw.peak_flops("fp8") * mamf * sustained
+            if precision in BLOCK_SCALED_OVER_FP8:
+                gemm_flops *= min(BLOCK_SCALED_OVER_FP8[precision], hw.peak_flops(precision) / hw.peak_flops("fp8"))
+        return cls(gemm_flops=gemm_flops, sm_count=hw.sm_count,
                    gemm_overhead_s=hw.kernel_overhead_us * 1e-6,
                    attention_flops=hw.peak_flops("bf16") * hw.attention_efficiency * sustained,
                    hbm_bytes_per_s=hw.hbm_bandwidth_gbps * 1e9 * hw.hbm_efficiency,
@@ -481,26 +486,63 @@ def _elementwise_kernels(model: ModelSpec) -> tuple[int, int]:
     return fwd, fwd + 2
 
 
-#: HBM bytes per element of one quantisation of a GEMM input (Transformer Engine): read bf16 (2 B), write
-#: the row-wise and the column-wise copies. fp8 (per-tensor): 1 + 1 B (``fp8_cast_transpose_fused``; Hopper
-#: FP8 GEMMs take only the TN layout). mxfp8 (``MXFP8BlockScaling``): 1 + 1 B plus one E8M0 scale per 32
-#: values in each direction (2/32 B); a block-scaled tensor cannot be transposed, so both copies are
-#: quantised. nvfp4 (``NVFP4BlockScaling``): 0.5 + 0.5 B plus one E4M3 scale per 16 values each way
-#: (2/16 B); the random Hadamard transform of the wgrad inputs is fused into that cast (NVIDIA,
-#: "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, section 4).
-LOW_PRECISION_CAST_BYTES = {"fp8": 2 + 2.0, "mxfp8": 2 + 2.0 + 2 / 32, "nvfp4": 2 + 1.0 + 2 / 16}
+#: Transformer Engine's own GEMM benchmark (``benchmarks/gemm/benchmark_gemm.py``; TE docs/examples/gemm_profiling/
+#: gemm_profiling.rst, commit 8f2e635): one layer of a 5B model (h 4096, f 16384, M = 31 x 512 = 15,872 tokens,
+#: 4 linears, 12 GEMMs: fprop, dgrad, wgrad), per-layer ms as (kernels only, ``--pre-quantize``; autocast, i.e.
+#: with the quantisation TE does in training), on one B300 SXM6 and one H200 NVL. DelayedScaling cannot be
+#: pre-quantised; its kernels are the per-tensor FP8 GEMMs of CurrentScaling (``tensorwise``), so the
+#: tensorwise kernel time stands for both.
+TE_GEMM_BENCH_MS = {
+    "b300": {"bf16": (13.102, 12.758), "fp8_tensorwise": (6.812, 9.147), "fp8_delayed": (6.812, 7.802),
+             "mxfp8": (7.161, 8.984), "nvfp4": (3.764, 6.453)},
+    "h200": {"bf16": (31.968, 32.014), "fp8_tensorwise": (16.785, 20.285), "fp8_delayed": (16.785, 18.978)},
+}
+#: The benchmark GPUs' HBM bandwidth, GB/s (B300: 8 TB/s, hardware_profiles/b300-288gb.yaml; H200 NVL: 4.8 TB/s,
+#: NVIDIA H200 datasheet), at the profiles' hbm_efficiency 0.8 (NVIDIA Deep Learning Performance Guide).
+TE_GEMM_BENCH_HBM_GBPS = {"b300": 8000.0 * 0.8, "h200": 4800.0 * 0.8}
+#: Elements the benchmark quantises per layer, both copies of each: the inputs of the 4 linears (M x (4096 +
+#: 4096 + 4096 + 16384)), their output gradients (M x (12288 + 4096 + 16384 + 4096)) and the weights
+#: (4096 x 12288 + 4096 x 4096 + 4096 x 16384 + 16384 x 4096), which autocast quantises on every call.
+TE_GEMM_BENCH_ELEMENTS = 15872 * (28672 + 36864) + (4096 * 12288 + 4096 * 4096 + 4096 * 16384 + 16384 * 4096)
 
 
-def _fp8_cast_bytes_per_token(model: ModelSpec, plan: Plan, linears, precision: str = "fp8") -> tuple[float, float]:
-    """(forward, backward) HBM bytes per token of the low-precision casts of one layer.
+def _quantisation_bytes(key: str) -> float:
+    """HBM-equivalent bytes per element (both copies) of TE's quantisation in one recipe: the benchmark's
+    autocast minus kernel-only time, at the GPU's HBM rate, over the elements it quantises; the mean over the
+    GPUs measured. B300 and H200 agree within 12 % for tensorwise FP8 (12.0 and 10.8 B), which is why a
+    bandwidth-scaled figure is used on other GPUs; delayed scaling 5.1 and 6.8 B."""
+    got = [(bench[key][1] - bench[key][0]) * 1e-3 * TE_GEMM_BENCH_HBM_GBPS[gpu] * 1e9 / TE_GEMM_BENCH_ELEMENTS
+           for gpu, bench in TE_GEMM_BENCH_MS.items() if key in bench]
+    return sum(got) / len(got)
 
-    Every GEMM input is quantised by a fused cast(-transpose) kernel (``LOW_PRECISION_CAST_BYTES`` per
-    element; TE "Using FP8 with Transformer Engine"). Forward: the input of each linear (``k`` wide);
-    backward: each output gradient (``n`` wide). Weights are cast once per step
-    (``is_first_microbatch``), not per micro-batch, and are left out. Attention, norms and the
-    optimizer stay in bf16/fp32.
+
+#: Bytes per element of the low-precision casts, by quantisation (``quantisation_key``), measured as above. The
+#: bare data movement is less (read 2 B, write 1 + 1 B for fp8; plus block scales for mxfp8 and nvfp4): the
+#: measurement also holds the amax passes of current scaling, the block-scale computation, NVFP4's random
+#: Hadamard transform and stochastic rounding, and the launches.
+LOW_PRECISION_CAST_BYTES = {k: _quantisation_bytes(k) for k in ("fp8_delayed", "fp8_tensorwise", "mxfp8", "nvfp4")}
+LOW_PRECISIONS = ("fp8", "mxfp8", "nvfp4")
+#: Block-scaled GEMM kernels against per-tensor FP8 on the same GPU (the benchmark's kernel-only B300 totals):
+#: MXFP8 6.812 / 7.161 = 0.95x, NVFP4 6.812 / 3.764 = 1.81x (the datasheet's FP4/FP8 ratio on B300 is 2.9x).
+BLOCK_SCALED_OVER_FP8 = {p: TE_GEMM_BENCH_MS["b300"]["fp8_tensorwise"][0] / TE_GEMM_BENCH_MS["b300"][p][0]
+                         for p in ("mxfp8", "nvfp4")}
+
+
+def quantisation_key(precision: str, fp8_recipe: str = "delayed") -> str:
+    """The ``LOW_PRECISION_CAST_BYTES`` key of a training precision (fp8 by its scaling recipe)."""
+    return f"fp8_{fp8_recipe}" if precision == "fp8" else precision
+
+
+def _fp8_cast_bytes_per_token(model: ModelSpec, plan: Plan, linears, precision: str = "fp8",
+                              fp8_recipe: str = "delayed") -> tuple[float, float]:
+    """(forward, backward) HBM-equivalent bytes per token of the low-precision casts of one layer.
+
+    Every GEMM input is quantised once, both copies (``LOW_PRECISION_CAST_BYTES`` per element, measured on
+    Transformer Engine's own benchmark). Forward: the input of each linear (``k`` wide); backward: each output
+    gradient (``n`` wide). Weights are cast once per step (``is_first_microbatch``), not per micro-batch, and are
+    left out. Attention, norms and the optimizer stay in bf16/fp32.
     """
-    c = LOW_PRECISION_CAST_BYTES[precision]
+    c = LOW_PRECISION_CAST_BYTES[quantisation_key(precision, fp8_recipe)]
     fwd = sum(c * k for k, _, _ in linears)
     bwd = sum(c * n for _, n, _ in linears)
     return fwd, bwd
@@ -560,8 +602,8 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     for kk, nn in ((h, gate * f / etp), (f / etp, h)):
         gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local)
         fwd, bwd, wgrad = fwd + gf, bwd + gd + gw, wgrad + gw
-    if training.precision in LOW_PRECISION_CAST_BYTES:
-        cb = LOW_PRECISION_CAST_BYTES[training.precision]
+    if training.precision in LOW_PRECISIONS:
+        cb = LOW_PRECISION_CAST_BYTES[quantisation_key(training.precision, training.fp8_recipe)]
         fwd += copies * cb * (h + f / etp) / rates.hbm_bytes_per_s + 2 * rates.gemm_overhead_s
         bwd += copies * cb * (gate * f / etp + h) / rates.hbm_bytes_per_s + 2 * rates.gemm_overhead_s
     # router: logits GEMM in router_dtype, softmax/top-k memory-bound
@@ -583,7 +625,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     ep_group = expert_span(plan, "ep", hw.nvlink_domain)
     if training.moe_token_dispatcher == "deepep":
         dispatch = combine = deepep_time_s(imb * t_r * h * e, k, ep_group, hw)
-        if training.precision in LOW_PRECISION_CAST_BYTES:  # DeepEP dispatches FP8 (1 B + 1/128 scale), combines BF16
+        if training.precision in LOW_PRECISIONS:  # DeepEP dispatches FP8 (1 B + 1/128 scale), combines BF16
             dispatch = deepep_time_s(imb * t_r * h * (1 + 4 / 128), k, ep_group, hw)
     else:
         dispatch = combine = comm.all_to_all_time_s(imb * t_r * k * h * e, ep_group, hw)
@@ -627,7 +669,7 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     separated in the measurement and is left at full cost.
     """
     linears = len(_linear_shapes(model, plan, moe=True))
-    casts = linears if training.precision in LOW_PRECISION_CAST_BYTES else 0
+    casts = linears if training.precision in LOW_PRECISIONS else 0
     k_f, k_b = _elementwise_kernels(model)  # less the activation, which the experts' count holds
     attn_f, attn_b = linears + casts + 1 + k_f - 1, 2 * linears + casts + 3 + k_b - 1
     graphs = training.cuda_graph_modules
@@ -690,8 +732,8 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     elem_f = tokens * _elementwise_bytes_per_token(model, plan, moe, imbalance) / rates.hbm_bytes_per_s
     fwd += att_f + max(elem_f, k_f * rates.gemm_overhead_s)
     bwd += att_b + max(2 * elem_f, k_b * rates.gemm_overhead_s)
-    if training.precision in LOW_PRECISION_CAST_BYTES:
-        cast_f, cast_b = _fp8_cast_bytes_per_token(model, plan, linears, training.precision)
+    if training.precision in LOW_PRECISIONS:
+        cast_f, cast_b = _fp8_cast_bytes_per_token(model, plan, linears, training.precision, training.fp8_recipe)
         fwd += tokens * cast_f / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
         bwd += tokens * cast_b / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
 

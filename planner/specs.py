@@ -623,6 +623,12 @@ class TrainingSpec(_Spec):
         description="Keep the GEMM weights in fp8, with no bf16 copy (Megatron --fp8-param-gather, NeMo "
                     "fp8_params / transformer_engine.pytorch.fp8_model_init); needs precision fp8 and the "
                     "megatron or nemo framework (planner/frameworks/megatron.py).")
+    fp8_recipe: Literal["delayed", "tensorwise"] = Field(
+        default="delayed",
+        description="Scaling of per-tensor fp8: delayed (Transformer Engine DelayedScaling, an amax history; "
+                    "Megatron's default --fp8-recipe delayed) or tensorwise (Float8CurrentScaling, the amax of each "
+                    "tensor itself: Megatron --fp8-recipe tensorwise, NVIDIA's FP8-CS recipes). Only the cast "
+                    "cost differs (planner.cost.LOW_PRECISION_CAST_BYTES).")
     optimizer_dtype: Literal["fp32", "bf16"] = Field(
         default="fp32",
         description="Adam state dtype. fp32: Megatron's distributed optimizer (fp32 master copy, m, v). "

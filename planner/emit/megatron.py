@@ -295,6 +295,8 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     flags += [("--micro-batch-size", str(p.micro_batch_size)), ("--global-batch-size", str(tr.global_batch_size)),
               ("--seq-length", str(tr.seq_len)), ("--bf16", None)]
     flags += PRECISION_FLAGS.get(tr.precision, [])
+    if tr.precision == "fp8" and tr.fp8_recipe == "tensorwise":
+        flags.append(("--fp8-recipe", "tensorwise"))
     flags.append(("--attention-backend", "flash" if tr.attention == "flash" else "unfused"))
     if tr.overlap_grad_reduce:
         flags.append(("--overlap-grad-reduce", None))
@@ -335,7 +337,7 @@ def overlap_flags(sc: Scenario) -> list[Flag]:
 
 #: Transformer Engine recipes as Megatron-LM core_v0.16.1 names them (``TransformerConfig.fp8``/``fp8_recipe``,
 #: ``fp4``/``fp4_recipe``): fp8 per-tensor "hybrid" (E4M3 forward, E5M2 gradients) with the default
-#: recipe (delayed scaling in core_v0.16.1); MXFP8 is E4M3 throughout (TE ``MXFP8BlockScaling``); NVFP4 is E2M1 (TE
+#: recipe (delayed scaling in core_v0.16.1; ``fp8_recipe: tensorwise`` adds ``--fp8-recipe tensorwise``); MXFP8 is E4M3 throughout (TE ``MXFP8BlockScaling``); NVFP4 is E2M1 (TE
 #: ``NVFP4BlockScaling``, Transformer Engine >= 2.7).
 PRECISION_FLAGS: dict[str, list[Flag]] = {
     "fp8": [("--fp8-format", "hybrid")],
