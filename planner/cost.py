@@ -8,8 +8,9 @@ The model (docs/cost-model.md):
   Multiplication Background User's Guide", sections on tile and wave quantisation). A GEMM is
   also never faster than its HBM traffic (roofline), and each costs ``kernel_overhead_us``. So
   TP's thinner slices and short sequences run less efficiently. Backward = data grad + weight
-  grad, each with its own shape. FP8 GEMMs reach the measured FP8/BF16 MAMF ratio (``FP8_MAMF_RATIO``),
-  and each GEMM input and output gradient pays a cast-transpose (``_fp8_cast_bytes_per_token``).
+  grad, each with its own shape. FP8 GEMMs reach the measured FP8 MAMF (or the FP8/BF16 ratio,
+  ``FP8_MAMF_RATIO``), block-scaled ones TE's measured ratio to FP8 (``BLOCK_SCALED_OVER_FP8``), and each
+  GEMM input and output gradient pays TE's measured quantisation (``_fp8_cast_bytes_per_token``).
 * **Attention**: fused attention at ``attention_efficiency`` of peak times the measured speed of
   the kernel at this sequence length, forward and backward separately (``attention_shape``,
   H200 measurement and FlashAttention-3 paper), and its wave quantisation; backward FLOPs 2.5x
