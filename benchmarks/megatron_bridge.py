@@ -81,7 +81,8 @@ def not_modelled(r: dict, models: set[str]) -> str | None:
     return None
 
 
-def score(r: dict, models: set[str], memory: bool) -> dict:
+def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None = None) -> dict:
+    """One run against plan3d; ``hardware_update`` overrides profile fields (``benchmarks/blackwell_sustained.py``)."""
     out = {k: r[k] for k in ("release", "system", "hardware", "model", "model_note", "variant", "precision",
                              "precision_published", "gpus", "tokens_per_s_per_gpu", "model_tflops_per_gpu")}
     out["label"] = run_label(r)
@@ -90,6 +91,8 @@ def score(r: dict, models: set[str], memory: bool) -> dict:
     if why:
         return out | {"scored": False, "reason": why}
     model, hw = load_model(r["model"]), load_hardware(r["hardware"])
+    if hardware_update:
+        hw = hw.model_copy(update=hardware_update)
     out["family"] = "MoE" if model.is_moe else "dense"
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
                             framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=r["a2a_overlap"],
