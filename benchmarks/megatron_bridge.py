@@ -7,8 +7,9 @@ Data and sources: benchmarks/data/megatron_bridge_perf.json (the performance sum
 table leaves out; each run names its source). Each run's plan is pinned to the published layout and costed
 by ``planner.cost.estimate_time``; its memory by ``planner.memory.estimate_memory`` (``--no-memory`` skips it).
 Nothing was fitted to these runs. Error = predicted tokens/s/GPU / published - 1 (positive: plan3d is
-optimistic). A run is scored only when its own two figures agree (tokens/s/GPU x planner.flops model FLOPs
-per token within 10 % of its published model TFLOP/s/GPU, the rule of benchmarks/data/moe_published.json),
+optimistic). A run is scored only when its own two figures agree (tokens/s/GPU x the page's model FLOPs per token,
+``page_flops_per_token``, within 10 % of its published model TFLOP/s/GPU, the rule of
+benchmarks/data/moe_published.json),
 when plan3d models its precision and model, and when ``plan_problems`` accepts its layout. Prints each run,
 then mean |error| and worst signed error per system, precision, family and overall; it asserts nothing.
 
@@ -69,6 +70,17 @@ def plan_of(r: dict, moe: bool) -> Plan:
                 layers_per_stage=lps, **experts)
 
 
+def page_flops_per_token(model, seq: int) -> float:
+    """Model FLOPs per token as the page counts them, for the consistency rule. plan3d's own count
+    (``planner.flops``), except GPT-OSS: Megatron-Bridge's ``flop_utils.transformer_flops`` (0.3.0, L231-232 and
+    L309-315) counts its gated quick-GELU experts as two GEMMs (the 3/2 factor is applied only to SiLU GLUs) and
+    every layer's attention as full causal (no sliding window); Megatron-Bridge PRs #3029 and #3947 fixed both
+    after 26.02. That reproduces the page's figures (27.2 GFLOP per token at 4096, 30.8 at 8192)."""
+    if model.name.startswith("gpt-oss"):
+        model = model.model_copy(update={"activation": "gelu", "sliding_window": None, "sliding_window_layers": None})
+    return flops.model_flops_per_token(model, seq)
+
+
 def not_modelled(r: dict, models: set[str]) -> str | None:
     if r.get("inconsistent"):
         return f"row inconsistent ({r['inconsistent']})"
@@ -103,7 +115,7 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
     problems = plan_problems(model, hw, training, plan)
     if problems:
         return out | {"scored": False, "reason": "plan refused: " + "; ".join(problems)}
-    implied = r["tokens_per_s_per_gpu"] * flops.model_flops_per_token(model, r["seq"]) / 1e12
+    implied = r["tokens_per_s_per_gpu"] * page_flops_per_token(model, r["seq"]) / 1e12
     est = estimate_time(model, hw, training, plan)
     predicted = est.tokens_per_s / r["gpus"]
     out |= {"predicted_tokens_per_s_per_gpu": predicted, "error": predicted / r["tokens_per_s_per_gpu"] - 1,
