@@ -14,7 +14,7 @@ from planner import frameworks
 from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec, plan_problems
 
 RECOMPUTE = ("none", "selective", "full")
-MAX_UNEVEN_VPP = 4  # uneven splits are searched with vpp up to this (beyond: `plan3d estimate --layers-per-stage`)
+MAX_UNEVEN_VPP = 4  # unpinned, uneven splits are searched with vpp up to this (a pinned vpp is searched at any value)
 MAX_UNEVEN_SHIFT = 3  # first/last stages may hold up to this many layers fewer (or more) than the middle ones
 MIN_CP_CHUNK = 512  # tokens per CP half-chunk (the load-balanced split cuts the sequence into 2 cp chunks)
 
@@ -68,18 +68,20 @@ class StageSplit:
         return (self.first,) + (self.middle,) * (self.pp - 2) + (self.last,) if self.pp > 1 else (self.first,)
 
 
-def valid_splits(model: ModelSpec, pp: int, allow_uneven: bool = True) -> list[StageSplit]:
+def valid_splits(model: ModelSpec, pp: int, allow_uneven: bool = True, max_vpp: int = MAX_UNEVEN_VPP) -> list[StageSplit]:
     """Even splits with every vpp that divides a stage's layers, and splits whose first and/or last
     stage hold up to MAX_UNEVEN_SHIFT layers fewer or more than the equal middle stages (Megatron
     ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``, or its
     ``--pipeline-model-parallel-layout`` when interleaved): fewer where the embedding or the output
     layer weigh on time or memory, more where the other end is the lighter one. With pp > 2 the
-    uneven splits come with every vpp that divides the middle stages too."""
-    return list(_splits(model.num_layers, pp, allow_uneven))
+    uneven splits come with every vpp that divides the middle stages too, up to ``max_vpp`` (the search
+    passes a pinned vpp: NVIDIA's Llama 3.1 405B runs, 126 layers on PP8 x VP8 with 15 + 6 x 16 + 15,
+    Megatron-Bridge performance summary)."""
+    return list(_splits(model.num_layers, pp, allow_uneven, max_vpp))
 
 
 @functools.lru_cache(maxsize=1024)
-def _splits(L: int, pp: int, allow_uneven: bool) -> tuple[StageSplit, ...]:
+def _splits(L: int, pp: int, allow_uneven: bool, max_vpp: int = MAX_UNEVEN_VPP) -> tuple[StageSplit, ...]:
     out = []
     if L % pp == 0:
         n = L // pp
@@ -99,10 +101,10 @@ def _splits(L: int, pp: int, allow_uneven: bool) -> tuple[StageSplit, ...]:
             out.append(StageSplit(pp, 1, first, mid, last))
             # interleaved too, with the ends lighter (the case of the embedding and the loss: Meta's
             # Llama 3 405B, 7 + 14 x 8 + 7): the middle stages split into vpp equal chunks, the ends as
-            # Plan.chunk_layers says, one layer per chunk at least; vpp <= 4 keeps the search under 2 s
+            # Plan.chunk_layers says, one layer per chunk at least; vpp <= 4 keeps an unpinned search under 2 s
             if pp > 2 and max(first, last) <= mid:
                 out += [StageSplit(pp, v, first, mid, last) for v in divisors(mid)
-                        if 1 < v <= min(first, last, MAX_UNEVEN_VPP)]
+                        if 1 < v <= min(first, last, max_vpp)]
     return tuple(out)
 
 
@@ -188,7 +190,8 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                 if not pins.ok(tp=tp, cp=cp, pp=pp, dp=dp):
                     continue
                 experts = valid_expert(model, hw, tp, cp, dp, pins)
-                for plain in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven):
+                for plain in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven,
+                                          max(MAX_UNEVEN_VPP, pins.vpp or 0)):
                     if pins.ok(vpp=plain.vpp) and (plain.vpp == 1 or fw.allows_vpp) and \
                             fw.allows_split(plain.first, plain.middle, plain.last, plain.vpp):
                         for split in schedule_splits(plain, training.framework, pins):
