@@ -886,7 +886,8 @@ def micro_factors(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     return out | dict.fromkeys(MOE_KEYS, 0.0)
 
 
-def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float, n_moe=None) -> dict:
+def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float, n_moe=None,
+                empty=0) -> dict:
     """Per-micro-batch terms of stage rows, vectorised: ``n`` and ``last`` are arrays over the rows
     [K]; every factor in ``f`` and ``hop`` is a scalar or an array over options [U]; results are [U, K].
 
@@ -902,18 +903,23 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
     behind the compute of the chunk in between (Megatron-Core
     ``schedules.forward_backward_pipelining_with_interleaving``); only what exceeds that chunk
     (``n / vpp`` layers), plus SM contention, is exposed. Otherwise every transfer is exposed.
+    ``empty`` ([K] or scalar): chunks of the row with no transformer layer (rank 0's embedding chunk,
+    the last rank's loss chunk: ``specs.min_stage_layers``); they hide nothing, so their transfers are
+    exposed whole and the ``n`` layers fill the ``vpp - empty`` others.
     """
     def col(x):
         return np.asarray(x, dtype=float)[..., None]
 
     n, last = np.asarray(n, dtype=float), np.asarray(last, dtype=float)
     if n_moe is not None:
-        return _moe_stage_terms(n, last, np.asarray(n_moe, dtype=float), f, hop, pp, vpp, overlap_p2p, c)
+        return _moe_stage_terms(n, last, np.asarray(n_moe, dtype=float), f, hop, pp, vpp, overlap_p2p, c, empty)
     fwd, bwd, hop_c = col(f["fwd"]), col(f["bwd"]), col(hop)
     if pp == 1:
         pp_t = 0.0 * hop_c * n
     elif overlap_p2p and vpp > 1:
-        pp_t = vpp * (overlapped_s_array(hop_c, n / vpp * fwd, c) + overlapped_s_array(hop_c, n / vpp * bwd, c))
+        full = vpp - np.asarray(empty, dtype=float)  # chunks holding layers
+        pp_t = full * (overlapped_s_array(hop_c, n / full * fwd, c) + overlapped_s_array(hop_c, n / full * bwd, c)) \
+            + (vpp - full) * 2 * hop_c
     else:
         pp_t = 2 * vpp * hop_c + 0.0 * n
     hc, ht = col(f["head_compute"]) * last, col(f["head_tp"]) * last
@@ -928,7 +934,8 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
             "bwd": n * (bwd + col(f["recompute"]) + col(f["tp_bwd"]) + col(f["cp_bwd"])) + hc * (1 - share) + ht + pp_t / 2}
 
 
-def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float) -> dict:
+def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float,
+                     empty=0) -> dict:
     """:func:`stage_terms` for a stage of ``n - n_moe`` dense and ``n_moe`` MoE layers (same rules)."""
     def col(x):
         return np.asarray(x, dtype=float)[..., None]
@@ -943,7 +950,9 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
     if pp == 1:
         pp_t = 0.0 * hop_c * n
     elif overlap_p2p and vpp > 1:
-        pp_t = vpp * (overlapped_s_array(hop_c, fwd_all / vpp, c) + overlapped_s_array(hop_c, bwd_all / vpp, c))
+        full = vpp - np.asarray(empty, dtype=float)  # chunks holding layers (stage_terms)
+        pp_t = full * (overlapped_s_array(hop_c, fwd_all / full, c) + overlapped_s_array(hop_c, bwd_all / full, c)) \
+            + (vpp - full) * 2 * hop_c
     else:
         pp_t = 2 * vpp * hop_c + 0.0 * n
     hc, ht = col(f["head_compute"]) * last, col(f["head_tp"]) * last
@@ -1086,8 +1095,9 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                     axis_span(plan, "tp", hw.nvlink_domain, order))
     n, last, _, _ = _rows_of_all_stages(plan, model.num_layers)
     n_moe = plan.stage_moe_layers(model) if model.is_moe else None
+    empty = np.array([ch.count(0) for ch in plan.chunk_layers(model.num_layers)], dtype=float)
     t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw),
-                    n_moe)
+                    n_moe, empty)
     ep = t.get("ep_comm")
     return tuple(StageTime(stage=r, compute=float(t["compute"][r]), recompute=float(t["recompute"][r]),
                            tp_comm=float(t["tp_comm"][r]), cp_comm=float(t["cp_comm"][r]),

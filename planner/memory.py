@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner import frameworks
-from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
+from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size, stage_chunks
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
 GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
@@ -740,6 +740,18 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     (``Plan.stage_moe_layers``). `plan3d validate` measures exactly this."""
     dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
     moe_layers = stage_moe_layer_count(model, plan, stage, layers)
+    chunks = stage_chunks(layers, plan.vpp, first=stage == 0)
+    if plan.vpp > 1 and layers and 0 in chunks:
+        # a chunk of no transformer layer (rank 0's embedding chunk, the last rank's loss chunk:
+        # specs.min_stage_layers) is in flight but holds nothing: count layers over the schedule's own
+        # action list (schedules.peak_in_flight_layers), not in-flight chunks x the mean chunk
+        from planner.schedules import framework_family, peak_in_flight_layers, schedule_actions
+
+        family = framework_family(training.framework)
+        actions = schedule_actions(plan.schedule, plan.pp, int(num_microbatches), stage, plan.vpp,
+                                   "torch" if family == "deepspeed" else family, plan.microbatch_group_size)
+        per_layer = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / layers
+        return float(peak_in_flight_layers(actions, chunks, schedule_w_fraction(training)) * per_layer)
     per_chunk = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / plan.vpp
     return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * per_chunk)
 

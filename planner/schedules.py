@@ -380,6 +380,30 @@ def peak_in_flight_actions(actions: list[Action], w_fraction: float = 0.0) -> fl
     return max((f + w_fraction * w for f, w in in_flight_trace(actions)), default=0)
 
 
+def peak_in_flight_layers(actions: list[Action], chunk_layers: tuple[int, ...] | list[int],
+                          w_fraction: float = 0.0) -> float:
+    """The most transformer layers' saved activations held at once walking ``actions``: each chunk
+    between its F and its I/B holds ``chunk_layers[chunk]`` layers, one waiting for its W
+    ``w_fraction`` of them (:func:`in_flight_trace`, weighted by chunk). With equal chunks it is
+    :func:`peak_in_flight_actions` x the chunk's layers; it differs where a chunk holds no layer (rank 0's
+    embedding chunk, the last rank's loss chunk: ``specs.min_stage_layers``), which is in flight but
+    holds nothing."""
+    full = pend = peak = 0.0
+    for kind, _, c in actions:
+        n = chunk_layers[c]
+        if kind == "F":
+            full += n
+        elif kind == "B":
+            full -= n
+        elif kind == "I":
+            full -= n
+            pend += n
+        elif kind == "W":
+            pend -= n
+        peak = max(peak, full + w_fraction * pend)
+    return peak
+
+
 # What a pending W keeps alive, as a share of the chunk's saved activations, per runtime.
 TORCH_W_FRACTION = 1.0
 """torch.distributed.pipelining (2.13): ``stage_backward_input`` runs autograd with ``retain_graph=True``

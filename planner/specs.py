@@ -718,8 +718,8 @@ class Plan(_Spec):
             errors.append(f"vpp: vpp({self.vpp}) > 1 needs pp > 1 (pp is 1)")
         if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
             errors.append(f"layers_per_stage: {len(self.layers_per_stage)} entries for pp({self.pp}) stages")
-        if self.layers_per_stage is not None and min(self.layers_per_stage, default=1) < 1:
-            errors.append(f"layers_per_stage: every stage needs at least 1 layer, got {list(self.layers_per_stage)}")
+        if self.layers_per_stage is not None and len(self.layers_per_stage) == self.pp:
+            errors += chunk_problems(self.layers_per_stage, self.vpp)
         if self.microbatch_group_size is not None and self.vpp == 1:
             errors.append("microbatch_group_size: applies to the interleaved schedule only (vpp > 1)")
         if self.microbatch_group_size is not None and self.schedule != "interleaved":
@@ -818,6 +818,34 @@ def _stage_moe_layers(pp: int, vpp: int, stage_layers: tuple[int, ...], num_laye
     return tuple(sum(max(0, min(n, s + n - first_k_dense)) for s, n in zip(starts[r], chunks[r])) for r in range(pp))
 
 
+def min_stage_layers(pp: int, vpp: int) -> tuple[int, ...]:
+    """The fewest transformer layers each pipeline rank may hold: one per chunk, except that rank 0's
+    chunk 0 may hold only the embedding and the last rank's last chunk only the loss (and output layer).
+
+    Source: Megatron-LM core_v0.16.1 ``transformer_block.py::get_num_layers_to_build``: with
+    ``--account-for-embedding-in-pipeline-split`` (``--account-for-loss-in-pipeline-split``) the first
+    (last) virtual stage of the first (last) rank builds one layer fewer, asserting only ``>= 0``, and
+    both may be empty at once (``transformer_config.py`` counts ``num_layers + 1 + 1`` slots); Llama 3.1
+    405B on PP16 x VP8 is 126 layers + E + L = 128 slots, one per virtual stage (Dubey et al. 2024,
+    section 3.3.2). No other chunk may be empty: the account_for rules take exactly one slot from those
+    two chunks, ``--decoder-first/last-pipeline-num-layers`` must be > 0 and divisible by vpp, and a
+    chunk that holds nothing but a P2P hop is no layout anyone runs (Megatron's
+    ``--pipeline-model-parallel-layout`` grammar would accept one; plan3d does not write it).
+    """
+    return tuple(max(0, vpp - (r == 0) - (r == pp - 1)) for r in range(pp))
+
+
+def chunk_problems(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> list[str]:
+    """Stages with a chunk of no transformer layer other than the embedding's or the loss's
+    (:func:`min_stage_layers`), as one line naming the field and the fix."""
+    low = min_stage_layers(len(layers_per_stage), vpp)
+    if all(n >= need for n, need in zip(layers_per_stage, low)):
+        return []
+    ends = f"{low[0]} on the first and last" if vpp > 1 else "0 on the first and last"
+    return [f"layers_per_stage: every chunk needs a transformer layer except rank 0's first (the embedding) and the "
+            f"last rank's last (the loss): at least vpp({vpp}) layers per stage, {ends}; got {list(layers_per_stage)}"]
+
+
 def chunk_split(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> tuple[tuple[int, ...], ...]:
     """Layers of each virtual stage, per pipeline rank: ``out[r][c]`` is chunk ``c`` of rank ``r``.
 
@@ -826,14 +854,18 @@ def chunk_split(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> tupl
     and ``--account-for-loss-in-pipeline-split`` count each as one layer (Megatron-LM core_v0.16.1
     ``transformer_config.py``): first on rank 0 (the embedding is in its chunk 0), last on every other
     rank (the loss ends the last rank's last chunk). Llama 3 405B (Dubey et al. 2024, section 3.3.2):
-    126 layers on 16 stages, the first and the last stage one layer short: 7 + 14 x 8 + 7.
+    126 layers on 16 stages, the first and the last stage one layer short: 7 + 14 x 8 + 7; at vpp 8
+    rank 0's chunk 0 and rank 15's chunk 7 hold no transformer layer (:func:`min_stage_layers`).
     """
-    out = []
-    for r, n in enumerate(layers_per_stage):
-        q, rem = divmod(n, vpp)
-        long, short = [q + 1] * rem, [q] * (vpp - rem)
-        out.append(tuple(short + long) if r == 0 else tuple(long + short))
-    return tuple(out)
+    return tuple(stage_chunks(n, vpp, first=r == 0) for r, n in enumerate(layers_per_stage))
+
+
+def stage_chunks(layers: int, vpp: int, first: bool) -> tuple[int, ...]:
+    """One stage's chunks as :func:`chunk_split` places them: the shorter first on rank 0 (``first``),
+    last on every other rank."""
+    q, rem = divmod(layers, vpp)
+    long, short = [q + 1] * rem, [q] * (vpp - rem)
+    return tuple(short + long) if first else tuple(long + short)
 
 
 def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec) -> list[str]:
@@ -880,9 +912,6 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     if plan.layers_per_stage is not None:
         if sum(plan.layers_per_stage) != L:
             errors.append(f"layers_per_stage: sum {sum(plan.layers_per_stage)} != num_layers({L})")
-        if any(n < v for n in plan.layers_per_stage):
-            errors.append(f"layers_per_stage: every stage needs at least vpp({v}) layers, one per chunk, "
-                          f"got {list(plan.layers_per_stage)}")
     errors += moe_plan_problems(model, hardware, plan)
     if c > 1 and s % (2 * c):
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")

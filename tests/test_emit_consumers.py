@@ -187,6 +187,12 @@ MEGATRON_PLANS = {
     "405b-meta-vpp2-group": (dict(model="llama3-405b", gpus=256, global_batch=320, seq_len=8192),
                              dict(tp=8, pp=16, dp=2, vpp=2, layers_per_stage=(7,) + (8,) * 14 + (7,),
                                   microbatch_group_size=20, sequence_parallel=True, zero_stage=1)),
+    # NVIDIA's Llama 3.1 405B (PP16 x VP8, --account-for-embedding/loss-in-pipeline-split): 126 layers + E + L
+    # = 128 slots, one per virtual stage, so rank 0's chunk 0 holds only E and rank 15's chunk 7 only L
+    "405b-vpp8-embedding-loss-chunks": (dict(model="llama3-405b", gpus=1024, global_batch=1536, seq_len=8192,
+                                             precision="fp8"),
+                                        dict(tp=4, pp=16, dp=16, vpp=8, layers_per_stage=(7,) + (8,) * 14 + (7,),
+                                             sequence_parallel=True, recompute="full", zero_stage=1)),
     "tp-overlap-no-p2p-overlap": (L70 | {"tp_comm_overlap": True, "overlap_p2p_comm": False},
                                   dict(tp=8, pp=4, dp=2, vpp=2, sequence_parallel=True, zero_stage=1)),
     "group-size-m-not-multiple-of-pp": (L70 | {"global_batch": 20}, dict(tp=8, pp=4, dp=2, vpp=2,
@@ -347,6 +353,34 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert config.add_bias_linear == m.linear_bias
 
 
+def test_megatron_account_for_flags_build_the_layout_plan3d_writes(megatron, monkeypatch, tmp_path):
+    """Megatron's own rule for the embedding and loss slots is the oracle for the chunks plan3d writes
+    as a layout: the same argv with --account-for-embedding/loss-in-pipeline-split instead of the layout
+    builds, per (rank, virtual stage), what the layout builds: [0, 1 x 7] on rank 0, [1 x 7, 0] on rank 15."""
+    job, plan = MEGATRON_PLANS["405b-vpp8-embedding-loss-chunks"]
+    sc = scenario(**job, **plan)
+    (script,) = [w for w in write_all(tmp_path / "o", render_all(sc, ["torchrun"])) if w.suffix == ".sh"]
+    (argv, env_value), = run_script(script, tmp_path / "run")
+    i = argv.index("--pipeline-model-parallel-layout")
+    layout = argv[i + 1]
+    assert layout.startswith("E|t|") and layout.endswith("|t|L") and layout.count("|") == 127
+    _, config, _ = megatron_validate(megatron, monkeypatch, argv, env_value)
+    from_layout = megatron_layers(megatron, config)
+    flags = argv[:i] + ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                        "--num-virtual-stages-per-pipeline-rank", "8"] + argv[i + 2:]
+    _, config, _ = megatron_validate(megatron, monkeypatch, flags, env_value)
+    assert config.pipeline_model_parallel_layout is None
+    from_flags = megatron_layers(megatron, config)
+    assert from_flags == from_layout
+    assert from_flags[0] == [0] + [1] * 7 and from_flags[15] == [1] * 7 + [0]
+    assert all(row == [1] * 8 for row in from_flags[1:15])
+    # a middle chunk left empty is no layout Megatron's account_for rules build: 2 slots over 16 x 8 stages
+    bad = flags[:]
+    bad[bad.index("--num-layers") + 1] = "125"
+    with pytest.raises(ValueError, match="must be divisible"):
+        megatron_validate(megatron, monkeypatch, bad, env_value)
+
+
 def test_megatron_refusals_are_megatrons_own(megatron, monkeypatch, tmp_path):
     """The checks above can fail: Megatron rejects what plan3d used to write (issue 14)."""
     sc = scenario(**L70, tp=8, pp=4, dp=2, vpp=2, layers_per_stage=(18, 22, 22, 18), zero_stage=3)
@@ -372,6 +406,9 @@ TORCHTITAN_PLANS = {
                                        sequence_parallel=True, zero_stage=1)),
     "uneven-first-last": (L70, dict(tp=8, pp=4, dp=2, layers_per_stage=(19, 21, 21, 19), recompute="full")),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
+    # torchtitan's own first/last_stage_less_layers 1: 32 layers + E + L = 34 stages of one slot, stage 0
+    # only the embedding, stage 33 only norm + output (llama3_405b needs torchao's float8 to load here)
+    "8b-vpp17-embedding-loss-chunks": (L8, dict(tp=8, pp=2, dp=1, vpp=17, layers_per_stage=(16, 16))),
 }
 
 
@@ -423,7 +460,8 @@ def test_torchtitan_accepts_emitted_launch(torchtitan, tmp_path, case):
         per_stage = [sum(name.startswith("layers.") for name in part) for part in parts]
         per_rank = [sum(per_stage[s] for s in range(r, num_stages, p.pp)) for r in range(p.pp)]  # loop style
         assert per_rank == list(p.layers_per_stage), per_stage
-        assert per_stage == [p.layers_per_stage[s % p.pp] // p.vpp for s in range(num_stages)]
+        chunks = chunk_split(p.layers_per_stage, p.vpp)
+        assert per_stage == [chunks[s % p.pp][s // p.pp] for s in range(num_stages)]
 
 
 def test_torchtitan_split_mirror_matches_torchtitan(torchtitan):

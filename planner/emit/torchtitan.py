@@ -76,11 +76,14 @@ def stage_options(sc: Scenario) -> tuple[int, int, int]:
 
     torchtitan's "stage" is a virtual stage: ``ceil((L + first_less + last_less) / layers_per_stage)`` of
     them (``_get_pipeline_metadata``), virtual stage ``s`` on rank ``s % pp`` (looped schedules). The
-    plan puts ``layers_per_stage[r] / vpp`` layers on each chunk of rank ``r``.
+    plan puts ``Plan.chunk_layers`` on the chunks (``chunk_split``): Llama 3 405B at pp 16 x vpp 8,
+    7 + 14 x 8 + 7 layers, is torchtitan's default 1 + 126 + 1 split over 128 stages, its first stage
+    only the embedding and its last only the norm and output (``first/last_stage_less_layers`` 1).
     """
     p = sc.resolved_plan()
     layers, num_stages = sc.model.num_layers, p.pp * p.vpp
-    wanted = [p.layers_per_stage[s % p.pp] // p.vpp for s in range(num_stages)]
+    chunks = p.chunk_layers(layers)
+    wanted = [chunks[s % p.pp][s // p.pp] for s in range(num_stages)]
     for first_less in range(max(wanted) + 1):
         for last_less in range(max(wanted) + 1):
             if split_layers(num_stages, layers, first_less, last_less) != wanted:
