@@ -101,10 +101,12 @@ def _splits(L: int, pp: int, allow_uneven: bool, max_vpp: int = MAX_UNEVEN_VPP) 
             out.append(StageSplit(pp, 1, first, mid, last))
             # interleaved too, with the ends lighter (the case of the embedding and the loss: Meta's
             # Llama 3 405B, 7 + 14 x 8 + 7): the middle stages split into vpp equal chunks, the ends as
-            # Plan.chunk_layers says, one layer per chunk at least; vpp <= 4 keeps an unpinned search under 2 s
+            # Plan.chunk_layers says, one layer per chunk at least except rank 0's embedding chunk and the
+            # last rank's loss chunk, which may hold none (specs.min_stage_layers: NVIDIA's 405B on
+            # PP16 x VP8); vpp <= 4 keeps an unpinned search under 2 s
             if pp > 2 and max(first, last) <= mid:
                 out += [StageSplit(pp, v, first, mid, last) for v in divisors(mid)
-                        if 1 < v <= min(first, last, max_vpp)]
+                        if 1 < v <= min(first + 1, last + 1, max_vpp)]
     return tuple(out)
 
 

@@ -733,6 +733,23 @@ def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan
                for m in kinds)
 
 
+def empty_chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches: int, stage: int,
+                            layers: int) -> float | None:
+    """Layers whose activations a stage holds at its peak when one of its chunks holds no transformer layer
+    (rank 0's embedding chunk, the last rank's loss chunk: specs.min_stage_layers), counted over the
+    schedule's own action list (schedules.peak_in_flight_layers): such a chunk is in flight but holds
+    nothing, so in-flight chunks x the mean chunk is wrong there. None for a stage without an empty chunk."""
+    chunks = stage_chunks(layers, plan.vpp, first=stage == 0)
+    if plan.vpp == 1 or not layers or 0 not in chunks:
+        return None
+    from planner.schedules import framework_family, peak_in_flight_layers, schedule_actions
+
+    family = framework_family(training.framework)
+    actions = schedule_actions(plan.schedule, plan.pp, int(num_microbatches), stage, plan.vpp,
+                               "torch" if family == "deepspeed" else family, plan.microbatch_group_size)
+    return float(peak_in_flight_layers(actions, chunks, schedule_w_fraction(training)))
+
+
 def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                       stage: int, layers: int) -> float:
     """What the layers of stage ``stage`` keep for backward at its peak: in-flight chunks x layers per chunk
@@ -740,18 +757,10 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     (``Plan.stage_moe_layers``). `plan3d validate` measures exactly this."""
     dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
     moe_layers = stage_moe_layer_count(model, plan, stage, layers)
-    chunks = stage_chunks(layers, plan.vpp, first=stage == 0)
-    if plan.vpp > 1 and layers and 0 in chunks:
-        # a chunk of no transformer layer (rank 0's embedding chunk, the last rank's loss chunk:
-        # specs.min_stage_layers) is in flight but holds nothing: count layers over the schedule's own
-        # action list (schedules.peak_in_flight_layers), not in-flight chunks x the mean chunk
-        from planner.schedules import framework_family, peak_in_flight_layers, schedule_actions
-
-        family = framework_family(training.framework)
-        actions = schedule_actions(plan.schedule, plan.pp, int(num_microbatches), stage, plan.vpp,
-                                   "torch" if family == "deepspeed" else family, plan.microbatch_group_size)
+    peak_layers = empty_chunk_peak_layers(training, plan, num_microbatches, stage, layers)
+    if peak_layers is not None:
         per_layer = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / layers
-        return float(peak_in_flight_layers(actions, chunks, schedule_w_fraction(training)) * per_layer)
+        return float(peak_layers * per_layer)
     per_chunk = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / plan.vpp
     return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * per_chunk)
 

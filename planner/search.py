@@ -40,12 +40,13 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
                           stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
-from planner.memory import (in_flight_chunks, input_bytes_per_microbatch, layer_recompute_working_bytes,
+from planner.memory import (empty_chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
+                            layer_recompute_working_bytes,
                             output_bytes, param_bytes, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_params_per_rank, stage_state_bytes)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS
-from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems
+from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems, stage_chunks
 
 NS = 1e9  # time unit of the tables: nanoseconds
 KIB = 1024  # memory unit of the tables
@@ -171,6 +172,11 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
         n_moe = np.array([stage_moe_layer_count(model, base, r, x) for r, x in mrows], dtype=float)
         act = inflight / v * ((nm - n_moe) * f["saved"][:, None] + n_moe * f["saved_moe"][:, None])
+        for i, (r, x) in enumerate(mrows):  # a stage with an empty (embedding or loss) chunk: its exact peak
+            if v > 1 and x and 0 in stage_chunks(x, v, first=r == 0):
+                peak = {mu: empty_chunk_peak_layers(training, base, mu, r, x) for mu in set(m[ok.any(axis=1)].tolist())}
+                per_layer = ((x - n_moe[i]) * f["saved"] + n_moe[i] * f["saved_moe"]) / x
+                act[:, i] = [peak[mu] * b if mu in peak else 0.0 for mu, b in zip(m.tolist(), per_layer)]
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in mrows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
@@ -189,7 +195,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         if model.is_moe:  # every stage: dense-first layers make the middle stages differ
             step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p)
         else:
-            t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c)
+            empty = [stage_chunks(x, v, first=r == 0).count(0) if v > 1 else 0 for r, x in rows]
+            t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c, empty=np.array(empty, dtype=float))
             terms = {k: val[:, None, :] for k, val in t.items()}
             counts, before = _stage_counts(p), _stage_before(p)
             step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m_step, p, v, counts,
@@ -213,8 +220,9 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     p, v = base.pp, base.vpp
     layers = base.stage_layers(model.num_layers)
     n_moe = stage_moe_counts(model, base)
+    empty = np.array([ch.count(0) for ch in base.chunk_layers(model.num_layers)], dtype=float)
     t = stage_terms(np.array(layers, dtype=float), np.arange(p) == base.loss_stage, f, hop, p, v, overlap_p2p, c,
-                    np.array(n_moe, dtype=float))
+                    np.array(n_moe, dtype=float), empty)
     terms = {k: val[:, None, :] for k, val in t.items()}
     dpg, dpp, z3, opt = [], [], [], []
     kinds = [(layers[r], n_moe[r], r == 0, r == base.loss_stage, r == p - 1) for r in range(p)]

@@ -95,3 +95,36 @@ def test_cli_estimate_accepts_the_405b_layout_and_refuses_a_short_middle(runner)
     res = runner.invoke(app, CLI + ["--layers-per-stage", ",".join(map(str, (8, 7) + (8,) * 12 + (7, 8)))])
     assert res.exit_code == 2
     assert "layers_per_stage: every chunk needs a transformer layer" in res.output
+
+
+def test_search_tables_equal_estimate_with_empty_chunks():
+    """The search proposes rank 0's embedding chunk and the last rank's loss chunk empty (14 layers on pp 4 x
+    vpp 4: 3 + 4 + 4 + 3, specs.min_stage_layers), and its tables equal estimate_time and stage_memory there:
+    one cost model, one memory model."""
+    import numpy as np
+
+    from planner import memory
+    from planner.candidates import Pins, SearchSpace
+    from planner.cost import estimate_time
+    from planner.presets import load_hardware, load_model
+    from planner.search import KIB, _stage_rows, build_tables
+    from planner.specs import TrainingSpec
+
+    model = load_model("llama3-8b").model_copy(update={"num_layers": 14})
+    hw = load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=1024)
+    tables = build_tables(model, hw, tr, SearchSpace(pins=Pins(pp=4, vpp=4, tp=1), max_micro_batch_size=2, max_cp=1))
+    checked = 0
+    for key in np.flatnonzero(tables.legal.ravel()):
+        plan = tables.plan(int(key))
+        if plan.stage_layers(14) != (3, 4, 4, 3):
+            continue
+        assert plan.chunk_layers(14)[0][0] == 0 and plan.chunk_layers(14)[-1][-1] == 0
+        s, u, z = tables.unindex(int(key))
+        assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, hw, tr, plan).step_time_s * 1e9, abs=1.0)
+        m = tr.global_batch_size // (plan.micro_batch_size * plan.dp)
+        for kind, (r, n) in enumerate(_stage_rows(tables.shapes[s][3])):
+            expect = memory.stage_memory(model, tr, plan, m, r, n).total_bytes
+            assert tables.mem_kib[s, u, z, kind] == np.ceil(expect / KIB), (plan, r)
+        checked += 1
+    assert checked >= 2
