@@ -107,6 +107,9 @@ def _splits(L: int, pp: int, allow_uneven: bool, max_vpp: int = MAX_UNEVEN_VPP) 
             if pp > 2 and max(first, last) <= mid:
                 out += [StageSplit(pp, v, first, mid, last) for v in divisors(mid)
                         if 1 < v <= min(first + 1, last + 1, max_vpp)]
+            elif pp == 2:  # no middle stage to divide: any vpp the two stages' chunks can hold (DeepSeek-V3's
+                # 61 layers on PP2 x VP4/VP8, Megatron-Bridge performance summary 25.11/26.02)
+                out += [StageSplit(pp, v, first, mid, last) for v in range(2, min(first + 1, last + 1, max_vpp) + 1)]
     return tuple(out)
 
 

@@ -9,7 +9,7 @@ from planner.cost import estimate_time
 from planner.memory import estimate_memory
 from planner.presets import load_hardware, load_model
 from planner.search import exhaustive, parse_gpu_counts, search
-from planner.specs import HardwareSpec, ModelSpec, TrainingSpec
+from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec
 
 REL = 1e-6  # the tables hold nanoseconds; ties closer than that may pick either plan
 
@@ -132,11 +132,23 @@ def test_splits_even_and_uneven():
     assert all(abs(s.first - s.middle) <= 3 and abs(s.last - s.middle) <= 3 for s in uneven)
     assert any(s.last < s.middle for s in uneven)
     # uneven and interleaved together (Meta's layout): vpp divides the middle stages, each end has a
-    # layer per chunk at least (Plan.chunk_layers splits the ends)
+    # layer per chunk at least but for rank 0's embedding chunk and the last rank's loss chunk, which may
+    # be empty (specs.min_stage_layers: vpp - 1 layers on an end)
     interleaved = [s for s in uneven if s.vpp > 1]
-    assert interleaved and all(s.middle % s.vpp == 0 and min(s.first, s.last) >= s.vpp for s in interleaved)
+    assert interleaved and all(s.middle % s.vpp == 0 and min(s.first, s.last) >= s.vpp - 1 for s in interleaved)
     assert any(s.first % s.vpp for s in interleaved)
-    assert all(s.vpp == 1 for s in valid_splits(model, 2) if s.layers())  # two stages: no middle to interleave
+    # a pinned vpp 8 on 30 layers: 7 + 8 + 8 + 7, the embedding and loss chunks empty (NVIDIA's 405B shape)
+    pinned = [s for s in valid_splits(model.model_copy(update={"num_layers": 30}), 4, max_vpp=8)
+              if s.layers() and s.vpp > 1]
+    assert any((s.first, s.middle, s.last, s.vpp) == (7, 8, 7, 8) for s in pinned)
+    assert not any(s.vpp > 4 for s in interleaved)  # unpinned: vpp <= MAX_UNEVEN_VPP
+    # two stages: no middle to divide, any vpp up to an end's layers + 1; each is a plan specs accepts
+    two = [s for s in valid_splits(model, 2) if s.layers() and s.vpp > 1]
+    assert two and all(s.vpp <= min(s.first, s.last) + 1 for s in two)
+    for s in interleaved[:20] + pinned[:20] + two[:20]:
+        plan = Plan(tp=1, pp=s.pp, dp=1, vpp=s.vpp, micro_batch_size=1, layers_per_stage=s.layers())
+        total = sum(s.layers())
+        assert sum(map(sum, plan.chunk_layers(total))) == total
 
 
 def test_parse_gpu_counts():
