@@ -286,3 +286,19 @@ def test_caching_allocator_fragmentation_and_release_on_capacity():
     assert replay_reserved(trace[:4]).peak_reserved == 350 * MIB
     assert replay_reserved(trace).peak_reserved == 550 * MIB
     assert replay_reserved(trace, 400 * MIB).peak_reserved == 350 * MIB
+
+
+def test_megatron_fsdp_keeps_no_fp8_weight_cache():
+    """Megatron-FSDP's keep_fp8_transpose_cache is off by default (core_v0.16.1 core/distributed/fsdp/src/
+    README.md: keeping it costs parameters x 1 B): under ZeRO 3 fp8 adds no weight cache, under ZeRO 1 TE's
+    cache of the fp8 weight and its transpose (2 B per GEMM weight) is there."""
+    from planner.frameworks.megatron import state_bytes
+
+    model = load_model("llama3-70b")
+    tr8, tr16 = (TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192, precision=p) for p in ("fp8", "bf16"))
+    for zero, cached in ((1, True), (3, False)):
+        plan = Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=zero)
+        params = model.num_params
+        w8 = state_bytes(model, tr8, plan, params, params / model.num_layers, model.num_layers).weights_bytes
+        w16 = state_bytes(model, tr16, plan, params, params / model.num_layers, model.num_layers).weights_bytes
+        assert (w8 > w16) == cached

@@ -19,7 +19,8 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
 * **fp8** (Transformer Engine, ``--fp8-format``): bf16 weights stay; TE's ``Linear`` caches the
   fp8 weight and its transpose across micro-batches (``transformer_engine/pytorch/module/linear.py``
   ``get_weight_workspace(cache_name="weight")`` when Megatron passes ``is_first_microbatch``):
-  +2 B per linear-layer parameter.
+  +2 B per linear-layer parameter. Not under Megatron-FSDP (ZeRO 2/3): its ``keep_fp8_transpose_cache``
+  is off by default (core_v0.16.1 ``core/distributed/fsdp/src/README.md``).
 * **fp8 parameters** (``--fp8-param-gather``, NeMo ``fp8_params``, ``TrainingSpec.fp8_params``): the
   model is built under TE's ``fp8_model_init``, so each GEMM weight is a ``Float8Tensor`` and no bf16
   copy exists. ``distributed_data_parallel.py`` (core_v0.16.1, lines 138-146) puts such parameters in
@@ -84,7 +85,10 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     we, ge, oe = state_bytes_per_param(plan.zero_stage, plan.expert_dp, per_param) if expert_params else (w, g, o)
     w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param, layer_params)
     weights = min(dense * w + expert_params * we + w_work, stage_params * per_param[0])
-    if training.precision in WEIGHT_CACHE_BYTES:
+    if training.precision in WEIGHT_CACHE_BYTES and plan.zero_stage < 2:
+        # (Megatron-FSDP, ZeRO 2/3, keeps no fp8 weight cache: ``keep_fp8_transpose_cache`` is off by default,
+        # "This option will cause (number of parameter x 1 Byte) of memory overhead", core_v0.16.1
+        # core/distributed/fsdp/src/README.md; param_and_grad_buffer.py discards the transpose caches)
         linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
         if training.fp8_params and plan.zero_stage == 1:
             # the GEMM weights are TE Float8Tensors in a uint8 param buffer: 1 B in place of the bf16
