@@ -1,0 +1,66 @@
+"""The Megatron-Bridge performance summary scored the way ../shared/tools/score_runs.py scores plan3d: the knobs
+the page states (TP, PP, CP, VP, micro-batch, EP) pinned, `plan3d search` choosing the rest (ZeRO, recompute,
+sequence parallelism, layer split) with its defaults (framework megatron, fp8 recipe delayed), and a run whose
+pinned plan the search calls infeasible counted as a miss.
+
+Run: python benchmarks/megatron_bridge_search.py [MODEL-SUBSTRING]
+
+Data: benchmarks/data/megatron_bridge_perf.json; the runs benchmarks/megatron_bridge.py scores (same
+consistency rule). Precision as the scorer reads it: fp8 for FP8-CS and FP8-MX, bf16 for BF16 and NVFP4 (the
+scorer's ``precision()`` knows only fp8 and bf16). Prints each run's step-time error (predicted / published - 1,
+positive: plan3d is slower) and the plan the search picked, then the misses and the mean |error|; asserts
+nothing. DeepSeek-V3 searches take ~10 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from megatron_bridge import CONSISTENCY, DATA, not_modelled, page_flops_per_token  # noqa: E402
+from planner.candidates import Pins, SearchSpace  # noqa: E402
+from planner.cost import estimate_time  # noqa: E402
+from planner.presets import MODEL_DIRNAME, load_hardware, load_model, preset_names  # noqa: E402
+from planner.search import search  # noqa: E402
+from planner.specs import TrainingSpec  # noqa: E402
+
+
+def main() -> None:
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    models = set(preset_names(MODEL_DIRNAME))
+    errors, misses = [], []
+    for r in json.loads(DATA.read_text())["runs"]:
+        if not_modelled(r, models) or only not in r["model"]:
+            continue
+        model, hw = load_model(r["model"]), load_hardware(r["hardware"])
+        implied = r["tokens_per_s_per_gpu"] * page_flops_per_token(model, r["seq"]) / 1e12
+        if abs(implied / r["model_tflops_per_gpu"] - 1) > CONSISTENCY:
+            continue
+        precision = "fp8" if "fp8" in r["precision"] else "bf16"
+        training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=precision)
+        pins = Pins(tp=r["tp"], pp=r["pp"], cp=r["cp"], vpp=r["vp"] or 1, micro_batch_size=r["mbs"],
+                    **({"ep": r["ep"]} if model.is_moe and r["ep"] else {}))
+        t0 = time.perf_counter()
+        best = search(model, hw, training, SearchSpace(pins=pins)).best
+        name = f"{r['release']:<8} {r['system']:<9} {r['precision']:<6} {r['model']:<16}"
+        if best is None:
+            misses.append(name)
+            print(f"  MISS   {name} TP{r['tp']} PP{r['pp']} CP{r['cp']} VP{r['vp']} EP{r['ep']}")
+            continue
+        published = r["gbs"] * r["seq"] / (r["tokens_per_s_per_gpu"] * r["gpus"])
+        err = estimate_time(model, hw, training, best).step_time_s / published - 1
+        errors.append(err)
+        print(f"{100 * err:+7.1f}% {name} pick {best.label()} recompute {best.recompute} ZeRO-{best.zero_stage} "
+              f"({time.perf_counter() - t0:.1f} s)")
+    mean = sum(abs(e) for e in errors) / len(errors) if errors else float("nan")
+    print(f"scored {len(errors)}, misses {len(misses)}; mean |step-time error| {100 * mean:.1f} %")
+
+
+if __name__ == "__main__":
+    main()
