@@ -374,6 +374,16 @@ def test_megatron_account_for_flags_build_the_layout_plan3d_writes(megatron, mon
     assert from_flags == from_layout
     assert from_flags[0] == [0] + [1] * 7 and from_flags[15] == [1] * 7 + [0]
     assert all(row == [1] * 8 for row in from_flags[1:15])
+    # `plan3d check` reads the account-for flags as Megatron builds them (NVIDIA's own launch files use them)
+    import shlex
+
+    from planner.check import check_file_branches
+
+    launch = tmp_path / "account_for.sh"  # the captured torchrun argv, replayed as a launch script
+    launch.write_text("#!/bin/bash\ntorchrun " + " ".join(shlex.quote(w) for w in flags) + "\n")
+    (read,) = check_file_branches(launch, load_hardware("h100-sxm-80gb"), None, None)
+    assert not read.errors, read.errors
+    assert [list(c) for c in read.scenario.resolved_plan().chunk_layers(126)] == from_flags
     # a middle chunk left empty is no layout Megatron's account_for rules build: 2 slots over 16 x 8 stages
     bad = flags[:]
     bad[bad.index("--num-layers") + 1] = "125"

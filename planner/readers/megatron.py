@@ -60,9 +60,6 @@ UNMODELLED_FLAGS = {
     "--hybrid-mlp-ratio": "a hybrid Mamba-Transformer model (--hybrid-mlp-ratio)",
     "--is-hybrid-model": "a hybrid Mamba-Transformer model (--is-hybrid-model)",
     "--mtp-num-layers": "multi-token prediction layers (--mtp-num-layers)",
-    "--account-for-embedding-in-pipeline-split": "embedding counted as a pipeline layer "
-                                                 "(--account-for-embedding-in-pipeline-split)",
-    "--account-for-loss-in-pipeline-split": "loss counted as a pipeline layer (--account-for-loss-in-pipeline-split)",
     "--ds-sequence-parallel-size": "DeepSpeed-Ulysses sequence parallelism (--ds-sequence-parallel-size)",
 }
 
@@ -401,6 +398,19 @@ def layers_per_stage(a: Args, layers: int, pp: int) -> list[int] | None:
     layout = _layout(a, pp)
     if layout is not None:
         return list(layout[0])
+    emb, loss = a.has("--account-for-embedding-in-pipeline-split"), a.has("--account-for-loss-in-pipeline-split")
+    if pp > 1 and (emb or loss):
+        # Megatron core_v0.16.1 (transformer_config.py, transformer_block.py::get_num_layers_to_build): the
+        # embedding and/or the loss each take one layer's slot; the slots split evenly over the ranks, and rank 0
+        # (the last rank) builds one layer fewer, in its first (last) virtual stage (specs.chunk_split's order)
+        slots = layers + emb + loss
+        if slots % pp:
+            raise SpecError(f"{a.path}:{a.line('--account-for-embedding-in-pipeline-split', '--account-for-loss-in-pipeline-split')}: "
+                            f"{layers} layers + the embedding/loss slots = {slots} do not split evenly over pp {pp}")
+        out = [slots // pp] * pp
+        out[0] -= emb
+        out[-1] -= loss
+        return out
     first, last = a.int("--decoder-first-pipeline-num-layers"), a.int("--decoder-last-pipeline-num-layers")
     if pp == 1 or (first is None and last is None):
         return None
@@ -455,7 +465,9 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         sp = False
         notes.append("--sequence-parallel with tp 1: Megatron turns it off")
     vpp = 1
-    per_chunk_layers = model["num_layers"] // pp
+    slots = model["num_layers"] + a.has("--account-for-embedding-in-pipeline-split") + \
+        a.has("--account-for-loss-in-pipeline-split")
+    per_chunk_layers = slots // pp
     if a.has("--num-layers-per-virtual-pipeline-stage"):
         per_chunk = a.count("--num-layers-per-virtual-pipeline-stage")
         vpp = max(1, per_chunk_layers // per_chunk) if per_chunk else 1
