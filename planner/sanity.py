@@ -12,6 +12,16 @@ BEST_PUBLISHED_MFU: dict[tuple[str, str], tuple[float, str]] = {
     ("a100-80gb", "bf16"): (0.542, "Korthikanti et al. 2022 (arXiv:2205.05198) abstract: 530B GPT on 2,240 A100"),
     ("h100-sxm-80gb", "bf16"): (0.47, "Megatron-LM README: up to 47 % MFU on H100 clusters; Llama 3 Table 4: 38-43 %"),
     ("h100-sxm-80gb", "fp8"): (842 / 1978.9, "NeMo 24.07 performance summary: 842 TFLOP/s, GPT-3 175B FP8 on 512 H100"),
+    # Blackwell: the best dense (Llama 3 / 3.1) row of NVIDIA's Megatron-Bridge performance summary, model
+    # TFLOP/s per GPU over the profile's dense peak (benchmarks/data/megatron_bridge_perf.json)
+    ("b200-180gb", "fp8"): (1676 / 4500, "Megatron-Bridge 25.09: 1,676 TFLOP/s, Llama 3.1 405B FP8 on 128 B200"),
+    ("b200-180gb", "mxfp8"): (1576 / 4500, "Megatron-Bridge 25.11: 1,576 TFLOP/s, Llama 3.1 405B MXFP8 on 128 B200"),
+    ("gb200-nvl72", "fp8"): (2126 / 5000, "Megatron-Bridge 26.04: 2,126 TFLOP/s, Llama 3.1 405B FP8 on 256 GB200"),
+    ("gb200-nvl72", "mxfp8"): (2002 / 5000, "Megatron-Bridge 26.04: 2,002 TFLOP/s, Llama 3.1 405B MXFP8 on 256 GB200"),
+    ("gb200-nvl72", "nvfp4"): (2891 / 10000, "Megatron-Bridge 26.02: 2,891 TFLOP/s, Llama 3.1 405B NVFP4 on 256 GB200"),
+    ("gb300-nvl72", "fp8"): (2615 / 5000, "Megatron-Bridge 26.04: 2,615 TFLOP/s, Llama 3.1 405B FP8 on 256 GB300"),
+    ("gb300-nvl72", "mxfp8"): (2443 / 5000, "Megatron-Bridge 26.04: 2,443 TFLOP/s, Llama 3.1 405B MXFP8 on 256 GB300"),
+    ("gb300-nvl72", "nvfp4"): (3594 / 15000, "Megatron-Bridge 26.04: 3,594 TFLOP/s, Llama 3.1 405B NVFP4 on 256 GB300"),
 }
 
 
