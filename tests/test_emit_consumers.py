@@ -197,6 +197,9 @@ MEGATRON_PLANS = {
                                   dict(tp=8, pp=4, dp=2, vpp=2, sequence_parallel=True, zero_stage=1)),
     "group-size-m-not-multiple-of-pp": (L70 | {"global_batch": 20}, dict(tp=8, pp=4, dp=2, vpp=2,
                                                                           microbatch_group_size=10, zero_stage=1)),
+    # Megatron-Bridge's Llama 3 70B on GB200 (Megatron-FSDP, activations offloaded: cpu_offloading_num_layers)
+    "cpu-offload-fsdp-gb200": (L70 | {"global_batch": 256, "precision": "fp8", "hardware": "gb200-nvl72"},
+                               dict(tp=1, pp=1, dp=64, micro_batch_size=2, zero_stage=3, cpu_offload_layers=40)),
 }
 
 
@@ -334,6 +337,11 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert bool(config.tp_comm_overlap) == (overlap.tp_comm_overlap and p.sequence_parallel and p.tp > 1)
         assert bool(args.overlap_p2p_comm) == (overlap.overlap_p2p_comm and p.vpp > 1)
         assert config.recompute_granularity == (None if p.recompute == "none" else p.recompute)
+        # --cpu-offloading-num-layers turns cpu_offloading on in validate_args; TransformerConfig checks pp 1,
+        # no recompute, fewer than num_layers (transformer_config.py __post_init__)
+        assert (config.cpu_offloading, config.cpu_offloading_num_layers) == (p.cpu_offload_layers > 0,
+                                                                            p.cpu_offload_layers)
+        assert (config.cpu_offloading_activations, config.cpu_offloading_weights) == (True, False)
         assert bool(args.use_distributed_optimizer) == (p.zero_stage == 1)
         assert bool(args.use_megatron_fsdp) == fsdp
         if fsdp:
