@@ -194,3 +194,54 @@ def test_megatron_round_trip(tmp_path):
         assert estimate_scenario_memory(result.scenario).stages == estimate_scenario_memory(sc).stages
         checked += 1
     assert checked >= 2
+
+
+def test_search_tables_equal_estimate_with_offload():
+    """The search's offload options (pp 1, recompute none: a quarter, half and three quarters of the layers,
+    candidates.offload_options) are tabulated by the one cost and memory model: every legal entry equals
+    estimate_time and stage_memory of its plan, and none has offloading with pp > 1."""
+    import numpy as np
+
+    from planner import memory
+    from planner.candidates import SearchSpace
+    from planner.search import KIB, _stage_rows, build_tables
+
+    model, hw = load_model("llama3-8b"), load_hardware("gb200-nvl72")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=32, seq_len=8192, precision="fp8")
+    tables = build_tables(model, hw, tr, SearchSpace(max_micro_batch_size=4, max_cp=2))
+    offs = set()
+    for key in np.flatnonzero(tables.legal.ravel()):
+        plan = tables.plan(int(key))
+        if not plan.cpu_offload_layers:
+            continue
+        assert plan.pp == 1 and plan.recompute == "none"
+        offs.add(plan.cpu_offload_layers)
+        s, u, z = tables.unindex(int(key))
+        assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, hw, tr, plan).step_time_s * 1e9, abs=1.0)
+        m = tr.global_batch_size // (plan.micro_batch_size * plan.dp)
+        for kind, (r, n) in enumerate(_stage_rows(tables.shapes[s][3])):
+            expect = memory.stage_memory(model, tr, plan, m, r, n).total_bytes
+            assert tables.mem_kib[s, u, z, kind] == np.ceil(expect / KIB), (plan, r)
+    assert offs == {8, 16, 24}  # 32 layers: 32 // 4, 32 // 2, 3 * 32 // 4
+
+
+def test_search_is_exhaustive_optimum_and_offloads_where_recompute_costs_more():
+    """CP-SAT over the tables equals the brute force (enumerate_plans + estimate_time/estimate_memory) on a
+    job whose activations do not fit without help at pp 1: llama3-8b, 8 GPUs, 16 x 8192-token sequences,
+    on a 60 GiB part (the GB200 profile with gpu_memory_gib 60) pinned to tp 1, pp 1, mbs 2."""
+    from planner.candidates import Pins, SearchSpace
+    from planner.memory import estimate_memory
+    from planner.search import exhaustive, search
+
+    model = load_model("llama3-8b")
+    hw = load_hardware("gb200-nvl72").model_copy(update={"gpu_memory_gib": 60.0})
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=8192, precision="fp8")
+    space = SearchSpace(pins=Pins(tp=1, pp=1, micro_batch_size=2), max_cp=1)
+    ref, ref_t, n = exhaustive(model, hw, tr, space)
+    res = search(model, hw, tr, space)
+    assert res.candidates == n and res.best is not None and ref is not None
+    assert estimate_time(model, hw, tr, res.best).step_time_s == pytest.approx(ref_t, rel=1e-9)
+    assert estimate_memory(model, hw, tr, res.best).fits
+    none = Plan(tp=1, pp=1, dp=8, micro_batch_size=2, zero_stage=res.best.zero_stage)
+    assert not estimate_memory(model, hw, tr, none).fits  # the plain plan does not fit ...
+    assert res.best.cpu_offload_layers > 0  # ... and offloading beats recomputing here (the link hides the copies)
