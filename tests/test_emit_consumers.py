@@ -554,3 +554,21 @@ def test_emit_cli_with_a_hugging_face_style_name(runner, tmp_path):
         assert sorted(p.name for p in out.iterdir()) == sorted(
             f"{slug(name)}_tp8-pp2-dp1_mbs1{ext}" for ext in (".megatron.args", ".plan.json", ".slurm", ".torchrun.sh"))
     assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_megatron_refuses_offloading_where_plan3d_does(megatron, monkeypatch, tmp_path):
+    """Megatron's own TransformerConfig is the oracle for plan3d's cpu_offload_layers rules (specs.Plan,
+    specs.plan_problems): it refuses offloading with pipeline parallelism, with recomputation, and for
+    num_layers or more layers."""
+    job, plan = MEGATRON_PLANS["cpu-offload-fsdp-gb200"]
+    sc = scenario(**job, **plan)
+    (script,) = [w for w in write_all(tmp_path / "o", render_all(sc, ["torchrun"])) if w.suffix == ".sh"]
+    (argv, env_value), = run_script(script, tmp_path / "run")
+    megatron_validate(megatron, monkeypatch, argv, env_value, arch=10)  # as emitted: accepted
+    i = argv.index("--cpu-offloading-num-layers")
+    with pytest.raises(ValueError, match="CPU offloading can be done only for layers less than 80"):
+        megatron_validate(megatron, monkeypatch, argv[:i + 1] + ["80"] + argv[i + 2:], env_value, arch=10)
+    with pytest.raises(ValueError, match="does not work when activation recomputation is enabled"):
+        megatron_validate(megatron, monkeypatch, argv + ["--recompute-granularity", "selective"], env_value, arch=10)
+    with pytest.raises(ValueError, match="no support for Pipeline parallelism with CPU offloading"):
+        megatron_validate(megatron, monkeypatch, argv + ["--pipeline-model-parallel-size", "2"], env_value, arch=10)
