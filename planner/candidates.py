@@ -161,6 +161,7 @@ class Pins:
     ep: int | None = None
     etp: int | None = None
     pipeline_schedule: str | None = None  # 1f1b, interleaved, interleaved_zb, zbv or dualpipev
+    cpu_offload_layers: int | None = None  # Plan.cpu_offload_layers
 
     def ok(self, **values) -> bool:
         return all(getattr(self, k) is None or getattr(self, k) == v for k, v in values.items())
@@ -251,6 +252,19 @@ def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tu
                 yield rc, sp
 
 
+def offload_options(model: ModelSpec, training: TrainingSpec, space: SearchSpace, recompute: str,
+                    pp: int = 1) -> tuple[int, ...]:
+    """Values of ``Plan.cpu_offload_layers`` searched with ``recompute``: 0, and where Megatron offloads
+    (pp 1, recompute none, the megatron/nemo framework: specs.Plan, planner.frameworks) a quarter, half and
+    three quarters of the layers (rounded down; at least 1, fewer than num_layers), as an alternative to
+    recomputation (Megatron-Bridge's Llama 3 FSDP recipes offload 20-92 layers). The pin keeps only itself."""
+    L, pin = model.num_layers, space.pins.cpu_offload_layers
+    offloads = recompute == "none" and pp == 1 and frameworks.get(training.framework).allows_cpu_offload
+    if pin is not None:
+        return (pin,) if pin == 0 or (offloads and 0 < pin < L) else ()
+    return (0,) + (tuple(sorted({n for n in (L // 4, L // 2, 3 * L // 4) if 0 < n < L})) if offloads else ())
+
+
 def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace) -> Iterator[Plan]:
     """Every legal plan in the space (brute force; the reference the solver is checked against)."""
     B = training.global_batch_size
@@ -262,11 +276,12 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
             if not space.pins.ok(micro_batch_size=mbs):
                 continue
             for rc, sp in micro_options(tp, space, model.is_moe):
-                for z in space.zero_stages:
-                    if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp):
-                        continue
-                    plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
-                                sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers(), ep=ep, etp=etp,
-                                pipeline_schedule=split.schedule)
-                    if not plan_problems(model, hw, training, plan):
-                        yield plan
+                for off in offload_options(model, training, space, rc, split.pp):
+                    for z in space.zero_stages:
+                        if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp):
+                            continue
+                        plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,
+                                    recompute=rc, sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers(),
+                                    ep=ep, etp=etp, pipeline_schedule=split.schedule, cpu_offload_layers=off)
+                        if not plan_problems(model, hw, training, plan):
+                            yield plan

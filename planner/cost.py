@@ -788,8 +788,44 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         host_f, host_b = moe_host_s(model, hw, training, plan)
         fwd += max(0.0, host_f - (fwd + tp_fwd + cp_fwd + ep_fwd))
         bwd += max(0.0, host_b - (bwd + recompute + tp_bwd + cp_bwd + ep_bwd))
+    if plan.cpu_offload_layers:  # the copies to and from host memory, where the layers cannot hide them
+        from planner.memory import layer_activation_terms, saved_bytes_per_layer
+
+        copy_s = saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=moe), "none") / \
+            (hw.host_link_gbps * 1e9)
+        L, n = model.num_layers, plan.cpu_offload_layers
+        fwd, bwd = fwd + offload_exposed_s(copy_s, fwd, L, n) / L, bwd + offload_exposed_s(copy_s, bwd, L, n) / L
     return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
                      cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd, wgrad=wgrad)
+
+
+def offload_windows(num_layers: int, offload_layers: int) -> tuple[int, ...]:
+    """Layers of compute each offloaded layer's copy overlaps, in forward (to the host) and in backward
+    (back to the GPU), for ``N = offload_layers`` of ``L = num_layers`` layers.
+
+    Transformer Engine 2.9 ``pytorch/cpu_offload.py::AsyncDoubleBufferGroupOffloadHandler`` (Megatron-LM
+    core_v0.16.1 builds it through ``extensions/transformer_engine.py::get_cpu_offload_context``):
+    ``layer_window_map[i] = (L // N)(i + 1) - 1``, plus ``i + 1`` for the first ``L % N`` groups and the
+    last such ``i + 1`` for the rest. Forward: group 0's copy starts after layer 0, group ``i``'s at the
+    commit of layer ``w[i-1]``, and the compute stream waits for it at the commit of ``w[i]``
+    (``synchronize_on_group_commit_forward``): it overlaps layers ``w[i-1]+1 .. w[i]``, ``w[0]`` for
+    group 0. Backward (``on_group_commit_backward``): group ``i``'s reload is issued when the backward
+    reaches ``w[i]`` and waited for at ``w[i-1]`` (at layer 0 for group 0): the same counts."""
+    q, r = divmod(num_layers, offload_layers)
+    w, extra = [], 0
+    for i in range(offload_layers):
+        if i < r:
+            extra = i + 1
+        w.append(q * (i + 1) - 1 + extra)
+    return tuple([w[0]] + [b - a for a, b in zip(w, w[1:])])
+
+
+def offload_exposed_s(copy_s: float, layer_s: float, num_layers: int, offload_layers: int) -> float:
+    """Per micro-batch, the part of ``offload_layers`` copies of ``copy_s`` each (one direction) not hidden
+    by the compute they overlap (:func:`offload_windows` layers of ``layer_s``); the copies run on their own
+    CUDA streams, so only what exceeds the window is exposed. The HBM traffic of the copies is not charged
+    to the compute beside them."""
+    return sum(max(0.0, copy_s - k * layer_s) for k in offload_windows(num_layers, offload_layers))
 
 
 def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, order: str) -> tuple[float, float]:

@@ -750,12 +750,45 @@ def empty_chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches
     return float(peak_in_flight_layers(actions, chunks, schedule_w_fraction(training)))
 
 
+def offload_resident_layers(model: ModelSpec, plan: Plan, layers: int) -> tuple[int, int]:
+    """(dense, MoE) layers whose saved activations are on the GPU at the peak of a pp = 1 stage of
+    ``layers`` layers that offloads its first ``N = plan.cpu_offload_layers`` (N > 0): the ``L - N`` layers
+    not offloaded and one offloaded layer in flight, ``L - N + 1`` in all.
+
+    Source: Megatron-LM core_v0.16.1 ``transformer_block.py`` wraps each layer in Transformer Engine's
+    ``get_cpu_offload_context(cpu_offloading, cpu_offloading_num_layers, num_layers, ...)`` and calls
+    ``group_prefetch_offload_commit_async`` after it; TE (2.9, ``pytorch/cpu_offload.py``,
+    ``AsyncDoubleBufferGroupOffloadHandler``) offloads layer (group) ``i < N`` on a D2H stream and frees
+    it at the commit of layer ``layer_window_map[i] = (L // N)(i + 1) - 1`` (+ the remainder spread over
+    the first ``L % N`` groups), the last one at layer ``L - 1``; the next group's copy starts then. In
+    backward it reloads group ``i`` when the backward reaches layer ``layer_window_map[i]``. Counting
+    layers held after each forward layer and before each backward layer gives at most ``L - N + 1``
+    (the end of the forward: the ``L - N`` kept layers and group ``N - 1``, freed at that commit);
+    ``tests/test_offload.py`` replays the window map for every N < L. Megatron leaves TE's
+    ``double_buffering`` off (``cpu_offloading_double_buffering`` defaults to False and has no
+    command-line flag: arguments.py excludes it), so no reload buffers are kept beyond the layer reloaded.
+
+    Every saved tensor of an offloaded layer is counted as offloaded: TE marks the inputs its modules save
+    and Megatron the linear inputs (``tensor_parallel/layers.py``, ``input_parallel.activation_offloading``)
+    and the MLP activation input (``transformer/mlp.py``); the few unmarked tensors (e.g. dropout masks)
+    are left out. The host memory that receives them is not modelled."""
+    n = plan.cpu_offload_layers
+    first_moe = model.first_k_dense if model.is_moe else layers
+    held = range(n - 1, layers)  # layers N-1 (in flight) .. L-1 (not offloaded)
+    moe = sum(1 for i in held if i >= first_moe)
+    return len(held) - moe, moe
+
+
 def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                       stage: int, layers: int) -> float:
     """What the layers of stage ``stage`` keep for backward at its peak: in-flight chunks x layers per chunk
     x bytes saved per layer (A3, A4); a MoE model's dense-first and MoE layers each with their own bytes
-    (``Plan.stage_moe_layers``). `plan3d validate` measures exactly this."""
+    (``Plan.stage_moe_layers``). `plan3d validate` measures exactly this. With activation offloading
+    (``plan.cpu_offload_layers``, pp = 1) only :func:`offload_resident_layers` count."""
     dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
+    if plan.cpu_offload_layers:
+        dense_n, moe_n = offload_resident_layers(model, plan, layers)
+        return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * (dense_n * dense_b + moe_n * moe_b))
     moe_layers = stage_moe_layer_count(model, plan, stage, layers)
     peak_layers = empty_chunk_peak_layers(training, plan, num_microbatches, stage, layers)
     if peak_layers is not None:

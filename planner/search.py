@@ -6,6 +6,8 @@ How it works:
    vpp and the first/last-stage layer counts), *micro* options (micro-batch size, recompute,
    sequence parallelism) and ZeRO stages; for a MoE model each shape also carries (ep, etp)
    (``candidates.valid_expert``, Megatron-Core's folding rules).
+   With pp = 1 and no recompute the micro options also carry ``cpu_offload_layers`` (activation offloading,
+   ``candidates.offload_options``), an alternative to recomputation.
 2. :func:`build_tables` evaluates the pure cost and memory functions once per factor
    (``cost.micro_factors`` per (tp, cp, micro-batch, recompute, SP); the P2P hop, DP sync and
    parameter counts per shape). It composes them into the step time with the same vectorised
@@ -33,15 +35,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options, shapes,
-                                valid_micro_batch_sizes)
+from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options,
+                                offload_options, shapes, valid_micro_batch_sizes)
 from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, micro_factors, optimizer_s,
                           p2p_hop_s, resolved_overlap, schedule_family, stage_moe_counts, stage_param_split,
                           stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (empty_chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
-                            layer_recompute_working_bytes,
+                            layer_recompute_working_bytes, offload_resident_layers,
                             output_bytes, param_bytes, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_params_per_rank, stage_state_bytes)
 from planner.schedules import schedule_problems
@@ -58,7 +60,7 @@ class Tables:
     """Step time and stage memory for every (shape, micro, zero) combination, flattened."""
 
     shapes: list[tuple[int, int, int, StageSplit, int, int | None]]  # tp, cp, dp, split, ep, etp
-    micros: list[tuple[int, str, bool]]
+    micros: list[tuple[int, str, bool, int]]  # micro-batch size, recompute, SP, cpu_offload_layers
     zeros: tuple[int, ...]
     time_ns: np.ndarray  # [S, U, Z] int64
     mem_kib: np.ndarray  # [S, U, Z, 3] int64: first, first-middle, last stage
@@ -74,22 +76,26 @@ class Tables:
     def plan(self, k: int) -> Plan:
         s, u, z = self.unindex(k)
         tp, cp, dp, split, ep, etp = self.shapes[s]
-        mbs, rc, sp = self.micros[u]
+        mbs, rc, sp, off = self.micros[u]
         return Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs, recompute=rc,
                     sequence_parallel=sp, zero_stage=self.zeros[z], layers_per_stage=split.layers(), ep=ep, etp=etp,
-                    pipeline_schedule=split.schedule)
+                    pipeline_schedule=split.schedule, cpu_offload_layers=off)
 
     @property
     def candidates(self) -> int:
         return int(self.legal.sum())
 
 
-def _micros(model: ModelSpec, training: TrainingSpec, space: SearchSpace, dps: set[int]) -> list[tuple[int, str, bool]]:
+def _micros(model: ModelSpec, training: TrainingSpec, space: SearchSpace, dps: set[int]
+            ) -> list[tuple[int, str, bool, int]]:
+    """(micro-batch size, recompute, SP, cpu_offload_layers) options; the offload values are those of a pp = 1
+    shape (candidates.offload_options), masked off the pipelined shapes in build_tables."""
     B = training.global_batch_size
     cap = max(space.max_micro_batch_size, space.pins.micro_batch_size or 1)
     sizes = sorted({b for d in dps if B % d == 0 for b in valid_micro_batch_sizes(B // d, cap)
                     if space.pins.ok(micro_batch_size=b)})
-    return [(b, rc, sp) for b in sizes for rc, sp in micro_options(2, space)]
+    return [(b, rc, sp, off) for b in sizes for rc, sp in micro_options(2, space)
+            for off in offload_options(model, training, space, rc)]
 
 
 def _stage_rows(split: StageSplit) -> list[tuple[int, int]]:
@@ -116,6 +122,10 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     gb = param_bytes(training)
     fw = frameworks.get(training.framework)
     mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
+    off_u = np.array([u[3] for u in micros], dtype=np.int64)
+    # layers resident on the GPU with offloading (memory.offload_resident_layers; pp 1: all L on rank 0)
+    resident = np.array([offload_resident_layers(model, Plan.model_construct(cpu_offload_layers=o), model.num_layers)
+                         if o else (0, 0) for o in off_u.tolist()], dtype=float).reshape(-1, 2)
     family = schedule_family(training)
     w_fraction = schedule_w_fraction(training)
 
@@ -147,7 +157,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
             tp_group = axis_span(base, "tp", hw.nvlink_domain, order)
             hops[(tp, cp, crosses)] = np.array([
                 p2p_hop_s(model, hw, training, base.model_copy(update={"micro_batch_size": mbs, "sequence_parallel": sp}),
-                          crosses, tp_group) for mbs, _, sp in micros])
+                          crosses, tp_group) for mbs, _, sp, _ in micros])
         hop = hops[(tp, cp, crosses)]
         m = B // (mbs_u * dp)
         if split.schedule is None:  # Megatron's interleaved rule (specs.plan_problems)
@@ -155,7 +165,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         else:  # the framework's own rules for the schedule (schedules.schedule_problems)
             sched_ok = np.array([B % (b * dp) == 0 and not schedule_problems(split.schedule, training.framework, p, v,
                                                                               B // (b * dp)) for b in mbs_u])
-        ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok
+        ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
         ok = ok[:, None] & np.array([fw.allows_zero(z, p) for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue
@@ -172,6 +182,9 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
         n_moe = np.array([stage_moe_layer_count(model, base, r, x) for r, x in mrows], dtype=float)
         act = inflight / v * ((nm - n_moe) * f["saved"][:, None] + n_moe * f["saved_moe"][:, None])
+        if p == 1 and off_u.any():  # offloading: only the resident layers (memory.stage_saved_bytes)
+            held = inflight * (resident[:, :1] * f["saved"][:, None] + resident[:, 1:] * f["saved_moe"][:, None])
+            act = np.where(off_u[:, None] > 0, held, act)
         for i, (r, x) in enumerate(mrows):  # a stage with an empty (embedding or loss) chunk: its exact peak
             if v > 1 and x and 0 in stage_chunks(x, v, first=r == 0):
                 peak = {mu: empty_chunk_peak_layers(training, base, mu, r, x) for mu in set(m[ok.any(axis=1)].tolist())}
@@ -254,8 +267,9 @@ def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
     cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
                                   "valid")}
     fw = frameworks.get(training.framework)
-    for mbs, rc, sp in micros:
-        plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp})
+    for mbs, rc, sp, off in micros:
+        plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp,
+                                       "cpu_offload_layers": off})
         valid = not (sp and base.tp == 1)
         # memory/profiles: Megatron's MoE layer trains with tp > 1 only with SP (FrameworkProfile.moe_needs_sp)
         valid = valid and not (fw.moe_needs_sp and model.is_moe and base.tp > 1 and not sp)
@@ -436,15 +450,15 @@ def solve(tables: Tables, pins: Pins, candidates: np.ndarray, forbid_shapes: lis
 
     shape_arr = np.array([(tp, cp, dp, sp.pp, sp.vpp, sp.first, sp.last, ep, etp or tp)
                           for tp, cp, dp, sp, ep, etp in tables.shapes])[s_idx]
-    micro_arr = np.array([(mbs, RECOMPUTE.index(rc), int(sp)) for mbs, rc, sp in tables.micros])[u_idx]
+    micro_arr = np.array([(mbs, RECOMPUTE.index(rc), int(sp), off) for mbs, rc, sp, off in tables.micros])[u_idx]
     knob = {name: table_var(name, shape_arr[:, j])
             for j, name in enumerate(("tp", "cp", "dp", "pp", "vpp", "first_layers", "last_layers", "ep", "etp"))}
     knob |= {name: table_var(name, micro_arr[:, j])
-             for j, name in enumerate(("micro_batch_size", "recompute", "sequence_parallel"))}
+             for j, name in enumerate(("micro_batch_size", "recompute", "sequence_parallel", "cpu_offload_layers"))}
     knob["zero_stage"] = table_var("zero_stage", np.array(tables.zeros)[z_idx])
     for j, kind in enumerate(("first", "middle", "last")):  # every stage within the usable memory
         model.Add(table_var(f"memory_{kind}_stage_kib", tables.mem_kib[s_idx, u_idx, z_idx, j]) <= tables.usable_kib)
-    for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "zero_stage", "ep", "etp"):
+    for name in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "zero_stage", "ep", "etp", "cpu_offload_layers"):
         if getattr(pins, name) is not None:
             model.Add(knob[name] == getattr(pins, name))
     if pins.recompute is not None:

@@ -485,6 +485,12 @@ class HardwareSpec(_Spec):
     inter_node_bandwidth_gbps: float = Field(
         gt=0, description="Achievable ring bus bandwidth per GPU across nodes (NICs x rate / GPUs), GB/s.")
     inter_node_latency_us: float = Field(ge=0, description="Per-step latency of an inter-node collective, us.")
+    # PCIe Gen5 x16: 32 GT/s per lane x 16 lanes, 128b/130b encoding = 63 GB/s per direction, the "64 GB/s"
+    # of the PCI-SIG PCI Express 5.0 specification announcement (pcisig.com, 2019)
+    host_link_gbps: float = Field(
+        default=64.0, gt=0,
+        description="Host-device link per GPU per direction, GB/s (pinned-memory copies): the activation offload "
+                    "of Plan.cpu_offload_layers. Default: PCIe Gen5 x16 (64 GB/s, PCI-SIG).")
     cuda_context_gib: float = Field(default=0.5, ge=0, description="CUDA context and kernels per process, GiB.")
     nccl_buffers_gib: float = Field(default=1.5, ge=0, description="NCCL communicator buffers per process, GiB.")
     fragmentation_headroom: float = Field(
@@ -682,6 +688,12 @@ class Plan(_Spec):
     recompute: Recompute = Field(
         default="none", description="Activation recomputation: none, selective (attention core) or full (layer).")
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs tp > 1).")
+    cpu_offload_layers: int = Field(
+        default=0, ge=0,
+        description="Transformer layers whose saved activations go to pinned host memory after their forward and "
+                    "come back before their backward (Megatron --cpu-offloading-num-layers; Transformer Engine "
+                    "get_cpu_offload_context): 0 = off. Needs pp 1, recompute none, fewer than num_layers and "
+                    "the megatron or nemo framework (Megatron-LM core_v0.16.1 transformer_config.py).")
     zero_stage: int = Field(
         default=0, ge=0, le=3,
         description="Optimizer sharding over DP: 0 none, 1 optimizer states (Megatron distributed optimizer), "
@@ -716,6 +728,15 @@ class Plan(_Spec):
             errors.append("sequence_parallel: needs tp > 1 (tp is 1); drop --sequence-parallel or raise tp")
         if self.vpp > 1 and self.pp == 1:
             errors.append(f"vpp: vpp({self.vpp}) > 1 needs pp > 1 (pp is 1)")
+        # Megatron-LM core_v0.16.1 transformer_config.py __post_init__: "Currently there is no support for
+        # Pipeline parallelism with CPU offloading"; "CPU offloading does not work when activation
+        # recomputation is enabled"
+        if self.cpu_offload_layers and self.pp > 1:
+            errors.append(f"cpu_offload_layers: Megatron offloads activations only without pipeline parallelism "
+                          f"(pp is {self.pp}); set pp 1 or cpu_offload_layers 0")
+        if self.cpu_offload_layers and self.recompute != "none":
+            errors.append(f"cpu_offload_layers: Megatron offloads activations only without recomputation "
+                          f"(recompute is {self.recompute}); set recompute none or cpu_offload_layers 0")
         if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
             errors.append(f"layers_per_stage: {len(self.layers_per_stage)} entries for pp({self.pp}) stages")
         if self.layers_per_stage is not None and len(self.layers_per_stage) == self.pp:
@@ -912,6 +933,10 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     if plan.layers_per_stage is not None:
         if sum(plan.layers_per_stage) != L:
             errors.append(f"layers_per_stage: sum {sum(plan.layers_per_stage)} != num_layers({L})")
+    if plan.cpu_offload_layers >= L:
+        # core_v0.16.1 transformer_config.py: "CPU offloading can be done only for layers less than num_layers"
+        errors.append(f"cpu_offload_layers: {plan.cpu_offload_layers} must be less than num_layers({L}); "
+                      f"give at most {L - 1}")
     errors += moe_plan_problems(model, hardware, plan)
     if c > 1 and s % (2 * c):
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")

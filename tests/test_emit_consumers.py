@@ -197,6 +197,9 @@ MEGATRON_PLANS = {
                                   dict(tp=8, pp=4, dp=2, vpp=2, sequence_parallel=True, zero_stage=1)),
     "group-size-m-not-multiple-of-pp": (L70 | {"global_batch": 20}, dict(tp=8, pp=4, dp=2, vpp=2,
                                                                           microbatch_group_size=10, zero_stage=1)),
+    # Megatron-Bridge's Llama 3 70B on GB200 (Megatron-FSDP, activations offloaded: cpu_offloading_num_layers)
+    "cpu-offload-fsdp-gb200": (L70 | {"global_batch": 256, "precision": "fp8", "hardware": "gb200-nvl72"},
+                               dict(tp=1, pp=1, dp=64, micro_batch_size=2, zero_stage=3, cpu_offload_layers=40)),
 }
 
 
@@ -334,6 +337,11 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert bool(config.tp_comm_overlap) == (overlap.tp_comm_overlap and p.sequence_parallel and p.tp > 1)
         assert bool(args.overlap_p2p_comm) == (overlap.overlap_p2p_comm and p.vpp > 1)
         assert config.recompute_granularity == (None if p.recompute == "none" else p.recompute)
+        # --cpu-offloading-num-layers turns cpu_offloading on in validate_args; TransformerConfig checks pp 1,
+        # no recompute, fewer than num_layers (transformer_config.py __post_init__)
+        assert (config.cpu_offloading, config.cpu_offloading_num_layers) == (p.cpu_offload_layers > 0,
+                                                                            p.cpu_offload_layers)
+        assert (config.cpu_offloading_activations, config.cpu_offloading_weights) == (True, False)
         assert bool(args.use_distributed_optimizer) == (p.zero_stage == 1)
         assert bool(args.use_megatron_fsdp) == fsdp
         if fsdp:
@@ -546,3 +554,21 @@ def test_emit_cli_with_a_hugging_face_style_name(runner, tmp_path):
         assert sorted(p.name for p in out.iterdir()) == sorted(
             f"{slug(name)}_tp8-pp2-dp1_mbs1{ext}" for ext in (".megatron.args", ".plan.json", ".slurm", ".torchrun.sh"))
     assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_megatron_refuses_offloading_where_plan3d_does(megatron, monkeypatch, tmp_path):
+    """Megatron's own TransformerConfig is the oracle for plan3d's cpu_offload_layers rules (specs.Plan,
+    specs.plan_problems): it refuses offloading with pipeline parallelism, with recomputation, and for
+    num_layers or more layers."""
+    job, plan = MEGATRON_PLANS["cpu-offload-fsdp-gb200"]
+    sc = scenario(**job, **plan)
+    (script,) = [w for w in write_all(tmp_path / "o", render_all(sc, ["torchrun"])) if w.suffix == ".sh"]
+    (argv, env_value), = run_script(script, tmp_path / "run")
+    megatron_validate(megatron, monkeypatch, argv, env_value, arch=10)  # as emitted: accepted
+    i = argv.index("--cpu-offloading-num-layers")
+    with pytest.raises(ValueError, match="CPU offloading can be done only for layers less than 80"):
+        megatron_validate(megatron, monkeypatch, argv[:i + 1] + ["80"] + argv[i + 2:], env_value, arch=10)
+    with pytest.raises(ValueError, match="does not work when activation recomputation is enabled"):
+        megatron_validate(megatron, monkeypatch, argv + ["--recompute-granularity", "selective"], env_value, arch=10)
+    with pytest.raises(ValueError, match="no support for Pipeline parallelism with CPU offloading"):
+        megatron_validate(megatron, monkeypatch, argv + ["--pipeline-model-parallel-size", "2"], env_value, arch=10)

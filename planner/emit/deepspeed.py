@@ -42,6 +42,9 @@ def check_supported(sc: Scenario) -> None:
     p = sc.plan
     if p.cp > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's config has no context parallelism (plan has cp={p.cp})")
+    if p.cpu_offload_layers:
+        raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no activation offloading (plan has "
+                        f"cpu_offload_layers={p.cpu_offload_layers}); use --format megatron or cpu_offload_layers 0")
     if p.pp > 1 and p.zero_stage > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's pipeline engine takes ZeRO 0 or 1, not {p.zero_stage} with pp={p.pp}")
     if sc.training.precision != "bf16":

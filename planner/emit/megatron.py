@@ -289,6 +289,12 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     elif p.recompute == "full":
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                   ("--recompute-num-layers", "1")]
+    if p.cpu_offload_layers:
+        # core_v0.16.1: --cpu-offloading-num-layers comes from TransformerConfig (arguments.py
+        # _add_network_size_args); validate_args sets args.cpu_offloading = True when it is > 0, and
+        # --cpu-offloading itself is no flag (excluded there), nor are the activation/weights switches
+        # (defaults: activations on, weights off)
+        flags.append(("--cpu-offloading-num-layers", str(p.cpu_offload_layers)))
     flags += ZERO_FLAGS[p.zero_stage]
     if uses_megatron_fsdp(sc):  # validate_args: "Megatron FSDP only supports fsdp_dtensor checkpoint format"
         flags.append(("--ckpt-format", "fsdp_dtensor"))

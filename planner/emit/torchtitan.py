@@ -96,6 +96,9 @@ def stage_options(sc: Scenario) -> tuple[int, int, int]:
 
 
 def args(sc: Scenario) -> list[str]:
+    if sc.plan.cpu_offload_layers:
+        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 has no activation offloading to host memory (plan has "
+                        f"cpu_offload_layers={sc.plan.cpu_offload_layers}); use --format megatron or cpu_offload_layers 0")
     if sc.model.name not in REGISTRY:
         raise SpecError(f"--emit torchtitan: torchtitan ships no model for {slug(sc.model.name)}; "
                         f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets")

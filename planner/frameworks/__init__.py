@@ -58,6 +58,9 @@ class FrameworkProfile:
     allows_uneven_interleaved: bool = True  # uneven stages together with vpp > 1
     allows_fp8: bool = True
     allows_fp8_params: bool = False  # fp8 GEMM weights with no bf16 copy (Megatron --fp8-param-gather)
+    # activation offloading to host memory (Plan.cpu_offload_layers): Megatron-Core's TE-backed
+    # --cpu-offloading-num-layers; plan3d emits no such knob for torchtitan or DeepSpeed
+    allows_cpu_offload: bool = False
     optimizer_dtypes: tuple[str, ...] = ("fp32",)  # Adam state dtypes modelled (TrainingSpec.optimizer_dtype)
     # --- mixture of experts (planner.memory, docs/moe.md) ---
     allows_ep: bool = True  # expert parallelism (ep > 1) as plan3d emits this framework
@@ -105,6 +108,9 @@ class FrameworkProfile:
         if not self.allows_zero(plan.zero_stage, plan.pp):
             allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
             errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
+        if getattr(plan, "cpu_offload_layers", 0) and not self.allows_cpu_offload:
+            errors.append(f"cpu_offload_layers: {self.name} as plan3d emits it has no activation offloading "
+                          f"(Megatron --cpu-offloading-num-layers); use framework megatron or nemo, or 0")
         if plan.cp > 1 and not self.allows_cp:
             errors.append(f"cp: {self.name} has no context parallelism (cp={plan.cp}); use cp=1")
         if plan.vpp > 1 and not self.allows_vpp:

@@ -110,4 +110,6 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            sp_gathers_inputs=False,
                            # core_v0.16.1 moe/moe_layer.py::MoELayer.forward raises in training when the attention
                            # TP group is > 1 without sequence parallelism
-                           moe_needs_sp=True, allows_fp8_params=True)
+                           moe_needs_sp=True, allows_fp8_params=True,
+                           # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)
+                           allows_cpu_offload=True)

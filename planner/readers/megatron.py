@@ -14,6 +14,8 @@ Every default and normalisation below is Megatron-LM core_v0.16.1's, cited by co
   parallelism when tp=1");
 * ``--global-batch-size`` absent: ``micro_batch_size * dp`` (``validate_args``);
 * ``--recompute-activations``: ``--recompute-granularity selective`` (``validate_args``);
+* ``--cpu-offloading-num-layers N``: offloading on only for ``N > 0`` (``validate_args``), read as
+  ``Plan.cpu_offload_layers``;
 * virtual pipeline: ``(num_layers / pp) / --num-layers-per-virtual-pipeline-stage``, or
   ``--num-virtual-stages-per-pipeline-rank`` (``validate_args``);
 * dropout 0.1 (``--attention-dropout``/``--hidden-dropout`` defaults), LayerNorm
@@ -500,6 +502,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
             # absent --expert-tensor-parallel-size: tp (validate_args), the plan's None
             "ep": a.count("--expert-model-parallel-size", 1), "etp": a.count("--expert-tensor-parallel-size"),
             "recompute": recompute(a, per_chunk_layers, notes), "sequence_parallel": sp,
+            # validate_args turns offloading on only for a count > 0 (core_v0.16.1 arguments.py line 1236)
+            "cpu_offload_layers": max(0, a.int("--cpu-offloading-num-layers", 0)),
             "zero_stage": zero_stage(a, ds_config),
             "layers_per_stage": layers_per_stage(a, model["num_layers"], pp),
             "microbatch_group_size": (a.count("--microbatch-group-size-per-virtual-pipeline-stage")
