@@ -252,14 +252,24 @@ def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tu
                 yield rc, sp
 
 
+#: The search proposes CPU activation offloading only on hosts whose link to the GPU is faster than this (GB/s
+#: per direction): NVLink-C2C (Grace-Blackwell, 225 GB/s per GPU), where NVIDIA publishes it (Megatron-Bridge's
+#: GB200/GB300 Llama 3 FSDP recipes), not PCIe (64 GB/s Gen5 x16), where the GPUs of a node share the host's
+#: memory bandwidth, which the model does not capture. A pinned value is estimated on any host.
+OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS = 100.0
+
+
 def offload_options(model: ModelSpec, training: TrainingSpec, space: SearchSpace, recompute: str,
-                    pp: int = 1) -> tuple[int, ...]:
+                    pp: int = 1, hw: HardwareSpec | None = None) -> tuple[int, ...]:
     """Values of ``Plan.cpu_offload_layers`` searched with ``recompute``: 0, and where Megatron offloads
-    (pp 1, recompute none, the megatron/nemo framework: specs.Plan, planner.frameworks) a quarter, half and
-    three quarters of the layers (rounded down; at least 1, fewer than num_layers), as an alternative to
-    recomputation (Megatron-Bridge's Llama 3 FSDP recipes offload 20-92 layers). The pin keeps only itself."""
+    (pp 1, recompute none, the megatron/nemo framework: specs.Plan, planner.frameworks) on a C2C-class host
+    link (``OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS``) a quarter, half and three quarters of the layers (rounded
+    down; at least 1, fewer than num_layers), as an alternative to recomputation (Megatron-Bridge's Llama 3
+    FSDP recipes offload 20-92 layers). The pin keeps only itself."""
     L, pin = model.num_layers, space.pins.cpu_offload_layers
     offloads = recompute == "none" and pp == 1 and frameworks.get(training.framework).allows_cpu_offload
+    if pin is None and (hw is None or hw.host_link_gbps <= OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS):
+        offloads = False
     if pin is not None:
         return (pin,) if pin == 0 or (offloads and 0 < pin < L) else ()
     return (0,) + (tuple(sorted({n for n in (L // 4, L // 2, 3 * L // 4) if 0 < n < L})) if offloads else ())
@@ -276,7 +286,7 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
             if not space.pins.ok(micro_batch_size=mbs):
                 continue
             for rc, sp in micro_options(tp, space, model.is_moe):
-                for off in offload_options(model, training, space, rc, split.pp):
+                for off in offload_options(model, training, space, rc, split.pp, hw):
                     for z in space.zero_stages:
                         if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp):
                             continue

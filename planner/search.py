@@ -86,8 +86,8 @@ class Tables:
         return int(self.legal.sum())
 
 
-def _micros(model: ModelSpec, training: TrainingSpec, space: SearchSpace, dps: set[int]
-            ) -> list[tuple[int, str, bool, int]]:
+def _micros(model: ModelSpec, training: TrainingSpec, space: SearchSpace, dps: set[int],
+            hw: HardwareSpec | None = None) -> list[tuple[int, str, bool, int]]:
     """(micro-batch size, recompute, SP, cpu_offload_layers) options; the offload values are those of a pp = 1
     shape (candidates.offload_options), masked off the pipelined shapes in build_tables."""
     B = training.global_batch_size
@@ -95,7 +95,7 @@ def _micros(model: ModelSpec, training: TrainingSpec, space: SearchSpace, dps: s
     sizes = sorted({b for d in dps if B % d == 0 for b in valid_micro_batch_sizes(B // d, cap)
                     if space.pins.ok(micro_batch_size=b)})
     return [(b, rc, sp, off) for b in sizes for rc, sp in micro_options(2, space)
-            for off in offload_options(model, training, space, rc)]
+            for off in offload_options(model, training, space, rc, 1, hw)]
 
 
 def _stage_rows(split: StageSplit) -> list[tuple[int, int]]:
@@ -111,7 +111,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     B = training.global_batch_size
     job_ok = not job_problems(model, hw, training)
     shape_list = [sh for sh in shapes(model, hw, training, space) if B % sh[2] == 0] if job_ok else []
-    micros = _micros(model, training, space, {sh[2] for sh in shape_list})
+    micros = _micros(model, training, space, {sh[2] for sh in shape_list}, hw)
     zeros = tuple(z for z in space.zero_stages if space.pins.ok(zero_stage=z))
     S, U, Z = len(shape_list), len(micros), len(zeros)
     time_ns = np.full((S, U, Z), INFEASIBLE, dtype=np.int64)

@@ -825,7 +825,8 @@ class Plan(_Spec):
         parts += [f"dp{self.dp}"]
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.etp}"] if self.etp is not None and self.etp != self.tp else []
-        return "-".join(parts) + f"_mbs{self.micro_batch_size}"
+        return "-".join(parts) + f"_mbs{self.micro_batch_size}" + \
+            (f"_offload{self.cpu_offload_layers}" if self.cpu_offload_layers else "")
 
 
 @functools.lru_cache(maxsize=65536)

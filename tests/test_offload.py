@@ -245,3 +245,36 @@ def test_search_is_exhaustive_optimum_and_offloads_where_recompute_costs_more():
     none = Plan(tp=1, pp=1, dp=8, micro_batch_size=2, zero_stage=res.best.zero_stage)
     assert not estimate_memory(model, hw, tr, none).fits  # the plain plan does not fit ...
     assert res.best.cpu_offload_layers > 0  # ... and offloading beats recomputing here (the link hides the copies)
+
+
+def test_search_proposes_offloading_only_on_c2c_hosts():
+    """On a PCIe host (H100: host_link_gbps 64) the search does not propose CPU offloading; on Grace's
+    NVLink-C2C (GB200: 225) it does; a pinned value is searched on either (candidates.offload_options)."""
+    from planner.candidates import OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS, Pins, SearchSpace, offload_options
+
+    model = load_model("llama3-8b")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=4096)
+    h100, gb200 = load_hardware("h100-sxm-80gb"), load_hardware("gb200-nvl72")
+    assert h100.host_link_gbps <= OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS < gb200.host_link_gbps
+    assert offload_options(model, tr, SearchSpace(), "none", 1, h100) == (0,)
+    assert offload_options(model, tr, SearchSpace(), "none", 1, gb200) == (0, 8, 16, 24)  # 32 layers: 1/4, 1/2, 3/4
+    assert offload_options(model, tr, SearchSpace(pins=Pins(cpu_offload_layers=8)), "none", 1, h100) == (8,)
+
+
+def test_cli_cpu_offload_layers():
+    """`--cpu-offload-layers` pins the knob for estimate (the label names it) and is refused in one line with pp > 1."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    job = ["estimate", "--model", "llama3-70b", "--hardware", "gb200-nvl72", "--gpus", "64", "--global-batch", "256",
+           "--seq-len", "8192", "--precision", "fp8", "--tp", "1", "--micro-batch-size", "1", "--zero-stage", "3"]
+    ok = subprocess.run([sys.executable, "-m", "planner.cli", *job, "--pp", "1", "--cpu-offload-layers", "40", "--json"],
+                        capture_output=True, text=True, cwd=root)
+    assert ok.returncode in (0, 1), ok.stderr
+    assert json.loads(ok.stdout)["plan"]["cpu_offload_layers"] == 40
+    bad = subprocess.run([sys.executable, "-m", "planner.cli", *job, "--pp", "2", "--cpu-offload-layers", "40"],
+                         capture_output=True, text=True, cwd=root)
+    assert bad.returncode == 2 and "cpu_offload_layers" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, Fp8RecipeOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, Fp8RecipeOpt, OffloadOpt,
     OptimizerDtypeOpt, ScheduleOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
@@ -29,7 +29,7 @@ def estimate(
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None, layers_per_stage: LayersOpt = None, microbatch_group_size: GroupOpt = None,
-    ep: EpOpt = None, etp: EtpOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
+    ep: EpOpt = None, etp: EtpOpt = None, cpu_offload_layers: OffloadOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
     cuda_graph_modules: CudaGraphOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
@@ -49,7 +49,7 @@ def estimate(
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage,
                                layers_per_stage=parse_layers_per_stage(layers_per_stage),
                                microbatch_group_size=microbatch_group_size, ep=ep, etp=etp,
-                               pipeline_schedule=pipeline_schedule,
+                               cpu_offload_layers=cpu_offload_layers, pipeline_schedule=pipeline_schedule,
                                job_extra=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
                                | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe))
     est = run_estimate(sc)
@@ -79,7 +79,7 @@ def search(
     tp_comm_overlap: TpOverlapOpt = None, overlap_p2p_comm: P2pOverlapOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, sequence_parallel: SpOpt = None,
-    zero_stage: ZeroOpt = None, ep: EpOpt = None, etp: EtpOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
+    zero_stage: ZeroOpt = None, ep: EpOpt = None, etp: EtpOpt = None, cpu_offload_layers: OffloadOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
     cuda_graph_modules: CudaGraphOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
@@ -108,7 +108,7 @@ def search(
         raise SpecError(f"--recompute: '{recompute}' is not one of none, selective, full")
     pins = Pins(tp=tp, pp=pp, cp=cp, vpp=vpp, micro_batch_size=micro_batch_size, recompute=recompute,
                 sequence_parallel=sequence_parallel, zero_stage=zero_stage, ep=ep, etp=etp,
-                pipeline_schedule=pipeline_schedule)
+                pipeline_schedule=pipeline_schedule, cpu_offload_layers=cpu_offload_layers)
     space = SearchSpace(pins=pins)
     spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision,
                                                      attention, overlap_grad_reduce, framework, tp_comm_overlap,
