@@ -200,28 +200,20 @@ def test_search_tables_equal_estimate_with_offload():
     """The search's offload options (pp 1, recompute none: a quarter, half and three quarters of the layers,
     candidates.offload_options) are tabulated by the one cost and memory model: every legal entry equals
     estimate_time and stage_memory of its plan, and none has offloading with pp > 1."""
-    import numpy as np
-
-    from planner import memory
     from planner.candidates import SearchSpace
-    from planner.search import KIB, _stage_rows, build_tables
+    from planner.search import build_tables
+    from tests.table_checks import assert_entry_is_estimate, legal_keys
 
     model, hw = load_model("llama3-8b"), load_hardware("gb200-nvl72")
     tr = TrainingSpec(num_gpus=8, global_batch_size=32, seq_len=8192, precision="fp8")
     tables = build_tables(model, hw, tr, SearchSpace(max_micro_batch_size=4, max_cp=2))
     offs = set()
-    for key in np.flatnonzero(tables.legal.ravel()):
-        plan = tables.plan(int(key))
-        if not plan.cpu_offload_layers:
+    for key in legal_keys(tables):
+        if not tables.plan(key).cpu_offload_layers:
             continue
+        plan = assert_entry_is_estimate(model, hw, tr, tables, key)
         assert plan.pp == 1 and plan.recompute == "none"
         offs.add(plan.cpu_offload_layers)
-        s, u, z = tables.unindex(int(key))
-        assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, hw, tr, plan).step_time_s * 1e9, abs=1.0)
-        m = tr.global_batch_size // (plan.micro_batch_size * plan.dp)
-        for kind, (r, n) in enumerate(_stage_rows(tables.shapes[s][3])):
-            expect = memory.stage_memory(model, tr, plan, m, r, n).total_bytes
-            assert tables.mem_kib[s, u, z, kind] == np.ceil(expect / KIB), (plan, r)
     assert offs == {8, 16, 24}  # 32 layers: 32 // 4, 32 // 2, 3 * 32 // 4
 
 

@@ -1,0 +1,28 @@
+"""A check several search tests share: a table entry of the search equals estimate_time and stage_memory of
+its plan (one cost model, one memory model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def assert_entry_is_estimate(model, hw, training, tables, key: int):
+    """Table entry ``key`` (a flat index of ``tables.legal``): its step time is ``cost.estimate_time`` of its
+    plan (to the nanosecond rounding) and its memory per stage kind ``memory.stage_memory``; returns the plan."""
+    from planner import memory
+    from planner.cost import estimate_time
+    from planner.search import KIB, _stage_rows
+
+    plan = tables.plan(int(key))
+    s, u, z = tables.unindex(int(key))
+    assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, hw, training, plan).step_time_s * 1e9, abs=1.0)
+    m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
+    for kind, (r, n) in enumerate(_stage_rows(tables.shapes[s][3])):
+        expect = memory.stage_memory(model, training, plan, m, r, n).total_bytes
+        assert tables.mem_kib[s, u, z, kind] == np.ceil(expect / KIB), (plan, r)
+    return plan
+
+
+def legal_keys(tables):
+    return [int(k) for k in np.flatnonzero(tables.legal.ravel())]
