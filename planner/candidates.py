@@ -259,8 +259,8 @@ def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tu
 OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS = 100.0
 
 
-def offload_options(model: ModelSpec, training: TrainingSpec, space: SearchSpace, recompute: str,
-                    pp: int = 1, hw: HardwareSpec | None = None) -> tuple[int, ...]:
+def offload_options(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace, recompute: str,
+                    pp: int = 1) -> tuple[int, ...]:
     """Values of ``Plan.cpu_offload_layers`` searched with ``recompute``: 0, and where Megatron offloads
     (pp 1, recompute none, the megatron/nemo framework: specs.Plan, planner.frameworks) on a C2C-class host
     link (``OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS``) a quarter, half and three quarters of the layers (rounded
@@ -268,11 +268,11 @@ def offload_options(model: ModelSpec, training: TrainingSpec, space: SearchSpace
     FSDP recipes offload 20-92 layers). The pin keeps only itself."""
     L, pin = model.num_layers, space.pins.cpu_offload_layers
     offloads = recompute == "none" and pp == 1 and frameworks.get(training.framework).allows_cpu_offload
-    if pin is None and (hw is None or hw.host_link_gbps <= OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS):
-        offloads = False
     if pin is not None:
         return (pin,) if pin == 0 or (offloads and 0 < pin < L) else ()
-    return (0,) + (tuple(sorted({n for n in (L // 4, L // 2, 3 * L // 4) if 0 < n < L})) if offloads else ())
+    if not offloads or hw.host_link_gbps <= OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS:
+        return (0,)
+    return (0,) + tuple(sorted({n for n in (L // 4, L // 2, 3 * L // 4) if 0 < n < L}))
 
 
 def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace) -> Iterator[Plan]:
@@ -286,7 +286,7 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
             if not space.pins.ok(micro_batch_size=mbs):
                 continue
             for rc, sp in micro_options(tp, space, model.is_moe):
-                for off in offload_options(model, training, space, rc, split.pp, hw):
+                for off in offload_options(model, hw, training, space, rc, split.pp):
                     for z in space.zero_stages:
                         if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp):
                             continue

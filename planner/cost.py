@@ -158,8 +158,6 @@ class Rates:
     @classmethod
     def of(cls, hw: HardwareSpec, precision: str) -> Rates:
         sustained = hw.sustained_fraction
-        mamf = hw.gemm_efficiency_max
-        gemm_flops = hw.peak_flops(precision) * mamf * sustained
         if precision in LOW_PRECISIONS:
             # fp8: the measured FP8 MAMF, or the FP8/BF16 ratio measured on an H200 (FP8_MAMF_RATIO); mxfp8 and
             # nvfp4: that FP8 rate times TE's measured block-scaled/FP8 kernel ratio (BLOCK_SCALED_OVER_FP8), never
@@ -168,6 +166,8 @@ class Rates:
             gemm_flops = hw.peak_flops("fp8") * mamf * sustained
             if precision in BLOCK_SCALED_OVER_FP8:
                 gemm_flops *= min(BLOCK_SCALED_OVER_FP8[precision], hw.peak_flops(precision) / hw.peak_flops("fp8"))
+        else:
+            gemm_flops = hw.peak_flops(precision) * hw.gemm_efficiency_max * sustained
         return cls(gemm_flops=gemm_flops, sm_count=hw.sm_count,
                    gemm_overhead_s=hw.kernel_overhead_us * 1e-6,
                    attention_flops=hw.peak_flops("bf16") * hw.attention_efficiency * sustained,
@@ -950,14 +950,7 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
     if n_moe is not None:
         return _moe_stage_terms(n, last, np.asarray(n_moe, dtype=float), f, hop, pp, vpp, overlap_p2p, c, empty)
     fwd, bwd, hop_c = col(f["fwd"]), col(f["bwd"]), col(hop)
-    if pp == 1:
-        pp_t = 0.0 * hop_c * n
-    elif overlap_p2p and vpp > 1:
-        full = vpp - np.asarray(empty, dtype=float)  # chunks holding layers
-        pp_t = full * (overlapped_s_array(hop_c, n / full * fwd, c) + overlapped_s_array(hop_c, n / full * bwd, c)) \
-            + (vpp - full) * 2 * hop_c
-    else:
-        pp_t = 2 * vpp * hop_c + 0.0 * n
+    pp_t = _p2p_exposed_s(n * fwd, n * bwd, n, hop_c, pp, vpp, overlap_p2p, c, empty)
     hc, ht = col(f["head_compute"]) * last, col(f["head_tp"]) * last
     share = fwd / (fwd + bwd)
     compute = n * (fwd + bwd) + hc
@@ -968,6 +961,18 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
             "total": compute + recompute + tp + cp + pp_t, "wgrad": n * col(f["wgrad"]),
             "fwd": n * (fwd + col(f["tp_fwd"]) + col(f["cp_fwd"])) + hc * share + pp_t / 2,
             "bwd": n * (bwd + col(f["recompute"]) + col(f["tp_bwd"]) + col(f["cp_bwd"])) + hc * (1 - share) + ht + pp_t / 2}
+
+
+def _p2p_exposed_s(fwd_all, bwd_all, n, hop_c, pp: int, vpp: int, overlap_p2p: bool, c: float, empty):
+    """Exposed P2P of stage rows per micro-batch (the rules in :func:`stage_terms`' docstring): ``fwd_all`` and
+    ``bwd_all`` the rows' layer compute [U, K], ``n`` their layers [K], ``hop_c`` one hop [U, 1]."""
+    if pp == 1:
+        return 0.0 * hop_c * n
+    if overlap_p2p and vpp > 1:
+        full = vpp - np.asarray(empty, dtype=float)  # chunks holding layers
+        return full * (overlapped_s_array(hop_c, fwd_all / full, c) + overlapped_s_array(hop_c, bwd_all / full, c)) \
+            + (vpp - full) * 2 * hop_c
+    return 2 * vpp * hop_c + 0.0 * n
 
 
 def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float,
@@ -983,14 +988,7 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
         return nd * col(f[key]) + n_moe * col(f["moe_" + key])
 
     fwd_all, bwd_all = layers("fwd"), layers("bwd")
-    if pp == 1:
-        pp_t = 0.0 * hop_c * n
-    elif overlap_p2p and vpp > 1:
-        full = vpp - np.asarray(empty, dtype=float)  # chunks holding layers (stage_terms)
-        pp_t = full * (overlapped_s_array(hop_c, fwd_all / full, c) + overlapped_s_array(hop_c, bwd_all / full, c)) \
-            + (vpp - full) * 2 * hop_c
-    else:
-        pp_t = 2 * vpp * hop_c + 0.0 * n
+    pp_t = _p2p_exposed_s(fwd_all, bwd_all, n, hop_c, pp, vpp, overlap_p2p, c, empty)
     hc, ht = col(f["head_compute"]) * last, col(f["head_tp"]) * last
     share = fwd / (fwd + bwd)
     compute = fwd_all + bwd_all + hc
@@ -1131,7 +1129,7 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                     axis_span(plan, "tp", hw.nvlink_domain, order))
     n, last, _, _ = _rows_of_all_stages(plan, model.num_layers)
     n_moe = plan.stage_moe_layers(model) if model.is_moe else None
-    empty = np.array([ch.count(0) for ch in plan.chunk_layers(model.num_layers)], dtype=float)
+    empty = np.array(plan.empty_chunks(model.num_layers), dtype=float)
     t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw),
                     n_moe, empty)
     ep = t.get("ep_comm")

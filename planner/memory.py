@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner import frameworks
-from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size, stage_chunks
+from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, empty_chunks, padded_vocab_size,
+                           stage_chunks)
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
 GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
@@ -739,9 +740,9 @@ def empty_chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches
     (rank 0's embedding chunk, the last rank's loss chunk: specs.min_stage_layers), counted over the
     schedule's own action list (schedules.peak_in_flight_layers): such a chunk is in flight but holds
     nothing, so in-flight chunks x the mean chunk is wrong there. None for a stage without an empty chunk."""
-    chunks = stage_chunks(layers, plan.vpp, first=stage == 0)
-    if plan.vpp == 1 or not layers or 0 not in chunks:
+    if not layers or not empty_chunks(layers, plan.vpp, first=stage == 0):
         return None
+    chunks = stage_chunks(layers, plan.vpp, first=stage == 0)
     from planner.schedules import framework_family, peak_in_flight_layers, schedule_actions
 
     family = framework_family(training.framework)

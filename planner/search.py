@@ -48,7 +48,7 @@ from planner.memory import (empty_chunk_peak_layers, in_flight_chunks, input_byt
                             stage_moe_layer_count, stage_params_per_rank, stage_state_bytes)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS
-from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems, stage_chunks
+from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems, empty_chunks
 
 NS = 1e9  # time unit of the tables: nanoseconds
 KIB = 1024  # memory unit of the tables
@@ -86,8 +86,8 @@ class Tables:
         return int(self.legal.sum())
 
 
-def _micros(model: ModelSpec, training: TrainingSpec, space: SearchSpace, dps: set[int],
-            hw: HardwareSpec | None = None) -> list[tuple[int, str, bool, int]]:
+def _micros(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace, dps: set[int]
+            ) -> list[tuple[int, str, bool, int]]:
     """(micro-batch size, recompute, SP, cpu_offload_layers) options; the offload values are those of a pp = 1
     shape (candidates.offload_options), masked off the pipelined shapes in build_tables."""
     B = training.global_batch_size
@@ -95,7 +95,7 @@ def _micros(model: ModelSpec, training: TrainingSpec, space: SearchSpace, dps: s
     sizes = sorted({b for d in dps if B % d == 0 for b in valid_micro_batch_sizes(B // d, cap)
                     if space.pins.ok(micro_batch_size=b)})
     return [(b, rc, sp, off) for b in sizes for rc, sp in micro_options(2, space)
-            for off in offload_options(model, training, space, rc, 1, hw)]
+            for off in offload_options(model, hw, training, space, rc)]
 
 
 def _stage_rows(split: StageSplit) -> list[tuple[int, int]]:
@@ -111,7 +111,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     B = training.global_batch_size
     job_ok = not job_problems(model, hw, training)
     shape_list = [sh for sh in shapes(model, hw, training, space) if B % sh[2] == 0] if job_ok else []
-    micros = _micros(model, training, space, {sh[2] for sh in shape_list}, hw)
+    micros = _micros(model, hw, training, space, {sh[2] for sh in shape_list})
     zeros = tuple(z for z in space.zero_stages if space.pins.ok(zero_stage=z))
     S, U, Z = len(shape_list), len(micros), len(zeros)
     time_ns = np.full((S, U, Z), INFEASIBLE, dtype=np.int64)
@@ -186,7 +186,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
             held = inflight * (resident[:, :1] * f["saved"][:, None] + resident[:, 1:] * f["saved_moe"][:, None])
             act = np.where(off_u[:, None] > 0, held, act)
         for i, (r, x) in enumerate(mrows):  # a stage with an empty (embedding or loss) chunk: its exact peak
-            if v > 1 and x and 0 in stage_chunks(x, v, first=r == 0):
+            if x and empty_chunks(x, v, first=r == 0):
                 peak = {mu: empty_chunk_peak_layers(training, base, mu, r, x) for mu in set(m[ok.any(axis=1)].tolist())}
                 per_layer = ((x - n_moe[i]) * f["saved"] + n_moe[i] * f["saved_moe"]) / x
                 act[:, i] = [peak[mu] * b if mu in peak else 0.0 for mu, b in zip(m.tolist(), per_layer)]
@@ -208,8 +208,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         if model.is_moe:  # every stage: dense-first layers make the middle stages differ
             step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p)
         else:
-            empty = [stage_chunks(x, v, first=r == 0).count(0) if v > 1 else 0 for r, x in rows]
-            t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c, empty=np.array(empty, dtype=float))
+            empty = np.array([empty_chunks(x, v, first=r == 0) for r, x in rows], dtype=float)
+            t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c, empty=empty)
             terms = {k: val[:, None, :] for k, val in t.items()}
             counts, before = _stage_counts(p), _stage_before(p)
             step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m_step, p, v, counts,
@@ -233,7 +233,7 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     p, v = base.pp, base.vpp
     layers = base.stage_layers(model.num_layers)
     n_moe = stage_moe_counts(model, base)
-    empty = np.array([ch.count(0) for ch in base.chunk_layers(model.num_layers)], dtype=float)
+    empty = np.array(base.empty_chunks(model.num_layers), dtype=float)
     t = stage_terms(np.array(layers, dtype=float), np.arange(p) == base.loss_stage, f, hop, p, v, overlap_p2p, c,
                     np.array(n_moe, dtype=float), empty)
     terms = {k: val[:, None, :] for k, val in t.items()}

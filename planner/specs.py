@@ -795,6 +795,10 @@ class Plan(_Spec):
         """Layers of each virtual stage, per pipeline rank (:func:`chunk_split` of the stage layers)."""
         return chunk_split(self.stage_layers(num_layers), self.vpp)
 
+    def empty_chunks(self, num_layers: int) -> tuple[int, ...]:
+        """Chunks of each pipeline rank that hold no transformer layer (:func:`empty_chunks`)."""
+        return tuple(empty_chunks(n, self.vpp, first=r == 0) for r, n in enumerate(self.stage_layers(num_layers)))
+
     def chunk_starts(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
         """Index of the first layer of each virtual stage, per pipeline rank: chunk ``c`` of rank ``r`` is
         virtual stage ``c*pp + r`` (Megatron's interleaved assignment, Narayanan et al. 2021 section 2.2)."""
@@ -888,6 +892,12 @@ def stage_chunks(layers: int, vpp: int, first: bool) -> tuple[int, ...]:
     q, rem = divmod(layers, vpp)
     long, short = [q + 1] * rem, [q] * (vpp - rem)
     return tuple(short + long) if first else tuple(long + short)
+
+
+def empty_chunks(layers: int, vpp: int, first: bool) -> int:
+    """Chunks of one stage that hold no transformer layer (:func:`stage_chunks`; only rank 0's embedding
+    chunk and the last rank's loss chunk may, :func:`min_stage_layers`)."""
+    return stage_chunks(layers, vpp, first).count(0) if vpp > 1 else 0
 
 
 def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec) -> list[str]:

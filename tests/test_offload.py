@@ -248,9 +248,9 @@ def test_search_proposes_offloading_only_on_c2c_hosts():
     tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=4096)
     h100, gb200 = load_hardware("h100-sxm-80gb"), load_hardware("gb200-nvl72")
     assert h100.host_link_gbps <= OFFLOAD_SEARCH_MIN_HOST_LINK_GBPS < gb200.host_link_gbps
-    assert offload_options(model, tr, SearchSpace(), "none", 1, h100) == (0,)
-    assert offload_options(model, tr, SearchSpace(), "none", 1, gb200) == (0, 8, 16, 24)  # 32 layers: 1/4, 1/2, 3/4
-    assert offload_options(model, tr, SearchSpace(pins=Pins(cpu_offload_layers=8)), "none", 1, h100) == (8,)
+    assert offload_options(model, h100, tr, SearchSpace(), "none") == (0,)
+    assert offload_options(model, gb200, tr, SearchSpace(), "none") == (0, 8, 16, 24)  # 32 layers: 1/4, 1/2, 3/4
+    assert offload_options(model, h100, tr, SearchSpace(pins=Pins(cpu_offload_layers=8)), "none") == (8,)
 
 
 def test_cli_cpu_offload_layers():

@@ -108,7 +108,7 @@ class FrameworkProfile:
         if not self.allows_zero(plan.zero_stage, plan.pp):
             allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
             errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
-        if getattr(plan, "cpu_offload_layers", 0) and not self.allows_cpu_offload:
+        if plan.cpu_offload_layers and not self.allows_cpu_offload:
             errors.append(f"cpu_offload_layers: {self.name} as plan3d emits it has no activation offloading "
                           f"(Megatron --cpu-offloading-num-layers); use framework megatron or nemo, or 0")
         if plan.cp > 1 and not self.allows_cp:
