@@ -556,6 +556,46 @@ MOE_PERMUTE_KERNELS = 4
 MOE_ROUTER_KERNELS = 3
 
 
+#: Eager kernels Megatron-Core's grouped experts (``TEGroupedMLP``, core_v0.16.1 ``moe/experts.py``) add around the
+#: fused ones, counted by hand from that code with autograd's backward of each op; HBM bytes per routed token copy
+#: and unit of width, and launches per layer and pass.
+#: * Clamped SwiGLU (``ModelSpec.swiglu_limit``; ``fusions/fused_bias_geglu.py::weighted_bias_quick_geglu_impl``):
+#:   forward ``x_glu.clamp``, ``x_linear.clamp`` (read + write 2 B each over ``f``) and ``torch.cat`` of the two
+#:   (read + write 4 B over ``f``): 16 B per copy and unit of ``f``, 3 kernels plus the host-to-device copy of
+#:   ``torch.tensor(linear_offset, device=...)``; backward each clamp's masked gradient (read grad and input,
+#:   write: 6 B) and the ``chunk`` backward's concatenation (read + write 4 B): 20 B, 3 kernels.
+#: * Expert output biases (``ModelSpec.mlp_bias`` in a MoE layer; ``TEGroupedMLP._apply_bias``): for each local
+#:   expert ``t + b * p`` with the FP32 router probabilities (``b * p`` writes 4 B, the add reads 2 + 4 and writes
+#:   4 B), then ``torch.cat`` (read + write 4 B) and ``.to(bf16)`` (read 4, write 2 B): 28 B per copy and unit of
+#:   ``h``, 2 kernels per local expert plus 2; backward the cast (6 B), the add's cast of the gradient to the
+#:   input's dtype (6 B), the bias and probability gradients (a multiply and a sum each: 12 B each) and the
+#:   split's concatenation (4 B): 40 B, 6 kernels per local expert plus 3.
+EXPERT_CLAMP_BYTES = (16, 20)
+EXPERT_CLAMP_KERNELS = (4, 3)
+EXPERT_BIAS_BYTES = (28, 40)
+EXPERT_BIAS_KERNELS_PER_EXPERT = (2, 6)
+EXPERT_BIAS_KERNELS = (2, 3)
+
+
+def expert_eager_ops(model: ModelSpec, local_experts: float, etp: int = 1
+                     ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((forward, backward) HBM bytes per routed token copy, (forward, backward) kernel launches per layer) of the
+    eager kernels a MoE layer's grouped experts add (``EXPERT_CLAMP_*``, ``EXPERT_BIAS_*``); zero for a model
+    with neither a clamped activation nor expert biases. The activation is ``f/etp`` wide on an expert-TP rank;
+    the output bias is added to the full-width ``h`` partial output (before the expert-TP reduce-scatter)."""
+    byte = [0.0, 0.0]
+    kern = [0.0, 0.0]
+    f, h = model.moe_ffn_size / etp, model.hidden_size
+    for i in (0, 1):
+        if model.swiglu_limit is not None:
+            byte[i] += EXPERT_CLAMP_BYTES[i] * f
+            kern[i] += EXPERT_CLAMP_KERNELS[i]
+        if model.has_mlp_bias:
+            byte[i] += EXPERT_BIAS_BYTES[i] * h
+            kern[i] += EXPERT_BIAS_KERNELS_PER_EXPERT[i] * local_experts + EXPERT_BIAS_KERNELS[i]
+    return (byte[0], byte[1]), (kern[0], kern[1])
+
+
 @dataclass(frozen=True)
 class MoEExtra:
     """What a MoE layer adds to its attention and shared experts, per micro-batch on one GPU (seconds)."""
@@ -587,7 +627,8 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     profile's fp32 rate), its softmax/top-k move ``3 x 4 B`` per logit. Permutation and unpermutation
     are memory-bound copies of the hidden states: ``T_r*h`` read and ``T_r*k*h`` written (and back),
     plus the sort by local expert (read + write of the received copies) when a rank has several experts.
-    FP8: each grouped GEMM input and output gradient pays the cast (``LOW_PRECISION_CAST_BYTES``).
+    FP8: each grouped GEMM input and output gradient pays the cast (``LOW_PRECISION_CAST_BYTES``). A clamped
+    activation and expert biases add Megatron's eager kernels around the grouped GEMMs (:func:`expert_eager_ops`).
     """
     rates = Rates.of(hw, training.precision)
     t, h, e = plan.tp, model.hidden_size, act_bytes(training)
@@ -603,6 +644,10 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     for kk, nn in ((h, gate * f / etp), (f / etp, h)):
         gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local)
         fwd, bwd, wgrad = fwd + gf, bwd + gd + gw, wgrad + gw
+    (eb_f, eb_b), (ek_f, ek_b) = expert_eager_ops(model, local, etp)
+    if ek_f or ek_b:  # clamped activation and expert biases (EXPERT_CLAMP_*, EXPERT_BIAS_*)
+        fwd += max(copies * eb_f / rates.hbm_bytes_per_s, ek_f * rates.gemm_overhead_s)
+        bwd += max(copies * eb_b / rates.hbm_bytes_per_s, ek_b * rates.gemm_overhead_s)
     if training.precision in LOW_PRECISIONS:
         cb = LOW_PRECISION_CAST_BYTES[quantisation_key(training.precision, training.fp8_recipe)]
         fwd += copies * cb * (h + f / etp) / rates.hbm_bytes_per_s + 2 * rates.gemm_overhead_s
@@ -665,7 +710,8 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     Kernels: the attention block's fused Transformer Engine kernels as :func:`layer_time` counts them (each
     linear's GEMM and, in low precision, its cast; the attention kernel, 1 forward and 3 backward; the
     norms, residual adds and RoPE of :func:`_elementwise_kernels`), plus Megatron's own MoE layer as
-    measured (``MOE_HOST_OPS``). Each costs ``host_launch_us``. A part captured in a CUDA graph
+    measured (``MOE_HOST_OPS``), plus the eager kernels of a clamped activation and of expert biases, which the
+    measured layer does not have (:func:`expert_eager_ops`). Each costs ``host_launch_us``. A part captured in a CUDA graph
     (``cuda_graph_modules``: attn, moe_router) costs one launch instead. ``moe_preprocess`` is not
     separated in the measurement and is left at full cost.
     """
@@ -678,8 +724,9 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         attn_f = attn_b = 1
     local = model.num_experts / plan.ep
     o = MOE_HOST_OPS
-    moe_f = o["fwd_base"] + o["fwd_per_expert"] * local
-    moe_b = o["bwd_base"] + o["bwd_per_expert"] * local
+    _, (eager_f, eager_b) = expert_eager_ops(model, local)  # not in the measured layer (no biases, no clamp)
+    moe_f = o["fwd_base"] + o["fwd_per_expert"] * local + eager_f
+    moe_b = o["bwd_base"] + o["bwd_per_expert"] * local + eager_b
     if "moe_router" in graphs:
         moe_f, moe_b = moe_f - o["router_fwd"] + 1, moe_b - o["router_bwd"] + 1
     launch_s = hw.host_launch_us * 1e-6

@@ -14,7 +14,7 @@ Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-O
 layers first, router biases and multi-head latent attention (docs/moe.md). Read and deliberately
 ignored, because they change no parameters: routing options (``norm_topk_prob``, ``topk_method``,
 ``n_group``, ``topk_group``, ``routed_scaling_factor``, ``scoring_func``, auxiliary-loss
-coefficients, ``router_jitter_noise``, GPT-OSS's ``swiglu_limit``/``swiglu_alpha``) and
+coefficients, ``router_jitter_noise``, GPT-OSS's ``swiglu_alpha``) and
 ``quantization_config`` (GPT-OSS ships MXFP4 expert weights; the model class and the training
 plan3d estimates hold them at the training precision).
 
@@ -415,7 +415,8 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
     ``num_local_experts`` (default 128, alias ``num_experts``) gated experts of ``intermediate_size``
     (default 2880) with biases (``gate_up_proj_bias``, ``down_proj_bias``), top ``num_experts_per_tok``
     (default 4), a router with bias; RMSNorm; untied. The experts' clamped SwiGLU (``swiglu_limit``,
-    ``swiglu_alpha``) has SwiGLU's three matrices; ``hidden_act`` is not used by the experts.
+    ``swiglu_alpha``) has SwiGLU's three matrices; ``hidden_act`` is not used by the experts. ``swiglu_limit``
+    (default 7.0) is kept: Megatron-Core clamps with eager kernels that cost time (``ModelSpec.swiglu_limit``).
     ``experts_per_token`` is OpenAI's own key for the same top-k; ``transformers`` reads
     ``num_experts_per_tok``. Sliding windows (``GptOssAttention.sliding_window`` is
     ``config.sliding_window`` in the ``"sliding_attention"`` layers of ``layer_types``): the window
@@ -433,6 +434,7 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
             "activation": "swiglu", "norm": "rmsnorm", "tied_embeddings": _flag(data, "tie_word_embeddings", False),
             "position_embedding": "rope", "linear_bias": False, "qkv_bias": attention_bias,
             "out_proj_bias": attention_bias, "mlp_bias": True, "attention_sinks": True,
+            "swiglu_limit": _get(data, source, "swiglu_limit", default=7.0),
             "dropout": _dropout(data, "attention_dropout"), "num_experts": experts,
             "top_k": _count(data, source, "num_experts_per_tok", default=4, minimum=1), "router_bias": True,
             **_gpt_oss_windows(data, source)}

@@ -117,6 +117,11 @@ class ModelSpec(_Spec):
     embedding_norm: bool = Field(default=False, description="A norm right after the word embedding (BLOOM).")
     dropout: bool = Field(
         default=False, description="Dropout active in training (stores 1-byte masks); Llama-style models have none.")
+    swiglu_limit: float | None = Field(
+        default=None, gt=0,
+        description="Clamp of the gated activation's inputs (GPT-OSS ``swiglu_limit``: gate <= limit, linear in "
+                    "[-limit, limit]); Megatron-Core runs it as eager clamp and cat kernels before the fused "
+                    "activation (``fused_bias_geglu.weighted_bias_quick_geglu_impl``), costed in MoE experts.")
     attention_sinks: bool = Field(
         default=False,
         description="One learned sink logit per query head and layer (GPT-OSS ``sinks``; Xiao et al. 2023).")

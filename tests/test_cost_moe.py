@@ -178,3 +178,38 @@ def test_estimate_reports_ep_comm_and_activated_mfu():
     dense = estimate_time(load_model("llama3-8b"), H100, tr, Plan(tp=1, pp=2, dp=8, micro_batch_size=1))
     assert "ep_comm" not in dense.breakdown
     assert math.isfinite(est.step_time_s)
+
+
+GPT_OSS = load_model("gpt-oss-120b")
+
+
+def test_eager_expert_kernels_of_gpt_oss_counted_from_megatrons_code():
+    """GPT-OSS's clamped activation (16 B forward, 20 B backward per copy and unit of the expert width) and
+    expert output biases (28 B and 40 B per unit of h; 2 and 6 launches per local expert plus 2 and 3), counted
+    by hand from core_v0.16.1 moe/experts.py TEGroupedMLP._apply_bias and fused_bias_geglu.py (cost.py
+    EXPERT_CLAMP_*, EXPERT_BIAS_*). h = f = 2880, 128 experts over EP 8 = 16 local experts."""
+    (b_f, b_b), (k_f, k_b) = cost.expert_eager_ops(GPT_OSS, 16)
+    assert (b_f, b_b) == (16 * 2880 + 28 * 2880, 20 * 2880 + 40 * 2880)
+    assert (k_f, k_b) == (4 + 2 * 16 + 2, 3 + 6 * 16 + 3)
+    # expert TP 2 halves the activation's width, not the full-width output the bias is added to
+    (b2_f, _), _ = cost.expert_eager_ops(GPT_OSS, 16, etp=2)
+    assert b2_f == 16 * 1440 + 28 * 2880
+    # neither a clamp nor biases: nothing
+    plain = GPT_OSS.model_copy(update={"swiglu_limit": None, "mlp_bias": False})
+    assert cost.expert_eager_ops(plain, 16) == ((0.0, 0.0), (0.0, 0.0))
+
+
+def test_eager_expert_kernels_add_their_bytes_to_the_layer_and_launches_to_the_host():
+    """The forward of GPT-OSS's MoE block on H100 at EP 8 (4096 tokens, top 4: 16,384 copies on the rank)
+    grows by copies x 126,720 B at the H100's HBM rate (3,350 GB/s x 0.8, hardware_profiles/h100-sxm-80gb.yaml),
+    and the host's issue time by 38 launches of host_launch_us."""
+    tr = TrainingSpec(num_gpus=64, global_batch_size=1280, seq_len=4096)
+    plan = Plan(tp=1, pp=4, dp=16, ep=8, micro_batch_size=1)
+    plain = GPT_OSS.model_copy(update={"swiglu_limit": None, "mlp_bias": False})
+    with_ops, without = (moe_layer_extra(m, H100, tr, plan, 4096.0) for m in (GPT_OSS, plain))
+    copies = 4096 * 4 * tr.moe_load_imbalance
+    assert with_ops.fwd_compute - without.fwd_compute == pytest.approx(copies * 126720 / (3350e9 * 0.8), rel=1e-9)
+    assert with_ops.bwd_compute - without.bwd_compute == pytest.approx(copies * 172800 / (3350e9 * 0.8), rel=1e-9)
+    host, host_plain = cost.moe_host_s(GPT_OSS, H100, tr, plan), cost.moe_host_s(plain, H100, tr, plan)
+    assert host[0] - host_plain[0] == pytest.approx(38 * H100.host_launch_us * 1e-6)
+    assert host[1] - host_plain[1] == pytest.approx(102 * H100.host_launch_us * 1e-6)
