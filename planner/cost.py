@@ -670,9 +670,11 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     # dispatch + combine: all-to-all over EP of the busiest rank's copies, AG + RS over expert TP
     ep_group = expert_span(plan, "ep", hw.nvlink_domain)
     if training.moe_token_dispatcher == "deepep":
+        # in the activation dtype, also under FP8: Megatron-Core's flex dispatcher hands DeepEP the hidden states
+        # unquantised (core_v0.16.1 moe/fused_a2a.py ``fused_dispatch``) and HybridEP refuses FP8 dispatch
+        # (``assert not fp8_dispatch``; "Currently, we do not support fp8 dispatch"). DeepEP's own FP8 dispatch
+        # (DeepSeek-V3's framework) is not what Megatron runs.
         dispatch = combine = deepep_time_s(imb * t_r * h * e, k, ep_group, hw)
-        if training.precision in LOW_PRECISIONS:  # DeepEP dispatches FP8 (1 B + 1/128 scale), combines BF16
-            dispatch = deepep_time_s(imb * t_r * h * (1 + 4 / 128), k, ep_group, hw)
     else:
         dispatch = combine = comm.all_to_all_time_s(imb * t_r * k * h * e, ep_group, hw)
     etp_group = expert_span(plan, "etp", hw.nvlink_domain)
