@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner import comm, flops
+from planner import comm, flops, frameworks
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
 from planner.memory import (act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             stage_param_split, stage_params_per_rank)
@@ -755,6 +755,31 @@ def deepep_time_s(token_bytes: float, top_k: int, group, hw: HardwareSpec) -> fl
     return hw.inter_node_latency_us * 1e-6 + max(inter, intra)
 
 
+def op_sac_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rates: Rates, tokens: float,
+                       elem_f_s: float, elem_kernels: int) -> float:
+    """Seconds torchtitan's selective op-level AC recomputes in one dense layer's backward, per micro-batch.
+
+    torchtitan ``distributed/activation_checkpoint.py::_get_custom_policy`` (``selective_ac_option = "op"``)
+    saves the outputs of ``aten.mm`` and the SDPA kernels and recomputes every other op, and of the ``aten.mm``
+    it recomputes every second one in the block's forward order (the same rule :func:`planner.memory.op_sac_terms`
+    applies to the saved bytes). torchtitan's block issues Q, K, V, O, W1, W3, W2 (``Attention.forward``,
+    ``FeedForward.forward``), so K, O and W3 are recomputed; a two-matrix MLP (Q, K, V, O, W1, W2) recomputes
+    K, O and W2. Their forward GEMMs (:func:`gemm_time_s`, at the shape of one TP rank), in low precision their
+    casts, and the forward of every memory-bound op (norms, RoPE, the activation, the residual adds:
+    ``elem_f_s``, never faster than ``elem_kernels`` launches) run again; the attention kernel does not.
+    """
+    t, h = plan.tp, model.hidden_size
+    kv_r = kv_heads_per_rank(model, t) * model.kv_channels
+    shapes = [(h, kv_r), (model.q_size / t, h)]  # K, O
+    f = model.ffn_size / t
+    shapes.append((h, f) if model.gated_mlp else (f, h))  # W3, or W2 of a two-matrix MLP
+    gemm_s = sum(gemm_time_s(tokens, k, n, rates) for k, n in shapes)
+    if training.precision in LOW_PRECISIONS:
+        c = LOW_PRECISION_CAST_BYTES[quantisation_key(training.precision, training.fp8_recipe)]
+        gemm_s += tokens * c * sum(k for k, _ in shapes) / rates.hbm_bytes_per_s + len(shapes) * rates.gemm_overhead_s
+    return gemm_s + max(elem_f_s, elem_kernels * rates.gemm_overhead_s)
+
+
 def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                order: str = DEFAULT_ORDER, moe: bool = False) -> LayerTime:
     """Compute and communication of one transformer layer for one micro-batch on one GPU; ``moe``: a
@@ -828,6 +853,8 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         exchange = (plan.cp - 1) * comm.p2p_time_s(kv_bytes, not cp_group.intra_node, hw)
         cp_fwd, cp_bwd = overlapped_s(exchange, att_f, c), overlapped_s(2 * exchange, att_b, c)
     recompute = {"none": 0.0, "selective": att_f, "full": fwd}[plan.recompute]
+    if plan.recompute == "selective" and not moe and frameworks.get(training.framework).op_sac:
+        recompute = op_sac_recompute_s(model, training, plan, rates, tokens, elem_f, k_f)
     if plan.recompute == "full":
         tp_bwd += tp_fwd  # the recomputed forward repeats its collectives
         ep_bwd += ep_fwd  # and its token dispatch and combine

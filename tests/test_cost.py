@@ -351,3 +351,25 @@ def test_fp8_params_all_gather_one_byte_per_weight():
     grads_fp8, gather_fp8 = dp_sync_parts_s(model, hw, fp8, plan, 0, 32)
     assert grads_fp8 == dp_sync_parts_s(model, hw, bf16, plan, 0, 32)[0]
     assert gather_fp8 < gather_bf16 and gather_fp8 == pytest.approx(gather_bf16 / 2, rel=0.02)  # alpha terms aside
+
+
+def test_torchtitan_selective_ac_recomputes_every_second_matmul():
+    """torchtitan's op-level SAC (activation_checkpoint.py::_get_custom_policy) recomputes every second aten.mm of
+    a block in forward order: Q, K, V, O, W1, W3, W2 -> K, O, W3. For Llama-3-8B on one TP rank the recomputed
+    GEMMs are K 4096 -> 1024, O 4096 -> 4096 and W3 4096 -> 14336 (hand-read from its config), plus the forward of
+    the memory-bound ops; the attention kernel is saved."""
+    model = load_model("llama3-8b")
+    tt = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=8192, framework="torchtitan")
+    plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=2, zero_stage=3, recompute="selective")
+    rates = cost.Rates.of(H100, "bf16")
+    tokens = 2 * 8192
+    gemms = sum(gemm_time_s(tokens, k, n, rates) for k, n in ((4096, 1024), (4096, 4096), (4096, 14336)))
+    assert cost.op_sac_recompute_s(model, tt, plan, rates, tokens, 0.0, 0) == pytest.approx(gemms, rel=1e-12)
+    gelu = model.model_copy(update={"activation": "gelu"})  # Q, K, V, O, W1, W2: K, O and W2 (14336 -> 4096)
+    w2 = sum(gemm_time_s(tokens, k, n, rates) for k, n in ((4096, 1024), (4096, 4096), (14336, 4096)))
+    assert cost.op_sac_recompute_s(gelu, tt, plan, rates, tokens, 0.0, 0) == pytest.approx(w2, rel=1e-12)
+    # in the layer: more than Megatron's selective recompute (the attention core only), less than full
+    lt = cost.layer_time(model, H100, tt, plan)
+    meg = cost.layer_time(model, H100, tt.model_copy(update={"framework": "megatron"}), plan)
+    full = cost.layer_time(model, H100, tt, plan.model_copy(update={"recompute": "full"}))
+    assert meg.recompute < gemms < lt.recompute < full.recompute
