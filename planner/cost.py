@@ -1333,6 +1333,7 @@ def schedule_family(training: TrainingSpec) -> str:
 def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                   order: str = DEFAULT_ORDER) -> TimeEstimate:
     """Step time and its breakdown (module docstring), composed by :func:`compose_step` over every stage."""
+    hw = hw.for_job(training.num_gpus)  # the NVLink domain this job's ranks fill (HardwareSpec.job_nvlink_domain)
     m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
     p, v = plan.pp, plan.vpp
     c = contention(hw)

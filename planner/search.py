@@ -498,6 +498,7 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp)."""
     space = space or SearchSpace()
     t0 = time.perf_counter()
+    hw = hw.for_job(training.num_gpus)  # the NVLink domain this job's ranks fill (HardwareSpec.job_nvlink_domain)
     tables = build_tables(model, hw, training, space, order)
     result = SearchResult(best=None, candidates=tables.candidates)
     candidates = pareto_by_group(tables) if model.is_moe else pareto_candidates(tables)

@@ -484,6 +484,10 @@ class HardwareSpec(_Spec):
         description="GPUs that share one NVLink (scale-up) domain: 8 on DGX/HGX H100 and B200, 72 on GB200/GB300 "
                     "NVL72 racks (18 trays of 4). Default: gpus_per_node. Groups inside one domain use the intra "
                     "figures, groups across domains the inter figures.")
+    nvlink_domain_segment: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="GPUs of one domain a job fills when it does not fill whole domains: 64 on NVL72 racks, where "
+                    "jobs run on 16 of the 18 trays (HardwareSpec.for_job). Default: whole domains only.")
     intra_node_bandwidth_gbps: float = Field(
         gt=0, description="Achievable ring bus bandwidth per GPU inside a node (nccl-tests busbw), GB/s.")
     intra_node_latency_us: float = Field(ge=0, description="Per-step latency of an intra-node collective, us.")
@@ -542,6 +546,10 @@ class HardwareSpec(_Spec):
     def _check(self) -> HardwareSpec:
         if self.nvlink_domain % self.gpus_per_node:
             _problems([f"nvlink_domain_size: {self.nvlink_domain} is not a multiple of gpus_per_node({self.gpus_per_node})"])
+        seg = self.nvlink_domain_segment
+        if seg and (seg % self.gpus_per_node or seg > self.nvlink_domain):
+            _problems([f"nvlink_domain_segment: {seg} must be a multiple of gpus_per_node({self.gpus_per_node}) "
+                       f"and at most the NVLink domain ({self.nvlink_domain})"])
         if self.usable_memory_gib <= 0:
             _problems([f"gpu_memory_gib: {self.gpu_memory_gib:g} GiB leaves {self.usable_memory_gib:.2f} GiB usable "
                        f"after cuda_context_gib({self.cuda_context_gib:g}), nccl_buffers_gib({self.nccl_buffers_gib:g}) "
@@ -552,6 +560,23 @@ class HardwareSpec(_Spec):
     def nvlink_domain(self) -> int:
         """GPUs of one NVLink domain (consecutive global ranks): ``nvlink_domain_size`` or ``gpus_per_node``."""
         return self.nvlink_domain_size or self.gpus_per_node
+
+    def job_nvlink_domain(self, num_gpus: int) -> int:
+        """The NVLink domain as a job of ``num_gpus`` GPUs fills it: consecutive global ranks fill one domain,
+        then the next. A job that fills whole domains (or fits in one) sees ``nvlink_domain``; one that does not,
+        but fills whole segments of ``nvlink_domain_segment`` GPUs, sees the segment: on GB200/GB300 NVL72 racks
+        jobs run on 64 of the 72 GPUs (16 of 18 compute trays), which is why every published Megatron-Bridge
+        GB200/GB300 run uses 8, 64, 128 or 256 GPUs (benchmarks/data/megatron_bridge_perf.json) and none a
+        multiple of 72. A group of ranks 64..95 then sits in one rack, not across two."""
+        d, seg = self.nvlink_domain, self.nvlink_domain_segment
+        if num_gpus <= d or num_gpus % d == 0 or not seg or num_gpus % seg:
+            return d
+        return seg
+
+    def for_job(self, num_gpus: int) -> HardwareSpec:
+        """This profile with the NVLink domain a job of ``num_gpus`` GPUs sees (:meth:`job_nvlink_domain`)."""
+        size = self.job_nvlink_domain(num_gpus)
+        return self if size == self.nvlink_domain else self.model_copy(update={"nvlink_domain_size": size})
 
     def tp_straddles(self, tp: int) -> str | None:
         """Why TP groups of ``tp`` would straddle NVLink domains (neither a divisor nor a multiple of one), or None."""
@@ -926,6 +951,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     t, p, d, c, v = plan.tp, plan.pp, plan.dp, plan.cp, plan.vpp
     L, a, g = model.num_layers, model.num_attention_heads, model.kv_heads
     B, b, s = training.global_batch_size, plan.micro_batch_size, training.seq_len
+    hardware = hardware.for_job(training.num_gpus)
     errors = []
     if plan.world_size != training.num_gpus:
         errors.append(f"plan: tp({t}) * pp({p}) * dp({d}) * cp({c}) = {plan.world_size} != num_gpus({training.num_gpus})")

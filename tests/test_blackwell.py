@@ -64,7 +64,7 @@ def test_tp_across_trays_is_fast_only_inside_the_domain():
     (740 GB/s); were each tray its own domain (nvlink_domain_size 4 = gpus_per_node), they would go over the
     400 Gb/s NICs (46 GB/s, hierarchically: 4 per tray first) and TP would cost over twice as much."""
     rack = load_hardware("gb200-nvl72")
-    trays = rack.model_copy(update={"nvlink_domain_size": 4})
+    trays = rack.model_copy(update={"nvlink_domain_size": 4, "nvlink_domain_segment": None})
     inside, across = _tp8_70b(rack), _tp8_70b(trays)
     assert inside.time.breakdown["tp_comm"] * 2 < across.time.breakdown["tp_comm"]
     assert inside.time.step_time_s < across.time.step_time_s
@@ -224,3 +224,33 @@ def test_b200_die_sustained_fraction_is_the_fit():
     runs = runs_of("B200")
     at = {x: mean_abs(errors(runs, x, "dense")) for x in (round(value - 0.01, 2), value, round(value + 0.01, 2))}
     assert at[value] == min(at.values()), at
+
+
+def test_a_job_that_does_not_fill_whole_racks_fills_64_gpu_segments():
+    """NVL72 racks: a job of a multiple of 72 GPUs (or at most 72) sees the 72-GPU domain; one of 256 GPUs, a
+    multiple of 64 and not of 72, runs on 64 GPUs of each of 4 racks (nvlink_domain_segment: jobs use 16 of the 18
+    trays), so ranks 64..95 share a rack. A count that is neither keeps the physical domain; DGX keeps its 8."""
+    rack = load_hardware("gb200-nvl72")
+    assert [rack.job_nvlink_domain(n) for n in (8, 64, 72, 144, 256, 2496, 100)] == [72, 72, 72, 72, 64, 64, 72]
+    assert rack.for_job(72) is rack and rack.for_job(256).nvlink_domain == 64
+    assert load_hardware("b200-180gb").job_nvlink_domain(256) == 8
+    # EP 32 on 256 GPUs: with 72-GPU racks the group of ranks 64..95 would straddle two racks and pace the
+    # all-to-all by the NICs; in 64-GPU segments every EP group is inside one rack
+    from planner.layout import expert_span
+
+    plan = Plan(tp=1, pp=8, dp=32, ep=32, micro_batch_size=1)
+    assert expert_span(plan, "ep", rack.nvlink_domain).nodes == 2
+    assert expert_span(plan, "ep", rack.job_nvlink_domain(256)).nodes == 1
+    # TP 16 divides the job's 64-GPU segment, not the rack: legal for 256 GPUs, refused for 288 (4 full racks)
+    model = load_model("llama3-70b")
+    Scenario(model=model, hardware=rack, training=TrainingSpec(num_gpus=256, global_batch_size=256, seq_len=8192),
+             plan=Plan(tp=16, pp=1, dp=16, micro_batch_size=1))
+    with pytest.raises(ValueError, match="NVLink domain"):
+        Scenario(model=model, hardware=rack, training=TrainingSpec(num_gpus=288, global_batch_size=288, seq_len=8192),
+                 plan=Plan(tp=16, pp=1, dp=18, micro_batch_size=1))
+
+
+def test_a_segment_larger_than_the_domain_is_refused():
+    with pytest.raises(ValueError, match="nvlink_domain_segment"):
+        load_hardware("gb200-nvl72").model_validate({**load_hardware("gb200-nvl72").model_dump(),
+                                                     "nvlink_domain_segment": 80})

@@ -115,7 +115,7 @@ def search(
                                                      overlap_p2p_comm,
                                                      moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe))
-    _check_pins(spec_hw, tp)
+    _check_pins(spec_hw.for_job(counts[0]) if len(counts) == 1 else spec_hw, tp)
     from planner.candidates import schedule_pin_problems
 
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
