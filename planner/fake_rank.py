@@ -101,6 +101,7 @@ class CachingAllocator:
         self.live: dict = {}
         self.reserved = self.peak_reserved = self.allocated = self.peak_allocated = 0
         self._next_addr = 0
+        self.oom = False  # a segment did not fit under ``capacity`` even after the release
 
     @staticmethod
     def allocation_size(size: int) -> int:
@@ -143,6 +144,9 @@ class CachingAllocator:
             seg = self.allocation_size(size)
             if self.capacity and self.reserved + seg > self.capacity:
                 self._release_cached()
+                # still over: cudaMalloc fails and torch raises OutOfMemoryError (alloc_block after
+                # release_cached_blocks); the replay records it and goes on
+                self.oom = self.oom or self.reserved + seg > self.capacity
             b = _Block(self._next_addr, seg, small)
             self._next_addr += seg
             self.reserved += seg
