@@ -374,10 +374,11 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 continue
             backward(bwd, bwd == 0, bwd == m - 1)
             bwd += 1
-        if p > 1 and fsdp:  # perform_reduce_grad: reduce-scatter the accumulators
+        if p > 1 and fsdp:  # perform_reduce_grad: reshard, reduce-scatter the accumulators
             for g, blocks in enumerate(groups):
                 if not blocks:
                     continue
+                reshard(g)
                 rs_in = tr.new(FP32 * sum(blocks)) if n > 1 else None
                 tr.new(FP32 * sum(blocks) / n, ("grad", g))
                 tr.free(rs_in)
