@@ -398,15 +398,29 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     return tuple(tr.events)
 
 
+STEADY_CYCLES = 3  # 1F1B cycles written after the warm-up (stage_reserved)
+
+
+def traced_microbatches(plan, stage: int, num_microbatches: int) -> int:
+    """Micro-batches the trace writes: after the warm-up of ``min(m, p - r)`` forwards, 1F1B repeats one
+    backward and one forward of the same tensors, so the allocator's state repeats from cycle to cycle;
+    the trace keeps ``STEADY_CYCLES`` of them (``tests/test_torchtitan_reserved.py`` checks the peak is the
+    one of all ``m``). Gradient accumulation at pp = 1 likewise."""
+    warm = min(num_microbatches, plan.pp - stage) if plan.pp > 1 else 1
+    return min(num_microbatches, warm + STEADY_CYCLES)
+
+
 @functools.lru_cache(maxsize=256)
 def stage_reserved(model, training, plan, stage: int, layers: int, num_microbatches: int,
-                   capacity_bytes: float | None = None) -> tuple[float, float, bool]:
+                   capacity_bytes: float | None = None, all_microbatches: bool = False) -> tuple[float, float, bool]:
     """(peak reserved bytes, peak allocated bytes, out of memory) of the replay of :func:`stage_events`
     through :class:`~planner.fake_rank.CachingAllocator` with ``capacity_bytes`` as the device limit
     (the allocator releases its wholly free cached segments when a new one would pass it; out of
     memory: a segment still does not fit after that, ``CUDACachingAllocator.cpp`` ``malloc`` ->
-    ``release_cached_blocks`` -> ``alloc_block`` fails -> OutOfMemoryError)."""
+    ``release_cached_blocks`` -> ``alloc_block`` fails -> OutOfMemoryError). The micro-batches written are
+    :func:`traced_microbatches` (all ``num_microbatches`` with ``all_microbatches``)."""
     from planner.fake_rank import replay_reserved
 
-    alloc = replay_reserved(stage_events(model, training, plan, stage, layers, num_microbatches), capacity_bytes)
+    m = num_microbatches if all_microbatches else traced_microbatches(plan, stage, num_microbatches)
+    alloc = replay_reserved(stage_events(model, training, plan, stage, layers, m), capacity_bytes)
     return float(alloc.peak_reserved), float(alloc.peak_allocated), bool(alloc.oom)
