@@ -93,23 +93,21 @@ def _param_blocks(model, plan) -> tuple[list[float], list[float]]:
 
 #: DTensor's ``loss_parallel`` cross entropy on vocabulary-sharded logits, as torch 2.13 issues its
 #: allocations (``torch/distributed/tensor/parallel/loss.py``: ``_log_softmax`` and ``_nll_loss_forward``
-#: / ``_nll_loss_and_log_softmax_backward`` on the local shard; recorded from torch's own run by
-#: ``planner.fake_rank.measure_step`` with tp = 2, FakeTensorMode): (event, tensor id, bytes in units
-#: of the bf16 local logits ``2 B x s b V / t``). Forward: the first ``LOSS_PARALLEL_FORWARD`` events,
-#: ending with ``del pred`` (id 1, the bf16 logits); at its peak 11 units are live (22 B per local
-#: logit, ``planner.frameworks.torchtitan.LOSS_PARALLEL_BYTES_PER_ELEMENT``). Backward: the rest; id 22
-#: is the bf16 gradient of the logits, live through the output layer's backward.
+#: / ``_nll_loss_and_log_softmax_backward`` on the local shard), recorded from torch's own step by
+#: ``planner.fake_rank.measure_step`` (tp = 2, FakeTensorMode, the second run in the process: the first
+#: also records DTensor's one-time sharding propagation): (event, tensor id, bytes in units of the bf16
+#: local logits ``2 B x s b V / t``). Forward: the first ``LOSS_PARALLEL_FORWARD`` events, ending with
+#: ``del pred`` (id 0, the bf16 logits); at its peak 11 units are live (22 B per local logit,
+#: ``planner.frameworks.torchtitan.LOSS_PARALLEL_BYTES_PER_ELEMENT``). Backward: the rest; id 14 is the
+#: bf16 gradient of the logits, live through the output layer's backward.
 LOSS_PARALLEL_EVENTS = (
-    ("A", 0, 2.0), ("D", 0, 2.0), ("A", 1, 1.0), ("A", 2, 2.0), ("D", 2, 2.0), ("A", 3, 2.0), ("D", 3, 2.0),
-    ("A", 4, 2.0), ("A", 5, 4.0), ("D", 4, 2.0), ("D", 5, 4.0), ("A", 6, 2.0), ("A", 7, 4.0), ("A", 8, 4.0),
-    ("D", 7, 4.0), ("D", 8, 4.0), ("A", 9, 2.0), ("A", 10, 2.0), ("D", 10, 2.0), ("A", 11, 2.0), ("D", 9, 2.0),
-    ("A", 9, 4.0), ("D", 9, 4.0), ("A", 12, 4.0), ("D", 12, 4.0), ("D", 6, 2.0), ("D", 1, 1.0),
-    ("A", 13, 4.0), ("A", 14, 4.0), ("D", 13, 4.0), ("D", 14, 4.0), ("A", 15, 2.0), ("A", 16, 2.0),
-    ("A", 17, 2.0), ("D", 16, 2.0), ("A", 18, 2.0), ("D", 17, 2.0), ("D", 15, 2.0), ("A", 19, 4.0),
-    ("D", 19, 4.0), ("D", 11, 2.0), ("A", 20, 4.0), ("A", 21, 2.0), ("D", 20, 4.0), ("D", 21, 2.0),
-    ("A", 22, 1.0), ("D", 18, 2.0), ("A", 23, 2.0), ("D", 23, 2.0))
-LOSS_PARALLEL_FORWARD = 27
-LOSS_PARALLEL_GRAD_ID = 22
+    ("A", 0, 1.0), ("A", 1, 2.0), ("A", 2, 4.0), ("A", 3, 4.0), ("D", 2, 4.0), ("D", 3, 4.0), ("A", 4, 2.0),
+    ("A", 5, 2.0), ("D", 5, 2.0), ("A", 6, 2.0), ("D", 4, 2.0), ("A", 7, 4.0), ("D", 7, 4.0), ("D", 1, 2.0),
+    ("D", 0, 1.0),
+    ("A", 8, 4.0), ("A", 9, 4.0), ("D", 8, 4.0), ("D", 9, 4.0), ("A", 10, 2.0), ("A", 11, 2.0), ("A", 12, 2.0),
+    ("D", 11, 2.0), ("A", 13, 2.0), ("D", 12, 2.0), ("D", 10, 2.0), ("D", 6, 2.0), ("A", 14, 1.0), ("D", 13, 2.0))
+LOSS_PARALLEL_FORWARD = 15
+LOSS_PARALLEL_GRAD_ID = 14
 
 
 def _play(tr, events, mb, unit_bytes, live=None, after=None) -> dict:
@@ -284,7 +282,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             logits = sb * v_local
             if t > 1 and training.precision != "fp32":  # loss_parallel: torch's own op sequence
                 live = _play(tr, LOSS_PARALLEL_EVENTS[:LOSS_PARALLEL_FORWARD], mb, BF16 * logits,
-                             after={1: (lambda: reshard(0)) if raf else None})
+                             after={0: (lambda: reshard(0)) if raf else None})
                 loss = ("lp", live)
             else:
                 pred = tr.new(e * logits)
