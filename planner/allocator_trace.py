@@ -135,7 +135,7 @@ class _Trace:
     def new(self, nbytes: float, key=None):
         if key is None:
             self._n += 1
-            key = ("t", self._n)
+            key = self._n
         if nbytes > 0:
             self.events.append(("ADD", key, int(nbytes)))
         return key
@@ -190,6 +190,10 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     terms = layer_activation_terms(model, training, plan)
     split = next((i for i, x in enumerate(terms) if x.name.startswith("norm2")), len(terms))
     rc = plan.recompute
+    forward_terms = [(x.bytes, _kept(x, rc)) for x in terms if not x.layer_input]
+    recompute_terms = [x.bytes for x in terms if x.autograd and not _kept(x, rc) and not x.layer_input]
+    backward_halves = [([x.bytes for x in reversed(half) if x.autograd], blocks)
+                       for half, blocks in ((terms[split:], mlp_p), (terms[:split], attn_p))]
 
     # --- states: fp32 shards (or, without FSDP, fp32 parameters), tokens and labels
     for g, blocks in enumerate(groups):
@@ -260,13 +264,11 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             unshard(g)
             layer = [x]
             prev = None
-            for term in terms:
-                if term.layer_input:
-                    continue
-                k = tr.new(term.bytes)
+            for nbytes, kept in forward_terms:
+                k = tr.new(nbytes)
                 tr.free(prev)
                 prev = None
-                if _kept(term, rc):
+                if kept:
                     layer.append(k)
                 else:
                     prev = k
@@ -336,15 +338,13 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 unshard(g - 1)  # FSDP2's backward prefetch of the block before
             layer = keep.pop()
             # recompute: what the policy dropped, re-made in forward order
-            recomputed = [tr.new(x.bytes) for x in terms if x.autograd and not _kept(x, rc) and not x.layer_input]
+            recomputed = [tr.new(x) for x in recompute_terms]
             held = layer + recomputed
             wgrads = []
             prev = grad
-            for half, blocks in ((terms[split:], mlp_p), (terms[:split], attn_p)):
-                for x in reversed(half):
-                    if not x.autograd:
-                        continue
-                    k = tr.new(x.bytes)
+            for half, blocks in backward_halves:
+                for x in half:
+                    k = tr.new(x)
                     tr.free(prev)
                     prev = k
                 wgrads += [tr.new(wb * y) for y in blocks]

@@ -42,6 +42,7 @@ module does not import torch.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from dataclasses import dataclass, replace
@@ -112,13 +113,9 @@ class CachingAllocator:
         return -(-size // ROUND_LARGE) * ROUND_LARGE
 
     def _insert(self, b):
-        import bisect
-
         bisect.insort(self.free_blocks[b.small], (b.size, b.addr, id(b), b))
 
     def _remove(self, b):
-        import bisect
-
         pool = self.free_blocks[b.small]
         pool.pop(bisect.bisect_left(pool, (b.size, b.addr, id(b))))
 
@@ -132,8 +129,6 @@ class CachingAllocator:
         return left
 
     def malloc(self, key, nbytes: int) -> None:
-        import bisect
-
         size = max(ALLOCATOR_BLOCK_BYTES, -(-nbytes // ALLOCATOR_BLOCK_BYTES) * ALLOCATOR_BLOCK_BYTES)
         small = size <= SMALL_SIZE
         pool = self.free_blocks[small]

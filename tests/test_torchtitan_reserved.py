@@ -24,7 +24,7 @@ from planner.memory import estimate_memory
 from planner.presets import load_hardware, load_model
 from planner.specs import GIB, Plan, TrainingSpec
 
-TOLERANCE = 0.06  # |synthetic / torch's trace - 1|, reserved peak (largest seen: -5.1 %, TP 2 selective AC)
+TOLERANCE = 0.05  # |synthetic / torch's trace - 1|, reserved peak (largest seen: -3.4 %, FSDP 8 full AC)
 SEQ, MBS = 8192, 2
 LLAMA3_8B = load_model("llama3-8b")
 H100 = load_hardware("h100-sxm-80gb")
