@@ -34,9 +34,10 @@ The event order, one rank of one stage (each source cited where used below):
   log-softmax output (saved); the fp32 copy and, at ``del pred``, the bf16 logits freed; backward:
   the fp32 gradient of the log-softmax output, the fp32 gradient of its input, the saved output and
   the first gradient freed, the bf16 cast of the gradient (``_to_copy`` backward). With TP
-  (``loss_parallel``, DTensor's decomposed ``_log_softmax``) the forward keeps the bf16 logits, the
-  fp32 copy, ``shifted``, ``exp(shifted)`` and the result together: five blocks per local logit
-  whose bytes add up to ``planner.frameworks.torchtitan.LOSS_PARALLEL_BYTES_PER_ELEMENT``.
+  (``loss_parallel``, DTensor's decomposed ``_log_softmax`` on the vocabulary shard) the sequence torch
+  issues is replayed as recorded (:data:`LOSS_PARALLEL_EVENTS`). The root module (embedding, final
+  norm, output layer) is resharded when its forward ends, after the output layer; its bf16 gradients
+  live until FSDP2's final callback reduce-scatters them at the end of the backward.
 * **backward of a block**: the recomputed tensors (``planner.memory.recompute_working_bytes``'s
   terms, re-made in forward order), then the gradients, in reverse order: one activation gradient
   per saved tensor (each lives until the next), each MLP / attention weight's bf16 gradient, the
@@ -51,12 +52,15 @@ The event order, one rank of one stage (each source cited where used below):
   ``zero_grad(set_to_none=True)`` frees the sharded gradients.
 
 Pipeline stages run their micro-batches in 1F1B order (``Schedule1F1B``: ``min(m, p - r)`` warm-up
-forwards, then one backward and one forward, then the cool-down backwards). Two steps are replayed:
-the first has no Adam states, the second finds the first's cached segments.
+forwards, then one backward and one forward, then the cool-down backwards; :func:`traced_microbatches`).
+Two steps are replayed: the first has no Adam states, the second finds the first's cached segments
+(the peak is in the first for shallow stages, in the second for deep ones).
 
 What is left out: the all-gather / reduce-scatter streams' own pools (one stream here, as
-:class:`~planner.fake_rank.CachingAllocator` says), the small per-op temporaries (rstd, RNG), and
-MoE's dispatch buffers beyond the terms ``planner.memory`` lists. ``tests/test_torchtitan_reserved.py``
+:class:`~planner.fake_rank.CachingAllocator` says), the small per-op temporaries (rstd, RNG), the
+foreach AdamW's temporaries (torchtitan's default; they come after the activations are freed, into
+the cache they leave), torch.compile and Float8. Interleaved and zero-bubble schedules and MoE are
+not written (``planner.frameworks.torchtitan.reserved_modelled``). ``tests/test_torchtitan_reserved.py``
 compares the replay with the replay of torch's own trace (``planner.fake_rank.measure_step``).
 """
 
@@ -64,8 +68,6 @@ from __future__ import annotations
 
 import functools
 
-from planner import frameworks
-from planner.fake_rank import CachingAllocator
 
 BF16, FP32 = 2, 4
 TOKEN_ID_BYTES = 8  # int64 token ids and labels
@@ -162,12 +164,11 @@ def _kept(term, recompute: str) -> bool:
 @functools.lru_cache(maxsize=256)
 def stage_events(model, training, plan, stage: int, layers: int, num_microbatches: int, steps: int = 2) -> tuple:
     """The allocation events of ``steps`` training steps of one GPU of stage ``stage`` (module docstring)."""
-    from planner.memory import layer_activation_terms, output_bytes, stage_param_split
-    from planner.specs import padded_vocab_size
     from planner.frameworks.torchtitan import reshard_after_forward
+    from planner.memory import layer_activation_terms, stage_param_split
+    from planner.specs import padded_vocab_size
 
     tr = _Trace()
-    profile = frameworks.get(training.framework)
     p, m, t = plan.pp, num_microbatches, plan.tp
     n = max(plan.dp * plan.cp, 1) if plan.zero_stage >= 1 else 1
     fsdp = plan.zero_stage >= 1
@@ -227,7 +228,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             gathered.discard(g)
             tr.free_all(("full", g, j) for j in range(len(groups[g])))
 
-    def reduce_grads(g, grads, mb_first, mb_last):
+    def reduce_grads(g, grads, mb_first):
         """FSDP2 post_backward (pp = 1) or the PP accumulator (module docstring)."""
         total = sum(groups[g])
         if p > 1 and fsdp:
@@ -300,7 +301,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             keep.append([x])  # the stage's output, held until its gradient comes back
         saved[mb] = (keep, loss)
 
-    def backward(mb, mb_first, mb_last):
+    def backward(mb, mb_first):
         keep, loss = saved.pop(mb)
         tail = keep.pop()
         grad = None
@@ -351,14 +352,14 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             grad = tr.new(sb * h * e / sp)  # the gradient of the block's input
             tr.free(prev)
             tr.free_all(held)
-            reduce_grads(g, wgrads, mb_first, mb_last)
+            reduce_grads(g, wgrads, mb_first)
             if raf or (plan.zero_stage < 3 and p == 1 and fsdp):  # reshard after backward (not under PP)
                 reshard(g)
         if first and emb_p:
             root_grads.append(tr.new(wb * emb_p))
         tr.free(grad)
         if groups[0]:
-            reduce_grads(0, root_grads, mb_first, mb_last)
+            reduce_grads(0, root_grads, mb_first)
             if p == 1 and (raf or plan.zero_stage < 3):
                 reshard(0)
 
@@ -370,7 +371,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 forward(f)
                 f += 1
                 continue
-            backward(bwd, bwd == 0, bwd == m - 1)
+            backward(bwd, bwd == 0)
             bwd += 1
         if p > 1 and fsdp:  # perform_reduce_grad: reshard, reduce-scatter the accumulators
             for g, blocks in enumerate(groups):
