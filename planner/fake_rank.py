@@ -42,6 +42,7 @@ module does not import torch.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from dataclasses import dataclass, replace
@@ -101,6 +102,7 @@ class CachingAllocator:
         self.live: dict = {}
         self.reserved = self.peak_reserved = self.allocated = self.peak_allocated = 0
         self._next_addr = 0
+        self.oom = False  # a segment did not fit under ``capacity`` even after the release
 
     @staticmethod
     def allocation_size(size: int) -> int:
@@ -111,15 +113,12 @@ class CachingAllocator:
         return -(-size // ROUND_LARGE) * ROUND_LARGE
 
     def _insert(self, b):
-        import bisect
-
-        bisect.insort(self.free_blocks[b.small], (b.size, b.addr, id(b), b))
+        # (size, address) is unique: blocks partition the address space, which is never reused
+        bisect.insort(self.free_blocks[b.small], (b.size, b.addr, b))
 
     def _remove(self, b):
-        import bisect
-
         pool = self.free_blocks[b.small]
-        pool.pop(bisect.bisect_left(pool, (b.size, b.addr, id(b))))
+        pool.pop(bisect.bisect_left(pool, (b.size, b.addr)))
 
     @staticmethod
     def _join(left, right):
@@ -131,18 +130,19 @@ class CachingAllocator:
         return left
 
     def malloc(self, key, nbytes: int) -> None:
-        import bisect
-
         size = max(ALLOCATOR_BLOCK_BYTES, -(-nbytes // ALLOCATOR_BLOCK_BYTES) * ALLOCATOR_BLOCK_BYTES)
         small = size <= SMALL_SIZE
         pool = self.free_blocks[small]
         i = bisect.bisect_left(pool, (size,))
         if i < len(pool):
-            b = pool.pop(i)[3]
+            b = pool.pop(i)[2]
         else:
             seg = self.allocation_size(size)
             if self.capacity and self.reserved + seg > self.capacity:
                 self._release_cached()
+                # still over: cudaMalloc fails and torch raises OutOfMemoryError (alloc_block after
+                # release_cached_blocks); the replay records it and goes on
+                self.oom = self.oom or self.reserved + seg > self.capacity
             b = _Block(self._next_addr, seg, small)
             self._next_addr += seg
             self.reserved += seg
@@ -178,8 +178,8 @@ class CachingAllocator:
         for small, pool in self.free_blocks.items():
             keep = []
             for item in pool:
-                if item[3].prev is None and item[3].next is None:  # a whole segment, unused
-                    self.reserved -= item[3].size
+                if item[2].prev is None and item[2].next is None:  # a whole segment, unused
+                    self.reserved -= item[2].size
                 else:
                     keep.append(item)
             self.free_blocks[small] = keep
@@ -208,11 +208,12 @@ def _allocation_trace(events: list):
 def replay_reserved(events: list, capacity_bytes: float | None = None) -> CachingAllocator:
     """The caching allocator after the trace (``peak_reserved``, ``peak_allocated``)."""
     alloc = CachingAllocator(capacity_bytes)
+    free, malloc = alloc.free, alloc.malloc
     for kind, key, nbytes in events:
         if kind != "ADD":
-            alloc.free(key)
+            free(key)
         if kind != "DEL" and nbytes:
-            alloc.malloc(key, nbytes)
+            malloc(key, nbytes)
     return alloc
 
 

@@ -53,15 +53,26 @@ class StageMemory:
     optimizer_bytes: float
     activations_bytes: float
     other_bytes: float
+    # the caching allocator's peak reserved, where the framework models it (torchtitan:
+    # planner.allocator_trace, never below total_bytes); None: the peak is the allocated total
+    reserved_bytes: float | None = None
 
     @property
     def total_bytes(self) -> float:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.other_bytes
 
+    @property
+    def peak_bytes(self) -> float:
+        """What the stage needs of the device: the reserved peak where modelled, else the allocated total."""
+        return self.total_bytes if self.reserved_bytes is None else self.reserved_bytes
+
     def as_gib(self) -> dict:
-        return {"stage": self.stage, "layers": self.layers,
-                **{f"{k}_gib": getattr(self, f"{k}_bytes") / GIB
-                   for k in ("weights", "grads", "optimizer", "activations", "other", "total")}}
+        out = {"stage": self.stage, "layers": self.layers,
+               **{f"{k}_gib": getattr(self, f"{k}_bytes") / GIB
+                  for k in ("weights", "grads", "optimizer", "activations", "other", "total")}}
+        if self.reserved_bytes is not None:
+            out["reserved_gib"] = self.reserved_bytes / GIB
+        return out
 
 
 @dataclass(frozen=True)
@@ -72,11 +83,12 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> StageMemory:
-        return max(self.stages, key=lambda s: s.total_bytes)
+        return max(self.stages, key=lambda s: s.peak_bytes)
 
     @property
     def peak_gib(self) -> float:
-        return self.peak.total_bytes / GIB
+        """The peak the framework's logs show: reserved where modelled (torchtitan), else allocated."""
+        return self.peak.peak_bytes / GIB
 
     @property
     def fits(self) -> bool:
@@ -921,6 +933,10 @@ def estimate_memory(model: ModelSpec, hardware: HardwareSpec, training: Training
     m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
     stages = tuple(stage_memory(model, training, plan, m, r, n)
                    for r, n in enumerate(plan.stage_layers(model.num_layers)))
+    if training.framework == "torchtitan":  # its logs show the caching allocator's reserved peak
+        from planner.frameworks.torchtitan import with_reserved
+
+        stages = with_reserved(model, hardware, training, plan, m, stages)
     return MemoryEstimate(capacity_gib=hardware.gpu_memory_gib, usable_gib=hardware.usable_memory_gib, stages=stages)
 
 

@@ -132,3 +132,39 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
                         allows_uneven_interleaved=True,  # plan3d validate's miniature splits any stage
                         moe_ep_needs_fsdp=False)  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
+
+
+def reserved_modelled(model, training, plan) -> bool:
+    """Whether :mod:`planner.allocator_trace` writes this plan's step: dense models, one virtual stage per
+    rank in 1F1B order (torchtitan's default ``pipeline_parallel_schedule``), no activation offloading.
+    Interleaved and zero-bubble schedules and MoE layers (expert shards over ``efsdp``, dispatch buffers)
+    are not written: their peak stays the allocated estimate."""
+    return (not model.is_moe and plan.vpp == 1 and plan.schedule == "1f1b" and not plan.cpu_offload_layers)
+
+
+def with_reserved(model, hardware, training, plan, num_microbatches: int, stages: tuple) -> tuple:
+    """``stages`` with ``reserved_bytes``: the peak reserved of each stage's synthetic step trace
+    (:func:`planner.allocator_trace.stage_reserved`), never below the stage's allocated total.
+
+    What ``fits`` means for torchtitan: the trace is replayed with the device's usable memory
+    (``HardwareSpec.usable_memory_gib``) as the caching allocator's limit. When a new segment would
+    pass it, the allocator releases its wholly free cached segments and retries
+    (``CUDACachingAllocator.cpp``: ``malloc`` -> ``release_cached_blocks``), so the reserved peak stays
+    at or under the limit exactly when the step runs without ``OutOfMemoryError``: ``peak_gib <=
+    usable_gib`` is "no OOM", and ``peak_gib`` is then what ``max_memory_reserved`` would log on that
+    device. A step whose allocations fit but whose free blocks cannot serve a request even after the
+    release (fragmentation) does not fit; one that reserves more than the device on a larger GPU but
+    fits once the cache is released does. The usable memory keeps the profile's headroom for what the
+    trace leaves out (the collectives' stream pools, NCCL's and the context's memory).
+    """
+    if not reserved_modelled(model, training, plan):
+        return stages
+    from planner.allocator_trace import stage_reserved
+    from planner.specs import GIB
+
+    capacity = hardware.usable_memory_gib * GIB
+    out = []
+    for st in stages:
+        reserved, _, _ = stage_reserved(model, training, plan, st.stage, st.layers, num_microbatches, capacity)
+        out.append(replace(st, reserved_bytes=max(reserved, st.total_bytes)))
+    return tuple(out)

@@ -1,0 +1,65 @@
+"""torchtitan's published memory readings against plan3d's torchtitan profile (issue 13).
+
+Run: python benchmarks/torchtitan_memory.py [--torch]
+
+For every run of tests/data/published_memory.json ``torchtitan_h100_202412`` (torchtitan
+benchmarks/llama3_h100_202412_torchtitan.md, Tables 1-6; the reading is ``max_memory_reserved``):
+the reading, plan3d's peak allocated (``planner.memory``), its peak reserved (the synthetic step trace
+replayed through the caching-allocator model, ``planner.allocator_trace``, what ``estimate`` now reports
+for torchtitan) and both errors; ``modelled`` marks the runs the profile models (no torch.compile, no
+Float8: the others are printed for reference only). Plans as tests/test_framework_memory.py builds them.
+
+``--torch`` also replays torch's own trace of the full-size step (``planner.fake_rank.measure_step``,
+FakeTensorMode) for the modelled runs and for the reduced-depth cases of tests/test_torchtitan_reserved.py,
+next to the synthetic trace's figure (needs torch; about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from planner.specs import GIB  # noqa: E402
+from tests.test_framework_memory import _torchtitan_estimate  # noqa: E402
+
+PUBLISHED = json.loads((ROOT / "tests" / "data" / "published_memory.json").read_text())["torchtitan_h100_202412"]
+
+
+def published() -> None:
+    print(f"{'table':>5s} {'techniques':46s} {'mod':>3s} {'read GiB':>8s} {'alloc GiB':>9s} {'err':>7s} "
+          f"{'reserved GiB':>12s} {'err':>7s} {'fits':>5s} {'ms':>6s}")
+    for run in PUBLISHED["runs"]:
+        t0 = time.perf_counter()
+        est = _torchtitan_estimate(run)
+        ms = 1000 * (time.perf_counter() - t0)
+        alloc = max(s.total_bytes for s in est.stages) / GIB
+        read = run["reading_gib"]
+        print(f"{run['table']:5d} {run['techniques']:46s} {'yes' if run['modelled'] else 'no':>3s} {read:8.1f} "
+              f"{alloc:9.1f} {alloc / read - 1:+7.1%} {est.peak_gib:12.1f} {est.peak_gib / read - 1:+7.1%} "
+              f"{str(est.fits):>5s} {ms:6.0f}")
+
+
+def against_torch() -> None:
+    from tests import test_torchtitan_reserved as t
+
+    cases = dict(t.CASES)
+    for table in (1, 3):
+        run = next(r for r in PUBLISHED["runs"] if r["table"] == table and r["techniques"] == "FSDP")
+        cases[f"table{table}-fsdp{run['dp']}-32-layers"] = (32, run["dp"], 1, 1, 3, run["ac"], 1, "only")
+    print(f"\n{'case':34s} {'torch alloc':>11s} {'torch reserved':>14s} {'synthetic reserved':>18s} {'err':>7s}")
+    for name, case in cases.items():
+        m = t._torch_trace(*case)
+        reserved, _, _ = t._synthetic(*case)
+        print(f"{name:34s} {m.peak_bytes / GIB:11.2f} {m.reserved_bytes / GIB:14.2f} {reserved / GIB:18.2f} "
+              f"{reserved / m.reserved_bytes - 1:+7.1%}")
+
+
+if __name__ == "__main__":
+    published()
+    if "--torch" in sys.argv:
+        against_torch()

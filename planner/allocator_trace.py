@@ -1,0 +1,425 @@
+"""Peak **reserved** memory of a torchtitan stage: a synthetic allocation trace of its training step,
+built from the estimator's own terms, replayed through the caching-allocator model
+(:class:`planner.fake_rank.CachingAllocator`, ``c10/cuda/CUDACachingAllocator.cpp``).
+
+torchtitan logs ``torch.cuda.max_memory_reserved`` (``components/metrics.py``,
+``DeviceMemoryMonitor.get_peak_stats``). ``planner.memory`` predicts the peak *allocated* bytes; the
+caching allocator reserves more because a freed block serves only requests that fit in it (best
+fit, ``get_free_block``) and a segment is returned to the device only when a ``cudaMalloc`` fails
+(``release_cached_blocks``). The gap comes from the order and the sizes of the allocations, so this
+module writes one training step as the list of allocations torch issues, tensor by tensor, with the
+sizes ``planner.memory`` already knows, and replays it. Pure arithmetic, no torch.
+
+The event order, one rank of one stage (each source cited where used below):
+
+* **states** (allocated before the step, never freed): the fp32 FSDP2 shards of the root module and of
+  every block (``fully_shard``: one group per block, then the root, torchtitan ``apply_fsdp``);
+  the int64 tokens and labels.
+* **FSDP2 unshard** of a group (``_fsdp_param_group.py::FSDPParamGroup.unshard`` ->
+  ``_fsdp_collectives.py::foreach_all_gather``: the bf16 all-gather input (the shard cast, 2 B / N),
+  the all-gather output (2 B x group), then ``foreach_all_gather_copy_out`` into each parameter's
+  unsharded storage (``FSDPParam.alloc_all_gather_outputs``: one block per parameter), output freed).
+  Reshard frees the per-parameter storages (``FSDPParam.free_unsharded_param``, storage resized to 0).
+  With ``reshard_after_forward`` (ZeRO-3 without PP, ``planner.frameworks.torchtitan``) each block
+  is gathered in its forward and again in its backward, where the backward of block ``i`` prefetches
+  block ``i - 1`` (FSDP2's implicit backward prefetch, ``FSDPState._pre_backward`` ->
+  ``_backward_prefetch``); without, the parameters are gathered once per step and kept.
+* **forward of a block**: the tensors of ``planner.memory.layer_activation_terms`` in the block's
+  order (norm, Q/K/V, attention, out-projection, norm, W1/W3, SiLU, W2); a tensor the recompute
+  policy does not keep lives until the next one is made (autograd frees it when its consumer has
+  run); the block's output (the next block's input) ends it.
+* **loss** (torchtitan ``train.py::forward_backward_step``: ``pred = model(inputs)``, ``loss =
+  loss_fn(pred, labels)``, ``del pred``, ``loss.backward()``; ``components/loss.py``:
+  ``cross_entropy(pred.flatten(0, 1).float(), labels)``): the bf16 logits, their fp32 copy, the
+  log-softmax output (saved); the fp32 copy and, at ``del pred``, the bf16 logits freed; backward:
+  the fp32 gradient of the log-softmax output, the fp32 gradient of its input, the saved output and
+  the first gradient freed, the bf16 cast of the gradient (``_to_copy`` backward). With TP
+  (``loss_parallel``, DTensor's decomposed ``_log_softmax`` on the vocabulary shard) the sequence torch
+  issues is replayed as recorded (:data:`LOSS_PARALLEL_EVENTS`). The root module (embedding, final
+  norm, output layer) is resharded when its forward ends, after the output layer; its bf16 gradients
+  live until FSDP2's final callback reduce-scatters them at the end of the backward.
+* **backward of a block**: the recomputed tensors (``planner.memory.recompute_working_bytes``'s
+  terms, re-made in forward order), then the gradients, in reverse order: one activation gradient
+  per saved tensor (each lives until the next), each MLP / attention weight's bf16 gradient, the
+  saved tensors freed as their backward ends; then FSDP2's ``post_backward``
+  (``_fsdp_collectives.py::foreach_reduce``): the fp32 reduce-scatter input (4 B x group, the bf16
+  gradients cast to ``reduce_dtype``), the bf16 gradients freed, the fp32 reduce-scatter output
+  (4 B / N: the sharded gradient, or added into it with gradient accumulation), the input freed.
+  Under PP (``PipelineStage.backward_maybe_with_nosync``: no gradient sync) the bf16 gradient is
+  added into an fp32 unsharded accumulator kept for the step (``FSDPParam.to_accumulated_grad_if_needed``),
+  reduce-scattered in ``perform_reduce_grad`` after the last micro-batch.
+* **optimizer**: AdamW allocates ``exp_avg`` and ``exp_avg_sq`` (8 B / N) at its first step;
+  ``zero_grad(set_to_none=True)`` frees the sharded gradients.
+
+Pipeline stages run their micro-batches in 1F1B order (``Schedule1F1B``: ``min(m, p - r)`` warm-up
+forwards, then one backward and one forward, then the cool-down backwards; :func:`traced_microbatches`).
+Two steps are replayed: the first has no Adam states, the second finds the first's cached segments
+(the peak is in the first for shallow stages, in the second for deep ones).
+
+What is left out: the all-gather / reduce-scatter streams' own pools (one stream here, as
+:class:`~planner.fake_rank.CachingAllocator` says), the small per-op temporaries (rstd, RNG), the
+foreach AdamW's temporaries (torchtitan's default; they come after the activations are freed, into
+the cache they leave), torch.compile and Float8. Interleaved and zero-bubble schedules and MoE are
+not written (``planner.frameworks.torchtitan.reserved_modelled``). ``tests/test_torchtitan_reserved.py``
+compares the replay with the replay of torch's own trace (``planner.fake_rank.measure_step``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+BF16, FP32 = 2, 4
+TOKEN_ID_BYTES = 8  # int64 token ids and labels
+
+
+def _param_blocks(model, plan) -> tuple[list[float], list[float]]:
+    """(attention, MLP) parameter tensors of one block on one TP rank, one entry per ``nn.Parameter``
+    (FSDP2 keeps one unsharded storage per parameter): Llama's wq, wk, wv, wo and w1, w2, w3 (torchtitan
+    ``models/llama3/model/model.py``), the two norm weights with the attention; MLA or MoE blocks as
+    one attention and one MLP tensor (their split into parameters is not modelled)."""
+    from planner.memory import attention_params_per_rank, kv_heads_per_rank, layer_param_split
+
+    t, h = plan.tp, model.hidden_size
+    norms = model.norms_per_layer * model.norm_params
+    dense, expert = layer_param_split(model, t, model.is_moe, plan.ep, plan.expert_tp)
+    attn = attention_params_per_rank(model, t)
+    mlp = dense + expert - attn - norms
+    if model.is_mla or model.is_moe:
+        return [attn, norms], [mlp]
+    q, kv = model.q_size / t, kv_heads_per_rank(model, t) * model.kv_channels
+    rest = attn - h * (2 * q + 2 * kv)  # biases, QK norms, sinks: with wq
+    per_mlp = mlp / (3 if model.gated_mlp else 2)
+    return [h * q + rest, h * kv, h * kv, q * h, norms], [per_mlp] * (3 if model.gated_mlp else 2)
+
+
+#: DTensor's ``loss_parallel`` cross entropy on vocabulary-sharded logits, as torch 2.13 issues its
+#: allocations (``torch/distributed/tensor/parallel/loss.py``: ``_log_softmax`` and ``_nll_loss_forward``
+#: / ``_nll_loss_and_log_softmax_backward`` on the local shard), recorded from torch's own step by
+#: ``planner.fake_rank.measure_step`` (tp = 2, FakeTensorMode, the second run in the process: the first
+#: also records DTensor's one-time sharding propagation): (event, tensor id, bytes in units of the bf16
+#: local logits ``2 B x s b V / t``). Forward: the first ``LOSS_PARALLEL_FORWARD`` events, ending with
+#: ``del pred`` (id 0, the bf16 logits); at its peak 11 units are live (22 B per local logit,
+#: ``planner.frameworks.torchtitan.LOSS_PARALLEL_BYTES_PER_ELEMENT``). Backward: the rest; id 14 is the
+#: bf16 gradient of the logits, live through the output layer's backward.
+LOSS_PARALLEL_EVENTS = (
+    ("A", 0, 1.0), ("A", 1, 2.0), ("A", 2, 4.0), ("A", 3, 4.0), ("D", 2, 4.0), ("D", 3, 4.0), ("A", 4, 2.0),
+    ("A", 5, 2.0), ("D", 5, 2.0), ("A", 6, 2.0), ("D", 4, 2.0), ("A", 7, 4.0), ("D", 7, 4.0), ("D", 1, 2.0),
+    ("D", 0, 1.0),
+    ("A", 8, 4.0), ("A", 9, 4.0), ("D", 8, 4.0), ("D", 9, 4.0), ("A", 10, 2.0), ("A", 11, 2.0), ("A", 12, 2.0),
+    ("D", 11, 2.0), ("A", 13, 2.0), ("D", 12, 2.0), ("D", 10, 2.0), ("D", 6, 2.0), ("A", 14, 1.0), ("D", 13, 2.0))
+LOSS_PARALLEL_FORWARD = 15
+LOSS_PARALLEL_GRAD_ID = 14
+
+
+def _play(tr, events, mb, unit_bytes, live=None, after=None) -> dict:
+    """Replay a recorded op sequence (``LOSS_PARALLEL_EVENTS``) into ``tr``; returns the live tensors by id.
+    ``after``: callbacks run after the allocation of the given id."""
+    live = dict(live or {})
+    for kind, i, units in events:
+        if kind == "A":
+            tr.free(live.pop(i, None))
+            live[i] = tr.new(units * unit_bytes)
+            if after and after.get(i):
+                after[i]()
+        else:
+            tr.free(live.pop(i, None))
+    return live
+
+
+class _Trace:
+    """Allocation events ``(kind, key, bytes)`` as :func:`planner.fake_rank.replay_reserved` reads them."""
+
+    def __init__(self):
+        self.events: list = []
+        self._n = 0
+
+    def new(self, nbytes: float, key=None):
+        if key is None:
+            self._n += 1
+            key = self._n
+        if nbytes > 0:
+            self.events.append(("ADD", key, int(nbytes)))
+        return key
+
+    def free(self, key) -> None:
+        if key is not None:
+            self.events.append(("DEL", key, 0))
+
+    def free_all(self, keys) -> None:
+        for k in keys:
+            self.free(k)
+
+
+def _kept(term, recompute: str) -> bool:
+    from planner.memory import _kept_by_selective
+
+    if recompute == "full":
+        return term.layer_input
+    if recompute == "selective":
+        return _kept_by_selective(term)
+    return term.autograd
+
+
+@functools.lru_cache(maxsize=256)
+def stage_events(model, training, plan, stage: int, layers: int, num_microbatches: int, steps: int = 2) -> tuple:
+    """The allocation events of ``steps`` training steps of one GPU of stage ``stage`` (module docstring)."""
+    from planner.frameworks.torchtitan import reshard_after_forward
+    from planner.memory import layer_activation_terms, stage_param_split
+    from planner.specs import padded_vocab_size
+
+    tr = _Trace()
+    p, m, t = plan.pp, num_microbatches, plan.tp
+    n = max(plan.dp * plan.cp, 1) if plan.zero_stage >= 1 else 1
+    fsdp = plan.zero_stage >= 1
+    raf = reshard_after_forward(plan)
+    wb = FP32 if training.precision == "fp32" else BF16
+    e = FP32 if training.precision == "fp32" else BF16
+    sp = t if plan.sequence_parallel else 1
+    s, b, h = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size
+    sb = s * b
+    first, last = stage == 0, stage == plan.loss_stage
+    attn_p, mlp_p = _param_blocks(model, plan)
+    layer_p = sum(attn_p) + sum(mlp_p)
+    dense, expert = stage_param_split(model, plan, stage, layers)
+    root_p = max(dense + expert - layers * layer_p, 0.0)
+    v_local = padded_vocab_size(model.vocab_size, t) / t
+    emb_p = v_local * h if first else 0.0
+    out_p = v_local * h if last and root_p - emb_p > v_local * h / 2 else 0.0
+    root_blocks = [x for x in (emb_p, root_p - emb_p - out_p, out_p) if x > 0]
+    groups = [root_blocks] + [attn_p + mlp_p] * layers  # group 0: the root module
+    terms = layer_activation_terms(model, training, plan)
+    split = next((i for i, x in enumerate(terms) if x.name.startswith("norm2")), len(terms))
+    rc = plan.recompute
+    forward_terms = [(x.bytes, _kept(x, rc)) for x in terms if not x.layer_input]
+    recompute_terms = [x.bytes for x in terms if x.autograd and not _kept(x, rc) and not x.layer_input]
+    backward_halves = [([x.bytes for x in reversed(half) if x.autograd], blocks)
+                       for half, blocks in ((terms[split:], mlp_p), (terms[:split], attn_p))]
+
+    # --- states: fp32 shards (or, without FSDP, fp32 parameters), tokens and labels
+    for g, blocks in enumerate(groups):
+        for j, x in enumerate(blocks):
+            tr.new(FP32 * x / n, ("shard", g, j))
+    if first:
+        tr.new(sb * TOKEN_ID_BYTES)
+    if last:
+        tr.new(sb * TOKEN_ID_BYTES)
+    gathered = set()
+
+    def unshard(g):
+        if g in gathered or not groups[g]:
+            return
+        gathered.add(g)
+        if not fsdp or n == 1:  # no all-gather: the compute copy is the bf16 cast (autocast) or the shard
+            if wb != FP32 or fsdp:
+                for j, x in enumerate(groups[g]):
+                    tr.new(wb * x, ("full", g, j))
+            return
+        total = sum(groups[g])
+        ag_in = tr.new(wb * total / n)
+        ag_out = tr.new(wb * total)
+        tr.free(ag_in)
+        for j, x in enumerate(groups[g]):
+            tr.new(wb * x, ("full", g, j))
+        tr.free(ag_out)
+
+    def reshard(g):
+        if g in gathered:
+            gathered.discard(g)
+            tr.free_all(("full", g, j) for j in range(len(groups[g])))
+
+    def reduce_grads(g, grads, mb_first):
+        """FSDP2 post_backward (pp = 1) or the PP accumulator (module docstring)."""
+        total = sum(groups[g])
+        if p > 1 and fsdp:
+            for j, x in enumerate(groups[g]):
+                if mb_first:
+                    tr.new(FP32 * x, ("acc", g, j))
+            tr.free_all(grads)
+            return
+        if fsdp and n > 1:
+            rs_in = tr.new(FP32 * total)
+            tr.free_all(grads)
+            out = tr.new(FP32 * total / n, ("grad", g) if mb_first else None)
+            tr.free(rs_in)
+            if not mb_first:
+                tr.free(out)
+            return
+        # no all-gather (DDP / one replica): fp32 gradients accumulated in place
+        if mb_first:
+            tr.new(FP32 * total, ("grad", g))
+        tr.free_all(grads)
+
+    # --- one micro-batch, forward and backward
+    saved: dict = {}
+
+    def forward(mb):
+        keep = []
+        if first:
+            unshard(0)
+            x = tr.new(sb * h * e / sp)  # the embedding output: block 0's input
+        else:
+            x = tr.new(sb * h * e / sp)  # the previous stage's hidden states (received)
+        for i in range(layers):
+            g = i + 1
+            unshard(g)
+            layer = [x]
+            prev = None
+            for nbytes, kept in forward_terms:
+                k = tr.new(nbytes)
+                tr.free(prev)
+                prev = None
+                if kept:
+                    layer.append(k)
+                else:
+                    prev = k
+            x = tr.new(sb * h * e / sp)  # the block's output: the next block's input
+            tr.free(prev)
+            keep.append(layer)
+            if raf:
+                reshard(g)
+        loss = None
+        if last:
+            unshard(0)
+            normed = tr.new(sb * h * e / sp)
+            logits = sb * v_local
+            if t > 1 and training.precision != "fp32":  # loss_parallel: torch's own op sequence
+                live = _play(tr, LOSS_PARALLEL_EVENTS[:LOSS_PARALLEL_FORWARD], mb, BF16 * logits,
+                             after={0: (lambda: reshard(0)) if raf else None})
+                loss = ("lp", live)
+            else:
+                pred = tr.new(e * logits)
+                if raf:
+                    reshard(0)  # the root module's forward ends with the output layer (FSDP2 post_forward)
+                f32 = tr.new(FP32 * logits) if e != FP32 else None
+                lsm = tr.new(FP32 * logits)
+                tr.free(f32)
+                tr.free(pred)  # train.py: del pred
+                loss = [lsm]
+            keep.append([x, normed])
+        else:
+            keep.append([x])  # the stage's output, held until its gradient comes back
+        saved[mb] = (keep, loss)
+
+    def backward(mb, mb_first):
+        keep, loss = saved.pop(mb)
+        tail = keep.pop()
+        grad = None
+        root_grads = []
+        if last:
+            logits = sb * v_local
+            if isinstance(loss, tuple):  # loss_parallel's backward, then its last bf16 gradient
+                live = _play(tr, LOSS_PARALLEL_EVENTS[LOSS_PARALLEL_FORWARD:], mb, BF16 * logits, live=loss[1])
+                gb = live.pop(LOSS_PARALLEL_GRAD_ID)
+                tr.free_all(live.values())
+            else:
+                g1 = tr.new(FP32 * logits)
+                g2 = tr.new(FP32 * logits)
+                tr.free(g1)
+                tr.free_all(loss)
+                gb = tr.new(e * logits) if e != FP32 else None
+                tr.free(g2 if gb is not None else None)
+            unshard(0)
+            if raf and layers:
+                unshard(layers)  # prefetch of the last block
+            # the output layer's and final norm's bf16 gradients: the root group's post_backward runs
+            # in FSDP2's final callback (FSDPState._root_post_backward_final_callback), so they live
+            # until the end of the backward
+            root_grads += [tr.new(wb * x) for x in groups[0][1 if first else 0:]]
+            grad = tr.new(sb * h * e / sp)
+            tr.free(gb if gb is not None else g2)
+            tr.free_all(tail)
+        else:
+            grad = tr.new(sb * h * e / sp)  # the gradient the next stage sends
+            tr.free_all(tail)
+        for i in reversed(range(layers)):
+            g = i + 1
+            unshard(g)
+            if raf and i > 0:
+                unshard(g - 1)  # FSDP2's backward prefetch of the block before
+            layer = keep.pop()
+            # recompute: what the policy dropped, re-made in forward order
+            recomputed = [tr.new(x) for x in recompute_terms]
+            held = layer + recomputed
+            wgrads = []
+            prev = grad
+            for half, blocks in backward_halves:
+                for x in half:
+                    k = tr.new(x)
+                    tr.free(prev)
+                    prev = k
+                wgrads += [tr.new(wb * y) for y in blocks]
+            grad = tr.new(sb * h * e / sp)  # the gradient of the block's input
+            tr.free(prev)
+            tr.free_all(held)
+            reduce_grads(g, wgrads, mb_first)
+            if raf or (plan.zero_stage < 3 and p == 1 and fsdp):  # reshard after backward (not under PP)
+                reshard(g)
+        if first and emb_p:
+            root_grads.append(tr.new(wb * emb_p))
+        tr.free(grad)
+        if groups[0]:
+            reduce_grads(0, root_grads, mb_first)
+            if p == 1 and (raf or plan.zero_stage < 3):
+                reshard(0)
+
+    def step(k):
+        warm = min(m, p - stage) if p > 1 else 1
+        f = bwd = 0
+        while bwd < m:  # 1F1B (Schedule1F1B); pp = 1: forward, backward per micro-batch
+            if f < m and f - bwd < warm:
+                forward(f)
+                f += 1
+                continue
+            backward(bwd, bwd == 0)
+            bwd += 1
+        if p > 1 and fsdp:  # perform_reduce_grad: reshard, reduce-scatter the accumulators
+            for g, blocks in enumerate(groups):
+                if not blocks:
+                    continue
+                reshard(g)
+                rs_in = tr.new(FP32 * sum(blocks)) if n > 1 else None
+                tr.new(FP32 * sum(blocks) / n, ("grad", g))
+                tr.free(rs_in)
+                tr.free_all(("acc", g, j) for j in range(len(blocks)))
+        for g, blocks in enumerate(groups):  # AdamW: states at the first step, one temporary per group
+            if k == 0:
+                for j, x in enumerate(blocks):
+                    tr.new(FP32 * x / n, ("m", g, j))
+                    tr.new(FP32 * x / n, ("v", g, j))
+            tmp = tr.new(FP32 * sum(blocks) / n)
+            tr.free(tmp)
+        for g in range(len(groups)):  # zero_grad(set_to_none=True)
+            tr.free(("grad", g))
+
+    for k in range(steps):
+        step(k)
+    return tuple(tr.events)
+
+
+STEADY_CYCLES = 3  # 1F1B cycles written after the warm-up (stage_reserved)
+
+
+def traced_microbatches(plan, stage: int, num_microbatches: int) -> int:
+    """Micro-batches the trace writes: after the warm-up of ``min(m, p - r)`` forwards, 1F1B repeats one
+    backward and one forward of the same tensors, so the allocator's state repeats from cycle to cycle;
+    the trace keeps ``STEADY_CYCLES`` of them (``tests/test_torchtitan_reserved.py`` checks the peak is the
+    one of all ``m``). Gradient accumulation at pp = 1 likewise."""
+    warm = min(num_microbatches, plan.pp - stage) if plan.pp > 1 else 1
+    return min(num_microbatches, warm + STEADY_CYCLES)
+
+
+@functools.lru_cache(maxsize=256)
+def stage_reserved(model, training, plan, stage: int, layers: int, num_microbatches: int,
+                   capacity_bytes: float | None = None, all_microbatches: bool = False) -> tuple[float, float, bool]:
+    """(peak reserved bytes, peak allocated bytes, out of memory) of the replay of :func:`stage_events`
+    through :class:`~planner.fake_rank.CachingAllocator` with ``capacity_bytes`` as the device limit
+    (the allocator releases its wholly free cached segments when a new one would pass it; out of
+    memory: a segment still does not fit after that, ``CUDACachingAllocator.cpp`` ``malloc`` ->
+    ``release_cached_blocks`` -> ``alloc_block`` fails -> OutOfMemoryError). The micro-batches written are
+    :func:`traced_microbatches` (all ``num_microbatches`` with ``all_microbatches``)."""
+    from planner.fake_rank import replay_reserved
+
+    m = num_microbatches if all_microbatches else traced_microbatches(plan, stage, num_microbatches)
+    alloc = replay_reserved(stage_events(model, training, plan, stage, layers, m), capacity_bytes)
+    return float(alloc.peak_reserved), float(alloc.peak_allocated), bool(alloc.oom)
