@@ -493,6 +493,19 @@ class SearchResult:
     closest: Plan | None = None  # when infeasible: the legal plan with the smallest memory overshoot
 
 
+#: How many of the solver's picks the reference memory estimate may refuse before the search stops asking.
+MAX_REFERENCE_REJECTIONS = 16
+
+
+def reference_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan) -> bool:
+    """Whether ``planner.memory.estimate_memory`` (what ``estimate`` and ``check`` judge by) says ``plan`` fits.
+    The search tables hold each stage's allocated peak; under torchtitan the estimate judges by the caching
+    allocator's replayed reserved peak, which can exceed the usable memory where the allocated peak does not."""
+    from planner.memory import estimate_memory
+
+    return estimate_memory(model, hw, training, plan).fits
+
+
 def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
            top_k: int = 0, order: str = DEFAULT_ORDER) -> SearchResult:
     """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp)."""
@@ -503,13 +516,20 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     result = SearchResult(best=None, candidates=tables.candidates)
     candidates = pareto_by_group(tables) if model.is_moe else pareto_candidates(tables)
     found = []
-    for _ in range(top_k + 1):
+    rejected = 0
+    while len(found) < top_k + 1:
         forbid = [(p.tp, p.pp, p.cp) for p in found]
         sol = solve(tables, space.pins, candidates, forbid)
         if sol is None:
             break
-        found.append(sol.plan)
         result.solver_s += sol.wall_s
+        if rejected < MAX_REFERENCE_REJECTIONS and not reference_fits(model, hw, training, sol.plan):
+            # the tables hold the allocated peak; a profile that judges by more (torchtitan: the caching
+            # allocator's reserved peak, planner.allocator_trace) can refuse the pick: drop it, solve again
+            candidates = candidates[candidates != sol.index]
+            rejected += 1
+            continue
+        found.append(sol.plan)
         if len(found) == 1:
             result.status = sol.status
     if found:
