@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from planner.candidates import Pins, SearchSpace  # noqa: E402
 from planner.cost import estimate_time  # noqa: E402
+from planner.frameworks import torchtitan  # noqa: E402
 from planner.presets import load_hardware, load_model  # noqa: E402
 from planner.search import search  # noqa: E402
 from planner.specs import Plan, TrainingSpec, plan_problems  # noqa: E402
@@ -49,10 +50,7 @@ def _job(run: dict, framework: str) -> tuple:
 def pinned(run: dict, hw) -> tuple[float | None, str]:
     model, training, dp = _job(run, "torchtitan")
     mbs = run["local_batch"] if run["pp"] == 1 else 1
-    lps = None
-    if run["pp"] > 1 and model.num_layers % run["pp"]:  # torchtitan's split: full stages, the rest on the last
-        per = -(-model.num_layers // run["pp"])
-        lps = (per,) * (run["pp"] - 1) + (model.num_layers - per * (run["pp"] - 1),)
+    lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"])
     plan = Plan(tp=run["tp"], pp=run["pp"], dp=dp, cp=run["cp"], micro_batch_size=mbs, recompute=run["ac"],
                 sequence_parallel=run["tp"] > 1, zero_stage=3 if run["pp"] == 1 else 1, layers_per_stage=lps)
     problems = plan_problems(model, hw, training, plan)

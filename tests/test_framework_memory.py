@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from planner.candidates import SearchSpace, enumerate_plans
+from planner.frameworks import torchtitan
 from planner.memory import estimate_memory, layer_params_per_rank, stage_params_per_rank, stage_state_bytes
 from planner.presets import load_hardware, load_model
 from planner.search import search
@@ -198,10 +199,7 @@ TT_DEVICE = H100.model_copy(update={"name": "h100-96gb", "gpu_memory_gib": TT["d
 
 def _torchtitan_estimate(run):
     model = load_model(run["model"])
-    lps = None
-    if run["pp"] > 1 and model.num_layers % run["pp"]:  # torchtitan's split: full stages, the rest on the last
-        per = -(-model.num_layers // run["pp"])
-        lps = (per,) * (run["pp"] - 1) + (model.num_layers - per * (run["pp"] - 1),)
+    lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"])
     tr = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * run["dp"], seq_len=run["seq_len"],
                       framework="torchtitan")
     plan = Plan(tp=run["tp"], pp=run["pp"], dp=run["dp"], cp=run["cp"], micro_batch_size=run["micro_batch"],

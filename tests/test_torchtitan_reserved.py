@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from planner.allocator_trace import stage_reserved, traced_microbatches
+from planner.frameworks import torchtitan
 from planner.memory import estimate_memory
 from planner.presets import load_hardware, load_model
 from planner.specs import GIB, Plan, TrainingSpec
@@ -122,10 +123,7 @@ def _published_scenario(run):
     from tests.test_framework_memory import TT_DEVICE
 
     model = load_model(run["model"])
-    lps = None
-    if run["pp"] > 1 and model.num_layers % run["pp"]:  # torchtitan's split: full stages, the rest on the last
-        per = -(-model.num_layers // run["pp"])
-        lps = (per,) * (run["pp"] - 1) + (model.num_layers - per * (run["pp"] - 1),)
+    lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"])
     training = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * run["dp"],
                             seq_len=run["seq_len"], framework="torchtitan")
     plan = Plan(tp=run["tp"], pp=run["pp"], dp=run["dp"], cp=run["cp"], micro_batch_size=run["micro_batch"],

@@ -57,6 +57,16 @@ LOGITS_BYTES_PER_ELEMENT = 12  # cross_entropy(pred.float()) peak in backward (m
 LOSS_PARALLEL_BYTES_PER_ELEMENT = 22  # loss_parallel's decomposed log-softmax, per local logit (module docstring)
 
 
+def published_layers_per_stage(num_layers: int, pp: int) -> tuple[int, ...] | None:
+    """The layer split of torchtitan's published pipeline runs (its benchmark, llama3_h100_202412_torchtitan.md):
+    ``ceil(L / pp)`` layers on every stage, the rest on the last (Llama 3.1 405B's 126 layers on 8 stages:
+    16 x 7 + 14); None when ``pp`` divides the layers (the even split)."""
+    if pp == 1 or num_layers % pp == 0:
+        return None
+    per = -(-num_layers // pp)
+    return (per,) * (pp - 1) + (num_layers - per * (pp - 1),)
+
+
 def reshard_after_forward(plan) -> bool:
     """torchtitan's ``fsdp_reshard_after_forward``: plan3d emits ``default`` for ZeRO-3 (True unless
     PP, ``parallelize.py::apply_fsdp``) and ``never`` below."""
