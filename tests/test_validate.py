@@ -34,6 +34,8 @@ VARIANTS = {
     "selective-recompute": {"recompute": "selective", "sequence_parallel": True},
     "gpt-full-recompute-zero3": {"model": "megatron-gpt-1.7b", "recompute": "full", "zero_stage": 3},
     "uneven-stages": {"layers_per_stage": (15, 17), "recompute": "selective"},
+    # rank 0's first chunk holds only the embedding (specs.min_stage_layers): chunks (0, 1, 1, 1) and (3, 3, 3, 3)
+    "empty-embedding-chunk": {"vpp": 4, "layers_per_stage": (3, 29)},
 }
 
 
@@ -48,8 +50,10 @@ def test_validate_miniature(name):
     p = mini.plan
     assert (p.tp, p.pp, p.dp, p.vpp) == (2, 2, 2, sc.plan.vpp) and p.recompute == sc.plan.recompute
     assert p.sequence_parallel == sc.plan.sequence_parallel
-    if sc.plan.layers_per_stage:  # the lighter first stage stays lighter in the miniature
+    if sc.plan.layers_per_stage and sc.plan.vpp == 1:  # the lighter first stage stays lighter in the miniature
         assert p.layers_per_stage == (1, 3)
+    if name == "empty-embedding-chunk":  # and its embedding-only chunk stays empty
+        assert p.layers_per_stage == (3, 12) and p.chunk_layers(mini.model.num_layers) == ((0, 1, 1, 1), (3, 3, 3, 3))
     # memory: weights, gradients, optimizer states and saved activations, every rank
     assert len(report["memory"]) == 8 * 4
     for row in report["memory"]:
@@ -149,3 +153,18 @@ def test_inside_torchrun_validate_runs_the_plan_itself(tmp_path):
     data = json.loads(report.read_text())
     assert data["memory_max_abs_error"] <= MEMORY_TOLERANCE and len(data["memory"]) == 32
     assert "Predicted against measured" in res.stdout
+
+
+def test_chunk_layer_counts_follow_the_plans_own_split():
+    """The worker builds each chunk as Plan.chunk_layers splits its stage, in virtual-stage order (chunk c // pp of
+    rank c mod pp): 6 layers on pp 2 x vpp 4 are (0, 1, 1, 1) on rank 0 and (1, 1, 1, 0) on rank 1, the embedding's
+    and the loss's chunks empty; 7 + 9 layers on vpp 2 split (3, 4) and (5, 4). The old rule (stage // vpp per
+    chunk) built 0 and 3/4 layers there."""
+    from planner.validate.worker import chunk_layer_counts
+
+    model = load_model("tiny-gpt")
+    for layers, lps, vpp, want in ((6, (3, 3), 4, [0, 1, 1, 1, 1, 1, 1, 0]), (16, (7, 9), 2, [3, 5, 4, 4])):
+        sc = Scenario(model=model.model_copy(update={"num_layers": layers}), hardware=load_hardware("cpu-gloo"),
+                      training=TrainingSpec(num_gpus=2, global_batch_size=8, seq_len=128),
+                      plan=Plan(tp=1, pp=2, dp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=lps))
+        assert chunk_layer_counts(sc) == want

@@ -86,7 +86,13 @@ def miniature_stage_layers(plan: Plan, num_layers: int, per_chunk: int) -> tuple
         return None
     v, even = plan.vpp, num_layers / plan.pp
     base = per_chunk * v + (v if per_chunk == 1 and min(counts) < even else 0)
-    return tuple(base + v * ((n > even) - (n < even)) for n in counts)
+    mini = [base + v * ((n > even) - (n < even)) for n in counts]
+    # a chunk with no transformer layer (rank 0's embedding chunk, the last rank's loss chunk:
+    # specs.min_stage_layers) stays empty: that rank gets one layer in each of its other chunks
+    for r, empty in enumerate(plan.empty_chunks(num_layers)):
+        if empty:
+            mini[r] = v - empty
+    return tuple(mini)
 
 
 def refusal(sc: Scenario, backend: str = "gloo") -> str | None:

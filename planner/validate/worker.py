@@ -234,10 +234,12 @@ def local_bytes(tensors) -> int:
 
 
 def chunk_layer_counts(sc: Scenario) -> list[int]:
-    """Layers of every chunk in pipeline order (chunk c lives on rank c mod pp)."""
-    plan, v = sc.plan, sc.plan.vpp
-    return [n // v for n in sc.stage_layers for _ in range(v)] if v == 1 else \
-        [sc.stage_layers[c % plan.pp] // v for c in range(plan.pp * v)]
+    """Layers of every chunk in pipeline order: virtual stage c is chunk c // pp of rank c mod pp, each rank's
+    chunks as the plan splits its stage (``Plan.chunk_layers``: uneven stages, and the embedding's and the
+    loss's chunks that may hold no layer)."""
+    plan = sc.plan
+    chunks = plan.chunk_layers(sc.model.num_layers)
+    return [chunks[c % plan.pp][c // plan.pp] for c in range(plan.pp * plan.vpp)]
 
 
 def batch(sc: Scenario, dp_rank: int, device):
@@ -405,7 +407,8 @@ def _main(argv: list[str] | None) -> int:
         set_recompute(chunk, p.recompute)
         if p.tp > 1:
             tensor_parallelize(chunk, mesh["tp"], p.sequence_parallel)
-        if k == 0 and bad.get("corrupt"):  # before FSDP takes the weights over
+        if bad.get("corrupt") and len(chunk.layers) and not any(len(c.layers) for c in mine[:k]):
+            # the rank's first chunk that has a layer (an embedding chunk has none), before FSDP takes it over
             with torch.no_grad():
                 w = chunk.layers[0].feed_forward.w2.weight
                 (w._local_tensor if hasattr(w, "_local_tensor") else w).add_(0.5)
