@@ -122,7 +122,12 @@ def print_estimate(con, est) -> None:
     con.print(f"Peak on {stage_where(sc.plan, d['memory']['peak_stage'])}, in Megatron's rank order tp-cp-dp-pp")
     from planner.layout import placement_line
 
-    con.print(placement_line(sc.plan, sc.hardware.job_nvlink_domain(sc.training.num_gpus)), highlight=False)
+    domain = sc.hardware.job_nvlink_domain(sc.training.num_gpus)
+    line = placement_line(sc.plan, domain)
+    if domain != sc.hardware.nvlink_domain:
+        line += (f" [{sc.training.num_gpus} GPUs fill {domain} of each {sc.hardware.nvlink_domain}-GPU domain: "
+                 "nvlink_domain_segment]")
+    con.print(line, highlight=False, markup=False)
     f = d["flops"]
     con.print(f"Model FLOPs per step {f['model_flops_per_step']:.3e}; hardware FLOPs (with recompute) "
               f"{f['hardware_flops_per_step']:.3e}")

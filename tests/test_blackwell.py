@@ -254,3 +254,12 @@ def test_a_segment_larger_than_the_domain_is_refused():
     with pytest.raises(ValueError, match="nvlink_domain_segment"):
         load_hardware("gb200-nvl72").model_validate({**load_hardware("gb200-nvl72").model_dump(),
                                                      "nvlink_domain_segment": 80})
+
+
+def test_the_layout_line_says_when_a_job_fills_segments(runner):
+    from planner.cli import app
+
+    res = runner.invoke(app, ["search", "-m", "llama3-70b", "-H", "gb200-nvl72", "--gpus", "256", "--global-batch",
+                              "512", "--seq-len", "4096", "--tp", "8"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert "NVLink domain of 64 GPUs" in res.output and "256 GPUs fill 64 of each 72-GPU domain" in res.output
