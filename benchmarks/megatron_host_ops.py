@@ -15,7 +15,8 @@ no operator count. The counts are linear in the number of local experts, so the 
 per-expert slope, fitted on two expert counts and checked on a third.
 
 Prints (or with ``--json`` writes to stdout) ``{"fwd_kernel_base": ..., "fwd_kernel_per_expert": ...,
-"fwd_view_base": ..., ...}``. ``tests/test_host_overhead.py`` runs it and checks the constants that
+"fwd_view_base": ..., ...}``, and the host time per kernel-launching operator measured on this CPU
+(``host_us_per_kernel_op_this_cpu``, :func:`host_us_per_op`), the figure ``host_launch_us`` stands for. ``tests/test_host_overhead.py`` runs it and checks the constants that
 ``planner.cost`` carries (``MOE_HOST_OPS``).
 """
 
@@ -110,6 +111,30 @@ def count(local_experts: int, top_k: int = 2) -> dict[str, int]:
     return out
 
 
+def host_us_per_op(local_experts: int = 16, repeats: int = 50) -> tuple[float, float]:
+    """(forward, backward) wall-clock microseconds per kernel-launching operator of one MoE layer on this CPU,
+    with tensors so small that the time is the host's: Python, Megatron's own code, the aten dispatcher and
+    the view operators between the kernels, not yet the CUDA launch itself (a few microseconds more on a GPU
+    host). One thread; the second and later passes are timed."""
+    import time
+
+    torch.set_num_threads(1)
+    moe = _layer(local_experts, 2)
+    x = torch.randn(8, 1, 128, requires_grad=True)
+    for _ in range(5):
+        out, _ = moe(x)
+        out.sum().backward()
+    fwd = bwd = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out, _ = moe(x)
+        t1 = time.perf_counter()
+        out.sum().backward()
+        fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+    ops = count(local_experts)
+    return 1e6 * fwd / repeats / ops["fwd_kernel"], 1e6 * bwd / repeats / ops["bwd_kernel"]
+
+
 def measure() -> dict:
     _shim_cuda()
     with socket.socket() as s:
@@ -132,6 +157,8 @@ def measure() -> dict:
             raise SystemExit(f"{key}: not linear in the expert count ({a[key]}, {b[key]}, {c[key]})")
         out[key + "_base"], out[key + "_per_expert"] = int(base), int(slope)
     out["megatron"] = "core_v0.16.1 MoELayer, alltoall dispatcher, SequentialMLP, aux-loss router, top-2"
+    fwd_us, bwd_us = host_us_per_op()
+    out["host_us_per_kernel_op_this_cpu"] = {"fwd": round(fwd_us, 1), "bwd": round(bwd_us, 1)}
     dist.destroy_process_group()
     return out
 
