@@ -348,3 +348,30 @@ def test_layout_from_a_hostile_file_is_bounded(tmp_path):
         layout_layers("E(t|)*999999999999,L", 2)
     with pytest.raises(Exception, match="longer than"):
         layout_layers("E(tttt|)*12000,(tttt|)*12000,L", 2)  # each part allowed, together too long
+
+
+def test_slurm_script_asks_for_nvlink_segments_on_nvl72(tmp_path):
+    """On GB200 NVL72 (trays of 4 GPUs, 72-GPU racks) the script requests the segments the plan's layout assumes
+    (Slurm topology/block, ``--segment``): 256 GPUs in 64-GPU segments = 16 nodes; 144 GPUs fill two racks = 18;
+    a job inside one rack is one segment; DGX H100 (the domain is the node) gets none. The script still passes
+    bash -n and shellcheck."""
+    from planner.emit.slurm import segment_nodes
+
+    model = load_model("llama3-70b")
+
+    def scenario(hw, gpus, tp=8):
+        return Scenario(model=model, hardware=load_hardware(hw),
+                        training=TrainingSpec(num_gpus=gpus, global_batch_size=2 * gpus, seq_len=4096),
+                        plan=Plan(tp=tp, pp=1, dp=gpus // tp, micro_batch_size=1, sequence_parallel=True,
+                                  zero_stage=1, recompute="full"))
+
+    assert [segment_nodes(scenario("gb200-nvl72", g)) for g in (256, 144, 64, 8)] == [16, 18, 16, 2]
+    assert segment_nodes(scenario("h100-sxm-80gb", 256)) is None
+    files = _write(tmp_path, scenario("gb200-nvl72", 256), ["slurm"])
+    (path,) = [p for n, p in files.items() if n.endswith(".slurm")]
+    text = path.read_text()
+    assert "#SBATCH --segment=16 " in text and "#SBATCH --nodes=64" in text
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if shutil.which("shellcheck"):
+        res = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout
