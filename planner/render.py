@@ -42,13 +42,14 @@ def models_table(specs: list[ModelSpec]) -> Table:
 def hardware_table(specs: list[HardwareSpec]) -> Table:
     t = Table(title="Hardware profiles")
     for col in ("name", "memory GiB", "usable GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "fp4 TFLOP/s", "GPUs/node",
-                "NVLink domain", "intra GB/s", "inter GB/s"):
+                "NVLink domain (segment)", "intra GB/s", "inter GB/s"):
         t.add_column(col, justify="left" if col == "name" else "right")
     for s in specs:
         t.add_row(s.name, f"{s.gpu_memory_gib:g}", f"{s.usable_memory_gib:.1f}", f"{s.peak_bf16_tflops:g}",
                   f"{s.peak_fp8_tflops:g}" if s.peak_fp8_tflops else "-",
                   f"{s.peak_fp4_tflops:g}" if s.peak_fp4_tflops else "-", str(s.gpus_per_node),
-                  str(s.nvlink_domain), f"{s.intra_node_bandwidth_gbps:g}", f"{s.inter_node_bandwidth_gbps:g}")
+                  str(s.nvlink_domain) + (f" ({s.nvlink_domain_segment})" if s.nvlink_domain_segment else ""),
+                  f"{s.intra_node_bandwidth_gbps:g}", f"{s.inter_node_bandwidth_gbps:g}")
     return t
 
 
