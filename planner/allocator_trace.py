@@ -112,7 +112,7 @@ LOSS_PARALLEL_FORWARD = 15
 LOSS_PARALLEL_GRAD_ID = 14
 
 
-def _play(tr, events, mb, unit_bytes, live=None, after=None) -> dict:
+def _play(tr, events, unit_bytes, live=None, after=None) -> dict:
     """Replay a recorded op sequence (``LOSS_PARALLEL_EVENTS``) into ``tr``; returns the live tensors by id.
     ``after``: callbacks run after the allocation of the given id."""
     live = dict(live or {})
@@ -151,21 +151,11 @@ class _Trace:
             self.free(k)
 
 
-def _kept(term, recompute: str) -> bool:
-    from planner.memory import _kept_by_selective
-
-    if recompute == "full":
-        return term.layer_input
-    if recompute == "selective":
-        return _kept_by_selective(term)
-    return term.autograd
-
-
 @functools.lru_cache(maxsize=256)
 def stage_events(model, training, plan, stage: int, layers: int, num_microbatches: int, steps: int = 2) -> tuple:
     """The allocation events of ``steps`` training steps of one GPU of stage ``stage`` (module docstring)."""
     from planner.frameworks.torchtitan import reshard_after_forward
-    from planner.memory import layer_activation_terms, stage_param_split
+    from planner.memory import act_bytes, kept_under, layer_activation_terms, param_bytes, stage_param_split
     from planner.specs import padded_vocab_size
 
     tr = _Trace()
@@ -173,8 +163,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     n = max(plan.dp * plan.cp, 1) if plan.zero_stage >= 1 else 1
     fsdp = plan.zero_stage >= 1
     raf = reshard_after_forward(plan)
-    wb = FP32 if training.precision == "fp32" else BF16
-    e = FP32 if training.precision == "fp32" else BF16
+    wb, e = param_bytes(training)[0], act_bytes(training)  # compute-copy weights, activations
     sp = t if plan.sequence_parallel else 1
     s, b, h = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size
     sb = s * b
@@ -191,8 +180,8 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     terms = layer_activation_terms(model, training, plan)
     split = next((i for i, x in enumerate(terms) if x.name.startswith("norm2")), len(terms))
     rc = plan.recompute
-    forward_terms = [(x.bytes, _kept(x, rc)) for x in terms if not x.layer_input]
-    recompute_terms = [x.bytes for x in terms if x.autograd and not _kept(x, rc) and not x.layer_input]
+    forward_terms = [(x.bytes, kept_under(x, rc)) for x in terms if not x.layer_input]
+    recompute_terms = [x.bytes for x in terms if x.autograd and not kept_under(x, rc) and not x.layer_input]
     backward_halves = [([x.bytes for x in reversed(half) if x.autograd], blocks)
                        for half, blocks in ((terms[split:], mlp_p), (terms[:split], attn_p))]
 
@@ -257,9 +246,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         keep = []
         if first:
             unshard(0)
-            x = tr.new(sb * h * e / sp)  # the embedding output: block 0's input
-        else:
-            x = tr.new(sb * h * e / sp)  # the previous stage's hidden states (received)
+        x = tr.new(sb * h * e / sp)  # block 0's input: the embedding output, or the previous stage's (received)
         for i in range(layers):
             g = i + 1
             unshard(g)
@@ -284,7 +271,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             normed = tr.new(sb * h * e / sp)
             logits = sb * v_local
             if t > 1 and training.precision != "fp32":  # loss_parallel: torch's own op sequence
-                live = _play(tr, LOSS_PARALLEL_EVENTS[:LOSS_PARALLEL_FORWARD], mb, BF16 * logits,
+                live = _play(tr, LOSS_PARALLEL_EVENTS[:LOSS_PARALLEL_FORWARD], BF16 * logits,
                              after={0: (lambda: reshard(0)) if raf else None})
                 loss = ("lp", live)
             else:
@@ -309,7 +296,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         if last:
             logits = sb * v_local
             if isinstance(loss, tuple):  # loss_parallel's backward, then its last bf16 gradient
-                live = _play(tr, LOSS_PARALLEL_EVENTS[LOSS_PARALLEL_FORWARD:], mb, BF16 * logits, live=loss[1])
+                live = _play(tr, LOSS_PARALLEL_EVENTS[LOSS_PARALLEL_FORWARD:], BF16 * logits, live=loss[1])
                 gb = live.pop(LOSS_PARALLEL_GRAD_ID)
                 tr.free_all(live.values())
             else:

@@ -713,8 +713,8 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     linear's GEMM and, in low precision, its cast; the attention kernel, 1 forward and 3 backward; the
     norms, residual adds and RoPE of :func:`_elementwise_kernels`), plus Megatron's own MoE layer as
     measured (``MOE_HOST_OPS``), plus the eager kernels of a clamped activation and of expert biases, which the
-    measured layer does not have (:func:`expert_eager_ops`). Each costs ``host_launch_us``. A part captured in a CUDA graph
-    (``cuda_graph_modules``: attn, moe_router) costs one launch instead. ``moe_preprocess`` is not
+    measured layer does not have (:func:`expert_eager_ops`). Each costs ``host_launch_us``. A part captured in a
+    CUDA graph (``cuda_graph_modules``: attn, moe_router) costs one launch instead. ``moe_preprocess`` is not
     separated in the measurement and is left at full cost.
     """
     linears = len(_linear_shapes(model, plan, moe=True))
@@ -770,13 +770,13 @@ def op_sac_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rat
     """
     t, h = plan.tp, model.hidden_size
     kv_r = kv_heads_per_rank(model, t) * model.kv_channels
-    shapes = [(h, kv_r), (model.q_size / t, h)]  # K, O
     f = model.ffn_size / t
-    shapes.append((h, f) if model.gated_mlp else (f, h))  # W3, or W2 of a two-matrix MLP
-    gemm_s = sum(gemm_time_s(tokens, k, n, rates) for k, n in shapes)
-    if training.precision in LOW_PRECISIONS:
-        c = LOW_PRECISION_CAST_BYTES[quantisation_key(training.precision, training.fp8_recipe)]
-        gemm_s += tokens * c * sum(k for k, _ in shapes) / rates.hbm_bytes_per_s + len(shapes) * rates.gemm_overhead_s
+    # (k, n, kind) as _linear_shapes gives them: K, O, and W3 (or W2 of a two-matrix MLP)
+    linears = [(h, kv_r, "inner"), (model.q_size / t, h, "row"), (h, f, "inner") if model.gated_mlp else (f, h, "row")]
+    gemm_s = sum(gemm_time_s(tokens, k, n, rates) for k, n, _ in linears)
+    if training.precision in LOW_PRECISIONS:  # the recomputed forward GEMMs cast their inputs again
+        cast_f, _ = _fp8_cast_bytes_per_token(model, plan, linears, training.precision, training.fp8_recipe)
+        gemm_s += tokens * cast_f / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
     return gemm_s + max(elem_f_s, elem_kernels * rates.gemm_overhead_s)
 
 

@@ -670,24 +670,23 @@ def saved_bytes_per_layer(terms: list[ActTerm], recompute: str) -> float:
     or what the framework's op-level policy keeps (``ActTerm.selective``, :func:`op_sac_terms`);
     full: the layer input only (``2 sbh``, / t with SP; Korthikanti Table 2).
     """
+    return sum(x.bytes for x in terms if kept_under(x, recompute))
+
+
+def kept_under(x: ActTerm, recompute: str) -> bool:
+    """Whether a layer keeps ``x`` between its forward and backward under ``recompute`` (the rules of
+    :func:`saved_bytes_per_layer`)."""
     if recompute == "full":
-        return sum(x.bytes for x in terms if x.layer_input)
+        return x.layer_input
     if recompute == "selective":
-        return sum(x.bytes for x in terms if _kept_by_selective(x))
-    return sum(x.bytes for x in terms if x.autograd)
-
-
-def _kept_by_selective(x: ActTerm) -> bool:
-    return x.selective if x.selective is not None else not x.core
+        return x.selective if x.selective is not None else not x.core
+    return x.autograd
 
 
 def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
     """Bytes recomputed for one layer during its backward, live on top of what is saved: the
-    tensors autograd saves that ``recompute`` does not keep."""
-    if recompute == "none":
-        return 0.0
-    kept = (lambda x: x.layer_input) if recompute == "full" else _kept_by_selective
-    return sum(x.bytes for x in terms if x.autograd and not kept(x))
+    tensors autograd saves that ``recompute`` does not keep (none under ``none``)."""
+    return sum(x.bytes for x in terms if x.autograd and not kept_under(x, recompute))
 
 
 def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float = 0.0):
