@@ -49,9 +49,10 @@ def _job(run: dict, framework: str) -> tuple:
 
 def pinned(run: dict, hw) -> tuple[float | None, str]:
     model, training, dp = _job(run, "torchtitan")
-    mbs = run["local_batch"] if run["pp"] == 1 else 1
-    lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"])
-    plan = Plan(tp=run["tp"], pp=run["pp"], dp=dp, cp=run["cp"], micro_batch_size=mbs, recompute=run["ac"],
+    vpp = 2 if "Interleaved" in run["techniques"] else 1  # torchtitan 9dec370: two stages per rank (published_layers_per_stage)
+    mbs = run["local_batch"] // (torchtitan.published_microbatches(run["pp"], vpp) if run["pp"] > 1 else 1)
+    lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"], vpp)
+    plan = Plan(tp=run["tp"], pp=run["pp"], dp=dp, cp=run["cp"], vpp=vpp, micro_batch_size=mbs, recompute=run["ac"],
                 sequence_parallel=run["tp"] > 1, zero_stage=3 if run["pp"] == 1 else 1, layers_per_stage=lps)
     problems = plan_problems(model, hw, training, plan)
     if problems:

@@ -133,6 +133,8 @@ class _Trace:
     def __init__(self):
         self.events: list = []
         self._n = 0
+        self.kept: set = set()  # persistent tensors: their frees are not written
+
 
     def new(self, nbytes: float, key=None):
         if key is None:
@@ -143,7 +145,7 @@ class _Trace:
         return key
 
     def free(self, key) -> None:
-        if key is not None:
+        if key is not None and key not in self.kept:
             self.events.append(("DEL", key, 0))
 
     def free_all(self, keys) -> None:
@@ -152,8 +154,11 @@ class _Trace:
 
 
 @functools.lru_cache(maxsize=256)
-def stage_events(model, training, plan, stage: int, layers: int, num_microbatches: int, steps: int = 2) -> tuple:
-    """The allocation events of ``steps`` training steps of one GPU of stage ``stage`` (module docstring)."""
+def stage_events(model, training, plan, stage: int, layers: int, num_microbatches: int, steps: int = 2,
+                 step_microbatches: int = 0) -> tuple:
+    """The allocation events of ``steps`` training steps of one GPU of stage ``stage`` (module docstring);
+    ``num_microbatches`` written, of ``step_microbatches`` (default: as many) in the step, which sets the
+    pipeline's receive buffers."""
     from planner.frameworks.torchtitan import reshard_after_forward
     from planner.memory import act_bytes, kept_under, layer_activation_terms, param_bytes, stage_param_split
     from planner.specs import padded_vocab_size
@@ -193,6 +198,18 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         tr.new(sb * TOKEN_ID_BYTES)
     if last:
         tr.new(sb * TOKEN_ID_BYTES)
+    # torch.distributed.pipelining's receive buffers, one per micro-batch of the step, made at the first
+    # step and kept (planner.memory.pipeline_buffer_bytes): the stage input (not on stage 0) and the
+    # gradient of its output (not on the last stage)
+    boundary = sb * h * e / sp
+    recv_x, recv_g = [], []
+    if p > 1:
+        for i in range(step_microbatches or m):
+            if not first:
+                recv_x.append(tr.new(boundary, ("recv", i)))
+            if stage < p - 1:
+                recv_g.append(tr.new(boundary, ("recv_grad", i)))
+        tr.kept.update(recv_x + recv_g)
     gathered = set()
 
     def unshard(g):
@@ -246,7 +263,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         keep = []
         if first:
             unshard(0)
-        x = tr.new(sb * h * e / sp)  # block 0's input: the embedding output, or the previous stage's (received)
+        x = recv_x[mb] if recv_x else tr.new(boundary)  # block 0's input: the received one, or the embedding's
         for i in range(layers):
             g = i + 1
             unshard(g)
@@ -317,7 +334,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             tr.free(gb if gb is not None else g2)
             tr.free_all(tail)
         else:
-            grad = tr.new(sb * h * e / sp)  # the gradient the next stage sends
+            grad = recv_g[mb]  # the gradient the next stage sends, into its receive buffer
             tr.free_all(tail)
         for i in reversed(range(layers)):
             g = i + 1
@@ -408,5 +425,6 @@ def stage_reserved(model, training, plan, stage: int, layers: int, num_microbatc
     from planner.fake_rank import replay_reserved
 
     m = num_microbatches if all_microbatches else traced_microbatches(plan, stage, num_microbatches)
-    alloc = replay_reserved(stage_events(model, training, plan, stage, layers, m), capacity_bytes)
+    alloc = replay_reserved(stage_events(model, training, plan, stage, layers, m, step_microbatches=num_microbatches),
+                            capacity_bytes)
     return float(alloc.peak_reserved), float(alloc.peak_allocated), bool(alloc.oom)

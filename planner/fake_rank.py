@@ -458,8 +458,8 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
     then ``perform_reduce_grad``). ``last_stage``: the last stage of a pipeline (no embedding; its
     input is the previous stage's bf16 hidden states). ``first_stage_in_flight`` = k > 0: the first
     stage of a pipeline (no output layer) run in 1F1B order with k micro-batches in flight (k = p for
-    stage 0): k forwards, then one backward (with the gradient the next stage would send) per
-    forward, as ``Schedule1F1B`` orders them. ``steps`` optimizer steps (2: the second has
+    stage 0): k forwards, then one backward (with the gradient the next stage would send, received into
+    that micro-batch's own kept buffer as ``PipelineStage`` receives it) per forward, as ``Schedule1F1B`` orders them. ``steps`` optimizer steps (2: the second has
     Adam's states). The trace of every allocation is replayed through :class:`CachingAllocator`
     (device of ``capacity_gib``) for the peak reserved memory.
     """
@@ -520,22 +520,31 @@ def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, t
     if tp > 1:
         from torch.distributed.tensor.parallel import loss_parallel as loss_ctx
     with tracker:
+        # the first stage's receive buffers for its output's gradient, one per micro-batch, made once and kept
+        # (torch distributed/pipelining/stage.py ``_setup_backward_recv_info``; planner.memory.pipeline_buffer_bytes)
+        grad_recv = [None] * (microbatches if first_stage_in_flight else 0)
         for _ in range(steps):
             if pipeline_nosync:
                 model.set_is_last_backward(False)
                 model.set_reshard_after_backward(False)
                 model.set_requires_gradient_sync(False)
             in_flight = []
-            for _ in range(microbatches if first_stage_in_flight else 0):  # 1F1B on the first stage
+
+            def backward_one(out, i):
+                if grad_recv[i] is None:
+                    grad_recv[i] = torch.empty_like(out)
+                out.backward(grad_recv[i])
+
+            for i in range(microbatches if first_stage_in_flight else 0):  # 1F1B on the first stage
                 tracker.reset_mod_stats()
-                in_flight.append(model(inputs))
+                in_flight.append((i, model(inputs)))
                 if len(in_flight) == first_stage_in_flight:
-                    out = in_flight.pop(0)
-                    out.backward(torch.empty_like(out))
+                    j, out = in_flight.pop(0)
+                    backward_one(out, j)
                     del out
             while in_flight:
-                out = in_flight.pop(0)
-                out.backward(torch.empty_like(out))
+                j, out = in_flight.pop(0)
+                backward_one(out, j)
                 del out
             for _ in range(0 if first_stage_in_flight else microbatches):
                 tracker.reset_mod_stats()  # per-module stats cover one forward; the peak is kept

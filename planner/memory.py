@@ -842,11 +842,48 @@ def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
             + logits * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
 
 
+def stage_boundary_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """One micro-batch's activation between pipeline stages: ``s/cp x b x h``, sequence-sharded under SP."""
+    sp = plan.tp if plan.sequence_parallel else 1
+    return training.seq_len // plan.cp * plan.micro_batch_size * model.hidden_size * act_bytes(training) / sp
+
+
+def pipeline_buffer_count(plan: Plan, num_microbatches, stage, in_flight):
+    """Stage-boundary-sized receive buffers of torch.distributed.pipelining on pipeline rank ``stage``
+    beyond the in-flight stage inputs (``in_flight`` chunks, :func:`stage_in_flight_chunks`) that the saved
+    activations already count (:func:`pipeline_buffer_bytes`). Vectorised over its arguments (search)."""
+    v, m = plan.vpp, num_microbatches
+    receiving = v - (stage == 0)  # chunk c of rank r is virtual stage c*pp + r (loop order)
+    sending_back = v - (stage == plan.pp - 1)
+    return np.maximum(receiving * m - in_flight * receiving / v, 0) + sending_back * m
+
+
+def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
+                          stage: int):
+    """torch.distributed.pipelining's receive buffers on pipeline rank ``stage``, beyond the in-flight
+    stage inputs the saved activations already count.
+
+    torch 2.13 ``distributed/pipelining/stage.py``: ``PipelineStage._setup_forward_recv_info`` gives every
+    virtual stage but the first one receive buffer per micro-batch for its input
+    (``for chunk_id in range(num_microbatches)`` ... ``_make_tensor_from_meta``), and
+    ``_setup_backward_recv_info`` every virtual stage but the last one per micro-batch for its output's
+    gradient; they are made at the first step and kept (``clear_runtime_states`` keeps them). Each is
+    the stage boundary tensor (:func:`stage_boundary_bytes`). A received input is what the chunk's first
+    layer saves while its micro-batch is in flight (counted by :func:`stage_saved_bytes`), so those are
+    taken off; on rank 0 with vpp > 1 its first chunk receives nothing, and the in-flight chunks are taken
+    off in proportion (the receiving ``(vpp-1)/vpp``)."""
+    if plan.pp == 1 or not frameworks.get(training.framework).pipeline_recv_buffers:
+        return 0.0
+    in_flight = stage_in_flight_chunks(training, plan, num_microbatches, stage)
+    return pipeline_buffer_count(plan, num_microbatches, stage, in_flight) * stage_boundary_bytes(model, training, plan)
+
+
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
                       stage: int):
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the
-    first stage, the output layer's on the last."""
-    other = 0.0
+    first stage, the output layer's on the last, the pipeline's receive buffers
+    (:func:`pipeline_buffer_bytes`)."""
+    other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage)
     if stage == 0:
         mbs_in_flight = np.ceil(stage_in_flight_chunks(training, plan, num_microbatches, 0) / plan.vpp)
         other = other + mbs_in_flight * input_bytes_per_microbatch(model, training, plan)

@@ -42,9 +42,9 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
                           stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
-from planner.memory import (empty_chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
-                            layer_recompute_working_bytes, offload_resident_layers,
-                            output_bytes, param_bytes, saved_bytes_per_layer_kind, schedule_w_fraction,
+from planner.memory import (act_bytes, empty_chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
+                            layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
+                            pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_params_per_rank, stage_state_bytes)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS
@@ -128,6 +128,9 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
                          if o else (0, 0) for o in off_u.tolist()], dtype=float).reshape(-1, 2)
     family = schedule_family(training)
     w_fraction = schedule_w_fraction(training)
+    # memory.stage_boundary_bytes per micro; / tp under SP (applied per shape below)
+    sp_u = np.array([bool(u[2]) for u in micros])
+    boundary_full_u = mbs_u * model.hidden_size * act_bytes(training)
 
     def in_flight(plan, m, r):  # memory.stage_in_flight_chunks: the framework's w_fraction
         return in_flight_chunks(plan, m, r, w_fraction)
@@ -149,6 +152,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         last = np.array([r == base.loss_stage for r, _ in rows])  # the output layer: rank p - 1, or 0 in a V
         # a layer's factors depend on (tp, cp), and a MoE layer's on (ep, etp) too (the EP group's
         # placement depends only on etp, ep and the GPU count, fixed here)
+        boundary_u = training.seq_len // cp * boundary_full_u / np.where(sp_u, tp, 1)
         if (tp, cp, ep, etp) not in factors:
             factors[(tp, cp, ep, etp)] = _micro_factors(model, hw, training, micros, base, order)
         f = factors[(tp, cp, ep, etp)]
@@ -193,6 +197,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in mrows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
+        if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
+            other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
         out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
         layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)

@@ -197,14 +197,31 @@ TT = DATA["torchtitan_h100_202412"]
 TT_DEVICE = H100.model_copy(update={"name": "h100-96gb", "gpu_memory_gib": TT["device_gib"]})
 
 
-def _torchtitan_estimate(run):
+def _torchtitan_scenario(run):
+    """(model, hardware, training, plan) of a published torchtitan run: its pipeline runs as torchtitan
+    9dec370 laid them out (``torchtitan.published_layers_per_stage``, vpp 2 for Interleaved 1F1B)."""
     model = load_model(run["model"])
-    lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"])
+    vpp = run.get("vpp", 1)
+    lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"], vpp)
     tr = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * run["dp"], seq_len=run["seq_len"],
                       framework="torchtitan")
-    plan = Plan(tp=run["tp"], pp=run["pp"], dp=run["dp"], cp=run["cp"], micro_batch_size=run["micro_batch"],
+    plan = Plan(tp=run["tp"], pp=run["pp"], dp=run["dp"], cp=run["cp"], vpp=vpp, micro_batch_size=run["micro_batch"],
                 recompute=run["ac"], sequence_parallel=run["tp"] > 1, zero_stage=3, layers_per_stage=lps)
-    return estimate_memory(model, TT_DEVICE, tr, plan)
+    return model, TT_DEVICE, tr, plan
+
+
+def _torchtitan_estimate(run):
+    return estimate_memory(*_torchtitan_scenario(run))
+
+
+def test_torchtitan_pipeline_runs_as_torchtitan_9dec370_split_them():
+    """The data's micro-batch size is the local batch over torchtitan 9dec370's default micro-batch count
+    (``published_microbatches``: the number of stages), and the interleaved run has two stages per rank."""
+    for run in TT["runs"]:
+        if run["pp"] > 1:
+            m = torchtitan.published_microbatches(run["pp"], run["vpp"])
+            assert run["micro_batch"] * m == run["local_batch"], run
+            assert run["vpp"] == (2 if run["schedule"].startswith("Interleaved") else 1)
 
 
 @pytest.mark.parametrize("i", range(len(TT["runs"])), ids=lambda i: f"table{TT['runs'][i]['table']}-{i}")

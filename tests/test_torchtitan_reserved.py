@@ -120,15 +120,9 @@ def test_modelled_published_runs_within_10_percent(i):
 
 def _published_scenario(run):
     """(model, hardware, training, plan) of a published run as tests/test_framework_memory.py builds it."""
-    from tests.test_framework_memory import TT_DEVICE
+    from tests.test_framework_memory import _torchtitan_scenario
 
-    model = load_model(run["model"])
-    lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"])
-    training = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * run["dp"],
-                            seq_len=run["seq_len"], framework="torchtitan")
-    plan = Plan(tp=run["tp"], pp=run["pp"], dp=run["dp"], cp=run["cp"], micro_batch_size=run["micro_batch"],
-                recompute=run["ac"], sequence_parallel=run["tp"] > 1, zero_stage=3, layers_per_stage=lps)
-    return model, TT_DEVICE, training, plan
+    return _torchtitan_scenario(run)
 
 
 @pytest.mark.parametrize("i", range(len(PUBLISHED["runs"])))

@@ -56,6 +56,12 @@ class FrameworkProfile:
     allows_uneven: bool = True
     allows_heavier_ends: bool = True  # uneven splits may give the first/last stage *more* layers
     allows_uneven_interleaved: bool = True  # uneven stages together with vpp > 1
+    # with vpp > 1, only the first and the last *virtual* stage may be shorter, every other one holding
+    # the same layers (torchtitan's pipeline_parallel_first/last_stage_less_layers, planner/emit/torchtitan.py)
+    uneven_virtual_ends_only: bool = False
+    # torch.distributed.pipelining: every PipelineStage keeps one receive buffer per micro-batch for its input
+    # and one for its output's gradient, for the whole run (planner.memory.pipeline_buffer_bytes)
+    pipeline_recv_buffers: bool = False
     allows_fp8: bool = True
     allows_fp8_params: bool = False  # fp8 GEMM weights with no bf16 copy (Megatron --fp8-param-gather)
     # activation offloading to host memory (Plan.cpu_offload_layers): Megatron-Core's TE-backed
@@ -82,6 +88,10 @@ class FrameworkProfile:
             return True
         if vpp > 1 and not self.allows_uneven_interleaved:
             return False
+        if vpp > 1 and self.uneven_virtual_ends_only:
+            # every chunk but the very first and the very last must hold middle / vpp layers; chunk_split
+            # balances a stage's chunks to within one layer, so the end stages may be at most one short
+            return middle % vpp == 0 and middle - 1 <= min(first, last) and max(first, last) <= middle
         return self.allows_uneven and (self.allows_heavier_ends or max(first, last) <= middle)
 
     def job_problems(self, precision: str, fp8_params: bool = False, optimizer_dtype: str = "fp32") -> list[str]:
@@ -123,9 +133,11 @@ class FrameworkProfile:
             elif plan.vpp > 1 and not self.allows_uneven_interleaved:
                 errors.append(f"layers_per_stage: {self.name} runs uneven stages only without interleaving "
                               f"(vpp={plan.vpp}); use vpp=1 or an even split")
-            elif not self.allows_split(lps[0], middle, lps[-1]):
-                errors.append(f"layers_per_stage: {self.name} can only give the first and last stages fewer "
-                              f"layers, not {list(lps)}")
+            elif not self.allows_split(lps[0], middle, lps[-1], plan.vpp) or (
+                    self.uneven_virtual_ends_only and len(set(lps[1:-1])) > 1):
+                which = "virtual stage (one chunk)" if plan.vpp > 1 and self.uneven_virtual_ends_only else "stages"
+                errors.append(f"layers_per_stage: {self.name} can only give the first and last {which} fewer "
+                              f"layers, not {list(lps)} at vpp={plan.vpp}")
         return errors
 
 

@@ -57,14 +57,32 @@ LOGITS_BYTES_PER_ELEMENT = 12  # cross_entropy(pred.float()) peak in backward (m
 LOSS_PARALLEL_BYTES_PER_ELEMENT = 22  # loss_parallel's decomposed log-softmax, per local logit (module docstring)
 
 
-def published_layers_per_stage(num_layers: int, pp: int) -> tuple[int, ...] | None:
-    """The layer split of torchtitan's published pipeline runs (its benchmark, llama3_h100_202412_torchtitan.md):
-    ``ceil(L / pp)`` layers on every stage, the rest on the last (Llama 3.1 405B's 126 layers on 8 stages:
-    16 x 7 + 14); None when ``pp`` divides the layers (the even split)."""
-    if pp == 1 or num_layers % pp == 0:
+def published_layers_per_stage(num_layers: int, pp: int, vpp: int = 1) -> tuple[int, ...] | None:
+    """Layers per pipeline rank of torchtitan's published pipeline runs (its benchmark,
+    llama3_h100_202412_torchtitan.md, run at torchtitan 9dec370 without split points).
+
+    torchtitan 9dec370 ``torchtitan/parallelisms/pipelining_utils.py::generate_split_points``: with no
+    ``pipeline_parallel_split_points`` there are ``pp`` stages for a single-stage schedule (1F1B) and
+    ``2 pp`` for a multi-stage one (Interleaved 1F1B); each gets ``L // stages`` layers, the middle
+    stages one more while ``L % stages`` lasts, the last stage the rest. Llama 3.1 405B's 126 layers:
+    15 + 6 x 16 + 15 on 8 stages; 7 + 14 x 8 + 7 on 16, rank r holding virtual stages r and r + 8
+    (``stage_ids_this_rank``, loop style), which is :func:`planner.specs.chunk_split` of the per-rank
+    sums. None when the split is even."""
+    if pp == 1:
         return None
-    per = -(-num_layers // pp)
-    return (per,) * (pp - 1) + (num_layers - per * (pp - 1),)
+    stages = pp * vpp
+    base, extra = divmod(num_layers, stages)
+    per = [base] + [base + 1 if i < extra else base for i in range(stages - 2)]
+    per.append(num_layers - sum(per))
+    ranks = tuple(sum(per[r + c * pp] for c in range(vpp)) for r in range(pp))
+    return None if len(set(ranks)) == 1 else ranks
+
+
+def published_microbatches(pp: int, vpp: int = 1) -> int:
+    """Micro-batches per step of torchtitan's published pipeline runs: torchtitan 9dec370
+    ``pipelining_utils.py::build_pipeline_schedule`` defaults ``experimental.pipeline_parallel_microbatches``
+    to the total number of stages, ``pp x`` stages per rank (the local batch is split into that many)."""
+    return pp * vpp
 
 
 def reshard_after_forward(plan) -> bool:
@@ -135,12 +153,12 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            allows_heavier_ends=False,  # pipeline_parallel_first/last_stage_less_layers
                            # its automatic split shortens only the first and last *virtual* stage, and
                            # module_fqns_per_model_part cannot be passed on the command line (planner/emit/torchtitan.py)
-                           allows_uneven_interleaved=False,
+                           uneven_virtual_ends_only=True, pipeline_recv_buffers=True,
                            expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan")
 
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
-                        allows_uneven_interleaved=True,  # plan3d validate's miniature splits any stage
+                        uneven_virtual_ends_only=False,  # plan3d validate's miniature splits any stage
                         moe_ep_needs_fsdp=False)  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
 
 
