@@ -6,8 +6,9 @@ Data: benchmarks/data/torchtitan_h100_202412.json (torchtitan benchmarks/llama3_
 1-6, with its source commit). Each run is predicted twice:
 
 * **pinned, --framework torchtitan**: the published layout (FSDP = ZeRO 3 over the data-parallel ranks, the
-  local batch as one micro-batch without a pipeline, micro-batches of 1 with one, torchtitan's op-level
-  selective or full AC) costed by ``planner.cost.estimate_time``;
+  local batch as one micro-batch without a pipeline; with one, as torchtitan 9dec370 split it: as many
+  micro-batches as stages, vpp 2 for Interleaved 1F1B, ``frameworks.torchtitan.published_layers_per_stage``;
+  torchtitan's op-level selective or full AC) costed by ``planner.cost.estimate_time``;
 * **as the scorer scores** (``../shared/tools/score_runs.py``): the stated knobs (tp, pp, cp, recompute)
   pinned, ``plan3d search`` with its defaults (Megatron-Core semantics) picks the rest.
 
