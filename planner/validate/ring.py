@@ -64,6 +64,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group):
         with ring_options():
             out, lse = cp_attention._templated_ring_attention(group, 2, _cpu_forward, q, k, v, is_causal=True)
+        out = like_query_layout(out)
         ctx.group = group
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -75,6 +76,17 @@ class RingAttention(torch.autograd.Function):
             dq, dk, dv = cp_attention._templated_ring_attention_backward(
                 ctx.group, 2, _cpu_backward, grad_out, "grad_out", q, k, v, out, lse, is_causal=True)
         return dq, dk, dv, None
+
+
+def like_query_layout(out):
+    """``out`` in the ``[b, s, heads, d]`` memory layout that the CPU flash kernel gives its output when the
+    query is a transposed ``[b, s, heads, d]`` tensor (the model's case), so that the output projection's
+    ``transpose(1, 2).reshape`` is a view and the output is saved once, as without cp. The merge of a
+    partial block (``_partial_update``, ``_attention.py`` line 113: ``torch.cat`` of the two halves) returns
+    a contiguous ``[b, heads, s, d]`` tensor on the ranks whose later steps update only the second half."""
+    if out.transpose(1, 2).is_contiguous():
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def ring_attention(q, k, v, group):

@@ -44,7 +44,7 @@ from planner.validate.calibrate import time_it
 from planner.validate.launch import OOM_EXIT_CODE, refusal
 from planner.validate.model import build_chunks, build_local_chunks, materialize_local, set_recompute, tensor_parallelize
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
 
 
 class TiedEmbedding:
@@ -77,7 +77,7 @@ def tied_pair(sc: Scenario, mine, pp_rank: int, mesh) -> TiedEmbedding | None:
         return None
     import itertools
 
-    grid = mesh.mesh  # [pp, dp_replicate, dp_shard, tp] of global ranks
+    grid = mesh.mesh  # [pp, dp_replicate, dp_shard, cp, tp] of global ranks
     mine_group = None
     for idx in itertools.product(*(range(n) for n in grid.shape[1:])):
         ranks = [int(grid[0][idx]), int(grid[-1][idx])]
@@ -264,7 +264,7 @@ def busbw_gbps(kind: str, size_bytes: float, n: int, seconds: float) -> float:
 
 
 def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
-    """Achieved bus bandwidth on the plan's own TP, PP and DP groups: every sample starts after a
+    """Achieved bus bandwidth on the plan's own TP, PP, CP and DP groups: every sample starts after a
     barrier on the group and ends after the device is synchronised, so it times the collective, not
     its launch (nccl-tests does the same; busbw as nccl-tests defines it)."""
     p = sc.plan
@@ -296,6 +296,15 @@ def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
         t = time_it(lambda: (exchange(), sync()), repeats=5, before=lambda: dist.barrier(group=pp_group)) / 2
         out["pp_send_recv"] = {"bytes": buf.numel() * 4, "ranks": 2, "seconds": t,
                                "busbw_gbps": busbw_gbps("p2p", buf.numel() * 4, 2, t)}
+    if p.cp > 1:  # one step of the K/V ring of one micro-batch (planner.cost: 2·b·(s/cp)·g_r·d_h per step)
+        from planner.validate.ring import ring_exchange
+
+        kv_r = max(sc.model.kv_heads // p.tp, 1) * sc.model.kv_channels
+        buf = torch.ones(2 * b * (s // p.cp) * kv_r, device=device)
+        group = mesh["cp"].get_group()
+        t = time_it(lambda: (ring_exchange(buf, group), sync()), repeats=5, before=lambda: dist.barrier(group=group))
+        out["cp_ring_exchange"] = {"bytes": buf.numel() * 4, "ranks": p.cp, "seconds": t,
+                                   "busbw_gbps": busbw_gbps("p2p", buf.numel() * 4, 2, t)}
     if p.dp > 1:
         buf = torch.ones(max(grad_bytes // 4, 1), device=device)
         group = _dp_group(mesh, p.zero_stage)
@@ -318,6 +327,24 @@ def moe_mesh(sc: Scenario, device):
     replicate, shard = (edp, 1) if p.zero_stage == 0 else (1, edp)
     layout = torch.arange(p.world_size).view(p.pp, replicate, shard, p.ep)
     return DeviceMesh(device.type, layout, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep"))
+
+
+def dp_cp_mesh(sc: Scenario, mesh, device):
+    """The mesh FSDP2 shards or replicates over: dp x cp ranks of the same stage and TP rank, as Megatron
+    (gradients reduced over the data-parallel-with-context-parallel group, ``parallel_state``
+    ``get_data_parallel_group(with_context_parallel=True)``) and torchtitan (FSDP over ``dp_shard_cp``)
+    do. ZeRO-0 replicates over all of them (``(dp*cp, 1)``), ZeRO-2/3 shard over all of them
+    (``(1, dp*cp)``). Without cp it is the worker mesh's own ``(dp_replicate, dp_shard)``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    p = sc.plan
+    if p.cp == 1:
+        return mesh["dp_replicate", "dp_shard"]
+    n = p.dp * p.cp
+    replicate, shard = (n, 1) if p.zero_stage == 0 else (1, n)
+    grid = mesh.mesh.permute(0, 4, 1, 2, 3).reshape(p.pp, p.tp, replicate, shard)  # dp and cp ranks innermost
+    return DeviceMesh(device.type, grid, mesh_dim_names=("pp", "tp", "dp_cp_replicate", "dp_cp_shard"))[
+        "dp_cp_replicate", "dp_cp_shard"]
 
 
 def _dp_group(mesh, zero_stage: int):
@@ -379,7 +406,7 @@ def _main(argv: list[str] | None) -> int:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     replicate, shard = (p.dp, 1) if p.zero_stage == 0 else (1, p.dp)
-    mesh = init_device_mesh(device.type, (p.pp, replicate, shard, p.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device.type, (p.pp, replicate, shard, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
     pp_rank = mesh["pp"].get_local_rank()
     dp_rank = mesh["dp_replicate"].get_local_rank() * shard + mesh["dp_shard"].get_local_rank()
     expert_mesh = moe_mesh(sc, device) if sc.model.is_moe else None
@@ -403,6 +430,18 @@ def _main(argv: list[str] | None) -> int:
                 blk.feed_forward.localize(expert_mesh["ep"].get_local_rank(), p.ep, expert_mesh["ep"].get_group())
     reference_chunks = build_chunks(sc.model, [sc.model.num_layers]) if args.reference and rank == 0 else None
     stages = []
+    fsdp_mesh = dp_cp_mesh(sc, mesh, device)
+    tokens, labels = batch(sc, dp_rank, device)
+    if p.cp > 1:  # this cp rank's tokens, labels and their global positions (torch's head-tail sharding)
+        from planner.validate.ring import shard_sequence
+
+        seq = sc.training.seq_len
+        tokens, labels, positions = shard_sequence(mesh["cp"], [tokens, labels, torch.arange(seq, device=device)],
+                                                   [1, 1, 0], seq)
+        for c in mine:
+            c.positions = positions
+            for blk in c.layers:
+                blk.attention.cp_group, blk.attention.positions = mesh["cp"].get_group(), positions
     for k, chunk in enumerate(mine):
         set_recompute(chunk, p.recompute)
         if p.tp > 1:
@@ -414,7 +453,7 @@ def _main(argv: list[str] | None) -> int:
                 (w._local_tensor if hasattr(w, "_local_tensor") else w).add_(0.5)
         if not args.full_size:
             chunk.to(device)
-        dp_mesh = mesh["dp_replicate", "dp_shard"]
+        dp_mesh = fsdp_mesh
         for blk in chunk.layers:
             if blk.is_moe:  # the experts first: over the expert-data-parallel ranks (torchtitan's EP layout)
                 experts = blk.feed_forward.experts
@@ -454,7 +493,6 @@ def _main(argv: list[str] | None) -> int:
     else:
         schedule = Schedule1F1B(stages[0], n_microbatches=p.num_microbatches, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))
-    tokens, labels = batch(sc, dp_rank, device)
     is_first, is_last = pp_rank == 0, pp_rank == p.pp - 1
 
     phase("microbenchmarks")
@@ -490,7 +528,7 @@ def _main(argv: list[str] | None) -> int:
             raise torch.OutOfMemoryError("injected: CUDA out of memory (PLAN3D_VALIDATE_SABOTAGE)")
         if tied is not None:
             tied.sync_grads()
-        if step == 0 and args.reference and sc.model.is_moe:
+        if step == 0 and args.reference and (sc.model.is_moe or p.cp > 1):
             full = _full_grads(mine[0])  # collective over each parameter's mesh: every rank takes part
             if reference_chunks is not None:
                 grad_check = _grad_check(reference_chunks[0], mine[0], full, sc, device, expert_params)
@@ -504,11 +542,16 @@ def _main(argv: list[str] | None) -> int:
         if step >= args.warmup:
             step_s.append(elapsed)
         if is_last and losses:
-            losses_per_step.append(float(torch.stack([torch.as_tensor(x).detach().float() for x in losses]).mean()))
+            loss = torch.stack([torch.as_tensor(x).detach().float() for x in losses]).mean()
+            if p.cp > 1:  # each cp rank's loss is the mean over its s/cp tokens: the sequence's is their mean
+                dist.all_reduce(loss, group=mesh["cp"].get_group())
+                loss /= p.cp
+            losses_per_step.append(float(loss))
 
     phase("report")
     result = {
         "rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "tp_rank": mesh["tp"].get_local_rank(),
+        "cp_rank": mesh["cp"].get_local_rank(), "local_seq_len": int(tokens.shape[1]),
         "step_s": step_s, "losses": losses_per_step,
         "weights_bytes": local_bytes(params),
         "grads_bytes": local_bytes([q.grad for q in params]),
@@ -522,6 +565,7 @@ def _main(argv: list[str] | None) -> int:
                                     for k, n in sorted(saved.by_key.items())],
             "saved_peak_keys": [list(k) for k in saved.peak_keys],
             "grad_check": grad_check} if sc.model.is_moe else {}),
+        **({"grad_check": grad_check} if p.cp > 1 else {}),
         "saved_activation_peak_bytes": saved.peak,
         "saved_bytes_per_microbatch": sorted(set(saved.per_microbatch)),
         "unreleased_microbatches": len(saved.live),
