@@ -19,6 +19,7 @@ Test-only sabotage (``PLAN3D_VALIDATE_SABOTAGE``, comma-separated), so that the 
 verdict fails for each kind of miss; never set it in a real run:
 
 * ``gpipe``: run GPipe (every micro-batch in flight) instead of 1F1B, a wrong in-flight count;
+* ``local_attention``: with cp, each rank attends to its own s/cp tokens only (the ring dropped);
 * ``corrupt:<rank>``: add 0.5 to that rank's local shard of the first down projection (FFN w2) after building;
 * ``slow:<rank>:<seconds>``: that rank sleeps this long in every step;
 * ``oom:<rank>``: that rank raises ``torch.OutOfMemoryError`` in its second step.
@@ -77,7 +78,7 @@ def tied_pair(sc: Scenario, mine, pp_rank: int, mesh) -> TiedEmbedding | None:
         return None
     import itertools
 
-    grid = mesh.mesh  # [pp, dp_replicate, dp_shard, cp, tp] of global ranks
+    grid = mesh.mesh  # [pp, ..., tp] of global ranks (mesh_dims)
     mine_group = None
     for idx in itertools.product(*(range(n) for n in grid.shape[1:])):
         ranks = [int(grid[0][idx]), int(grid[-1][idx])]
@@ -115,8 +116,8 @@ def sabotage(rank: int) -> dict:
     out: dict = {}
     for item in filter(None, os.environ.get("PLAN3D_VALIDATE_SABOTAGE", "").split(",")):
         kind, *rest = item.split(":")
-        if kind == "gpipe":
-            out["gpipe"] = True
+        if kind in ("gpipe", "local_attention"):
+            out[kind] = True
         elif rest and int(rest[0]) == rank:
             out[kind] = float(rest[1]) if kind == "slow" else True
     return out
@@ -329,22 +330,31 @@ def moe_mesh(sc: Scenario, device):
     return DeviceMesh(device.type, layout, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep"))
 
 
-def dp_cp_mesh(sc: Scenario, mesh, device):
-    """The mesh FSDP2 shards or replicates over: dp x cp ranks of the same stage and TP rank, as Megatron
-    (gradients reduced over the data-parallel-with-context-parallel group, ``parallel_state``
-    ``get_data_parallel_group(with_context_parallel=True)``) and torchtitan (FSDP over ``dp_shard_cp``)
-    do. ZeRO-0 replicates over all of them (``(dp*cp, 1)``), ZeRO-2/3 shard over all of them
-    (``(1, dp*cp)``). Without cp it is the worker mesh's own ``(dp_replicate, dp_shard)``."""
-    from torch.distributed.device_mesh import DeviceMesh
+def mesh_dims(sc: Scenario) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Names and sizes of the worker mesh, slowest to fastest (:data:`MESH_DIMS`, Megatron's tp-cp-dp-pp).
+    With cp and ZeRO-0, cp comes before the (size-1) dp_shard axis: the same rank layout, and dp_replicate and
+    cp are then neighbours that :func:`dp_cp_mesh` can flatten."""
+    p = sc.plan
+    replicate, shard = (p.dp, 1) if p.zero_stage == 0 else (1, p.dp)
+    sizes = {"pp": p.pp, "dp_replicate": replicate, "dp_shard": shard, "cp": p.cp, "tp": p.tp}
+    dims = ("pp", "dp_replicate", "cp", "dp_shard", "tp") if p.cp > 1 and p.zero_stage == 0 else MESH_DIMS
+    return dims, tuple(sizes[d] for d in dims)
 
+
+def dp_cp_mesh(sc: Scenario, mesh):
+    """The mesh FSDP2 shards or replicates over: the dp x cp ranks of one stage and TP rank, as Megatron
+    (gradients reduced over the data-parallel group with context parallelism, ``parallel_state``
+    ``get_data_parallel_group(with_context_parallel=True)``) and torchtitan (FSDP over the flattened
+    ``dp_shard_cp`` mesh, ``parallel_dims.py``) do. ZeRO-0 replicates over all of them, ZeRO-2/3 shard over
+    all of them. Flattened from the worker mesh, so that FSDP2 composes with the TP DTensors on it."""
     p = sc.plan
     if p.cp == 1:
         return mesh["dp_replicate", "dp_shard"]
-    n = p.dp * p.cp
-    replicate, shard = (n, 1) if p.zero_stage == 0 else (1, n)
-    grid = mesh.mesh.permute(0, 4, 1, 2, 3).reshape(p.pp, p.tp, replicate, shard)  # dp and cp ranks innermost
-    return DeviceMesh(device.type, grid, mesh_dim_names=("pp", "tp", "dp_cp_replicate", "dp_cp_shard"))[
-        "dp_cp_replicate", "dp_cp_shard"]
+    if p.zero_stage == 0:
+        mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp")
+        return mesh["dp_replicate_cp", "dp_shard"]
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh["dp_replicate", "dp_shard_cp"]
 
 
 def _dp_group(mesh, zero_stage: int):
@@ -406,7 +416,8 @@ def _main(argv: list[str] | None) -> int:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     replicate, shard = (p.dp, 1) if p.zero_stage == 0 else (1, p.dp)
-    mesh = init_device_mesh(device.type, (p.pp, replicate, shard, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
+    dims, sizes = mesh_dims(sc)
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=dims)
     pp_rank = mesh["pp"].get_local_rank()
     dp_rank = mesh["dp_replicate"].get_local_rank() * shard + mesh["dp_shard"].get_local_rank()
     expert_mesh = moe_mesh(sc, device) if sc.model.is_moe else None
@@ -430,7 +441,7 @@ def _main(argv: list[str] | None) -> int:
                 blk.feed_forward.localize(expert_mesh["ep"].get_local_rank(), p.ep, expert_mesh["ep"].get_group())
     reference_chunks = build_chunks(sc.model, [sc.model.num_layers]) if args.reference and rank == 0 else None
     stages = []
-    fsdp_mesh = dp_cp_mesh(sc, mesh, device)
+    fsdp_mesh = dp_cp_mesh(sc, mesh)
     tokens, labels = batch(sc, dp_rank, device)
     if p.cp > 1:  # this cp rank's tokens, labels and their global positions (torch's head-tail sharding)
         from planner.validate.ring import shard_sequence
@@ -441,7 +452,8 @@ def _main(argv: list[str] | None) -> int:
         for c in mine:
             c.positions = positions
             for blk in c.layers:
-                blk.attention.cp_group, blk.attention.positions = mesh["cp"].get_group(), positions
+                blk.attention.cp_group = None if bad.get("local_attention") else mesh["cp"].get_group()
+                blk.attention.positions = positions
     for k, chunk in enumerate(mine):
         set_recompute(chunk, p.recompute)
         if p.tp > 1:
