@@ -1,7 +1,7 @@
 """Start the validate run, watch it, and judge it by what it measured (no torch here).
 
 Outside a torchrun job, `plan3d validate` runs a *miniature* of the plan on this machine: the same
-tp, pp, vpp, schedule, recompute and sequence parallelism, the same heavier and lighter stages of
+tp, pp, cp, vpp, schedule, recompute and sequence parallelism, the same heavier and lighter stages of
 an uneven pipeline, data parallelism capped so that all
 ranks fit ``max_ranks`` local processes, and model, batch and sequence sizes scaled down. The
 prediction is recomputed for that miniature on the local hardware profile (``cpu-gloo`` by default),

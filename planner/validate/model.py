@@ -6,7 +6,9 @@ attention output, down projection and the vocab-parallel embedding; ``SequencePa
 norms and ``PrepareModuleInput`` to gather the sequence once per block when the plan has SP).
 Saved tensors match Megatron's fused kernels through ``planner.validate.kernels``, except that
 DTensor's sequence parallelism keeps the gathered input of the column-parallel linears (the
-``framework="torch"`` case of ``planner.memory.layer_activation_terms``).
+``framework="torch"`` case of ``planner.memory.layer_activation_terms``). With context parallelism
+the attention core is torch's ring attention (planner.validate.ring) and positions are the global
+positions of the rank's tokens (``positions``, set by the worker).
 """
 
 from __future__ import annotations
