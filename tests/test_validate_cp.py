@@ -65,14 +65,29 @@ def _check_pass(mini, report):
 
 
 @pytest.fixture(scope="module")
-def cp_run():
-    return _validate(_scenario(_model()), max_ranks=2)
+def cp_run(tmp_path_factory):
+    """`plan3d validate plan.json --max-ranks 2` on a cp=2 plan: exit 0 (pass) and its JSON report."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+    from planner.render import scenario_json
+
+    folder = tmp_path_factory.mktemp("cp")
+    sc = _scenario(_model())
+    (folder / "plan.json").write_text(scenario_json(sc))
+    res = CliRunner().invoke(app, ["validate", str(folder / "plan.json"), "--max-ranks", "2", "--steps", "2",
+                                   "--out", str(folder / "report.json"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    return launch.miniature(sc, max_ranks=2), json.loads((folder / "report.json").read_text()), res.output
 
 
 def test_cp2_passes_validate(cp_run):
-    mini, report = cp_run
-    assert mini.plan.cp == 2 and mini.plan.world_size == 2
+    mini, report, output = cp_run
+    assert mini.plan.cp == 2 and mini.plan.world_size == 2 and report["miniature"]["plan"]["cp"] == 2
     assert not any("cp" in c for c in report["changed"])
+    assert "dense gradients (rank 0" in output and "verdict: PASS" in output
     _check_pass(mini, report)
 
 

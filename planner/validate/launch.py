@@ -657,6 +657,10 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"rank {row['rank']}: max_memory_allocated {row['measured'] / 2**30:.3f} GiB, predicted "
                      f"{row['predicted'] / 2**30:.3f} GiB ({100 * row['rel_error']:+.1f}%){reserved}")
     lines += moe_summary_lines(report.get("moe"))
+    for group, g in (report.get("grad_check") or {}).items():  # cp runs (MoE runs: moe_summary_lines)
+        if g["params"]:
+            lines.append(f"{group} gradients (rank 0, {g['params']} tensors) vs single process: "
+                         f"{100 * g['rel_diff']:.5f}% of the largest")
     st = report.get("step_time")
     if st and not st.get("judged"):
         lines.append("step time: reported, not judged (the hardware profile was not calibrated here; "

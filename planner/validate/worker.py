@@ -11,6 +11,11 @@ experts of every MoE layer (planner.validate.moe_layer), FSDP2 shards them over 
 ranks, the worker records the tokens each rank's experts received per layer and micro-batch, and rank 0
 compares its first-step gradients with the single-process model's (:func:`_grad_check`).
 
+Context parallelism (cp > 1, gloo) adds a ``cp`` mesh axis between tp and dp (Megatron's tp-cp-dp-pp):
+each rank keeps its head-tail share of every sequence (tokens, labels, positions), attention is torch's
+ring attention over the cp group (planner.validate.ring), FSDP2 reduces gradients over dp x cp
+(:func:`dp_cp_mesh`), the reported loss is the mean over cp, and rank 0 runs :func:`_grad_check` too.
+
 Each rank writes its current phase to ``--phase-dir``/rank<N>, so that the launcher can say which
 rank stalled where. ``PLAN3D_VALIDATE_FAULT=rank:phase`` makes that rank exit in that phase
 (used by the failure tests); ``rank:phase:hang`` makes it stall there instead.
@@ -611,6 +616,7 @@ def _grad_check(model, chunk, full: dict, sc: Scenario, device, expert_params: s
     """Rank 0's first-step gradients of its first chunk against the single-process model (same weights)
     on every data-parallel replica's batch, the loss averaged over replicas and micro-batches.
 
+    With cp it checks the ring attention's backward and the gradient reduction over dp x cp.
     For a MoE plan this checks dispatch and combine backward through the all-to-all, TP's sums over the
     router and gate, and the expert gradients' reduction over the expert-data-parallel ranks (divided by
     dp, not expert_dp). ``full`` holds the gathered gradients (:func:`_full_grads`). Returns the largest
