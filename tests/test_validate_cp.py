@@ -56,7 +56,8 @@ def _check_pass(mini, report):
     p = mini.plan
     assert all(r["tp_rank"] == r["rank"] % p.tp and r["cp_rank"] == r["rank"] // p.tp % p.cp for r in ranks)
     assert report["losses"][-1] < report["losses"][0]
-    assert "cp_ring_exchange" in report["microbenchmarks"]
+    assert report["microbenchmarks"]["cp_ring_exchange"]["ranks"] == p.cp
+    assert report["microbenchmarks"]["dp_all_reduce"]["ranks"] == p.dp * p.cp  # gradients: over dp x cp
     # without cp the same miniature would save twice the activations: the measurement is the s/cp one
     no_cp = mini.model_copy(update={"plan": mini.plan.model_copy(update={"cp": 1, "dp": mini.plan.dp * mini.plan.cp})})
     for row in _rows(report, "saved_activation_peak_bytes"):

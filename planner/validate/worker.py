@@ -311,13 +311,13 @@ def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
         t = time_it(lambda: (ring_exchange(buf, group), sync()), repeats=5, before=lambda: dist.barrier(group=group))
         out["cp_ring_exchange"] = {"bytes": buf.numel() * 4, "ranks": p.cp, "seconds": t,
                                    "busbw_gbps": busbw_gbps("p2p", buf.numel() * 4, 2, t)}
-    if p.dp > 1:
+    if p.dp * p.cp > 1:  # gradients are reduced over dp x cp (planner.cost does the same)
         buf = torch.ones(max(grad_bytes // 4, 1), device=device)
-        group = _dp_group(mesh, p.zero_stage)
+        group, n = _dp_group(mesh, p.zero_stage, p.cp), p.dp * p.cp
         t = time_it(lambda: (dist.all_reduce(buf, group=group), sync()), repeats=3,
                     before=lambda: dist.barrier(group=group))
-        out["dp_all_reduce"] = {"bytes": buf.numel() * 4, "ranks": p.dp, "seconds": t,
-                                "busbw_gbps": busbw_gbps("all_reduce", buf.numel() * 4, p.dp, t)}
+        out["dp_all_reduce"] = {"bytes": buf.numel() * 4, "ranks": n, "seconds": t,
+                                "busbw_gbps": busbw_gbps("all_reduce", buf.numel() * 4, n, t)}
     return out
 
 
@@ -362,9 +362,10 @@ def dp_cp_mesh(sc: Scenario, mesh):
     return mesh["dp_replicate", "dp_shard_cp"]
 
 
-def _dp_group(mesh, zero_stage: int):
-    """The data-parallel group: the replicate dimension without ZeRO, the shard dimension with it."""
-    return mesh["dp_replicate" if zero_stage == 0 else "dp_shard"].get_group()
+def _dp_group(mesh, zero_stage: int, cp: int = 1):
+    """The data-parallel group: the replicate dimension without ZeRO, the shard dimension with it; with cp
+    the dp x cp dimension that :func:`dp_cp_mesh` flattened."""
+    return mesh[("dp_replicate" if zero_stage == 0 else "dp_shard") + ("_cp" if cp > 1 else "")].get_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -513,7 +514,7 @@ def _main(argv: list[str] | None) -> int:
     is_first, is_last = pp_rank == 0, pp_rank == p.pp - 1
 
     phase("microbenchmarks")
-    grad_size = local_bytes(params) * (p.dp if p.zero_stage >= 3 else 1)
+    grad_size = local_bytes(params) * (p.dp * p.cp if p.zero_stage >= 3 else 1)
     bench = microbenchmarks(sc, mesh, device, grad_size)
 
     losses_per_step, step_s = [], []
