@@ -421,7 +421,7 @@ def _main(argv: list[str] | None) -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    replicate, shard = (p.dp, 1) if p.zero_stage == 0 else (1, p.dp)
+    shard = 1 if p.zero_stage == 0 else p.dp
     dims, sizes = mesh_dims(sc)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=dims)
     pp_rank = mesh["pp"].get_local_rank()
