@@ -1,6 +1,7 @@
 """Nothing is silently changed by validate: the features the miniature used to drop are run and
-measured (tied embeddings, dropout, learned positions, the embedding norm), and what the run cannot
-represent (context parallelism, ALiBi) is refused with a one-line reason.
+measured (tied embeddings, dropout, learned positions, the embedding norm; context parallelism on gloo:
+tests/test_validate_cp.py), and what the run cannot represent (ALiBi; context parallelism on NCCL) is
+refused with a one-line reason.
 
 Two 2-rank gloo runs carry all the features (module-scoped fixtures); each test checks one feature.
 """
@@ -103,12 +104,15 @@ def test_embedding_norm(tp_sp_run):
     assert abs(report["reference"]["rel_error"]) <= launch.LOSS_TOLERANCE
 
 
-def test_context_parallelism_is_refused_with_one_line():
+def test_context_parallelism_is_kept_on_gloo_and_refused_on_nccl_with_one_line():
     sc = _scenario(_model(), tp=2, pp=1, dp=16, cp=2)
+    mini = launch.miniature(sc, max_ranks=8)
+    assert (mini.plan.tp, mini.plan.cp, mini.plan.dp, mini.plan.world_size) == (2, 2, 2, 8)
+    assert mini.training.seq_len % (2 * 2 * 2) == 0  # 2cp head-tail chunks, each split over TP
     with pytest.raises(SpecError) as err:
-        launch.miniature(sc, max_ranks=8)
+        launch.miniature(sc, max_ranks=8, backend="nccl")
     text = str(err.value)
-    assert "\n" not in text and "cp=2" in text and "context_parallel" in text
+    assert "\n" not in text and "cp=2" in text and "gloo" in text
 
 
 def test_alibi_is_refused_with_one_line():
@@ -137,7 +141,9 @@ dist.destroy_process_group()
 
 
 def test_the_cp_refusal_is_still_true_for_this_torch():
-    """When torch's context_parallel learns the CPU attention kernel this fails: then wire CP in."""
+    """torch's public context_parallel still has no rule for the CPU attention kernel, which is why the worker
+    calls torch's ring templates itself (planner.validate.ring). When this fails, torch's context_parallel
+    handles the CPU kernel: the worker could then use it directly."""
     import os
 
     env = dict(os.environ, PROBE_PORT=str(launch.free_port()))

@@ -1,7 +1,7 @@
 """Start the validate run, watch it, and judge it by what it measured (no torch here).
 
 Outside a torchrun job, `plan3d validate` runs a *miniature* of the plan on this machine: the same
-tp, pp, vpp, schedule, recompute and sequence parallelism, the same heavier and lighter stages of
+tp, pp, cp, vpp, schedule, recompute and sequence parallelism, the same heavier and lighter stages of
 an uneven pipeline, data parallelism capped so that all
 ranks fit ``max_ranks`` local processes, and model, batch and sequence sizes scaled down. The
 prediction is recomputed for that miniature on the local hardware profile (``cpu-gloo`` by default),
@@ -49,7 +49,7 @@ LOSS_TOLERANCE = 1e-4
 """Relative tolerance of the first distributed loss against the single-process loss of the same
 weights and batch (fp32: reduction order only)."""
 GRAD_TOLERANCE = 1e-4
-"""Largest difference of rank 0's first-step gradients (MoE runs) from the single-process model's, relative
+"""Largest difference of rank 0's first-step gradients (MoE and CP runs) from the single-process model's, relative
 to the largest gradient: fp32 reduction order only, as :data:`LOSS_TOLERANCE`. A gradient reduced over the
 wrong group is off by a factor (ep: 2x or more)."""
 TIME_FACTOR = {"nccl": 1.5, "gloo": 4.0}
@@ -98,18 +98,19 @@ def miniature_stage_layers(plan: Plan, num_layers: int, per_chunk: int) -> tuple
 def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
     """Why the run cannot represent this plan, in one line; None when it can.
 
-    Context parallelism: torch's ``context_parallel`` has no sharding rule for the CPU attention
-    kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` on gloo, torch 2.13, checked by
-    tests/test_validate_features.py), and the worker does not wire it for NCCL yet. ALiBi: the
-    validate model has no ALiBi bias. Mixture of experts: what the MoE layer does not run
+    Context parallelism runs on gloo as torch's ring attention around the CPU flash-attention kernel
+    (planner.validate.ring); on NCCL it is refused (that adapter calls the CPU kernel; torch's CUDA
+    ``context_parallel`` is not wired into the worker yet), and with experts (the expert grid of
+    :func:`planner.validate.worker.moe_mesh` has no cp axis). ALiBi: the validate model has no ALiBi bias. Mixture of experts: what the MoE layer does not run
     (:func:`planner.validate.moe.moe_refusal`: capacity factors, MLA, expert TP, tp > 1 without SP).
     """
     cp = sc.plan.cp
-    if cp > 1:
-        where = "on CPU: torch's context_parallel has no CPU attention kernel" if backend == "gloo" else \
-            "yet: the validate worker does not wire torch's context_parallel"
-        return (f"plan: cp={cp} (context parallelism) cannot be run {where}; validate the same plan with cp=1, "
-                "the CP terms stay with `plan3d estimate`")
+    if cp > 1 and backend != "gloo":
+        return (f"plan: cp={cp} (context parallelism) runs on gloo only: the worker's ring attention calls the CPU "
+                "flash-attention kernel; validate it with --backend gloo (the miniature) or with cp=1")
+    if cp > 1 and sc.model.is_moe:
+        return (f"plan: cp={cp} with a mixture of experts is not run: the validate expert grid has no cp axis; "
+                "validate the same plan with cp=1")
     if sc.model.position_embedding == "alibi":
         return "model: position_embedding=alibi is not in the validate model; validate a rope or learned variant"
     if sc.plan.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev"):
@@ -124,7 +125,7 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
               backend: str = "gloo") -> Scenario:
     """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring).
 
-    Kept from the plan: tp, pp, vpp, recompute, SP, the ZeRO stage (1 runs as 2), GQA, activation,
+    Kept from the plan: tp, pp, cp, vpp, recompute, SP, the ZeRO stage (1 runs as 2), GQA, activation,
     norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout; for a
     MoE model the experts, shared experts, gate and router bias (:func:`miniature_moe_fields`).
     Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, fp32; for MoE the expert
@@ -134,18 +135,19 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     if reason:
         raise SpecError(f"validate: {reason}")
     p, m = sc.plan, sc.model
-    tp, pp, vpp = p.tp, p.pp, p.vpp
-    if tp * pp > max_ranks:
-        raise SpecError(f"validate: tp({tp}) * pp({pp}) = {tp * pp} ranks exceed the {max_ranks} local processes; "
-                        "run `plan3d validate` inside torchrun or Slurm (`plan3d emit --format slurm`) instead")
-    dp = max(1, min(p.dp, max_ranks // (tp * pp)))
+    tp, pp, vpp, cp = p.tp, p.pp, p.vpp, p.cp
+    if tp * pp * cp > max_ranks:
+        raise SpecError(f"validate: tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp} ranks exceed the {max_ranks} "
+                        "local processes; run `plan3d validate` inside torchrun or Slurm (`plan3d emit --format "
+                        "slurm`) instead, or raise --max-ranks")
+    dp = max(1, min(p.dp, max_ranks // (tp * pp * cp)))
     ratio = min(m.num_attention_heads // m.kv_heads, 4)  # GQA kept (up to 4 query heads per KV head)
     kv = tp * max(1, -(-4 // (tp * ratio))) if ratio > 1 else tp * max(1, -(-4 // tp))
     heads = kv * ratio
     head_dim = max(8, _round_to(16 * scale, 8))
     hidden = heads * head_dim
     ffn = _round_to(hidden * m.ffn_size / m.hidden_size, 8 * tp * dp)
-    seq = _round_to(128 * scale, 8 * tp)
+    seq = _round_to(128 * scale, 8 * tp * 2 * cp)  # 2cp head-tail chunks, each split over TP for SP
     per_chunk = 2 if pp * vpp <= 4 else 1
     stage_layers = miniature_stage_layers(p, m.num_layers, per_chunk)
     model = ModelSpec(
@@ -160,9 +162,9 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
         model = ModelSpec.model_validate(model.model_dump())  # re-check (first_k_dense < num_layers)
     mbs = min(p.micro_batch_size, 2)
     micro = 2 * pp
-    training = TrainingSpec(num_gpus=tp * pp * dp, global_batch_size=mbs * micro * dp, seq_len=seq,
+    training = TrainingSpec(num_gpus=tp * pp * dp * cp, global_batch_size=mbs * micro * dp, seq_len=seq,
                             precision="fp32", attention="flash", framework="torch", overlap_grad_reduce=True)
-    plan = Plan(tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
+    plan = Plan(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
                 sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage,
                 layers_per_stage=stage_layers, ep=math.gcd(p.ep, tp * dp) if m.is_moe else 1,
                 etp=1 if m.is_moe and p.etp is not None else None)
@@ -475,11 +477,12 @@ def _rel(measured: float, predicted: float) -> float:
 
 def predicted_term_s(sc: Scenario, name: str, bench: dict) -> float:
     """The cost model's time for one measured collective, same bytes and group size, on one node
-    (planner.comm ``ring_time_s`` for all-reduce, ``p2p_time_s`` for a send/recv)."""
+    (planner.comm ``ring_time_s`` for all-reduce, ``p2p_time_s`` for a send/recv and for one step of
+    the cp ring, as planner.cost charges each K/V exchange)."""
     from planner.comm import p2p_time_s, ring_time_s
 
     hw = sc.hardware
-    if name == "pp_send_recv":
+    if name in ("pp_send_recv", "cp_ring_exchange"):  # a cp ring step: K/V to the next rank (planner.cost)
         return p2p_time_s(bench["bytes"], False, hw)
     return ring_time_s("all_reduce", bench["bytes"], bench["ranks"], hw.intra_node_bandwidth_gbps,
                        hw.intra_node_latency_us)
@@ -593,6 +596,8 @@ def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
     tied = [r["tied_max_abs_diff"] for r in ranks if r.get("tied_max_abs_diff") is not None]
     if tied:
         out["tied_max_abs_diff"] = max(tied)
+    if sc.plan.cp > 1:
+        out["grad_check"] = next((r["grad_check"] for r in ranks if r.get("grad_check")), None)
     if sc.model.is_moe:
         out["moe"] = {"activations": moe_summary,
                       "grad_check": next((r["grad_check"] for r in ranks if r.get("grad_check")), None)}
@@ -626,7 +631,7 @@ def judge(out: dict, ranks: list[dict], memory_tolerance: float, time_factor: fl
                        f"({100 * ref['rel_error']:+.4f}% > {100 * LOSS_TOLERANCE:.2f}%)")
     if not all(math.isfinite(x) for x in out["losses"]):
         reasons.append("loss: not finite")
-    grads = (out.get("moe") or {}).get("grad_check") or {}
+    grads = (out.get("moe") or {}).get("grad_check") or out.get("grad_check") or {}
     for group, g in grads.items():
         if not g["rel_diff"] <= GRAD_TOLERANCE:
             reasons.append(f"gradients: rank 0's {group} gradients differ from the single-process model's by "
@@ -652,6 +657,10 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"rank {row['rank']}: max_memory_allocated {row['measured'] / 2**30:.3f} GiB, predicted "
                      f"{row['predicted'] / 2**30:.3f} GiB ({100 * row['rel_error']:+.1f}%){reserved}")
     lines += moe_summary_lines(report.get("moe"))
+    for group, g in (report.get("grad_check") or {}).items():  # cp runs (MoE runs: moe_summary_lines)
+        if g["params"]:
+            lines.append(f"{group} gradients (rank 0, {g['params']} tensors) vs single process: "
+                         f"{100 * g['rel_diff']:.5f}% of the largest")
     st = report.get("step_time")
     if st and not st.get("judged"):
         lines.append("step time: reported, not judged (the hardware profile was not calibrated here; "

@@ -6,7 +6,9 @@ attention output, down projection and the vocab-parallel embedding; ``SequencePa
 norms and ``PrepareModuleInput`` to gather the sequence once per block when the plan has SP).
 Saved tensors match Megatron's fused kernels through ``planner.validate.kernels``, except that
 DTensor's sequence parallelism keeps the gathered input of the column-parallel linears (the
-``framework="torch"`` case of ``planner.memory.layer_activation_terms``).
+``framework="torch"`` case of ``planner.memory.layer_activation_terms``). With context parallelism
+the attention core is torch's ring attention (planner.validate.ring) and positions are the global
+positions of the rank's tokens (``positions``, set by the worker).
 """
 
 from __future__ import annotations
@@ -46,8 +48,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(h, self.kv_heads * d, bias=model.has_qkv_bias)
         self.wo = nn.Linear(self.heads * d, h, bias=model.linear_bias)
         self.recompute_core = False
+        self.cp_group = None  # context parallelism (set by the worker): ring attention over these ranks
+        self.positions = None  # with cp: the global positions of this rank's tokens (planner.validate.ring)
 
     def core(self, q, k, v):
+        if self.cp_group is not None:
+            from planner.validate.ring import ring_attention
+
+            return ring_attention(q, k, v, self.cp_group)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
     def forward(self, x):
@@ -55,7 +63,10 @@ class Attention(nn.Module):
         d = self.head_dim
         q, k, v = (proj(x).view(b, s, -1, d) for proj in (self.wq, self.wk, self.wv))
         if self.rope:
-            cos, sin = rope_tables(s, d, dtype=q.dtype, device=q.device)
+            pos = self.positions
+            cos, sin = rope_tables(s if pos is None else int(pos.max()) + 1, d, dtype=q.dtype, device=q.device)
+            if pos is not None:  # the rotation of each local token's global position
+                cos, sin = cos[pos], sin[pos]
             q, k = RopeFn.apply(q, cos, sin), RopeFn.apply(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.recompute_core:  # selective recompute: the attention core only
@@ -138,13 +149,15 @@ class Chunk(nn.Module):
         self.norm = Norm(model) if last else None
         self.output = nn.Linear(model.hidden_size, model.vocab_size, bias=False) if last else None
         self.sp_mesh = None  # set by tensor_parallelize when positions are added before the SP split
+        self.positions = None  # with cp: the global positions of this rank's tokens (set by the worker)
 
     def forward(self, x):
         if self.tok_embeddings is not None:
             tokens = x
             x = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                x = x + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+                pos = self.positions if self.positions is not None else torch.arange(tokens.shape[1], device=tokens.device)
+                x = x + self.pos_embeddings(pos)
                 if self.sp_mesh is not None:
                     from torch.distributed.tensor import DTensor, Replicate, Shard
 

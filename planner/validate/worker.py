@@ -11,6 +11,11 @@ experts of every MoE layer (planner.validate.moe_layer), FSDP2 shards them over 
 ranks, the worker records the tokens each rank's experts received per layer and micro-batch, and rank 0
 compares its first-step gradients with the single-process model's (:func:`_grad_check`).
 
+Context parallelism (cp > 1, gloo) adds a ``cp`` mesh axis between tp and dp (Megatron's tp-cp-dp-pp):
+each rank keeps its head-tail share of every sequence (tokens, labels, positions), attention is torch's
+ring attention over the cp group (planner.validate.ring), FSDP2 reduces gradients over dp x cp
+(:func:`dp_cp_mesh`), the reported loss is the mean over cp, and rank 0 runs :func:`_grad_check` too.
+
 Each rank writes its current phase to ``--phase-dir``/rank<N>, so that the launcher can say which
 rank stalled where. ``PLAN3D_VALIDATE_FAULT=rank:phase`` makes that rank exit in that phase
 (used by the failure tests); ``rank:phase:hang`` makes it stall there instead.
@@ -19,6 +24,7 @@ Test-only sabotage (``PLAN3D_VALIDATE_SABOTAGE``, comma-separated), so that the 
 verdict fails for each kind of miss; never set it in a real run:
 
 * ``gpipe``: run GPipe (every micro-batch in flight) instead of 1F1B, a wrong in-flight count;
+* ``local_attention``: with cp, each rank attends to its own s/cp tokens only (the ring dropped);
 * ``corrupt:<rank>``: add 0.5 to that rank's local shard of the first down projection (FFN w2) after building;
 * ``slow:<rank>:<seconds>``: that rank sleeps this long in every step;
 * ``oom:<rank>``: that rank raises ``torch.OutOfMemoryError`` in its second step.
@@ -44,7 +50,7 @@ from planner.validate.calibrate import time_it
 from planner.validate.launch import OOM_EXIT_CODE, refusal
 from planner.validate.model import build_chunks, build_local_chunks, materialize_local, set_recompute, tensor_parallelize
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
 
 
 class TiedEmbedding:
@@ -77,7 +83,7 @@ def tied_pair(sc: Scenario, mine, pp_rank: int, mesh) -> TiedEmbedding | None:
         return None
     import itertools
 
-    grid = mesh.mesh  # [pp, dp_replicate, dp_shard, tp] of global ranks
+    grid = mesh.mesh  # [pp, ..., tp] of global ranks (mesh_dims)
     mine_group = None
     for idx in itertools.product(*(range(n) for n in grid.shape[1:])):
         ranks = [int(grid[0][idx]), int(grid[-1][idx])]
@@ -115,8 +121,8 @@ def sabotage(rank: int) -> dict:
     out: dict = {}
     for item in filter(None, os.environ.get("PLAN3D_VALIDATE_SABOTAGE", "").split(",")):
         kind, *rest = item.split(":")
-        if kind == "gpipe":
-            out["gpipe"] = True
+        if kind in ("gpipe", "local_attention"):
+            out[kind] = True
         elif rest and int(rest[0]) == rank:
             out[kind] = float(rest[1]) if kind == "slow" else True
     return out
@@ -264,7 +270,7 @@ def busbw_gbps(kind: str, size_bytes: float, n: int, seconds: float) -> float:
 
 
 def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
-    """Achieved bus bandwidth on the plan's own TP, PP and DP groups: every sample starts after a
+    """Achieved bus bandwidth on the plan's own TP, PP, CP and DP groups: every sample starts after a
     barrier on the group and ends after the device is synchronised, so it times the collective, not
     its launch (nccl-tests does the same; busbw as nccl-tests defines it)."""
     p = sc.plan
@@ -296,13 +302,22 @@ def microbenchmarks(sc: Scenario, mesh, device, grad_bytes: int) -> dict:
         t = time_it(lambda: (exchange(), sync()), repeats=5, before=lambda: dist.barrier(group=pp_group)) / 2
         out["pp_send_recv"] = {"bytes": buf.numel() * 4, "ranks": 2, "seconds": t,
                                "busbw_gbps": busbw_gbps("p2p", buf.numel() * 4, 2, t)}
-    if p.dp > 1:
+    if p.cp > 1:  # one step of the K/V ring of one micro-batch (planner.cost: 2·b·(s/cp)·g_r·d_h per step)
+        from planner.validate.ring import ring_exchange
+
+        kv_r = max(sc.model.kv_heads // p.tp, 1) * sc.model.kv_channels
+        buf = torch.ones(2 * b * (s // p.cp) * kv_r, device=device)
+        group = mesh["cp"].get_group()
+        t = time_it(lambda: (ring_exchange(buf, group), sync()), repeats=5, before=lambda: dist.barrier(group=group))
+        out["cp_ring_exchange"] = {"bytes": buf.numel() * 4, "ranks": p.cp, "seconds": t,
+                                   "busbw_gbps": busbw_gbps("p2p", buf.numel() * 4, 2, t)}
+    if p.dp * p.cp > 1:  # gradients are reduced over dp x cp (planner.cost does the same)
         buf = torch.ones(max(grad_bytes // 4, 1), device=device)
-        group = _dp_group(mesh, p.zero_stage)
+        group, n = _dp_group(mesh, p.zero_stage, p.cp), p.dp * p.cp
         t = time_it(lambda: (dist.all_reduce(buf, group=group), sync()), repeats=3,
                     before=lambda: dist.barrier(group=group))
-        out["dp_all_reduce"] = {"bytes": buf.numel() * 4, "ranks": p.dp, "seconds": t,
-                                "busbw_gbps": busbw_gbps("all_reduce", buf.numel() * 4, p.dp, t)}
+        out["dp_all_reduce"] = {"bytes": buf.numel() * 4, "ranks": n, "seconds": t,
+                                "busbw_gbps": busbw_gbps("all_reduce", buf.numel() * 4, n, t)}
     return out
 
 
@@ -320,9 +335,37 @@ def moe_mesh(sc: Scenario, device):
     return DeviceMesh(device.type, layout, mesh_dim_names=("pp", "edp_replicate", "edp_shard", "ep"))
 
 
-def _dp_group(mesh, zero_stage: int):
-    """The data-parallel group: the replicate dimension without ZeRO, the shard dimension with it."""
-    return mesh["dp_replicate" if zero_stage == 0 else "dp_shard"].get_group()
+def mesh_dims(sc: Scenario) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Names and sizes of the worker mesh, slowest to fastest (:data:`MESH_DIMS`, Megatron's tp-cp-dp-pp).
+    With cp and ZeRO-0, cp comes before the (size-1) dp_shard axis: the same rank layout, and dp_replicate and
+    cp are then neighbours that :func:`dp_cp_mesh` can flatten."""
+    p = sc.plan
+    replicate, shard = (p.dp, 1) if p.zero_stage == 0 else (1, p.dp)
+    sizes = {"pp": p.pp, "dp_replicate": replicate, "dp_shard": shard, "cp": p.cp, "tp": p.tp}
+    dims = ("pp", "dp_replicate", "cp", "dp_shard", "tp") if p.cp > 1 and p.zero_stage == 0 else MESH_DIMS
+    return dims, tuple(sizes[d] for d in dims)
+
+
+def dp_cp_mesh(sc: Scenario, mesh):
+    """The mesh FSDP2 shards or replicates over: the dp x cp ranks of one stage and TP rank, as Megatron
+    (gradients reduced over the data-parallel group with context parallelism, ``parallel_state``
+    ``get_data_parallel_group(with_context_parallel=True)``) and torchtitan (FSDP over the flattened
+    ``dp_shard_cp`` mesh, ``parallel_dims.py``) do. ZeRO-0 replicates over all of them, ZeRO-2/3 shard over
+    all of them. Flattened from the worker mesh, so that FSDP2 composes with the TP DTensors on it."""
+    p = sc.plan
+    if p.cp == 1:
+        return mesh["dp_replicate", "dp_shard"]
+    if p.zero_stage == 0:
+        mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp")
+        return mesh["dp_replicate_cp", "dp_shard"]
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh["dp_replicate", "dp_shard_cp"]
+
+
+def _dp_group(mesh, zero_stage: int, cp: int = 1):
+    """The data-parallel group: the replicate dimension without ZeRO, the shard dimension with it; with cp
+    the dp x cp dimension that :func:`dp_cp_mesh` flattened."""
+    return mesh[("dp_replicate" if zero_stage == 0 else "dp_shard") + ("_cp" if cp > 1 else "")].get_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,8 +421,9 @@ def _main(argv: list[str] | None) -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    replicate, shard = (p.dp, 1) if p.zero_stage == 0 else (1, p.dp)
-    mesh = init_device_mesh(device.type, (p.pp, replicate, shard, p.tp), mesh_dim_names=MESH_DIMS)
+    shard = 1 if p.zero_stage == 0 else p.dp
+    dims, sizes = mesh_dims(sc)
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=dims)
     pp_rank = mesh["pp"].get_local_rank()
     dp_rank = mesh["dp_replicate"].get_local_rank() * shard + mesh["dp_shard"].get_local_rank()
     expert_mesh = moe_mesh(sc, device) if sc.model.is_moe else None
@@ -403,6 +447,19 @@ def _main(argv: list[str] | None) -> int:
                 blk.feed_forward.localize(expert_mesh["ep"].get_local_rank(), p.ep, expert_mesh["ep"].get_group())
     reference_chunks = build_chunks(sc.model, [sc.model.num_layers]) if args.reference and rank == 0 else None
     stages = []
+    fsdp_mesh = dp_cp_mesh(sc, mesh)
+    tokens, labels = batch(sc, dp_rank, device)
+    if p.cp > 1:  # this cp rank's tokens, labels and their global positions (torch's head-tail sharding)
+        from planner.validate.ring import shard_sequence
+
+        seq = sc.training.seq_len
+        tokens, labels, positions = shard_sequence(mesh["cp"], [tokens, labels, torch.arange(seq, device=device)],
+                                                   [1, 1, 0], seq)
+        for c in mine:
+            c.positions = positions
+            for blk in c.layers:
+                blk.attention.cp_group = None if bad.get("local_attention") else mesh["cp"].get_group()
+                blk.attention.positions = positions
     for k, chunk in enumerate(mine):
         set_recompute(chunk, p.recompute)
         if p.tp > 1:
@@ -414,7 +471,7 @@ def _main(argv: list[str] | None) -> int:
                 (w._local_tensor if hasattr(w, "_local_tensor") else w).add_(0.5)
         if not args.full_size:
             chunk.to(device)
-        dp_mesh = mesh["dp_replicate", "dp_shard"]
+        dp_mesh = fsdp_mesh
         for blk in chunk.layers:
             if blk.is_moe:  # the experts first: over the expert-data-parallel ranks (torchtitan's EP layout)
                 experts = blk.feed_forward.experts
@@ -454,11 +511,10 @@ def _main(argv: list[str] | None) -> int:
     else:
         schedule = Schedule1F1B(stages[0], n_microbatches=p.num_microbatches, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))
-    tokens, labels = batch(sc, dp_rank, device)
     is_first, is_last = pp_rank == 0, pp_rank == p.pp - 1
 
     phase("microbenchmarks")
-    grad_size = local_bytes(params) * (p.dp if p.zero_stage >= 3 else 1)
+    grad_size = local_bytes(params) * (p.dp * p.cp if p.zero_stage >= 3 else 1)
     bench = microbenchmarks(sc, mesh, device, grad_size)
 
     losses_per_step, step_s = [], []
@@ -490,7 +546,7 @@ def _main(argv: list[str] | None) -> int:
             raise torch.OutOfMemoryError("injected: CUDA out of memory (PLAN3D_VALIDATE_SABOTAGE)")
         if tied is not None:
             tied.sync_grads()
-        if step == 0 and args.reference and sc.model.is_moe:
+        if step == 0 and args.reference and (sc.model.is_moe or p.cp > 1):
             full = _full_grads(mine[0])  # collective over each parameter's mesh: every rank takes part
             if reference_chunks is not None:
                 grad_check = _grad_check(reference_chunks[0], mine[0], full, sc, device, expert_params)
@@ -504,11 +560,16 @@ def _main(argv: list[str] | None) -> int:
         if step >= args.warmup:
             step_s.append(elapsed)
         if is_last and losses:
-            losses_per_step.append(float(torch.stack([torch.as_tensor(x).detach().float() for x in losses]).mean()))
+            loss = torch.stack([torch.as_tensor(x).detach().float() for x in losses]).mean()
+            if p.cp > 1:  # each cp rank's loss is the mean over its s/cp tokens: the sequence's is their mean
+                dist.all_reduce(loss, group=mesh["cp"].get_group())
+                loss /= p.cp
+            losses_per_step.append(float(loss))
 
     phase("report")
     result = {
         "rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "tp_rank": mesh["tp"].get_local_rank(),
+        "cp_rank": mesh["cp"].get_local_rank(), "local_seq_len": int(tokens.shape[1]),
         "step_s": step_s, "losses": losses_per_step,
         "weights_bytes": local_bytes(params),
         "grads_bytes": local_bytes([q.grad for q in params]),
@@ -522,6 +583,7 @@ def _main(argv: list[str] | None) -> int:
                                     for k, n in sorted(saved.by_key.items())],
             "saved_peak_keys": [list(k) for k in saved.peak_keys],
             "grad_check": grad_check} if sc.model.is_moe else {}),
+        **({"grad_check": grad_check} if p.cp > 1 else {}),
         "saved_activation_peak_bytes": saved.peak,
         "saved_bytes_per_microbatch": sorted(set(saved.per_microbatch)),
         "unreleased_microbatches": len(saved.live),
@@ -555,6 +617,7 @@ def _grad_check(model, chunk, full: dict, sc: Scenario, device, expert_params: s
     """Rank 0's first-step gradients of its first chunk against the single-process model (same weights)
     on every data-parallel replica's batch, the loss averaged over replicas and micro-batches.
 
+    With cp it checks the ring attention's backward and the gradient reduction over dp x cp.
     For a MoE plan this checks dispatch and combine backward through the all-to-all, TP's sums over the
     router and gate, and the expert gradients' reduction over the expert-data-parallel ranks (divided by
     dp, not expert_dp). ``full`` holds the gathered gradients (:func:`_full_grads`). Returns the largest
