@@ -780,6 +780,50 @@ def op_sac_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rat
     return gemm_s + max(elem_f_s, elem_kernels * rates.gemm_overhead_s)
 
 
+def module_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rates: Rates, tokens: float,
+                       att_f: float, gemm_fwd: dict, tp_region_s: float, moe_extra) -> tuple[float, float, float]:
+    """(recomputed forward seconds, repeated TP seconds, repeated EP seconds) of one layer's backward under
+    Megatron's selective recompute of ``training.recompute_modules`` (``--recompute-modules``; what each keeps:
+    :func:`planner.memory.apply_recompute_modules`).
+
+    ``core_attn``: the attention core's forward (``att_f``). ``mla_up_proj``: the q and kv up-projection GEMMs
+    (``gemm_fwd``, the layer's forward GEMM times by :func:`_linear_shapes` name; their fused norms and the RoPE
+    are left out, memory-bound and small beside them). ``mlp`` (a dense layer): FC1 and FC2 and the activation
+    (read the FC1 output, write its result), and the MLP's TP region again (``tp_region_s``: its all-gather and
+    reduce-scatter with SP, its all-reduce without). ``moe`` (a MoE layer): the router, expert GEMMs and
+    permutation (``moe_extra.fwd_compute``), the shared experts' GEMMs and the dispatch and combine again;
+    otherwise ``moe_act``: the experts' activation over the routed rows, and ``shared_experts``: the shared
+    experts' GEMMs and their TP region. ``layernorm`` is costed as nothing (a norm's forward; it is modelled
+    as saving nothing, too)."""
+    mods = training.recompute_modules
+    e = act_bytes(training)
+    gate = 2 if model.gated_mlp else 1
+    s = att_f if "core_attn" in mods else 0.0
+    tp = ep = 0.0
+    if "mla_up_proj" in mods:
+        s += gemm_fwd.get("q_up", 0.0) + gemm_fwd.get("kv_up", 0.0)
+    if moe_extra is None:
+        if "mlp" in mods and "fc1" in gemm_fwd:
+            act_bytes_ = tokens * (gate + 1) * model.ffn_size / plan.tp * e
+            s += gemm_fwd["fc1"] + gemm_fwd["fc2"] + max(act_bytes_ / rates.hbm_bytes_per_s, rates.gemm_overhead_s)
+            tp += tp_region_s
+        return s, tp, ep
+    shared = "fc1" in gemm_fwd  # a MoE layer's fc1/fc2 are its shared experts (_linear_shapes)
+    if "moe" in mods:
+        s += moe_extra.fwd_compute + (gemm_fwd["fc1"] + gemm_fwd["fc2"] if shared else 0.0)
+        ep += moe_extra.comm_fwd
+        tp += tp_region_s if shared else 0.0
+        return s, tp, ep
+    if "moe_act" in mods:
+        rows = training.moe_load_imbalance * plan.expert_tp * tokens / plan.tp * model.top_k
+        act_bytes_ = rows * (gate + 1) * model.moe_ffn_size / plan.expert_tp * e
+        s += max(act_bytes_ / rates.hbm_bytes_per_s, rates.gemm_overhead_s)
+    if "shared_experts" in mods and shared:
+        s += gemm_fwd["fc1"] + gemm_fwd["fc2"]
+        tp += tp_region_s
+    return s, tp, ep
+
+
 def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                order: str = DEFAULT_ORDER, moe: bool = False) -> LayerTime:
     """Compute and communication of one transformer layer for one micro-batch on one GPU; ``moe``: a
@@ -839,6 +883,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         tp_fwd = regions * ar
         tp_bwd = sum(overlapped_s(ar, wg, c) for _, wg in col)
     ep_fwd = ep_bwd = 0.0
+    x = None
     if moe:
         x = moe_layer_extra(model, hw, training, plan, tokens)
         fwd, bwd, wgrad = fwd + x.fwd_compute, bwd + x.bwd_compute, wgrad + x.wgrad
@@ -853,12 +898,21 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         exchange = (plan.cp - 1) * comm.p2p_time_s(kv_bytes, not cp_group.intra_node, hw)
         cp_fwd, cp_bwd = overlapped_s(exchange, att_f, c), overlapped_s(2 * exchange, att_b, c)
     recompute = {"none": 0.0, "selective": att_f, "full": fwd}[plan.recompute]
-    if plan.recompute == "selective" and not moe and frameworks.get(training.framework).op_sac:
+    op_sac = frameworks.get(training.framework).op_sac
+    if plan.recompute == "selective" and not moe and op_sac:
         recompute = op_sac_recompute_s(model, training, plan, rates, tokens, elem_f, k_f)
+    elif plan.recompute == "selective" and not op_sac:
+        names = list(_linear_shapes(model, plan, moe))
+        gemm_fwd = {name: g[0] for name, g in zip(names, gemms)}
+        region_s = (ag + rs) if plan.sequence_parallel else ar
+        recompute, tp_again, ep_again = module_recompute_s(model, training, plan, rates, tokens, att_f, gemm_fwd,
+                                                           region_s if plan.tp > 1 else 0.0, x)
+        tp_bwd, ep_bwd = tp_bwd + tp_again, ep_bwd + ep_again
     if plan.recompute == "full":
         tp_bwd += tp_fwd  # the recomputed forward repeats its collectives
         ep_bwd += ep_fwd  # and its token dispatch and combine
-    if plan.recompute != "none":
+    if plan.recompute == "full" or (plan.recompute == "selective" and
+                                    (op_sac or "core_attn" in training.recompute_modules)):
         cp_bwd += cp_fwd  # and its ring exchange
     if moe:  # the per-layer host sync exposes the host's issue time where it exceeds the GPU's (moe_host_s)
         host_f, host_b = moe_host_s(model, hw, training, plan)

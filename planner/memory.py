@@ -26,7 +26,7 @@ All functions are pure; sizes are bytes per GPU unless the name says otherwise.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -310,6 +310,34 @@ class ActTerm:
     layer_input: bool = False  # the layer's input (the only tensor kept under full recompute)
     selective: bool | None = None  # kept under selective recompute; None: unless ``core`` (Megatron's rule)
     autograd: bool = True  # saved by autograd without recompute; False: kept only by an op-level AC policy
+    modules: tuple[str, ...] = ()  # Megatron --recompute-modules that drop it (apply_recompute_modules)
+
+
+def apply_recompute_modules(terms: list[ActTerm], training: TrainingSpec) -> list[ActTerm]:
+    """The terms as Megatron-Core's selective recompute keeps them for ``training.recompute_modules``
+    (``--recompute-modules``, default ``core_attn``; core_v0.16.1 ``transformer_config.py``).
+
+    A term is dropped when one of its modules (``ActTerm.modules``; the attention core's terms belong to
+    ``core_attn``) is recomputed, and kept otherwise, so a list without ``core_attn`` keeps the core. Code paths:
+    ``core_attn`` checkpoints the core attention (``attention.py``); ``mla_up_proj`` runs the MLA
+    up-projections with their fused q/kv norms and the RoPE under ``CheckpointWithoutOutput`` and discards
+    Q, K and V after the core attention (``multi_latent_attention.py``): the latents, its inputs, stay;
+    ``mlp`` checkpoints a dense layer's MLP with its fused pre-MLP norm (``transformer_layer.py``,
+    ``recompute_mlp`` only when the layer is not MoE): its input stays; ``moe`` checkpoints the MoE layer
+    (``moe_layer.py``): the pre-MLP norm output, its input, stays; ``moe_act`` discards the experts'
+    activation output, FC2's input (``experts.py``, ``CheckpointWithoutOutput``); ``shared_experts``
+    checkpoints the shared expert (``shared_experts.py``). ``layernorm`` recomputes a norm that is not fused
+    into the next linear; with Transformer Engine's fused ``LayerNormLinear`` the kept input is what the
+    linear saves anyway, so it is modelled as dropping nothing (an upper bound on memory).
+    """
+    mods = set(training.recompute_modules)
+    out = []
+    for x in terms:
+        own = x.modules + (("core_attn",) if x.core else ())
+        if own and x.selective is None:
+            x = replace(x, selective=not (mods & set(own)))
+        out.append(x)
+    return out
 
 
 #: Bytes per element of a GEMM input saved for the weight gradient (Transformer Engine keeps the quantised
@@ -385,19 +413,20 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan,
     fc1_out = (2 if model.gated_mlp else 1) * sb * f / t
     if not model.parallel_attention:  # in parallel, norm2 reads the layer input, saved above
         terms.append(ActTerm("norm2 input", sb * h * e / sp))
+    mlp = () if moe else ("mlp",)  # a dense layer's MLP, its fused pre-MLP norm included (apply_recompute_modules)
     if not model.shared_input_norm:
-        terms.append(ActTerm("norm2 statistics", stats / sp))
+        terms.append(ActTerm("norm2 statistics", stats / sp, modules=mlp))
     if moe:
         terms += moe_activation_terms(model, training, plan)
     else:
         if not (model.shared_input_norm and lin == e and gathered == sp):  # else the QKV input tensor itself
-            terms.append(ActTerm("FC1 input", sb * h * lin / gathered))
+            terms.append(ActTerm("FC1 input", sb * h * lin / gathered, modules=mlp))
         terms += [
-            ActTerm("activation input (FC1 output)", fc1_out * e),
-            ActTerm("FC2 input", sb * f / t * lin),
+            ActTerm("activation input (FC1 output)", fc1_out * e, modules=mlp),
+            ActTerm("FC2 input", sb * f / t * lin, modules=mlp),
         ]
         if model.activation == "swiglu" and profile.swiglu_unfused:
-            terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e))
+            terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e, modules=mlp))
     if drop:
         terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
     if model.norm_placement == "sandwich":
@@ -405,8 +434,8 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan,
             terms += [ActTerm(f"post-{where} norm input", sb * h * e / sp),
                       ActTerm(f"post-{where} norm statistics", stats / sp)]
     if profile.op_sac:
-        terms = op_sac_terms(terms, model, plan, e)
-    return terms
+        return op_sac_terms(terms, model, plan, e)
+    return apply_recompute_modules(terms, training)
 
 
 def _core_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, q_r: float, kv_r: float,
@@ -468,18 +497,19 @@ def mla_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     copies = 2 if lin != e else 1  # one fp8 copy per down projection; bf16: the same tensor, saved once
     terms = [ActTerm("q/kv down-projection input (norm1 output)", copies * sb * h * min(lin, e) / gathered,
                      selective=keep)]
+    up = ("mla_up_proj",)  # what --recompute-modules mla_up_proj discards (apply_recompute_modules)
     if rq:
         terms += [ActTerm("q latent (q-norm input)", sb * rq * e / sp, selective=keep),
-                  ActTerm("q-norm statistics", sb * stat / sp, selective=keep),
+                  ActTerm("q-norm statistics", sb * stat / sp, selective=keep, modules=up),
                   ActTerm("q up-projection input (normalised q latent)", sb * rq * lin / gathered,
-                          selective=keep)]
+                          selective=keep, modules=up)]
     terms += [ActTerm("kv latent and rope key (kv-norm input)", sb * (rkv + rope) * e / sp, selective=keep),
-              ActTerm("kv-norm statistics", sb * stat / sp, selective=keep),
+              ActTerm("kv-norm statistics", sb * stat / sp, selective=keep, modules=up),
               ActTerm("kv up-projection input (normalised kv latent)", sb * rkv * lin / gathered,
-                      selective=keep),
-              ActTerm("Q (nope + rope heads)", sb * a_r * model.qk_head_dim * e, selective=keep),
-              ActTerm("K (nope + rope heads)", sb * a_r * model.qk_head_dim * e, selective=keep),
-              ActTerm("V", sb * a_r * model.v_dim * e, selective=keep),
+                      selective=keep, modules=up),
+              ActTerm("Q (nope + rope heads)", sb * a_r * model.qk_head_dim * e, selective=keep, modules=up),
+              ActTerm("K (nope + rope heads)", sb * a_r * model.qk_head_dim * e, selective=keep, modules=up),
+              ActTerm("V", sb * a_r * model.v_dim * e, selective=keep, modules=up),
               ActTerm("out-proj input", sb * a_r * model.v_dim * lin, selective=keep)]
     qk_r, v_r = a_r * model.qk_head_dim, a_r * model.v_dim
     return terms + _core_attention_terms(model, training, plan, qk_r, qk_r, v_r)
@@ -560,9 +590,9 @@ def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -
     output ``[T k, h]`` by the sorted fp32 scores ``[T k]`` and saves both. Shared experts as
     torchtitan's dense ``FeedForward`` (gathered input, four ``[s b, F_s / t]`` tensors).
 
-    Under recompute "selective" every MoE term is kept (Megatron's default ``--recompute-modules
-    core_attn``; torchtitan's op-level policy counted as keeping them, an upper bound); "full"
-    keeps only the layer input.
+    Under recompute "selective" every MoE term is kept with Megatron's default ``--recompute-modules
+    core_attn`` (``moe``, ``moe_act`` and ``shared_experts`` drop theirs: :func:`apply_recompute_modules`;
+    torchtitan's op-level policy counted as keeping them, an upper bound); "full" keeps only the layer input.
     """
     tokens, rows = moe_tokens_per_rank(model, training, plan)
     t, e = plan.tp, act_bytes(training)
@@ -598,25 +628,27 @@ def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -
                                      tokens * (h + 1) * e, selective=keep))
         return terms
     rb = FP32_BYTES if model.router_dtype == "fp32" else 2
+    layer, act, sh = ("moe",), ("moe", "moe_act"), ("moe", "shared_experts")  # apply_recompute_modules
     terms = [ActTerm("MoE input (pre-MLP norm output; router and shared-expert FC1 save it)", tokens * h * e),
-             ActTerm("router scores (router dtype)", tokens * n_exp * rb),
+             ActTerm("router scores (router dtype)", tokens * n_exp * rb, modules=layer),
              ActTerm("router top-k indices (int64), probabilities and normaliser",
-                     tokens * k * (TOKEN_ID_BYTES + rb) + tokens * rb),
-             ActTerm("permutation routing map (bool)", tokens * n_exp),
-             ActTerm("router probabilities, transposed (permute's masked_select saves them)", tokens * n_exp * rb),
-             ActTerm("permutation sorted indices (int64)", tokens * k * TOKEN_ID_BYTES),
-             ActTerm("expert FC1 input (dispatched tokens)", rows * h * lin),
-             ActTerm("expert activation input (FC1 output)", rows * gated * f_r * e),
-             ActTerm("routed probabilities (router dtype)", rows * rb),
-             ActTerm("expert FC2 input", rows * f_r * lin)]
+                     tokens * k * (TOKEN_ID_BYTES + rb) + tokens * rb, modules=layer),
+             ActTerm("permutation routing map (bool)", tokens * n_exp, modules=layer),
+             ActTerm("router probabilities, transposed (permute's masked_select saves them)", tokens * n_exp * rb,
+                     modules=layer),
+             ActTerm("permutation sorted indices (int64)", tokens * k * TOKEN_ID_BYTES, modules=layer),
+             ActTerm("expert FC1 input (dispatched tokens)", rows * h * lin, modules=layer),
+             ActTerm("expert activation input (FC1 output)", rows * gated * f_r * e, modules=layer),
+             ActTerm("routed probabilities (router dtype)", rows * rb, modules=layer),
+             ActTerm("expert FC2 input", rows * f_r * lin, modules=act)]
     if not model.gated_mlp:
-        terms.append(ActTerm("expert activation output (unfused activation * probs)", rows * f_r * e))
+        terms.append(ActTerm("expert activation output (unfused activation * probs)", rows * f_r * e, modules=act))
     if shared is not None:
-        terms += [ActTerm("shared-expert activation input (FC1 output)", sb * gated * shared / t * e),
-                  ActTerm("shared-expert FC2 input", sb * shared / t * lin)]
+        terms += [ActTerm("shared-expert activation input (FC1 output)", sb * gated * shared / t * e, modules=sh),
+                  ActTerm("shared-expert FC2 input", sb * shared / t * lin, modules=sh)]
         if model.shared_expert_gate:
             terms.append(ActTerm("shared-expert output and gate score (the gate multiply saves them)",
-                                 tokens * (h + 1) * e))
+                                 tokens * (h + 1) * e, modules=sh))
     return terms
 
 

@@ -689,6 +689,19 @@ class TrainingSpec(_Spec):
         if "moe_preprocess" in v and "moe_router" not in v:  # Megatron arguments.py, --cuda-graph-scope help
             raise ValueError("moe_preprocess must be captured together with moe_router; add moe_router")
         return tuple(dict.fromkeys(v))
+    recompute_modules: tuple[Literal["core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts",
+                                     "layernorm"], ...] = Field(
+        default=("core_attn",),
+        description="What selective recompute recomputes (Megatron --recompute-granularity selective "
+                    "--recompute-modules, default core_attn; Megatron-Bridge recompute_modules): core_attn, mla_up_proj "
+                    "(MLA up-projections and RoPE), mlp (the dense layers' MLP), moe_act (the experts' activation), "
+                    "moe (the whole MoE layer), shared_experts, layernorm (accepted, modelled as saving nothing). "
+                    "megatron and nemo only (planner.memory.apply_recompute_modules).")
+
+    @field_validator("recompute_modules")
+    @classmethod
+    def _recompute_modules(cls, v: tuple) -> tuple:
+        return tuple(dict.fromkeys(v))
     moe_a2a_overlap: bool = Field(
         default=False,
         description="Overlap the MoE dispatch/combine all-to-all with another micro-batch's compute (Megatron "
@@ -942,6 +955,18 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
             errors.append(str(err))
     from planner.frameworks import get as framework_profile
 
+    mods = training.recompute_modules
+    if mods != ("core_attn",):
+        if training.framework not in ("megatron", "nemo"):
+            errors.append(f"recompute_modules: {training.framework} has no per-module selective recompute "
+                          "(Megatron --recompute-modules); use framework megatron or nemo, or drop it")
+        if "mla_up_proj" in mods and not model.is_mla:  # core_v0.16.1 transformer_config.py __post_init__
+            errors.append(f"recompute_modules: mla_up_proj needs multi-latent attention, which {model.name} has not; "
+                          "drop mla_up_proj")
+        if (training.precision == "fp8" and training.fp8_recipe == "delayed"
+                and {"moe_act", "layernorm"} & set(mods)):  # ibid.: "Delayed scaling does not support ..."
+            errors.append("recompute_modules: moe_act and layernorm recompute do not run with fp8 delayed scaling "
+                          "(Megatron); use --fp8-recipe tensorwise or drop them")
     return errors + framework_profile(training.framework).job_problems(training.precision, training.fp8_params,
                                                                         training.optimizer_dtype)
 

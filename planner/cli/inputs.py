@@ -120,16 +120,25 @@ def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imb
                  cuda_graph_modules=graphs)
 
 
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts", "layernorm")
+
+
 def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool], optimizer_dtype: Optional[str],
-                  fp8_recipe: Optional[str] = None) -> dict:
+                  fp8_recipe: Optional[str] = None, recompute_modules: Optional[str] = None) -> dict:
     """How the framework holds gradients, weights and optimizer states (and scales fp8), as TrainingSpec fields
     (unset left out)."""
     if optimizer_dtype is not None and optimizer_dtype not in ("fp32", "bf16"):
         raise SpecError(f"--optimizer-dtype: '{optimizer_dtype}' is not one of fp32, bf16")
     if fp8_recipe is not None and fp8_recipe not in ("delayed", "tensorwise"):
         raise SpecError(f"--fp8-recipe: '{fp8_recipe}' is not one of delayed, tensorwise")
+    modules = None
+    if recompute_modules is not None:
+        modules = tuple(m.strip() for m in recompute_modules.split(",") if m.strip())
+        bad = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if bad:
+            raise SpecError(f"--recompute-modules: '{bad[0]}' is not one of {', '.join(RECOMPUTE_MODULES)}")
     return given(grad_reduce_in_bf16=grad_reduce_in_bf16, fp8_params=fp8_params, optimizer_dtype=optimizer_dtype,
-                 fp8_recipe=fp8_recipe)
+                 fp8_recipe=fp8_recipe, recompute_modules=modules)
 
 
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],

@@ -286,6 +286,8 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--sequence-parallel", None))
     if p.recompute == "selective":
         flags += [("--recompute-granularity", "selective")]
+        if tr.recompute_modules != ("core_attn",):  # core_v0.16.1 arguments.py: nargs "*", default core_attn
+            flags.append(("--recompute-modules", tuple(tr.recompute_modules)))
     elif p.recompute == "full":
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                   ("--recompute-num-layers", "1")]

@@ -371,9 +371,30 @@ def zero_stage(a: Args, ds_config: dict | None) -> int:
     return 1 if a.has("--use-distributed-optimizer") else 0
 
 
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts", "layernorm")
+
+
+def recompute_modules(a: Args) -> tuple[str, ...]:
+    """``--recompute-modules`` (core_v0.16.1 ``TransformerConfig.recompute_modules``, nargs "*", default
+    ``core_attn``; what each recomputes: ``planner.memory.apply_recompute_modules``). ``--moe-layer-recompute``
+    (deprecated) adds ``moe``, as ``TransformerConfig.__post_init__`` does."""
+    value = a.get("--recompute-modules") if a.has("--recompute-modules") else ["core_attn"]
+    modules = [value] if isinstance(value, str) else list(value or [])
+    bad = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if bad:  # TransformerConfig.__post_init__: "Invalid choices for recompute_modules"
+        raise SpecError(f"{a.path}:{a.line('--recompute-modules')}: --recompute-modules: '{bad[0]}' is not one of "
+                        f"{', '.join(RECOMPUTE_MODULES)} (Megatron refuses it)")
+    if a.has("--moe-layer-recompute") and "moe" not in modules:
+        modules.append("moe")
+    return tuple(modules)
+
+
 def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> str:
     granularity = a.get("--recompute-granularity")
-    if a.has("--recompute-activations"):
+    if a.has("--moe-layer-recompute") and granularity == "full":  # TransformerConfig.__post_init__
+        raise SpecError(f"{a.path}:{a.line('--moe-layer-recompute')}: --moe-layer-recompute with "
+                        "--recompute-granularity full: Megatron refuses it; drop one")
+    if a.has("--recompute-activations") or a.has("--moe-layer-recompute"):
         granularity = "selective"
     if a.has("--checkpoint-activations") or a.has("--deepspeed-activation-checkpointing"):
         granularity = "full"  # Megatron-DeepSpeed / Megatron-LM before 2022: every layer
@@ -509,6 +530,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
             "microbatch_group_size": (a.count("--microbatch-group-size-per-virtual-pipeline-stage")
                                       if a.has("--microbatch-group-size-per-virtual-pipeline-stage") and vpp > 1
                                       else None)}
+    if plan["recompute"] == "selective" and not a.has("--deepspeed"):  # Megatron-Core checks them only then
+        training["recompute_modules"] = recompute_modules(a)
     return model, training, plan, notes
 
 
