@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -42,6 +43,9 @@ Precision = Literal["bf16", "fp8", "mxfp8", "nvfp4", "fp32"]
 #: Block-scaled formats (OCP MX and NVIDIA NVFP4): Blackwell (sm_100) tensor cores only.
 BLOCK_SCALED = ("mxfp8", "nvfp4")
 Recompute = Literal["none", "selective", "full"]
+# Megatron-Core core_v0.16.1 TransformerConfig.recompute_modules choices (TrainingSpec.recompute_modules)
+RecomputeModule = Literal["core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts", "layernorm"]
+RECOMPUTE_MODULES: tuple[str, ...] = typing.get_args(RecomputeModule)
 AttentionKernel = Literal["flash", "materialized"]
 
 
@@ -689,8 +693,7 @@ class TrainingSpec(_Spec):
         if "moe_preprocess" in v and "moe_router" not in v:  # Megatron arguments.py, --cuda-graph-scope help
             raise ValueError("moe_preprocess must be captured together with moe_router; add moe_router")
         return tuple(dict.fromkeys(v))
-    recompute_modules: tuple[Literal["core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts",
-                                     "layernorm"], ...] = Field(
+    recompute_modules: tuple[RecomputeModule, ...] = Field(
         default=("core_attn",),
         description="What selective recompute recomputes (Megatron --recompute-granularity selective "
                     "--recompute-modules, default core_attn; Megatron-Bridge recompute_modules): core_attn, mla_up_proj "

@@ -139,3 +139,23 @@ def test_search_tables_price_the_modules():
     assert len(keys) > 10
     for k in keys[:: max(1, len(keys) // 30)]:
         assert_entry_is_estimate(model, H100, tr, tables, k)
+
+
+def test_cli_takes_the_modules_and_refuses_bad_ones(runner):
+    """`--recompute-modules` reaches the estimate (less memory with mlp than Megatron's default) and a bad name or a
+    module Megatron refuses for the model exits 2 with the field named."""
+    import json
+
+    from planner.cli import app
+    from tests.test_cli import _bad
+
+    job = ["estimate", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "8", "--global-batch", "8",
+           "--seq-len", "4096", "--tp", "1", "--pp", "1", "--recompute", "selective", "--json"]
+    peaks = []
+    for extra in ([], ["--recompute-modules", "core_attn,mlp"]):
+        res = runner.invoke(app, job + extra)
+        assert res.exit_code in (0, 1), res.output  # 1: does not fit, the JSON printed all the same
+        peaks.append(json.loads(res.output)["memory"]["peak_gib"])
+    assert peaks[1] < peaks[0]
+    _bad(runner, job + ["--recompute-modules", "attention"], "--recompute-modules: 'attention' is not one of")
+    _bad(runner, job + ["--recompute-modules", "mla_up_proj"], "recompute_modules: mla_up_proj needs multi-latent")

@@ -110,17 +110,20 @@ def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imb
     """The MoE job options as TrainingSpec fields (the unset ones left out)."""
     if dispatcher is not None and dispatcher not in ("alltoall", "deepep"):
         raise SpecError(f"--moe-dispatcher: '{dispatcher}' is not one of alltoall, deepep")
-    graphs = None
-    if cuda_graph_modules is not None:
-        graphs = tuple(m.strip() for m in cuda_graph_modules.split(",") if m.strip())
-        bad = [m for m in graphs if m not in CUDA_GRAPH_MODULES]
-        if bad:
-            raise SpecError(f"--cuda-graph-modules: '{bad[0]}' is not one of {', '.join(CUDA_GRAPH_MODULES)}")
+    graphs = module_list(cuda_graph_modules, "--cuda-graph-modules", CUDA_GRAPH_MODULES)
     return given(moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap, moe_load_imbalance=load_imbalance,
                  cuda_graph_modules=graphs)
 
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts", "layernorm")
+def module_list(text: Optional[str], flag: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
+    """A comma-separated list of module names, each one of ``allowed`` (None when the option is not given)."""
+    if text is None:
+        return None
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in names if m not in allowed]
+    if bad:
+        raise SpecError(f"{flag}: '{bad[0]}' is not one of {', '.join(allowed)}")
+    return names
 
 
 def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool], optimizer_dtype: Optional[str],
@@ -131,12 +134,9 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
         raise SpecError(f"--optimizer-dtype: '{optimizer_dtype}' is not one of fp32, bf16")
     if fp8_recipe is not None and fp8_recipe not in ("delayed", "tensorwise"):
         raise SpecError(f"--fp8-recipe: '{fp8_recipe}' is not one of delayed, tensorwise")
-    modules = None
-    if recompute_modules is not None:
-        modules = tuple(m.strip() for m in recompute_modules.split(",") if m.strip())
-        bad = [m for m in modules if m not in RECOMPUTE_MODULES]
-        if bad:
-            raise SpecError(f"--recompute-modules: '{bad[0]}' is not one of {', '.join(RECOMPUTE_MODULES)}")
+    from planner.specs import RECOMPUTE_MODULES
+
+    modules = module_list(recompute_modules, "--recompute-modules", RECOMPUTE_MODULES)
     return given(grad_reduce_in_bf16=grad_reduce_in_bf16, fp8_params=fp8_params, optimizer_dtype=optimizer_dtype,
                  fp8_recipe=fp8_recipe, recompute_modules=modules)
 

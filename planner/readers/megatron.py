@@ -371,13 +371,12 @@ def zero_stage(a: Args, ds_config: dict | None) -> int:
     return 1 if a.has("--use-distributed-optimizer") else 0
 
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts", "layernorm")
-
-
 def recompute_modules(a: Args) -> tuple[str, ...]:
     """``--recompute-modules`` (core_v0.16.1 ``TransformerConfig.recompute_modules``, nargs "*", default
     ``core_attn``; what each recomputes: ``planner.memory.apply_recompute_modules``). ``--moe-layer-recompute``
     (deprecated) adds ``moe``, as ``TransformerConfig.__post_init__`` does."""
+    from planner.specs import RECOMPUTE_MODULES
+
     value = a.get("--recompute-modules") if a.has("--recompute-modules") else ["core_attn"]
     modules = [value] if isinstance(value, str) else list(value or [])
     bad = [m for m in modules if m not in RECOMPUTE_MODULES]
