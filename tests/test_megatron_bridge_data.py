@@ -59,3 +59,57 @@ def test_parenthesised_split_25_09_gb200_405b():
     assert tuple(par[k] for k in cols) == (0, 4, 8, 2, 8, 32, 578, 1458, "mxfp8")
     assert main["precision_published"] is None and par["precision_published"] is None
     assert (main["gbs"], main["mbs"], main["ep"]) == (par["gbs"], par["mbs"], par["ep"]) == (64, 1, 1)
+
+
+RECIPE_KEYS = {"repo": str, "file": str, "commit": str, "config": str, "cpu_offloading_num_layers": int,
+               "use_megatron_fsdp": bool}
+
+
+@pytest.mark.parametrize("r", RUNS, ids=lambda r: "-".join(map(str, key(r))) + f"-{r['precision']}-{r['mbs']}")
+def test_recipe_memory_switches(r):
+    """Every run names the Megatron-Bridge performance config it is read against (or says why none) and carries that
+    config's memory switches, as scripts/performance/utils/overrides.py applies them (the data file's notes)."""
+    rc = r["recipe"]
+    if rc["config"] is None:
+        assert isinstance(rc["why"], str) and rc["why"]
+        return
+    for k, t in RECIPE_KEYS.items():
+        assert isinstance(rc[k], t), k
+    assert len(rc["commit"]) == 40 and int(rc["commit"], 16) >= 0
+    assert rc["file"].startswith("scripts/performance/configs/") and rc["file"].endswith("_workload_base_configs.py")
+    assert rc["cpu_offloading_num_layers"] >= 0
+    n = rc["recompute_num_layers"]
+    assert n is None or (isinstance(n, int) and not isinstance(n, bool) and n > 0)
+    mods = rc["recompute_modules"]
+    assert mods is None or (isinstance(mods, list) and all(isinstance(m, str) for m in mods))
+    # overrides.py: recompute_num_layers -> full/block; a recompute_modules list -> selective (set last)
+    granularity = "selective" if mods is not None else ("full" if n is not None else None)
+    assert rc["recompute_granularity"] == granularity
+    assert rc["recompute_method"] == ("block" if n is not None else None)
+    assert rc["layout_differs_from_row"] is None or isinstance(rc["layout_differs_from_row"], str)
+
+
+def test_recipe_405b_gb200_fp8cs_offloads_92_layers():
+    """NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/llama/llama31_workload_base_configs.py at
+    0013c9a8ed4d655cd4e8ad8f918b11588e53c85d, LLAMA31_405B_PRETRAIN_CONFIG_GB200_FP8_CS_V1: num_gpus=128,
+    tensor_model_parallel_size=2, global_batch_size=64, use_megatron_fsdp=True, cpu_offloading_num_layers=92 (the 25.09
+    GB200 row: 128 GPUs, GBS 64, FSDP, TP 2)."""
+    rc = find("25.09", "DGX-GB200", "LLAMA3.1_405B", "main")["recipe"]
+    assert (rc["config"], rc["commit"]) == ("LLAMA31_405B_PRETRAIN_CONFIG_GB200_FP8_CS_V1",
+                                            "0013c9a8ed4d655cd4e8ad8f918b11588e53c85d")
+    assert (rc["cpu_offloading_num_layers"], rc["use_megatron_fsdp"], rc["recompute_num_layers"]) == (92, True, None)
+    assert rc["layout_differs_from_row"] is None
+
+
+def test_recipe_8b_h100_recomputes_5_layers_in_full():
+    """NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/llama/llama3_workload_base_configs.py at
+    00919dcf1fe13c0acf65e131f244378f0a6cd2b5, LLAMA3_8B_PRETRAIN_CONFIG_H100_FP8_CS_V1: BASE_LLAMA3_8B_CONFIG (8 GPUs,
+    GBS 128), context_parallel_size=1, recompute_num_layers=5; scripts/performance/utils/overrides.py
+    (00538e26aa5419eb94c4fab3629b99059867a135) turns that into recompute_granularity 'full', recompute_method 'block'.
+    The row ran with FSDP, which this config does not set."""
+    rc = find("25.11", "DGX-H100", "LLAMA3_8B", "main")["recipe"]
+    assert (rc["config"], rc["commit"]) == ("LLAMA3_8B_PRETRAIN_CONFIG_H100_FP8_CS_V1",
+                                            "00919dcf1fe13c0acf65e131f244378f0a6cd2b5")
+    assert (rc["recompute_num_layers"], rc["recompute_granularity"], rc["recompute_method"]) == (5, "full", "block")
+    assert (rc["cpu_offloading_num_layers"], rc["use_megatron_fsdp"]) == (0, False)
+    assert "FSDP" in rc["layout_differs_from_row"]
