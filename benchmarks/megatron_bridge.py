@@ -15,7 +15,12 @@ then mean |error| and worst signed error per system, precision, family and overa
 
 Mapping (the brief of this benchmark; the table gives no ZeRO stage, recompute or SP): framework nemo;
 zero_stage 3 when FSDP is on, else 1 (Megatron distributed optimizer); sequence parallelism when TP > 1;
-recompute: the recipe's recompute_modules as Megatron's selective recompute of those modules, else none; vpp = VP or 1; EP from
+recompute: the recipe's recompute_modules as Megatron's selective recompute of those modules, else none (the two
+recipes' recompute_num_layers, block recompute, are not modelled); the recipe's cpu_offloading_num_layers as
+``Plan.cpu_offload_layers``; bf16 gradients (``grad_reduce_in_bf16``: every model's perf script sets
+``cfg.ddp.grad_reduce_in_fp32 = False``, e.g. ``set_llama3_common_configs`` in
+scripts/performance/configs/llama/llama3_llm_pretrain.py, ``set_qwen3_common_configs``, ``set_gpt_oss_common_configs``);
+vpp = VP or 1; EP from
 the row, ETP 1 (the recipes' expert_tensor_parallel_size=1); dispatcher (hybridep/deepep backends ->
 plan3d 'deepep'), MoE all-to-all overlap, CUDA-graph scopes (``graph_modules``) and pipeline layout from the
 run's ``recipe``. FP8-CS (per-tensor current scaling) is ``fp8_recipe='tensorwise'``; the 25.09 table names
@@ -67,7 +72,8 @@ def plan_of(r: dict, moe: bool) -> Plan:
     experts = {"ep": r["ep"] or 1, "etp": 1} if moe else {}  # dense rows print EP 1 or n/a: no expert layers
     return Plan(tp=r["tp"], pp=r["pp"], dp=dp, cp=r["cp"], vpp=r["vp"] or 1, micro_batch_size=r["mbs"],
                 recompute="selective" if recompute_modules(r) else "none", sequence_parallel=r["tp"] > 1,
-                zero_stage=3 if r["fsdp"] else 1, layers_per_stage=lps, **experts)
+                zero_stage=3 if r["fsdp"] else 1, layers_per_stage=lps,
+                cpu_offload_layers=(r.get("recipe") or {}).get("cpu_offloading_num_layers") or 0, **experts)
 
 
 def recompute_modules(r: dict) -> tuple[str, ...]:
@@ -115,6 +121,7 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
                             framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=r["a2a_overlap"],
                             cuda_graph_modules=graph_modules(r), recompute_modules=recompute_modules(r) or ("core_attn",),
+                            grad_reduce_in_bf16=True,
                             fp8_recipe="tensorwise" if (r.get("precision_published") or "").startswith("FP8-CS")
                             else "delayed")
     plan = plan_of(r, model.is_moe)
