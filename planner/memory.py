@@ -880,13 +880,29 @@ def stage_boundary_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -
     return training.seq_len // plan.cp * plan.micro_batch_size * model.hidden_size * act_bytes(training) / sp
 
 
+def pipeline_receiving_chunks(plan: Plan, stage: int) -> tuple[int, int]:
+    """(chunks of pipeline rank ``stage`` that receive their input, chunks that receive their output's gradient):
+    all but the chunk holding the first virtual stage, all but the one holding the last
+    (``schedules.stage_index``: loop order, or V order where rank 0 holds both ends)."""
+    from planner.schedules import stage_index
+
+    last = plan.pp * plan.vpp - 1
+    stages = [stage_index(plan.schedule, plan.pp, stage, c) for c in range(plan.vpp)]
+    return sum(g != 0 for g in stages), sum(g != last for g in stages)
+
+
 def pipeline_buffer_count(plan: Plan, num_microbatches, stage, in_flight):
     """Stage-boundary-sized receive buffers of torch.distributed.pipelining on pipeline rank ``stage``
     beyond the in-flight stage inputs (``in_flight`` chunks, :func:`stage_in_flight_chunks`) that the saved
-    activations already count (:func:`pipeline_buffer_bytes`). Vectorised over its arguments (search)."""
+    activations already count (:func:`pipeline_buffer_bytes`). Vectorised over ``num_microbatches`` and
+    ``in_flight``, and over ``stage`` given as an array of ranks (search)."""
     v, m = plan.vpp, num_microbatches
-    receiving = v - (stage == 0)  # chunk c of rank r is virtual stage c*pp + r (loop order)
-    sending_back = v - (stage == plan.pp - 1)
+    ranks = np.atleast_1d(np.asarray(stage))
+    counts = np.array([pipeline_receiving_chunks(plan, int(r)) for r in ranks.ravel()], dtype=float)
+    receiving = counts[:, 0].reshape(ranks.shape)
+    sending_back = counts[:, 1].reshape(ranks.shape)
+    if np.ndim(stage) == 0:
+        receiving, sending_back = receiving[0], sending_back[0]
     return np.maximum(receiving * m - in_flight * receiving / v, 0) + sending_back * m
 
 
@@ -902,8 +918,8 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, 
     gradient; they are made at the first step and kept (``clear_runtime_states`` keeps them). Each is
     the stage boundary tensor (:func:`stage_boundary_bytes`). A received input is what the chunk's first
     layer saves while its micro-batch is in flight (counted by :func:`stage_saved_bytes`), so those are
-    taken off; on rank 0 with vpp > 1 its first chunk receives nothing, and the in-flight chunks are taken
-    off in proportion (the receiving ``(vpp-1)/vpp``)."""
+    taken off; where a rank's chunk holds the first virtual stage (it receives nothing), the in-flight chunks
+    are taken off in proportion (the receiving ``(vpp-1)/vpp``; :func:`pipeline_receiving_chunks`)."""
     if plan.pp == 1 or not frameworks.get(training.framework).pipeline_recv_buffers:
         return 0.0
     in_flight = stage_in_flight_chunks(training, plan, num_microbatches, stage)

@@ -91,10 +91,15 @@ def test_v_placement_puts_the_loss_on_rank_0():
     assert memory.stage_params_per_rank(L8, loop, 3, 8) - memory.stage_params_per_rank(L8, v, 3, 8) == head
     out = memory.output_bytes(L8, tr, v)
     m = 32
-    assert memory.stage_other_bytes(L8, tr, v, m, 3) == 0
+    # rank 3 holds neither the embedding's inputs nor the loss: only torch.distributed.pipelining's receive
+    # buffers (memory.pipeline_buffer_bytes); under V placement both ends sit on rank 0, whose chunks each lack one kind
+    buffers = memory.pipeline_buffer_bytes(L8, tr, v, m, 3)
+    assert buffers > 0 and memory.stage_other_bytes(L8, tr, v, m, 3) == buffers
+    assert memory.pipeline_receiving_chunks(v, 0) == (1, 1) and memory.pipeline_receiving_chunks(v, 3) == (2, 2)
+    assert memory.pipeline_receiving_chunks(loop, 0) == (1, 2) and memory.pipeline_receiving_chunks(loop, 3) == (2, 1)
     assert memory.stage_other_bytes(L8, tr, v, m, 0) > out
     est = estimate_memory(L8, H100, tr, v)
-    assert est.stages[3].other_bytes == 0
+    assert est.stages[3].other_bytes == buffers
 
 
 # --- time -------------------------------------------------------------------------------------------
