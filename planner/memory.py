@@ -325,7 +325,9 @@ def apply_recompute_modules(terms: list[ActTerm], training: TrainingSpec) -> lis
     ``mlp`` checkpoints a dense layer's MLP with its fused pre-MLP norm (``transformer_layer.py``,
     ``recompute_mlp`` only when the layer is not MoE): its input stays; ``moe`` checkpoints the MoE layer
     (``moe_layer.py``): the pre-MLP norm output, its input, stays; ``moe_act`` discards the experts'
-    activation output, FC2's input (``experts.py``, ``CheckpointWithoutOutput``); ``shared_experts``
+    activation output, FC2's input (``experts.py``, ``CheckpointWithoutOutput``; under fp8/fp4 FC2 is set to
+    save that original input instead of its quantised copy, ``set_save_original_input``, so nothing of it
+    stays); ``shared_experts``
     checkpoints the shared expert (``shared_experts.py``). ``layernorm`` recomputes a norm that is not fused
     into the next linear; with Transformer Engine's fused ``LayerNormLinear`` the kept input is what the
     linear saves anyway, so it is modelled as dropping nothing (an upper bound on memory).
