@@ -305,3 +305,14 @@ def test_cli_reads_a_moe_config_and_refuses_an_unknown_one(runner, tmp_path):
     res = runner.invoke(app, ["show", bad])
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and "mixture-of-experts architecture is not modelled" in lines[0]
+
+
+def test_kimi_k2_preset_is_its_config():
+    """The kimi-k2 preset (model_specs/kimi-k2.yaml) is what the Kimi K2 config.json imports to (the DeepSeek-V3
+    architecture with 64 heads, 384 experts and one dense layer), field by field and in its counts; about 1T in
+    total and 32B activated, as the report (arXiv:2507.20534) rounds them."""
+    spec, preset = _load("kimi-k2.json"), load_model("kimi-k2")
+    assert (spec.num_experts, spec.top_k, spec.first_k_dense, spec.num_attention_heads) == (384, 8, 1, 64)
+    assert (spec.num_params, spec.num_active_params) == (preset.num_params, preset.num_active_params)
+    assert spec.model_dump(exclude={"name", "max_seq_len"}) == preset.model_dump(exclude={"name", "max_seq_len"})
+    assert 0.95e12 <= spec.num_params <= 1.05e12 and 31.5e9 <= spec.num_active_params <= 33.5e9
