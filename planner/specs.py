@@ -990,7 +990,7 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                 and {"moe_act", "layernorm"} & set(mods)):  # ibid.: "Delayed scaling does not support ..."
             errors.append("recompute_modules: moe_act and layernorm recompute do not run with fp8 delayed scaling "
                           "(Megatron); use --fp8-recipe tensorwise or drop them")
-    if training.compile and training.framework != "torchtitan":
+    if training.compile and training.framework not in ("torchtitan", "torch"):  # torch: torchtitan's code, as read
         errors.append(f"compile: torch.compile of the blocks and the loss is modelled for torchtitan only "
                       f"(--compile.enable); {training.framework} runs eager here, drop compile")
     return errors + framework_profile(training.framework).job_problems(training.precision, training.fp8_params,
