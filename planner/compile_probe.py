@@ -16,7 +16,8 @@ as ``distributed/compile.py::apply_compile`` does; the loss is ``torch.compile(c
 
 Counting: ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd keeps (eager
 nodes' saved tensors and the compiled graph's ``ctx.save_for_backward``); tensors are counted once
-per storage and the module's parameters (and views of them) are left out: they are not activations.
+per storage and the module's parameters (and views of them) are left out: they are not activations, nor
+is the generator state a checkpoint keeps (uint8, a constant per block).
 
 Where CPU may differ from the GPU: eager ``F.rms_norm`` has a fused CUDA kernel
 (``_fused_rms_norm``: saves the input and the fp32 rstd) but is decomposed on CPU, so the eager CPU
@@ -111,7 +112,9 @@ def _saved_bytes(torch, run, exclude) -> int:
 
     def pack(t):
         st = t.untyped_storage()
-        if st.data_ptr() not in exclude:
+        # uint8: a generator state the compiled checkpoint keeps for the recompute (CPU's 5056 B; CUDA's is a
+        # 16 B seed and offset), per block, not per token
+        if st.data_ptr() not in exclude and t.dtype != torch.uint8:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
@@ -173,3 +176,31 @@ def loss_saved_bytes(compile: str | None, tokens: int = 512, vocab: int = 4096) 
     nbytes, out = _saved_bytes(torch, lambda: fn(pred, labels), {labels.untyped_storage().data_ptr()})
     out.backward()
     return nbytes
+
+
+def loss_inductor_buffers(tokens: int = 512, vocab: int = 4096) -> list[list[tuple[tuple[int, ...], str]]]:
+    """The buffers inductor's generated code allocates for the compiled loss of :func:`loss_saved_bytes`:
+    one list of (shape, dtype) per graph (forward, then backward), read from the ``empty_strided_*``
+    calls of the code it writes (a fused kernel's intermediates live in registers, not in buffers)."""
+    import re
+
+    import torch
+    import torch._inductor.codecache as cc
+
+    codes = []
+    load = cc.PyCodeCache.load_by_key_path
+
+    def record(key, path, *args, **kwargs):
+        with open(path, encoding="utf-8") as fh:
+            codes.append(fh.read())
+        return load(key, path, *args, **kwargs)
+
+    cc.PyCodeCache.load_by_key_path = record
+    try:
+        torch._inductor.config.force_disable_caches = True
+        loss_saved_bytes("inductor", tokens, vocab)
+    finally:
+        cc.PyCodeCache.load_by_key_path = load
+    pattern = re.compile(r"=\s*empty_strided_\w+\(\(([\d, ]*)\),\s*\([\d, ]*\),\s*torch\.(\w+)\)")
+    return [[(tuple(int(x) for x in m.group(1).split(",") if x.strip()), m.group(2)) for m in pattern.finditer(code)]
+            for code in codes if "def call(" in code]

@@ -242,7 +242,7 @@ def test_torchtitan_published_runs_fit(i):
 @pytest.mark.parametrize("i", [i for i, r in enumerate(TT["runs"]) if r["modelled"]])
 def test_torchtitan_estimate_not_above_reserved_reading(i):
     """The readings are peak *reserved* memory; the estimate (the replayed reserved peak, planner/allocator_trace.py)
-    must not exceed them on the runs the profile models (no compile, no Float8)."""
+    must not exceed them on the runs the profile models (no Float8; compile runs with the blocks compiled)."""
     run = TT["runs"][i]
     assert _torchtitan_estimate(run).peak_gib <= run["reading_gib"]
 
