@@ -6,8 +6,10 @@ For every run of tests/data/published_memory.json ``torchtitan_h100_202412`` (to
 benchmarks/llama3_h100_202412_torchtitan.md, Tables 1-6; the reading is ``max_memory_reserved``):
 the reading, plan3d's peak allocated (``planner.memory``), its peak reserved (the synthetic step trace
 replayed through the caching-allocator model, ``planner.allocator_trace``, what ``estimate`` now reports
-for torchtitan) and both errors; ``modelled`` marks the runs the profile models (no torch.compile, no
-Float8: the others are printed for reference only). Plans as tests/test_framework_memory.py builds them.
+for torchtitan) and both errors; ``modelled`` marks the runs the profile models (no Float8: the others are
+printed for reference only). Plans as tests/test_framework_memory.py builds them: runs with torch.compile are
+predicted with ``TrainingSpec.compile`` and the blocks compiled, as torchtitan 9dec370 ran them (its loss compile
+was commented out; docs/memory.md "torch.compile (torchtitan)").
 
 ``--torch`` also replays torch's own trace of the full-size step (``planner.fake_rank.measure_step``,
 FakeTensorMode) for the modelled runs and for the reduced-depth cases of tests/test_torchtitan_reserved.py,

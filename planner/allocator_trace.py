@@ -35,7 +35,9 @@ The event order, one rank of one stage (each source cited where used below):
   the fp32 gradient of the log-softmax output, the fp32 gradient of its input, the saved output and
   the first gradient freed, the bf16 cast of the gradient (``_to_copy`` backward). With TP
   (``loss_parallel``, DTensor's decomposed ``_log_softmax`` on the vocabulary shard) the sequence torch
-  issues is replayed as recorded (:data:`LOSS_PARALLEL_EVENTS`). The root module (embedding, final
+  issues is replayed as recorded (:data:`LOSS_PARALLEL_EVENTS`). Compiled (``training.compiled_loss``, no TP):
+  the bf16 logits are saved by the compiled loss (``del pred`` frees nothing) and the backward makes the
+  bf16 gradient in one kernel, then frees them (inductor's generated code, planner/compile_probe.py). The root module (embedding, final
   norm, output layer) is resharded when its forward ends, after the output layer; its bf16 gradients
   live until FSDP2's final callback reduce-scatters them at the end of the backward.
 * **backward of a block**: the recomputed tensors (``planner.memory.recompute_working_bytes``'s
@@ -295,11 +297,14 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 pred = tr.new(e * logits)
                 if raf:
                     reshard(0)  # the root module's forward ends with the output layer (FSDP2 post_forward)
-                f32 = tr.new(FP32 * logits) if e != FP32 else None
-                lsm = tr.new(FP32 * logits)
-                tr.free(f32)
-                tr.free(pred)  # train.py: del pred
-                loss = [lsm]
+                if training.compiled_loss and e != FP32:  # the compiled loss saves the bf16 logits themselves
+                    loss = [pred]
+                else:
+                    f32 = tr.new(FP32 * logits) if e != FP32 else None
+                    lsm = tr.new(FP32 * logits)
+                    tr.free(f32)
+                    tr.free(pred)  # train.py: del pred
+                    loss = [lsm]
             keep.append([x, normed])
         else:
             keep.append([x])  # the stage's output, held until its gradient comes back
@@ -316,6 +321,10 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 live = _play(tr, LOSS_PARALLEL_EVENTS[LOSS_PARALLEL_FORWARD:], BF16 * logits, live=loss[1])
                 gb = live.pop(LOSS_PARALLEL_GRAD_ID)
                 tr.free_all(live.values())
+            elif training.compiled_loss and e != FP32:  # one fused kernel: the bf16 gradient, then the saved logits go
+                g2 = None
+                gb = tr.new(e * logits)
+                tr.free_all(loss)
             else:
                 g1 = tr.new(FP32 * logits)
                 g2 = tr.new(FP32 * logits)

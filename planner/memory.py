@@ -427,7 +427,9 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan,
             ActTerm("activation input (FC1 output)", fc1_out * e, modules=mlp),
             ActTerm("FC2 input", sb * f / t * lin, modules=mlp),
         ]
-        if model.activation == "swiglu" and profile.swiglu_unfused:
+        # torch.compile (torchtitan --compile.enable): the partitioner recomputes the SiLU in backward and
+        # saves W1's and W3's outputs and the product only (planner/compile_probe.py, docs/memory.md)
+        if model.activation == "swiglu" and profile.swiglu_unfused and not training.compiled_blocks:
             terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e, modules=mlp))
     if drop:
         terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
@@ -436,7 +438,7 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan,
             terms += [ActTerm(f"post-{where} norm input", sb * h * e / sp),
                       ActTerm(f"post-{where} norm statistics", stats / sp)]
     if profile.op_sac:
-        return op_sac_terms(terms, model, plan, e)
+        return op_sac_terms(terms, model, plan, e, compiled=training.compiled_blocks)
     return apply_recompute_modules(terms, training)
 
 
@@ -665,7 +667,8 @@ def _qk_norm_terms(model: ModelSpec, sb: int, q_r: float, kv_r: float, a_r: floa
             ActTerm("Q/K-norm statistics", sb * (q_stats + k_stats) * per_stat)]
 
 
-def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int) -> list[ActTerm]:
+def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int, compiled: bool = False
+                 ) -> list[ActTerm]:
     """The terms as torchtitan's selective op-level AC keeps them (``selective_ac_option = "op"``,
     torchtitan ``distributed/activation_checkpoint.py::_get_custom_policy``): inside each block's
     checkpoint it saves the outputs of the ops of ``_save_list`` (``aten.mm``, the SDPA kernels,
@@ -674,6 +677,14 @@ def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int) -> 
     outputs are kept, K, O and W3 recomputed; the block's input is kept by the checkpoint. The W2
     output (full width on every TP rank, before its reduce-scatter) and, with TP, the two
     reduce-scatter outputs are saved by the policy although autograd does not save them.
+
+    ``compiled`` (torch.compile of the checkpointed block, torchtitan ``--compile.enable``): the policy
+    only tags the joint graph (MUST_SAVE / PREFER_RECOMPUTE) and the min-cut partitioner saves a tagged
+    output only if the backward uses it, so the W2 output, which only the residual add reads, is not
+    kept; measured with inductor and aot_eager on torch 2.13 (planner/compile_probe.py: the block saves
+    its input, Q, V, the attention output and log-sum-exp and W1's output, nothing else;
+    tests/test_torchtitan_compile.py). With TP, W2's reduce-scatter output is dropped for the same
+    reason and O's is kept (the recompute of the norm2 input reads it; not measured: the probe has no TP).
     """
     t = plan.tp
     by_name = {x.name: x for x in terms}
@@ -689,9 +700,12 @@ def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int) -> 
             out.append(ActTerm(x.name, x.bytes, core=x.core, layer_input=x.layer_input,
                                selective=(x.name in keep) if x.selective is None else x.selective))
     sbh = by_name["norm1 input"].bytes * (plan.tp if plan.sequence_parallel else 1)  # s b h e, ungathered
-    if "FC2 input" in by_name:  # a dense MLP (a MoE layer's terms say what they keep themselves)
+    if "FC2 input" in by_name and not compiled:  # a dense MLP (a MoE layer's terms say what they keep themselves)
         out.append(ActTerm("W2 output (aten.mm kept by op AC)", sbh, selective=True, autograd=False))
-    if t > 1:
+    if t > 1 and compiled:
+        out.append(ActTerm("O reduce-scatter output (kept by op AC, read by the compiled recompute)", sbh / t,
+                           selective=True, autograd=False))
+    elif t > 1:
         out.append(ActTerm("O and W2 reduce-scatter outputs (kept by op AC)", 2 * sbh / t, selective=True,
                            autograd=False))
     return out

@@ -640,6 +640,16 @@ class TrainingSpec(_Spec):
                     "(Megatron-Core), nemo (NeMo on Megatron-Core), torchtitan (FSDP2, DTensor, torch "
                     "pipelining), deepspeed (ZeRO engine, Megatron-DeepSpeed); torch: torchtitan's "
                     "torch.distributed semantics with plan3d validate's fused kernels.")
+    compile: bool = Field(
+        default=False,
+        description="torch.compile as torchtitan applies it (--compile.enable, components model and loss: each "
+                    "TransformerBlock and the loss function compiled; torchtitan 0.3.0 distributed/compile.py "
+                    "apply_compile, components/loss.py BaseLoss._maybe_compile). Changes what a block and the loss "
+                    "save (planner.compile_probe measures it); torchtitan only.")
+    compile_components: tuple[Literal["model", "loss"], ...] = Field(
+        default=("model", "loss"),
+        description="What compile covers (torchtitan --compile.components; 0.3.0 default model and loss). "
+                    "torchtitan 9dec370 (Dec 2024, its published benchmark) compiled the blocks only.")
     overlap_grad_reduce: bool = Field(
         default=True,
         description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "
@@ -686,6 +696,16 @@ class TrainingSpec(_Spec):
                     "--cuda-graph-modules; Megatron-Bridge cuda_graph_scope): a captured part is replayed with one "
                     "launch instead of one per kernel, which matters only where the host bounds the layer "
                     "(planner.cost.moe_host_s).")
+
+    @property
+    def compiled_blocks(self) -> bool:
+        """torch.compile covers each TransformerBlock (torchtitan ``apply_compile``)."""
+        return self.compile and "model" in self.compile_components
+
+    @property
+    def compiled_loss(self) -> bool:
+        """torch.compile covers the loss function (torchtitan ``BaseLoss._maybe_compile``)."""
+        return self.compile and "loss" in self.compile_components
 
     @field_validator("cuda_graph_modules")
     @classmethod
@@ -970,6 +990,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                 and {"moe_act", "layernorm"} & set(mods)):  # ibid.: "Delayed scaling does not support ..."
             errors.append("recompute_modules: moe_act and layernorm recompute do not run with fp8 delayed scaling "
                           "(Megatron); use --fp8-recipe tensorwise or drop them")
+    if training.compile and training.framework not in ("torchtitan", "torch"):  # torch: torchtitan's code, as read
+        errors.append(f"compile: torch.compile of the blocks and the loss is modelled for torchtitan only "
+                      f"(--compile.enable); {training.framework} runs eager here, drop compile")
     return errors + framework_profile(training.framework).job_problems(training.precision, training.fp8_params,
                                                                         training.optimizer_dtype)
 

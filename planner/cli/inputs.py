@@ -127,7 +127,8 @@ def module_list(text: Optional[str], flag: str, allowed: tuple[str, ...]) -> tup
 
 
 def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool], optimizer_dtype: Optional[str],
-                  fp8_recipe: Optional[str] = None, recompute_modules: Optional[str] = None) -> dict:
+                  fp8_recipe: Optional[str] = None, recompute_modules: Optional[str] = None,
+                  torch_compile: Optional[bool] = None) -> dict:
     """How the framework holds gradients, weights and optimizer states (and scales fp8), as TrainingSpec fields
     (unset left out)."""
     if optimizer_dtype is not None and optimizer_dtype not in ("fp32", "bf16"):
@@ -138,7 +139,7 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
 
     modules = module_list(recompute_modules, "--recompute-modules", RECOMPUTE_MODULES)
     return given(grad_reduce_in_bf16=grad_reduce_in_bf16, fp8_params=fp8_params, optimizer_dtype=optimizer_dtype,
-                 fp8_recipe=fp8_recipe, recompute_modules=modules)
+                 fp8_recipe=fp8_recipe, recompute_modules=modules, compile=torch_compile)
 
 
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, Fp8RecipeOpt, OffloadOpt, RecomputeModulesOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, Fp8RecipeOpt, OffloadOpt, RecomputeModulesOpt,
     OptimizerDtypeOpt, ScheduleOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
@@ -33,7 +33,7 @@ def estimate(
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
     cuda_graph_modules: CudaGraphOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
-    fp8_recipe: Fp8RecipeOpt = None, recompute_modules: RecomputeModulesOpt = None,
+    fp8_recipe: Fp8RecipeOpt = None, recompute_modules: RecomputeModulesOpt = None, torch_compile: CompileOpt = None,
     pipeline_schedule: ScheduleOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -51,7 +51,8 @@ def estimate(
                                microbatch_group_size=microbatch_group_size, ep=ep, etp=etp,
                                cpu_offload_layers=cpu_offload_layers, pipeline_schedule=pipeline_schedule,
                                job_extra=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
-                               | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules))
+                               | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
+                                                                   torch_compile))
     est = run_estimate(sc)
     if json_out:
         render.print_json(est.to_dict())
@@ -83,7 +84,7 @@ def search(
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
     cuda_graph_modules: CudaGraphOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
-    fp8_recipe: Fp8RecipeOpt = None, recompute_modules: RecomputeModulesOpt = None,
+    fp8_recipe: Fp8RecipeOpt = None, recompute_modules: RecomputeModulesOpt = None, torch_compile: CompileOpt = None,
     pipeline_schedule: ScheduleOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, max=50, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
@@ -114,7 +115,8 @@ def search(
                                                      attention, overlap_grad_reduce, framework, tp_comm_overlap,
                                                      overlap_p2p_comm,
                                                      moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
-                                                     | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules))
+                                                     | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
+                                                                   torch_compile))
     _check_pins(spec_hw.for_job(counts[0]) if len(counts) == 1 else spec_hw, tp)
     from planner.candidates import schedule_pin_problems
 

@@ -134,7 +134,28 @@ def args(sc: Scenario) -> list[str]:
     # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use
     if p.pp > 1 or (sc.model.is_moe and p.ep > 1):
         out.append("--training.disable_cuda_graphs")
+    out += compile_args(config, tr)
     out.append(f"activation_checkpoint:{p.recompute}")
+    return out
+
+
+# torchtitan 0.3.0 config-registry functions that turn compile on (config/configs.py CompileConfig: enable False,
+# components ["model", "loss"]): models/llama3/config_registry.py llama3_405b CompileConfig(enable=True,
+# enable_async_tensor_parallel=True); models/deepseek_v3/config_registry.py deepseek_v3_671b (and _float8, which
+# starts from it) CompileConfig(enable=True, components=["loss"]). llama3_8b, llama3_70b and qwen3_30b_a3b leave it off.
+ASYNC_TP_CONFIGS = ("llama3_405b",)
+
+
+def compile_args(config: str, training) -> list[str]:
+    """``--compile.*`` so that torchtitan compiles what the plan assumed (``TrainingSpec.compile``,
+    ``compile_components``), whatever the registry function sets: the switch is always written. torchtitan
+    0.3.0 reads ``--compile.components`` comma-separated (``config/manager.py``) and refuses async TP without
+    the model compiled (``CompileConfig.__post_init__``), so a config that enables it gets
+    ``--compile.no-enable-async-tensor-parallel`` when the blocks are not compiled."""
+    out = ["--compile.enable", "--compile.components", ",".join(training.compile_components)] \
+        if training.compile else ["--compile.no-enable"]
+    if config in ASYNC_TP_CONFIGS and not training.compiled_blocks:
+        out.append("--compile.no-enable-async-tensor-parallel")
     return out
 
 

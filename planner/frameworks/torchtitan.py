@@ -41,6 +41,17 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
   Full AC (``mode = "full"``) keeps each block's input.
 * **Sequence parallel**: DTensor's ``SequenceParallel`` + ``ColwiseParallel`` keep the gathered
   QKV/FC1 inputs for backward (``planner.memory.layer_activation_terms``).
+* **torch.compile** (``training.compile``; torchtitan ``--compile.enable``, default components
+  ``["model", "loss"]``, 0.3.0 ``config/configs.py::CompileConfig``): each TransformerBlock is compiled
+  after AC wrapping (``distributed/compile.py::apply_compile``) and the loss function too
+  (``components/loss.py::BaseLoss._maybe_compile``). Measured on torch 2.13 with inductor
+  (``planner/compile_probe.py``): the compiled block saves W1's and W3's outputs and their product but
+  not the SiLU output (the eager unfused SwiGLU term goes); under op SAC it does not keep the W2 output
+  (``planner.memory.op_sac_terms``); full AC keeps the block input as eagerly. The compiled
+  ``cross_entropy(pred.float())`` saves the bf16 logits and one fp32 value per token, and its backward is
+  one fused kernel writing the bf16 gradient (inductor's generated code allocates nothing else per
+  logit): 4 B per logit instead of 12. loss_parallel (TP) under compile is not measured and keeps its
+  eager 22 B.
 * float8 (torchao) is not modelled: its weights are cast per GEMM and, with
   ``enable_fsdp_float8_all_gather``, gathered in fp8 (1 B instead of 2 unsharded).
 """
@@ -55,6 +66,9 @@ BF16, FP32 = 2, 4
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in the parameter's dtype (fp32)
 LOGITS_BYTES_PER_ELEMENT = 12  # cross_entropy(pred.float()) peak in backward (module docstring)
 LOSS_PARALLEL_BYTES_PER_ELEMENT = 22  # loss_parallel's decomposed log-softmax, per local logit (module docstring)
+# torch.compile'd cross entropy (--compile.enable, "loss" in --compile.components): the bf16 logits saved and
+# their bf16 gradient, nothing per logit in fp32 (module docstring, planner/compile_probe.py)
+COMPILED_LOGITS_BYTES_PER_ELEMENT = 2 * BF16
 
 
 def published_layers_per_stage(num_layers: int, pp: int, vpp: int = 1) -> tuple[int, ...] | None:
@@ -145,7 +159,9 @@ def logits_bytes_per_element(training, plan) -> float:
     """Bytes per logit live at the loss (module docstring); fp32 training: logits, log-softmax, grad."""
     if training.precision == "fp32":
         return 3 * FP32
-    return LOSS_PARALLEL_BYTES_PER_ELEMENT if plan.tp > 1 else LOGITS_BYTES_PER_ELEMENT
+    if plan.tp > 1:
+        return LOSS_PARALLEL_BYTES_PER_ELEMENT
+    return COMPILED_LOGITS_BYTES_PER_ELEMENT if training.compiled_loss else LOGITS_BYTES_PER_ELEMENT
 
 
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,

@@ -68,7 +68,10 @@ def apply_overrides(doc: dict, words: list[str]) -> dict:
                 else:
                     value = "true"
             section, _, name = key.partition(".")
-            out.setdefault(section, {})[name.replace("-", "_")] = _scalar(value)
+            value = _scalar(value)
+            if name.startswith("no-") and value is True:  # tyro's negated flag: --compile.no-enable
+                name, value = name[3:], False
+            out.setdefault(section, {})[name.replace("-", "_")] = value
         elif word in ("--module", "--config") and i + 1 < len(words):
             out.setdefault("_registry", {})[word[2:]] = words[i + 1]
             i += 1
@@ -201,7 +204,8 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         raise SpecError(f"{where}: expert_parallel_degree {ep} does not divide data_parallel_shard_degree({shard}) x "
                         f"cp({cp}) x tp({tp}) = {shard * cp * tp}, the ranks torchtitan draws EP from")
     training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
-                "precision": "fp8" if fp8 else "bf16", "attention": "flash", "framework": "torch"}
+                "precision": "fp8" if fp8 else "bf16", "attention": "flash", "framework": "torch",
+                **_compile(doc, tr, notes)}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"),
             "sequence_parallel": tp > 1 and bool(par.get("enable_sequence_parallel", True)),
@@ -214,6 +218,31 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     if shard > 1:
         notes.append("FSDP2 (data_parallel_shard_degree > 1): modelled as ZeRO-3")
     return model, training, plan, notes
+
+
+# torchtitan 0.3.0 config-registry functions that enable compile (planner/emit/torchtitan.py compile_args)
+REGISTRY_COMPILE = {"llama3_405b": ("model", "loss"), "deepseek_v3_671b": ("loss",), "deepseek_v3_671b_float8": ("loss",)}
+
+
+def _compile(doc: dict, tr: dict, notes: list[str]) -> dict:
+    """``compile`` / ``compile_components`` of the training spec: ``[compile] enable`` and ``components`` (0.3.0
+    ``CompileConfig``: enable False, components ["model", "loss"]; a list, or comma-separated on the command
+    line), else the ``--config`` function's own setting, else ``[training] compile`` (2024 JobConfig), which
+    torchtitan 9dec370 applied to the blocks only (docs/memory.md "torch.compile (torchtitan)")."""
+    sec = doc.get("compile", {})
+    registry = REGISTRY_COMPILE.get(str(doc.get("_registry", {}).get("config", "")).lower())
+    if "enable" in sec or "components" in sec:
+        comps = sec.get("components", registry or ("model", "loss"))
+        comps = comps.split(",") if isinstance(comps, str) else comps
+        comps = tuple(c.strip() for c in comps if c.strip() in ("model", "loss"))
+        return {"compile": bool(sec.get("enable", registry is not None)), "compile_components": comps}
+    if registry is not None:
+        return {"compile": True, "compile_components": registry}
+    if tr.get("compile"):
+        notes.append("training.compile (2024 JobConfig): modelled as the blocks compiled, the loss eager (torchtitan "
+                     "9dec370)")
+        return {"compile": True, "compile_components": ("model",)}
+    return {}
 
 
 def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num):
