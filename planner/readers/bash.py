@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from planner.presets import SpecError
-from planner.readers.bash_expand import Expander, _int, is_unknown, unknown, unknown_sources
+from planner.readers.bash_expand import UNKNOWN_CLOSE, UNKNOWN_OPEN, Expander, _int, is_unknown, unknown, unknown_sources
 
 __all__ = ["Command", "World", "evaluate", "is_unknown", "parse", "sbatch_env", "unknown", "unknown_sources"]
 
@@ -84,8 +84,14 @@ def _parser():
     return Parser(Language(tree_sitter_bash.language()))
 
 
+def _closed(text: str) -> str:
+    """bash removes a backslash-newline even at the end of the file (the command then ends there);
+    tree-sitter-bash reports an error there, so a newline is added after it."""
+    return text + "\n" if re.search(r"\\\n[ \t]*\Z", text) else text
+
+
 def parse(text: str, where: str):
-    tree = _parser().parse(text.encode("utf-8"))
+    tree = _parser().parse(_closed(text).encode("utf-8"))
     if tree.root_node.has_error:
         bad = _first_error(tree.root_node)
         line = bad.start_point[0] + 1 if bad is not None else 1
@@ -125,8 +131,8 @@ class Evaluator(Expander):
     """Walks one script's tree; ``run`` returns every World the script can end in."""
 
     def __init__(self, text: str, where: str):
-        self.text = text
-        self.src = text.encode("utf-8")
+        self.text = _closed(text)
+        self.src = self.text.encode("utf-8")
         self.where = where
 
     # --- statements ---------------------------------------------------------------------------
@@ -342,9 +348,30 @@ class Evaluator(Expander):
             return worlds
         w.commands.append(Command(argv=argv, line=self.line(node), lines=lines))
         inner = _inline_script(argv)
-        if inner is not None and depth < MAX_DEPTH and not is_unknown(inner):
-            return Evaluator(inner, self.where).block(parse(inner, self.where).root_node.children, [w], depth + 1)
+        if inner is not None and depth < MAX_DEPTH:
+            return self.inline(inner, w, depth, self.line(node))
         return [w]
+
+    def inline(self, inner: str, w: World, depth: int, line: int) -> list[World]:
+        """Runs the script of ``eval``/``bash -c``. Unknown pieces of it (``DIR=`pwd```, an unset variable)
+        stand in as variables holding the unknown value, so ``eval "deepspeed ${DIR}/pretrain_gpt.py ..."``
+        is read with only that path unknown."""
+        holders = {}
+
+        def hold(m):
+            name = f"__plan3d_unknown_{len(holders)}"
+            holders[name] = m.group(0)
+            return "${" + name + "}"
+
+        script = re.sub(f"{UNKNOWN_OPEN}.*?{UNKNOWN_CLOSE}", hold, inner, flags=re.S)
+        w.env.update(holders)
+        sub = Evaluator(script, self.where)
+        sub.first_line = line
+        worlds = sub.block(parse(script, self.where).root_node.children, [w], depth + 1)
+        for x in worlds:
+            for name in holders:
+                x.env.pop(name, None)
+        return worlds
 
     def source(self, name: str, node, w: World, depth: int) -> list[World]:
         """``source FILE`` / ``. FILE``: a file next to the script is read in the same World; one that is
