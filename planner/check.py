@@ -268,7 +268,8 @@ def _deepspeed_config(args, path: Path, files: dict) -> dict:
         candidate = Path(name) if Path(name).is_absolute() else path.parent / name
         if not candidate.is_file():
             raise SpecError(f"{path}:{args.line('--deepspeed_config')}: the DeepSpeed config {name} is neither "
-                            f"written by the script nor next to it; it holds the ZeRO stage and batch sizes")
+                            f"written by the script nor next to it; it holds the ZeRO stage and batch sizes: put the "
+                            f"file the script would make next to it")
         text = _read_text(candidate)
     try:
         doc = json.loads(text)

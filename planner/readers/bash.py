@@ -84,9 +84,23 @@ def _parser():
     return Parser(Language(tree_sitter_bash.language()))
 
 
+_SUBSTRING = re.compile(r"\$\{[A-Za-z_]\w*:(?![-=+?])([^{}]*)\}")
+
+
 def _closed(text: str) -> str:
-    """bash removes a backslash-newline even at the end of the file (the command then ends there);
-    tree-sitter-bash reports an error there, so a newline is added after it."""
+    """Text bash accepts that tree-sitter-bash 0.25 reports as an error, rewritten to the same meaning:
+
+    * a backslash-newline at the end of the file (bash removes it; the command ends there): a newline
+      is added after it;
+    * ``${A:$K+1}``, a substring whose offset/length names a variable with ``$``: the offset is an
+      arithmetic expression, where ``$K`` and ``K`` are the same value (bash manual, "Shell Arithmetic"),
+      so the ``$`` is dropped (``${A:K+1}`` parses).
+    """
+    def bare(m):
+        return m.group(0) if "$" not in m.group(1) else \
+            m.group(0).replace(m.group(1), re.sub(r"\$\{?([A-Za-z_]\w*)\}?", r"\1", m.group(1)))
+
+    text = _SUBSTRING.sub(bare, text)
     return text + "\n" if re.search(r"\\\n[ \t]*\Z", text) else text
 
 
@@ -190,10 +204,30 @@ class Evaluator(Expander):
             w.functions[self.raw(name)] = node.child_by_field_name("body")
             return [w]
         if t == "c_style_for_statement":
-            return self.refuse_if_it_matters(node, w, "a C-style for loop")
+            return self.c_for(node, w)
         if t == "negated_command":
             return self.block(node.named_children, [w], depth)
         return [w]  # test_command as a statement, (( )), unset, ...: no effect on the launch
+
+    def c_for(self, node, w: World) -> list[World]:
+        """``for (( i = 0; i < n; i++ ))``: not run. A loop that holds a launch (or a ``--flag``) is refused;
+        otherwise the variables it assigns (Megatron-DeepSpeed's checkpoint-pointer loop over nodes) take an
+        unknown value after it, since it may run any number of times."""
+        body = self.raw(node)
+        if " --" in body:
+            raise SpecError(f"{self.where}:{self.line(node)}: a C-style for loop runs a command with flags; check "
+                            "cannot evaluate it without running the script")
+        names = set(re.findall(r"([A-Za-z_]\w*)\s*(?:[-+*/%]?=(?!=)|\+\+|--)", body.split(")")[0]))
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.type == "variable_assignment" and n.child_by_field_name("name") is not None:
+                names.add(self.raw(n.child_by_field_name("name")).split("[")[0])
+            stack.extend(n.children)
+        for name in names:
+            w.env[name] = unknown(f"the C-style for loop at line {self.line(node)}")
+            w.environment.discard(name)
+        return [w]
 
     def refuse_if_it_matters(self, node, w: World, what: str) -> list[World]:
         body = self.raw(node)

@@ -500,7 +500,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     model = model_dict(a, tp, vocab_override, notes, name, file_notes)
     if gpus % (tp * pp * cp):
         raise SpecError(f"{a.path}:{a.line('--tensor-model-parallel-size')}: {gpus} GPUs are not divisible by "
-                        f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp}")
+                        f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp} (Megatron refuses to start); launch a "
+                        f"multiple of {tp * pp * cp} GPUs (--nnodes/--nproc_per_node) or pass --gpus N to plan3d check")
     dp = gpus // (tp * pp * cp)
     mbs, gbs = a.count("--micro-batch-size"), a.count("--global-batch-size")
     if a.has("--fp4-format"):  # Transformer Engine NVFP4BlockScaling (--fp4-recipe nvfp4, the default)
