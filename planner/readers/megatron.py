@@ -489,6 +489,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                    name: str, file_notes: dict | None = None) -> tuple[dict, dict, dict, list[str]]:
     """(model, training, plan) dicts and notes for one Megatron launch on ``gpus`` GPUs."""
     notes: list[str] = []
+    if a.has("--rampup-batch-size") and a.has("--train-iters"):
+        # core_v0.16.1 arguments.py validate_args, iteration-based training (Megatron-DeepSpeed has the same assert)
+        raise SpecError(f"{a.path}:{a.line('--rampup-batch-size')}: --rampup-batch-size with --train-iters: Megatron "
+                        "asserts 'expected no batch-size rampup for iteration-based training' and does not start; "
+                        "train by samples (--train-samples) or drop the ramp-up")
     for flag in ("--seq-length", "--micro-batch-size"):
         if not a.has(flag) and not (flag == "--micro-batch-size" and ds_config and
                                     "train_micro_batch_size_per_gpu" in ds_config):
