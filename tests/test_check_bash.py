@@ -43,6 +43,9 @@ CASES = {
     "expansions after expansions in a string": ('W="--n 8"\nD=/d\nR="x $W ${D}/p $W \\\n  $W"\nrun $R "$R"',
                                                 ["x", "--n", "8", "/d/p", "--n", "8", "--n", "8",
                                                  "x --n 8 /d/p --n 8   --n 8"]),
+    # tree-sitter-bash 0.25 ends the word at `/$` and reads `D/x` as a command (run_llama_bf16.sh's
+    # CHECKPOINT_PATH=${EXP_DIR}/checkpoints/llama/z${ZERO_STAGE}/$DTYPE/tp${TP}...)
+    "$NAME after ${NAME} in one word": ("Z=z\nD=d\nC=${Z}/$D/x\nrun $C ${Z}/$D/y '${Z}/$D'", ["z/d/x", "z/d/y", "${Z}/$D"]),
     "backslash-newline at the end of the file": ("run a \\\n    b \\\n", ["a", "b"]),
 }
 
@@ -110,6 +113,16 @@ def test_eval_with_an_unknown_piece_is_read_with_that_piece_unknown():
     (w,) = evaluate(script, "t.sh")
     assert w.commands[-1].line == 4  # the eval's line, not line 1 of the evaluated string
     assert not any(k.startswith("__plan3d") for k in w.env)
+
+
+def test_unquoted_expansion_splits_around_an_unknown_piece():
+    # Megatron-LM examples/deepseek2_lite: DATA_ARGS_LIST+=("--data-cache-path ${DATA_CACHE_PATH}") with
+    # DATA_CACHE_PATH="${PWD}/cache", expanded unquoted: two words, whatever $PWD holds
+    ((flag, path, last),) = _argv('C="${PWD}/cache"\nA=("--data-cache-path ${C}")\nrun ${A[@]} "x y"')
+    assert flag == "--data-cache-path" and unknown_sources(path) == ["$PWD"] and path.endswith("/cache")
+    assert last == "x y"
+    ((word,),) = _argv("run $(date +%Y %m)")  # blanks inside an unknown piece do not split it
+    assert unknown_sources(word) == ["$(date +%Y %m)"]
 
 
 def test_substring_with_a_dollar_offset_parses():

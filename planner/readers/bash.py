@@ -100,8 +100,56 @@ def _closed(text: str) -> str:
         return m.group(0) if "$" not in m.group(1) else \
             m.group(0).replace(m.group(1), re.sub(r"\$\{?([A-Za-z_]\w*)\}?", r"\1", m.group(1)))
 
-    text = _SUBSTRING.sub(bare, text)
+    text = _braced(_SUBSTRING.sub(bare, text))
     return text + "\n" if re.search(r"\\\n[ \t]*\Z", text) else text
+
+
+def _braced(text: str) -> str:
+    """``${A}/$B/x`` unquoted: tree-sitter-bash 0.25 ends the word at ``/$`` and reads ``B/x`` as the next word
+    (or, after ``X=``, as a command). In an unquoted word that already holds a ``${...}``, ``$B`` is written
+    ``${B}``, the same expansion (bash manual, "Shell Parameter Expansion"); quoted text and comments are
+    left alone."""
+    out, i, n = [], 0, len(text)
+    state, word_has_brace = "plain", False
+    while i < n:
+        c = text[i]
+        if state == "single":
+            out.append(c)
+            state = "plain" if c == "'" else state
+        elif state == "double":
+            out.append(c)
+            if c == "\\" and i + 1 < n:
+                out.append(text[i + 1])
+                i += 1
+            elif c == '"':
+                state = "plain"
+        elif c == "\\" and i + 1 < n:
+            out.append(text[i:i + 2])
+            i += 1
+        elif c == "'":
+            out.append(c)
+            state = "single"
+        elif c == '"':
+            out.append(c)
+            state = "double"
+        elif c == "#" and (i == 0 or text[i - 1] in " \t\n;"):
+            end = text.find("\n", i)
+            end = n if end < 0 else end
+            out.append(text[i:end])
+            i = end - 1
+        elif c in " \t\n;|&()<>`":
+            out.append(c)
+            word_has_brace = False
+        elif c == "$" and text.startswith("${", i):
+            word_has_brace = True
+            out.append(c)
+        elif c == "$" and word_has_brace and (m := re.match(r"\$([A-Za-z_]\w*)", text[i:])):
+            out.append("${" + m.group(1) + "}")
+            i += len(m.group(0)) - 1
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def parse(text: str, where: str):

@@ -284,12 +284,14 @@ class _Fields:
         self.cur = (self.cur or "") + text
 
     def add(self, value: str, quoted: bool, line: int | None = None) -> None:
-        if quoted or not self.splitting or is_unknown(value):
+        if quoted or not self.splitting:
             self.lit(value, line)
             return
         if value == "":
             return
-        parts = value.split()
+        # the blanks of the known text split (bash's word splitting); an unknown piece stays whole inside
+        # its field ("--data-cache-path ${PWD}/cache" is two words whatever $PWD holds)
+        parts = _split_known(value)
         if not parts or value[0].isspace():
             self.close()
         for i, part in enumerate(parts):
@@ -320,6 +322,26 @@ class _Fields:
     def done(self) -> list[str]:
         self.close()
         return self.fields
+
+
+def _split_known(value: str) -> list[str]:
+    """``value.split()``, blanks inside an unknown piece (between UNKNOWN_OPEN and UNKNOWN_CLOSE) kept."""
+    pieces = re.split(f"({UNKNOWN_OPEN}.*?{UNKNOWN_CLOSE})", value, flags=re.S)
+    parts, cur = [], ""
+    for i, piece in enumerate(pieces):
+        if i % 2:  # an unknown piece
+            cur += piece
+            continue
+        words = re.split(r"\s+", piece)
+        for j, word in enumerate(words):
+            if j:
+                if cur:
+                    parts.append(cur)
+                cur = ""
+            cur += word
+    if cur:
+        parts.append(cur)
+    return parts
 
 
 def _unescape(text: str) -> str:

@@ -215,7 +215,10 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
     linear_bias = not a.has("--disable-bias-linear")
     return {
         "name": name, "num_layers": a.int("--num-layers"), "hidden_size": h, "num_attention_heads": heads,
-        "num_kv_heads": groups, "head_dim": kv if kv is not None and kv * heads != h else None,
+        "num_kv_heads": groups,
+        # MLA takes its head widths from --qk-head-dim/--qk-pos-emb-head-dim/--v-head-dim; --kv-channels is unused
+        # there (core_v0.16.1 multi_latent_attention.py never reads config.kv_channels)
+        "head_dim": kv if kv is not None and kv * heads != h and not mla else None,
         "ffn_hidden_size": ffn, "vocab_size": vocab(a, tp, vocab_override, notes), "max_seq_len": max_pos,
         "activation": "swiglu" if swiglu else "gelu",
         "norm": "rmsnorm" if str(a.get("--normalization", "LayerNorm")).lower() == "rmsnorm" else "layernorm",
