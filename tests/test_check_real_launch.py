@@ -37,6 +37,12 @@ CASES = [
       "shared_expert_ffn_hidden_size": 2816, "first_k_dense": 1, "q_lora_rank": None, "kv_lora_rank": 512,
       "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 153600,
       "precision": "bf16", "zero_stage": 1, "grad_reduce_in_bf16": True, "tied_embeddings": False}),
+    # on H100 80GB this one is within a few GiB of the limit (no bound either way): checked on H200 141GB
+    ("megatron_lm_train_llama3_8b_h100_fp8.sh", {"hardware": "h200-141gb"}, 0,
+     {"tp": 1, "pp": 1, "cp": 1, "dp": 8, "micro_batch_size": 1, "global_batch_size": 128, "num_microbatches": 16,
+      "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_kv_heads": 8, "vocab_size": 128257,
+      "precision": "fp8", "zero_stage": 1, "sequence_parallel": False, "recompute": "none",
+      "grad_reduce_in_bf16": True, "fp8_params": True}),
     ("megatron_lm_train_bert_340m_distributed.sh", {}, 2, "pretrain_bert.py trains a BERT encoder"),
     ("megatron_lm_train_t5_220m_distributed.sh", {}, 2, "pretrain_t5.py trains a T5 encoder-decoder"),
     ("rocm_megatron_lm_train_mixtral_8x7B_slurm.sh", {}, 2, "no training launch found"),
@@ -63,6 +69,9 @@ CASES = [
     ("torchtitan_llama3_70b.toml", {"gpus": 64}, 0,
      {"tp": 8, "pp": 1, "dp": 8, "micro_batch_size": 8, "global_batch_size": 64, "zero_stage": 3,
       "recompute": "full", "num_layers": 80, "hidden_size": 8192, "vocab_size": 128256, "precision": "bf16"}),
+    ("torchtitan_llama3_8b.toml", {"gpus": 64}, 0,
+     {"tp": 1, "pp": 1, "dp": 64, "micro_batch_size": 1, "global_batch_size": 64, "zero_stage": 3,
+      "recompute": "selective", "num_layers": 32, "vocab_size": 128256, "precision": "bf16"}),
     ("torchtitan_llama3_405b.toml", {"gpus": 128}, 0,
      {"tp": 8, "pp": 1, "dp": 16, "micro_batch_size": 2, "global_batch_size": 32, "zero_stage": 3,
       "recompute": "full", "num_layers": 126, "hidden_size": 16384, "precision": "fp8", "sequence_parallel": True}),
@@ -89,7 +98,8 @@ def _id(case) -> str:
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_real_launch_file(case):
     name, extra, code, want = case
-    results = check_file_branches(REAL / name, load_hardware(H100), None, extra.get("gpus"), extra.get("vocab_size"))
+    results = check_file_branches(REAL / name, load_hardware(extra.get("hardware", H100)), None, extra.get("gpus"),
+                                  extra.get("vocab_size"))
     assert exit_code(results) == code, [(r.branch, r.errors) for r in results]
     if code == 2:
         assert len(results) == 1 and want in results[0].errors[0], results[0].errors
