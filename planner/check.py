@@ -256,15 +256,20 @@ def _megatron_result(args, n, path, hardware, vocab_size, ds, notes) -> CheckRes
 def _deepspeed_config(args, path: Path, files: dict) -> dict:
     """The DeepSpeed config a Megatron-DeepSpeed launch passes: a file the script writes with a
     here-document, or a file next to the script."""
-    name = args.get("--deepspeed_config") or args.get("--deepspeed-config")
+    flag = "--deepspeed_config" if args.has("--deepspeed_config") else "--deepspeed-config"
+    name = args.values.get(flag)
     if name is None:
         raise SpecError(f"{path}:{args.line('--deepspeed')}: --deepspeed without --deepspeed_config")
-    text = files.get(name)
+    # the path the script wrote the config to, even when part of it is unknown (./ds_config.$SLURM_JOB_ID.json):
+    # the same words expand to the same file in one run
+    text = files.get(name) if isinstance(name, str) else None
     if text is None:
+        name = args.get(flag)
         candidate = Path(name) if Path(name).is_absolute() else path.parent / name
         if not candidate.is_file():
             raise SpecError(f"{path}:{args.line('--deepspeed_config')}: the DeepSpeed config {name} is neither "
-                            f"written by the script nor next to it; it holds the ZeRO stage and batch sizes")
+                            f"written by the script nor next to it; it holds the ZeRO stage and batch sizes: put the "
+                            f"file the script would make next to it")
         text = _read_text(candidate)
     try:
         doc = json.loads(text)

@@ -38,6 +38,15 @@ CASES = {
     "functions": ('f() { run "$1" --in-f; }\nf hello', ["hello", "--in-f"]),
     "(( )) condition": ('N=3\nif (( N > 2 )); then A=big; else A=small; fi\nrun $A', ["big"]),
     "|| skips the right side": ('cd /x || exit 1\nrun ok', ["ok"]),
+    # tree-sitter-bash hands the space before `${D}` (and the `\\<newline>` before `$W`) to the `$` token:
+    # the gap is the string's, not lost (Megatron-DeepSpeed's run_cmd="deepspeed $WORKER_STR ${DIR}/pretrain_gpt.py")
+    "expansions after expansions in a string": ('W="--n 8"\nD=/d\nR="x $W ${D}/p $W \\\n  $W"\nrun $R "$R"',
+                                                ["x", "--n", "8", "/d/p", "--n", "8", "--n", "8",
+                                                 "x --n 8 /d/p --n 8   --n 8"]),
+    # tree-sitter-bash 0.25 ends the word at `/$` and reads `D/x` as a command (run_llama_bf16.sh's
+    # CHECKPOINT_PATH=${EXP_DIR}/checkpoints/llama/z${ZERO_STAGE}/$DTYPE/tp${TP}...)
+    "$NAME after ${NAME} in one word": ("Z=z\nD=d\nC=${Z}/$D/x\nrun $C ${Z}/$D/y '${Z}/$D'", ["z/d/x", "z/d/y", "${Z}/$D"]),
+    "backslash-newline at the end of the file": ("run a \\\n    b \\\n", ["a", "b"]),
 }
 
 
@@ -93,6 +102,42 @@ def test_here_document_is_recorded_with_expansions():
 def test_bash_c_and_eval_are_evaluated():
     assert _argv('CMD="run --a 1"\nsrun bash -c "$CMD"') == [["--a", "1"]]
     assert _argv('eval run --b 2') == [["--b", "2"]]
+
+
+def test_eval_with_an_unknown_piece_is_read_with_that_piece_unknown():
+    # microsoft/Megatron-DeepSpeed universal_checkpointing/run_llama_bf16.sh: DIR=`pwd`, eval ${run_cmd}
+    script = 'DIR=`pwd`\nW="--num_gpus 8"\nrun_cmd="run $W ${DIR}/pretrain_gpt.py --tp 2"\neval ${run_cmd}\n'
+    ((n, gpus, path, flag, tp),) = _argv(script)
+    assert (n, gpus, flag, tp) == ("--num_gpus", "8", "--tp", "2")
+    assert unknown_sources(path) == ["`pwd`"] and path.endswith("/pretrain_gpt.py")
+    (w,) = evaluate(script, "t.sh")
+    assert w.commands[-1].line == 4  # the eval's line, not line 1 of the evaluated string
+    assert not any(k.startswith("__plan3d") for k in w.env)
+
+
+def test_unquoted_expansion_splits_around_an_unknown_piece():
+    # Megatron-LM examples/deepseek2_lite: DATA_ARGS_LIST+=("--data-cache-path ${DATA_CACHE_PATH}") with
+    # DATA_CACHE_PATH="${PWD}/cache", expanded unquoted: two words, whatever $PWD holds
+    ((flag, path, last),) = _argv('C="${PWD}/cache"\nA=("--data-cache-path ${C}")\nrun ${A[@]} "x y"')
+    assert flag == "--data-cache-path" and unknown_sources(path) == ["$PWD"] and path.endswith("/cache")
+    assert last == "x y"
+    ((word,),) = _argv("run $(date +%Y %m)")  # blanks inside an unknown piece do not split it
+    assert unknown_sources(word) == ["$(date +%Y %m)"]
+
+
+def test_substring_with_a_dollar_offset_parses():
+    # ROCm Megatron-LM examples/llama/train_llama2.sh: VALUE="${ARGUMENT:$KEY_LENGTH+1}" (bash -n accepts it)
+    ((word,),) = _argv('A=hello\nK=1\nV="${A:$K+1}"\nrun "$V"')
+    assert word == "llo" or is_unknown(word)  # bash gives "llo"; an unevaluated substring must say it is unknown
+
+
+def test_c_style_for_loop_leaves_what_it_sets_unknown():
+    # Megatron-DeepSpeed's checkpoint-pointer loop: for (( node = 0; node <= num_node-1; node++ )); do ... done
+    script = "iteration=0\nfor (( node = 0; node <= 1; node++ ))\ndo\n  iteration=$((iteration + 1))\ndone\nrun $iteration x"
+    ((it, x),) = _argv(script)
+    assert is_unknown(it) and x == "x"
+    with pytest.raises(SpecError, match="C-style for loop"):
+        evaluate("for (( i = 0; i < 2; i++ )); do\n  torchrun pretrain_gpt.py --num-layers $i\ndone\n", "t.sh")
 
 
 def test_word_lines_point_at_their_source():

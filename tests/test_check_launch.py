@@ -63,7 +63,7 @@ def test_launch_file_exit_code_and_figures(case):
 
 
 def test_every_file_in_the_folder_has_a_case():
-    files = {p.name for p in LAUNCH.iterdir() if p.name not in ("README.md", "expected.json")}
+    files = {p.name for p in LAUNCH.iterdir() if p.is_file() and p.name not in ("README.md", "expected.json")}
     assert files == {c["file"] for c in CASES}
 
 

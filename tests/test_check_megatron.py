@@ -24,7 +24,12 @@ from planner.readers.bash import is_unknown
 LAUNCH = Path(__file__).parent / "data" / "launch"
 MEGATRON_LM_FILES = ["megatron_gpt3_175b.sh", "megatron_llama3_8b_fp8.sh", "megatron_llama2_7b_swiglu_default.sh",
                      "megatron_gqa_default.sh", "megatron_size_case.sh", "megatron_if_branch.sh",
-                     "megatron_llama3_70b.slurm", "megatron_moe.sh"]
+                     "megatron_llama3_70b.slurm", "megatron_moe.sh",
+                     # real public files (tests/data/launch/real/README.md)
+                     "real/megatron_lm_train_gpt3_857m_distributed.sh",
+                     "real/megatron_lm_train_mixtral_8x7b_distributed.sh",
+                     "real/megatron_lm_train_deepseek2_lite_h100_fp8.sh",
+                     "real/megatron_lm_train_llama3_8b_h100_fp8.sh"]
 DROPPED = ("--save", "--load", "--data-path", "--tensorboard-dir", "--vocab-file", "--merge-file", "--data-cache-path")
 
 
@@ -89,7 +94,12 @@ def test_reader_agrees_with_megatron_validate_args(megatron_arguments, name, mon
         m = _megatron(arguments, _words(args), sc.training.num_gpus, monkeypatch)
         capsys.readouterr()
         assert m.ffn_hidden_size == sc.model.ffn_size, name
-        assert m.kv_channels == sc.model.kv_channels
+        if m.multi_latent_attention:  # MLA's widths are its own flags; --kv-channels is unused there
+            assert (m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.q_lora_rank) == (
+                sc.model.kv_lora_rank, sc.model.qk_nope_head_dim, sc.model.qk_rope_head_dim, sc.model.v_head_dim,
+                sc.model.q_lora_rank)
+        else:
+            assert m.kv_channels == sc.model.kv_channels
         assert (m.num_query_groups if m.group_query_attention else m.num_attention_heads) == sc.model.kv_heads
         assert m.sequence_parallel == plan.sequence_parallel
         assert m.data_parallel_size == plan.dp and m.global_batch_size == sc.training.global_batch_size

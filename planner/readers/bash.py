@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from planner.presets import SpecError
-from planner.readers.bash_expand import Expander, _int, is_unknown, unknown, unknown_sources
+from planner.readers.bash_expand import UNKNOWN_CLOSE, UNKNOWN_OPEN, Expander, _int, is_unknown, unknown, unknown_sources
 
 __all__ = ["Command", "World", "evaluate", "is_unknown", "parse", "sbatch_env", "unknown", "unknown_sources"]
 
@@ -84,8 +84,76 @@ def _parser():
     return Parser(Language(tree_sitter_bash.language()))
 
 
+_SUBSTRING = re.compile(r"\$\{[A-Za-z_]\w*:(?![-=+?])([^{}]*)\}")
+
+
+def _closed(text: str) -> str:
+    """Text bash accepts that tree-sitter-bash 0.25 reports as an error, rewritten to the same meaning:
+
+    * a backslash-newline at the end of the file (bash removes it; the command ends there): a newline
+      is added after it;
+    * ``${A:$K+1}``, a substring whose offset/length names a variable with ``$``: the offset is an
+      arithmetic expression, where ``$K`` and ``K`` are the same value (bash manual, "Shell Arithmetic"),
+      so the ``$`` is dropped (``${A:K+1}`` parses).
+    """
+    def bare(m):
+        return m.group(0) if "$" not in m.group(1) else \
+            m.group(0).replace(m.group(1), re.sub(r"\$\{?([A-Za-z_]\w*)\}?", r"\1", m.group(1)))
+
+    text = _braced(_SUBSTRING.sub(bare, text))
+    return text + "\n" if re.search(r"\\\n[ \t]*\Z", text) else text
+
+
+def _braced(text: str) -> str:
+    """``${A}/$B/x`` unquoted: tree-sitter-bash 0.25 ends the word at ``/$`` and reads ``B/x`` as the next word
+    (or, after ``X=``, as a command). In an unquoted word that already holds a ``${...}``, ``$B`` is written
+    ``${B}``, the same expansion (bash manual, "Shell Parameter Expansion"); quoted text and comments are
+    left alone."""
+    out, i, n = [], 0, len(text)
+    state, word_has_brace = "plain", False
+    while i < n:
+        c = text[i]
+        if state == "single":
+            out.append(c)
+            state = "plain" if c == "'" else state
+        elif state == "double":
+            out.append(c)
+            if c == "\\" and i + 1 < n:
+                out.append(text[i + 1])
+                i += 1
+            elif c == '"':
+                state = "plain"
+        elif c == "\\" and i + 1 < n:
+            out.append(text[i:i + 2])
+            i += 1
+        elif c == "'":
+            out.append(c)
+            state = "single"
+        elif c == '"':
+            out.append(c)
+            state = "double"
+        elif c == "#" and (i == 0 or text[i - 1] in " \t\n;"):
+            end = text.find("\n", i)
+            end = n if end < 0 else end
+            out.append(text[i:end])
+            i = end - 1
+        elif c in " \t\n;|&()<>`":
+            out.append(c)
+            word_has_brace = False
+        elif c == "$" and text.startswith("${", i):
+            word_has_brace = True
+            out.append(c)
+        elif c == "$" and word_has_brace and (m := re.match(r"\$([A-Za-z_]\w*)", text[i:])):
+            out.append("${" + m.group(1) + "}")
+            i += len(m.group(0)) - 1
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def parse(text: str, where: str):
-    tree = _parser().parse(text.encode("utf-8"))
+    tree = _parser().parse(_closed(text).encode("utf-8"))
     if tree.root_node.has_error:
         bad = _first_error(tree.root_node)
         line = bad.start_point[0] + 1 if bad is not None else 1
@@ -125,8 +193,8 @@ class Evaluator(Expander):
     """Walks one script's tree; ``run`` returns every World the script can end in."""
 
     def __init__(self, text: str, where: str):
-        self.text = text
-        self.src = text.encode("utf-8")
+        self.text = _closed(text)
+        self.src = self.text.encode("utf-8")
         self.where = where
 
     # --- statements ---------------------------------------------------------------------------
@@ -184,10 +252,30 @@ class Evaluator(Expander):
             w.functions[self.raw(name)] = node.child_by_field_name("body")
             return [w]
         if t == "c_style_for_statement":
-            return self.refuse_if_it_matters(node, w, "a C-style for loop")
+            return self.c_for(node, w)
         if t == "negated_command":
             return self.block(node.named_children, [w], depth)
         return [w]  # test_command as a statement, (( )), unset, ...: no effect on the launch
+
+    def c_for(self, node, w: World) -> list[World]:
+        """``for (( i = 0; i < n; i++ ))``: not run. A loop that holds a launch (or a ``--flag``) is refused;
+        otherwise the variables it assigns (Megatron-DeepSpeed's checkpoint-pointer loop over nodes) take an
+        unknown value after it, since it may run any number of times."""
+        body = self.raw(node)
+        if " --" in body:
+            raise SpecError(f"{self.where}:{self.line(node)}: a C-style for loop runs a command with flags; check "
+                            "cannot evaluate it without running the script")
+        names = set(re.findall(r"([A-Za-z_]\w*)\s*(?:[-+*/%]?=(?!=)|\+\+|--)", body.split(")")[0]))
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.type == "variable_assignment" and n.child_by_field_name("name") is not None:
+                names.add(self.raw(n.child_by_field_name("name")).split("[")[0])
+            stack.extend(n.children)
+        for name in names:
+            w.env[name] = unknown(f"the C-style for loop at line {self.line(node)}")
+            w.environment.discard(name)
+        return [w]
 
     def refuse_if_it_matters(self, node, w: World, what: str) -> list[World]:
         body = self.raw(node)
@@ -342,9 +430,30 @@ class Evaluator(Expander):
             return worlds
         w.commands.append(Command(argv=argv, line=self.line(node), lines=lines))
         inner = _inline_script(argv)
-        if inner is not None and depth < MAX_DEPTH and not is_unknown(inner):
-            return Evaluator(inner, self.where).block(parse(inner, self.where).root_node.children, [w], depth + 1)
+        if inner is not None and depth < MAX_DEPTH:
+            return self.inline(inner, w, depth, self.line(node))
         return [w]
+
+    def inline(self, inner: str, w: World, depth: int, line: int) -> list[World]:
+        """Runs the script of ``eval``/``bash -c``. Unknown pieces of it (``DIR=`pwd```, an unset variable)
+        stand in as variables holding the unknown value, so ``eval "deepspeed ${DIR}/pretrain_gpt.py ..."``
+        is read with only that path unknown."""
+        holders = {}
+
+        def hold(m):
+            name = f"__plan3d_unknown_{len(holders)}"
+            holders[name] = m.group(0)
+            return "${" + name + "}"
+
+        script = re.sub(f"{UNKNOWN_OPEN}.*?{UNKNOWN_CLOSE}", hold, inner, flags=re.S)
+        w.env.update(holders)
+        sub = Evaluator(script, self.where)
+        sub.first_line = line
+        worlds = sub.block(parse(script, self.where).root_node.children, [w], depth + 1)
+        for x in worlds:
+            for name in holders:
+                x.env.pop(name, None)
+        return worlds
 
     def source(self, name: str, node, w: World, depth: int) -> list[World]:
         """``source FILE`` / ``. FILE``: a file next to the script is read in the same World; one that is

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from planner.readers.bash import World
 
 UNKNOWN_OPEN, UNKNOWN_CLOSE = "\ue000", "\ue001"
+_DOLLAR_NODES = ("simple_expansion", "expansion", "command_substitution", "arithmetic_expansion")
+_LEADING_GAP = re.compile(rb"(?:[ \t\n]|\\\n)*")
 
 
 def unknown(source: str) -> str:
@@ -34,11 +36,22 @@ class Expander:
     """Expansion of tree-sitter-bash word nodes against a World's variables (``self.src``: the
     script's bytes)."""
 
+    first_line = 1  # the line of the script where this text starts (an ``eval``'s string: the eval's line)
+
     def line(self, node) -> int:
-        return node.start_point[0] + 1
+        return node.start_point[0] + self.first_line
 
     def raw(self, node) -> str:
-        return self.src[node.start_byte:node.end_byte].decode("utf-8")
+        return self.src[self.start(node):node.end_byte].decode("utf-8")
+
+    def start(self, node) -> int:
+        """Where a node's text begins. Inside a double-quoted string tree-sitter-bash starts an expansion
+        that follows another one at the whitespace before it (``"$A ${B}"``, ``"$A \\<newline> $B"``: the
+        ``$``/``${`` token takes the gap); that gap is the string's text, not the expansion's."""
+        if node.type in _DOLLAR_NODES:
+            gap = _LEADING_GAP.match(self.src, node.start_byte, node.end_byte)
+            return gap.end()
+        return node.start_byte
 
     # --- words ----------------------------------------------------------------------------------
     def word(self, node, w: World, split: bool) -> list[str]:
@@ -92,8 +105,9 @@ class Expander:
         end = node.end_byte - (1 if node.type == "string" else 0)
         pos = start
         for child in kids:
-            if child.start_byte > pos:
-                f.lit(_unescape_dq(self.src[pos:child.start_byte].decode("utf-8")))
+            begin = self.start(child)
+            if begin > pos:
+                f.lit(_unescape_dq(self.src[pos:begin].decode("utf-8")))
             self.expand(child, w, f, quoted=True)
             pos = child.end_byte
         if end > pos:
@@ -270,12 +284,14 @@ class _Fields:
         self.cur = (self.cur or "") + text
 
     def add(self, value: str, quoted: bool, line: int | None = None) -> None:
-        if quoted or not self.splitting or is_unknown(value):
+        if quoted or not self.splitting:
             self.lit(value, line)
             return
         if value == "":
             return
-        parts = value.split()
+        # the blanks of the known text split (bash's word splitting); an unknown piece stays whole inside
+        # its field ("--data-cache-path ${PWD}/cache" is two words whatever $PWD holds)
+        parts = _split_known(value)
         if not parts or value[0].isspace():
             self.close()
         for i, part in enumerate(parts):
@@ -306,6 +322,26 @@ class _Fields:
     def done(self) -> list[str]:
         self.close()
         return self.fields
+
+
+def _split_known(value: str) -> list[str]:
+    """``value.split()``, blanks inside an unknown piece (between UNKNOWN_OPEN and UNKNOWN_CLOSE) kept."""
+    pieces = re.split(f"({UNKNOWN_OPEN}.*?{UNKNOWN_CLOSE})", value, flags=re.S)
+    parts, cur = [], ""
+    for i, piece in enumerate(pieces):
+        if i % 2:  # an unknown piece
+            cur += piece
+            continue
+        words = re.split(r"\s+", piece)
+        for j, word in enumerate(words):
+            if j:
+                if cur:
+                    parts.append(cur)
+                cur = ""
+            cur += word
+    if cur:
+        parts.append(cur)
+    return parts
 
 
 def _unescape(text: str) -> str:

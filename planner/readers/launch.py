@@ -57,6 +57,10 @@ def _classify(cmd: Command, path: Path) -> Launch | None:
     """The program a command starts (the first ``*.py`` or ``-m module`` word), its launcher (the
     nearest torchrun / ``python -m torch.distributed.run`` / deepspeed before it) and srun/mpirun."""
     argv, lines = cmd.argv, cmd.lines or [cmd.line] * len(cmd.argv)
+    # `echo $CMD` prints the launch and runs nothing; `eval $CMD` runs it, and bash.py evaluates that string as its
+    # own commands (one of which is the launch)
+    if _base(argv[0]) in ("echo", "printf", "eval"):
+        return None
     prog, kind, start = None, None, 0
     for j, word in enumerate(argv):
         if word == "-m" and j + 1 < len(argv):

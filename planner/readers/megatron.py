@@ -105,9 +105,11 @@ def vocab(a: Args, tp: int, override: int | None, notes: list[str]) -> int:
     divisor = a.count("--make-vocab-size-divisible-by", 128)
     if override is not None:
         size, source = override, f"--vocab-size {override} given to plan3d check"
-    elif a.has("--padded-vocab-size"):
-        padded = a.int("--padded-vocab-size")
-        notes.append(f"vocabulary: --padded-vocab-size {padded}, used as given")
+    elif a.has("--padded-vocab-size") or a.has("--pad-vocab-size-to"):
+        # --pad-vocab-size-to: BigScience Megatron-DeepSpeed (BLOOM), the padded size itself
+        flag = "--padded-vocab-size" if a.has("--padded-vocab-size") else "--pad-vocab-size-to"
+        padded = a.count(flag)
+        notes.append(f"vocabulary: {flag} {padded}, used as given")
         return padded
     else:
         size, source = _tokenizer_vocab(a)
@@ -125,7 +127,8 @@ def vocab(a: Args, tp: int, override: int | None, notes: list[str]) -> int:
 
 def _tokenizer_vocab(a: Args) -> tuple[int, str]:
     kind = a.get("--tokenizer-type")
-    model = a.get("--tokenizer-model") or ""
+    # --tokenizer-name-or-path: Megatron-DeepSpeed's PretrainedFromHF tokenizer (BigScience)
+    model = a.get("--tokenizer-model") or a.get("--tokenizer-name-or-path") or ""
     given = a.int("--vocab-size")
     if kind is None and a.has("--merge-file"):
         kind = "GPT2BPETokenizer"  # only GPT-2 BPE takes --vocab-file plus --merge-file (Megatron-LM examples/gpt3)
@@ -150,7 +153,7 @@ def _tokenizer_vocab(a: Args) -> tuple[int, str]:
         return given, (f"--vocab-size {given} taken as the size of {kind or 'the tokenizer'} {model}".rstrip()
                        + " (Megatron itself takes the size from the tokenizer files)")
     raise SpecError(f"{a.path}:{a.line('--tokenizer-type', '--tokenizer-model')}: cannot tell the vocabulary of "
-                    f"{kind or 'the tokenizer'} {model or '(no --tokenizer-type)'}; add --vocab-size N to the "
+                    f"{kind or 'the tokenizer (no --tokenizer-type)'} {model}".rstrip() + "; add --vocab-size N to the "
                     "arguments or pass --vocab-size N to plan3d check")
 
 
@@ -185,7 +188,13 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
     if pos_type == "relative":
         raise SpecError(f"{a.path}:{a.line('--position-embedding-type')}: relative position embeddings (T5) are "
                         "not modelled")
-    pos = {"learned_absolute": "learned", "rope": "rope", "mrope": "rope", "none": "alibi"}.get(pos_type, "rope")
+    # Megatron-LM's choices, and Megatron-DeepSpeed's (BigScience's PositionEmbeddingType: absolute, rotary, alibi)
+    pos = {"learned_absolute": "learned", "rope": "rope", "mrope": "rope", "none": "alibi", "absolute": "learned",
+           "rotary": "rope", "alibi": "alibi"}.get(pos_type)
+    if pos is None:
+        raise SpecError(f"{a.path}:{a.line('--position-embedding-type')}: --position-embedding-type {pos_type}: "
+                        "not a type plan3d knows (learned_absolute, rope, mrope, none; Megatron-DeepSpeed's absolute, "
+                        "rotary, alibi); use one of those")
     seq = a.int("--seq-length")
     max_pos = a.int("--max-position-embeddings")
     if max_pos is None:
@@ -206,7 +215,10 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
     linear_bias = not a.has("--disable-bias-linear")
     return {
         "name": name, "num_layers": a.int("--num-layers"), "hidden_size": h, "num_attention_heads": heads,
-        "num_kv_heads": groups, "head_dim": kv if kv is not None and kv * heads != h else None,
+        "num_kv_heads": groups,
+        # MLA takes its head widths from --qk-head-dim/--qk-pos-emb-head-dim/--v-head-dim; --kv-channels is unused
+        # there (core_v0.16.1 multi_latent_attention.py never reads config.kv_channels)
+        "head_dim": kv if kv is not None and kv * heads != h and not mla else None,
         "ffn_hidden_size": ffn, "vocab_size": vocab(a, tp, vocab_override, notes), "max_seq_len": max_pos,
         "activation": "swiglu" if swiglu else "gelu",
         "norm": "rmsnorm" if str(a.get("--normalization", "LayerNorm")).lower() == "rmsnorm" else "layernorm",
@@ -353,6 +365,19 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
             "capacity_factor": capacity if capacity > 0 else None}
 
 
+def deepspeed_bf16_optimizer(a: Args, ds_config: dict) -> bool:
+    """bf16 with ZeRO stage 0: DeepSpeed accumulates gradients in fp32 (engine.py ``get_data_types``: bf16
+    and no ZeRO) and wraps the optimizer in ``BF16_Optimizer`` (``_do_optimizer_sanity_check``), which keeps
+    the fp32 master weights and the optimizer states of 1/dp of the parameters per rank and full-size fp32
+    gradients (bf16_optimizer.py): a ZeRO-1 layout (BigScience's BLOOM scripts: "bf16 must use z0! it
+    implements its own zero stage 1 equivalent"). An explicit ``data_types.grad_accum_dtype`` other than
+    fp32 turns it off."""
+    bf16 = _section(ds_config, "bf16", a).get("enabled") is True or \
+        _section(ds_config, "bfloat16", a).get("enabled") is True
+    accum = _section(ds_config, "data_types", a).get("grad_accum_dtype")
+    return bf16 and accum in (None, "fp32", "float32", "float")
+
+
 def zero_stage(a: Args, ds_config: dict | None) -> int:
     """ZeRO stage: DeepSpeed's config under --deepspeed; Megatron's distributed optimizer is stage 1;
     Megatron FSDP by its sharding strategy (--data-parallel-sharding-strategy)."""
@@ -361,6 +386,8 @@ def zero_stage(a: Args, ds_config: dict | None) -> int:
             stage = _section(ds_config, "zero_optimization", a).get("stage", 0)
             if stage not in (0, 1, 2, 3):
                 raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.stage {stage!r}: not 0, 1, 2 or 3")
+            if stage == 0 and deepspeed_bf16_optimizer(a, ds_config):
+                return 1
             return stage
         return a.int("--zero-stage", 0)
     if a.has("--use-megatron-fsdp") or a.has("--use-torch-fsdp2"):
@@ -433,6 +460,20 @@ def layers_per_stage(a: Args, layers: int, pp: int) -> list[int] | None:
         out[0] -= emb
         out[-1] -= loss
         return out
+    method = str(a.get("--pp-partition-method", "")).lower()
+    if pp > 1 and a.has("--deepspeed") and re.fullmatch(r"type:(transformer\|embedding|embedding\|transformer)", method):
+        # Megatron-DeepSpeed's pipeline (BLOOM): DeepSpeed's PipelineModule balances the layers whose class
+        # matches the pattern (deepspeed/runtime/pipe/module.py _partition_layers, partition_balanced): the L
+        # ParallelTransformerLayerPipe and the two tied EmbeddingPipe, first and last; L + 2 equal slots
+        slots = layers + 2
+        if slots % pp:
+            raise SpecError(f"{a.path}:{a.line('--pp-partition-method')}: --pp-partition-method {method}: {layers} "
+                            f"layers + 2 embeddings = {slots} do not split evenly over pp {pp}, and plan3d does not "
+                            "follow DeepSpeed's uneven balancing; choose a pp that divides them")
+        out = [slots // pp] * pp
+        out[0] -= 1
+        out[-1] -= 1
+        return out
     first, last = a.int("--decoder-first-pipeline-num-layers"), a.int("--decoder-last-pipeline-num-layers")
     if pp == 1 or (first is None and last is None):
         return None
@@ -451,6 +492,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                    name: str, file_notes: dict | None = None) -> tuple[dict, dict, dict, list[str]]:
     """(model, training, plan) dicts and notes for one Megatron launch on ``gpus`` GPUs."""
     notes: list[str] = []
+    if a.has("--rampup-batch-size") and a.has("--train-iters"):
+        # core_v0.16.1 arguments.py validate_args, iteration-based training (Megatron-DeepSpeed has the same assert)
+        raise SpecError(f"{a.path}:{a.line('--rampup-batch-size')}: --rampup-batch-size with --train-iters: Megatron "
+                        "asserts 'expected no batch-size rampup for iteration-based training' and does not start; "
+                        "train by samples (--train-samples) or drop the ramp-up")
     for flag in ("--seq-length", "--micro-batch-size"):
         if not a.has(flag) and not (flag == "--micro-batch-size" and ds_config and
                                     "train_micro_batch_size_per_gpu" in ds_config):
@@ -462,7 +508,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     model = model_dict(a, tp, vocab_override, notes, name, file_notes)
     if gpus % (tp * pp * cp):
         raise SpecError(f"{a.path}:{a.line('--tensor-model-parallel-size')}: {gpus} GPUs are not divisible by "
-                        f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp}")
+                        f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp} (Megatron refuses to start); launch a "
+                        f"multiple of {tp * pp * cp} GPUs (--nnodes/--nproc_per_node) or pass --gpus N to plan3d check")
     dp = gpus // (tp * pp * cp)
     mbs, gbs = a.count("--micro-batch-size"), a.count("--global-batch-size")
     if a.has("--fp4-format"):  # Transformer Engine NVFP4BlockScaling (--fp4-recipe nvfp4, the default)
@@ -529,6 +576,10 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
             "microbatch_group_size": (a.count("--microbatch-group-size-per-virtual-pipeline-stage")
                                       if a.has("--microbatch-group-size-per-virtual-pipeline-stage") and vpp > 1
                                       else None)}
+    if a.has("--deepspeed") and ds_config is not None and plan["zero_stage"] == 1 and \
+            _section(ds_config, "zero_optimization", a).get("stage", 0) == 0:
+        notes.append("DeepSpeed bf16 with ZeRO stage 0: BF16_Optimizer shards the fp32 master weights and "
+                     "optimizer states over the data-parallel ranks (bf16_optimizer.py): modelled as ZeRO-1")
     if plan["recompute"] == "selective" and not a.has("--deepspeed"):  # Megatron-Core checks them only then
         training["recompute_modules"] = recompute_modules(a)
     return model, training, plan, notes
