@@ -664,6 +664,11 @@ class TrainingSpec(_Spec):
         description="Overlap pipeline send/receive with the next chunk's compute in the interleaved schedule "
                     "(Megatron --no-overlap-p2p-communication turns it off). None: the framework's default "
                     "(on for megatron, off for torch).")
+    fp16: bool = Field(
+        default=False,
+        description="The 16-bit format is fp16, not bf16 (Megatron --fp16, DeepSpeed fp16.enabled): costed as bf16 "
+                    "(2 bytes a value); only DeepSpeed's ZeRO-0 optimizer differs (FP16_Optimizer keeps the fp32 "
+                    "master and Adam states whole, BF16_Optimizer shards them: planner/frameworks/deepspeed.py).")
     grad_reduce_in_bf16: bool = Field(
         default=False,
         description="Keep and reduce gradients in 16 bits (Megatron --grad-reduce-in-bf16; fp16 training "

@@ -51,8 +51,8 @@ CASES = [
     ("megatron_deepspeed_run_llama_bf16.sh", {"vocab_size": 32000}, 0,
      {"tp": 2, "pp": 2, "dp": 2, "micro_batch_size": 4, "global_batch_size": 32, "num_microbatches": 4,
       "num_layers": 24, "hidden_size": 2048, "ffn_hidden_size": 5504, "num_attention_heads": 16,
-      "num_kv_heads": None, "vocab_size": 32000, "precision": "bf16", "zero_stage": 1, "recompute": "none",
-      "attention": "materialized", "norm": "rmsnorm", "position_embedding": "rope", "activation": "swiglu",
+      "num_kv_heads": None, "vocab_size": 32000, "precision": "bf16", "zero_stage": 1, "fp16": False,
+      "recompute": "none", "attention": "materialized", "norm": "rmsnorm", "position_embedding": "rope", "activation": "swiglu",
       "tied_embeddings": False}),
     ("megatron_deepspeed_ds_pretrain_gpt_350M_dense.sh", {}, 2, "deepspeed without --num_gpus"),
     ("megatron_deepspeed_ds_pretrain_gpt_350M_dense.sh", {"gpus": 8}, 2,
@@ -62,7 +62,7 @@ CASES = [
     ("bigscience_tr11-176B-ml.slurm", {}, 0,
      {"tp": 4, "pp": 12, "dp": 8, "micro_batch_size": 2, "global_batch_size": 2048, "num_microbatches": 128,
       "num_layers": 70, "hidden_size": 14336, "num_attention_heads": 112, "ffn_hidden_size": 57344,
-      "vocab_size": 250880, "precision": "bf16", "zero_stage": 1, "recompute": "full",
+      "vocab_size": 250880, "precision": "bf16", "zero_stage": 1, "fp16": False, "recompute": "full",
       "position_embedding": "alibi", "embedding_norm": True, "tied_embeddings": True,
       "layers_per_stage": (5,) + (6,) * 10 + (5,)}),
     ("torchtitan_llama3_70b.toml", {}, 2, "pass --gpus"),
@@ -114,10 +114,17 @@ def test_every_real_file_has_a_case():
     assert {p.name for p in REAL.iterdir() if p.name != "README.md"} == {c[0] for c in CASES}
 
 
-def test_the_bf16_optimizer_note_says_why_stage_0_is_read_as_zero_1():
+def test_bf16_at_zero_stage_0_is_deepspeeds_bf16_optimizer():
+    """BLOOM's bf16 + ZeRO stage 0 is DeepSpeed's BF16_Optimizer (bf16_optimizer.py): fp32 master and Adam sharded
+    over dp = 8, full fp32 gradients, read as Megatron's distributed optimizer. A middle stage holds 6 layers of
+    12 h^2 / tp 4 = 3.70e9 parameters (h = 14336): 12 B x 3.70e9 / 8 = 5.55e9 B of optimizer states (whole: 44.4e9)
+    and 4 B x 3.70e9 of fp32 gradients."""
     (r,) = check_file_branches(REAL / "bigscience_tr11-176B-ml.slurm", load_hardware(H100), None, None, None)
     assert any("BF16_Optimizer" in n for n in r.notes), r.notes
-    assert any("--pad-vocab-size-to 250880" in n for n in r.notes), r.notes
+    middle = estimate_scenario_memory(r.scenario).stages[5]
+    params = 6 * 12 * 14336 ** 2 / 4
+    assert middle.optimizer_bytes == pytest.approx(12 * params / 8, rel=0.01)
+    assert middle.grads_bytes == pytest.approx(4 * params, rel=0.01)
 
 
 def test_gpu_count_error_names_the_fix():

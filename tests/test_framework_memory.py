@@ -155,6 +155,19 @@ def test_deepspeed_zero2_matches_its_estimator_plus_buckets():
     assert st.weights_bytes + st.grads_bytes + st.optimizer_bytes == pytest.approx(2 * p + 18 * p / 64 + 2 * 5e8 * 2)
 
 
+@pytest.mark.parametrize("fp16", [False, True])
+def test_deepspeed_zero0_is_bf16_optimizer_or_fp16_optimizer(fp16):
+    """ZeRO stage 0: bf16 runs DeepSpeed's BF16_Optimizer (bf16_optimizer.py: bf16 weights and gradients, full fp32
+    gradient buffer, fp32 master and Adam of 1/N of the parameters): 2 + 2 + 4 + 12/N B per parameter; fp16 runs
+    FP16_Optimizer (fp16/fused_optimizer.py), whose fp32 master and Adam states are whole: 2 + 2 + 4 + 12 B."""
+    plan = Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=0)
+    tr = _training("deepspeed").model_copy(update={"fp16": fp16})
+    st = stage_state_bytes(LLAMA, tr, plan, 0, 32)
+    p = stage_params_per_rank(LLAMA, plan, 0, 32)
+    assert (st.weights_bytes, st.grads_bytes) == pytest.approx((2 * p, 6 * p))
+    assert st.optimizer_bytes == pytest.approx(12 * p / (1 if fp16 else 64))
+
+
 TINY = ModelSpec(name="tiny", num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=1024)
 
 

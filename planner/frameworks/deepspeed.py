@@ -12,8 +12,14 @@ Code paths (deepspeedai/DeepSpeed ``deepspeed/runtime``):
 * **ZeRO-3** (``zero/stage3.py``): everything partitioned; ``estimate_zero3_model_states_mem_needs``
   adds ``4 x largest_layer_params`` (the gathered bf16 layer and its bf16 gradient), plus the
   prefetch bucket ``stage3_prefetch_bucket_size`` (5e7 elements) and one reduce bucket.
-* **ZeRO-0** with bf16 (``bf16_optimizer.py::BF16_Optimizer``): bf16 parameters and gradients,
-  fp32 gradient accumulation buffer, fp32 master + Adam: 2 + 2 + 4 + 12 B.
+* **ZeRO-0** with bf16 (``bf16_optimizer.py::BF16_Optimizer``, which the engine picks for bf16 without ZeRO):
+  bf16 parameters and gradients, a full-size fp32 gradient accumulation buffer
+  (``fp32_groups_gradients_flat``), and the fp32 master and Adam states of 1/N of the parameters
+  (``_setup_for_real_optimizer``: ``fp32_groups_flat_partition`` is this rank's partition of the flat
+  bf16 group, and the wrapped optimizer steps only it; BigScience's BLOOM scripts: "bf16 must use z0! it
+  implements its own zero stage 1 equivalent"): 2 + 2 + 4 + 12 / N B. With fp16
+  (``training.fp16``; ``fp16/fused_optimizer.py::FP16_Optimizer``) the fp32 master, its fp32 gradient and
+  Adam's states are whole: 2 + 2 + 4 + 12 B.
 * **Pipeline engine** (``pipe/engine.py``): ZeRO 0 or 1 only ("ZeRO-2 and ZeRO-3 are incompatible
   with pipeline parallelism"), no interleaved schedule, layers split by ``partition_method``
   (plan3d emits even splits); Megatron-DeepSpeed has no context parallelism and plan3d writes
@@ -39,8 +45,9 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     P, Pl, n, z = stage_params, layer_params, plan.dp * plan.cp, plan.zero_stage
     if training.precision == "fp32":
         return StateBytes(weights_bytes=FP32 * P, grads_bytes=FP32 * P, optimizer_bytes=8 * P / (n if z else 1))
-    if z == 0:
-        return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + FP32) * P, optimizer_bytes=MASTER_AND_ADAM * P)
+    if z == 0:  # BF16_Optimizer shards the master and Adam over the data-parallel ranks; FP16_Optimizer does not
+        return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + FP32) * P,
+                          optimizer_bytes=MASTER_AND_ADAM * P / (1 if training.fp16 else n))
     buckets = (2 if training.overlap_grad_reduce else 1) * REDUCE_BUCKET_ELEMENTS * BF16
     if z == 1:
         return StateBytes(weights_bytes=BF16 * P, grads_bytes=BF16 * P + FP32 * P / n + buckets,

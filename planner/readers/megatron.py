@@ -366,12 +366,13 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
 
 
 def deepspeed_bf16_optimizer(a: Args, ds_config: dict) -> bool:
-    """bf16 with ZeRO stage 0: DeepSpeed accumulates gradients in fp32 (engine.py ``get_data_types``: bf16
-    and no ZeRO) and wraps the optimizer in ``BF16_Optimizer`` (``_do_optimizer_sanity_check``), which keeps
-    the fp32 master weights and the optimizer states of 1/dp of the parameters per rank and full-size fp32
-    gradients (bf16_optimizer.py): a ZeRO-1 layout (BigScience's BLOOM scripts: "bf16 must use z0! it
-    implements its own zero stage 1 equivalent"). An explicit ``data_types.grad_accum_dtype`` other than
-    fp32 turns it off."""
+    """Whether DeepSpeed runs ``BF16_Optimizer`` for this config at ZeRO stage 0: bf16 accumulates gradients in
+    fp32 (engine.py ``get_data_types``: bf16 and no ZeRO) and the engine wraps the optimizer in it
+    (``_do_optimizer_sanity_check``); it keeps the fp32 master weights and the optimizer states of 1/dp of the
+    parameters per rank and full-size fp32 gradients (bf16_optimizer.py; BigScience's BLOOM scripts: "bf16
+    must use z0! it implements its own zero stage 1 equivalent"). An explicit ``data_types.grad_accum_dtype``
+    other than fp32 turns it off, and so does fp16 (FP16_Optimizer): modelled with whole optimizer states
+    (``TrainingSpec.fp16``)."""
     bf16 = _section(ds_config, "bf16", a).get("enabled") is True or \
         _section(ds_config, "bfloat16", a).get("enabled") is True
     accum = _section(ds_config, "data_types", a).get("grad_accum_dtype")
@@ -387,7 +388,7 @@ def zero_stage(a: Args, ds_config: dict | None) -> int:
             if stage not in (0, 1, 2, 3):
                 raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.stage {stage!r}: not 0, 1, 2 or 3")
             if stage == 0 and deepspeed_bf16_optimizer(a, ds_config):
-                return 1
+                return 1  # BF16_Optimizer: plan3d reads DeepSpeed launches with Megatron's profile, whose ZeRO-1 it is
             return stage
         return a.int("--zero-stage", 0)
     if a.has("--use-megatron-fsdp") or a.has("--use-torch-fsdp2"):
@@ -529,6 +530,12 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         mbs, gbs, precision = _deepspeed_batch(a, ds_config, mbs, gbs, dp, precision)
     if gbs is None:
         gbs = mbs * dp
+    # fp16, not bf16: DeepSpeed's ZeRO-0 then runs FP16_Optimizer, whole fp32 master and Adam states
+    # (planner/frameworks/deepspeed.py); the DeepSpeed config decides where there is one
+    fp16 = a.has("--fp16") and not a.has("--bf16")
+    if ds_config is not None and (_section(ds_config, "fp16", a).get("enabled") is True
+                                  or _section(ds_config, "bf16", a).get("enabled") is True):
+        fp16 = not deepspeed_bf16_optimizer(a, ds_config)
     sp = a.has("--sequence-parallel")
     if sp and tp == 1:
         sp = False
@@ -558,7 +565,7 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         attention = "materialized" if a.get("--attention-backend") in ("unfused", "local") else "flash"
     training = {"num_gpus": gpus, "global_batch_size": gbs, "seq_len": a.int("--seq-length"),
                 "precision": precision, "attention": attention, "framework": "megatron",
-                "overlap_grad_reduce": a.has("--overlap-grad-reduce"),
+                "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
                 "grad_reduce_in_bf16": a.has("--grad-reduce-in-bf16"),
                 # fp8 weights with no bf16 copy: modelled for Megatron-Core's fp8 recipe (planner/frameworks/megatron.py)
                 "fp8_params": precision == "fp8" and not a.has("--deepspeed") and a.has("--fp8-param-gather"),
@@ -579,7 +586,9 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     if a.has("--deepspeed") and ds_config is not None and plan["zero_stage"] == 1 and \
             _section(ds_config, "zero_optimization", a).get("stage", 0) == 0:
         notes.append("DeepSpeed bf16 with ZeRO stage 0: BF16_Optimizer shards the fp32 master weights and "
-                     "optimizer states over the data-parallel ranks (bf16_optimizer.py): modelled as ZeRO-1")
+                     "optimizer states over the data-parallel ranks and keeps full fp32 gradients (bf16_optimizer.py): "
+                     "modelled as Megatron's distributed optimizer (ZeRO-1); the bf16 gradients it also holds until "
+                     "they are added in (2 B per parameter) are not counted")
     if plan["recompute"] == "selective" and not a.has("--deepspeed"):  # Megatron-Core checks them only then
         training["recompute_modules"] = recompute_modules(a)
     return model, training, plan, notes
