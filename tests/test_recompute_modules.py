@@ -159,3 +159,15 @@ def test_cli_takes_the_modules_and_refuses_bad_ones(runner):
     assert peaks[1] < peaks[0]
     _bad(runner, job + ["--recompute-modules", "attention"], "--recompute-modules: 'attention' is not one of")
     _bad(runner, job + ["--recompute-modules", "mla_up_proj"], "recompute_modules: mla_up_proj needs multi-latent")
+
+
+def test_an_empty_module_list_writes_no_recompute(tmp_path):
+    """Selective recompute of no module recomputes nothing: no --recompute-granularity (Megatron would apply its
+    default core_attn), and no empty --recompute-modules (its argparse takes one value or more)."""
+    sc = scenario(model="llama3-8b", gpus=8, global_batch=8, seq_len=4096, tp=1, pp=1, dp=8, recompute="selective")
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"recompute_modules": ()})})
+    text = "\n".join(render_all(sc, ["megatron"]).values())
+    assert "--recompute-granularity" not in text and "--recompute-modules" not in text
+    base = memory.saved_bytes_per_layer(memory.layer_activation_terms(sc.model, sc.training, sc.plan), "selective")
+    none = memory.saved_bytes_per_layer(memory.layer_activation_terms(sc.model, sc.training, sc.plan), "none")
+    assert base == none

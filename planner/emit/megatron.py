@@ -284,9 +284,9 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     flags += pipeline_flags(sc)
     if p.sequence_parallel:
         flags.append(("--sequence-parallel", None))
-    if p.recompute == "selective":
+    if p.recompute == "selective" and tr.recompute_modules:  # no module: nothing to recompute, no flag
         flags += [("--recompute-granularity", "selective")]
-        if tr.recompute_modules != ("core_attn",):  # core_v0.16.1 arguments.py: nargs "*", default core_attn
+        if tr.recompute_modules != ("core_attn",):  # TransformerConfig.recompute_modules, default core_attn (nargs +)
             flags.append(("--recompute-modules", tuple(tr.recompute_modules)))
     elif p.recompute == "full":
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
