@@ -105,7 +105,12 @@ def _llama_scenario(**plan):
 
 
 def test_a_folder_plan3d_emitted_checks_whole(tmp_path):
-    """`plan3d check launch/*` on everything `plan3d emit` writes: every file is read, none refused."""
+    """`plan3d check launch/*` on everything `plan3d emit` writes: every file is read, none refused. Each is judged
+    as its framework runs it: the Megatron and DeepSpeed files of this Megatron-planned layout fit, and the
+    torchtitan file is judged by the torchtitan profile (FSDP2 under PP keeps the stage's bf16 parameters and
+    fp32 gradients whole), as `estimate --framework torchtitan` judges the same plan."""
+    from planner.memory import estimate_scenario_memory
+
     sc = _llama_scenario()  # vpp 1: DeepSpeed's pipeline engine has no interleaved schedule (emit refuses it)
     for name, text in render_all(sc, ["megatron", "torchrun", "slurm", "deepspeed", "torchtitan", "plan"]).items():
         (tmp_path / name).write_text(text)
@@ -113,7 +118,13 @@ def test_a_folder_plan3d_emitted_checks_whole(tmp_path):
     assert {Path(f).suffix for f in files} >= {".json", ".args", ".sh", ".slurm"}
     results = check_paths(files, load_hardware("h100-sxm-80gb"), None, None)
     assert [r.errors for r in results if r.errors] == []
-    assert exit_code(results) == 0
+    titan = [r for r in results if r.path.name.endswith(".torchtitan.sh")]
+    assert len(titan) == 1 and titan[0].scenario.training.framework == "torchtitan"
+    as_titan = sc.model_copy(update={"training": sc.training.model_copy(update={"framework": "torchtitan"})})
+    titan_fits = estimate_scenario_memory(titan[0].scenario).fits
+    assert titan_fits == estimate_scenario_memory(as_titan.model_copy(update={"plan": titan[0].scenario.plan})).fits
+    assert all(estimate_scenario_memory(r.scenario).fits for r in results if r not in titan)
+    assert exit_code(results) == (0 if titan_fits else 1)
     for r in results:  # the slurm script's MODE=validate branch runs plan3d, not a training: dropped
         assert r.branch is None, (r.path, r.branch)
         p = r.scenario.resolved_plan()

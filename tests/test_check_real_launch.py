@@ -140,3 +140,15 @@ def test_cli_exit_codes_without_traceback(runner, name, code):
     res = runner.invoke(app, ["check", str(REAL / name), "--hardware", H100])
     assert res.exit_code == code, res.output
     assert "Traceback" not in res.output
+
+
+def test_torchtitan_tomls_are_judged_by_the_torchtitan_profile():
+    """A torchtitan TOML is read with the torchtitan profile, the one checked against torchtitan's published
+    readings (tests/test_framework_memory.py): its eager unfused SwiGLU, op-level selective AC and reserved
+    memory, not plan3d validate's own model. torchtitan's llama3_70b.toml at 64 GPUs (TP 8, FSDP 8, full AC,
+    local batch 8) is judged at more than the validate model says: reading it with the latter would have
+    under-predicted."""
+    (r,) = check_file_branches(REAL / "torchtitan_llama3_70b.toml", load_hardware(H100), None, 64, None)
+    assert r.scenario.training.framework == "torchtitan"
+    as_validate = r.scenario.model_copy(update={"training": r.scenario.training.model_copy(update={"framework": "torch"})})
+    assert estimate_scenario_memory(r.scenario).peak_gib > estimate_scenario_memory(as_validate).peak_gib

@@ -155,9 +155,11 @@ class FrameworkProfile:
                 errors.append(f"etp: {self.name} runs experts with etp={want} when ep={ep} "
                               f"(torchtitan 0.3.0: EP replaces expert TP; without EP experts are split over tp); "
                               f"set etp {want}")
-        if ep > 1 and self.moe_ep_needs_fsdp and plan.zero_stage < 1:
+        # torchtitan 0.3.0 parallel_dims.py draws EP from dp_shard x cp x tp: without FSDP (dp_shard 1) only
+        # an ep that divides cp x tp has its ranks (the launch-file reader's rule, planner/readers/torchtitan.py)
+        if ep > 1 and self.moe_ep_needs_fsdp and plan.zero_stage < 1 and (plan.cp * tp) % ep:
             errors.append(f"zero_stage: {self.name}'s expert parallelism lives inside its FSDP mesh (efsdp); "
-                          f"use zero_stage >= 1 with ep={ep}")
+                          f"use zero_stage >= 1 with ep={ep}, or an ep that divides cp x tp = {plan.cp * tp}")
         if (self.moe_needs_sp and model is not None and model.is_moe and tp > 1
                 and not plan.sequence_parallel):
             errors.append(f"sequence_parallel: {self.name}'s MoE layer trains with tp={tp} only with sequence "

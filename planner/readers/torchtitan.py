@@ -204,7 +204,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         raise SpecError(f"{where}: expert_parallel_degree {ep} does not divide data_parallel_shard_degree({shard}) x "
                         f"cp({cp}) x tp({tp}) = {shard * cp * tp}, the ranks torchtitan draws EP from")
     training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
-                "precision": "fp8" if fp8 else "bf16", "attention": "flash", "framework": "torch",
+                "precision": "fp8" if fp8 else "bf16", "attention": "flash", "framework": "torchtitan",
                 **_compile(doc, tr, notes)}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"),
