@@ -834,7 +834,8 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     imbalance = training.moe_load_imbalance
     fwd = bwd = wgrad = 0.0
     gemms = []  # (fwd, dgrad, wgrad, kind) of each linear, in forward order
-    linears = list(_linear_shapes(model, plan, moe).values())
+    shapes = _linear_shapes(model, plan, moe)
+    linears = list(shapes.values())
     for k, n, kind in linears:
         f, dg, wg = gemm_fwd_bwd_s(tokens, k, n, rates)
         fwd, bwd, wgrad = fwd + f, bwd + dg + wg, wgrad + wg
@@ -902,8 +903,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     if plan.recompute == "selective" and not moe and op_sac:
         recompute = op_sac_recompute_s(model, training, plan, rates, tokens, elem_f, k_f)
     elif plan.recompute == "selective" and not op_sac:
-        names = list(_linear_shapes(model, plan, moe))
-        gemm_fwd = {name: g[0] for name, g in zip(names, gemms)}
+        gemm_fwd = {name: g[0] for name, g in zip(shapes, gemms)}
         region_s = (ag + rs) if plan.sequence_parallel else ar
         recompute, tp_again, ep_again = module_recompute_s(model, training, plan, rates, tokens, att_f, gemm_fwd,
                                                            region_s if plan.tp > 1 else 0.0, x)

@@ -371,8 +371,7 @@ def deepspeed_bf16_optimizer(a: Args, ds_config: dict) -> bool:
     (``_do_optimizer_sanity_check``); it keeps the fp32 master weights and the optimizer states of 1/dp of the
     parameters per rank and full-size fp32 gradients (bf16_optimizer.py; BigScience's BLOOM scripts: "bf16
     must use z0! it implements its own zero stage 1 equivalent"). An explicit ``data_types.grad_accum_dtype``
-    other than fp32 turns it off, and so does fp16 (FP16_Optimizer): modelled with whole optimizer states
-    (``TrainingSpec.fp16``)."""
+    other than fp32 turns it off, and so does fp16 (FP16_Optimizer, whole optimizer states: ``TrainingSpec.fp16``)."""
     bf16 = _section(ds_config, "bf16", a).get("enabled") is True or \
         _section(ds_config, "bfloat16", a).get("enabled") is True
     accum = _section(ds_config, "data_types", a).get("grad_accum_dtype")
@@ -535,7 +534,7 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     fp16 = a.has("--fp16") and not a.has("--bf16")
     if ds_config is not None and (_section(ds_config, "fp16", a).get("enabled") is True
                                   or _section(ds_config, "bf16", a).get("enabled") is True):
-        fp16 = not deepspeed_bf16_optimizer(a, ds_config)
+        fp16 = _section(ds_config, "fp16", a).get("enabled") is True
     sp = a.has("--sequence-parallel")
     if sp and tp == 1:
         sp = False

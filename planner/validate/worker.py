@@ -421,11 +421,10 @@ def _main(argv: list[str] | None) -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    shard = 1 if p.zero_stage == 0 else p.dp
     dims, sizes = mesh_dims(sc)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=dims)
     pp_rank = mesh["pp"].get_local_rank()
-    dp_rank = mesh["dp_replicate"].get_local_rank() * shard + mesh["dp_shard"].get_local_rank()
+    dp_rank = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
     expert_mesh = moe_mesh(sc, device) if sc.model.is_moe else None
 
     phase("build")
