@@ -1282,8 +1282,9 @@ def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: Train
     if zero_stage == 0:
         return comm.collective_time_s("all_reduce", g, group, hw), 0.0
     # fp8 parameters (--fp8-param-gather) are all-gathered as fp8, 1 B each (Megatron-Core core_v0.16.1
-    # distributed_data_parallel.py keeps them in a uint8 buffer); else the 16-bit weights
-    weight_b = 1 if training.fp8_params else param_bytes(training)[0]
+    # distributed_data_parallel.py keeps them in a uint8 buffer); mxfp8 ones as bf16 into the shared
+    # gradient buffer (param_and_grad_buffer.py, planner/frameworks/megatron.py); else the 16-bit weights
+    weight_b = 1 if training.fp8_params and training.precision == "fp8" else param_bytes(training)[0]
     gather = 0.0 if zero_stage >= 3 else comm.collective_time_s("all_gather", params * weight_b, group, hw)
     return comm.collective_time_s("reduce_scatter", g, group, hw), gather
 

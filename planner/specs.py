@@ -676,8 +676,9 @@ class TrainingSpec(_Spec):
     fp8_params: bool = Field(
         default=False,
         description="Keep the GEMM weights in fp8, with no bf16 copy (Megatron --fp8-param-gather, NeMo "
-                    "fp8_params / transformer_engine.pytorch.fp8_model_init); needs precision fp8 and the "
-                    "megatron or nemo framework (planner/frameworks/megatron.py).")
+                    "fp8_params / transformer_engine.pytorch.fp8_model_init); needs precision fp8 or mxfp8 (MXFP8Tensor "
+                    "weights, with --reuse-grad-buf-for-mxfp8-param-ag) and the megatron or nemo framework "
+                    "(planner/frameworks/megatron.py).")
     fp8_recipe: Literal["delayed", "tensorwise"] = Field(
         default="delayed",
         description="Scaling of per-tensor fp8: delayed (Transformer Engine DelayedScaling, an amax history; "

@@ -353,6 +353,19 @@ def test_fp8_params_all_gather_one_byte_per_weight():
     assert gather_fp8 < gather_bf16 and gather_fp8 == pytest.approx(gather_bf16 / 2, rel=0.02)  # alpha terms aside
 
 
+def test_mxfp8_params_all_gather_bf16():
+    """--fp8-param-gather under mxfp8: the distributed optimizer all-gathers bf16 values into the shared
+    gradient buffer and casts them into the MXFP8Tensors (core_v0.16.1 param_and_grad_buffer.py), so the
+    gather moves 2 B per weight, as without fp8 parameters."""
+    from planner.cost import dp_sync_parts_s
+
+    hw, model = load_hardware("b200-180gb"), load_model("llama3-8b")
+    plan = Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=1)
+    mx = TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=4096, precision="mxfp8")
+    assert dp_sync_parts_s(model, hw, mx.model_copy(update={"fp8_params": True}), plan, 0, 32) == \
+        dp_sync_parts_s(model, hw, mx, plan, 0, 32)
+
+
 def test_torchtitan_selective_ac_recomputes_every_second_matmul():
     """torchtitan's op-level SAC (activation_checkpoint.py::_get_custom_policy) recomputes every second aten.mm of
     a block in forward order: Q, K, V, O, W1, W3, W2 -> K, O, W3. For Llama-3-8B on one TP rank the recomputed

@@ -38,14 +38,14 @@ PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: str = "bf16",
              hardware: str = "h100-sxm-80gb", name: str | None = None, tp_comm_overlap: bool | None = None,
-             overlap_p2p_comm: bool | None = None, **plan) -> Scenario:
+             overlap_p2p_comm: bool | None = None, fp8_params: bool = False, **plan) -> Scenario:
     m = load_model(model)
     if name is not None:
         m = m.model_copy(update={"name": name})
     return Scenario(model=m, hardware=load_hardware(hardware),
                     training=TrainingSpec(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len,
                                           precision=precision, tp_comm_overlap=tp_comm_overlap,
-                                          overlap_p2p_comm=overlap_p2p_comm),
+                                          overlap_p2p_comm=overlap_p2p_comm, fp8_params=fp8_params),
                     plan=Plan(**({"micro_batch_size": 1} | plan)))
 
 
@@ -168,6 +168,12 @@ MEGATRON_PLANS = {
     "fp8": (L70 | {"precision": "fp8"}, dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "mxfp8-gb200": (L70 | {"precision": "mxfp8", "hardware": "gb200-nvl72"},
                     dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
+    # --fp8-param-gather (Megatron-Bridge's fp8 and mxfp8 recipes set fp8_param_gather; mxfp8 also
+    # reuse_grad_buf_for_mxfp8_param_ag, which MixedPrecisionConfig.finalize requires with it)
+    "fp8-params": (L70 | {"precision": "fp8", "fp8_params": True},
+                   dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
+    "mxfp8-params-gb200": (L70 | {"precision": "mxfp8", "hardware": "gb200-nvl72", "fp8_params": True},
+                           dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "nvfp4-b300": (L70 | {"precision": "nvfp4", "hardware": "b300-288gb"},
                    dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
@@ -350,6 +356,9 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert config.fp8 == fp8_format
         if fp8_format:
             assert config.fp8_recipe == ("mxfp8" if sc.training.precision == "mxfp8" else "delayed")  # core_v0.16.1 default
+        assert bool(args.fp8_param_gather) == sc.training.fp8_params
+        assert bool(args.reuse_grad_buf_for_mxfp8_param_ag) == (sc.training.fp8_params
+                                                                and sc.training.precision == "mxfp8")
         assert config.fp4 == ("e2m1" if sc.training.precision == "nvfp4" else None)
         if config.fp4:
             assert config.fp4_recipe == "nvfp4"

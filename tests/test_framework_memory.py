@@ -82,6 +82,57 @@ def test_megatron_fp8_params_drop_the_bf16_copy(framework):
     assert (st.grads_bytes, st.optimizer_bytes) == (base.grads_bytes, base.optimizer_bytes)
 
 
+@pytest.mark.parametrize("framework", ["megatron", "nemo"])
+def test_megatron_mxfp8_params_are_mxfp8_tensors(framework):
+    """--fp8-param-gather under mxfp8 (Megatron-Bridge bf16_with_mxfp8_mixed): each GEMM weight is a TE
+    MXFP8Tensor with both block-scaled directions, 1 B each plus an E8M0 scale per 32 values, and no bf16
+    copy (core_v0.16.1 param_and_grad_buffer.py shares the gradient buffer for the bf16 all-gather):
+    2 + 2/32 B per linear parameter against bf16 2 + cached copies 2 + 2/32 without it; norms stay bf16."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    base = stage_state_bytes(LLAMA, _training(framework, precision="mxfp8"), plan, 1, 8)
+    st = stage_state_bytes(LLAMA, _training(framework, precision="mxfp8", fp8_params=True), plan, 1, 8)
+    p = _params(plan, 1)
+    linear = 8 * (layer_params_per_rank(LLAMA, 1) - 2 * LLAMA.hidden_size)
+    assert st.weights_bytes == pytest.approx(2 * (p - linear) + 2.0625 * linear)
+    assert base.weights_bytes - st.weights_bytes == pytest.approx(2 * linear)
+    assert (st.grads_bytes, st.optimizer_bytes) == (base.grads_bytes, base.optimizer_bytes)
+
+
+def test_mxfp8_param_gather_emitted_and_read_back(tmp_path):
+    """The emitter writes --fp8-param-gather and --reuse-grad-buf-for-mxfp8-param-ag for an mxfp8 plan with
+    fp8_params (tests/test_emit_consumers.py runs Megatron's own argument validation on them); `check` reads
+    such a launch back as fp8_params under mxfp8."""
+    import shlex
+
+    from planner.check import check_file_branches
+    from planner.emit.megatron import megatron_flags
+
+    gb200 = load_hardware("gb200-nvl72")
+    sc = Scenario(model=LLAMA, hardware=gb200, training=_training("megatron", num_gpus=16, precision="mxfp8",
+                                                                 fp8_params=True),
+                  plan=Plan(tp=2, pp=2, dp=4, micro_batch_size=1, zero_stage=1, sequence_parallel=True))
+    flags = megatron_flags(sc)
+    assert ("--fp8-param-gather", None) in flags and ("--reuse-grad-buf-for-mxfp8-param-ag", None) in flags
+    words = [w for f, v in flags for w in ((f,) if v is None else (f, str(v)))]
+    launch = tmp_path / "mxfp8.sh"
+    launch.write_text("#!/bin/bash\ntorchrun --nproc-per-node 4 --nnodes 4 pretrain_gpt.py "
+                      + " ".join(shlex.quote(w) for w in words) + "\n")
+    (read,) = check_file_branches(launch, gb200, None, None)
+    assert not read.errors, read.errors
+    assert (read.scenario.training.precision, read.scenario.training.fp8_params) == ("mxfp8", True)
+
+
+def test_nvfp4_params_refused():
+    """No fp4 parameter path is modelled (Megatron-Bridge: "fp4_param and fp4_param_gather are not supported
+    for now")."""
+    from planner.specs import job_problems
+
+    b200 = load_hardware("b200-180gb")
+    assert job_problems(LLAMA, b200, _training("megatron", precision="nvfp4", fp8_params=True)) == [
+        "fp8_params: fp8 weights need precision fp8 or mxfp8 (Megatron --fp8-param-gather), not nvfp4; "
+        "set precision fp8 or drop fp8_params"]
+
+
 @pytest.mark.parametrize("fp8_params", [False, True])
 def test_nemo_apex_bf16_optimizer_states(fp8_params):
     """NeMo distributed_fused_adam with optim.dtype bf16 (Apex DistributedFusedAdam StateBucket):

@@ -62,7 +62,7 @@ def test_fp8_params_are_refused_where_not_modelled():
     only in the Megatron-Core profiles."""
     bf16 = _nemotron_training(precision="bf16")
     assert job_problems(NEMOTRON_340B, H100, bf16) == [
-        "fp8_params: fp8 weights need precision fp8 (Megatron --fp8-param-gather), not bf16; "
+        "fp8_params: fp8 weights need precision fp8 or mxfp8 (Megatron --fp8-param-gather), not bf16; "
         "set precision fp8 or drop fp8_params"]
     tt = _nemotron_training(framework="torchtitan", optimizer_dtype="fp32")
     assert job_problems(NEMOTRON_340B, H100, tt) == [

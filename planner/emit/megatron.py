@@ -320,6 +320,8 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
             raise SpecError("--emit megatron: fp8_params needs the distributed optimizer (Megatron --fp8-param-gather); "
                             f"use zero_stage 1 (plan has {p.zero_stage}) or drop fp8_params")
         flags.append(("--fp8-param-gather", None))
+        if tr.precision == "mxfp8":  # MXFP8Tensor weights gathered through the gradient buffer (frameworks/megatron.py)
+            flags.append(("--reuse-grad-buf-for-mxfp8-param-ag", None))
     flags += overlap_flags(sc)
     return flags
 

@@ -22,6 +22,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed")
+#: Precisions whose GEMM weights Megatron-Core keeps quantised with no bf16 copy under --fp8-param-gather
+#: (planner/frameworks/megatron.py): per-tensor fp8 (Float8Tensor) and mxfp8 (MXFP8Tensor). NVFP4 has no such
+#: path in the recipes plan3d models: Megatron-Bridge's MixedPrecisionConfig.finalize raises "fp4_param and
+#: fp4_param_gather are not supported for now" (src/megatron/bridge/training/mixed_precision.py, commit 0509780).
+FP8_PARAM_PRECISIONS = ("fp8", "mxfp8")
 
 
 @dataclass(frozen=True)
@@ -106,9 +111,9 @@ class FrameworkProfile:
             return [f"precision: {self.name} as plan3d emits it has no {precision} recipe; use bf16"]
         if fp8_params and not self.allows_fp8_params:
             return [f"fp8_params: {self.name} as plan3d models it keeps bf16 weights; drop fp8_params"]
-        if fp8_params and precision != "fp8":
-            return [f"fp8_params: fp8 weights need precision fp8 (Megatron --fp8-param-gather), not {precision}; "
-                    "set precision fp8 or drop fp8_params"]
+        if fp8_params and precision not in FP8_PARAM_PRECISIONS:
+            return [f"fp8_params: fp8 weights need precision fp8 or mxfp8 (Megatron --fp8-param-gather), not "
+                    f"{precision}; set precision fp8 or drop fp8_params"]
         return []
 
     def plan_problems(self, plan, model=None) -> list[str]:

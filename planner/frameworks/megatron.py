@@ -31,7 +31,14 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   commit 0004dbd0) ``_Linear.backward`` takes it as ``weight.transpose(cache=ctx.is_first_microbatch
   is not None)`` when ``primary_weights_in_fp8``, and Megatron passes ``is_first_microbatch`` unless
   ``disable_parameter_transpose_cache`` (core_v0.16.1 ``extensions/transformer_engine.py``), 1 B: 2 B per
-  GEMM weight in place of bf16 + cache's 4. Norms, embedding and output layer stay bf16. Modelled
+  GEMM weight in place of bf16 + cache's 4. Norms, embedding and output layer stay bf16.
+  Under mxfp8 (``--fp8-recipe mxfp8 --fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag``, Megatron-Bridge's
+  ``bf16_with_mxfp8_mixed``) each GEMM weight is a TE ``MXFP8Tensor`` holding both block-scaled directions
+  (row-wise for the forward, column-wise for the dgrad GEMM), 1 B each plus one E8M0 scale per 32 values,
+  and there is no param buffer: core_v0.16.1 ``param_and_grad_buffer.py`` (lines 776-792) makes one
+  ``shared_buffer`` of the gradient dtype for the gradients and the bf16 parameter all-gather, and
+  ``finish_param_sync`` copies (casts) the gathered bf16 values into the ``MXFP8Tensor`` s. So 2 + 2/32 B
+  per GEMM weight in place of bf16 + cache's 4 + 2/32, and the all-gather moves bf16. Modelled
   with the distributed optimizer (ZeRO 1) only: Megatron refuses ``--fp8-param-gather`` without it
   (``training/arguments.py`` line 655), and Megatron-FSDP's fp8 gather is left at the bf16 bytes,
   the larger.
@@ -54,6 +61,10 @@ WEIGHT_CACHE_BYTES = {"fp8": FP8_WEIGHT_CACHE_BYTES, "mxfp8": 2 + 2 / 32, "nvfp4
 #: and the fp8 transpose TE keeps beside it for the dgrad GEMM (Hopper fp8 GEMMs take TN layouts only).
 FP8_PARAM_BYTES = 1
 FP8_PARAM_TRANSPOSE_BYTES = 1
+#: ``fp8_params`` under mxfp8: the ``MXFP8Tensor`` weight, both directions with their scales (module docstring).
+#: (On Blackwell TE needs no fp8 transpose for per-tensor fp8, non-TN GEMMs being supported; the Hopper 1 + 1 B
+#: above is kept for every GPU, the larger.)
+QUANTISED_PARAM_BYTES = {"fp8": FP8_PARAM_BYTES + FP8_PARAM_TRANSPOSE_BYTES, "mxfp8": 2 + 2 / 32}
 LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
 
 
@@ -91,9 +102,9 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         # core/distributed/fsdp/src/README.md; param_and_grad_buffer.py discards the transpose caches)
         linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
         if training.fp8_params and plan.zero_stage == 1:
-            # the GEMM weights are TE Float8Tensors in a uint8 param buffer: 1 B in place of the bf16
-            # 2 B, and TE keeps only their fp8 transpose (1 B) for the backward (module docstring)
-            weights += (FP8_PARAM_BYTES - per_param[0] + FP8_PARAM_TRANSPOSE_BYTES) * linear
+            # the GEMM weights are TE Float8Tensors in a uint8 param buffer (1 B in place of the bf16 2 B) with
+            # their fp8 transpose (1 B), or MXFP8Tensors (both directions): no bf16 copy (module docstring)
+            weights += (QUANTISED_PARAM_BYTES[training.precision] - per_param[0]) * linear
         else:
             weights += WEIGHT_CACHE_BYTES[training.precision] * linear
     return StateBytes(weights_bytes=weights,

@@ -566,8 +566,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "precision": precision, "attention": attention, "framework": "megatron",
                 "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
                 "grad_reduce_in_bf16": a.has("--grad-reduce-in-bf16"),
-                # fp8 weights with no bf16 copy: modelled for Megatron-Core's fp8 recipe (planner/frameworks/megatron.py)
-                "fp8_params": precision == "fp8" and not a.has("--deepspeed") and a.has("--fp8-param-gather"),
+                # fp8 / mxfp8 weights with no bf16 copy (planner/frameworks/megatron.py)
+                "fp8_params": precision in ("fp8", "mxfp8") and not a.has("--deepspeed") and a.has("--fp8-param-gather"),
                 # absent flags leave the framework's default (planner.cost.framework_defaults)
                 "tp_comm_overlap": True if a.has("--tp-comm-overlap") else None,
                 "overlap_p2p_comm": False if a.has("--no-overlap-p2p-communication") else None}
