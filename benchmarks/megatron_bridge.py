@@ -20,6 +20,15 @@ recipes' recompute_num_layers, block recompute, are not modelled); the recipe's 
 ``Plan.cpu_offload_layers``; bf16 gradients (``grad_reduce_in_bf16``: every model's perf script sets
 ``cfg.ddp.grad_reduce_in_fp32 = False``, e.g. ``set_llama3_common_configs`` in
 scripts/performance/configs/llama/llama3_llm_pretrain.py, ``set_qwen3_common_configs``, ``set_gpt_oss_common_configs``);
+fp8 weights with no bf16 copy (``fp8_params``) in every fp8 and mxfp8 run: the perf scripts take their precision from
+``get_precision_config`` (scripts/performance/utils/precision.py), whose fp8 delayed, fp8 current-scaling and
+mxfp8 recipes all set ``fp8_param_gather = True`` (src/megatron/bridge/training/mixed_precision.py, commit 0509780:
+``bf16_with_fp8_delayed_scaling_mixed``, ``bf16_with_fp8_current_scaling_mixed``, ``bf16_with_mxfp8_mixed``, the last
+with ``reuse_grad_buf_for_mxfp8_param_ag``), and scripts/performance/utils/overrides.py leaves it; plan3d counts it
+under the distributed optimizer only (Megatron-FSDP runs keep the bf16 bytes, the larger); Transformer Engine's
+fused cross entropy (``cross_entropy_fusion='te'``): ``GPTModelProvider.cross_entropy_loss_fusion`` defaults to True
+(src/megatron/bridge/models/gpt_provider.py, commit 0254ddd) and ``_set_common_perf_overrides`` sets
+``cross_entropy_fusion_impl = "te"`` for every model (scripts/performance/utils/overrides.py, commit 00538e2);
 vpp = VP or 1; EP from
 the row, ETP 1 (the recipes' expert_tensor_parallel_size=1); dispatcher (hybridep/deepep backends ->
 plan3d 'deepep'), MoE all-to-all overlap, CUDA-graph scopes (``graph_modules``) and pipeline layout from the
@@ -121,7 +130,8 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
                             framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=r["a2a_overlap"],
                             cuda_graph_modules=graph_modules(r), recompute_modules=recompute_modules(r) or ("core_attn",),
-                            grad_reduce_in_bf16=True,
+                            grad_reduce_in_bf16=True, fp8_params=r["precision"] in ("fp8", "mxfp8"),
+                            cross_entropy_fusion="te",
                             fp8_recipe="tensorwise" if (r.get("precision_published") or "").startswith("FP8-CS")
                             else "delayed")
     plan = plan_of(r, model.is_moe)

@@ -685,6 +685,14 @@ class TrainingSpec(_Spec):
                     "Megatron's default --fp8-recipe delayed) or tensorwise (Float8CurrentScaling, the amax of each "
                     "tensor itself: Megatron --fp8-recipe tensorwise, NVIDIA's FP8-CS recipes). Only the cast "
                     "cost differs (planner.cost.LOW_PRECISION_CAST_BYTES).")
+    cross_entropy_fusion: Literal["none", "native", "te"] = Field(
+        default="none",
+        description="Megatron's loss kernel: none (vocab_parallel_cross_entropy, Megatron-LM's default), native "
+                    "(--cross-entropy-loss-fusion: fused_vocab_parallel_cross_entropy) or te (--cross-entropy-loss-fusion "
+                    "--cross-entropy-fusion-impl te: Transformer Engine's Triton parallel cross entropy, which writes "
+                    "the gradient into the bf16 logits in place; Megatron-Bridge's Llama recipes and performance "
+                    "scripts). Memory only: 2 B per logit with te, else 6 (planner/frameworks/megatron.py); megatron "
+                    "and nemo only.")
     optimizer_dtype: Literal["fp32", "bf16"] = Field(
         default="fp32",
         description="Adam state dtype. fp32: Megatron's distributed optimizer (fp32 master copy, m, v). "
@@ -984,6 +992,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
             errors.append(str(err))
     from planner.frameworks import get as framework_profile
 
+    if training.cross_entropy_fusion != "none" and training.framework not in ("megatron", "nemo"):
+        errors.append(f"cross_entropy_fusion: {training.framework} has no Megatron loss fusion "
+                      "(--cross-entropy-loss-fusion); use framework megatron or nemo, or none")
     mods = training.recompute_modules
     if mods != ("core_attn",):
         if training.framework not in ("megatron", "nemo"):

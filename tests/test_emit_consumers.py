@@ -38,14 +38,16 @@ PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: str = "bf16",
              hardware: str = "h100-sxm-80gb", name: str | None = None, tp_comm_overlap: bool | None = None,
-             overlap_p2p_comm: bool | None = None, fp8_params: bool = False, **plan) -> Scenario:
+             overlap_p2p_comm: bool | None = None, fp8_params: bool = False, cross_entropy_fusion: str = "none",
+             **plan) -> Scenario:
     m = load_model(model)
     if name is not None:
         m = m.model_copy(update={"name": name})
     return Scenario(model=m, hardware=load_hardware(hardware),
                     training=TrainingSpec(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len,
                                           precision=precision, tp_comm_overlap=tp_comm_overlap,
-                                          overlap_p2p_comm=overlap_p2p_comm, fp8_params=fp8_params),
+                                          overlap_p2p_comm=overlap_p2p_comm, fp8_params=fp8_params,
+                                          cross_entropy_fusion=cross_entropy_fusion),
                     plan=Plan(**({"micro_batch_size": 1} | plan)))
 
 
@@ -174,6 +176,9 @@ MEGATRON_PLANS = {
                    dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "mxfp8-params-gb200": (L70 | {"precision": "mxfp8", "hardware": "gb200-nvl72", "fp8_params": True},
                            dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
+    # Megatron-Bridge's Llama recipes: cross_entropy_loss_fusion (GPTModelProvider default) with the TE kernel
+    "te-cross-entropy": (L70 | {"cross_entropy_fusion": "te"}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
+    "native-cross-entropy": (L70 | {"cross_entropy_fusion": "native"}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
     "nvfp4-b300": (L70 | {"precision": "nvfp4", "hardware": "b300-288gb"},
                    dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
@@ -356,6 +361,9 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert config.fp8 == fp8_format
         if fp8_format:
             assert config.fp8_recipe == ("mxfp8" if sc.training.precision == "mxfp8" else "delayed")  # core_v0.16.1 default
+        assert bool(config.cross_entropy_loss_fusion) == (sc.training.cross_entropy_fusion != "none")
+        if config.cross_entropy_loss_fusion:
+            assert config.cross_entropy_fusion_impl == sc.training.cross_entropy_fusion
         assert bool(args.fp8_param_gather) == sc.training.fp8_params
         assert bool(args.reuse_grad_buf_for_mxfp8_param_ag) == (sc.training.fp8_params
                                                                 and sc.training.precision == "mxfp8")

@@ -100,8 +100,8 @@ def test_megatron_mxfp8_params_are_mxfp8_tensors(framework):
 
 def test_mxfp8_param_gather_emitted_and_read_back(tmp_path):
     """The emitter writes --fp8-param-gather and --reuse-grad-buf-for-mxfp8-param-ag for an mxfp8 plan with
-    fp8_params (tests/test_emit_consumers.py runs Megatron's own argument validation on them); `check` reads
-    such a launch back as fp8_params under mxfp8."""
+    fp8_params, and the TE cross-entropy flags (tests/test_emit_consumers.py runs Megatron's own argument
+    validation on them); `check` reads such a launch back as fp8_params under mxfp8 with cross_entropy_fusion te."""
     import shlex
 
     from planner.check import check_file_branches
@@ -109,7 +109,7 @@ def test_mxfp8_param_gather_emitted_and_read_back(tmp_path):
 
     gb200 = load_hardware("gb200-nvl72")
     sc = Scenario(model=LLAMA, hardware=gb200, training=_training("megatron", num_gpus=16, precision="mxfp8",
-                                                                 fp8_params=True),
+                                                                 fp8_params=True, cross_entropy_fusion="te"),
                   plan=Plan(tp=2, pp=2, dp=4, micro_batch_size=1, zero_stage=1, sequence_parallel=True))
     flags = megatron_flags(sc)
     assert ("--fp8-param-gather", None) in flags and ("--reuse-grad-buf-for-mxfp8-param-ag", None) in flags
@@ -119,7 +119,8 @@ def test_mxfp8_param_gather_emitted_and_read_back(tmp_path):
                       + " ".join(shlex.quote(w) for w in words) + "\n")
     (read,) = check_file_branches(launch, gb200, None, None)
     assert not read.errors, read.errors
-    assert (read.scenario.training.precision, read.scenario.training.fp8_params) == ("mxfp8", True)
+    t = read.scenario.training
+    assert (t.precision, t.fp8_params, t.cross_entropy_fusion) == ("mxfp8", True, "te")
 
 
 def test_nvfp4_params_refused():

@@ -134,6 +134,29 @@ def test_last_stage_logits_grow_with_vocab():
     assert est.stages[1].other_bytes == 6 * 8192 * 128256 + 2 * 2 * 8192 * 4096 + 8 * 8192
 
 
+def test_te_fused_cross_entropy_keeps_only_the_bf16_logits():
+    """--cross-entropy-loss-fusion --cross-entropy-fusion-impl te: Transformer Engine's Triton cross entropy
+    writes the gradient into the bf16 logits in place (transformer_engine/pytorch/triton/cross_entropy.py), so
+    2 B per logit in place of 6; the 12 B per token of fp32 statistics are left out. Hand-computed as above."""
+    model = load_model("llama3-8b")
+    tr = TrainingSpec(num_gpus=2, global_batch_size=8, seq_len=8192, cross_entropy_fusion="te")
+    plan = Plan(tp=1, pp=2, dp=1, micro_batch_size=1)
+    est = estimate_memory(model, load_hardware("h100-sxm-80gb"), tr, plan)
+    assert est.stages[1].other_bytes == 2 * 8192 * 128256 + 2 * 2 * 8192 * 4096 + 8 * 8192
+    native = estimate_memory(model, load_hardware("h100-sxm-80gb"), tr.model_copy(update={"cross_entropy_fusion": "native"}),
+                             plan)
+    assert native.stages[1].other_bytes == 6 * 8192 * 128256 + 2 * 2 * 8192 * 4096 + 8 * 8192
+
+
+def test_cross_entropy_fusion_is_megatrons():
+    from planner.specs import job_problems
+
+    tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, framework="torchtitan", cross_entropy_fusion="te")
+    assert job_problems(load_model("llama3-8b"), load_hardware("h100-sxm-80gb"), tr) == [
+        "cross_entropy_fusion: torchtitan has no Megatron loss fusion (--cross-entropy-loss-fusion); use framework "
+        "megatron or nemo, or none"]
+
+
 # --- properties ---------------------------------------------------------------------------------
 @st.composite
 def setups(draw):

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, Fp8RecipeOpt, OffloadOpt, RecomputeModulesOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, CrossEntropyFusionOpt, Fp8RecipeOpt, OffloadOpt, RecomputeModulesOpt,
     OptimizerDtypeOpt, ScheduleOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
@@ -34,7 +34,7 @@ def estimate(
     cuda_graph_modules: CudaGraphOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
     fp8_recipe: Fp8RecipeOpt = None, recompute_modules: RecomputeModulesOpt = None, torch_compile: CompileOpt = None,
-    pipeline_schedule: ScheduleOpt = None,
+    cross_entropy_fusion: CrossEntropyFusionOpt = None, pipeline_schedule: ScheduleOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Memory per pipeline stage, FLOPs and step time of one plan. Exit 0 fits, 1 does not fit, 2 bad input."""
@@ -52,7 +52,7 @@ def estimate(
                                cpu_offload_layers=cpu_offload_layers, pipeline_schedule=pipeline_schedule,
                                job_extra=moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
                                | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
-                                                                   torch_compile))
+                                                                   torch_compile, cross_entropy_fusion))
     est = run_estimate(sc)
     if json_out:
         render.print_json(est.to_dict())
@@ -85,7 +85,7 @@ def search(
     cuda_graph_modules: CudaGraphOpt = None,
     grad_reduce_in_bf16: GradBf16Opt = None, fp8_params: Fp8ParamsOpt = None, optimizer_dtype: OptimizerDtypeOpt = None,
     fp8_recipe: Fp8RecipeOpt = None, recompute_modules: RecomputeModulesOpt = None, torch_compile: CompileOpt = None,
-    pipeline_schedule: ScheduleOpt = None,
+    cross_entropy_fusion: CrossEntropyFusionOpt = None, pipeline_schedule: ScheduleOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, max=50, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
@@ -116,7 +116,7 @@ def search(
                                                      overlap_p2p_comm,
                                                      moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
-                                                                   torch_compile))
+                                                                   torch_compile, cross_entropy_fusion))
     _check_pins(spec_hw.for_job(counts[0]) if len(counts) == 1 else spec_hw, tp)
     from planner.candidates import schedule_pin_problems
 

@@ -306,6 +306,10 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     if tr.precision == "fp8" and tr.fp8_recipe == "tensorwise":
         flags.append(("--fp8-recipe", "tensorwise"))
     flags.append(("--attention-backend", "flash" if tr.attention == "flash" else "unfused"))
+    if tr.cross_entropy_fusion != "none":  # the loss kernel the memory estimate assumed (frameworks/megatron.py)
+        flags.append(("--cross-entropy-loss-fusion", None))
+        if tr.cross_entropy_fusion == "te":
+            flags.append(("--cross-entropy-fusion-impl", "te"))
     if tr.overlap_grad_reduce:
         flags.append(("--overlap-grad-reduce", None))
         if p.zero_stage == 1:

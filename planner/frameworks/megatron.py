@@ -44,7 +44,14 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   the larger.
 * **Logits**: the vocab-parallel cross entropy (``tensor_parallel/cross_entropy.py``) upcasts the
   bf16 logits to fp32 in place of a copy: 2 + 4 B per logit live together (``planner.memory``
-  contradiction 5).
+  contradiction 5). ``--cross-entropy-loss-fusion`` alone (``fused_vocab_parallel_cross_entropy``,
+  ``core/fusions/fused_cross_entropy.py``) upcasts too and saves the fp32 ``exp_logits``, then casts the
+  gradient to bf16: the same 6 B at its peak. With ``--cross-entropy-fusion-impl te``
+  (``TrainingSpec.cross_entropy_fusion``; ``language_module.py`` ``compute_language_model_loss`` calls
+  ``te_parallel_cross_entropy``) Transformer Engine's Triton kernel keeps the bf16 logits and 12 B per token
+  of fp32 (max, sum, target logit), and its backward writes the gradient into the logits in place
+  (NVIDIA/TransformerEngine ``transformer_engine/pytorch/triton/cross_entropy.py``, commit 02965d2:
+  ``cross_entropy_backward_kernel`` "is performed in-place"): 2 B per logit.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ FP8_PARAM_TRANSPOSE_BYTES = 1
 #: above is kept for every GPU, the larger.)
 QUANTISED_PARAM_BYTES = {"fp8": FP8_PARAM_BYTES + FP8_PARAM_TRANSPOSE_BYTES, "mxfp8": 2 + 2 / 32}
 LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
+TE_FUSED_LOGITS_BYTES_PER_ELEMENT = 2  # bf16 logits, the gradient written in place (module docstring)
 
 
 def linear_params_per_rank(model, tp: int, layers: int) -> float:
@@ -113,8 +121,11 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
 
 
 def logits_bytes_per_element(training, plan) -> float:
-    """Bytes per logit at the loss: bf16 + fp32 upcast (6), or fp32 logits + softmax (8) in fp32 training."""
-    return 8 if training.precision == "fp32" else LOGITS_BYTES_PER_ELEMENT
+    """Bytes per logit at the loss: bf16 + fp32 upcast (6), bf16 only under TE's fused cross entropy (2), or fp32
+    logits + softmax (8) in fp32 training (module docstring)."""
+    if training.precision == "fp32":
+        return 8
+    return TE_FUSED_LOGITS_BYTES_PER_ELEMENT if training.cross_entropy_fusion == "te" else LOGITS_BYTES_PER_ELEMENT
 
 
 PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,

@@ -566,6 +566,9 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "precision": precision, "attention": attention, "framework": "megatron",
                 "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
                 "grad_reduce_in_bf16": a.has("--grad-reduce-in-bf16"),
+                # the loss kernel (TrainingSpec.cross_entropy_fusion); Megatron-DeepSpeed has no such flags
+                "cross_entropy_fusion": "none" if a.has("--deepspeed") or not a.has("--cross-entropy-loss-fusion")
+                else ("te" if a.get("--cross-entropy-fusion-impl") == "te" else "native"),
                 # fp8 / mxfp8 weights with no bf16 copy (planner/frameworks/megatron.py)
                 "fp8_params": precision in ("fp8", "mxfp8") and not a.has("--deepspeed") and a.has("--fp8-param-gather"),
                 # absent flags leave the framework's default (planner.cost.framework_defaults)
