@@ -31,9 +31,9 @@ fused cross entropy (``cross_entropy_fusion='te'``): ``GPTModelProvider.cross_en
 ``cross_entropy_fusion_impl = "te"`` for every model (scripts/performance/utils/overrides.py, commit 00538e2);
 vpp = VP or 1; EP from
 the row, ETP 1 (the recipes' expert_tensor_parallel_size=1); dispatcher (hybridep/deepep backends ->
-plan3d 'deepep'), MoE all-to-all overlap, CUDA-graph scopes (``graph_modules``) and pipeline layout from the
-run's ``recipe``. FP8-CS (per-tensor current scaling) is ``fp8_recipe='tensorwise'``; the 25.09 table names
-no precision and is read as delayed, TE's default.
+plan3d 'deepep'), MoE all-to-all overlap (where Megatron-Core accepts it for the row's layout, ``a2a_overlap``),
+CUDA-graph scopes (``graph_modules``) and pipeline layout from the run's ``recipe``. FP8-CS (per-tensor current
+scaling) is ``fp8_recipe='tensorwise'``; the 25.09 table names no precision and is read as delayed, TE's default.
 """
 
 from __future__ import annotations
@@ -85,6 +85,17 @@ def plan_of(r: dict, moe: bool) -> Plan:
                 cpu_offload_layers=(r.get("recipe") or {}).get("cpu_offloading_num_layers") or 0, **experts)
 
 
+def a2a_overlap(r: dict) -> bool:
+    """The recipe's MoE all-to-all overlap (``moe_a2a_overlap``, Megatron's ``overlap_moe_expert_parallel_comm``)
+    where the row's layout lets Megatron-Core run it: ``TransformerConfig.__post_init__`` (core_v0.16.1
+    transformer_config.py, the overlap's asserts) refuses it with pipeline parallelism and no virtual pipeline
+    ("If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when
+    pipeline_model_parallel_size > 1"), the rule ``planner.emit.megatron.moe_plan_refusals`` applies. A row
+    published with PP > 1 and no VP therefore ran without it, whatever the recipe of another layout says (the
+    DGX-B300 DeepSeek-V3 rows: PP16 without VP in the table, the B300 MXFP8 recipe's PP8 VP2 with overlap)."""
+    return bool(r["a2a_overlap"]) and not (r["pp"] > 1 and (r["vp"] or 1) == 1)
+
+
 def recompute_modules(r: dict) -> tuple[str, ...]:
     """The recipe's ``recompute_modules`` (Megatron's selective recompute of those modules); none recorded or an
     empty list: no recompute."""
@@ -128,7 +139,7 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
         hw = hw.model_copy(update=hardware_update)
     out["family"] = "MoE" if model.is_moe else "dense"
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
-                            framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=r["a2a_overlap"],
+                            framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=a2a_overlap(r),
                             cuda_graph_modules=graph_modules(r), recompute_modules=recompute_modules(r) or ("core_attn",),
                             grad_reduce_in_bf16=True, fp8_params=r["precision"] in ("fp8", "mxfp8"),
                             cross_entropy_fusion="te",

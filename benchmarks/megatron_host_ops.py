@@ -89,17 +89,55 @@ def _layer(local_experts: int, top_k: int):
     return TransformerLayer(cfg, spec.submodules).mlp
 
 
+#: The forward's kernel count when the dispatcher reaches its host sync (see :func:`_mark_sync`).
+_AT_SYNC: list[int] = []
+
+
+def _mark_sync(active: list) -> None:
+    """Record, in ``_AT_SYNC``, how many kernel-launching operators the forward has issued when the alltoall
+    dispatcher reaches ``before_ep_alltoall``: the point where, with expert parallelism (ep > 1, the runs plan3d
+    costs), it waits for the token counts it copied to the host (``MoEAlltoAllTokenDispatcher.preprocess`` sets
+    ``cuda_sync_point = "before_ep_alltoall"`` when ep > 1; ``_maybe_dtoh_and_synchronize`` then calls
+    ``d2h_event.synchronize()``). This one-rank run has ep 1, so the sync itself falls later, but the operators
+    issued after that point (the all-to-all, the sort by local expert, the experts, the unsort, the combine) are
+    the same; only the position is read here."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    orig = MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
+    if getattr(orig, "_marked", False):
+        return
+
+    def marked(self, point, tokens_per_expert=None):
+        if point == "before_ep_alltoall" and active:
+            _AT_SYNC.append(sum(active[-1].kernel.values()))
+        return orig(self, point, tokens_per_expert)
+
+    marked._marked = True
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = marked
+
+
+_ACTIVE: list = []
+
+
 def count(local_experts: int, top_k: int = 2) -> dict[str, int]:
-    """Operators of one MoE layer's forward and backward with ``local_experts`` experts on this rank."""
+    """Operators of one MoE layer's forward and backward with ``local_experts`` experts on this rank; ``fwd_after_
+    sync_kernel``: the forward's kernel-launching operators issued after the dispatcher's host sync."""
     moe = _layer(local_experts, top_k)
+    _mark_sync(_ACTIVE)
     x = torch.randn(64, 2, 128, requires_grad=True)
     for _ in range(2):  # the second pass is the one counted (first-call caches settle)
+        _AT_SYNC.clear()
         with _Count() as f:
+            _ACTIVE.append(f)
             out, _ = moe(x)
+            _ACTIVE.pop()
         with _Count() as b:
             out.sum().backward()
+    if len(_AT_SYNC) != 1:
+        raise SystemExit(f"expected one pass through before_ep_alltoall in the forward, got {len(_AT_SYNC)}")
     out = {"fwd_kernel": sum(f.kernel.values()), "fwd_view": sum(f.view.values()),
-           "bwd_kernel": sum(b.kernel.values()), "bwd_view": sum(b.view.values())}
+           "bwd_kernel": sum(b.kernel.values()), "bwd_view": sum(b.view.values()),
+           "fwd_after_sync_kernel": sum(f.kernel.values()) - _AT_SYNC[0]}
     # the router alone (Megatron's ``moe_router`` CUDA-graph scope): its forward, and the backward from its probs
     for _ in range(2):
         with _Count() as f:

@@ -694,9 +694,11 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
 #: experts, aux-loss router; ``tests/test_host_overhead.py`` re-measures them): a base (router, token
 #: counts, permutation, dispatch, combine) plus a count per local expert (its two linears and activation).
 #: View and metadata operators (about as many again) launch nothing and are left out. ``router``: the
-#: router's own share of the base (Megatron's ``moe_router`` CUDA-graph scope).
+#: router's own share of the base (Megatron's ``moe_router`` CUDA-graph scope). ``fwd_after_sync_*``: the forward
+#: operators issued after the dispatcher's host sync (``before_ep_alltoall`` with ep > 1: the all-to-all, the sort by
+#: local expert, the experts, the unsort and the combine), measured by the same script.
 MOE_HOST_OPS = {"fwd_base": 36, "fwd_per_expert": 6, "bwd_base": 27, "bwd_per_expert": 13,
-                "router_fwd": 23, "router_bwd": 15}
+                "router_fwd": 23, "router_bwd": 15, "fwd_after_sync_base": 6, "fwd_after_sync_per_expert": 6}
 
 
 def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
@@ -733,6 +735,18 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         moe_f, moe_b = moe_f - o["router_fwd"] + 1, moe_b - o["router_bwd"] + 1
     launch_s = hw.host_launch_us * 1e-6
     return (attn_f + moe_f) * launch_s, (attn_b + moe_b) * launch_s
+
+
+def moe_host_after_sync_s(model: ModelSpec, hw: HardwareSpec, plan: Plan) -> float:
+    """Host seconds, in one MoE layer's forward, to issue what follows the dispatcher's host sync: the all-to-all,
+    the experts and the combine (``MOE_HOST_OPS`` ``fwd_after_sync_*``, measured on core_v0.16.1's MoE layer, plus
+    the eager kernels of a clamped activation and of expert biases, :func:`expert_eager_ops`, which run inside the
+    experts). Each costs ``host_launch_us``; CUDA-graph scopes do not reach them (Megatron's ``moe_router`` and
+    ``moe_preprocess`` scopes end before the dispatch). Used by :func:`layer_time` for the sync chain."""
+    local = model.num_experts / plan.ep
+    o = MOE_HOST_OPS
+    _, (eager_f, _) = expert_eager_ops(model, local)
+    return (o["fwd_after_sync_base"] + o["fwd_after_sync_per_expert"] * local + eager_f) * hw.host_launch_us * 1e-6
 
 
 def deepep_time_s(token_bytes: float, top_k: int, group, hw: HardwareSpec) -> float:
@@ -916,7 +930,20 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         cp_bwd += cp_fwd  # and its ring exchange
     if moe:  # the per-layer host sync exposes the host's issue time where it exceeds the GPU's (moe_host_s)
         host_f, host_b = moe_host_s(model, hw, training, plan)
-        fwd += max(0.0, host_f - (fwd + tp_fwd + cp_fwd + ep_fwd))
+        gpu_f = fwd + tp_fwd + cp_fwd + ep_fwd
+        if model.capacity_factor is None and not training.moe_a2a_overlap:
+            # The sync chain. Dropless, the dispatcher waits for the token counts on the host before the dispatch
+            # (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize at before_ep_alltoall; the flex dispatcher's
+            # HybridEP/DeepEP dispatch and TEGroupedMLP's tokens_per_expert.tolist() likewise, core_v0.16.1
+            # moe/fused_a2a.py, moe/experts.py), so the GPU is idle when the host starts issuing the experts, and
+            # the next layer's attention, shared experts and router reach the GPU only after the host has issued
+            # the experts and the combine. From one sync to the next the layer takes at least that host time plus
+            # the GPU time of the pre-dispatch work (the layer's GPU forward less the router, experts, permutation
+            # and all-to-alls: a lower bound). Not with drop-and-pad routing (no sync) nor under the 1F1B
+            # all-to-all overlap (another micro-batch's backward fills the GPU).
+            pre_dispatch_s = gpu_f - x.fwd_compute - x.comm_fwd
+            host_f = max(host_f, moe_host_after_sync_s(model, hw, plan) + pre_dispatch_s)
+        fwd += max(0.0, host_f - gpu_f)
         bwd += max(0.0, host_b - (bwd + recompute + tp_bwd + cp_bwd + ep_bwd))
     if plan.cpu_offload_layers:  # the copies to and from host memory, where the layers cannot hide them
         from planner.memory import layer_activation_terms, saved_bytes_per_layer

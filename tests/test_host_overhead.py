@@ -26,7 +26,9 @@ def test_operator_counts_are_megatrons_own(megatron_lm_root):
     got = json.loads(out.stdout)
     assert {"fwd_base": got["fwd_kernel_base"], "fwd_per_expert": got["fwd_kernel_per_expert"],
             "bwd_base": got["bwd_kernel_base"], "bwd_per_expert": got["bwd_kernel_per_expert"],
-            "router_fwd": got["router_fwd_kernel_base"], "router_bwd": got["router_bwd_kernel_base"]} == MOE_HOST_OPS
+            "router_fwd": got["router_fwd_kernel_base"], "router_bwd": got["router_bwd_kernel_base"],
+            "fwd_after_sync_base": got["fwd_after_sync_kernel_base"],
+            "fwd_after_sync_per_expert": got["fwd_after_sync_kernel_per_expert"]} == MOE_HOST_OPS
 
 
 def _setup(mbs: int, **training):
@@ -86,3 +88,59 @@ def test_cli_cuda_graph_modules():
     for bad, says in (("bogus", "--cuda-graph-modules: 'bogus'"), ("moe_preprocess", "together with moe_router")):
         p = _plan3d(*job, "--cuda-graph-modules", bad)
         assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def _deepseek_b200(**training):
+    """DeepSeek-V3 on DGX-B200 as the Megatron-Bridge table runs it: TP1 EP8 (32 local experts), mbs 1, MXFP8."""
+    model, hw = load_model("deepseek-v3"), load_hardware("b200-180gb")
+    tr = TrainingSpec(num_gpus=256, global_batch_size=4096, seq_len=4096, precision="mxfp8", framework="nemo",
+                      moe_token_dispatcher="deepep", **training)
+    plan = Plan(tp=1, pp=16, dp=16, ep=8, micro_batch_size=1, zero_stage=1,
+                layers_per_stage=(4,) * 15 + (1,))
+    return model, hw, tr, plan
+
+
+def test_host_after_sync_by_hand():
+    """What the host issues after the dispatcher's sync, measured on core_v0.16.1's MoE layer: 6 operators plus 6
+    per local expert (its two linears and the activation's). DeepSeek-V3 at EP8 has 256 / 8 = 32 local experts:
+    6 + 6 x 32 = 198 launches; Qwen3-30B-A3B at EP8 128 / 8 = 16: 6 + 96 = 102."""
+    from planner.cost import moe_host_after_sync_s
+
+    model, hw, _, plan = _deepseek_b200()
+    assert moe_host_after_sync_s(model, hw, plan) == pytest.approx(198 * hw.host_launch_us * 1e-6)
+    model, hw, _, plan = _setup(1)
+    assert moe_host_after_sync_s(model, hw, plan) == pytest.approx(102 * hw.host_launch_us * 1e-6)
+
+
+def test_sync_chain_sets_the_forward_where_experts_are_host_heavy():
+    """From one sync to the next the host issues the experts and the combine, and only then the next layer's attention:
+    the forward takes at least that host time plus the GPU time of the pre-dispatch work. DeepSeek-V3 EP8 on B200
+    (32 local experts): this chain exceeds both the GPU's forward and the host's whole forward issue, so it sets the
+    forward; the backward, which has no sync, keeps its own floor."""
+    from planner.cost import moe_host_after_sync_s, moe_layer_extra
+
+    model, hw, tr, plan = _deepseek_b200()
+    with_host = layer_time(model, hw, tr, plan, moe=True)
+    gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
+    x = moe_layer_extra(model, hw, tr, plan, plan.micro_batch_size * tr.seq_len)
+    gpu_f = gpu.fwd_compute + gpu.tp_fwd + gpu.cp_fwd + gpu.ep_fwd
+    chain = moe_host_after_sync_s(model, hw, plan) + gpu_f - x.fwd_compute - x.comm_fwd
+    host_f, host_b = moe_host_s(model, hw, tr, plan)
+    assert chain > max(gpu_f, host_f)
+    assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(chain)
+    assert with_host.bwd_compute + with_host.ep_bwd + with_host.recompute == pytest.approx(
+        max(host_b, gpu.bwd_compute + gpu.ep_bwd + gpu.recompute))
+
+
+@pytest.mark.parametrize("why", ["a2a_overlap", "drop_and_pad"])
+def test_no_sync_chain_without_the_sync(why):
+    """Drop-and-pad routing needs no token counts on the host (no sync), and under the 1F1B all-to-all overlap
+    another micro-batch's backward keeps the GPU busy: the forward is then the larger of the GPU's and the host's
+    whole issue."""
+    model, hw, tr, plan = _deepseek_b200(moe_a2a_overlap=why == "a2a_overlap")
+    if why == "drop_and_pad":
+        model = model.model_copy(update={"capacity_factor": 1.0})
+    with_host = layer_time(model, hw, tr, plan, moe=True)
+    gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
+    host_f, _ = moe_host_s(model, hw, tr, plan)
+    assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(max(host_f, gpu.fwd_compute + gpu.ep_fwd))

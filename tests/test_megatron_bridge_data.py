@@ -113,3 +113,27 @@ def test_recipe_8b_h100_recomputes_5_layers_in_full():
     assert (rc["recompute_num_layers"], rc["recompute_granularity"], rc["recompute_method"]) == (5, "full", "block")
     assert (rc["cpu_offloading_num_layers"], rc["use_megatron_fsdp"]) == (0, False)
     assert "FSDP" in rc["layout_differs_from_row"]
+
+
+def _bridge_benchmark():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks/megatron_bridge.py"
+    spec = importlib.util.spec_from_file_location("megatron_bridge_benchmark", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a2a_overlap_only_where_megatron_runs_it():
+    """Megatron-Core's TransformerConfig (core_v0.16.1) asserts a virtual pipeline for the MoE all-to-all overlap when
+    pp > 1. The DGX-B300 DeepSeek-V3 rows are published at PP16 without VP while their recipe
+    (DEEPSEEK_V3_PRETRAIN_CONFIG_B300_FP8_MX_V2: PP8 VP2) turns the overlap on: they ran without it. The GB200 row
+    of the same release (PP4 VP4, the recipe's own layout) keeps it; PP1 rows need no VP."""
+    a2a = _bridge_benchmark().a2a_overlap
+    for release in ("26.02", "26.02.01", "26.04"):
+        b300 = find(release, "DGX-B300", "DeepSeekV3", "main")
+        assert b300["a2a_overlap"] and (b300["pp"], b300["vp"]) == (16, None) and not a2a(b300)
+        gb200 = find(release, "DGX-GB200", "DeepSeekV3", "main")
+        assert gb200["a2a_overlap"] and (gb200["pp"], gb200["vp"]) == (4, 4) and a2a(gb200)
+    assert a2a({"a2a_overlap": True, "pp": 1, "vp": None}) and not a2a({"a2a_overlap": False, "pp": 4, "vp": 4})
