@@ -94,27 +94,49 @@ ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 _FA3_CAUSAL_FWD = (315.0, 410.0, 484.0, 518.0, 529.0, 539.0, 539.0)
 _FA3_NONCAUSAL_FWD = (497.0, 574.0, 617.0, 609.0, 600.0, 595.0, 595.0)
 _H200_CAUSAL = {"fwd": (469.6, 557.6, 608.0, 638.9, 652.8, 607.0), "bwd": (269.9, 375.1, 465.6, 480.9, 506.6, 524.3)}
-ATTENTION_TFLOPS = {}
-for _pass, _row in _H200_CAUSAL.items():
-    _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
-    ATTENTION_TFLOPS[(_pass, True)] = _causal
-    ATTENTION_TFLOPS[(_pass, False)] = tuple(c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+# The same kernel, heads and batch x seqlen at head dim 64 (the same H200 run, benchmarks/data/h200_kernels.json,
+# cudnn rows with head_dim 64, 32 query / 8 KV heads): 0.70-0.75x the head-dim-128 speed forward, 0.77-0.84x
+# backward (consistent with half the tensor-core work per score at d 64 beside an unchanged softmax per score:
+# max, exp, sum, rescale). Its 512 and non-causal rows are derived as the head-dim-128 ones are (the FA3 paper's
+# ratios, measured at 128). GPT-OSS (d 64) and GPT-NeoX-20B (d 96, interpolated) run between the two.
+_H200_CAUSAL_D64 = {"fwd": (328.3, 391.5, 430.4, 451.7, 468.9, 457.2), "bwd": (209.3, 293.0, 358.1, 405.0, 419.8, 425.6)}
+#: Head dims of the measured attention tables; between them the speed is interpolated in log2(d), outside them the
+#: nearest table is used (wider heads, e.g. MLA's 192, keep the head-dim-128 speed: nothing wider was measured).
+ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # (pass, causal, head dim) -> speeds by ATTENTION_SEQ
+for _d, _table in ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64)):
+    for _pass, _row in _table.items():
+        _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
+        ATTENTION_TFLOPS_BY_HEAD_DIM[(_pass, True, _d)] = _causal
+        ATTENTION_TFLOPS_BY_HEAD_DIM[(_pass, False, _d)] = tuple(
+            c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+ATTENTION_TFLOPS = {key[:2]: row for key, row in ATTENTION_TFLOPS_BY_HEAD_DIM.items() if key[2] == 128}  # head dim 128
 ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]  # causal forward at 16k: what attention_efficiency means
 
 
-def attention_shape(kv_len: float, causal: bool, pass_: str) -> float:
-    """Speed of a fused attention kernel over ``kv_len`` keys relative to causal forward at 16k.
+def _attention_row_speed(row: tuple, kv_len: float) -> float:
+    x = math.log2(min(max(kv_len, ATTENTION_SEQ[0]), ATTENTION_SEQ[-1]))
+    i = min(int(x) - 9, len(ATTENTION_SEQ) - 2)
+    lo, hi = row[i], row[i + 1]
+    return lo + (hi - lo) * (x - math.log2(ATTENTION_SEQ[i]))
+
+
+def attention_shape(kv_len: float, causal: bool, pass_: str, head_dim: float = 128) -> float:
+    """Speed of a fused attention kernel over ``kv_len`` keys relative to causal forward at 16k, head dim 128.
 
     Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (H200 measurement and
     FlashAttention-3 paper, above); outside 512-32k the end row is used (the lookup says so via
     :func:`attention_in_table`). Short sequences run slower: fewer key blocks per query tile to
-    hide the softmax and the prologue behind.
+    hide the softmax and the prologue behind. ``head_dim`` (the query/key head width): the measured
+    head-dim-64 and -128 tables (``ATTENTION_HEAD_DIMS``), linear in log2(d) between them, the nearest
+    outside them.
     """
-    row = ATTENTION_TFLOPS[(pass_, causal)]
-    x = math.log2(min(max(kv_len, ATTENTION_SEQ[0]), ATTENTION_SEQ[-1]))
-    i = min(int(x) - 9, len(ATTENTION_SEQ) - 2)
-    lo, hi = row[i], row[i + 1]
-    return (lo + (hi - lo) * (x - math.log2(ATTENTION_SEQ[i]))) / ATTENTION_REFERENCE
+    lo_d, hi_d = ATTENTION_HEAD_DIMS
+    d = min(max(head_dim, lo_d), hi_d)
+    hi = _attention_row_speed(ATTENTION_TFLOPS_BY_HEAD_DIM[(pass_, causal, hi_d)], kv_len)
+    lo = _attention_row_speed(ATTENTION_TFLOPS_BY_HEAD_DIM[(pass_, causal, lo_d)], kv_len)
+    w = math.log2(d / lo_d) / math.log2(hi_d / lo_d)
+    return (lo + (hi - lo) * w) / ATTENTION_REFERENCE
 
 
 ATTENTION_BLOCK_M = 128  # query rows per thread block, head dim 128 (FlashAttention-3 paper section 3.3 / 4.1)
@@ -341,14 +363,15 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
     t, b, s = plan.tp, plan.micro_batch_size, training.seq_len
     a_r, d = model.num_attention_heads / t, model.kv_channels
     if training.attention == "flash":
+        d_qk = model.qk_head_dim  # the kernel's speed at this head width (attention_shape)
         wave = attention_wave_factor(s, b * a_r, rates.sm_count)
         rate_f, rate_b = rates.attention_rate("fwd") * wave, rates.attention_rate("bwd") * wave
 
         def core_s(window: int | None) -> tuple[float, float]:
             fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True, window=window) * s / t
             span = s if window is None else min(s, window)  # keys one query sees: the kernel's speed
-            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd")),
-                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd")))
+            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd", d_qk)),
+                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd", d_qk)))
 
         fwd, bwd = core_s(None)
         share = model.windowed_layers / model.num_layers
@@ -416,15 +439,16 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
         step_flops = b * model.num_attention_heads * (model.qk_head_dim + model.v_dim) * s_c * s_c / t
     launch = rates.gemm_overhead_s
     heads, sm = b * a_r, rates.sm_count
+    d_qk = model.qk_head_dim  # the kernel's speed at this head width (attention_shape)
 
     def speed(pass_: str, causal: bool) -> float:
         if causal:  # step 0: the local chunk against itself
-            return rates.attention_rate(pass_) * attention_shape(s_c, True, pass_) * attention_wave_factor(s_c, heads, sm)
+            return rates.attention_rate(pass_) * attention_shape(s_c, True, pass_, d_qk) * attention_wave_factor(s_c, heads, sm)
         # later steps: s_c queries x s_c/2 keys on half the ranks, s_c/2 x s_c on the others; the
         # ring is synchronous, so the slower of the two paces every step
         return rates.attention_rate(pass_) * min(
-            attention_shape(s_c / 2, False, pass_) * attention_wave_factor(s_c, heads, sm),
-            attention_shape(s_c, False, pass_) * attention_wave_factor(s_c / 2, heads, sm))
+            attention_shape(s_c / 2, False, pass_, d_qk) * attention_wave_factor(s_c, heads, sm),
+            attention_shape(s_c, False, pass_, d_qk) * attention_wave_factor(s_c / 2, heads, sm))
 
     f0 = step_flops / speed("fwd", True) + launch
     b0 = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", True) + 3 * launch
