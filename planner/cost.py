@@ -739,7 +739,8 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     measured (``MOE_HOST_OPS``), plus the eager kernels of a clamped activation and of expert biases, which the
     measured layer does not have (:func:`expert_eager_ops`). Each costs ``host_launch_us``. A part captured in a
     CUDA graph (``cuda_graph_modules``: attn, moe_router) costs one launch instead. ``moe_preprocess`` is not
-    separated in the measurement and is left at full cost.
+    separated in the measurement and is left at full cost. Megatron's selective recompute of ``moe_act`` issues
+    the activation (and a clamped activation's clamps) once more in the backward.
     """
     linears = len(_linear_shapes(model, plan, moe=True))
     casts = linears if training.precision in LOW_PRECISIONS else 0
@@ -755,6 +756,11 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     moe_b = o["bwd_base"] + o["bwd_per_expert"] * local + eager_b
     if "moe_router" in graphs:
         moe_f, moe_b = moe_f - o["router_fwd"] + 1, moe_b - o["router_bwd"] + 1
+    mods = training.recompute_modules
+    if (plan.recompute == "selective" and "moe_act" in mods and "moe" not in mods
+            and not frameworks.get(training.framework).op_sac):
+        # the backward issues the recomputed activation again (module_recompute_s), with its clamps
+        moe_b += 1 + (EXPERT_CLAMP_KERNELS[0] if model.swiglu_limit is not None else 0)
     launch_s = hw.host_launch_us * 1e-6
     return (attn_f + moe_f) * launch_s, (attn_b + moe_b) * launch_s
 
@@ -816,7 +822,8 @@ def module_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rat
     (read the FC1 output, write its result), and the MLP's TP region again (``tp_region_s``: its all-gather and
     reduce-scatter with SP, its all-reduce without). ``moe`` (a MoE layer): the router, expert GEMMs and
     permutation (``moe_extra.fwd_compute``), the shared experts' GEMMs and the dispatch and combine again;
-    otherwise ``moe_act``: the experts' activation over the routed rows, and ``shared_experts``: the shared
+    otherwise ``moe_act``: the experts' activation over the routed rows (with a clamped activation, its eager
+    clamps and concatenation too), and ``shared_experts``: the shared
     experts' GEMMs and their TP region. ``layernorm`` is costed as nothing (a norm's forward; it is modelled
     as saving nothing, too)."""
     mods = training.recompute_modules
@@ -840,8 +847,16 @@ def module_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rat
         return s, tp, ep
     if "moe_act" in mods:
         rows = training.moe_load_imbalance * plan.expert_tp * tokens / plan.tp * model.top_k
-        act_bytes_ = rows * (gate + 1) * model.moe_ffn_size / plan.expert_tp * e
-        s += max(act_bytes_ / rates.hbm_bytes_per_s, rates.gemm_overhead_s)
+        f_r = model.moe_ffn_size / plan.expert_tp
+        act_bytes_ = rows * (gate + 1) * f_r * e
+        kernels = 1
+        if model.swiglu_limit is not None:
+            # the checkpointed function is TEGroupedMLP's bias_act_func, which holds weighted_bias_quick_geglu_impl's
+            # clamps and torch.cat (core_v0.16.1 moe/experts.py, ``activation_checkpoint.checkpoint(bias_act_func,
+            # ...)``): they run again with it (EXPERT_CLAMP_BYTES / _KERNELS forward)
+            act_bytes_ += rows * EXPERT_CLAMP_BYTES[0] * f_r
+            kernels += EXPERT_CLAMP_KERNELS[0]
+        s += max(act_bytes_ / rates.hbm_bytes_per_s, kernels * rates.gemm_overhead_s)
     if "shared_experts" in mods and shared:
         s += gemm_fwd["fc1"] + gemm_fwd["fc2"]
         tp += tp_region_s

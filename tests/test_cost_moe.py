@@ -213,3 +213,27 @@ def test_eager_expert_kernels_add_their_bytes_to_the_layer_and_launches_to_the_h
     host, host_plain = cost.moe_host_s(GPT_OSS, H100, tr, plan), cost.moe_host_s(plain, H100, tr, plan)
     assert host[0] - host_plain[0] == pytest.approx(38 * H100.host_launch_us * 1e-6)
     assert host[1] - host_plain[1] == pytest.approx(102 * H100.host_launch_us * 1e-6)
+
+
+def test_moe_act_recompute_runs_the_clamps_again():
+    """Megatron checkpoints TEGroupedMLP's bias_act_func, which holds the clamps and torch.cat of
+    weighted_bias_quick_geglu_impl (core_v0.16.1 moe/experts.py, fusions/fused_bias_geglu.py): recomputing
+    moe_act repeats their 16 B per copy and unit of the expert width. H100, 4096 tokens, top 4: 16,384 copies x
+    16 B x 2880 at 3,350 GB/s x 0.8 (hardware_profiles/h100-sxm-80gb.yaml), and 4 more launches on the host
+    (3 kernels and the host-to-device copy); 1 for the activation itself with or without a clamp."""
+    tr = TrainingSpec(num_gpus=64, global_batch_size=1280, seq_len=4096, recompute_modules=("layernorm", "moe_act"))
+    plan = Plan(tp=1, pp=4, dp=16, ep=8, micro_batch_size=1, recompute="selective")
+    unclamped = GPT_OSS.model_copy(update={"swiglu_limit": None})
+    rates = cost.Rates.of(H100, "bf16")
+    got = {}
+    for name, m in (("clamp", GPT_OSS), ("plain", unclamped)):
+        x = moe_layer_extra(m, H100, tr, plan, 4096.0)
+        got[name] = cost.module_recompute_s(m, tr, plan, rates, 4096.0, 0.0, {}, 0.0, x)[0]
+    copies = 4096 * 4 * tr.moe_load_imbalance
+    assert got["plain"] == pytest.approx(copies * 3 * 2880 * 2 / (3350e9 * 0.8))
+    assert got["clamp"] - got["plain"] == pytest.approx(copies * 16 * 2880 / (3350e9 * 0.8))
+    no_recompute = tr.model_copy(update={"recompute_modules": ("core_attn",)})
+    for m, extra in ((GPT_OSS, 5), (unclamped, 1)):
+        with_rc, without = cost.moe_host_s(m, H100, tr, plan), cost.moe_host_s(m, H100, no_recompute, plan)
+        assert with_rc[0] == without[0]
+        assert with_rc[1] - without[1] == pytest.approx(extra * H100.host_launch_us * 1e-6)
