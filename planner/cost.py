@@ -471,7 +471,8 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
                          fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed)
 
 
-def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False, imbalance: float = 1.0) -> float:
+def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False, imbalance: float = 1.0,
+                                 fused_rope: bool = True) -> float:
     """Forward HBM bytes per token of one layer's memory-bound operations.
 
     Norms read and write ``2h`` bytes each; each fused bias-dropout-add reads the branch and the
@@ -481,6 +482,7 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False
     activation runs over ``top_k`` routed copies of each token at the expert width (times the load
     imbalance on the busiest rank) and over the shared experts: ``f = imbalance*k*f_moe + f_shared``.
     Under MLA RoPE rewrites only the rotary parts, ``a*d_rope`` of Q and the shared ``d_rope`` key.
+    ``fused_rope=False``: the RoPE is left out, costed apart as the eager one (:func:`unfused_rope`).
     """
     t, h, f = plan.tp, model.hidden_size, model.ffn_size
     if moe:
@@ -489,7 +491,7 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False
     mask = h if model.dropout else 0
     replicated = (2 * 4 * h + 2 * (6 * h + mask)) / sp
     act = ((4 if model.gated_mlp else 2) * f + 2 * f) / t
-    if model.position_embedding != "rope":
+    if model.position_embedding != "rope" or not fused_rope:
         rope = 0
     elif model.is_mla:
         rope = 4 * (model.num_attention_heads + 1) * model.qk_rope_head_dim / t
@@ -498,17 +500,46 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False
     return replicated + act + rope
 
 
-def _elementwise_kernels(model: ModelSpec) -> tuple[int, int]:
+def _elementwise_kernels(model: ModelSpec, fused_rope: bool = True) -> tuple[int, int]:
     """(forward, backward) launches of one layer's memory-bound kernels.
 
     Forward: 2 norms, 2 residual (bias-dropout-)adds, the activation, and RoPE on Q and on K
     (Megatron-Core ``TransformerLayer`` with Transformer Engine modules). Backward: each of them
     once more, and each norm twice (input grad, then the weight-grad reduction; Apex/TE layer norm
     backward). Counted by hand from those modules; each costs ``kernel_overhead_us``.
+    ``fused_rope=False``: the RoPE is left out (:func:`unfused_rope` counts the eager one).
     """
-    rope = 2 if model.position_embedding == "rope" else 0
+    rope = 2 if model.position_embedding == "rope" and fused_rope else 0
     fwd = 2 + 2 + 1 + rope
     return fwd, fwd + 2
+
+
+#: Megatron-Core's eager RoPE (core_v0.16.1 models/common/embeddings/rope_utils.py ``_apply_rotary_pos_emb_bshd``,
+#: not interleaved, rotary over the whole head), counted by hand per call (one for the query, one for the key) with
+#: autograd's backward of each op; HBM bytes per bf16 element of the tensor it rotates, and launches per call.
+#: Forward: cos and sin of the fp32 frequencies, each times ``mscale`` and cast to bf16 (6 launches over s x d, bytes
+#: negligible), ``t * cos`` (read 2, write 2 B), the negation of the second half (1 + 1), ``torch.cat((-x2, x1))``
+#: (2 + 2), ``* sin`` (2 + 2), the sum (4 + 2) and ``torch.cat((t, t_pass))`` with an empty ``t_pass`` (2 + 2): 24 B,
+#: 12 launches. Backward: the two products' gradients (4 + 4), the negation (2), the chunk's concatenation (4), the
+#: zero-filled gradient of the empty ``t_pass`` slice (2) and autograd's two accumulations into the input's gradient
+#: (6 + 6): 28 B, 7 launches. Transformer Engine's fused RoPE is 4 B and 1 launch (:func:`_elementwise_bytes_per_token`).
+UNFUSED_ROPE_BYTES = (24, 28)
+UNFUSED_ROPE_KERNELS = (12, 7)
+
+
+def unfused_rope(model: ModelSpec, training: TrainingSpec, plan: Plan
+                 ) -> tuple[tuple[float, float], tuple[int, int]] | None:
+    """((forward, backward) HBM bytes per token, (forward, backward) launches) of one layer's eager RoPE on the query
+    and the key (``UNFUSED_ROPE_*``), where the framework runs it unfused: a YaRN model (``ModelSpec.rope_scaling``,
+    not MLA) under Megatron-Bridge (``FrameworkProfile.unfused_yarn_rope``: ``GPTModelProvider.provide`` turns
+    ``apply_rope_fusion`` off for a ``position_embedding_type`` other than ``"rope"``, and GPT-OSS's provider says
+    ``"yarn"``). None where the RoPE is Transformer Engine's fused kernel."""
+    if (model.position_embedding != "rope" or model.rope_scaling != "yarn" or model.is_mla
+            or not frameworks.get(training.framework).unfused_yarn_rope):
+        return None
+    elements = model.q_size / plan.tp + kv_heads_per_rank(model, plan.tp) * model.kv_channels
+    return ((UNFUSED_ROPE_BYTES[0] * elements, UNFUSED_ROPE_BYTES[1] * elements),
+            (2 * UNFUSED_ROPE_KERNELS[0], 2 * UNFUSED_ROPE_KERNELS[1]))
 
 
 #: Transformer Engine's own GEMM benchmark (``benchmarks/gemm/benchmark_gemm.py``; TE docs/examples/gemm_profiling/
@@ -735,7 +766,8 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
 
     Kernels: the attention block's fused Transformer Engine kernels as :func:`layer_time` counts them (each
     linear's GEMM and, in low precision, its cast; the attention kernel, 1 forward and 3 backward; the
-    norms, residual adds and RoPE of :func:`_elementwise_kernels`), plus Megatron's own MoE layer as
+    norms, residual adds and RoPE of :func:`_elementwise_kernels`, or the eager RoPE's of :func:`unfused_rope`), plus
+    Megatron's own MoE layer as
     measured (``MOE_HOST_OPS``), plus the eager kernels of a clamped activation and of expert biases, which the
     measured layer does not have (:func:`expert_eager_ops`). Each costs ``host_launch_us``. A part captured in a
     CUDA graph (``cuda_graph_modules``: attn, moe_router) costs one launch instead. ``moe_preprocess`` is not
@@ -744,8 +776,11 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     """
     linears = len(_linear_shapes(model, plan, moe=True))
     casts = linears if training.precision in LOW_PRECISIONS else 0
-    k_f, k_b = _elementwise_kernels(model)  # less the activation, which the experts' count holds
+    rope = unfused_rope(model, training, plan)
+    k_f, k_b = _elementwise_kernels(model, fused_rope=rope is None)  # less the activation, which the experts' count holds
     attn_f, attn_b = linears + casts + 1 + k_f - 1, 2 * linears + casts + 3 + k_b - 1
+    if rope is not None:
+        attn_f, attn_b = attn_f + rope[1][0], attn_b + rope[1][1]
     graphs = training.cuda_graph_modules
     if "attn" in graphs:
         attn_f = attn_b = 1
@@ -887,10 +922,16 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         att_f, att_b = _attention_core_s(model, training, plan, rates)
     # memory-bound ops move their bytes, and are never faster than their launches (a floor, as a
     # GEMM is never faster than its HBM traffic): it bites only on small micro-batches
-    k_f, k_b = _elementwise_kernels(model)
-    elem_f = tokens * _elementwise_bytes_per_token(model, plan, moe, imbalance) / rates.hbm_bytes_per_s
+    rope = unfused_rope(model, training, plan)
+    k_f, k_b = _elementwise_kernels(model, fused_rope=rope is None)
+    elem_f = tokens * _elementwise_bytes_per_token(model, plan, moe, imbalance, fused_rope=rope is None) / \
+        rates.hbm_bytes_per_s
     fwd += att_f + max(elem_f, k_f * rates.gemm_overhead_s)
     bwd += att_b + max(2 * elem_f, k_b * rates.gemm_overhead_s)
+    if rope is not None:  # the eager RoPE of a YaRN model under Megatron-Bridge (unfused_rope)
+        (r_f, r_b), (rk_f, rk_b) = rope
+        fwd += max(tokens * r_f / rates.hbm_bytes_per_s, rk_f * rates.gemm_overhead_s)
+        bwd += max(tokens * r_b / rates.hbm_bytes_per_s, rk_b * rates.gemm_overhead_s)
     if training.precision in LOW_PRECISIONS:
         cast_f, cast_b = _fp8_cast_bytes_per_token(model, plan, linears, training.precision, training.fp8_recipe)
         fwd += tokens * cast_f / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s

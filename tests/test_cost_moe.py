@@ -237,3 +237,33 @@ def test_moe_act_recompute_runs_the_clamps_again():
         with_rc, without = cost.moe_host_s(m, H100, tr, plan), cost.moe_host_s(m, H100, no_recompute, plan)
         assert with_rc[0] == without[0]
         assert with_rc[1] - without[1] == pytest.approx(extra * H100.host_launch_us * 1e-6)
+
+
+def test_yarn_rope_runs_eager_under_megatron_bridge():
+    """Megatron-Bridge turns TE's fused RoPE off for a YaRN model (GPTModelProvider.provide and
+    utils/fusions.py validate_rope_fusion_compatibility: position_embedding_type 'yarn' is not 'rope'), so
+    GPT-OSS runs Megatron-Core's eager _apply_rotary_pos_emb_bshd on its query (64 x 64 = 4096 wide) and key
+    (8 x 64 = 512): 24 B forward and 28 B backward per element, 12 and 7 launches per call (counted in cost.py
+    UNFUSED_ROPE_*), in place of the fused kernel's 4 B x (q + 2 kv) and one launch per tensor."""
+    nemo = TrainingSpec(num_gpus=64, global_batch_size=1280, seq_len=4096, framework="nemo")
+    megatron = nemo.model_copy(update={"framework": "megatron"})
+    plan = Plan(tp=1, pp=4, dp=16, ep=8, micro_batch_size=1)
+    assert cost.unfused_rope(GPT_OSS, nemo, plan) == ((24 * 4608, 28 * 4608), (24, 14))
+    assert cost.unfused_rope(GPT_OSS, megatron, plan) is None  # Megatron-LM keeps --apply-rope-fusion
+    assert cost.unfused_rope(GPT_OSS.model_copy(update={"rope_scaling": None}), nemo, plan) is None
+    mla_yarn = DSV3.model_copy(update={"rope_scaling": "yarn"})  # DeepSeek-V3's config is YaRN too
+    assert cost.unfused_rope(mla_yarn, nemo, Plan(tp=1, pp=1, dp=64, ep=8, micro_batch_size=1)) is None  # MLA's path
+    tp2 = Plan(tp=2, pp=4, dp=8, ep=8, micro_batch_size=1, sequence_parallel=True)
+    assert cost.unfused_rope(GPT_OSS, nemo, tp2)[0] == (24 * (2048 + 256), 28 * (2048 + 256))
+    # the layer: 4096 tokens on H100 at 3,350 GB/s x 0.8 (bytes, not launches, bound both RoPEs here); a fast host,
+    # so that the host's issue time (moe_host_s, checked below) does not pace the layer
+    hbm = 3350e9 * 0.8
+    gpu = H100.model_copy(update={"host_launch_us": 0.01})
+    a, b = layer_time(GPT_OSS, gpu, nemo, plan, moe=True), layer_time(GPT_OSS, gpu, megatron, plan, moe=True)
+    fused = 4 * (4096 + 2 * 512)
+    assert a.fwd_compute - b.fwd_compute == pytest.approx(4096 * (24 * 4608 - fused) / hbm, rel=1e-6)
+    assert a.bwd_compute - b.bwd_compute == pytest.approx(4096 * (28 * 4608 - 2 * fused) / hbm, rel=1e-6)
+    # and the host issues 24 - 2 more launches forward, 14 - 2 backward
+    (hf_n, hb_n), (hf_m, hb_m) = cost.moe_host_s(GPT_OSS, H100, nemo, plan), cost.moe_host_s(GPT_OSS, H100, megatron, plan)
+    assert hf_n - hf_m == pytest.approx(22 * H100.host_launch_us * 1e-6)
+    assert hb_n - hb_m == pytest.approx(12 * H100.host_launch_us * 1e-6)
