@@ -660,6 +660,9 @@ class MoEExtra:
     comm_fwd: float  # dispatch + combine all-to-all, expert-TP all-gather + reduce-scatter (exposed)
     comm_bwd: float
     wgrad: float = 0.0  # the weight-gradient GEMMs inside bwd_compute (experts, router)
+    # forward GPU seconds from the dispatcher's host sync to a clamped activation's (activation_sync_split): the
+    # permutation, the dispatch, the sort by local expert, FC1 and the clamps; 0 without a clamped activation
+    fwd_to_activation: float = 0.0
 
 
 def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
@@ -696,9 +699,11 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     m = copies / local
     gate = 2 if model.gated_mlp else 1
     fwd = bwd = wgrad = 0.0
+    fc1_f = 0.0
     for kk, nn in ((h, gate * f / etp), (f / etp, h)):
         gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local)
         fwd, bwd, wgrad = fwd + gf, bwd + gd + gw, wgrad + gw
+        fc1_f = fc1_f or gf
     (eb_f, eb_b), (ek_f, ek_b) = expert_eager_ops(model, local, etp)
     if ek_f or ek_b:  # clamped activation and expert biases (EXPERT_CLAMP_*, EXPERT_BIAS_*)
         fwd += max(copies * eb_f / rates.hbm_bytes_per_s, ek_f * rates.gemm_overhead_s)
@@ -741,7 +746,41 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute
         exposed = overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw))
         comm_f = comm_b = exposed / 2
-    return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad)
+    to_act = 0.0
+    if model.swiglu_limit is not None:  # the GPU work between the two host syncs (activation_sync_split)
+        clamp_f = max(copies * EXPERT_CLAMP_BYTES[0] * f / etp / rates.hbm_bytes_per_s,
+                      EXPERT_CLAMP_KERNELS[0] * rates.gemm_overhead_s)
+        sent = 0.0 if training.moe_a2a_overlap else dispatch + etp_s / 2
+        to_act = perm_s / 2 + sent + fc1_f + clamp_f
+    return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad,
+                    fwd_to_activation=to_act)
+
+
+#: Launches the host issues between the alltoall dispatcher's host sync (``before_ep_alltoall``: it waits for the
+#: token counts it copied to the host, core_v0.16.1 moe/token_dispatcher.py ``_maybe_dtoh_and_synchronize``) and the
+#: second one of a clamped activation: the two all-to-alls of ``token_dispatch`` (tokens, probabilities), the two
+#: clamps and ``torch.cat`` and the host-to-device copy of ``weighted_bias_quick_geglu_impl``, plus, per local expert,
+#: its FC1 GEMM (TE's grouped linear), and with several local experts the sort by expert (``sort_chunks_by_idxs``).
+ACTIVATION_SYNC_HOST_LAUNCHES = 2 + 3 + 1
+
+
+def activation_sync_split(model: ModelSpec, hw: HardwareSpec, plan: Plan, extra: MoEExtra) -> tuple[float, float] | None:
+    """(host seconds, GPU seconds) of a MoE layer's forward between its two host syncs, or None where it has one.
+
+    A clamped activation (``ModelSpec.swiglu_limit``) runs Megatron-Core's ``weighted_bias_quick_geglu_impl``
+    (core_v0.16.1 fusions/fused_bias_geglu.py), which builds ``torch.tensor(linear_offset, device=input.device)``
+    on every call: a blocking host-to-device copy, which PyTorch ends with a stream synchronisation
+    (torch/csrc/utils/tensor_new.cpp ``internal_new_from_data``: ``tensor.to(device, ..., non_blocking=false)``;
+    aten/src/ATen/native/cuda/Copy.cu ``copy_kernel_cuda``: ``at::cuda::memcpy_and_sync``). With the dispatcher's
+    sync the forward is cut in two: the host cannot issue what follows the activation before the GPU has run what
+    precedes it, so the layer takes ``max(h1, g1) + max(h - h1, g - g1)`` in place of ``max(h, g)``, with ``h1``
+    the launches between the syncs (``ACTIVATION_SYNC_HOST_LAUNCHES``) and ``g1`` their GPU work
+    (``MoEExtra.fwd_to_activation``). GPU-bound layers lose nothing; host-bound ones lose the overlap."""
+    if model.swiglu_limit is None:
+        return None
+    local = model.num_experts / plan.ep
+    launches = ACTIVATION_SYNC_HOST_LAUNCHES + local + (1 if local > 1 else 0)
+    return launches * hw.host_launch_us * 1e-6, extra.fwd_to_activation
 
 
 #: Kernel-launching operators Megatron-Core's own MoE layer issues per micro-batch and pass, measured on the
@@ -996,7 +1035,13 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         cp_bwd += cp_fwd  # and its ring exchange
     if moe:  # the per-layer host sync exposes the host's issue time where it exceeds the GPU's (moe_host_s)
         host_f, host_b = moe_host_s(model, hw, training, plan)
-        fwd += max(0.0, host_f - (fwd + tp_fwd + cp_fwd + ep_fwd))
+        gpu_f = fwd + tp_fwd + cp_fwd + ep_fwd
+        split = activation_sync_split(model, hw, plan, x)
+        if split is None:
+            fwd += max(0.0, host_f - gpu_f)
+        else:  # a second host sync in the forward: each part exposes its own host time
+            h1, g1 = split
+            fwd += max(h1, g1) + max(host_f - h1, gpu_f - g1) - gpu_f
         bwd += max(0.0, host_b - (bwd + recompute + tp_bwd + cp_bwd + ep_bwd))
     if plan.cpu_offload_layers:  # the copies to and from host memory, where the layers cannot hide them
         from planner.memory import layer_activation_terms, saved_bytes_per_layer

@@ -267,3 +267,39 @@ def test_yarn_rope_runs_eager_under_megatron_bridge():
     (hf_n, hb_n), (hf_m, hb_m) = cost.moe_host_s(GPT_OSS, H100, nemo, plan), cost.moe_host_s(GPT_OSS, H100, megatron, plan)
     assert hf_n - hf_m == pytest.approx(22 * H100.host_launch_us * 1e-6)
     assert hb_n - hb_m == pytest.approx(12 * H100.host_launch_us * 1e-6)
+
+
+def test_a_clamped_activation_syncs_the_host_a_second_time_in_the_forward():
+    """weighted_bias_quick_geglu_impl builds torch.tensor(linear_offset, device=...): a blocking host-to-device
+    copy, which PyTorch ends with a stream synchronisation (tensor_new.cpp to(non_blocking=false); Copy.cu
+    memcpy_and_sync). With the dispatcher's sync, GPT-OSS's forward is cut in two parts, each paced by the slower of
+    host and GPU. H100, EP 8 (16 local experts), 4096 tokens, top 4: between the syncs the host issues 2 all-to-alls,
+    the sort, 16 FC1 GEMMs, 2 clamps, the cat and the copy (23 launches of 20 us); the GPU runs half the
+    permutation traffic, the dispatch all-to-all, FC1 (1,024 rows per expert, 2880 -> 5760) and the clamps
+    (16 B per copy and unit of 2880)."""
+    tr = TrainingSpec(num_gpus=64, global_batch_size=1280, seq_len=4096)
+    plan = Plan(tp=1, pp=4, dp=16, ep=8, micro_batch_size=1)
+    rates = cost.Rates.of(H100, "bf16")
+    hbm = 3350e9 * 0.8
+    x = moe_layer_extra(GPT_OSS, H100, tr, plan, 4096.0)
+    copies = 4096 * 4 * tr.moe_load_imbalance
+    perm_half = (2 * 4096 * 2880 * 2 * (1 + 4 * tr.moe_load_imbalance) + 4 * copies * 2880 * 2) / hbm / 2
+    dispatch = comm.all_to_all_time_s(copies * 2880 * 2, expert_span(plan, "ep", H100.nvlink_domain), H100)
+    fc1 = cost.gemm_time_s(copies / 16, 2880, 5760, rates, batch=16)
+    clamp = copies * 16 * 2880 / hbm
+    assert x.fwd_to_activation == pytest.approx(perm_half + dispatch + fc1 + clamp, rel=1e-9)
+    h1, g1 = cost.activation_sync_split(GPT_OSS, H100, plan, x)
+    assert h1 == pytest.approx(23 * 20e-6) and g1 == x.fwd_to_activation
+    # no clamp, no second sync
+    assert cost.activation_sync_split(GPT_OSS.model_copy(update={"swiglu_limit": None}), H100, plan, x) is None
+    # the layer: the GPU's forward g (read with a host too fast to matter) and the host's h (moe_host_s) combine
+    # part by part; a host of 30 us per launch makes this layer host-bound, the case the second sync matters in
+    slow = H100.model_copy(update={"host_launch_us": 30.0})
+    h1 = 23 * 30e-6
+    g_lt = layer_time(GPT_OSS, H100.model_copy(update={"host_launch_us": 1e-6}), tr, plan, moe=True)
+    g = g_lt.fwd_compute + g_lt.tp_fwd + g_lt.ep_fwd
+    h = cost.moe_host_s(GPT_OSS, slow, tr, plan)[0]
+    lt = layer_time(GPT_OSS, slow, tr, plan, moe=True)
+    assert h > g and g1 > h1
+    assert lt.fwd_compute + lt.tp_fwd + lt.ep_fwd == pytest.approx(max(h1, g1) + max(h - h1, g - g1), rel=1e-6)
+    assert lt.fwd_compute + lt.tp_fwd + lt.ep_fwd > max(h, g)
