@@ -533,7 +533,10 @@ def unfused_rope(model: ModelSpec, training: TrainingSpec, plan: Plan
     and the key (``UNFUSED_ROPE_*``), where the framework runs it unfused: a YaRN model (``ModelSpec.rope_scaling``,
     not MLA) under Megatron-Bridge (``FrameworkProfile.unfused_yarn_rope``: ``GPTModelProvider.provide`` turns
     ``apply_rope_fusion`` off for a ``position_embedding_type`` other than ``"rope"``, and GPT-OSS's provider says
-    ``"yarn"``). None where the RoPE is Transformer Engine's fused kernel."""
+    ``"yarn"``; besides, its bridge sets ``yarn_mscale`` and ``yarn_mscale_all_dim`` to None
+    (``gpt_oss_bridge.py`` ``provider_bridge``), so the concentration factor is ``0.1 ln 32 + 1 = 1.35``, and
+    Megatron-Core falls back to the unfused path for any ``mscale != 1`` even with the fusion on, core_v0.16.1
+    rope_utils.py ``apply_rotary_pos_emb``). None where the RoPE is Transformer Engine's fused kernel."""
     if (model.position_embedding != "rope" or model.rope_scaling != "yarn" or model.is_mla
             or not frameworks.get(training.framework).unfused_yarn_rope):
         return None
