@@ -94,27 +94,49 @@ ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 _FA3_CAUSAL_FWD = (315.0, 410.0, 484.0, 518.0, 529.0, 539.0, 539.0)
 _FA3_NONCAUSAL_FWD = (497.0, 574.0, 617.0, 609.0, 600.0, 595.0, 595.0)
 _H200_CAUSAL = {"fwd": (469.6, 557.6, 608.0, 638.9, 652.8, 607.0), "bwd": (269.9, 375.1, 465.6, 480.9, 506.6, 524.3)}
-ATTENTION_TFLOPS = {}
-for _pass, _row in _H200_CAUSAL.items():
-    _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
-    ATTENTION_TFLOPS[(_pass, True)] = _causal
-    ATTENTION_TFLOPS[(_pass, False)] = tuple(c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+# The same kernel, heads and batch x seqlen at head dim 64 (the same H200 run, benchmarks/data/h200_kernels.json,
+# cudnn rows with head_dim 64, 32 query / 8 KV heads): 0.70-0.75x the head-dim-128 speed forward, 0.77-0.84x
+# backward (consistent with half the tensor-core work per score at d 64 beside an unchanged softmax per score:
+# max, exp, sum, rescale). Its 512 and non-causal rows are derived as the head-dim-128 ones are (the FA3 paper's
+# ratios, measured at 128). GPT-OSS (d 64) and GPT-NeoX-20B (d 96, interpolated) run between the two.
+_H200_CAUSAL_D64 = {"fwd": (328.3, 391.5, 430.4, 451.7, 468.9, 457.2), "bwd": (209.3, 293.0, 358.1, 405.0, 419.8, 425.6)}
+#: Head dims of the measured attention tables; between them the speed is interpolated in log2(d), outside them the
+#: nearest table is used (wider heads, e.g. MLA's 192, keep the head-dim-128 speed: nothing wider was measured).
+ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # (pass, causal, head dim) -> speeds by ATTENTION_SEQ
+for _d, _table in ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64)):
+    for _pass, _row in _table.items():
+        _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
+        ATTENTION_TFLOPS_BY_HEAD_DIM[(_pass, True, _d)] = _causal
+        ATTENTION_TFLOPS_BY_HEAD_DIM[(_pass, False, _d)] = tuple(
+            c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+ATTENTION_TFLOPS = {key[:2]: row for key, row in ATTENTION_TFLOPS_BY_HEAD_DIM.items() if key[2] == 128}  # head dim 128
 ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]  # causal forward at 16k: what attention_efficiency means
 
 
-def attention_shape(kv_len: float, causal: bool, pass_: str) -> float:
-    """Speed of a fused attention kernel over ``kv_len`` keys relative to causal forward at 16k.
+def _attention_row_speed(row: tuple, kv_len: float) -> float:
+    x = math.log2(min(max(kv_len, ATTENTION_SEQ[0]), ATTENTION_SEQ[-1]))
+    i = min(int(x) - 9, len(ATTENTION_SEQ) - 2)
+    lo, hi = row[i], row[i + 1]
+    return lo + (hi - lo) * (x - math.log2(ATTENTION_SEQ[i]))
+
+
+def attention_shape(kv_len: float, causal: bool, pass_: str, head_dim: float = 128) -> float:
+    """Speed of a fused attention kernel over ``kv_len`` keys relative to causal forward at 16k, head dim 128.
 
     Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (H200 measurement and
     FlashAttention-3 paper, above); outside 512-32k the end row is used (the lookup says so via
     :func:`attention_in_table`). Short sequences run slower: fewer key blocks per query tile to
-    hide the softmax and the prologue behind.
+    hide the softmax and the prologue behind. ``head_dim`` (the query/key head width): the measured
+    head-dim-64 and -128 tables (``ATTENTION_HEAD_DIMS``), linear in log2(d) between them, the nearest
+    outside them.
     """
-    row = ATTENTION_TFLOPS[(pass_, causal)]
-    x = math.log2(min(max(kv_len, ATTENTION_SEQ[0]), ATTENTION_SEQ[-1]))
-    i = min(int(x) - 9, len(ATTENTION_SEQ) - 2)
-    lo, hi = row[i], row[i + 1]
-    return (lo + (hi - lo) * (x - math.log2(ATTENTION_SEQ[i]))) / ATTENTION_REFERENCE
+    lo_d, hi_d = ATTENTION_HEAD_DIMS
+    d = min(max(head_dim, lo_d), hi_d)
+    hi = _attention_row_speed(ATTENTION_TFLOPS_BY_HEAD_DIM[(pass_, causal, hi_d)], kv_len)
+    lo = _attention_row_speed(ATTENTION_TFLOPS_BY_HEAD_DIM[(pass_, causal, lo_d)], kv_len)
+    w = math.log2(d / lo_d) / math.log2(hi_d / lo_d)
+    return (lo + (hi - lo) * w) / ATTENTION_REFERENCE
 
 
 ATTENTION_BLOCK_M = 128  # query rows per thread block, head dim 128 (FlashAttention-3 paper section 3.3 / 4.1)
@@ -341,14 +363,15 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
     t, b, s = plan.tp, plan.micro_batch_size, training.seq_len
     a_r, d = model.num_attention_heads / t, model.kv_channels
     if training.attention == "flash":
+        d_qk = model.qk_head_dim  # the kernel's speed at this head width (attention_shape)
         wave = attention_wave_factor(s, b * a_r, rates.sm_count)
         rate_f, rate_b = rates.attention_rate("fwd") * wave, rates.attention_rate("bwd") * wave
 
         def core_s(window: int | None) -> tuple[float, float]:
             fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True, window=window) * s / t
             span = s if window is None else min(s, window)  # keys one query sees: the kernel's speed
-            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd")),
-                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd")))
+            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd", d_qk)),
+                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd", d_qk)))
 
         fwd, bwd = core_s(None)
         share = model.windowed_layers / model.num_layers
@@ -416,15 +439,16 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
         step_flops = b * model.num_attention_heads * (model.qk_head_dim + model.v_dim) * s_c * s_c / t
     launch = rates.gemm_overhead_s
     heads, sm = b * a_r, rates.sm_count
+    d_qk = model.qk_head_dim  # the kernel's speed at this head width (attention_shape)
 
     def speed(pass_: str, causal: bool) -> float:
         if causal:  # step 0: the local chunk against itself
-            return rates.attention_rate(pass_) * attention_shape(s_c, True, pass_) * attention_wave_factor(s_c, heads, sm)
+            return rates.attention_rate(pass_) * attention_shape(s_c, True, pass_, d_qk) * attention_wave_factor(s_c, heads, sm)
         # later steps: s_c queries x s_c/2 keys on half the ranks, s_c/2 x s_c on the others; the
         # ring is synchronous, so the slower of the two paces every step
         return rates.attention_rate(pass_) * min(
-            attention_shape(s_c / 2, False, pass_) * attention_wave_factor(s_c, heads, sm),
-            attention_shape(s_c, False, pass_) * attention_wave_factor(s_c / 2, heads, sm))
+            attention_shape(s_c / 2, False, pass_, d_qk) * attention_wave_factor(s_c, heads, sm),
+            attention_shape(s_c, False, pass_, d_qk) * attention_wave_factor(s_c / 2, heads, sm))
 
     f0 = step_flops / speed("fwd", True) + launch
     b0 = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", True) + 3 * launch
@@ -447,7 +471,8 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
                          fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed)
 
 
-def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False, imbalance: float = 1.0) -> float:
+def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False, imbalance: float = 1.0,
+                                 fused_rope: bool = True) -> float:
     """Forward HBM bytes per token of one layer's memory-bound operations.
 
     Norms read and write ``2h`` bytes each; each fused bias-dropout-add reads the branch and the
@@ -457,6 +482,7 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False
     activation runs over ``top_k`` routed copies of each token at the expert width (times the load
     imbalance on the busiest rank) and over the shared experts: ``f = imbalance*k*f_moe + f_shared``.
     Under MLA RoPE rewrites only the rotary parts, ``a*d_rope`` of Q and the shared ``d_rope`` key.
+    ``fused_rope=False``: the RoPE is left out, costed apart as the eager one (:func:`unfused_rope`).
     """
     t, h, f = plan.tp, model.hidden_size, model.ffn_size
     if moe:
@@ -465,7 +491,7 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False
     mask = h if model.dropout else 0
     replicated = (2 * 4 * h + 2 * (6 * h + mask)) / sp
     act = ((4 if model.gated_mlp else 2) * f + 2 * f) / t
-    if model.position_embedding != "rope":
+    if model.position_embedding != "rope" or not fused_rope:
         rope = 0
     elif model.is_mla:
         rope = 4 * (model.num_attention_heads + 1) * model.qk_rope_head_dim / t
@@ -474,17 +500,49 @@ def _elementwise_bytes_per_token(model: ModelSpec, plan: Plan, moe: bool = False
     return replicated + act + rope
 
 
-def _elementwise_kernels(model: ModelSpec) -> tuple[int, int]:
+def _elementwise_kernels(model: ModelSpec, fused_rope: bool = True) -> tuple[int, int]:
     """(forward, backward) launches of one layer's memory-bound kernels.
 
     Forward: 2 norms, 2 residual (bias-dropout-)adds, the activation, and RoPE on Q and on K
     (Megatron-Core ``TransformerLayer`` with Transformer Engine modules). Backward: each of them
     once more, and each norm twice (input grad, then the weight-grad reduction; Apex/TE layer norm
     backward). Counted by hand from those modules; each costs ``kernel_overhead_us``.
+    ``fused_rope=False``: the RoPE is left out (:func:`unfused_rope` counts the eager one).
     """
-    rope = 2 if model.position_embedding == "rope" else 0
+    rope = 2 if model.position_embedding == "rope" and fused_rope else 0
     fwd = 2 + 2 + 1 + rope
     return fwd, fwd + 2
+
+
+#: Megatron-Core's eager RoPE (core_v0.16.1 models/common/embeddings/rope_utils.py ``_apply_rotary_pos_emb_bshd``,
+#: not interleaved, rotary over the whole head), counted by hand per call (one for the query, one for the key) with
+#: autograd's backward of each op; HBM bytes per bf16 element of the tensor it rotates, and launches per call.
+#: Forward: cos and sin of the fp32 frequencies, each times ``mscale`` and cast to bf16 (6 launches over s x d, bytes
+#: negligible), ``t * cos`` (read 2, write 2 B), the negation of the second half (1 + 1), ``torch.cat((-x2, x1))``
+#: (2 + 2), ``* sin`` (2 + 2), the sum (4 + 2) and ``torch.cat((t, t_pass))`` with an empty ``t_pass`` (2 + 2): 24 B,
+#: 12 launches. Backward: the two products' gradients (4 + 4), the negation (2), the chunk's concatenation (4), the
+#: zero-filled gradient of the empty ``t_pass`` slice (2) and autograd's two accumulations into the input's gradient
+#: (6 + 6): 28 B, 7 launches. Transformer Engine's fused RoPE is 4 B and 1 launch (:func:`_elementwise_bytes_per_token`).
+UNFUSED_ROPE_BYTES = (24, 28)
+UNFUSED_ROPE_KERNELS = (12, 7)
+
+
+def unfused_rope(model: ModelSpec, training: TrainingSpec, plan: Plan
+                 ) -> tuple[tuple[float, float], tuple[int, int]] | None:
+    """((forward, backward) HBM bytes per token, (forward, backward) launches) of one layer's eager RoPE on the query
+    and the key (``UNFUSED_ROPE_*``), where the framework runs it unfused: a YaRN model (``ModelSpec.rope_scaling``,
+    not MLA) under Megatron-Bridge (``FrameworkProfile.unfused_yarn_rope``: ``GPTModelProvider.provide`` turns
+    ``apply_rope_fusion`` off for a ``position_embedding_type`` other than ``"rope"``, and GPT-OSS's provider says
+    ``"yarn"``; besides, its bridge sets ``yarn_mscale`` and ``yarn_mscale_all_dim`` to None
+    (``gpt_oss_bridge.py`` ``provider_bridge``), so the concentration factor is ``0.1 ln 32 + 1 = 1.35``, and
+    Megatron-Core falls back to the unfused path for any ``mscale != 1`` even with the fusion on, core_v0.16.1
+    rope_utils.py ``apply_rotary_pos_emb``). None where the RoPE is Transformer Engine's fused kernel."""
+    if (model.position_embedding != "rope" or model.rope_scaling != "yarn" or model.is_mla
+            or not frameworks.get(training.framework).unfused_yarn_rope):
+        return None
+    elements = model.q_size / plan.tp + kv_heads_per_rank(model, plan.tp) * model.kv_channels
+    return ((UNFUSED_ROPE_BYTES[0] * elements, UNFUSED_ROPE_BYTES[1] * elements),
+            (2 * UNFUSED_ROPE_KERNELS[0], 2 * UNFUSED_ROPE_KERNELS[1]))
 
 
 #: Transformer Engine's own GEMM benchmark (``benchmarks/gemm/benchmark_gemm.py``; TE docs/examples/gemm_profiling/
@@ -605,6 +663,9 @@ class MoEExtra:
     comm_fwd: float  # dispatch + combine all-to-all, expert-TP all-gather + reduce-scatter (exposed)
     comm_bwd: float
     wgrad: float = 0.0  # the weight-gradient GEMMs inside bwd_compute (experts, router)
+    # forward GPU seconds from the dispatcher's host sync to a clamped activation's (activation_sync_split): the
+    # permutation, the dispatch, the sort by local expert, FC1 and the clamps; 0 without a clamped activation
+    fwd_to_activation: float = 0.0
 
 
 def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
@@ -641,9 +702,11 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     m = copies / local
     gate = 2 if model.gated_mlp else 1
     fwd = bwd = wgrad = 0.0
+    fc1_f = 0.0
     for kk, nn in ((h, gate * f / etp), (f / etp, h)):
         gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local)
         fwd, bwd, wgrad = fwd + gf, bwd + gd + gw, wgrad + gw
+        fc1_f = fc1_f or gf
     (eb_f, eb_b), (ek_f, ek_b) = expert_eager_ops(model, local, etp)
     if ek_f or ek_b:  # clamped activation and expert biases (EXPERT_CLAMP_*, EXPERT_BIAS_*)
         fwd += max(copies * eb_f / rates.hbm_bytes_per_s, ek_f * rates.gemm_overhead_s)
@@ -686,7 +749,41 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute
         exposed = overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw))
         comm_f = comm_b = exposed / 2
-    return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad)
+    to_act = 0.0
+    if model.swiglu_limit is not None:  # the GPU work between the two host syncs (activation_sync_split)
+        clamp_f = max(copies * EXPERT_CLAMP_BYTES[0] * f / etp / rates.hbm_bytes_per_s,
+                      EXPERT_CLAMP_KERNELS[0] * rates.gemm_overhead_s)
+        sent = 0.0 if training.moe_a2a_overlap else dispatch + etp_s / 2
+        to_act = perm_s / 2 + sent + fc1_f + clamp_f
+    return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad,
+                    fwd_to_activation=to_act)
+
+
+#: Launches the host issues between the alltoall dispatcher's host sync (``before_ep_alltoall``: it waits for the
+#: token counts it copied to the host, core_v0.16.1 moe/token_dispatcher.py ``_maybe_dtoh_and_synchronize``) and the
+#: second one of a clamped activation: the two all-to-alls of ``token_dispatch`` (tokens, probabilities), the two
+#: clamps and ``torch.cat`` and the host-to-device copy of ``weighted_bias_quick_geglu_impl``, plus, per local expert,
+#: its FC1 GEMM (TE's grouped linear), and with several local experts the sort by expert (``sort_chunks_by_idxs``).
+ACTIVATION_SYNC_HOST_LAUNCHES = 2 + 3 + 1
+
+
+def activation_sync_split(model: ModelSpec, hw: HardwareSpec, plan: Plan, extra: MoEExtra) -> tuple[float, float] | None:
+    """(host seconds, GPU seconds) of a MoE layer's forward between its two host syncs, or None where it has one.
+
+    A clamped activation (``ModelSpec.swiglu_limit``) runs Megatron-Core's ``weighted_bias_quick_geglu_impl``
+    (core_v0.16.1 fusions/fused_bias_geglu.py), which builds ``torch.tensor(linear_offset, device=input.device)``
+    on every call: a blocking host-to-device copy, which PyTorch ends with a stream synchronisation
+    (torch/csrc/utils/tensor_new.cpp ``internal_new_from_data``: ``tensor.to(device, ..., non_blocking=false)``;
+    aten/src/ATen/native/cuda/Copy.cu ``copy_kernel_cuda``: ``at::cuda::memcpy_and_sync``). With the dispatcher's
+    sync the forward is cut in two: the host cannot issue what follows the activation before the GPU has run what
+    precedes it, so the layer takes ``max(h1, g1) + max(h - h1, g - g1)`` in place of ``max(h, g)``, with ``h1``
+    the launches between the syncs (``ACTIVATION_SYNC_HOST_LAUNCHES``) and ``g1`` their GPU work
+    (``MoEExtra.fwd_to_activation``). GPU-bound layers lose nothing; host-bound ones lose the overlap."""
+    if model.swiglu_limit is None:
+        return None
+    local = model.num_experts / plan.ep
+    launches = ACTIVATION_SYNC_HOST_LAUNCHES + local + (1 if local > 1 else 0)
+    return launches * hw.host_launch_us * 1e-6, extra.fwd_to_activation
 
 
 #: Kernel-launching operators Megatron-Core's own MoE layer issues per micro-batch and pass, measured on the
@@ -713,16 +810,21 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
 
     Kernels: the attention block's fused Transformer Engine kernels as :func:`layer_time` counts them (each
     linear's GEMM and, in low precision, its cast; the attention kernel, 1 forward and 3 backward; the
-    norms, residual adds and RoPE of :func:`_elementwise_kernels`), plus Megatron's own MoE layer as
+    norms, residual adds and RoPE of :func:`_elementwise_kernels`, or the eager RoPE's of :func:`unfused_rope`), plus
+    Megatron's own MoE layer as
     measured (``MOE_HOST_OPS``), plus the eager kernels of a clamped activation and of expert biases, which the
     measured layer does not have (:func:`expert_eager_ops`). Each costs ``host_launch_us``. A part captured in a
     CUDA graph (``cuda_graph_modules``: attn, moe_router) costs one launch instead. ``moe_preprocess`` is not
-    separated in the measurement and is left at full cost.
+    separated in the measurement and is left at full cost. Megatron's selective recompute of ``moe_act`` issues
+    the activation (and a clamped activation's clamps) once more in the backward.
     """
     linears = len(_linear_shapes(model, plan, moe=True))
     casts = linears if training.precision in LOW_PRECISIONS else 0
-    k_f, k_b = _elementwise_kernels(model)  # less the activation, which the experts' count holds
+    rope = unfused_rope(model, training, plan)
+    k_f, k_b = _elementwise_kernels(model, fused_rope=rope is None)  # less the activation, which the experts' count holds
     attn_f, attn_b = linears + casts + 1 + k_f - 1, 2 * linears + casts + 3 + k_b - 1
+    if rope is not None:
+        attn_f, attn_b = attn_f + rope[1][0], attn_b + rope[1][1]
     graphs = training.cuda_graph_modules
     if "attn" in graphs:
         attn_f = attn_b = 1
@@ -733,6 +835,11 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     moe_b = o["bwd_base"] + o["bwd_per_expert"] * local + eager_b
     if "moe_router" in graphs:
         moe_f, moe_b = moe_f - o["router_fwd"] + 1, moe_b - o["router_bwd"] + 1
+    mods = training.recompute_modules
+    if (plan.recompute == "selective" and "moe_act" in mods and "moe" not in mods
+            and not frameworks.get(training.framework).op_sac):
+        # the backward issues the recomputed activation again (module_recompute_s), with its clamps
+        moe_b += 1 + (EXPERT_CLAMP_KERNELS[0] if model.swiglu_limit is not None else 0)
     launch_s = hw.host_launch_us * 1e-6
     return (attn_f + moe_f) * launch_s, (attn_b + moe_b) * launch_s
 
@@ -806,7 +913,8 @@ def module_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rat
     (read the FC1 output, write its result), and the MLP's TP region again (``tp_region_s``: its all-gather and
     reduce-scatter with SP, its all-reduce without). ``moe`` (a MoE layer): the router, expert GEMMs and
     permutation (``moe_extra.fwd_compute``), the shared experts' GEMMs and the dispatch and combine again;
-    otherwise ``moe_act``: the experts' activation over the routed rows, and ``shared_experts``: the shared
+    otherwise ``moe_act``: the experts' activation over the routed rows (with a clamped activation, its eager
+    clamps and concatenation too), and ``shared_experts``: the shared
     experts' GEMMs and their TP region. ``layernorm`` is costed as nothing (a norm's forward; it is modelled
     as saving nothing, too)."""
     mods = training.recompute_modules
@@ -830,8 +938,16 @@ def module_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rat
         return s, tp, ep
     if "moe_act" in mods:
         rows = training.moe_load_imbalance * plan.expert_tp * tokens / plan.tp * model.top_k
-        act_bytes_ = rows * (gate + 1) * model.moe_ffn_size / plan.expert_tp * e
-        s += max(act_bytes_ / rates.hbm_bytes_per_s, rates.gemm_overhead_s)
+        f_r = model.moe_ffn_size / plan.expert_tp
+        act_bytes_ = rows * (gate + 1) * f_r * e
+        kernels = 1
+        if model.swiglu_limit is not None:
+            # the checkpointed function is TEGroupedMLP's bias_act_func, which holds weighted_bias_quick_geglu_impl's
+            # clamps and torch.cat (core_v0.16.1 moe/experts.py, ``activation_checkpoint.checkpoint(bias_act_func,
+            # ...)``): they run again with it (EXPERT_CLAMP_BYTES / _KERNELS forward)
+            act_bytes_ += rows * EXPERT_CLAMP_BYTES[0] * f_r
+            kernels += EXPERT_CLAMP_KERNELS[0]
+        s += max(act_bytes_ / rates.hbm_bytes_per_s, kernels * rates.gemm_overhead_s)
     if "shared_experts" in mods and shared:
         s += gemm_fwd["fc1"] + gemm_fwd["fc2"]
         tp += tp_region_s
@@ -862,10 +978,16 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         att_f, att_b = _attention_core_s(model, training, plan, rates)
     # memory-bound ops move their bytes, and are never faster than their launches (a floor, as a
     # GEMM is never faster than its HBM traffic): it bites only on small micro-batches
-    k_f, k_b = _elementwise_kernels(model)
-    elem_f = tokens * _elementwise_bytes_per_token(model, plan, moe, imbalance) / rates.hbm_bytes_per_s
+    rope = unfused_rope(model, training, plan)
+    k_f, k_b = _elementwise_kernels(model, fused_rope=rope is None)
+    elem_f = tokens * _elementwise_bytes_per_token(model, plan, moe, imbalance, fused_rope=rope is None) / \
+        rates.hbm_bytes_per_s
     fwd += att_f + max(elem_f, k_f * rates.gemm_overhead_s)
     bwd += att_b + max(2 * elem_f, k_b * rates.gemm_overhead_s)
+    if rope is not None:  # the eager RoPE of a YaRN model under Megatron-Bridge (unfused_rope)
+        (r_f, r_b), (rk_f, rk_b) = rope
+        fwd += max(tokens * r_f / rates.hbm_bytes_per_s, rk_f * rates.gemm_overhead_s)
+        bwd += max(tokens * r_b / rates.hbm_bytes_per_s, rk_b * rates.gemm_overhead_s)
     if training.precision in LOW_PRECISIONS:
         cast_f, cast_b = _fp8_cast_bytes_per_token(model, plan, linears, training.precision, training.fp8_recipe)
         fwd += tokens * cast_f / rates.hbm_bytes_per_s + len(linears) * rates.gemm_overhead_s
@@ -943,7 +1065,12 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
             # all-to-all overlap (another micro-batch's backward fills the GPU).
             pre_dispatch_s = gpu_f - x.fwd_compute - x.comm_fwd
             host_f = max(host_f, moe_host_after_sync_s(model, hw, plan) + pre_dispatch_s)
-        fwd += max(0.0, host_f - gpu_f)
+        split = activation_sync_split(model, hw, plan, x)
+        if split is None:
+            fwd += max(0.0, host_f - gpu_f)
+        else:  # a second host sync in the forward: each part exposes its own host time
+            h1, g1 = split
+            fwd += max(h1, g1) + max(host_f - h1, gpu_f - g1) - gpu_f
         bwd += max(0.0, host_b - (bwd + recompute + tp_bwd + cp_bwd + ep_bwd))
     if plan.cpu_offload_layers:  # the copies to and from host memory, where the layers cannot hide them
         from planner.memory import layer_activation_terms, saved_bytes_per_layer

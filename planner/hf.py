@@ -421,7 +421,8 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
     ``num_experts_per_tok``. Sliding windows (``GptOssAttention.sliding_window`` is
     ``config.sliding_window`` in the ``"sliding_attention"`` layers of ``layer_types``): the window
     (default 128) and the count of windowed layers; ``layer_types`` absent: GptOssConfig's default,
-    ``"sliding_attention"`` for even layer indices (``(i + 1) % 2``), i.e. ``ceil(L/2)`` layers."""
+    ``"sliding_attention"`` for even layer indices (``(i + 1) % 2``), i.e. ``ceil(L/2)`` layers. ``rope_scaling``
+    (``rope_type`` yarn in the released configs) is kept as ``rope_scaling: yarn`` (:func:`_yarn`)."""
     attention_bias = _flag(data, "attention_bias", True)
     experts = _experts(data, source, ("num_local_experts", "num_experts"), 128)
     if experts == 0:
@@ -434,10 +435,19 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
             "activation": "swiglu", "norm": "rmsnorm", "tied_embeddings": _flag(data, "tie_word_embeddings", False),
             "position_embedding": "rope", "linear_bias": False, "qkv_bias": attention_bias,
             "out_proj_bias": attention_bias, "mlp_bias": True, "attention_sinks": True,
-            "swiglu_limit": _get(data, source, "swiglu_limit", default=7.0),
+            "swiglu_limit": _get(data, source, "swiglu_limit", default=7.0), **_yarn(data),
             "dropout": _dropout(data, "attention_dropout"), "num_experts": experts,
             "top_k": _count(data, source, "num_experts_per_tok", default=4, minimum=1), "router_bias": True,
             **_gpt_oss_windows(data, source)}
+
+
+def _yarn(data: dict) -> dict:
+    """``rope_scaling: "yarn"`` where the config's ``rope_scaling`` names YaRN (``rope_type``, or the older ``type``
+    key); nothing where it is absent or another scaling."""
+    scaling = data.get("rope_scaling")
+    if isinstance(scaling, dict) and (scaling.get("rope_type") or scaling.get("type")) == "yarn":
+        return {"rope_scaling": "yarn"}
+    return {}
 
 
 def _gpt_oss_windows(data: dict, source: str) -> dict:

@@ -111,6 +111,10 @@ class ModelSpec(_Spec):
     tied_embeddings: bool = Field(default=False, description="Output layer shares the input embedding matrix.")
     position_embedding: PositionEmbedding = Field(
         default="rope", description="learned (max_seq_len x h table), rope or alibi (no parameters).")
+    rope_scaling: Literal["yarn"] | None = Field(
+        default=None,
+        description="RoPE frequency scaling of the Hugging Face config (rope_scaling.rope_type; GPT-OSS 'yarn'). "
+                    "No parameters; Megatron-Bridge runs a YaRN model's RoPE unfused (planner.cost).")
     linear_bias: bool = Field(default=False, description="Linear layers carry biases (GPT-2/3 style).")
     qkv_bias: bool | None = Field(
         default=None, description="Bias on the Q/K/V projection (Qwen2: only there). Default: same as linear_bias.")

@@ -184,6 +184,48 @@ def test_attention_table_reproduces_the_measured_h200_rows(pass_):
     assert not cost.attention_in_table(256) and not cost.attention_in_table(65536)
 
 
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_attention_at_head_dim_64_reproduces_the_measured_h200_rows(pass_):
+    """The head-dim-64 cuDNN rows of the same H200 run (32 query / 8 KV heads, batch x seq = 16k)."""
+    rows = _h200_rows("attention", backend="cudnn", heads=32, kv_heads=8, head_dim=64)
+    assert len(rows) == 6
+    for r in rows:
+        got = cost.attention_shape(r["seq"], True, pass_, head_dim=64) * cost.ATTENTION_REFERENCE
+        assert got == pytest.approx(r[f"{pass_}_tflops"], rel=0.05), r["seq"]
+
+
+def test_attention_head_dim_64_is_slower_and_other_widths_interpolate():
+    # measured at 4096 (h200_kernels.json, cudnn, 32/8 heads): forward 430.4 vs 608.0 TFLOP/s, backward 358.1 vs 465.6
+    assert cost.attention_shape(4096, True, "fwd", 64) / cost.attention_shape(4096, True, "fwd", 128) == \
+        pytest.approx(430.4 / 608.0, rel=0.01)
+    assert cost.attention_shape(4096, True, "bwd", 64) / cost.attention_shape(4096, True, "bwd", 128) == \
+        pytest.approx(358.1 / 465.6, rel=0.01)
+    # d 96 lies at log2(96/64) / log2(128/64) = 0.585 of the way from the 64 table to the 128 table
+    lo, hi = cost.attention_shape(4096, True, "fwd", 64), cost.attention_shape(4096, True, "fwd", 128)
+    assert cost.attention_shape(4096, True, "fwd", 96) == pytest.approx(lo + 0.585 * (hi - lo), rel=1e-3)
+    # no wider table: MLA's 192 keeps the head-dim-128 speed (as before), narrower than 64 the 64 table
+    assert cost.attention_shape(4096, True, "fwd", 192) == cost.attention_shape(4096, True, "fwd")
+    assert cost.attention_shape(4096, True, "fwd", 32) == lo
+
+
+def test_attention_core_of_a_head_dim_64_model_runs_at_the_head_dim_64_speed():
+    """Two models alike but for the head width (64 heads of 64 vs 32 heads of 128: the same FLOPs): the narrow
+    heads' attention core takes 608.0/430.4 forward and 465.6/358.1 backward as long (the measured ratios at 4k),
+    less the launch overheads both pay alike."""
+    base = dict(num_layers=2, hidden_size=4096, ffn_hidden_size=8192, vocab_size=32000, max_seq_len=4096,
+                num_kv_heads=8)
+    narrow = ModelSpec(name="n", num_attention_heads=64, head_dim=64, **base)
+    wide = ModelSpec(name="w", num_attention_heads=32, head_dim=128, **base)
+    hw = load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, precision="bf16")
+    plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=1)
+    rates = cost.Rates.of(hw, "bf16")
+    (nf, nb), (wf, wb) = (cost._attention_core_s(m, tr, plan, rates) for m in (narrow, wide))
+    o = rates.gemm_overhead_s
+    assert (nf - o) / (wf - o) == pytest.approx(608.0 / 430.4, rel=0.01)
+    assert (nb - 3 * o) / (wb - 3 * o) == pytest.approx(465.6 / 358.1, rel=0.01)
+
+
 def test_attention_non_causal_over_causal_follows_the_fa3_paper():
     for s, c, n in zip((512, 1024, 2048, 4096, 8192, 16384), FA3_CUDNN_FWD[True], FA3_CUDNN_FWD[False]):
         ratio = cost.attention_shape(s, False, "fwd") / cost.attention_shape(s, True, "fwd")

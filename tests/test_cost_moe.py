@@ -213,3 +213,93 @@ def test_eager_expert_kernels_add_their_bytes_to_the_layer_and_launches_to_the_h
     host, host_plain = cost.moe_host_s(GPT_OSS, H100, tr, plan), cost.moe_host_s(plain, H100, tr, plan)
     assert host[0] - host_plain[0] == pytest.approx(38 * H100.host_launch_us * 1e-6)
     assert host[1] - host_plain[1] == pytest.approx(102 * H100.host_launch_us * 1e-6)
+
+
+def test_moe_act_recompute_runs_the_clamps_again():
+    """Megatron checkpoints TEGroupedMLP's bias_act_func, which holds the clamps and torch.cat of
+    weighted_bias_quick_geglu_impl (core_v0.16.1 moe/experts.py, fusions/fused_bias_geglu.py): recomputing
+    moe_act repeats their 16 B per copy and unit of the expert width. H100, 4096 tokens, top 4: 16,384 copies x
+    16 B x 2880 at 3,350 GB/s x 0.8 (hardware_profiles/h100-sxm-80gb.yaml), and 4 more launches on the host
+    (3 kernels and the host-to-device copy); 1 for the activation itself with or without a clamp."""
+    tr = TrainingSpec(num_gpus=64, global_batch_size=1280, seq_len=4096, recompute_modules=("layernorm", "moe_act"))
+    plan = Plan(tp=1, pp=4, dp=16, ep=8, micro_batch_size=1, recompute="selective")
+    unclamped = GPT_OSS.model_copy(update={"swiglu_limit": None})
+    rates = cost.Rates.of(H100, "bf16")
+    got = {}
+    for name, m in (("clamp", GPT_OSS), ("plain", unclamped)):
+        x = moe_layer_extra(m, H100, tr, plan, 4096.0)
+        got[name] = cost.module_recompute_s(m, tr, plan, rates, 4096.0, 0.0, {}, 0.0, x)[0]
+    copies = 4096 * 4 * tr.moe_load_imbalance
+    assert got["plain"] == pytest.approx(copies * 3 * 2880 * 2 / (3350e9 * 0.8))
+    assert got["clamp"] - got["plain"] == pytest.approx(copies * 16 * 2880 / (3350e9 * 0.8))
+    no_recompute = tr.model_copy(update={"recompute_modules": ("core_attn",)})
+    for m, extra in ((GPT_OSS, 5), (unclamped, 1)):
+        with_rc, without = cost.moe_host_s(m, H100, tr, plan), cost.moe_host_s(m, H100, no_recompute, plan)
+        assert with_rc[0] == without[0]
+        assert with_rc[1] - without[1] == pytest.approx(extra * H100.host_launch_us * 1e-6)
+
+
+def test_yarn_rope_runs_eager_under_megatron_bridge():
+    """Megatron-Bridge turns TE's fused RoPE off for a YaRN model (GPTModelProvider.provide and
+    utils/fusions.py validate_rope_fusion_compatibility: position_embedding_type 'yarn' is not 'rope'), so
+    GPT-OSS runs Megatron-Core's eager _apply_rotary_pos_emb_bshd on its query (64 x 64 = 4096 wide) and key
+    (8 x 64 = 512): 24 B forward and 28 B backward per element, 12 and 7 launches per call (counted in cost.py
+    UNFUSED_ROPE_*), in place of the fused kernel's 4 B x (q + 2 kv) and one launch per tensor."""
+    nemo = TrainingSpec(num_gpus=64, global_batch_size=1280, seq_len=4096, framework="nemo")
+    megatron = nemo.model_copy(update={"framework": "megatron"})
+    plan = Plan(tp=1, pp=4, dp=16, ep=8, micro_batch_size=1)
+    assert cost.unfused_rope(GPT_OSS, nemo, plan) == ((24 * 4608, 28 * 4608), (24, 14))
+    assert cost.unfused_rope(GPT_OSS, megatron, plan) is None  # Megatron-LM keeps --apply-rope-fusion
+    assert cost.unfused_rope(GPT_OSS.model_copy(update={"rope_scaling": None}), nemo, plan) is None
+    mla_yarn = DSV3.model_copy(update={"rope_scaling": "yarn"})  # DeepSeek-V3's config is YaRN too
+    assert cost.unfused_rope(mla_yarn, nemo, Plan(tp=1, pp=1, dp=64, ep=8, micro_batch_size=1)) is None  # MLA's path
+    tp2 = Plan(tp=2, pp=4, dp=8, ep=8, micro_batch_size=1, sequence_parallel=True)
+    assert cost.unfused_rope(GPT_OSS, nemo, tp2)[0] == (24 * (2048 + 256), 28 * (2048 + 256))
+    # the layer: 4096 tokens on H100 at 3,350 GB/s x 0.8 (bytes, not launches, bound both RoPEs here); a fast host,
+    # so that the host's issue time (moe_host_s, checked below) does not pace the layer
+    hbm = 3350e9 * 0.8
+    gpu = H100.model_copy(update={"host_launch_us": 0.01})
+    a, b = layer_time(GPT_OSS, gpu, nemo, plan, moe=True), layer_time(GPT_OSS, gpu, megatron, plan, moe=True)
+    fused = 4 * (4096 + 2 * 512)
+    assert a.fwd_compute - b.fwd_compute == pytest.approx(4096 * (24 * 4608 - fused) / hbm, rel=1e-6)
+    assert a.bwd_compute - b.bwd_compute == pytest.approx(4096 * (28 * 4608 - 2 * fused) / hbm, rel=1e-6)
+    # and the host issues 24 - 2 more launches forward, 14 - 2 backward
+    (hf_n, hb_n), (hf_m, hb_m) = cost.moe_host_s(GPT_OSS, H100, nemo, plan), cost.moe_host_s(GPT_OSS, H100, megatron, plan)
+    assert hf_n - hf_m == pytest.approx(22 * H100.host_launch_us * 1e-6)
+    assert hb_n - hb_m == pytest.approx(12 * H100.host_launch_us * 1e-6)
+
+
+def test_a_clamped_activation_syncs_the_host_a_second_time_in_the_forward():
+    """weighted_bias_quick_geglu_impl builds torch.tensor(linear_offset, device=...): a blocking host-to-device
+    copy, which PyTorch ends with a stream synchronisation (tensor_new.cpp to(non_blocking=false); Copy.cu
+    memcpy_and_sync). With the dispatcher's sync, GPT-OSS's forward is cut in two parts, each paced by the slower of
+    host and GPU. H100, EP 8 (16 local experts), 4096 tokens, top 4: between the syncs the host issues 2 all-to-alls,
+    the sort, 16 FC1 GEMMs, 2 clamps, the cat and the copy (23 launches of 20 us); the GPU runs half the
+    permutation traffic, the dispatch all-to-all, FC1 (1,024 rows per expert, 2880 -> 5760) and the clamps
+    (16 B per copy and unit of 2880)."""
+    tr = TrainingSpec(num_gpus=64, global_batch_size=1280, seq_len=4096)
+    plan = Plan(tp=1, pp=4, dp=16, ep=8, micro_batch_size=1)
+    rates = cost.Rates.of(H100, "bf16")
+    hbm = 3350e9 * 0.8
+    x = moe_layer_extra(GPT_OSS, H100, tr, plan, 4096.0)
+    copies = 4096 * 4 * tr.moe_load_imbalance
+    perm_half = (2 * 4096 * 2880 * 2 * (1 + 4 * tr.moe_load_imbalance) + 4 * copies * 2880 * 2) / hbm / 2
+    dispatch = comm.all_to_all_time_s(copies * 2880 * 2, expert_span(plan, "ep", H100.nvlink_domain), H100)
+    fc1 = cost.gemm_time_s(copies / 16, 2880, 5760, rates, batch=16)
+    clamp = copies * 16 * 2880 / hbm
+    assert x.fwd_to_activation == pytest.approx(perm_half + dispatch + fc1 + clamp, rel=1e-9)
+    h1, g1 = cost.activation_sync_split(GPT_OSS, H100, plan, x)
+    assert h1 == pytest.approx(23 * 20e-6) and g1 == x.fwd_to_activation
+    # no clamp, no second sync
+    assert cost.activation_sync_split(GPT_OSS.model_copy(update={"swiglu_limit": None}), H100, plan, x) is None
+    # the layer: the GPU's forward g (read with a host too fast to matter) and the host's h (moe_host_s) combine
+    # part by part; a host of 30 us per launch makes this layer host-bound, the case the second sync matters in
+    slow = H100.model_copy(update={"host_launch_us": 30.0})
+    h1 = 23 * 30e-6
+    g_lt = layer_time(GPT_OSS, H100.model_copy(update={"host_launch_us": 1e-6}), tr, plan, moe=True)
+    g = g_lt.fwd_compute + g_lt.tp_fwd + g_lt.ep_fwd
+    h = cost.moe_host_s(GPT_OSS, slow, tr, plan)[0]
+    lt = layer_time(GPT_OSS, slow, tr, plan, moe=True)
+    assert h > g and g1 > h1
+    assert lt.fwd_compute + lt.tp_fwd + lt.ep_fwd == pytest.approx(max(h1, g1) + max(h - h1, g - g1), rel=1e-6)
+    assert lt.fwd_compute + lt.tp_fwd + lt.ep_fwd > max(h, g)

@@ -157,6 +157,17 @@ def test_gpt_oss_biases_sinks_and_router_bias():
     assert (spec.num_experts, spec.top_k, spec.moe_ffn_size, spec.kv_channels) == (128, 4, 2880, 64)
 
 
+def test_gpt_oss_keeps_its_yarn_rope_scaling(tmp_path):
+    """config.json: rope_scaling.rope_type "yarn" (factor 32 over 4096 positions); the preset says the same."""
+    assert _load("gpt-oss-120b.json").rope_scaling == "yarn" == load_model("gpt-oss-120b").rope_scaling
+    assert _load("gpt-oss-20b.json").rope_scaling == "yarn" == load_model("gpt-oss-20b").rope_scaling
+    # another scaling, or none, is not YaRN
+    assert _load("qwen3-30b-a3b.json").rope_scaling is None
+    data = json.loads((HF / "gpt-oss-20b.json").read_text())
+    data["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    assert load_model(_write(tmp_path, data)).rope_scaling is None
+
+
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"])
 def test_hf_import_agrees_with_the_preset(name):
     """The hand-written presets (model_specs/) and the import of the published config are one model."""

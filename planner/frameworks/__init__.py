@@ -54,6 +54,10 @@ class FrameworkProfile:
     sp_gathers_inputs: bool  # DTensor SP keeps QKV/FC1 inputs gathered (torch); Megatron keeps the 1/t shard
     swiglu_unfused: bool = False  # eager ``w2(silu(w1 x) * w3 x)``: also saves the SiLU output (torchtitan)
     op_sac: bool = False  # "selective" recompute is torchtitan's op-level policy (planner.memory.op_sac_terms)
+    # a YaRN model's RoPE (ModelSpec.rope_scaling) runs Megatron-Core's eager _apply_rotary_pos_emb_bshd, not TE's
+    # fused kernel: Megatron-Bridge's GPTModelProvider.provide sets apply_rope_fusion False when
+    # position_embedding_type is not "rope" (src/megatron/bridge/utils/fusions.py validate_rope_fusion_compatibility)
+    unfused_yarn_rope: bool = False
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     max_zero_with_pp: int = 3  # highest ZeRO stage the pipeline engine accepts when pp > 1
     allows_cp: bool = True
