@@ -148,3 +148,42 @@ def test_inside_torchrun_an_fp8_plan_runs_bf16_at_full_size(tmp_path):
     assert data["verdict"] == "pass", data["reasons"]
     saved = {row["measured"] for row in data["memory"] if row["metric"] == "saved_activation_peak_bytes"}
     assert saved == {TP2_SP_SAVED_BF16}  # bf16 activations at full size too (same miniature shapes)
+
+
+def test_layernorm_saves_fp32_statistics_in_bf16_and_matches_torch():
+    """planner.validate.kernels.LayerNormFn: the input (bf16) and fp32 mean and rstd, as torch's CUDA kernel keeps
+    them (torch's CPU F.layer_norm keeps bf16 ones when input and weight are bf16); values as F.layer_norm's."""
+    import torch
+    import torch.nn.functional as F
+
+    from planner.validate.kernels import LayerNormFn
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        if t is not w:
+            saved.append((str(t.dtype), t.numel() * t.element_size()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        LayerNormFn.apply(x, w, b, 1e-5)
+    # x: 2*8*16 values * 2 B = 512; mean and rstd: 2*8 tokens * 4 B = 64 each
+    assert sorted(saved) == sorted([("torch.bfloat16", 512), ("torch.float32", 64), ("torch.float32", 64)])
+    torch_saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: torch_saved.append(t.dtype) or t, lambda t: t):
+        F.layer_norm(x, (16,), w, b, 1e-5)
+    assert torch.float32 not in torch_saved  # the CPU kernel's bf16 statistics, which LayerNormFn replaces
+
+    xf, wf, bf = (t.detach().float().requires_grad_() for t in (x, w, b))
+    g = torch.randn(2, 8, 16)
+    LayerNormFn.apply(xf, wf, bf, 1e-5).backward(g)
+    ours = [t.grad.clone() for t in (xf, wf, bf)]
+    for t in (xf, wf, bf):
+        t.grad = None
+    F.layer_norm(xf, (16,), wf, bf, 1e-5).backward(g)
+    for a, want in zip(ours, (xf.grad, wf.grad, bf.grad)):
+        assert torch.allclose(a, want, atol=1e-5, rtol=1e-5)
