@@ -2,7 +2,8 @@
 
 It builds a DeviceMesh in the plan's rank layout, the model with DTensor tensor parallelism,
 ``torch.distributed.pipelining`` stages and schedule (1F1B, or interleaved 1F1B when vpp > 1),
-FSDP2 over the data-parallel ranks, activation checkpointing for recompute and AdamW. Then it
+FSDP2 over the data-parallel ranks (in bf16 with torchtitan's mixed precision, :func:`mp_policy`),
+activation checkpointing for recompute and AdamW. Then it
 measures collectives on the plan's own groups, runs warm-up and measured steps on a fixed
 synthetic batch, and gathers every rank's measurements to rank 0, which writes them as JSON.
 
