@@ -19,9 +19,9 @@ from planner.validate import launch  # noqa: E402
 LIMIT_S = 120
 
 
-def _scenario(tp=2, pp=1, model="llama3-8b", precision="bf16", **plan):
+def _scenario(tp=2, pp=1, model="llama3-8b", precision="bf16", cp=1, **plan):
     """A 64-GPU plan whose miniature runs on 2 local ranks."""
-    base = dict(tp=tp, pp=pp, dp=64 // (tp * pp), micro_batch_size=1, recompute="none", sequence_parallel=False,
+    base = dict(tp=tp, pp=pp, cp=cp, dp=64 // (tp * pp * cp), micro_batch_size=1, recompute="none", sequence_parallel=False,
                 zero_stage=0)
     return Scenario(model=load_model(model), hardware=load_hardware("h100-sxm-80gb"),
                     training=TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=2048, precision=precision),
@@ -47,6 +47,7 @@ VARIANTS = {
     "pp2-1f1b": {"tp": 1, "pp": 2},
     "dp2-zero3": {"tp": 1, "zero_stage": 3},
     "gpt-layernorm-tp2-sp": {"tp": 2, "sequence_parallel": True, "model": "megatron-gpt-1.7b"},
+    "cp2-ring": {"tp": 1, "cp": 2},  # torch's ring attention (planner.validate.ring) on bf16 Q, K, V
 }
 
 
@@ -187,3 +188,12 @@ def test_layernorm_saves_fp32_statistics_in_bf16_and_matches_torch():
     F.layer_norm(xf, (16,), wf, bf, 1e-5).backward(g)
     for a, want in zip(ours, (xf.grad, wf.grad, bf.grad)):
         assert torch.allclose(a, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_with_experts_is_refused_in_one_line():
+    moe = Scenario(model=load_model("tiny-moe"), hardware=load_hardware("h100-sxm-80gb"),
+                   training=TrainingSpec(num_gpus=8, global_batch_size=32, seq_len=256),
+                   plan=Plan(tp=1, pp=2, dp=4, ep=4, micro_batch_size=1, zero_stage=0))
+    with pytest.raises(launch.SpecError, match="bf16 with a mixture of experts is not judged"):
+        launch.miniature(moe, max_ranks=8, precision="bf16")
+    assert launch.miniature(moe, max_ranks=8).training.precision == "fp32"
