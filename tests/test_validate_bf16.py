@@ -197,3 +197,58 @@ def test_bf16_with_experts_is_refused_in_one_line():
     with pytest.raises(launch.SpecError, match="bf16 with a mixture of experts is not judged"):
         launch.miniature(moe, max_ranks=8, precision="bf16")
     assert launch.miniature(moe, max_ranks=8).training.precision == "fp32"
+
+
+def test_fsdp2_unsharded_state_under_pp_matches_the_torch_profile(tmp_path):
+    """What FSDP2 holds beyond the fp32 shards while a pipeline stage runs its micro-batches' backward in bf16:
+    torch.distributed.pipelining's ``PipelineStage.backward_maybe_with_nosync`` turns off the gradient sync and
+    the reshard after backward (torch 2.13 ``pipelining/stage.py``), so every parameter stays gathered in bf16
+    (2 B) and its gradient is accumulated unsharded in ``reduce_dtype`` fp32 (4 B,
+    ``FSDPParam.to_accumulated_grad_if_needed``), with no bf16 gradient left over. The torch profile's
+    ``state_bytes`` for pp > 1 adds exactly those 2 B and 4 B per parameter to the shards. Measured here on one
+    gloo rank (the shard is the whole parameter), the 2-layer miniature model, two micro-batches."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from planner.frameworks import get
+    from planner.validate.model import build_chunks
+    from planner.validate.worker import loss_fn, mp_policy
+
+    mini = launch.miniature(_scenario(tp=1), max_ranks=1, precision="bf16")
+    model = mini.model
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        (chunk,) = build_chunks(model, [model.num_layers])
+        params = sum(p.numel() for p in chunk.parameters())
+        layer_params = sum(p.numel() for p in chunk.layers[0].parameters())
+        mp = mp_policy("bf16")
+        for blk in chunk.layers:
+            fully_shard(blk, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        chunk.set_is_last_backward(False)  # what backward_maybe_with_nosync sets for every micro-batch
+        chunk.set_reshard_after_backward(False)
+        chunk.set_requires_gradient_sync(False)
+        tokens = torch.randint(0, model.vocab_size, (2, 1, 33))
+        for mb in tokens:
+            loss_fn(chunk(mb[:, :-1]), mb[:, 1:]).backward()
+        fsdp_params = [f for m in chunk.modules() if hasattr(m, "_get_fsdp_state")
+                       for f in m._get_fsdp_state()._fsdp_param_group.fsdp_params]
+        assert sum(f.sharded_param.numel() for f in fsdp_params) == params
+
+        def nbytes(t):
+            return t.numel() * t.element_size() if t is not None and t.untyped_storage().size() else 0
+
+        gathered = sum(nbytes(t) for f in fsdp_params for t in f.all_gather_outputs)
+        accumulated = sum(nbytes(f.unsharded_accumulated_grad) for f in fsdp_params)
+        leftover = sum(nbytes(f._unsharded_param.grad) for f in fsdp_params)
+        assert {t.dtype for f in fsdp_params for t in f.all_gather_outputs} == {torch.bfloat16}
+        assert (gathered, accumulated, leftover) == (2 * params, 4 * params, 0)
+    finally:
+        dist.destroy_process_group()
+    plan = mini.plan.model_copy(update={"pp": 2, "zero_stage": 2})
+    st = get("torch").state_bytes(model, mini.training, plan, params, layer_params, model.num_layers)
+    shards = 4 * params / (plan.dp * plan.cp)  # the fp32 parameter and gradient shards (dp = cp = 1 here)
+    assert (st.weights_bytes - shards, st.grads_bytes - shards) == (gathered, accumulated)

@@ -282,7 +282,8 @@ def predicted_rank_memory(sc: Scenario, pp_rank: int) -> dict:
     """
     p = sc.resolved_plan()
     layers = sc.stage_layers[pp_rank]
-    assert sc.training.framework == "torch", "the validate run is torch.distributed (run_scenario, miniature)"
+    if sc.training.framework != "torch":
+        raise ValueError("predicted_rank_memory: the validate run is torch.distributed; pass run_scenario(sc) or a miniature")
     if sc.model.is_moe:
         from planner.validate.moe import rank_state_bytes
 
@@ -831,7 +832,8 @@ def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None =
     fields = base.model_dump()
     fields.update({"name": name or f"{base.name}-calibrated", "gpus_per_node": data["gpus_per_node"]})
     if fp32:  # a CPU has no datasheet tensor peak: the best measured rate is the peak, the median its share
-        fields.update({"peak_fp32_tflops": best, "peak_bf16_tflops": best,  # "bf16" plans run in fp32 on a CPU
+        # the miniature runs fp32 by default; a --precision bf16 run is predicted at this fp32 rate too (not measured)
+        fields.update({"peak_fp32_tflops": best, "peak_bf16_tflops": best,
                        "gemm_efficiency_max": min(1.0, tflops / best)})
     else:
         # A GPU keeps its datasheet peak (MFU is measured against it); the measurement is the MAMF,
