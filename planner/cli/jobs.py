@@ -28,6 +28,7 @@ def validate(
     timeout: Annotated[Optional[float], typer.Option("--timeout", min=10, max=7 * 24 * 3600, help="Wall-clock limit of the whole run, seconds; default 300 (1800 with --framework).")] = None,
     time_factor: Annotated[Optional[float], typer.Option("--time-factor", min=1.0, max=100.0, help="Fail when measured/predicted step time is outside 1/F..F; default 4 (gloo) or 1.5 (nccl) when --hardware was written by `plan3d calibrate`, else reported, not judged.")] = None,
     memory_tolerance: Annotated[Optional[float], typer.Option("--memory-tolerance", min=0.0, max=1.0, help="Fail when a measured memory component is off the prediction by more than this fraction (default 0.05).")] = None,
+    precision: Annotated[Optional[str], typer.Option("--precision", help="fp32 or bf16: what the run computes in. Default: fp32 for the local miniature (its loss check against one process is exact in fp32 only), the plan's precision at full size (bf16; fp8, mxfp8 and nvfp4 run bf16, listed as changed). bf16 is FSDP2's MixedPrecisionPolicy(bf16 parameters, fp32 reduction), as torchtitan.")] = None,
     keep: Annotated[Optional[str], typer.Option("--keep", help="Keep the miniature's plan, logs and measurements in this folder.")] = None,
     framework: Annotated[Optional[str], typer.Option("--framework", help="torchtitan or megatron: run the framework itself (the emitted launch file) for --steps steps after one warm-up and judge it from its logs; exit 77 when it cannot run here (docs/validation_framework.md).")] = None,
     logs: Annotated[Optional[str], typer.Option("--logs", help="With --framework: judge the logs of a run made elsewhere (a torchrun --log-dir folder or log files).")] = None,
@@ -53,6 +54,11 @@ def validate(
 
         if Path(out).exists():
             raise SpecError(f"--out: {out} exists; pass --force to overwrite it")
+    if precision not in (None, "fp32", "bf16"):
+        raise SpecError(f"--precision: '{precision}' is not one of fp32, bf16")
+    if framework is not None and precision is not None:
+        raise SpecError("--precision: applies to plan3d's own run, not with --framework (the framework runs the "
+                        "plan's precision)")
     if framework is not None:
         raise typer.Exit(_validate_framework(sc, framework, steps, timeout or 1800.0, keep, megatron_lm, hardware, time_factor,
                                              logs, out, force, json_out))
@@ -61,14 +67,16 @@ def validate(
     hardware, timeout = hardware or "cpu-gloo", timeout or 300.0
     tolerance = launch.MEMORY_TOLERANCE if memory_tolerance is None else memory_tolerance
     if launch.inside_torchrun():
-        code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout, time_factor, tolerance, json_out)
+        code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout, time_factor, tolerance, json_out,
+                                precision)
         raise typer.Exit(code)
     local_hw = presets.load_hardware(hardware)
     factor = time_factor if time_factor is not None else launch.time_factor_for(hardware, backend or "gloo")
     with spinner(quiet or json_out, f"Validating a miniature of {sc.plan.label()} on this machine..."):
         mini, outcome = launch.validate_local(sc, steps=steps, scale=scale, max_ranks=max_ranks,
                                               backend=backend or "gloo", timeout_s=timeout, hardware=local_hw,
-                                              keep=keep, time_factor=factor, memory_tolerance=tolerance)
+                                              keep=keep, time_factor=factor, memory_tolerance=tolerance,
+                                              precision=precision or "fp32")
     if not outcome.ok:
         if json_out and outcome.report:
             render.print_json(outcome.report)
@@ -121,8 +129,9 @@ def _report_verdict(report: dict, sc, run, out, force: bool, json_out: bool) -> 
 
 
 def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, timeout: float,
-                     time_factor, memory_tolerance: float, json_out: bool = False) -> int:
-    """Full-scale run: this process is one rank of the job; rank 0 compares and reports."""
+                     time_factor, memory_tolerance: float, json_out: bool = False, precision: str | None = None) -> int:
+    """Full-scale run: this process is one rank of the job; rank 0 compares and reports. It runs in
+    ``precision`` or the plan's (``launch.run_scenario``), and the report lists what the run changed."""
     import os
     import tempfile
 
@@ -132,9 +141,10 @@ def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, 
         import torch
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    run = launch.run_scenario(sc, precision)
     tmp = os.path.join(tempfile.gettempdir(), f"plan3d-validate-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}.json")
     worker.main(["--plan", plan_file, "--steps", str(steps), "--out", tmp, "--backend", backend,
-                 "--timeout-s", str(timeout), "--full-size"])
+                 "--timeout-s", str(timeout), "--full-size", "--precision", run.training.precision])
     if os.environ.get("RANK") != "0":
         return 0
     try:
@@ -143,8 +153,8 @@ def _validate_in_job(sc, plan_file: str, steps: int, backend, out, force: bool, 
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    run = launch.run_scenario(sc)
-    report = launch.compare(run, measured, time_factor=time_factor, memory_tolerance=memory_tolerance)
+    report = {"changed": launch.changes(sc, run),
+              **launch.compare(run, measured, time_factor=time_factor, memory_tolerance=memory_tolerance)}
     return _report_verdict(report, sc, run, out, force, json_out)
 
 

@@ -64,6 +64,12 @@ from planner.frameworks import FrameworkProfile, StateBytes
 
 BF16, FP32 = 2, 4
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in the parameter's dtype (fp32)
+SHARD_BYTES_PER_PARAM = (FP32, FP32, ADAM_STATE_BYTES)
+"""(parameter, gradient, AdamW) bytes per parameter of the sharded states FSDP2 keeps between steps, whatever
+``param_dtype`` is: torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_param.py`` ``FSDPParam.init_dtype_attrs``
+(``orig_dtype = sharded_param.dtype``, fp32) and ``_fsdp_collectives.py::foreach_reduce`` (the reduce output is
+cast to ``orig_dtype`` before it becomes the sharded gradient). :func:`state_bytes` adds the unsharded
+(gathered) copies on top; ``plan3d validate`` measures these sharded ones (``launch.predicted_rank_memory``)."""
 LOGITS_BYTES_PER_ELEMENT = 12  # cross_entropy(pred.float()) peak in backward (module docstring)
 LOSS_PARALLEL_BYTES_PER_ELEMENT = 22  # loss_parallel's decomposed log-softmax, per local logit (module docstring)
 # torch.compile'd cross entropy (--compile.enable, "loss" in --compile.components): the bf16 logits saved and

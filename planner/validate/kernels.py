@@ -4,6 +4,11 @@ Used by the validate model and by the tests that measure saved activations:
 
 * RMSNorm saves its input and the fp32 rstd (Apex/Transformer Engine fused RMSNorm); torch's
   composite ``F.rms_norm`` on the CPU would keep three more tensors.
+* LayerNorm saves its input and the fp32 mean and rstd, in bf16 training too, as torch's CUDA kernel
+  does (``aten/src/ATen/native/cuda/layer_norm_kernel.cu`` ``layer_norm_cuda``: ``mean``/``rstd`` of
+  ``acc_type``, fp32 for a bf16 input). torch's CPU ``F.layer_norm`` keeps them in the input's dtype when
+  input and weight share it (``aten/src/ATen/native/layer_norm.cpp`` ``layer_norm_cpu``:
+  ``param_scalar_type``), 2 B each under FSDP2's bf16 parameters.
 * SwiGLU saves only the FC1 output (Megatron ``bias_swiglu_impl``).
 * Dropout saves a 1-byte bool mask, as CUDA's ``native_dropout`` does.
 * RoPE saves nothing (Megatron's fused RoPE); cos/sin are constants kept on the context.
@@ -31,6 +36,30 @@ class RMSNormFn(torch.autograd.Function):
         gx_hat = gf * weight.float()
         gx = rstd * (gx_hat - xhat * (gx_hat * xhat).mean(-1, keepdim=True))
         return gx.to(x.dtype), gw, None
+
+
+class LayerNormFn(torch.autograd.Function):
+    """LayerNorm over the last dimension that saves the input and the fp32 mean and rstd (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, mean, rstd, weight)
+        return ((xf - mean) * rstd).to(x.dtype) * weight + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mean, rstd, weight = ctx.saved_tensors
+        gf = grad.float()
+        xhat = (x.float() - mean) * rstd
+        h = x.shape[-1]
+        gw = (gf * xhat).reshape(-1, h).sum(0).to(weight.dtype)
+        gb = gf.reshape(-1, h).sum(0).to(weight.dtype)
+        gx_hat = gf * weight.float()
+        gx = rstd * (gx_hat - gx_hat.mean(-1, keepdim=True) - xhat * (gx_hat * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, gb, None
 
 
 class SwiGLUFn(torch.autograd.Function):

@@ -5,7 +5,8 @@ tp, pp, cp, vpp, schedule, recompute and sequence parallelism, the same heavier 
 an uneven pipeline, data parallelism capped so that all
 ranks fit ``max_ranks`` local processes, and model, batch and sequence sizes scaled down. The
 prediction is recomputed for that miniature on the local hardware profile (``cpu-gloo`` by default),
-in fp32 and with torch's DTensor sequence parallelism, which is what the run does. Every way the
+in the run's precision (fp32 by default, bf16 with FSDP2's mixed precision on request: :func:`run_precision`)
+and with torch's DTensor sequence parallelism, which is what the run does. Every way the
 miniature differs from the plan is listed in the report (``changed``); what the run cannot represent
 is refused with a one-line reason (:func:`refusal`), never changed silently.
 
@@ -33,8 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from planner.memory import (estimate_memory, param_bytes, stage_params_per_rank, stage_saved_bytes,
-                            state_bytes_per_param)
+from planner.memory import estimate_memory, stage_params_per_rank, stage_saved_bytes
 from planner.presets import SpecError, load_hardware
 from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec
 
@@ -60,6 +60,39 @@ docs/cost-model.md), not yet confirmed by a validate run on a GPU. CPU (gloo): m
 was 0.44-2.21 on the 2-core development machine with a calibrated profile (2 ranks, TP2 or PP2,
 shared with other jobs): Python and gloo overheads that the cost model does not describe. 4x still catches a stalled or slow rank
 (a 1 s sleep per step is 20x) but not a cost-model error below 4x."""
+
+
+LOSS_TOLERANCE_BF16 = 2.0 ** -8
+"""Relative tolerance of the first loss of a bf16 run against the single-process fp32 loss: one unit
+roundoff of bf16 (1 sign, 8 exponent and 7 stored mantissa bits: 8 significant bits, u = 2^-8 = 0.39 %;
+Intel, "BFLOAT16 - Hardware Numerics Definition", 2018). The bf16 run rounds every parameter, activation and
+partial product it keeps to bf16, so each logit carries a relative error of order u; the loss, a mean over
+the tokens of fp32 cross-entropy terms (``loss_fn`` upcasts the logits), is held to that. At initialisation
+the loss stays near ln(vocab) whatever the weights, so this check is weak in bf16: the ``corrupt`` sabotage
+moves it by 0.33 % only (tests/test_validate_bf16.py). What catches a wrong shard or reduction in bf16 is
+the gradient check (:data:`GRAD_TOLERANCE_BF16`), which every bf16 run makes."""
+GRAD_TOLERANCE_BF16 = 2.0 ** -4
+""":data:`GRAD_TOLERANCE` for a bf16 run, against the single-process fp32 model: 16 unit roundoffs of bf16
+(2^-4 = 6.25 %) of the largest gradient. Each gradient element is a sum over the b*s tokens of products of
+bf16-rounded activations and output gradients, rounded to bf16 when it leaves its GEMM (the unsharded
+gradient is bf16; FSDP2 reduces it in fp32), after a backward that rounds to bf16 at every op it passes, so
+the element-wise error is a few u (0.5 to 1.4 % of the largest gradient, 1.3 to 3.6 u, in the runs of
+tests/test_validate_bf16.py). 16 u leaves room for deeper backward paths and stays 8x below the smallest
+error this check is for: a gradient reduced over the wrong group or scaled wrongly is off by a factor
+(>= 50 %), a corrupted shard by far more (970 % for the ``corrupt`` sabotage)."""
+
+
+def tolerances_for(precision: str) -> tuple[float, float]:
+    """(loss, gradient) tolerances of a run in ``precision`` (fp32: reduction order only; bf16: above)."""
+    return (LOSS_TOLERANCE, GRAD_TOLERANCE) if precision == "fp32" else (LOSS_TOLERANCE_BF16, GRAD_TOLERANCE_BF16)
+
+
+def run_precision(precision: str) -> str:
+    """What the validate run computes in for a plan in ``precision``: fp32 stays fp32; bf16 runs bf16 with
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (worker.mp_policy); fp8,
+    mxfp8 and nvfp4 also run bf16 (the validate model has no fp8 GEMMs: Transformer Engine's and torchao's
+    scaled GEMMs are not in it), which :func:`changes` lists."""
+    return "fp32" if precision == "fp32" else "bf16"
 
 
 def time_factor_for(hardware_ref: str, backend: str) -> float | None:
@@ -122,15 +155,22 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
 
 
 def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: HardwareSpec | None = None,
-              backend: str = "gloo") -> Scenario:
+              backend: str = "gloo", precision: str = "fp32") -> Scenario:
     """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring).
 
     Kept from the plan: tp, pp, cp, vpp, recompute, SP, the ZeRO stage (1 runs as 2), GQA, activation,
     norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout; for a
     MoE model the experts, shared experts, gate and router bias (:func:`miniature_moe_fields`).
-    Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, fp32; for MoE the expert
-    count (at most 8), top-k (at most 2) and ep (``gcd(ep, tp*dp)``).
+    Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, the precision (``precision``:
+    fp32 by default, where the loss check against one process is exact; or bf16 with FSDP2's mixed
+    precision); for MoE the expert count (at most 8), top-k (at most 2) and ep (``gcd(ep, tp*dp)``).
     """
+    if precision not in ("fp32", "bf16"):
+        raise SpecError(f"--precision: '{precision}' is not one of fp32, bf16 (what the miniature can run)")
+    if precision == "bf16" and sc.model.is_moe:
+        raise SpecError("--precision: bf16 with a mixture of experts is not judged: bf16 router scores pick other "
+                        "experts than the fp32 single-process model for near ties, so the expert gradients differ by "
+                        "whole tokens (19 % of the largest on tiny-moe), not by rounding; use --precision fp32")
     reason = refusal(sc, backend)
     if reason:
         raise SpecError(f"validate: {reason}")
@@ -163,7 +203,7 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     mbs = min(p.micro_batch_size, 2)
     micro = 2 * pp
     training = TrainingSpec(num_gpus=tp * pp * dp * cp, global_batch_size=mbs * micro * dp, seq_len=seq,
-                            precision="fp32", attention="flash", framework="torch", overlap_grad_reduce=True)
+                            precision=precision, attention="flash", framework="torch", overlap_grad_reduce=True)
     plan = Plan(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
                 sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage,
                 layers_per_stage=stage_layers, ep=math.gcd(p.ep, tp * dp) if m.is_moe else 1,
@@ -208,13 +248,15 @@ def changes(sc: Scenario, run: Scenario) -> list[str]:
         out.append(f"micro-batch {p.micro_batch_size} -> {q.micro_batch_size}, "
                    f"micro-batches {sc.num_microbatches} -> {run.num_microbatches}")
     if run.training.precision != sc.training.precision:
-        out.append(f"precision {sc.training.precision} -> {run.training.precision}")
+        why = (f" (the validate model has no {sc.training.precision} GEMMs; FSDP2 MixedPrecisionPolicy bf16 "
+               "parameters, fp32 reduction)") if sc.training.precision not in ("fp32", "bf16") else ""
+        out.append(f"precision {sc.training.precision} -> {run.training.precision}{why}")
     if q.zero_stage != p.zero_stage:
         out.append(f"ZeRO-{p.zero_stage} -> ZeRO-{q.zero_stage} (FSDP2 has no optimizer-only sharding)")
     if run.training.framework != sc.training.framework:
         out.append(f"framework {sc.training.framework} -> {run.training.framework} (DTensor TP/SP, FSDP2, "
                    "torch.distributed.pipelining)")
-    if p.pp > 1:
+    if p.pp > 1 and tuple(sc.stage_layers) != tuple(run.stage_layers):
         out.append(f"layers per stage {tuple(sc.stage_layers)} -> {tuple(run.stage_layers)}")
     if m.is_moe:
         moe = [f"{name} {a} -> {b}" for name, a, b in (
@@ -240,19 +282,31 @@ def predicted_rank_memory(sc: Scenario, pp_rank: int) -> dict:
     """
     p = sc.resolved_plan()
     layers = sc.stage_layers[pp_rank]
+    if sc.training.framework != "torch":
+        raise ValueError("predicted_rank_memory: the validate run is torch.distributed; pass run_scenario(sc) or a miniature")
     if sc.model.is_moe:
         from planner.validate.moe import rank_state_bytes
 
         return {**rank_state_bytes(sc, pp_rank),
                 "saved_activation_peak_bytes": moe_balanced_saved_peak_bytes(sc, pp_rank)}
     params = stage_params_per_rank(sc.model, p, pp_rank, layers)
-    per_param = param_bytes(sc.training)
-    w, g, o = state_bytes_per_param(p.zero_stage, p.dp * p.cp, per_param)
-    if sc.training.framework == "torch" and p.zero_stage >= 2:
-        w = per_param[0] / (p.dp * p.cp)
+    w, g, o = fsdp2_shard_bytes_per_param(p.zero_stage, p.dp * p.cp)
     return {"weights_bytes": params * w, "grads_bytes": params * g, "optimizer_bytes": params * o,
             "saved_activation_peak_bytes": stage_saved_bytes(sc.model, sc.training, p, p.num_microbatches,
                                                              pp_rank, layers)}
+
+
+def fsdp2_shard_bytes_per_param(zero_stage: int, shards: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter of what FSDP2 keeps between steps in the validate run:
+    the sharded fp32 parameter, its fp32 sharded gradient and AdamW's two fp32 states, in fp32 and in bf16
+    alike (``planner.frameworks.torchtitan.SHARD_BYTES_PER_PARAM``, the persistent part of the torch profile's
+    ``state_bytes``). Sharded over ``shards`` ranks with ZeRO >= 1 (FSDP2 keeps weights sharded at rest for
+    ZeRO-2 as for ZeRO-3, ``reshard_after_forward`` only decides whether they are re-gathered for backward),
+    replicated without ZeRO."""
+    from planner.frameworks.torchtitan import SHARD_BYTES_PER_PARAM
+
+    n = max(shards, 1) if zero_stage >= 1 else 1
+    return tuple(b / n for b in SHARD_BYTES_PER_PARAM)
 
 
 @dataclass
@@ -572,6 +626,7 @@ def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
         terms.append({"term": name, "bytes": b["bytes"], "ranks": b["ranks"], "predicted_s": want,
                       "measured_s": b["seconds"], "rel_error": _rel(b["seconds"], want), "busbw_gbps": b["busbw_gbps"]})
     usable = sc.hardware.usable_memory_gib * 2**30
+    loss_tol, grad_tol = tolerances_for(sc.training.precision)
     per_rank = [r["max_memory_allocated_bytes"] if r.get("max_memory_allocated_bytes") is not None else
                 sum(r[k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes", "saved_activation_peak_bytes"))
                 for r in ranks]
@@ -584,8 +639,8 @@ def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
         "terms": terms,
         "losses": losses,
         "microbenchmarks": bench,
-        "tolerances": {"memory": memory_tolerance, "device_memory": ALLOCATED_TOLERANCE, "loss": LOSS_TOLERANCE,
-                       "step_time_factor": time_factor},
+        "tolerances": {"memory": memory_tolerance, "device_memory": ALLOCATED_TOLERANCE, "loss": loss_tol,
+                       "gradients": grad_tol, "step_time_factor": time_factor},
         "measured_peak_bytes": max(per_rank),
         "fits": max(per_rank) <= usable,
         "predicted_fits": peak.fits,
@@ -596,7 +651,7 @@ def compare(sc: Scenario, measured: dict, time_factor: float | None = None,
     tied = [r["tied_max_abs_diff"] for r in ranks if r.get("tied_max_abs_diff") is not None]
     if tied:
         out["tied_max_abs_diff"] = max(tied)
-    if sc.plan.cp > 1:
+    if (sc.plan.cp > 1 or sc.training.precision != "fp32") and not sc.model.is_moe:  # cp and bf16 runs (MoE: below)
         out["grad_check"] = next((r["grad_check"] for r in ranks if r.get("grad_check")), None)
     if sc.model.is_moe:
         out["moe"] = {"activations": moe_summary,
@@ -625,17 +680,19 @@ def judge(out: dict, ranks: list[dict], memory_tolerance: float, time_factor: fl
         reasons.append(f"memory: ranks {leaked} kept saved activations of a micro-batch after its backward")
     if not out["fits"]:
         reasons.append(f"memory: measured peak {out['measured_peak_bytes'] / 2**30:.2f} GiB does not fit")
+    tol = out.get("tolerances") or {}
+    loss_tol, grad_tol = tol.get("loss", LOSS_TOLERANCE), tol.get("gradients", GRAD_TOLERANCE)
     ref = out.get("reference")
-    if ref and not abs(ref["rel_error"]) <= LOSS_TOLERANCE:
+    if ref and not abs(ref["rel_error"]) <= loss_tol:
         reasons.append(f"loss: first loss {ref['first_loss']:.6f} vs single-process {ref['reference_loss']:.6f} "
-                       f"({100 * ref['rel_error']:+.4f}% > {100 * LOSS_TOLERANCE:.2f}%)")
+                       f"({100 * ref['rel_error']:+.4f}% > {100 * loss_tol:.2f}%)")
     if not all(math.isfinite(x) for x in out["losses"]):
         reasons.append("loss: not finite")
     grads = (out.get("moe") or {}).get("grad_check") or out.get("grad_check") or {}
     for group, g in grads.items():
-        if not g["rel_diff"] <= GRAD_TOLERANCE:
+        if not g["rel_diff"] <= grad_tol:
             reasons.append(f"gradients: rank 0's {group} gradients differ from the single-process model's by "
-                           f"{100 * g['rel_diff']:.4f}% of the largest (> {100 * GRAD_TOLERANCE:.2f}%)")
+                           f"{100 * g['rel_diff']:.4f}% of the largest (> {100 * grad_tol:.2f}%)")
     if out.get("tied_max_abs_diff", 0.0) > 1e-6:
         reasons.append(f"tied embeddings: the two copies differ by {out['tied_max_abs_diff']:.2e} after training")
     st = out["step_time"]
@@ -694,9 +751,11 @@ def moe_summary_lines(moe: dict | None) -> list[str]:
 def validate_local(sc: Scenario, steps: int = 3, scale: float = 1.0, max_ranks: int = 8, backend: str = "gloo",
                    timeout_s: float = 300.0, hardware: HardwareSpec | None = None, keep: str | None = None,
                    reference: bool = True, time_factor: float | None = None,
-                   memory_tolerance: float = MEMORY_TOLERANCE, on_start=None) -> tuple[Scenario, Outcome]:
-    """Run the miniature of ``sc`` on this machine and judge it; the temp folder is removed unless ``keep``."""
-    mini = miniature(sc, max_ranks, scale, hardware, backend)
+                   memory_tolerance: float = MEMORY_TOLERANCE, on_start=None,
+                   precision: str = "fp32") -> tuple[Scenario, Outcome]:
+    """Run the miniature of ``sc`` on this machine (in ``precision``: fp32 or bf16) and judge it; the temp
+    folder is removed unless ``keep``."""
+    mini = miniature(sc, max_ranks, scale, hardware, backend, precision)
     from planner.render import scenario_json
 
     workdir = _workdir(keep, "plan3d-validate-")
@@ -773,7 +832,8 @@ def profile_from_measurements(data: dict, base: HardwareSpec, name: str | None =
     fields = base.model_dump()
     fields.update({"name": name or f"{base.name}-calibrated", "gpus_per_node": data["gpus_per_node"]})
     if fp32:  # a CPU has no datasheet tensor peak: the best measured rate is the peak, the median its share
-        fields.update({"peak_fp32_tflops": best, "peak_bf16_tflops": best,  # "bf16" plans run in fp32 on a CPU
+        # the miniature runs fp32 by default; a --precision bf16 run is predicted at this fp32 rate too (not measured)
+        fields.update({"peak_fp32_tflops": best, "peak_bf16_tflops": best,
                        "gemm_efficiency_max": min(1.0, tflops / best)})
     else:
         # A GPU keeps its datasheet peak (MFU is measured against it); the measurement is the MAMF,
@@ -837,8 +897,13 @@ def inside_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def run_scenario(sc: Scenario) -> Scenario:
-    """What the validate run executes for a plan: fp32, torch's DTensor SP, FSDP2 (ZeRO-1 runs as ZeRO-2)."""
-    training = sc.training.model_copy(update={"precision": "fp32", "framework": "torch"})
+def run_scenario(sc: Scenario, precision: str | None = None) -> Scenario:
+    """What the full-size validate run executes for a plan: the plan's precision as :func:`run_precision` maps
+    it (bf16 for bf16 and the fp8 family, with FSDP2's mixed precision; fp32 for fp32) unless ``precision``
+    says otherwise, torch's DTensor SP, FSDP2 (ZeRO-1 runs as ZeRO-2). :func:`changes` lists what differs."""
+    if precision not in (None, "fp32", "bf16"):
+        raise SpecError(f"--precision: '{precision}' is not one of fp32, bf16 (what the validate run can run)")
+    run = precision or run_precision(sc.training.precision)
+    training = sc.training.model_copy(update={"precision": run, "framework": "torch"})
     plan = sc.plan.model_copy(update={"zero_stage": 2 if sc.plan.zero_stage == 1 else sc.plan.zero_stage})
     return sc.model_copy(update={"training": training, "plan": plan})

@@ -24,8 +24,7 @@ depends on the router; balanced routing gives every rank ``R = N`` (``ep * N`` r
 
 from __future__ import annotations
 
-from planner.memory import (ActTerm, act_bytes, layer_activation_terms, param_bytes, saved_bytes_per_layer,
-                            stage_param_split, state_bytes_per_param)
+from planner.memory import ActTerm, act_bytes, layer_activation_terms, saved_bytes_per_layer, stage_param_split
 from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec
 
 INDEX_BYTES = 8  # int64 indices (torch.topk, argsort)
@@ -53,22 +52,16 @@ def moe_refusal(model: ModelSpec, plan: Plan) -> str | None:
 def rank_state_bytes(sc: Scenario, stage: int) -> dict[str, float]:
     """Weights, gradients and optimizer states of one rank, in total and for its experts alone.
 
-    Per parameter as ``planner.validate.launch.predicted_rank_memory`` counts them (fp32 4 + 4 + 8;
-    FSDP2 keeps weights sharded at rest for ZeRO-2 as for ZeRO-3), with the dense part sharded over
-    ``dp * cp`` and the experts over ``expert_dp``.
+    Per parameter as ``planner.validate.launch.predicted_rank_memory`` counts them (FSDP2's fp32 shards,
+    4 + 4 + 8 in fp32 and bf16 alike: ``launch.fsdp2_shard_bytes_per_param``), with the dense part sharded
+    over ``dp * cp`` and the experts over ``expert_dp``.
     """
+    from planner.validate.launch import fsdp2_shard_bytes_per_param
+
     p = sc.resolved_plan()
     dense, expert = stage_param_split(sc.model, p, stage, sc.stage_layers[stage])
-    per_param = param_bytes(sc.training)
-
-    def states(shards: int) -> tuple[float, float, float]:
-        w, g, o = state_bytes_per_param(p.zero_stage, shards, per_param)
-        if sc.training.framework == "torch" and p.zero_stage >= 2:
-            w = per_param[0] / shards
-        return w, g, o
-
-    dw, dg, do = states(p.dp * p.cp)
-    ew, eg, eo = states(p.expert_dp)
+    dw, dg, do = fsdp2_shard_bytes_per_param(p.zero_stage, p.dp * p.cp)
+    ew, eg, eo = fsdp2_shard_bytes_per_param(p.zero_stage, p.expert_dp)
     return {"weights_bytes": dense * dw + expert * ew, "grads_bytes": dense * dg + expert * eg,
             "optimizer_bytes": dense * do + expert * eo, "expert_weights_bytes": expert * ew,
             "expert_grads_bytes": expert * eg, "expert_optimizer_bytes": expert * eo}

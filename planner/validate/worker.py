@@ -2,7 +2,8 @@
 
 It builds a DeviceMesh in the plan's rank layout, the model with DTensor tensor parallelism,
 ``torch.distributed.pipelining`` stages and schedule (1F1B, or interleaved 1F1B when vpp > 1),
-FSDP2 over the data-parallel ranks, activation checkpointing for recompute and AdamW. Then it
+FSDP2 over the data-parallel ranks (in bf16 with torchtitan's mixed precision, :func:`mp_policy`),
+activation checkpointing for recompute and AdamW. Then it
 measures collectives on the plan's own groups, runs warm-up and measured steps on a fixed
 synthetic batch, and gathers every rank's measurements to rank 0, which writes them as JSON.
 
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from planner.presets import load_scenario
 from planner.specs import Scenario
 from planner.validate.calibrate import time_it
-from planner.validate.launch import OOM_EXIT_CODE, refusal
+from planner.validate.launch import OOM_EXIT_CODE, refusal, run_precision
 from planner.validate.model import build_chunks, build_local_chunks, materialize_local, set_recompute, tensor_parallelize
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # slowest to fastest: Megatron order tp-cp-dp-pp
@@ -126,6 +127,22 @@ def sabotage(rank: int) -> dict:
         elif rest and int(rest[0]) == rank:
             out[kind] = float(rest[1]) if kind == "slow" else True
     return out
+
+
+def mp_policy(precision: str):
+    """FSDP2's mixed precision for the run's precision (``launch.run_precision``): none in fp32; in bf16
+    torchtitan's defaults, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
+    (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``, commit 018740b, with
+    ``training.mixed_precision_param = "bfloat16"``, ``mixed_precision_reduce = "float32"``). The sharded
+    parameters stay fp32 (``FSDPParam.orig_dtype`` is the sharded parameter's dtype), so do their sharded
+    gradients (``foreach_reduce`` casts the reduce output to ``orig_dtype``) and AdamW's states; each
+    module's forward casts its floating-point inputs to bf16 (``cast_forward_inputs``) and computes in bf16
+    with the all-gathered bf16 parameters, so the activations it saves are bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _storage_tensor(t):
@@ -399,6 +416,8 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--reference", action="store_true", help="compare the first loss with a single-process run")
     ap.add_argument("--full-size", action="store_true",
                     help="the plan as written: build this rank's chunks on meta, shard, then materialise the shards")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                    help="what the run computes in (default: launch.run_precision of the plan's precision)")
     args = ap.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
@@ -412,6 +431,7 @@ def _main(argv: list[str] | None) -> int:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout_s))
     sc = load_scenario(args.plan)
     p = sc.resolved_plan()
+    mp = mp_policy(args.precision or run_precision(sc.training.precision))
     refused = refusal(sc, args.backend)
     if refused:
         raise SystemExit(f"validate: {refused}")
@@ -475,7 +495,7 @@ def _main(argv: list[str] | None) -> int:
             if blk.is_moe:  # the experts first: over the expert-data-parallel ranks (torchtitan's EP layout)
                 experts = blk.feed_forward.experts
                 fully_shard(experts, mesh=expert_mesh["edp_replicate", "edp_shard"],
-                            reshard_after_forward=p.zero_stage >= 3)
+                            reshard_after_forward=p.zero_stage >= 3, mp_policy=mp)
                 # each expert saw the tokens of ep data-parallel replicas: divide the sum by dp, not expert_dp
                 # (torchtitan parallelize.py sets the same factor). A sharded group needs plain sums on gloo
                 # (no PREMUL_SUM); with one rank per shard torch 2.13 would then divide twice (foreach_reduce
@@ -483,8 +503,8 @@ def _main(argv: list[str] | None) -> int:
                 experts.set_gradient_divide_factor(float(p.dp * p.cp))
                 if expert_mesh["edp_shard"].size() > 1:
                     experts.set_force_sum_reduction_for_comms(True)
-            fully_shard(blk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3)
-        fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3)
+            fully_shard(blk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3, mp_policy=mp)
+        fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=p.zero_stage >= 3, mp_policy=mp)
         if args.full_size:
             materialize_local([chunk], device)
         stages.append(PipelineStage(chunk, pp_rank + k * p.pp, p.pp * p.vpp, device, group=mesh["pp"].get_group()))
@@ -545,7 +565,7 @@ def _main(argv: list[str] | None) -> int:
             raise torch.OutOfMemoryError("injected: CUDA out of memory (PLAN3D_VALIDATE_SABOTAGE)")
         if tied is not None:
             tied.sync_grads()
-        if step == 0 and args.reference and (sc.model.is_moe or p.cp > 1):
+        if step == 0 and args.reference and (sc.model.is_moe or p.cp > 1 or mp.param_dtype is not None):
             full = _full_grads(mine[0])  # collective over each parameter's mesh: every rank takes part
             if reference_chunks is not None:
                 grad_check = _grad_check(reference_chunks[0], mine[0], full, sc, device, expert_params)
@@ -582,7 +602,7 @@ def _main(argv: list[str] | None) -> int:
                                     for k, n in sorted(saved.by_key.items())],
             "saved_peak_keys": [list(k) for k in saved.peak_keys],
             "grad_check": grad_check} if sc.model.is_moe else {}),
-        **({"grad_check": grad_check} if p.cp > 1 else {}),
+        **({"grad_check": grad_check} if p.cp > 1 or mp.param_dtype is not None else {}),
         "saved_activation_peak_bytes": saved.peak,
         "saved_bytes_per_microbatch": sorted(set(saved.per_microbatch)),
         "unreleased_microbatches": len(saved.live),
