@@ -904,6 +904,7 @@ def run_scenario(sc: Scenario, precision: str | None = None) -> Scenario:
     if precision not in (None, "fp32", "bf16"):
         raise SpecError(f"--precision: '{precision}' is not one of fp32, bf16 (what the validate run can run)")
     run = precision or run_precision(sc.training.precision)
-    training = sc.training.model_copy(update={"precision": run, "framework": "torch"})
+    # (Megatron's loss kernel is Megatron's: the torch run has its own loss, counted by the torch profile)
+    training = sc.training.model_copy(update={"precision": run, "framework": "torch", "cross_entropy_fusion": "none"})
     plan = sc.plan.model_copy(update={"zero_stage": 2 if sc.plan.zero_stage == 1 else sc.plan.zero_stage})
     return sc.model_copy(update={"training": training, "plan": plan})
