@@ -215,13 +215,50 @@ def gemm_time_s(m: float, k: float, n: float, rates: Rates, batch: float = 1.0) 
     return max(compute, moved / rates.hbm_bytes_per_s) + rates.gemm_overhead_s
 
 
-def gemm_fwd_bwd_s(m: float, k: float, n: float, rates: Rates, batch: float = 1.0) -> tuple[float, float, float]:
+def gemm_fwd_bwd_s(m: float, k: float, n: float, rates: Rates, batch: float = 1.0,
+                   streams: int = 0) -> tuple[float, float, float]:
     """(forward, data-grad, weight-grad) times of a linear layer ``[m, k] -> [m, n]``; ``batch`` such
-    layers in one grouped GEMM (the local experts of a MoE layer, each with its own weights)."""
+    layers in one grouped GEMM (the local experts of a MoE layer, each with its own weights), run as
+    :func:`grouped_gemm_time_s` says (``streams``)."""
     if batch == 1.0:
         return gemm_time_s(m, k, n, rates), gemm_time_s(m, n, k, rates), gemm_time_s(k, m, n, rates)
-    return (gemm_time_s(m, k, n, rates, batch), gemm_time_s(m, n, k, rates, batch),
-            gemm_time_s(k, m, n, rates, batch))
+    return (grouped_gemm_time_s(m, k, n, rates, batch, streams), grouped_gemm_time_s(m, n, k, rates, batch, streams),
+            grouped_gemm_time_s(k, m, n, rates, batch, streams))
+
+
+#: CUDA streams Transformer Engine's grouped GEMM spreads the per-expert GEMMs over: NVIDIA/TransformerEngine
+#: transformer_engine/common/util/multi_stream.cpp ``get_num_compute_streams`` (``static constexpr int
+#: num_compute_streams = 4``), read by ``multi_stream_cublas_gemm`` in common/gemm/cublaslt_gemm.cu.
+TE_GROUPED_GEMM_STREAMS = 4
+
+
+def grouped_gemm_time_s(m: float, k: float, n: float, rates: Rates, gemms: float, streams: int = 0) -> float:
+    """``gemms`` GEMMs ``[m, k] x [k, n]``, each with its own weights (the local experts of a MoE layer).
+
+    ``streams = 0``: one grouped kernel over all of them (``torch._grouped_mm``, torchtitan): :func:`gemm_time_s`
+    with ``batch = gemms``, one kernel's fixed cost, the tiles of all the GEMMs sharing the waves.
+
+    ``streams > 0``: Transformer Engine's ``GroupedLinear`` (Megatron-Core's ``TEGroupedMLP``,
+    ``--moe-grouped-gemm``), whose ``general_grouped_gemm`` (pytorch/cpp_extensions/gemm.py) reaches
+    ``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm`` (NVIDIA/TransformerEngine
+    transformer_engine/common/gemm/cublaslt_gemm.cu; the path since PR #853 "Grouped GEMM via multi-stream
+    cuBLAS", TE 1.7, and still the default in TE 2.x: the CUTLASS grouped kernel only with
+    ``NVTE_USE_CUTLASS_GROUPED_GEMM`` on Hopper): ``for i in range(num_gemms): nvte_cublas_gemm_v2(...,
+    get_compute_stream(i % num_streams))``. So each expert's GEMM is its own cuBLAS kernel, with its own fixed
+    cost and its own tiles, and the kernels go round-robin to ``streams`` streams, where at most ``streams`` run
+    side by side: ``ceil(gemms / streams)`` rounds, each as many waves as the tiles of its concurrent kernels fill
+    (``ceil(s * tiles / SMs)``) and one kernel's fixed cost (the streams pay theirs side by side). HBM traffic as
+    for one grouped kernel."""
+    if streams <= 0 or gemms <= 1:
+        return gemm_time_s(m, k, n, rates, gemms)
+    g = math.ceil(gemms)
+    s = min(streams, g)
+    full, rest = divmod(g, s)
+    flops = full * _waves_flops(m, k, n, s, rates.sm_count) + (_waves_flops(m, k, n, rest, rates.sm_count) if rest
+                                                               else 0.0)
+    moved = ACT_BYTES * (m * k + k * n + m * n) * gemms
+    rounds = full + (1 if rest else 0)
+    return max(flops / rates.gemm_flops, moved / rates.hbm_bytes_per_s) + rounds * rates.gemm_overhead_s
 
 
 @dataclass(frozen=True)
@@ -679,7 +716,8 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     over the expert-TP group; each rank then holds ``etp*T_r*k`` copies for its ``E/ep`` local experts,
     ``m = etp*T_r*k*ep/E`` per expert (times the load imbalance), and runs the expert MLP as one grouped
     GEMM over the local experts at the width ``f_moe/etp`` (:func:`gemm_fwd_bwd_s` with ``batch=E/ep``,
-    the same tile-and-wave rate model as every GEMM). The combine reverses it (reduce-scatter over
+    the same tile-and-wave rate model as every GEMM; under Megatron and NeMo one cuBLAS kernel per local expert
+    on Transformer Engine's streams, :func:`grouped_gemm_time_s`). The combine reverses it (reduce-scatter over
     expert TP, all-to-all). Backward repeats both all-to-alls and both expert-TP collectives.
 
     Not overlapped with compute: Megatron's default (``--overlap-moe-expert-parallel-comm``, the 1F1B
@@ -703,8 +741,9 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     gate = 2 if model.gated_mlp else 1
     fwd = bwd = wgrad = 0.0
     fc1_f = 0.0
+    streams = frameworks.get(training.framework).expert_gemm_streams  # TE's per-expert GEMMs (grouped_gemm_time_s)
     for kk, nn in ((h, gate * f / etp), (f / etp, h)):
-        gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local)
+        gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local, streams=streams)
         fwd, bwd, wgrad = fwd + gf, bwd + gd + gw, wgrad + gw
         fc1_f = fc1_f or gf
     (eb_f, eb_b), (ek_f, ek_b) = expert_eager_ops(model, local, etp)

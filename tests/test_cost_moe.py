@@ -285,7 +285,8 @@ def test_a_clamped_activation_syncs_the_host_a_second_time_in_the_forward():
     copies = 4096 * 4 * tr.moe_load_imbalance
     perm_half = (2 * 4096 * 2880 * 2 * (1 + 4 * tr.moe_load_imbalance) + 4 * copies * 2880 * 2) / hbm / 2
     dispatch = comm.all_to_all_time_s(copies * 2880 * 2, expert_span(plan, "ep", H100.nvlink_domain), H100)
-    fc1 = cost.gemm_time_s(copies / 16, 2880, 5760, rates, batch=16)
+    # Megatron's TEGroupedMLP: 16 per-expert cuBLAS GEMMs on TE's 4 streams (test_te_grouped_gemm_*)
+    fc1 = cost.grouped_gemm_time_s(copies / 16, 2880, 5760, rates, 16, cost.TE_GROUPED_GEMM_STREAMS)
     clamp = copies * 16 * 2880 / hbm
     assert x.fwd_to_activation == pytest.approx(perm_half + dispatch + fc1 + clamp, rel=1e-9)
     h1, g1 = cost.activation_sync_split(GPT_OSS, H100, plan, x)
@@ -303,3 +304,50 @@ def test_a_clamped_activation_syncs_the_host_a_second_time_in_the_forward():
     assert h > g and g1 > h1
     assert lt.fwd_compute + lt.tp_fwd + lt.ep_fwd == pytest.approx(max(h1, g1) + max(h - h1, g - g1), rel=1e-6)
     assert lt.fwd_compute + lt.tp_fwd + lt.ep_fwd > max(h, g)
+
+
+def test_te_grouped_gemm_runs_one_kernel_per_expert_on_four_streams_hand_computed():
+    """Transformer Engine's GroupedLinear issues one cuBLAS GEMM per local expert, round-robin on 4 streams
+    (cublaslt_gemm.cu multi_stream_cublas_gemm; multi_stream.cpp num_compute_streams = 4); torch._grouped_mm
+    one kernel. 10 experts of [512, 1024] x [1024, 1024], 100 SMs, 100 TFLOP/s, 5 us per kernel, HBM not binding:
+    each expert's output is 2 x 8 (or 4 x 4) = 16 tiles, 67,108,864 FLOP of tile each (2 x 256 x 128 x 1024)."""
+    rates = cost.Rates(gemm_flops=100e12, sm_count=100, gemm_overhead_s=5e-6, attention_flops=1e12,
+                       hbm_bytes_per_s=1e18)
+    tile = 2 * 256 * 128 * 1024
+    # one grouped kernel: 160 tiles -> 2 waves of 100, one fixed cost
+    assert cost.grouped_gemm_time_s(512, 1024, 1024, rates, 10, 0) == pytest.approx(200 * tile / 100e12 + 5e-6)
+    # 4 streams: rounds of 4, 4, 2 kernels (64, 64, 32 tiles: one wave each), one fixed cost a round
+    assert cost.grouped_gemm_time_s(512, 1024, 1024, rates, 10, 4) == pytest.approx(300 * tile / 100e12 + 15e-6)
+    # 1 stream: 10 kernels of one wave each, 10 fixed costs
+    assert cost.grouped_gemm_time_s(512, 1024, 1024, rates, 10, 1) == pytest.approx(1000 * tile / 100e12 + 50e-6)
+    # 400 tiles an expert (4 x 100): whole waves either way, only the fixed costs differ
+    assert cost.grouped_gemm_time_s(1024, 1024, 12800, rates, 8, 4) - cost.grouped_gemm_time_s(
+        1024, 1024, 12800, rates, 8, 0) == pytest.approx(5e-6)
+    # one expert: one kernel either way
+    assert cost.grouped_gemm_time_s(512, 1024, 1024, rates, 1, 4) == cost.gemm_time_s(512, 1024, 1024, rates)
+
+
+def test_megatron_and_nemo_run_the_experts_as_te_grouped_gemms_torchtitan_as_one_kernel():
+    """The framework profiles: Megatron (--moe-grouped-gemm, planner/emit/megatron.py) and NeMo (the providers'
+    moe_grouped_gemm=True) run TEGroupedMLP, TE's 4-stream per-expert GEMMs; torchtitan torch._grouped_mm."""
+    from planner import frameworks
+
+    assert frameworks.get("megatron").expert_gemm_streams == 4 == frameworks.get("nemo").expert_gemm_streams
+    assert frameworks.get("torchtitan").expert_gemm_streams == 0
+    plan = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
+    tokens = 4096.0
+    got = {fw: moe_layer_extra(DSV3, H100, TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, framework=fw),
+                               plan, tokens) for fw in ("nemo", "torchtitan")}
+    tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096)
+    rates = cost.Rates.of(H100, "bf16")
+    m = tr.moe_load_imbalance * tokens * DSV3.top_k / 32  # 32 local experts
+    h, f = DSV3.hidden_size, DSV3.moe_ffn_size
+    d_fwd = d_bwd = 0.0
+    for k, n in ((h, 2 * f), (f, h)):
+        te = cost.gemm_fwd_bwd_s(m, k, n, rates, batch=32, streams=4)
+        one = cost.gemm_fwd_bwd_s(m, k, n, rates, batch=32)
+        d_fwd += te[0] - one[0]
+        d_bwd += te[1] + te[2] - one[1] - one[2]
+    assert d_fwd > 0 and d_bwd > 0
+    assert got["nemo"].fwd_compute - got["torchtitan"].fwd_compute == pytest.approx(d_fwd, rel=1e-9)
+    assert got["nemo"].bwd_compute - got["torchtitan"].bwd_compute == pytest.approx(d_bwd, rel=1e-9)

@@ -134,4 +134,6 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            # TP group is > 1 without sequence parallelism
                            moe_needs_sp=True, allows_fp8_params=True,
                            # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)
-                           allows_cpu_offload=True)
+                           allows_cpu_offload=True,
+                           # --moe-grouped-gemm (planner/emit/megatron.py): TEGroupedMLP, TE's multi-stream GroupedLinear
+                           expert_gemm_streams=4)
