@@ -80,3 +80,16 @@ def test_layers_in_flight_by_hand(run_i, m, expected):
     assert got == pytest.approx(expected)
     # rank 1 (one layer per chunk): the same count walking Megatron's action list
     assert measured_peak(rank_actions("megatron", 16, 8, m, 1, 16)) == expected[1]
+
+
+def test_uneven_chunks_counted_over_the_action_list():
+    """vpp 4 on the 7 + 14 x 8 + 7 layout (the benchmark's former mapping), m = 32, N = 16, Megatron's order.
+    Rank 15, chunks (2, 2, 2, 1): 48 warm-up forwards, chunks 0..2 of micro-batches 0..15 = 96 layers; pairs
+    F(chunk 3) / B(chunk 3) hold 97; F(chunk 0 of mb 16, 2 layers) before B(chunk 2 of mb 0): 98. Rank 0,
+    chunks (1, 2, 2, 2): 78 warm-up forwards = micro-batches 0..15 on all chunks (112 layers) and chunk 0 of
+    16..29 (14), then F(chunk 0 of mb 30): 127. The mean chunk gave 49 x 7/4 = 85.75 and 79 x 7/4 = 138.25."""
+    run = DATA["runs"][0]
+    sc = _sc(run).model_copy(update={"plan": bench.meta_plan(run, DATA["stated"] | {"vpp": 4})})
+    dense_b, _ = saved_bytes_per_layer_kind(sc.model, sc.training, sc.plan)
+    got = [stage_saved_bytes(sc.model, sc.training, sc.plan, 32, r, n) / dense_b for r, n in ((0, 7), (1, 8), (15, 7))]
+    assert got == pytest.approx([127, 154, 98])  # rank 1: (2 x 14 + 3 x 16 + 1) chunks x 2 layers
