@@ -93,3 +93,22 @@ def test_uneven_chunks_counted_over_the_action_list():
     dense_b, _ = saved_bytes_per_layer_kind(sc.model, sc.training, sc.plan)
     got = [stage_saved_bytes(sc.model, sc.training, sc.plan, 32, r, n) / dense_b for r, n in ((0, 7), (1, 8), (15, 7))]
     assert got == pytest.approx([127, 154, 98])  # rank 1: (2 x 14 + 3 x 16 + 1) chunks x 2 layers
+
+
+@pytest.mark.parametrize("m, peak", [(32, 141), (16, 128)])
+def test_torch_pipelining_holds_the_same(m, peak):
+    """torch.distributed.pipelining's ScheduleInterleaved1F1B (the same tunable-N idea: micro-batches per round
+    m // max(1, m // p) = 16, warm-up (v - 1) 16 + 2 (p - 1 - r)) holds as many chunks on rank 1 as Megatron's
+    order, walking torch's own pipeline_order."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace as NS
+
+    from torch.distributed.pipelining import schedules as TS
+
+    p, v, r = 16, 8, 1
+    stages = [NS(stage_index=r + c * p, num_stages=p * v, group_size=p, group_rank=r, is_first=False,
+                 is_last=False, submod=torch.nn.Identity()) for c in range(v)]
+    order = TS.ScheduleInterleaved1F1B(stages, n_microbatches=m).pipeline_order[r]
+    actions = [(a.computation_type.value, a.microbatch_index, a.stage_index // p) for a in order
+               if a is not None and a.computation_type.value in ("F", "B")]
+    assert measured_peak(actions) == peak == measured_peak(rank_actions("torch", p, v, m, r))
