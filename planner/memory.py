@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner import frameworks
-from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, empty_chunks, padded_vocab_size,
-                           stage_chunks)
+from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size, stage_chunks,
+                           uneven_chunks)
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
 GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
@@ -793,13 +793,21 @@ def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan
                for m in kinds)
 
 
-def empty_chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches: int, stage: int,
-                            layers: int) -> float | None:
-    """Layers whose activations a stage holds at its peak when one of its chunks holds no transformer layer
-    (rank 0's embedding chunk, the last rank's loss chunk: specs.min_stage_layers), counted over the
-    schedule's own action list (schedules.peak_in_flight_layers): such a chunk is in flight but holds
-    nothing, so in-flight chunks x the mean chunk is wrong there. None for a stage without an empty chunk."""
-    if not layers or not empty_chunks(layers, plan.vpp, first=stage == 0):
+def chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches: int, stage: int,
+                      layers: int) -> float | None:
+    """Layers whose activations a stage holds at its peak when its chunks hold unequal numbers of layers,
+    counted over the schedule's own action list (schedules.peak_in_flight_layers). None for a stage of
+    equal chunks, where in-flight chunks x the chunk's layers is exact.
+
+    In-flight chunks x the mean chunk is wrong when the chunks differ, because the schedule does not hold
+    them in proportion: a chunk that holds no transformer layer (rank 0's embedding chunk, the last rank's
+    loss chunk: specs.min_stage_layers) is in flight but holds nothing, and a stage whose layers vpp does
+    not divide (specs.stage_chunks: the longer chunks first, except on rank 0) runs the early chunks of its
+    warm-up group first. Megatron's order, p = 16, v = 4, N = 16, the last rank of 7 layers as (2, 2, 2, 1):
+    its 48 warm-up forwards are chunks 0..2 of micro-batches 0..15, 96 layers, and its peak 98
+    (F(chunk 0 of mb 16) before B(chunk 2 of mb 0)); the mean chunk gave 49 x 7/4 = 85.75
+    (tests/test_meta_405b.py)."""
+    if not layers or not uneven_chunks(layers, plan.vpp, first=stage == 0):
         return None
     chunks = stage_chunks(layers, plan.vpp, first=stage == 0)
     from planner.schedules import framework_family, peak_in_flight_layers, schedule_actions
@@ -850,7 +858,7 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
         dense_n, moe_n = offload_resident_layers(model, plan, layers)
         return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * (dense_n * dense_b + moe_n * moe_b))
     moe_layers = stage_moe_layer_count(model, plan, stage, layers)
-    peak_layers = empty_chunk_peak_layers(training, plan, num_microbatches, stage, layers)
+    peak_layers = chunk_peak_layers(training, plan, num_microbatches, stage, layers)
     if peak_layers is not None:
         per_layer = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / layers
         return float(peak_layers * per_layer)

@@ -42,13 +42,13 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
                           stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
-from planner.memory import (act_bytes, empty_chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
+from planner.memory import (act_bytes, chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_params_per_rank, stage_state_bytes)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS
-from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems, empty_chunks
+from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems, empty_chunks, uneven_chunks
 
 NS = 1e9  # time unit of the tables: nanoseconds
 KIB = 1024  # memory unit of the tables
@@ -189,9 +189,9 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         if p == 1 and off_u.any():  # offloading: only the resident layers (memory.stage_saved_bytes)
             held = inflight * (resident[:, :1] * f["saved"][:, None] + resident[:, 1:] * f["saved_moe"][:, None])
             act = np.where(off_u[:, None] > 0, held, act)
-        for i, (r, x) in enumerate(mrows):  # a stage with an empty (embedding or loss) chunk: its exact peak
-            if x and empty_chunks(x, v, first=r == 0):
-                peak = {mu: empty_chunk_peak_layers(training, base, mu, r, x) for mu in set(m[ok.any(axis=1)].tolist())}
+        for i, (r, x) in enumerate(mrows):  # a stage of unequal chunks (an empty one among them): its exact peak
+            if x and uneven_chunks(x, v, first=r == 0):
+                peak = {mu: chunk_peak_layers(training, base, mu, r, x) for mu in set(m[ok.any(axis=1)].tolist())}
                 per_layer = ((x - n_moe[i]) * f["saved"] + n_moe[i] * f["saved_moe"]) / x
                 act[:, i] = [peak[mu] * b if mu in peak else 0.0 for mu, b in zip(m.tolist(), per_layer)]
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]

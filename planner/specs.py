@@ -978,6 +978,12 @@ def stage_chunks(layers: int, vpp: int, first: bool) -> tuple[int, ...]:
     return tuple(short + long) if first else tuple(long + short)
 
 
+def uneven_chunks(layers: int, vpp: int, first: bool) -> bool:
+    """Whether one stage's chunks (:func:`stage_chunks`) hold unequal numbers of layers: an empty (embedding or
+    loss) chunk, or a stage whose layers ``vpp`` does not divide."""
+    return vpp > 1 and len(set(stage_chunks(layers, vpp, first))) > 1
+
+
 def empty_chunks(layers: int, vpp: int, first: bool) -> int:
     """Chunks of one stage that hold no transformer layer (:func:`stage_chunks`; only rank 0's embedding
     chunk and the last rank's loss chunk may, :func:`min_stage_layers`)."""

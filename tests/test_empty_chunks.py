@@ -69,6 +69,19 @@ def test_memory_counts_layers_not_chunks_in_flight():
     assert all(st.total_bytes > 0 for st in mem.stages)
 
 
+def test_uneven_chunks_without_an_empty_one():
+    """p = 4, v = 2, m = 8 (N = 4), layers (3, 4, 4, 3), Megatron's order, counted by hand. Rank 3, chunks
+    (2, 1): 4 warm-up forwards of chunk 0 (8 layers), F/B pairs of chunk 1 (9), then F(chunk 0 of mb 4)
+    before B(chunk 0 of mb 0): 10 (the mean chunk: 5 x 1.5 = 7.5). Rank 0, chunks (1, 2): 10 warm-up
+    forwards = mbs 0..3 on both chunks (12) and chunk 0 of mbs 4, 5 (2), then F(chunk 0 of mb 6): 15
+    (11 x 1.5 = 16.5). Rank 1, chunks (2, 2): (2 x 2 + 4 + 1) x 2 = 18."""
+    model, training = load_model("llama3-405b"), TrainingSpec(num_gpus=4, global_batch_size=8, seq_len=1024)
+    plan = Plan(tp=1, pp=4, dp=1, vpp=2, micro_batch_size=1, layers_per_stage=(3, 4, 4, 3))
+    dense_b, _ = saved_bytes_per_layer_kind(model, training, plan)
+    got = [stage_saved_bytes(model, training, plan, 8, r, n) / dense_b for r, n in enumerate((3, 4, 4, 3))]
+    assert got == pytest.approx([15, 18, 18 - 2 * 2, 10])  # rank 2: (2 x 1 + 4 + 1) x 2 = 14
+
+
 def test_step_time_finite_and_empty_chunk_hides_no_transfer():
     sc = _sc()
     t = estimate_time(sc.model, sc.hardware, sc.training, sc.plan)

@@ -107,7 +107,10 @@ def megatron_schedules(megatron_lm_root):
 
 
 @pytest.mark.parametrize("p,v,m,group", [(2, 2, 4, None), (4, 2, 8, None), (4, 3, 12, None), (4, 2, 10, 10),
-                                         (4, 2, 12, 6), (8, 2, 16, None), (8, 4, 24, 12), (4, 4, 9, 9)])
+                                         (4, 2, 12, 6), (8, 2, 16, None), (8, 4, 24, 12), (4, 4, 9, 9),
+                                         # Meta's Llama 3 405B (benchmarks/meta_405b.py): PP 16 x VP 8, 32 and
+                                         # 16 micro-batches per DP rank, N = 16 or 32
+                                         (16, 8, 32, None), (16, 8, 32, 32), (16, 8, 16, None)])
 def test_megatron_family_matches_megatron_core(megatron_schedules, p, v, m, group):
     MS = megatron_schedules
     n = group or p
