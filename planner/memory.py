@@ -809,13 +809,24 @@ def chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches: int,
     (tests/test_meta_405b.py)."""
     if not layers or not uneven_chunks(layers, plan.vpp, first=stage == 0):
         return None
-    chunks = stage_chunks(layers, plan.vpp, first=stage == 0)
-    from planner.schedules import framework_family, peak_in_flight_layers, schedule_actions
+    from planner.schedules import framework_family
 
     family = framework_family(training.framework)
-    actions = schedule_actions(plan.schedule, plan.pp, int(num_microbatches), stage, plan.vpp,
-                               "torch" if family == "deepspeed" else family, plan.microbatch_group_size)
-    return float(peak_in_flight_layers(actions, chunks, schedule_w_fraction(training)))
+    return _chunk_peak_layers(plan.schedule, plan.pp, int(num_microbatches), stage, plan.vpp,
+                              "torch" if family == "deepspeed" else family, plan.microbatch_group_size, layers,
+                              schedule_w_fraction(training))
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_peak_layers(schedule: str, pp: int, num_microbatches: int, stage: int, vpp: int, family: str,
+                       group: int | None, layers: int, w_fraction: float) -> float:
+    """:func:`chunk_peak_layers` on hashable arguments, cached: the search asks for the same stage and schedule
+    for many plans (tens of thousands of times for DeepSeek-V3 on 2048 GPUs)."""
+    from planner.schedules import peak_in_flight_layers, schedule_actions
+
+    chunks = stage_chunks(layers, vpp, first=stage == 0)
+    actions = schedule_actions(schedule, pp, num_microbatches, stage, vpp, family, group)
+    return float(peak_in_flight_layers(actions, chunks, w_fraction))
 
 
 def offload_resident_layers(model: ModelSpec, plan: Plan, layers: int) -> tuple[int, int]:
