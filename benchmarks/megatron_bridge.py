@@ -25,7 +25,8 @@ fp8 weights with no bf16 copy (``fp8_params``) in every fp8 and mxfp8 run: the p
 mxfp8 recipes all set ``fp8_param_gather = True`` (src/megatron/bridge/training/mixed_precision.py, commit 0509780:
 ``bf16_with_fp8_delayed_scaling_mixed``, ``bf16_with_fp8_current_scaling_mixed``, ``bf16_with_mxfp8_mixed``, the last
 with ``reuse_grad_buf_for_mxfp8_param_ag``), and scripts/performance/utils/overrides.py leaves it; plan3d counts it
-under the distributed optimizer only (Megatron-FSDP runs keep the bf16 bytes, the larger); Transformer Engine's
+under the distributed optimizer and, per-tensor fp8 only, under Megatron-FSDP (``MixedPrecisionConfig.setup`` copies
+``fp8_param_gather`` into the DDP config: uint8 sharded weights, ``planner.frameworks.megatron``); Transformer Engine's
 fused cross entropy (``cross_entropy_fusion='te'``): ``GPTModelProvider.cross_entropy_loss_fusion`` defaults to True
 (src/megatron/bridge/models/gpt_provider.py, commit 0254ddd) and ``_set_common_perf_overrides`` sets
 ``cross_entropy_fusion_impl = "te"`` for every model (scripts/performance/utils/overrides.py, commit 00538e2);

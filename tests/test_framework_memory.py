@@ -390,3 +390,21 @@ def test_megatron_fsdp_keeps_no_fp8_weight_cache():
         w8 = state_bytes(model, tr8, plan, params, params / model.num_layers, model.num_layers).weights_bytes
         w16 = state_bytes(model, tr16, plan, params, params / model.num_layers, model.num_layers).weights_bytes
         assert (w8 > w16) == cached
+
+
+@pytest.mark.parametrize("framework", ["megatron", "nemo"])
+def test_megatron_fsdp_fp8_params_shard_uint8_weights(framework):
+    """Megatron-FSDP (ZeRO 3) with fp8 parameters (per-tensor fp8): core_v0.16.1 megatron_fsdp
+    param_and_grad_buffer.py gives Float8Tensor groups a uint8 model-weight buffer, sharded: 1 B per GEMM weight
+    over dp in place of bf16's 2; the gathered layers, gradients and optimizer shards are unchanged.
+    Llama-3 8B GEMM weights per layer, by hand: QKV 4096 x (4096 + 2 x 8 x 128) = 25,165,824, out-proj
+    4096 x 4096 = 16,777,216, FC1 + FC2 3 x 4096 x 14336 = 176,160,768; 218,103,808 per layer, 32 layers over
+    dp 64: 1 B x 32 x 218,103,808 / 64 = 109,051,904 B fewer."""
+    plan = Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=3)
+    base = stage_state_bytes(LLAMA, _training(framework, precision="fp8"), plan, 0, 32)
+    st = stage_state_bytes(LLAMA, _training(framework, precision="fp8", fp8_params=True), plan, 0, 32)
+    assert base.weights_bytes - st.weights_bytes == pytest.approx(109_051_904)
+    assert (st.grads_bytes, st.optimizer_bytes) == (base.grads_bytes, base.optimizer_bytes)
+    # mxfp8 under Megatron-FSDP is left at the bf16 bytes (planner/frameworks/megatron.py)
+    mx = stage_state_bytes(LLAMA, _training(framework, precision="mxfp8", fp8_params=True), plan, 0, 32)
+    assert mx.weights_bytes == pytest.approx(base.weights_bytes)

@@ -39,9 +39,18 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   ``shared_buffer`` of the gradient dtype for the gradients and the bf16 parameter all-gather, and
   ``finish_param_sync`` copies (casts) the gathered bf16 values into the ``MXFP8Tensor`` s. So 2 + 2/32 B
   per GEMM weight in place of bf16 + cache's 4 + 2/32, and the all-gather moves bf16. Modelled
-  with the distributed optimizer (ZeRO 1) only: Megatron refuses ``--fp8-param-gather`` without it
-  (``training/arguments.py`` line 655), and Megatron-FSDP's fp8 gather is left at the bf16 bytes,
-  the larger.
+  with the distributed optimizer (ZeRO 1); Megatron accepts ``--fp8-param-gather`` with it, torch FSDP2 or
+  Megatron-FSDP (``training/arguments.py`` line 655).
+* **fp8 parameters under Megatron-FSDP** (ZeRO 3, ``optim_grads_params``; Megatron-Bridge copies the precision
+  recipe's ``fp8_param_gather`` into ``DistributedDataParallelConfig``, ``MixedPrecisionConfig.setup``): per-tensor
+  fp8 GEMM weights live sharded in a uint8 model-weight buffer, 1 B per weight in place of bf16's 2
+  (``MEGATRON_FSDP_FP8_PARAM_BYTES``); the gradient buffer stays bf16 (fp32 with grad_reduce_in_fp32) and the fp32
+  main weights in the optimizer shards. The gathered layers (``planner.memory.zero_working_set_bytes``, 2 B per
+  weight) are left as they are: 1 B of fp8 data plus, in backward, TE's fp8 transpose (1 B; Blackwell's non-TN fp8
+  GEMMs make none, ``Float8TensorStorage.update_usage``, not modelled: plan3d has no GPU generation in this
+  path, so the Hopper bytes, the larger, are kept). MXFP8 under Megatron-FSDP (a uint8 row-wise and a uint8
+  column-wise buffer, both sharded, and the block scales) is left at the bf16 bytes, 2 B against its 2 + scales: a
+  possible undercount of the scales, whose placement was not read.
 * **Logits**: the vocab-parallel cross entropy (``tensor_parallel/cross_entropy.py``) upcasts the
   bf16 logits to fp32 in place of a copy: 2 + 4 B per logit live together (``planner.memory``
   contradiction 5). ``--cross-entropy-loss-fusion`` alone (``fused_vocab_parallel_cross_entropy``,
@@ -72,6 +81,14 @@ FP8_PARAM_TRANSPOSE_BYTES = 1
 #: (On Blackwell TE needs no fp8 transpose for per-tensor fp8, non-TN GEMMs being supported; the Hopper 1 + 1 B
 #: above is kept for every GPU, the larger.)
 QUANTISED_PARAM_BYTES = {"fp8": FP8_PARAM_BYTES + FP8_PARAM_TRANSPOSE_BYTES, "mxfp8": 2 + 2 / 32}
+#: Megatron-FSDP (ZeRO 3) with fp8 parameters, per-tensor fp8: core_v0.16.1
+#: ``core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py`` (``ParamAndGradBuffer``, lines 1941-1962)
+#: gives a parameter group of ``Float8Tensor`` s a ``torch.uint8`` model-weight buffer (1 B per weight, sharded under
+#: ``optim_grads_params``) and a transpose buffer only for MXFP8 (``fp8_need_transpose_data``, mixed_precision.py
+#: lines 182-184); the per-tensor fp8 transpose is made for the gathered parameter in backward only
+#: (``megatron_fsdp.py`` line 453, ``fp8_create_transpose_cache``) and dropped when the layer is released
+#: (``keep_fp8_transpose_cache`` False, lines 538-544), so it belongs to the working set (left at 2 B per weight).
+MEGATRON_FSDP_FP8_PARAM_BYTES = 1
 LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
 TE_FUSED_LOGITS_BYTES_PER_ELEMENT = 2  # bf16 logits, the gradient written in place (module docstring)
 
@@ -103,7 +120,13 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, per_param)
     we, ge, oe = state_bytes_per_param(plan.zero_stage, plan.expert_dp, per_param) if expert_params else (w, g, o)
     w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param, layer_params)
-    weights = min(dense * w + expert_params * we + w_work, stage_params * per_param[0])
+    sharded = dense * w + expert_params * we
+    if training.fp8_params and training.precision == "fp8" and plan.zero_stage >= 3:
+        # Megatron-FSDP with fp8 parameters: the sharded model-weight buffer of Float8Tensor params is uint8, 1 B
+        # per GEMM weight in place of bf16's 2 (MEGATRON_FSDP_FP8_PARAM_BYTES; module docstring)
+        linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
+        sharded -= (per_param[0] - MEGATRON_FSDP_FP8_PARAM_BYTES) * linear / max(plan.dp * plan.cp, 1)
+    weights = min(sharded + w_work, stage_params * per_param[0])
     if training.precision in WEIGHT_CACHE_BYTES and plan.zero_stage < 2:
         # (Megatron-FSDP, ZeRO 2/3, keeps no fp8 weight cache: ``keep_fp8_transpose_cache`` is off by default,
         # "This option will cause (number of parameter x 1 Byte) of memory overhead", core_v0.16.1
