@@ -50,7 +50,8 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   GEMMs make none, ``Float8TensorStorage.update_usage``, not modelled: plan3d has no GPU generation in this
   path, so the Hopper bytes, the larger, are kept). MXFP8 under Megatron-FSDP (a uint8 row-wise and a uint8
   column-wise buffer, both sharded, and the block scales) is left at the bf16 bytes, 2 B against its 2 + scales: a
-  possible undercount of the scales, whose placement was not read.
+  possible undercount of the scales, whose placement was not read. A stage with routed experts keeps the bf16
+  bytes too (the larger).
 * **Logits**: the vocab-parallel cross entropy (``tensor_parallel/cross_entropy.py``) upcasts the
   bf16 logits to fp32 in place of a copy: 2 + 4 B per logit live together (``planner.memory``
   contradiction 5). ``--cross-entropy-loss-fusion`` alone (``fused_vocab_parallel_cross_entropy``,
@@ -121,9 +122,10 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     we, ge, oe = state_bytes_per_param(plan.zero_stage, plan.expert_dp, per_param) if expert_params else (w, g, o)
     w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param, layer_params)
     sharded = dense * w + expert_params * we
-    if training.fp8_params and training.precision == "fp8" and plan.zero_stage >= 3:
+    if training.fp8_params and training.precision == "fp8" and plan.zero_stage >= 3 and not expert_params:
         # Megatron-FSDP with fp8 parameters: the sharded model-weight buffer of Float8Tensor params is uint8, 1 B
-        # per GEMM weight in place of bf16's 2 (MEGATRON_FSDP_FP8_PARAM_BYTES; module docstring)
+        # per GEMM weight in place of bf16's 2 (MEGATRON_FSDP_FP8_PARAM_BYTES; module docstring). Stages with
+        # routed experts (sharded over the expert-data-parallel group) keep the bf16 bytes, the larger
         linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
         sharded -= (per_param[0] - MEGATRON_FSDP_FP8_PARAM_BYTES) * linear / max(plan.dp * plan.cp, 1)
     weights = min(sharded + w_work, stage_params * per_param[0])
