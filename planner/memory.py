@@ -977,8 +977,8 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
 
 # --- the estimate -------------------------------------------------------------------------------
 
-def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int
-                      ) -> frameworks.StateBytes:
+def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
+                      hardware: HardwareSpec | None = None) -> frameworks.StateBytes:
     """Weights, gradients and optimizer states of one GPU of stage ``stage``, as the framework of
     ``training.framework`` holds them at the step's peak (``planner/frameworks``).
 
@@ -992,10 +992,11 @@ def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stag
     profile = frameworks.get(training.framework)
     dense, expert = stage_param_split(model, plan, stage, layers)
     if not model.is_moe:  # the dense path, unchanged
-        return profile.state_bytes(model, training, plan, dense, layer_params_per_rank(model, plan.tp), layers)
+        return profile.state_bytes(model, training, plan, dense, layer_params_per_rank(model, plan.tp), layers,
+                                   hardware=hardware)
     largest = stage_max_layer_params(model, plan, stage, layers)
     return profile.state_bytes(model, training, plan, dense + expert, largest, layers, expert_params=expert,
-                               linear_params=stage_linear_params_per_rank(model, plan, stage, layers))
+                               linear_params=stage_linear_params_per_rank(model, plan, stage, layers), hardware=hardware)
 
 
 def stage_linear_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:
@@ -1030,10 +1031,10 @@ def layer_phase_bytes(st: frameworks.StateBytes, recompute_bytes: float, output_
 
 
 def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
-                 stage: int, layers: int) -> StageMemory:
+                 stage: int, layers: int, hardware: HardwareSpec | None = None) -> StageMemory:
     """Every component of one GPU of stage ``stage``: the framework's states, the saved activations,
     the inputs / outputs, and the larger of the layer phase and the loss spike (:func:`layer_phase_bytes`)."""
-    st = stage_state_bytes(model, training, plan, stage, layers)
+    st = stage_state_bytes(model, training, plan, stage, layers, hardware)
     spike = output_bytes(model, training, plan) if stage == plan.loss_stage else 0.0
     recompute = layer_recompute_working_bytes(model, training, plan)
     w_work, g_work, a_work = layer_phase_bytes(st, recompute, spike)
@@ -1050,7 +1051,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
 def estimate_memory(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, plan: Plan) -> MemoryEstimate:
     """Memory of every pipeline stage against the usable memory of one GPU."""
     m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
-    stages = tuple(stage_memory(model, training, plan, m, r, n)
+    stages = tuple(stage_memory(model, training, plan, m, r, n, hardware)
                    for r, n in enumerate(plan.stage_layers(model.num_layers)))
     if training.framework == "torchtitan":  # its logs show the caching allocator's reserved peak
         from planner.frameworks.torchtitan import with_reserved

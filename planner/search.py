@@ -180,7 +180,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         # their maximum (a stage the three kinds miss could not fit while the table says it does)
         mrows = _memory_rows(model, base, rows)
         if len(mrows) > len(rows):
-            static, work = _state_rows(model, training, base, mrows, zeros)
+            static, work = _state_rows(model, hw, training, base, mrows, zeros)
         nm = np.array([x[1] for x in mrows], dtype=float)
         inflight = np.stack([in_flight(base, m, r) for r, _ in mrows], axis=1)  # [U, R]
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
@@ -312,7 +312,7 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
         sync[key] = [dp_sync_parts_s(model, hw, training, zp, r, n, order) for r, n in rows]
     z3p = plan.model_copy(update={"zero_stage": 3})
     gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
-    static, work = _state_rows(model, training, plan, rows, zeros)
+    static, work = _state_rows(model, hw, training, plan, rows, zeros)
     dpg_s, dpp_s, z3_s, opt_s = [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
@@ -340,14 +340,14 @@ def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> l
     return [rows[0], *middles, rows[-1]]
 
 
-def _state_rows(model, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, np.ndarray]:
+def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, np.ndarray]:
     """Static memory (weights + gradients + optimizer) and its transient working set [Z, R] of each
     (stage, layers) row (memory.stage_state_bytes): the three kinds in :func:`_zero_terms`, more rows for a
     MoE model's middle stages (:func:`_memory_rows`)."""
     static, work = [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
-        states = [stage_state_bytes(model, training, zp, r, n) for r, n in rows]
+        states = [stage_state_bytes(model, training, zp, r, n, hw) for r, n in rows]
         static.append([st.weights_bytes + st.grads_bytes + st.optimizer_bytes for st in states])
         work.append([st.working_weights_bytes + st.working_grads_bytes for st in states])
     return np.array(static), np.array(work)

@@ -485,6 +485,11 @@ class HardwareSpec(_Spec):
         description="Dense FP4 (NVFP4/MXFP4 block-scaled) tensor peak, TFLOP/s; absent before Blackwell.")
     peak_fp32_tflops: float | None = Field(
         default=None, gt=0, description="Dense FP32 (TF32 tensor-core on GPUs) peak, TFLOP/s; for fp32 training.")
+    fp8_any_layout_gemm: bool = Field(
+        default=False,
+        description="FP8 GEMMs take operands in any layout (Blackwell sm_100/sm_103: Transformer Engine's "
+                    "nvte_is_non_tn_fp8_gemm_supported), so TE keeps no fp8 transpose of a per-tensor-scaled "
+                    "weight (planner/frameworks/megatron.py); Hopper needs TN layouts and keeps one.")
     hbm_bandwidth_gbps: float = Field(gt=0, description="Peak HBM bandwidth, GB/s.")
     gpus_per_node: int = Field(ge=1, le=4096, description="GPUs per host (one torchrun / Slurm task group; --nproc-per-node).")
     nvlink_domain_size: int | None = Field(

@@ -166,10 +166,12 @@ def test_saved_gemm_inputs_per_precision_hand_computed(precision, saved_per_elem
     assert fc2.bytes == pytest.approx(8192 * 14336 / 8 * saved_per_element)
 
 
-@pytest.mark.parametrize("precision,cache_per_weight", [("bf16", 0), ("fp8", 2), ("mxfp8", 2 + 2 / 32),
+@pytest.mark.parametrize("precision,cache_per_weight", [("bf16", 0), ("fp8", 1), ("mxfp8", 2 + 2 / 32),
                                                         ("nvfp4", 1.0)])
 def test_te_weight_cache_per_precision_hand_computed(precision, cache_per_weight):
-    """Megatron/TE keep quantised copies of every GEMM weight: weights bytes = 2 B bf16 + the cache."""
+    """Megatron/TE keep quantised copies of every GEMM weight: weights bytes = 2 B bf16 + the cache. On a
+    Blackwell GB200 per-tensor fp8 keeps the fp8 weight only (1 B: no transpose, fp8 GEMMs take any layout);
+    mxfp8 both block-scaled directions; nvfp4 both directions at 0.5 B."""
     from planner.frameworks.megatron import linear_params_per_rank
     from planner.memory import estimate_scenario_memory
 

@@ -123,6 +123,25 @@ def test_mxfp8_param_gather_emitted_and_read_back(tmp_path):
     assert (t.precision, t.fp8_params, t.cross_entropy_fusion) == ("mxfp8", True, "te")
 
 
+@pytest.mark.parametrize("fp8_params", [False, True])
+def test_blackwell_keeps_no_fp8_transpose(fp8_params):
+    """Per-tensor fp8 on Blackwell (HardwareSpec.fp8_any_layout_gemm): Transformer Engine makes no fp8 transpose
+    (pytorch/csrc/quantizer.cpp: create_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported()), so
+    the weight cache is 1 B per GEMM weight, not 2 (and fp8_params 1 B, not 1 + 1); mxfp8 keeps both directions."""
+    from planner.memory import stage_state_bytes as ssb
+
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    linear = 8 * (layer_params_per_rank(LLAMA, 1) - 2 * LLAMA.hidden_size)
+    b200 = load_hardware("b200-180gb")
+    tr = _training("megatron", precision="fp8", fp8_params=fp8_params)
+    hopper = ssb(LLAMA, tr, plan, 1, 8, H100)
+    blackwell = ssb(LLAMA, tr, plan, 1, 8, b200)
+    assert hopper.weights_bytes - blackwell.weights_bytes == pytest.approx(1 * linear)
+    assert ssb(LLAMA, tr, plan, 1, 8).weights_bytes == hopper.weights_bytes  # no hardware given: the larger
+    mx = _training("megatron", precision="mxfp8", fp8_params=fp8_params)
+    assert ssb(LLAMA, mx, plan, 1, 8, b200).weights_bytes == ssb(LLAMA, mx, plan, 1, 8).weights_bytes
+
+
 def test_nvfp4_params_refused():
     """No fp4 parameter path is modelled (Megatron-Bridge: "fp4_param and fp4_param_gather are not supported
     for now")."""

@@ -48,7 +48,7 @@ class FrameworkProfile:
     """Memory policy and search limits of one framework (see the module of each)."""
 
     name: str
-    # (model, training, plan, stage_params, layer_params, layers) -> StateBytes
+    # (model, training, plan, stage_params, layer_params, layers, expert_params=, linear_params=, hardware=) -> StateBytes
     state_bytes: Callable
     logits_bytes_per_element: Callable  # (training, plan) -> bytes per logit live at the loss peak
     sp_gathers_inputs: bool  # DTensor SP keeps QKV/FC1 inputs gathered (torch); Megatron keeps the 1/t shard

@@ -38,7 +38,7 @@ BF16, FP32, MASTER_AND_ADAM = 2, 4, 12
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
-                expert_params: float = 0.0, linear_params: float | None = None) -> StateBytes:
+                expert_params: float = 0.0, linear_params: float | None = None, hardware=None) -> StateBytes:
     """Weights, gradients and optimizer of one GPU of a stage (module docstring). MoE models run here
     without expert parallelism (``PROFILE.allows_ep`` is False), so the experts are ordinary
     parameters, sharded over dp x cp like the rest: ``expert_params`` changes nothing."""

@@ -78,6 +78,12 @@ WEIGHT_CACHE_BYTES = {"fp8": FP8_WEIGHT_CACHE_BYTES, "mxfp8": 2 + 2 / 32, "nvfp4
 #: and the fp8 transpose TE keeps beside it for the dgrad GEMM (Hopper fp8 GEMMs take TN layouts only).
 FP8_PARAM_BYTES = 1
 FP8_PARAM_TRANSPOSE_BYTES = 1
+#: FP8_TRANSPOSE_FREE: on a GPU with ``HardwareSpec.fp8_any_layout_gemm`` (Blackwell sm_100/sm_103) Transformer Engine
+#: makes no fp8 transpose of a per-tensor-scaled tensor: ``bool create_transpose = columnwise_usage &&
+#: !nvte_is_non_tn_fp8_gemm_supported()`` (NVIDIA/TransformerEngine transformer_engine/pytorch/csrc/quantizer.cpp),
+#: and ``nvte_is_non_tn_fp8_gemm_supported()`` is true for compute capability 10.0-11.x and >= 13.0
+#: (transformer_engine/common/transformer_engine.cpp): the weight cache and fp8_params keep 1 B per GEMM weight, not 2.
+#: MXFP8 and NVFP4 keep both directions there too: their column-wise data is its own block-scaled quantisation.
 #: ``fp8_params`` under mxfp8: the ``MXFP8Tensor`` weight, both directions with their scales (module docstring).
 #: (On Blackwell TE needs no fp8 transpose for per-tensor fp8, non-TN GEMMs being supported; the Hopper 1 + 1 B
 #: above is kept for every GPU, the larger.)
@@ -104,7 +110,7 @@ def linear_params_per_rank(model, tp: int, layers: int) -> float:
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
-                expert_params: float = 0.0, linear_params: float | None = None) -> StateBytes:
+                expert_params: float = 0.0, linear_params: float | None = None, hardware=None) -> StateBytes:
     """Weights, gradients and optimizer of one GPU of a stage under Megatron-Core (module docstring):
     ZeRO sharding as ``planner.memory.state_bytes_per_param`` with the ZeRO-2/3 working set of
     ``planner.memory.zero_working_set_bytes``, plus TE's fp8 weight cache.
@@ -134,12 +140,15 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         # "This option will cause (number of parameter x 1 Byte) of memory overhead", core_v0.16.1
         # core/distributed/fsdp/src/README.md; param_and_grad_buffer.py discards the transpose caches)
         linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
+        # per-tensor fp8 on a GPU whose fp8 GEMMs take any operand layout keeps no fp8 transpose (FP8_TRANSPOSE_FREE)
+        no_transpose = FP8_PARAM_TRANSPOSE_BYTES if (training.precision == "fp8" and hardware is not None
+                                                     and hardware.fp8_any_layout_gemm) else 0
         if training.fp8_params and plan.zero_stage == 1:
             # the GEMM weights are TE Float8Tensors in a uint8 param buffer (1 B in place of the bf16 2 B) with
             # their fp8 transpose (1 B), or MXFP8Tensors (both directions): no bf16 copy (module docstring)
-            weights += (QUANTISED_PARAM_BYTES[training.precision] - per_param[0]) * linear
+            weights += (QUANTISED_PARAM_BYTES[training.precision] - no_transpose - per_param[0]) * linear
         else:
-            weights += WEIGHT_CACHE_BYTES[training.precision] * linear
+            weights += (WEIGHT_CACHE_BYTES[training.precision] - no_transpose) * linear
     return StateBytes(weights_bytes=weights,
                       grads_bytes=min(dense * g + expert_params * ge + g_work, stage_params * per_param[1]),
                       optimizer_bytes=dense * o + expert_params * oe)

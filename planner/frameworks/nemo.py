@@ -50,12 +50,12 @@ BF16_ADAM_MASTER_BYTES = 2
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
-                expert_params: float = 0.0, linear_params: float | None = None):
+                expert_params: float = 0.0, linear_params: float | None = None, hardware=None):
     """Megatron-Core's states (``planner.frameworks.megatron.state_bytes``); with
     ``optimizer_dtype="bf16"`` the optimizer shards are Apex DistributedFusedAdam's bf16 states
     (module docstring), sharded over the same data-parallel groups as Megatron's."""
     st = megatron_state_bytes(model, training, plan, stage_params, layer_params, layers,
-                              expert_params=expert_params, linear_params=linear_params)
+                              expert_params=expert_params, linear_params=linear_params, hardware=hardware)
     if training.optimizer_dtype != "bf16":
         return st
     per_param = BF16_ADAM_MOMENTS_BYTES + (BF16_ADAM_MASTER_BYTES if training.fp8_params else 0)

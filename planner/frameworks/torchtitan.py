@@ -112,7 +112,7 @@ def reshard_after_forward(plan) -> bool:
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
-                expert_params: float = 0.0, linear_params: float | None = None) -> StateBytes:
+                expert_params: float = 0.0, linear_params: float | None = None, hardware=None) -> StateBytes:
     """Weights, gradients and AdamW states of one GPU of a stage (module docstring).
 
     Persistent at the peak: the fp32 shards (parameters, gradients, Adam; the gradient shards only
