@@ -37,7 +37,10 @@ The model (docs/cost-model.md):
 * **DP**: all-reduce (or reduce-scatter + all-gather with ZeRO 1-2) of each stage's gradients. With
   ``overlap_grad_reduce`` the reduction is hidden under the last micro-batch's backward of that
   stage and under the pipeline drain behind it, the weight all-gather under the next step's first
-  forward (Megatron ``--overlap-grad-reduce`` / ``--overlap-param-gather``, formulas.md C4).
+  forward (Megatron ``--overlap-grad-reduce`` / ``--overlap-param-gather``, formulas.md C4). Frameworks
+  that keep the gradients sharded across micro-batches (Megatron-FSDP, DeepSpeed ZeRO-2/3, FSDP2 without PP)
+  reduce them in every micro-batch's backward instead (:func:`grad_reduced_every_microbatch`), each
+  overlapped with that backward (:func:`compose_step`).
 * **Optimizer**: Adam is memory-bound, 42 B moved per parameter of the local shard (``ADAM_BYTES_PER_PARAM``).
 * **Mixture of experts** (docs/moe.md): a stage is ``n - n_moe`` dense layers plus ``n_moe`` MoE layers
   (``Plan.stage_moe_layers``). A MoE layer is the attention (MLA: its five projections), the shared
