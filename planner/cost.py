@@ -1331,7 +1331,7 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
 
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
                  overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch",
-                 grad_every_mb=False, grad_mb_overlap: bool = True) -> dict:
+                 grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd: bool = True) -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
     ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
@@ -1356,6 +1356,8 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     ``dp_grad`` is paid by every micro-batch, in its stage time X: with ``grad_mb_overlap``
     (:func:`grad_reduce_overlapped`) under that micro-batch's backward, less the ZeRO-3 backward all-gather
     (``z3 / 2``) that shares the DP links with it, else exposed; and nothing is left for the step's end.
+    ``grad_under_own_bwd`` False (:func:`grad_reduce_overlaps_last_backward`): a once-per-step reduction that
+    starts only after the stage's last backward hides under the drain of the stages before it alone.
     """
     z3_exposed = overlapped_s_array(z3, terms["compute"], c)
     every = np.asarray(grad_every_mb, dtype=float)
@@ -1374,7 +1376,8 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
         bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
     if overlap_grad_reduce:
         before = np.asarray(before, dtype=float).T
-        exposed = overlapped_s_array(dp_grad, terms["bwd"] + terms["bwd"] @ before, c) + \
+        own = terms["bwd"] if grad_under_own_bwd else 0.0 * terms["bwd"]
+        exposed = overlapped_s_array(dp_grad, own + terms["bwd"] @ before, c) + \
             overlapped_s_array(dp_param, terms["fwd"] + terms["fwd"] @ before, c)
     else:
         exposed = np.broadcast_to(dp_grad + dp_param, per_mb.shape)
@@ -1514,6 +1517,16 @@ def grad_reduced_every_microbatch(framework: str, zero_stage: int, pp: int) -> b
     if framework in ("torch", "torchtitan"):
         return pp == 1
     return zero_stage >= 2
+
+
+def grad_reduce_overlaps_last_backward(framework: str, pp: int) -> bool:
+    """Whether a once-per-step gradient reduction starts during the stage's last backward (Megatron's buckets,
+    DeepSpeed's hooks: as each bucket's gradients are final) or only after it. ``torch.distributed.pipelining``
+    (torch, torchtitan with pp > 1) reduces in the ``REDUCE_GRAD`` action that ``_add_reduce_grad`` places after
+    the stage's last backward (``schedules.py``; ``PipelineStage.perform_reduce_grad`` runs FSDP2's
+    ``post_backward`` for every parameter group then), and FSDP2's ``_root_post_backward_final_callback`` makes
+    the compute stream wait for it: only the drain of the stages before it is left to hide it."""
+    return not (framework in ("torch", "torchtitan") and pp > 1)
 
 
 def grad_reduce_overlapped(training: TrainingSpec) -> bool:
@@ -1659,7 +1672,8 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     every = grad_reduced_every_microbatch(training.framework, plan.zero_stage, plan.pp)
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
                        training.overlap_grad_reduce, c, plan.pipeline_schedule, schedule_family(training),
-                       every, grad_reduce_overlapped(training))
+                       every, grad_reduce_overlapped(training),
+                       grad_reduce_overlaps_last_backward(training.framework, plan.pp))
     pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {

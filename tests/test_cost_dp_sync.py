@@ -137,3 +137,22 @@ def test_search_tables_are_estimate_time_with_per_microbatch_reduction(framework
     keys = [k for k in legal_keys(tables) if tables.mem_kib[tables.unindex(k)].max() <= tables.usable_kib]
     checked = {assert_entry_is_estimate(model, hw, tr, tables, k).zero_stage for k in keys[:: max(1, len(keys) // 25)]}
     assert checked & {2, 3}
+
+
+def test_pipelining_reduces_after_the_last_backward_hand_computed():
+    """Two stages, m = 2, backward 3 s each, reduce-scatter 5 s each, contention 0.1, no all-gather.
+    Megatron's buckets start during the stage's last backward: stage 0 hides it under its own 3 s
+    (5 - 3 + 0.3 = 2.3), stage 1 under its own and stage 0's drain, 6 s (0.5): exposed 2.3.
+    torch.distributed.pipelining reduces after the last backward (REDUCE_GRAD): stage 0 has nothing to hide it
+    (5), stage 1 only stage 0's 3 s (2.3): exposed 5."""
+    terms = {k: np.array([[v, v]]) for k, v in dict(total=4.0, compute=4.0, fwd=1.0, bwd=3.0, wgrad=0.0).items()}
+    args = dict(optimizer=0.0, m=2, pp=2, vpp=1, counts=np.ones(2), before=np.array([[0.0, 0.0], [1.0, 0.0]]),
+                overlap_grad_reduce=True, c=0.1)
+    megatron = cost.compose_step(terms, np.zeros(2), np.array([5.0, 5.0]), np.zeros(2), **args)
+    torch_pp = cost.compose_step(terms, np.zeros(2), np.array([5.0, 5.0]), np.zeros(2), **args,
+                                 grad_under_own_bwd=False)
+    assert megatron["dp_exposed"][0] == pytest.approx(2.3)
+    assert torch_pp["dp_exposed"][0] == pytest.approx(5.0)
+    assert cost.grad_reduce_overlaps_last_backward("torchtitan", 2) is False
+    assert cost.grad_reduce_overlaps_last_backward("torchtitan", 1) is True
+    assert cost.grad_reduce_overlaps_last_backward("megatron", 4) is True
