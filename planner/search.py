@@ -271,7 +271,8 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
                         m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
                         c, base.pipeline_schedule, schedule_family(training), every,
-                        grad_reduce_overlapped(training), grad_reduce_overlaps_last_backward(training.framework, p))["step"]
+                        grad_reduce_overlapped(training),
+                        grad_reduce_overlaps_last_backward(training.framework, p))["step"]
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
