@@ -106,6 +106,7 @@ def test_zero2_pays_the_reduce_scatter_every_microbatch():
     assert t1.breakdown["dp_comm_exposed"] == pytest.approx(overlapped_s(rs, st.bwd, c) + overlapped_s(ag, st.fwd, c))
     assert t2.step_time_s - t1.step_time_s == pytest.approx(3 * overlapped_s(rs, st.bwd, c))
     assert t2.dp_comm_s == pytest.approx(4 * rs + ag)
+    assert sum(t2.breakdown.values()) == pytest.approx(t2.step_time_s)  # the per-micro-batch part is in the breakdown
 
 
 def test_torchtitan_with_pp_reduces_once_and_without_every_microbatch():
