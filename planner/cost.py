@@ -1506,7 +1506,8 @@ def grad_reduced_every_microbatch(framework: str, zero_stage: int, pp: int) -> b
       reduces only ``if self.partition_gradients or self.is_gradient_accumulation_boundary()``). ZeRO 2-3: every
       backward ("ZeRO stage >= 2 communicates during non gradient accumulation boundaries as well",
       ``engine.py``; ``stage3.py::partition_grads`` adds each micro-batch's reduced partition into the fp32 one);
-      ``engine.no_sync`` asserts it is not used with gradient partitioning.
+      ``engine.no_sync`` asserts it is not used with gradient partitioning. Counted on the engine on CPU
+      (tests/deepspeed_grad_sync_probe.py): 0, 0, 1 bucket reductions over 3 backwards at ZeRO-1, 1, 1, 1 at 2 and 3.
     * **torchtitan / torch** (FSDP2 ``fully_shard``, ZeRO 0 as its replicate mesh): without PP, every backward:
       torchtitan 0.3.0 ``trainer.py::train_step`` runs ``loss.backward()`` per accumulation step and never calls
       ``set_requires_gradient_sync(False)`` (tests/test_cost_dp_sync.py counts FSDP2's reduce-scatters: one set

@@ -52,6 +52,18 @@ def test_fsdp2_reduce_scatters_every_backward_unless_sync_is_off():
     assert per_backward[True] == [0, 0, 2]
 
 
+def test_deepspeed_reduces_every_microbatch_from_zero_2():
+    """Measured on DeepSpeed's ZeRO engine on this CPU (tests/deepspeed_grad_sync_probe.py, 3 accumulation
+    steps): ZeRO-1 reduces its gradient bucket only in the boundary's backward, ZeRO-2 and ZeRO-3 in every one."""
+    pytest.importorskip("deepspeed")
+    from tests.deepspeed_grad_sync_probe import run_probe
+
+    seen = run_probe()
+    assert seen[1] == [[False, 0], [False, 0], [True, 1]], seen
+    assert seen[2] == [[False, 1], [False, 1], [True, 1]], seen
+    assert seen[3] == [[False, 1], [False, 1], [True, 1]], seen
+
+
 @pytest.mark.parametrize("framework,zero,pp,expected", [
     ("megatron", 0, 4, False), ("megatron", 1, 1, False), ("megatron", 2, 1, True), ("megatron", 3, 4, True),
     ("nemo", 1, 4, False), ("nemo", 3, 4, True),
