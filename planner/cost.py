@@ -37,7 +37,10 @@ The model (docs/cost-model.md):
 * **DP**: all-reduce (or reduce-scatter + all-gather with ZeRO 1-2) of each stage's gradients. With
   ``overlap_grad_reduce`` the reduction is hidden under the last micro-batch's backward of that
   stage and under the pipeline drain behind it, the weight all-gather under the next step's first
-  forward (Megatron ``--overlap-grad-reduce`` / ``--overlap-param-gather``, formulas.md C4).
+  forward (Megatron ``--overlap-grad-reduce`` / ``--overlap-param-gather``, formulas.md C4). Frameworks
+  that keep the gradients sharded across micro-batches (Megatron-FSDP, DeepSpeed ZeRO-2/3, FSDP2 without PP)
+  reduce them in every micro-batch's backward instead (:func:`grad_reduced_every_microbatch`), each
+  overlapped with that backward (:func:`compose_step`).
 * **Optimizer**: Adam is memory-bound, 42 B moved per parameter of the local shard (``ADAM_BYTES_PER_PARAM``).
 * **Mixture of experts** (docs/moe.md): a stage is ``n - n_moe`` dense layers plus ``n_moe`` MoE layers
   (``Plan.stage_moe_layers``). A MoE layer is the attention (MLA: its five projections), the shared
@@ -1327,7 +1330,8 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
 
 
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
-                 overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch") -> dict:
+                 overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch",
+                 grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd: bool = True) -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
     ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
@@ -1346,9 +1350,24 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
 
     ``schedule`` (``Plan.pipeline_schedule``): the zero-bubble schedules replace the bubble term by
     :func:`schedule_bubble_s` (the same ``m · X_max`` steady state; their bubble from the action lists).
+
+    ``grad_every_mb`` (:func:`grad_reduced_every_microbatch`; a bool, or per ZeRO option broadcastable to the
+    rows): the framework reduces the gradients in every micro-batch's backward, not once per step. Then
+    ``dp_grad`` is paid by every micro-batch, in its stage time X: with ``grad_mb_overlap``
+    (:func:`grad_reduce_overlapped`) under that micro-batch's backward, less the ZeRO-3 backward all-gather
+    (``z3 / 2``) that shares the DP links with it, else exposed; and nothing is left for the step's end.
+    ``grad_under_own_bwd`` False (:func:`grad_reduce_overlaps_last_backward`): a once-per-step reduction that
+    starts only after the stage's last backward hides under the drain of the stages before it alone.
     """
     z3_exposed = overlapped_s_array(z3, terms["compute"], c)
-    per_mb = terms["total"] + z3_exposed
+    every = np.asarray(grad_every_mb, dtype=float)
+    grad_mb = dp_grad * every
+    dp_grad = dp_grad * (1.0 - every)
+    if grad_mb_overlap:
+        grad_exposed = overlapped_s_array(grad_mb, np.maximum(terms["bwd"] - np.asarray(z3) / 2, 0.0), c)
+    else:
+        grad_exposed = grad_mb + 0.0 * terms["bwd"]
+    per_mb = terms["total"] + z3_exposed + grad_exposed
     if schedule in ZB_SCHEDULES and pp > 1:
         w = np.asarray(counts, dtype=float)
         bubble = schedule_bubble_s(schedule, pp, vpp, m, (terms["fwd"] @ w) / pp, (terms["wgrad"] @ w) / pp,
@@ -1357,13 +1376,15 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
         bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
     if overlap_grad_reduce:
         before = np.asarray(before, dtype=float).T
-        exposed = overlapped_s_array(dp_grad, terms["bwd"] + terms["bwd"] @ before, c) + \
+        own = terms["bwd"] if grad_under_own_bwd else 0.0 * terms["bwd"]
+        exposed = overlapped_s_array(dp_grad, own + terms["bwd"] @ before, c) + \
             overlapped_s_array(dp_param, terms["fwd"] + terms["fwd"] @ before, c)
     else:
         exposed = np.broadcast_to(dp_grad + dp_param, per_mb.shape)
     dp_exposed = exposed.max(axis=-1)
     step = m * per_mb.max(axis=-1) + bubble + dp_exposed + optimizer
-    return {"step": step, "per_mb": per_mb, "z3": z3_exposed, "bubble": bubble, "dp_exposed": dp_exposed}
+    return {"step": step, "per_mb": per_mb, "z3": z3_exposed, "grad_mb": grad_exposed, "bubble": bubble,
+            "dp_exposed": dp_exposed}
 
 
 ZB_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
@@ -1466,6 +1487,58 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
 def stage_moe_counts(model: ModelSpec, plan: Plan) -> tuple[int, ...]:
     """``plan.stage_moe_layers(model)`` (cached there on what it depends on)."""
     return plan.stage_moe_layers(model)
+
+
+def grad_reduced_every_microbatch(framework: str, zero_stage: int, pp: int) -> bool:
+    """Whether the framework reduces a stage's gradients in every micro-batch's backward (``True``) or once per
+    step, after the last one (``False``). Per its code (docs/cost-model.md "DP"):
+
+    * **Megatron-Core / NeMo**, ZeRO 0-1 (``DistributedDataParallel``, the distributed optimizer): once; the
+      schedules run every backward but the last under ``no_sync`` and the buffer accumulates the full-size grads.
+      ZeRO 2-3 (Megatron-FSDP ``optim_grads`` / ``optim_grads_params``): every backward. core_v0.16.1
+      ``core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py`` ``_process_post_backward_gradients`` and
+      ``_root_post_backward``: ``grad_reduce_every_bprop`` is true for those strategies and the reduce-scatter is
+      launched whatever ``is_last_microbatch`` says (``no_sync``: "For grads shard mode there will actually always
+      be gradient sync happening"); ``param_and_grad_buffer.py::GradReducePipeline._bucket_group_gradient_reduce``
+      adds each reduced shard into the sharded ``main_grad`` buffer (``local_grad += reduced_grad``).
+    * **DeepSpeed**, ZeRO 0-1: once, at the gradient-accumulation boundary (deepspeed 0.19.8
+      ``runtime/engine.py::allreduce_gradients``, ``zero/stage_1_and_2.py::reduce_ready_partitions_and_remove_grads``
+      reduces only ``if self.partition_gradients or self.is_gradient_accumulation_boundary()``). ZeRO 2-3: every
+      backward ("ZeRO stage >= 2 communicates during non gradient accumulation boundaries as well",
+      ``engine.py``; ``stage3.py::partition_grads`` adds each micro-batch's reduced partition into the fp32 one);
+      ``engine.no_sync`` asserts it is not used with gradient partitioning. Counted on the engine on CPU
+      (tests/deepspeed_grad_sync_probe.py): 0, 0, 1 bucket reductions over 3 backwards at ZeRO-1, 1, 1, 1 at 2 and 3.
+    * **torchtitan / torch** (FSDP2 ``fully_shard``, ZeRO 0 as its replicate mesh): without PP, every backward:
+      torchtitan 0.3.0 ``trainer.py::train_step`` runs ``loss.backward()`` per accumulation step and never calls
+      ``set_requires_gradient_sync(False)`` (tests/test_cost_dp_sync.py counts FSDP2's reduce-scatters: one set
+      per backward). With PP, once: ``torch.distributed.pipelining`` ``PipelineStage.backward_maybe_with_nosync``
+      turns gradient sync off for every backward and ``perform_reduce_grad`` reduces after the stage's last one
+      (torchtitan runs one ``pp_schedule.step`` per step, planner/emit/torchtitan.py).
+    """
+    if framework in ("torch", "torchtitan"):
+        return pp == 1
+    return zero_stage >= 2
+
+
+def grad_reduce_overlaps_last_backward(framework: str, pp: int) -> bool:
+    """Whether a once-per-step gradient reduction starts during the stage's last backward (Megatron's buckets,
+    DeepSpeed's hooks: as each bucket's gradients are final) or only after it. ``torch.distributed.pipelining``
+    (torch, torchtitan with pp > 1) reduces in the ``REDUCE_GRAD`` action that ``_add_reduce_grad`` places after
+    the stage's last backward (``schedules.py``; ``PipelineStage.perform_reduce_grad`` runs FSDP2's
+    ``post_backward`` for every parameter group then), and FSDP2's ``_root_post_backward_final_callback`` makes
+    the compute stream wait for it: only the drain of the stages before it is left to hide it."""
+    return not (framework in ("torch", "torchtitan") and pp > 1)
+
+
+def grad_reduce_overlapped(training: TrainingSpec) -> bool:
+    """Whether a per-micro-batch gradient reduction (:func:`grad_reduced_every_microbatch`) runs beside that
+    micro-batch's backward. Megatron-FSDP forces ``overlap_grad_reduce`` for ``optim_grads[_params]`` (core_v0.16.1
+    ``megatron_fsdp.py``: "Gradient reduce-scatter must be overlapped when using sharding optimizer and
+    gradients") and reduce-scatters on a side stream; FSDP2 on its reduce-scatter stream. DeepSpeed reduces on
+    its ``reduction_stream`` / ``reduce_and_partition_stream`` only with ``overlap_comm`` (``plan3d emit
+    deepspeed`` writes ``overlap_grad_reduce`` there), else on the compute stream (``stage3.py``:
+    ``Stream() if overlap_comm else default_stream()``; ``stage_1_and_2.py::reduce_ipg_grads``)."""
+    return training.overlap_grad_reduce if training.framework == "deepspeed" else True
 
 
 def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int):
@@ -1597,14 +1670,18 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     split = [stage_param_split(model, plan, r, n) for r, n in enumerate(layers)]
     optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
                             [x[1] for x in split] if model.is_moe else None)
+    every = grad_reduced_every_microbatch(training.framework, plan.zero_stage, plan.pp)
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
-                       training.overlap_grad_reduce, c, plan.pipeline_schedule, schedule_family(training))
+                       training.overlap_grad_reduce, c, plan.pipeline_schedule, schedule_family(training),
+                       every, grad_reduce_overlapped(training),
+                       grad_reduce_overlaps_last_backward(training.framework, plan.pp))
     pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {
         "compute": m * sp_.compute, "recompute": m * sp_.recompute, "tp_comm": m * sp_.tp_comm,
         "cp_comm": m * sp_.cp_comm, "pp_comm": m * sp_.pp_comm, "bubble": float(out["bubble"][0]),
-        "dp_comm_exposed": float(out["dp_exposed"][0]) + m * float(out["z3"][0, pace]), "optimizer": optimizer,
+        "dp_comm_exposed": float(out["dp_exposed"][0]) + m * float(out["z3"][0, pace] + out["grad_mb"][0, pace]),
+        "optimizer": optimizer,
     }
     if model.is_moe:
         breakdown["ep_comm"] = m * sp_.ep_comm
@@ -1616,7 +1693,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     n = training.num_gpus
     return TimeEstimate(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=mf / step / n / 1e12,
                         mfu=flops.mfu(mf, step, n, peak), hfu=flops.hfu(hf, step, n, peak), breakdown=breakdown,
-                        stages=stages, dp_comm_s=float((dp_grad + dp_param).max()))
+                        stages=stages, dp_comm_s=float((dp_grad * (m if every else 1) + dp_param).max()))
 
 
 def estimate_scenario_time(sc: Scenario, order: str = DEFAULT_ORDER) -> TimeEstimate:
