@@ -19,7 +19,7 @@ def assert_entry_is_estimate(model, hw, training, tables, key: int):
     assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, hw, training, plan).step_time_s * 1e9, abs=1.0)
     m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
     for kind, (r, n) in enumerate(_stage_rows(tables.shapes[s][3])):
-        expect = memory.stage_memory(model, training, plan, m, r, n).total_bytes
+        expect = memory.stage_memory(model, training, plan, m, r, n, hw).total_bytes
         assert tables.mem_kib[s, u, z, kind] == np.ceil(expect / KIB), (plan, r)
     return plan
 

@@ -288,7 +288,7 @@ def test_search_tables_equal_stage_memory_for_a_moe_model():
         m = tr.global_batch_size // (plan.micro_batch_size * plan.dp)
         split = tables.shapes[s][3]
         for kind, (r, n) in enumerate(_stage_rows(split)):
-            expect = stage_memory(TINY, tr, plan, m, r, n).total_bytes
+            expect = stage_memory(TINY, tr, plan, m, r, n, H100).total_bytes
             assert tables.mem_kib[s, u, z, kind] == np.ceil(expect / KIB), (plan, r)
 
 
