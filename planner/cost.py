@@ -1541,6 +1541,19 @@ def grad_reduce_overlapped(training: TrainingSpec) -> bool:
     return training.overlap_grad_reduce if training.framework == "deepspeed" else True
 
 
+def grad_reduction_args(training: TrainingSpec, pp: int, zero_stages) -> dict:
+    """:func:`compose_step`'s gradient-reduction keywords for a job: ``grad_every_mb``
+    (:func:`grad_reduced_every_microbatch`; a bool for one ZeRO stage, a ``[Z, 1]`` array for a sequence of them,
+    as the search's tables hold them), ``grad_mb_overlap`` (:func:`grad_reduce_overlapped`) and
+    ``grad_under_own_bwd`` (:func:`grad_reduce_overlaps_last_backward`)."""
+    if isinstance(zero_stages, int):
+        every = grad_reduced_every_microbatch(training.framework, zero_stages, pp)
+    else:
+        every = np.array([grad_reduced_every_microbatch(training.framework, z, pp) for z in zero_stages])[:, None]
+    return {"grad_every_mb": every, "grad_mb_overlap": grad_reduce_overlapped(training),
+            "grad_under_own_bwd": grad_reduce_overlaps_last_backward(training.framework, pp)}
+
+
 def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int):
     if shards == 1 or params == 0:
         return 0.0, 0.0
@@ -1670,11 +1683,9 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     split = [stage_param_split(model, plan, r, n) for r, n in enumerate(layers)]
     optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
                             [x[1] for x in split] if model.is_moe else None)
-    every = grad_reduced_every_microbatch(training.framework, plan.zero_stage, plan.pp)
+    grad = grad_reduction_args(training, plan.pp, plan.zero_stage)
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
-                       training.overlap_grad_reduce, c, plan.pipeline_schedule, schedule_family(training),
-                       every, grad_reduce_overlapped(training),
-                       grad_reduce_overlaps_last_backward(training.framework, plan.pp))
+                       training.overlap_grad_reduce, c, plan.pipeline_schedule, schedule_family(training), **grad)
     pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {
@@ -1693,7 +1704,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     n = training.num_gpus
     return TimeEstimate(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=mf / step / n / 1e12,
                         mfu=flops.mfu(mf, step, n, peak), hfu=flops.hfu(hf, step, n, peak), breakdown=breakdown,
-                        stages=stages, dp_comm_s=float((dp_grad * (m if every else 1) + dp_param).max()))
+                        stages=stages, dp_comm_s=float((dp_grad * (m if grad["grad_every_mb"] else 1) + dp_param).max()))
 
 
 def estimate_scenario_time(sc: Scenario, order: str = DEFAULT_ORDER) -> TimeEstimate:

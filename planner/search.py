@@ -37,8 +37,7 @@ import numpy as np
 
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options,
                                 offload_options, shapes, valid_micro_batch_sizes)
-from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, grad_reduce_overlapped,
-                          grad_reduce_overlaps_last_backward, grad_reduced_every_microbatch, micro_factors,
+from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, grad_reduction_args, micro_factors,
                           optimizer_s,
                           p2p_hop_s, resolved_overlap, schedule_family, stage_moe_counts, stage_param_split,
                           stage_terms, zero3_gather_s)
@@ -220,11 +219,9 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
             t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c, empty=empty)
             terms = {k: val[:, None, :] for k, val in t.items()}
             counts, before = _stage_counts(p), _stage_before(p)
-            every = np.array([grad_reduced_every_microbatch(training.framework, z, p) for z in zeros])[:, None]
             step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m_step, p, v, counts,
-                                before, training.overlap_grad_reduce, c, split.schedule, family, every,
-                                grad_reduce_overlapped(training),
-                                grad_reduce_overlaps_last_backward(training.framework, p))["step"]
+                                before, training.overlap_grad_reduce, c, split.schedule, family,
+                                **grad_reduction_args(training, p, zeros))["step"]
         step = np.where(np.isfinite(step), step, INFEASIBLE / NS)
         time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
         mem_kib[si, ok] = mem[ok].astype(np.int64)
@@ -267,12 +264,10 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         dpp.append([x[1] for x in rows])
         z3.append([x[2] for x in rows])
         opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
-    every = np.array([grad_reduced_every_microbatch(training.framework, z, p) for z in zeros])[:, None]
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
                         m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
-                        c, base.pipeline_schedule, schedule_family(training), every,
-                        grad_reduce_overlapped(training),
-                        grad_reduce_overlaps_last_backward(training.framework, p))["step"]
+                        c, base.pipeline_schedule, schedule_family(training),
+                        **grad_reduction_args(training, p, zeros))["step"]
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:

@@ -47,8 +47,8 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   (``MEGATRON_FSDP_FP8_PARAM_BYTES``); the gradient buffer stays bf16 (fp32 with grad_reduce_in_fp32) and the fp32
   main weights in the optimizer shards. The gathered layers (``planner.memory.zero_working_set_bytes``, 2 B per
   weight) are left as they are: 1 B of fp8 data plus, in backward, TE's fp8 transpose (1 B; Blackwell's non-TN fp8
-  GEMMs make none, ``Float8TensorStorage.update_usage``, not modelled: plan3d has no GPU generation in this
-  path, so the Hopper bytes, the larger, are kept). MXFP8 under Megatron-FSDP (a uint8 row-wise and a uint8
+  GEMMs make none, ``Float8TensorStorage.update_usage``; not taken off in the gathered layers, which
+  ``zero_working_set_bytes`` counts without the hardware: the Hopper bytes, the larger, are kept there). MXFP8 under Megatron-FSDP (a uint8 row-wise and a uint8
   column-wise buffer, both sharded, and the block scales) is left at the bf16 bytes, 2 B against its 2 + scales: a
   possible undercount of the scales, whose placement was not read. A stage with routed experts keeps the bf16
   bytes too (the larger).
@@ -85,8 +85,7 @@ FP8_PARAM_TRANSPOSE_BYTES = 1
 #: (transformer_engine/common/transformer_engine.cpp): the weight cache and fp8_params keep 1 B per GEMM weight, not 2.
 #: MXFP8 and NVFP4 keep both directions there too: their column-wise data is its own block-scaled quantisation.
 #: ``fp8_params`` under mxfp8: the ``MXFP8Tensor`` weight, both directions with their scales (module docstring).
-#: (On Blackwell TE needs no fp8 transpose for per-tensor fp8, non-TN GEMMs being supported; the Hopper 1 + 1 B
-#: above is kept for every GPU, the larger.)
+#: The per-tensor fp8 entry is Hopper's 1 + 1 B; :func:`state_bytes` takes the transpose off on Blackwell (above).
 QUANTISED_PARAM_BYTES = {"fp8": FP8_PARAM_BYTES + FP8_PARAM_TRANSPOSE_BYTES, "mxfp8": 2 + 2 / 32}
 #: Megatron-FSDP (ZeRO 3) with fp8 parameters, per-tensor fp8: core_v0.16.1
 #: ``core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py`` (``ParamAndGradBuffer``, lines 1941-1962)
