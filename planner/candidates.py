@@ -177,6 +177,26 @@ class SearchSpace:
     max_cp: int = 16
     max_micro_batch_size: int = 16
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    # gradient dtypes to search (TrainingSpec.grad_reduce_in_bf16: False = fp32 main grads, True = bf16);
+    # None: only the job's own. The CLI offers both where the user set neither and the framework emits the
+    # choice (FrameworkProfile.grad_dtype_flag)
+    grad_reduce_in_bf16: tuple[bool, ...] | None = None
+
+
+def grad_dtype_options(training: TrainingSpec, given: bool | None) -> tuple[bool, ...] | None:
+    """The gradient dtypes a search offers (``SearchSpace.grad_reduce_in_bf16``): both fp32 and bf16 where the
+    user set neither (``given`` None), the job is mixed precision and the framework emits the choice
+    (``FrameworkProfile.grad_dtype_flag``, Megatron ``--grad-reduce-in-bf16``); else only the job's own (None).
+
+    Megatron-LM keeps fp32 main gradients by default, but NVIDIA's published runs set bf16
+    (NeMo-Framework-Launcher ``examples/training/gpt/h100/175b_fp8_16node.sh`` and its other H100 examples:
+    ``+training.model.optim.grad_sync_dtype=bf16``; Megatron-Bridge's performance scripts set
+    ``cfg.ddp.grad_reduce_in_fp32 = False`` for every model, see benchmarks/megatron_bridge.py), so neither is
+    assumed: the search takes bf16 only where it is faster (the ties go to fp32, ``search._prefer_fp32_grads``) and
+    says so in the plan."""
+    if given is None and frameworks.get(training.framework).grad_dtype_flag and training.precision != "fp32":
+        return (False, True)
+    return None
 
 
 def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace

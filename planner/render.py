@@ -183,10 +183,15 @@ def lead_within_range(best, alt) -> bool:
 
 
 def search_dict(result: dict) -> dict:
+    """The best plan and its alternatives, each with the job as it runs (``training``: the searched gradient
+    dtype, ``grad_reduce_in_bf16``, among the inputs)."""
     best = result["best"]
-    return best.to_dict() | {
-        "alternatives": [alt.to_dict() | {"loses_on": loses_on(best, alt),
-                                          "lead_within_range": lead_within_range(best, alt)}
+
+    def job(est) -> dict:
+        return {"training": est.scenario.training.model_dump(mode="json")}
+    return best.to_dict() | job(best) | {
+        "alternatives": [alt.to_dict() | job(alt) | {"loses_on": loses_on(best, alt),
+                                                     "lead_within_range": lead_within_range(best, alt)}
                          for alt in result["alternatives"]],
         "solver": result["solver"],
     }
@@ -197,6 +202,7 @@ def _plan_cell(est) -> str:
     extra = [p.recompute] if p.recompute != "none" else []
     extra += ["SP"] if p.sequence_parallel else []
     extra += [f"ZeRO-{p.zero_stage}"] if p.zero_stage else []
+    extra += ["bf16 grads"] if est.scenario.training.grad_reduce_in_bf16 else []
     extra += ["uneven " + "/".join(map(str, p.layers_per_stage))] if p.layers_per_stage else []
     return est.scenario.plan.label() + (f" ({', '.join(extra)})" if extra else "")
 

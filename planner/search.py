@@ -31,7 +31,7 @@ How it works:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -500,6 +500,10 @@ class SearchResult:
     solver_s: float = 0.0
     candidates: int = 0
     closest: Plan | None = None  # when infeasible: the legal plan with the smallest memory overshoot
+    # the job as each plan runs it: the input, or with the gradient dtype the search picked
+    # (SearchSpace.grad_reduce_in_bf16); None where no plan was found
+    training: TrainingSpec | None = None
+    alternative_trainings: list[TrainingSpec] = field(default_factory=list)
 
 
 #: How many of the solver's picks the reference memory estimate may refuse before the search stops asking.
@@ -517,8 +521,45 @@ def reference_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
 
 def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
            top_k: int = 0, order: str = DEFAULT_ORDER) -> SearchResult:
-    """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp)."""
+    """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp).
+
+    With both gradient dtypes offered (``SearchSpace.grad_reduce_in_bf16``) the tables are built under bf16
+    gradients only: they change nothing but the gradient buffer (smaller) and the data-parallel reduction
+    (fewer bytes), so no plan is slower or larger under bf16 than under fp32, and the fastest plan over both
+    dtypes is the fastest under bf16. Each plan found then keeps fp32 gradients where they are as fast and fit
+    (:func:`_prefer_fp32_grads`: Megatron-LM's default, the ties' side)."""
     space = space or SearchSpace()
+    options = set(space.grad_reduce_in_bf16 or (training.grad_reduce_in_bf16,))
+    if len(options) == 1:
+        return _search(model, hw, training.model_copy(update={"grad_reduce_in_bf16": options.pop()}),
+                       space, top_k, order)
+    t0 = time.perf_counter()
+    bf16 = training.model_copy(update={"grad_reduce_in_bf16": True})
+    result = _search(model, hw, bf16, replace(space, grad_reduce_in_bf16=None), top_k, order)
+    if result.best is not None:
+        result.training = _prefer_fp32_grads(model, hw, bf16, result.best, order)
+        result.alternative_trainings = [_prefer_fp32_grads(model, hw, bf16, p, order) for p in result.alternatives]
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _prefer_fp32_grads(model: ModelSpec, hw: HardwareSpec, bf16: TrainingSpec, plan: Plan,
+                       order: str = DEFAULT_ORDER) -> TrainingSpec:
+    """``bf16`` (the job with bf16 gradients), or the same job with fp32 gradients where ``plan`` is as fast
+    with them (to the tables' nanosecond) and still fits."""
+    from planner.cost import estimate_time
+
+    fp32 = bf16.model_copy(update={"grad_reduce_in_bf16": False})
+    t_bf16 = estimate_time(model, hw, bf16, plan, order).step_time_s
+    if estimate_time(model, hw, fp32, plan, order).step_time_s <= t_bf16 + 0.5 / NS \
+            and reference_fits(model, hw, fp32, plan):
+        return fp32
+    return bf16
+
+
+def _search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace, top_k: int,
+            order: str) -> SearchResult:
+    """:func:`search` under one gradient dtype (``training``'s)."""
     t0 = time.perf_counter()
     hw = hw.for_job(training.num_gpus)  # the NVLink domain this job's ranks fill (HardwareSpec.job_nvlink_domain)
     tables = build_tables(model, hw, training, space, order)
@@ -543,6 +584,7 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
             result.status = sol.status
     if found:
         result.best, result.alternatives = found[0], found[1:]
+        result.training, result.alternative_trainings = training, [training] * len(found[1:])
     elif tables.candidates:
         over = np.where(tables.legal, tables.mem_kib.max(axis=-1), INFEASIBLE).ravel()
         result.closest = tables.plan(int(over.argmin()))
@@ -553,18 +595,29 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
 def exhaustive(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
                order: str = DEFAULT_ORDER) -> tuple[Plan | None, float, int]:
     """Brute force: (best plan, its step time, plans tried), with the reference cost and memory functions."""
+    return exhaustive_with_training(model, hw, training, space, order)[:3]
+
+
+def exhaustive_with_training(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec,
+                             space: SearchSpace | None = None, order: str = DEFAULT_ORDER
+                             ) -> tuple[Plan | None, float, int, TrainingSpec]:
+    """:func:`exhaustive` over every gradient dtype of ``SearchSpace.grad_reduce_in_bf16`` (by default the job's
+    own), and the job as its best plan runs it (the first dtype listed among equally fast)."""
     from planner.cost import estimate_time
     from planner.memory import estimate_memory
 
-    best, best_t, n = None, float("inf"), 0
-    for plan in enumerate_plans(model, hw, training, space or SearchSpace()):
-        n += 1
-        if not estimate_memory(model, hw, training, plan).fits:
-            continue
-        t = estimate_time(model, hw, training, plan, order).step_time_s
-        if t < best_t:
-            best, best_t = plan, t
-    return best, best_t, n
+    space = space or SearchSpace()
+    best, best_t, n, best_tr = None, float("inf"), 0, training
+    for g in space.grad_reduce_in_bf16 or (training.grad_reduce_in_bf16,):
+        tr = training.model_copy(update={"grad_reduce_in_bf16": g})
+        for plan in enumerate_plans(model, hw, tr, space):
+            n += 1
+            if not estimate_memory(model, hw, tr, plan).fits:
+                continue
+            t = estimate_time(model, hw, tr, plan, order).step_time_s
+            if t < best_t:
+                best, best_t, best_tr = plan, t, tr
+    return best, best_t, n, best_tr
 
 
 def smallest_fitting_gpus(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,

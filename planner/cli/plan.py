@@ -118,6 +118,10 @@ def search(
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
                                                                    torch_compile, cross_entropy_fusion))
     _check_pins(spec_hw.for_job(counts[0]) if len(counts) == 1 else spec_hw, tp)
+    from planner.candidates import grad_dtype_options
+
+    # neither --grad-reduce-in-bf16 nor its --no- form: both gradient dtypes are searched
+    space = SearchSpace(pins=pins, grad_reduce_in_bf16=grad_dtype_options(training, grad_reduce_in_bf16))
     from planner.candidates import schedule_pin_problems
 
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
@@ -185,13 +189,17 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
     t0 = time.perf_counter()
     with spinner(quiet, f"Searching plans for {model.name} on {training.num_gpus} x {hw.name}..."):
         if exhaustive:
-            best, _, n = S.exhaustive(model, hw, training, space)
-            res = S.SearchResult(best=best, status="EXHAUSTIVE" if best else "INFEASIBLE", candidates=n)
+            best, _, n, tr = S.exhaustive_with_training(model, hw, training, space)
+            res = S.SearchResult(best=best, status="EXHAUSTIVE" if best else "INFEASIBLE", candidates=n,
+                                 training=tr if best else None)
         else:
             res = S.search(model, hw, training, space, top_k=top)
         wall = time.perf_counter() - t0
-        scen = lambda p: estimate(Scenario(model=model, hardware=hw, training=training, plan=p))  # noqa: E731
-        out = {"best": scen(res.best) if res.best else None, "alternatives": [scen(p) for p in res.alternatives],
+
+        def scen(p, tr):  # each plan with the job as it runs it (the searched gradient dtype)
+            return estimate(Scenario(model=model, hardware=hw, training=tr, plan=p))
+        out = {"best": scen(res.best, res.training) if res.best else None,
+               "alternatives": [scen(p, tr) for p, tr in zip(res.alternatives, res.alternative_trainings)],
                "solver": {"status": res.status, "wall_s": wall, "candidates": res.candidates}, "message": []}
         if res.best is None:
             msg = ["no plan fits"]
@@ -222,6 +230,6 @@ def _sweep(model, hw, training, space, counts: list[int], quiet: bool) -> list[d
         for n in counts:
             tr = training.model_copy(update={"num_gpus": n})
             res = S.search(model, hw, tr, space)
-            est = estimate(Scenario(model=model, hardware=hw, training=tr, plan=res.best)) if res.best else None
+            est = estimate(Scenario(model=model, hardware=hw, training=res.training, plan=res.best)) if res.best else None
             rows.append({"gpus": n, "estimate": est, "status": res.status})
     return rows

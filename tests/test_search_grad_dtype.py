@@ -1,0 +1,133 @@
+"""The gradient dtype as a searched knob (candidates.SearchSpace.grad_reduce_in_bf16, candidates.grad_dtype_options).
+
+Megatron-LM keeps fp32 main gradients unless told ``--grad-reduce-in-bf16``; NVIDIA's published NeMo runs set
+bf16 (NeMo-Framework-Launcher examples/training/gpt/h100/175b_fp8_16node.sh:
+``+training.model.optim.grad_sync_dtype=bf16``). `plan3d search` searches both where the user set neither.
+"""
+
+import json
+
+import pytest
+
+from planner.candidates import Pins, SearchSpace, grad_dtype_options
+from planner.cli import app
+from planner.memory import estimate_memory
+from planner.presets import load_hardware, load_model
+from planner.search import build_tables, exhaustive_with_training, search
+from planner.specs import ModelSpec, Plan, TrainingSpec
+from tests.table_checks import assert_entry_is_estimate, legal_keys
+
+H100 = load_hardware("h100-sxm-80gb")
+BOTH = (False, True)
+
+# NeMo 24.07 performance summary (NVIDIA/NeMo docs/source/performance/performance_summary.md, commit 070a0bb1,
+# Pretraining table, DGX-H100, FP8; copied in benchmarks/data/nemo_h100_fp8_2407.json): GPT3-175B on 512 GPUs,
+# TP4 PP8 VP6 MBS2 GBS2048, seq 2048, ran (782 tokens/s/GPU). The architecture is GPT-3 175B's (Brown et al. 2020).
+GPT3_175B = ModelSpec(name="gpt3-175b-nemo", num_layers=96, hidden_size=12288, num_attention_heads=96,
+                      ffn_hidden_size=4 * 12288, vocab_size=51200, activation="gelu", norm="layernorm",
+                      position_embedding="learned", max_seq_len=2048, tied_embeddings=True, linear_bias=True)
+NEMO_175B_JOB = TrainingSpec(num_gpus=512, global_batch_size=2048, seq_len=2048, precision="fp8")
+NEMO_175B_PINS = Pins(tp=4, pp=8, vpp=6, cp=1, micro_batch_size=2)
+
+
+def test_options_only_where_unset_mixed_precision_and_emitted():
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096)
+    assert grad_dtype_options(tr, None) == BOTH
+    assert grad_dtype_options(tr.model_copy(update={"framework": "nemo"}), None) == BOTH
+    assert grad_dtype_options(tr, False) is None and grad_dtype_options(tr, True) is None  # the user's word
+    assert grad_dtype_options(tr.model_copy(update={"precision": "fp32"}), None) is None  # no 16-bit grads
+    # plan3d's torchtitan and DeepSpeed files carry no gradient-dtype setting
+    assert grad_dtype_options(tr.model_copy(update={"framework": "torchtitan"}), None) is None
+    assert grad_dtype_options(tr.model_copy(update={"framework": "deepspeed"}), None) is None
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_bf16_grads_are_never_slower_nor_larger(pp):
+    """What planner.search.search relies on to build its tables under bf16 gradients only: every combination is
+    no slower and needs no more memory on any stage with bf16 gradients than with fp32 ones; and the bf16 tables
+    are estimate_time / stage_memory of their plans."""
+    model = load_model("llama3-8b")
+    hw = H100.model_copy(update={"inter_node_bandwidth_gbps": 5.0})  # slow DP: the dtypes' times differ
+    fp32 = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096)
+    bf16 = fp32.model_copy(update={"grad_reduce_in_bf16": True})
+    space = SearchSpace(max_micro_batch_size=2, pins=Pins(pp=pp))
+    t32, t16 = build_tables(model, hw, fp32, space), build_tables(model, hw, bf16, space)
+    legal = t32.legal
+    assert (legal == t16.legal).all()
+    assert (t16.time_ns[legal] <= t32.time_ns[legal]).all()
+    assert (t16.mem_kib[legal] <= t32.mem_kib[legal]).all()
+    assert (t16.time_ns[legal] < t32.time_ns[legal]).any() and (t16.mem_kib[legal] < t32.mem_kib[legal]).any()
+    keys = legal_keys(t16)
+    for k in keys[:: max(1, len(keys) // 15)]:
+        assert_entry_is_estimate(model, hw, bf16, t16, k)
+
+
+def test_search_matches_brute_force_and_names_its_dtype():
+    model = load_model("llama3-8b")
+    hw = H100.model_copy(update={"inter_node_bandwidth_gbps": 5.0})
+    tr = TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096)
+    space = SearchSpace(max_micro_batch_size=2, max_cp=1, zero_stages=(0, 1), pins=Pins(pp=1),
+                        grad_reduce_in_bf16=BOTH)
+    res = search(model, hw, tr, space)
+    brute, brute_t, _, brute_tr = exhaustive_with_training(model, hw, tr, space)
+    from planner.cost import estimate_time
+
+    assert estimate_time(model, hw, res.training, res.best).step_time_s == pytest.approx(brute_t, rel=1e-9)
+    # DP over a 5 GB/s network: halving the gradient bytes is faster, and both searches say so
+    assert res.training.grad_reduce_in_bf16 and brute_tr.grad_reduce_in_bf16
+
+
+def test_ties_keep_fp32_gradients():
+    """One replica (dp = cp = 1): no gradient is reduced, so the dtypes tie on time and fp32 is kept."""
+    model = load_model("llama3-8b")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=4096)
+    res = search(model, H100, tr, SearchSpace(pins=Pins(tp=8, cp=1), grad_reduce_in_bf16=BOTH))
+    assert res.best.dp == 1
+    assert res.training.grad_reduce_in_bf16 is False
+
+
+def test_nemo_175b_layout_fits_at_zero1_only_with_bf16_grads():
+    """The published layout at ZeRO-1 (Megatron's distributed optimizer, as NeMo ran it) with selective
+    recompute does not fit with fp32 gradients and does with bf16 ones. The search keeps ZeRO-1 either way;
+    with fp32 gradients only full recompute fits (about a third slower than the measured 10.48 s step)."""
+    plan = Plan(tp=4, pp=8, dp=16, vpp=6, micro_batch_size=2, sequence_parallel=True, recompute="selective",
+                zero_stage=1)
+    fp32 = estimate_memory(GPT3_175B, H100, NEMO_175B_JOB, plan)
+    bf16 = estimate_memory(GPT3_175B, H100, NEMO_175B_JOB.model_copy(update={"grad_reduce_in_bf16": True}), plan)
+    # hand count: stage 0 holds 12 layers of 12 h^2 (+ 13 h) / tp4 parameters (+ the embedding); the gradient
+    # buffer is 4 B per parameter against 2 B, so it halves exactly
+    assert bf16.stages[0].grads_bytes * 2 == fp32.stages[0].grads_bytes
+    assert not fp32.fits and bf16.fits
+    searched = search(GPT3_175B, H100, NEMO_175B_JOB, SearchSpace(pins=NEMO_175B_PINS, grad_reduce_in_bf16=BOTH))
+    assert searched.training.grad_reduce_in_bf16 and searched.best.recompute != "full"
+    fp32_only = search(GPT3_175B, H100, NEMO_175B_JOB, SearchSpace(pins=NEMO_175B_PINS))
+    assert not fp32_only.training.grad_reduce_in_bf16 and fp32_only.best.recompute == "full"
+
+
+def _search_json(runner, *extra):
+    res = runner.invoke(app, ["search", "--model", "llama3-70b", "--hardware", "h100-sxm-80gb", "--gpus", "64",
+                              "--global-batch", "128", "--seq-len", "8192", "--top", "2", "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_cli_searches_the_dtype_unless_told(runner):
+    free = _search_json(runner)
+    assert free["training"]["grad_reduce_in_bf16"] is True  # DP over InfiniBand: bf16 halves the reduction
+    fp32 = _search_json(runner, "--no-grad-reduce-in-bf16")
+    assert fp32["training"]["grad_reduce_in_bf16"] is False
+    assert all(a["training"]["grad_reduce_in_bf16"] is False for a in fp32["alternatives"])
+    assert fp32["time"]["step_time_s"] >= free["time"]["step_time_s"]
+    tt = _search_json(runner, "--framework", "torchtitan")
+    assert tt["training"]["grad_reduce_in_bf16"] is False
+
+
+def test_emitted_megatron_launch_carries_the_picked_dtype(runner, tmp_path):
+    res = runner.invoke(app, ["search", "--model", "llama3-70b", "--hardware", "h100-sxm-80gb", "--gpus", "64",
+                              "--global-batch", "128", "--seq-len", "8192", "--top", "0", "--emit", "megatron",
+                              "--out-dir", str(tmp_path), "--out", str(tmp_path / "plan.json"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["training"]["grad_reduce_in_bf16"] is True
+    text = "".join(p.read_text() for p in tmp_path.glob("*.megatron.args"))
+    assert "--grad-reduce-in-bf16" in text
