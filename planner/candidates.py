@@ -177,10 +177,10 @@ class SearchSpace:
     max_cp: int = 16
     max_micro_batch_size: int = 16
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    # gradient dtypes to search (TrainingSpec.grad_reduce_in_bf16: False = fp32 main grads, True = bf16);
-    # None: only the job's own. The CLI offers both where the user set neither and the framework emits the
-    # choice (FrameworkProfile.grad_dtype_flag)
+    # job switches the search may choose (TrainingSpec fields of the same name; None: only the job's own). The
+    # CLI offers both values where the user set neither (grad_dtype_options, fp8_params_options)
     grad_reduce_in_bf16: tuple[bool, ...] | None = None
+    fp8_params: tuple[bool, ...] | None = None
 
 
 def grad_dtype_options(training: TrainingSpec, given: bool | None) -> tuple[bool, ...] | None:
@@ -192,9 +192,27 @@ def grad_dtype_options(training: TrainingSpec, given: bool | None) -> tuple[bool
     (NeMo-Framework-Launcher ``examples/training/gpt/h100/175b_fp8_16node.sh`` and its other H100 examples:
     ``+training.model.optim.grad_sync_dtype=bf16``; Megatron-Bridge's performance scripts set
     ``cfg.ddp.grad_reduce_in_fp32 = False`` for every model, see benchmarks/megatron_bridge.py), so neither is
-    assumed: the search takes bf16 only where it is faster (the ties go to fp32, ``search._prefer_fp32_grads``) and
+    assumed: the search takes bf16 only where it is faster (the ties go to fp32, ``search.search``) and
     says so in the plan."""
     if given is None and frameworks.get(training.framework).grad_dtype_flag and training.precision != "fp32":
+        return (False, True)
+    return None
+
+
+def fp8_params_options(training: TrainingSpec, given: bool | None) -> tuple[bool, ...] | None:
+    """Whether a search offers fp8 weights with no bf16 copy (``SearchSpace.fp8_params``; Megatron
+    ``--fp8-param-gather``) as well as Megatron-LM's default bf16 ones: where the user set neither ``--fp8-params``
+    nor ``--no-fp8-params``, the precision is fp8 or mxfp8, the framework runs it (Megatron, NeMo) and the optimizer
+    keeps fp32 states (NeMo's bf16 Apex optimizer adds a bf16 master copy with fp8 weights,
+    ``planner/frameworks/nemo.py``, so there they are not lighter). Else only the job's own (None).
+
+    NVIDIA's recipes set it: every fp8 and mxfp8 precision recipe of Megatron-Bridge sets ``fp8_param_gather = True``
+    (src/megatron/bridge/training/mixed_precision.py, see benchmarks/megatron_bridge.py) and NVIDIA's Nemotron-4 340B
+    recipe ``+model.fp8_params=True`` (dgxc-benchmarking, docs/memory.md). The search takes it only where faster
+    (the ties go to bf16 weights, ``search.search``)."""
+    fw = frameworks.get(training.framework)
+    if given is None and fw.allows_fp8_params and training.precision in frameworks.FP8_PARAM_PRECISIONS \
+            and training.optimizer_dtype == "fp32":
         return (False, True)
     return None
 

@@ -497,42 +497,52 @@ def reference_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     return estimate_memory(model, hw, training, plan).fits
 
 
+#: Job switches the search may choose (``SearchSpace`` fields of the same name). Each makes no plan slower and
+#: none larger when True (bf16 gradients: a smaller gradient buffer and fewer bytes to reduce; fp8 weights: no
+#: bf16 copy or fp8 cache and fewer bytes to gather), and changes no plan's legality; tests/test_search_grad_dtype.py
+#: checks it on the tables. False is the framework's default (Megatron-LM's).
+LIGHTER_WHEN_TRUE = ("grad_reduce_in_bf16", "fp8_params")
+
+
 def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
            top_k: int = 0, order: str = DEFAULT_ORDER) -> SearchResult:
     """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp).
 
-    With both gradient dtypes offered (``SearchSpace.grad_reduce_in_bf16``) the tables are built under bf16
-    gradients only: they change nothing but the gradient buffer (smaller) and the data-parallel reduction
-    (fewer bytes), so no plan is slower or larger under bf16 than under fp32, and the fastest plan over both
-    dtypes is the fastest under bf16. Each plan found then keeps fp32 gradients where they are as fast and fit
-    (:func:`_prefer_fp32_grads`: Megatron-LM's default, the ties' side)."""
+    Switches offered both ways (``LIGHTER_WHEN_TRUE``: ``SearchSpace.grad_reduce_in_bf16``, ``.fp8_params``) are
+    set True for the tables: no plan is slower or larger so, so the fastest plan over both values is the fastest
+    with True. Each plan found then keeps the default (False) of each, in that order, where it is as fast and
+    still fits (:func:`_prefer_defaults`)."""
     space = space or SearchSpace()
-    options = set(space.grad_reduce_in_bf16 or (training.grad_reduce_in_bf16,))
-    if len(options) == 1:
-        return _search(model, hw, training.model_copy(update={"grad_reduce_in_bf16": options.pop()}),
-                       space, top_k, order)
+    offered = {f: set(getattr(space, f) or (getattr(training, f),)) for f in LIGHTER_WHEN_TRUE}
+    training = training.model_copy(update={f: next(iter(v)) for f, v in offered.items() if len(v) == 1})
+    searched = [f for f, v in offered.items() if len(v) > 1]
+    if not searched:
+        return _search(model, hw, training, space, top_k, order)
     t0 = time.perf_counter()
-    bf16 = training.model_copy(update={"grad_reduce_in_bf16": True})
-    result = _search(model, hw, bf16, replace(space, grad_reduce_in_bf16=None), top_k, order)
+    light = training.model_copy(update=dict.fromkeys(searched, True))
+    result = _search(model, hw, light, replace(space, **dict.fromkeys(searched, None)), top_k, order)
     if result.best is not None:
-        result.training = _prefer_fp32_grads(model, hw, bf16, result.best, order)
-        result.alternative_trainings = [_prefer_fp32_grads(model, hw, bf16, p, order) for p in result.alternatives]
+        result.training = _prefer_defaults(model, hw, light, result.best, searched, order)
+        result.alternative_trainings = [_prefer_defaults(model, hw, light, p, searched, order)
+                                        for p in result.alternatives]
     result.wall_s = time.perf_counter() - t0
     return result
 
 
-def _prefer_fp32_grads(model: ModelSpec, hw: HardwareSpec, bf16: TrainingSpec, plan: Plan,
-                       order: str = DEFAULT_ORDER) -> TrainingSpec:
-    """``bf16`` (the job with bf16 gradients), or the same job with fp32 gradients where ``plan`` is as fast
-    with them (to the tables' nanosecond) and still fits."""
+def _prefer_defaults(model: ModelSpec, hw: HardwareSpec, light: TrainingSpec, plan: Plan, searched: list[str],
+                     order: str = DEFAULT_ORDER) -> TrainingSpec:
+    """``light`` (the job with every switch of ``searched`` True), with each switch in turn set back to False
+    where ``plan`` is as fast without it (to the tables' nanosecond) and still fits."""
     from planner.cost import estimate_time
 
-    fp32 = bf16.model_copy(update={"grad_reduce_in_bf16": False})
-    t_bf16 = estimate_time(model, hw, bf16, plan, order).step_time_s
-    if estimate_time(model, hw, fp32, plan, order).step_time_s <= t_bf16 + 0.5 / NS \
-            and reference_fits(model, hw, fp32, plan):
-        return fp32
-    return bf16
+    t_light = estimate_time(model, hw, light, plan, order).step_time_s
+    run = light
+    for f in searched:
+        back = run.model_copy(update={f: False})
+        if estimate_time(model, hw, back, plan, order).step_time_s <= t_light + 0.5 / NS \
+                and reference_fits(model, hw, back, plan):
+            run = back
+    return run
 
 
 def _search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace, top_k: int,
@@ -579,15 +589,18 @@ def exhaustive(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space
 def exhaustive_with_training(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec,
                              space: SearchSpace | None = None, order: str = DEFAULT_ORDER
                              ) -> tuple[Plan | None, float, int, TrainingSpec]:
-    """:func:`exhaustive` over every gradient dtype of ``SearchSpace.grad_reduce_in_bf16`` (by default the job's
-    own), and the job as its best plan runs it (the first dtype listed among equally fast)."""
+    """:func:`exhaustive` over every value of the switches ``SearchSpace`` offers (``LIGHTER_WHEN_TRUE``; by
+    default the job's own), and the job as its best plan runs it (the first listed among equally fast)."""
+    import itertools
+
     from planner.cost import estimate_time
     from planner.memory import estimate_memory
 
     space = space or SearchSpace()
+    values = [getattr(space, f) or (getattr(training, f),) for f in LIGHTER_WHEN_TRUE]
     best, best_t, n, best_tr = None, float("inf"), 0, training
-    for g in space.grad_reduce_in_bf16 or (training.grad_reduce_in_bf16,):
-        tr = training.model_copy(update={"grad_reduce_in_bf16": g})
+    for combo in itertools.product(*values):
+        tr = training.model_copy(update=dict(zip(LIGHTER_WHEN_TRUE, combo)))
         for plan in enumerate_plans(model, hw, tr, space):
             n += 1
             if not estimate_memory(model, hw, tr, plan).fits:

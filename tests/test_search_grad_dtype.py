@@ -1,15 +1,17 @@
-"""The gradient dtype as a searched knob (candidates.SearchSpace.grad_reduce_in_bf16, candidates.grad_dtype_options).
+"""Job switches the search chooses (search.LIGHTER_WHEN_TRUE): the gradient dtype (candidates.grad_dtype_options)
+and fp8 weights (candidates.fp8_params_options).
 
-Megatron-LM keeps fp32 main gradients unless told ``--grad-reduce-in-bf16``; NVIDIA's published NeMo runs set
-bf16 (NeMo-Framework-Launcher examples/training/gpt/h100/175b_fp8_16node.sh:
-``+training.model.optim.grad_sync_dtype=bf16``). `plan3d search` searches both where the user set neither.
+Megatron-LM keeps fp32 main gradients unless told ``--grad-reduce-in-bf16`` and bf16 weights unless told
+``--fp8-param-gather``; NVIDIA's published runs set both (NeMo-Framework-Launcher
+examples/training/gpt/h100/175b_fp8_16node.sh: ``+training.model.optim.grad_sync_dtype=bf16``; Megatron-Bridge's fp8
+and mxfp8 recipes: ``fp8_param_gather = True``). `plan3d search` searches both values where the user set neither.
 """
 
 import json
 
 import pytest
 
-from planner.candidates import Pins, SearchSpace, grad_dtype_options
+from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options
 from planner.cli import app
 from planner.memory import estimate_memory
 from planner.presets import load_hardware, load_model
@@ -39,6 +41,54 @@ def test_options_only_where_unset_mixed_precision_and_emitted():
     # plan3d's torchtitan and DeepSpeed files carry no gradient-dtype setting
     assert grad_dtype_options(tr.model_copy(update={"framework": "torchtitan"}), None) is None
     assert grad_dtype_options(tr.model_copy(update={"framework": "deepspeed"}), None) is None
+
+
+def test_fp8_params_offered_only_where_lighter_and_emitted():
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096, precision="fp8")
+    assert fp8_params_options(tr, None) == BOTH
+    assert fp8_params_options(tr.model_copy(update={"precision": "mxfp8"}), None) == BOTH
+    assert fp8_params_options(tr, True) is None and fp8_params_options(tr, False) is None  # the user's word
+    for other in ({"precision": "bf16"}, {"precision": "nvfp4"}, {"framework": "torchtitan"},
+                  # NeMo's bf16 Apex optimizer adds a bf16 master copy with fp8 weights: not lighter there
+                  {"framework": "nemo", "optimizer_dtype": "bf16"}):
+        assert fp8_params_options(tr.model_copy(update=other), None) is None, other
+
+
+@pytest.mark.parametrize("model_name,hw_name,precision,framework,pp", [
+    ("llama3-8b", "h100-sxm-80gb", "fp8", "megatron", 1), ("llama3-8b", "h100-sxm-80gb", "fp8", "nemo", 2),
+    ("llama3-8b", "b200-180gb", "mxfp8", "megatron", 2), ("mixtral-8x7b", "h100-sxm-80gb", "fp8", "megatron", 2)])
+def test_fp8_params_are_never_slower_nor_larger(model_name, hw_name, precision, framework, pp):
+    """What search.search relies on for fp8 weights (search.LIGHTER_WHEN_TRUE): no combination is slower, needs
+    more memory on any stage or changes legality with them, and some are smaller."""
+    model = load_model(model_name)
+    hw = load_hardware(hw_name).model_copy(update={"inter_node_bandwidth_gbps": 5.0})
+    off = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, precision=precision, framework=framework)
+    on = off.model_copy(update={"fp8_params": True})
+    space = SearchSpace(max_micro_batch_size=2, max_cp=2, pins=Pins(pp=pp))
+    t0, t1 = build_tables(model, hw, off, space), build_tables(model, hw, on, space)
+    legal = t0.legal
+    assert (legal == t1.legal).all()
+    assert (t1.time_ns[legal] <= t0.time_ns[legal]).all()
+    assert (t1.mem_kib[legal] <= t0.mem_kib[legal]).all()
+    assert (t1.mem_kib[legal] < t0.mem_kib[legal]).any()
+
+
+def test_search_takes_fp8_params_only_where_they_help():
+    """fp8 weights are taken where faster (fp8 all-gathers over a slow network) and match brute force; a ZeRO-0
+    plan (nothing gathered; Megatron's --fp8-param-gather needs the distributed optimizer) keeps bf16 weights."""
+    model = load_model("llama3-8b")
+    hw = H100.model_copy(update={"inter_node_bandwidth_gbps": 5.0})
+    tr = TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096, precision="fp8")
+    space = SearchSpace(max_micro_batch_size=2, max_cp=1, zero_stages=(1,), pins=Pins(pp=1), fp8_params=BOTH)
+    res = search(model, hw, tr, space)
+    _, brute_t, _, brute_tr = exhaustive_with_training(model, hw, tr, space)
+    from planner.cost import estimate_time
+
+    assert estimate_time(model, hw, res.training, res.best).step_time_s == pytest.approx(brute_t, rel=1e-9)
+    assert res.training.fp8_params and brute_tr.fp8_params
+    zero0 = search(model, hw, tr, SearchSpace(max_micro_batch_size=2, max_cp=1, zero_stages=(0,), pins=Pins(pp=1),
+                                              fp8_params=BOTH))
+    assert zero0.best.zero_stage == 0 and zero0.training.fp8_params is False
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -120,6 +170,19 @@ def test_cli_searches_the_dtype_unless_told(runner):
     assert fp32["time"]["step_time_s"] >= free["time"]["step_time_s"]
     tt = _search_json(runner, "--framework", "torchtitan")
     assert tt["training"]["grad_reduce_in_bf16"] is False
+
+
+def test_cli_searches_fp8_params_in_fp8_jobs(runner, tmp_path):
+    free = _search_json(runner, "--precision", "fp8")
+    assert free["training"]["fp8_params"] is True and free["plan"]["zero_stage"] >= 1
+    assert _search_json(runner, "--precision", "fp8", "--no-fp8-params")["training"]["fp8_params"] is False
+    assert _search_json(runner)["training"]["fp8_params"] is False  # bf16: not offered
+    res = runner.invoke(app, ["search", "--model", "llama3-70b", "--hardware", "h100-sxm-80gb", "--gpus", "64",
+                              "--global-batch", "128", "--seq-len", "8192", "--precision", "fp8", "--top", "0",
+                              "--emit", "megatron", "--out-dir", str(tmp_path), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "fp8 params" in res.output
+    assert "--fp8-param-gather" in "".join(p.read_text() for p in tmp_path.glob("*.megatron.args"))
 
 
 def test_emitted_megatron_launch_carries_the_picked_dtype(runner, tmp_path):

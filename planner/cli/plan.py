@@ -118,10 +118,11 @@ def search(
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
                                                                    torch_compile, cross_entropy_fusion))
     _check_pins(spec_hw.for_job(counts[0]) if len(counts) == 1 else spec_hw, tp)
-    from planner.candidates import grad_dtype_options
+    from planner.candidates import fp8_params_options, grad_dtype_options
 
-    # neither --grad-reduce-in-bf16 nor its --no- form: both gradient dtypes are searched
-    space = SearchSpace(pins=pins, grad_reduce_in_bf16=grad_dtype_options(training, grad_reduce_in_bf16))
+    # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
+    space = SearchSpace(pins=pins, grad_reduce_in_bf16=grad_dtype_options(training, grad_reduce_in_bf16),
+                        fp8_params=fp8_params_options(training, fp8_params))
     from planner.candidates import schedule_pin_problems
 
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
