@@ -183,8 +183,8 @@ def lead_within_range(best, alt) -> bool:
 
 
 def search_dict(result: dict) -> dict:
-    """The best plan and its alternatives, each with the job as it runs (``training``: the searched gradient
-    dtype, ``grad_reduce_in_bf16``, among the inputs)."""
+    """The best plan and its alternatives, each with the job as it runs it (``training``: the inputs with the
+    switches the search picked, ``grad_reduce_in_bf16`` and ``fp8_params``)."""
     best = result["best"]
 
     def job(est) -> dict:

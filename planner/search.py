@@ -478,8 +478,8 @@ class SearchResult:
     solver_s: float = 0.0
     candidates: int = 0
     closest: Plan | None = None  # when infeasible: the legal plan with the smallest memory overshoot
-    # the job as each plan runs it: the input, or with the gradient dtype the search picked
-    # (SearchSpace.grad_reduce_in_bf16); None where no plan was found
+    # the job as each plan runs it: the input, with the switches the search picked (LIGHTER_WHEN_TRUE); None
+    # where no plan was found
     training: TrainingSpec | None = None
     alternative_trainings: list[TrainingSpec] = field(default_factory=list)
 
@@ -509,9 +509,9 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp).
 
     Switches offered both ways (``LIGHTER_WHEN_TRUE``: ``SearchSpace.grad_reduce_in_bf16``, ``.fp8_params``) are
-    set True for the tables: no plan is slower or larger so, so the fastest plan over both values is the fastest
-    with True. Each plan found then keeps the default (False) of each, in that order, where it is as fast and
-    still fits (:func:`_prefer_defaults`)."""
+    set True for the tables: no plan is slower or larger with them on, so the fastest plan over both values is
+    the fastest with True. Each plan found then gets the default (False) of each back, in that order, where it
+    is as fast and still fits (:func:`_prefer_defaults`)."""
     space = space or SearchSpace()
     offered = {f: set(getattr(space, f) or (getattr(training, f),)) for f in LIGHTER_WHEN_TRUE}
     training = training.model_copy(update={f: next(iter(v)) for f, v in offered.items() if len(v) == 1})
@@ -547,7 +547,7 @@ def _prefer_defaults(model: ModelSpec, hw: HardwareSpec, light: TrainingSpec, pl
 
 def _search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace, top_k: int,
             order: str) -> SearchResult:
-    """:func:`search` under one gradient dtype (``training``'s)."""
+    """:func:`search` with the job's switches as ``training`` has them."""
     t0 = time.perf_counter()
     hw = hw.for_job(training.num_gpus)  # the NVLink domain this job's ranks fill (HardwareSpec.job_nvlink_domain)
     tables = build_tables(model, hw, training, space, order)

@@ -197,7 +197,7 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
             res = S.search(model, hw, training, space, top_k=top)
         wall = time.perf_counter() - t0
 
-        def scen(p, tr):  # each plan with the job as it runs it (the searched gradient dtype)
+        def scen(p, tr):  # each plan with the job as it runs it (the switches the search picked)
             return estimate(Scenario(model=model, hardware=hw, training=tr, plan=p))
         out = {"best": scen(res.best, res.training) if res.best else None,
                "alternatives": [scen(p, tr) for p, tr in zip(res.alternatives, res.alternative_trainings)],
