@@ -186,7 +186,7 @@ class SearchSpace:
 def grad_dtype_options(training: TrainingSpec, given: bool | None) -> tuple[bool, ...] | None:
     """The gradient dtypes a search offers (``SearchSpace.grad_reduce_in_bf16``): both fp32 and bf16 where the
     user set neither (``given`` None), the job is mixed precision and the framework emits the choice
-    (``FrameworkProfile.grad_dtype_flag``, Megatron ``--grad-reduce-in-bf16``); else only the job's own (None).
+    (``FrameworkProfile.allows_grad_reduce_in_bf16``, Megatron ``--grad-reduce-in-bf16``); else only the job's own (None).
 
     Megatron-LM keeps fp32 main gradients by default, but NVIDIA's published runs set bf16
     (NeMo-Framework-Launcher ``examples/training/gpt/h100/175b_fp8_16node.sh`` and its other H100 examples:
@@ -194,7 +194,7 @@ def grad_dtype_options(training: TrainingSpec, given: bool | None) -> tuple[bool
     ``cfg.ddp.grad_reduce_in_fp32 = False`` for every model, see benchmarks/megatron_bridge.py), so neither is
     assumed: the search takes bf16 only where it is faster (the ties go to fp32, ``search.search``) and
     says so in the plan."""
-    if given is None and frameworks.get(training.framework).grad_dtype_flag and training.precision != "fp32":
+    if given is None and frameworks.get(training.framework).allows_grad_reduce_in_bf16 and training.precision != "fp32":
         return (False, True)
     return None
 

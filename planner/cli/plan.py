@@ -98,7 +98,7 @@ def search(
 ) -> None:
     """Find the fastest plan that fits: CP-SAT over TP x PP x DP x CP, micro-batches, schedule, recompute, SP, ZeRO."""
     from planner import render
-    from planner.candidates import Pins, SearchSpace
+    from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options, schedule_pin_problems
     from planner.search import parse_gpu_counts
 
     try:
@@ -110,7 +110,6 @@ def search(
     pins = Pins(tp=tp, pp=pp, cp=cp, vpp=vpp, micro_batch_size=micro_batch_size, recompute=recompute,
                 sequence_parallel=sequence_parallel, zero_stage=zero_stage, ep=ep, etp=etp,
                 pipeline_schedule=pipeline_schedule, cpu_offload_layers=cpu_offload_layers)
-    space = SearchSpace(pins=pins)
     spec_model, spec_hw, training = job_from_options(model, hardware, counts[0], global_batch, seq_len, precision,
                                                      attention, overlap_grad_reduce, framework, tp_comm_overlap,
                                                      overlap_p2p_comm,
@@ -118,13 +117,9 @@ def search(
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
                                                                    torch_compile, cross_entropy_fusion))
     _check_pins(spec_hw.for_job(counts[0]) if len(counts) == 1 else spec_hw, tp)
-    from planner.candidates import fp8_params_options, grad_dtype_options
-
     # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
     space = SearchSpace(pins=pins, grad_reduce_in_bf16=grad_dtype_options(training, grad_reduce_in_bf16),
                         fp8_params=fp8_params_options(training, fp8_params))
-    from planner.candidates import schedule_pin_problems
-
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
     if schedule_problem:
         raise SpecError(schedule_problem)

@@ -77,10 +77,10 @@ class FrameworkProfile:
     # --cpu-offloading-num-layers; plan3d emits no such knob for torchtitan or DeepSpeed
     allows_cpu_offload: bool = False
     optimizer_dtypes: tuple[str, ...] = ("fp32",)  # Adam state dtypes modelled (TrainingSpec.optimizer_dtype)
-    # the launch flag that keeps and reduces gradients in bf16 (TrainingSpec.grad_reduce_in_bf16), where plan3d
-    # emits one; `plan3d search` then offers both gradient dtypes when the user set neither
-    # (candidates.SearchSpace.grad_reduce_in_bf16)
-    grad_dtype_flag: str | None = None
+    # bf16 gradients (TrainingSpec.grad_reduce_in_bf16) as plan3d emits this framework (Megatron
+    # --grad-reduce-in-bf16); `plan3d search` then offers both gradient dtypes when the user set neither
+    # (candidates.grad_dtype_options)
+    allows_grad_reduce_in_bf16: bool = False
     # --- mixture of experts (planner.memory, docs/moe.md) ---
     allows_ep: bool = True  # expert parallelism (ep > 1) as plan3d emits this framework
     # which expert-TP degrees the framework builds: "free" (Megatron's --expert-tensor-parallel-size),

@@ -167,7 +167,7 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            # TP group is > 1 without sequence parallelism
                            moe_needs_sp=True, allows_fp8_params=True,
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
-                           grad_dtype_flag="--grad-reduce-in-bf16",
+                           allows_grad_reduce_in_bf16=True,
                            # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)
                            allows_cpu_offload=True,
                            # --moe-grouped-gemm (planner/emit/megatron.py): TEGroupedMLP, TE's multi-stream GroupedLinear

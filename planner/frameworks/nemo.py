@@ -68,7 +68,7 @@ PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_pe
                            sp_gathers_inputs=False, zero_stages=(0, 1, 3), moe_needs_sp=True,
                            allows_fp8_params=True, optimizer_dtypes=("fp32", "bf16"),
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
-                           grad_dtype_flag="--grad-reduce-in-bf16",
+                           allows_grad_reduce_in_bf16=True,
                            allows_cpu_offload=True,  # NeMo passes cpu_offloading_num_layers to Megatron-Core
                            unfused_yarn_rope=True,  # Megatron-Bridge's provider (FrameworkProfile.unfused_yarn_rope)
                            # the recipes' moe_grouped_gemm=True: TEGroupedMLP, TE's multi-stream GroupedLinear
