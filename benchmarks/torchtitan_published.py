@@ -13,8 +13,10 @@ Data: benchmarks/data/torchtitan_h100_202412.json (torchtitan benchmarks/llama3_
   pinned, ``plan3d search`` with its defaults (Megatron-Core semantics) picks the rest.
 
 Error = predicted / measured step time - 1 (negative: plan3d is optimistic). Only the rows torchtitan ran
-without torch.compile and Float8 (``modelled``) are summed: plan3d models neither Inductor's fusions nor
-torchao's float8. The GPUs are not the h100-sxm-80gb profile: 96 GB HBM2e at 2.4 TB/s and a 500 W power limit
+without torch.compile and Float8 (``modelled``) are summed: plan3d models Inductor's fusions only as the fused count
+of the memory-bound kernels (``--compile``, blocks only as 9dec370 compiled them; eager rows get the eager block,
+``planner.cost.eager_block``) and torchao's float8 as Transformer Engine's FP8. Attention is FlashAttention-2
+(``ATTENTION``, below) in the pinned rows, plan3d's default in the scorer's. The GPUs are not the h100-sxm-80gb profile: 96 GB HBM2e at 2.4 TB/s and a 500 W power limit
 (the file's own note), so the profile's sustained clock and HBM rate are upper bounds for them. Nothing is
 fitted; it asserts nothing.
 """
@@ -37,14 +39,21 @@ from planner.specs import Plan, TrainingSpec, plan_problems  # noqa: E402
 
 DATA = ROOT / "benchmarks/data/torchtitan_h100_202412.json"
 LLAMA31_CONTEXT = 131072  # Llama 3.1 HF config max_position_embeddings
+# torchtitan 9dec370's Llama called F.scaled_dot_product_attention, whose H100 default at torch nightly 2.6.0.dev
+# (December 2024) was FlashAttention-2, not cuDNN: pytorch/pytorch#142132 (2.6.0.dev20241204: SDPA 329 against cuDNN
+# 631 TFLOP/s at (1, 24, 4608, 128) on H100); cuDNN became the default on SM90 with torch 2.9 (pytorch/pytorch#162073)
+ATTENTION = "flash2"
 
 
 def _job(run: dict, framework: str) -> tuple:
     model = load_model(run["model"]).model_copy(update={"max_seq_len": LLAMA31_CONTEXT})
     dp = run["gpus"] // (run["tp"] * run["pp"] * run["cp"])
     precision = "fp8" if "Float8" in run["techniques"] else "bf16"
+    # torchtitan 9dec370 compiled each TransformerBlock, not the loss (its apply_compile; TrainingSpec.compile_components)
+    compiled = "compile" in run["techniques"]
     training = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * dp, seq_len=run["seq"],
-                            precision=precision, framework=framework)
+                            precision=precision, framework=framework, compile=compiled,
+                            compile_components=("model",) if compiled else ("model", "loss"), attention=ATTENTION)
     return model, training, dp
 
 
@@ -63,6 +72,8 @@ def pinned(run: dict, hw) -> tuple[float | None, str]:
 
 def scorer(run: dict, hw) -> tuple[float | None, str]:
     model, training, _ = _job(run, "megatron")
+    # the scorer states no kernel and no compile: plan3d's defaults
+    training = training.model_copy(update={"attention": "flash", "compile": False, "compile_components": ("model", "loss")})
     pins = Pins(tp=run["tp"], pp=run["pp"], cp=run["cp"], recompute=run["ac"])
     best = search(model, hw, training, SearchSpace(pins=pins)).best
     if best is None:

@@ -64,7 +64,7 @@ from planner import comm, flops, frameworks
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
 from planner.memory import (act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             stage_param_split, stage_params_per_rank)
-from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
+from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 ACT_BYTES = 2
 FLASH_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward runs 5 GEMMs to the forward's 2 (Dao 2023)
@@ -103,16 +103,31 @@ _H200_CAUSAL = {"fwd": (469.6, 557.6, 608.0, 638.9, 652.8, 607.0), "bwd": (269.9
 # max, exp, sum, rescale). Its 512 and non-causal rows are derived as the head-dim-128 ones are (the FA3 paper's
 # ratios, measured at 128). GPT-OSS (d 64) and GPT-NeoX-20B (d 96, interpolated) run between the two.
 _H200_CAUSAL_D64 = {"fwd": (328.3, 391.5, 430.4, 451.7, 468.9, 457.2), "bwd": (209.3, 293.0, 358.1, 405.0, 419.8, 425.6)}
+# FlashAttention-2, the kernel of F.scaled_dot_product_attention's flash backend (torch ships FlashAttention-2), in the
+# same H200 run, shapes and FLOP count as the cuDNN rows above (benchmarks/data/h200_kernels.json, backend "flash",
+# 32 query / 8 KV heads, head dim 128 and 64). FlashAttention-2 has no Hopper path (no wgmma/TMA: Shah et al. 2024,
+# arXiv:2407.08608, section 1), so on Hopper it reaches 0.49-0.68x the cuDNN forward and 0.54-0.66x the backward;
+# where a job runs it (``TrainingSpec.attention`` "flash2") on a GPU whose profile level is a faster kernel
+# (``HardwareSpec.attention_beyond_fa2``) the speed comes from these rows. Its 512 and non-causal rows are derived as
+# the cuDNN ones are.
+_H200_FA2_CAUSAL = {"fwd": (261.4, 286.7, 307.2, 315.1, 336.8, 350.1), "bwd": (150.8, 201.0, 251.5, 285.8, 307.8, 317.1)}
+_H200_FA2_CAUSAL_D64 = {"fwd": (215.6, 260.8, 281.4, 280.9, 286.0, 310.7),
+                        "bwd": (133.3, 180.7, 217.1, 247.2, 271.5, 280.4)}
 #: Head dims of the measured attention tables; between them the speed is interpolated in log2(d), outside them the
 #: nearest table is used (wider heads, e.g. MLA's 192, keep the head-dim-128 speed: nothing wider was measured).
 ATTENTION_HEAD_DIMS = (64, 128)
-ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # (pass, causal, head dim) -> speeds by ATTENTION_SEQ
-for _d, _table in ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64)):
-    for _pass, _row in _table.items():
-        _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
-        ATTENTION_TFLOPS_BY_HEAD_DIM[(_pass, True, _d)] = _causal
-        ATTENTION_TFLOPS_BY_HEAD_DIM[(_pass, False, _d)] = tuple(
-            c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+#: The attention kernels with a measured table: "fused" (cuDNN, Transformer Engine's default on Hopper, the level each
+#: profile's ``attention_efficiency`` states) and "fa2" (FlashAttention-2, above).
+ATTENTION_KERNELS = ("fused", "fa2")
+ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # (pass, causal, head dim) -> speeds by ATTENTION_SEQ, the fused kernel
+FA2_ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # the same for FlashAttention-2
+for _out, _tables in ((ATTENTION_TFLOPS_BY_HEAD_DIM, ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64))),
+                      (FA2_ATTENTION_TFLOPS_BY_HEAD_DIM, ((128, _H200_FA2_CAUSAL), (64, _H200_FA2_CAUSAL_D64)))):
+    for _d, _table in _tables:
+        for _pass, _row in _table.items():
+            _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
+            _out[(_pass, True, _d)] = _causal
+            _out[(_pass, False, _d)] = tuple(c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
 ATTENTION_TFLOPS = {key[:2]: row for key, row in ATTENTION_TFLOPS_BY_HEAD_DIM.items() if key[2] == 128}  # head dim 128
 ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]  # causal forward at 16k: what attention_efficiency means
 
@@ -124,8 +139,10 @@ def _attention_row_speed(row: tuple, kv_len: float) -> float:
     return lo + (hi - lo) * (x - math.log2(ATTENTION_SEQ[i]))
 
 
-def attention_shape(kv_len: float, causal: bool, pass_: str, head_dim: float = 128) -> float:
-    """Speed of a fused attention kernel over ``kv_len`` keys relative to causal forward at 16k, head dim 128.
+def attention_shape(kv_len: float, causal: bool, pass_: str, head_dim: float = 128, kernel: str = "fused") -> float:
+    """Speed of a fused attention kernel over ``kv_len`` keys relative to the fused (cuDNN) kernel's causal forward at
+    16k, head dim 128. ``kernel``: "fused" or "fa2" (``ATTENTION_KERNELS``; FlashAttention-2's own rows, so its
+    speed comes out relative to the same cuDNN reference).
 
     Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (H200 measurement and
     FlashAttention-3 paper, above); outside 512-32k the end row is used (the lookup says so via
@@ -136,8 +153,9 @@ def attention_shape(kv_len: float, causal: bool, pass_: str, head_dim: float = 1
     """
     lo_d, hi_d = ATTENTION_HEAD_DIMS
     d = min(max(head_dim, lo_d), hi_d)
-    hi = _attention_row_speed(ATTENTION_TFLOPS_BY_HEAD_DIM[(pass_, causal, hi_d)], kv_len)
-    lo = _attention_row_speed(ATTENTION_TFLOPS_BY_HEAD_DIM[(pass_, causal, lo_d)], kv_len)
+    table = FA2_ATTENTION_TFLOPS_BY_HEAD_DIM if kernel == "fa2" else ATTENTION_TFLOPS_BY_HEAD_DIM
+    hi = _attention_row_speed(table[(pass_, causal, hi_d)], kv_len)
+    lo = _attention_row_speed(table[(pass_, causal, lo_d)], kv_len)
     w = math.log2(d / lo_d) / math.log2(hi_d / lo_d)
     return (lo + (hi - lo) * w) / ATTENTION_REFERENCE
 
@@ -175,14 +193,19 @@ class Rates:
     attention_flops: float
     hbm_bytes_per_s: float
     attention_bwd_flops: float = 0.0  # the backward kernels' level; 0: as the forward's
+    attention_kernel: str = "fused"  # whose measured table shapes the attention speed (attention_shape)
 
     def attention_rate(self, pass_: str) -> float:
         """FLOP/s level of the fused attention kernel in one pass (``attention_shape`` sets its shape)."""
         return self.attention_bwd_flops if pass_ == "bwd" and self.attention_bwd_flops else self.attention_flops
 
     @classmethod
-    def of(cls, hw: HardwareSpec, precision: str) -> Rates:
+    def of(cls, hw: HardwareSpec, precision: str, attention: str = "flash") -> Rates:
+        """``attention``: the job's kernel (``TrainingSpec.attention``); "flash2" takes FlashAttention-2's table
+        where the profile's level is a faster kernel's (``HardwareSpec.attention_beyond_fa2``), else the fused
+        one's shape applies."""
         sustained = hw.sustained_fraction
+        kernel = "fa2" if attention == "flash2" and hw.attention_beyond_fa2 else "fused"
         if precision in LOW_PRECISIONS:
             # fp8: the measured FP8 MAMF, or the FP8/BF16 ratio measured on an H200 (FP8_MAMF_RATIO); mxfp8 and
             # nvfp4: that FP8 rate times TE's measured block-scaled/FP8 kernel ratio (BLOCK_SCALED_OVER_FP8), never
@@ -198,7 +221,8 @@ class Rates:
                    attention_flops=hw.peak_flops("bf16") * hw.attention_efficiency * sustained,
                    hbm_bytes_per_s=hw.hbm_bandwidth_gbps * 1e9 * hw.hbm_efficiency,
                    attention_bwd_flops=hw.peak_flops("bf16") * (hw.attention_bwd_efficiency
-                                                                 or hw.attention_efficiency) * sustained)
+                                                                 or hw.attention_efficiency) * sustained,
+                   attention_kernel=kernel)
 
 
 def _waves_flops(m: float, k: float, n: float, batch: float, sm_count: int) -> float:
@@ -402,7 +426,7 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
     """
     t, b, s = plan.tp, plan.micro_batch_size, training.seq_len
     a_r, d = model.num_attention_heads / t, model.kv_channels
-    if training.attention == "flash":
+    if training.attention in FLASH_ATTENTION:
         d_qk = model.qk_head_dim  # the kernel's speed at this head width (attention_shape)
         wave = attention_wave_factor(s, b * a_r, rates.sm_count)
         rate_f, rate_b = rates.attention_rate("fwd") * wave, rates.attention_rate("bwd") * wave
@@ -410,8 +434,9 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
         def core_s(window: int | None) -> tuple[float, float]:
             fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True, window=window) * s / t
             span = s if window is None else min(s, window)  # keys one query sees: the kernel's speed
-            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd", d_qk)),
-                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd", d_qk)))
+            k = rates.attention_kernel
+            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd", d_qk, k)),
+                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd", d_qk, k)))
 
         fwd, bwd = core_s(None)
         share = model.windowed_layers / model.num_layers
@@ -467,7 +492,7 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     ``("a2a", "all_gather")`` for sliding-window attention, ``pytorch/attention/dot_product_attention/
     context_parallel.py``), and those CP variants are not modelled.
     """
-    rates = Rates.of(hw, training.precision)
+    rates = Rates.of(hw, training.precision, training.attention)
     cp, t, b = plan.cp, plan.tp, plan.micro_batch_size
     s_c = training.seq_len / cp
     a_r = model.num_attention_heads / t
@@ -481,14 +506,17 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     heads, sm = b * a_r, rates.sm_count
     d_qk = model.qk_head_dim  # the kernel's speed at this head width (attention_shape)
 
+    k = rates.attention_kernel
+
     def speed(pass_: str, causal: bool) -> float:
         if causal:  # step 0: the local chunk against itself
-            return rates.attention_rate(pass_) * attention_shape(s_c, True, pass_, d_qk) * attention_wave_factor(s_c, heads, sm)
+            return (rates.attention_rate(pass_) * attention_shape(s_c, True, pass_, d_qk, k)
+                    * attention_wave_factor(s_c, heads, sm))
         # later steps: s_c queries x s_c/2 keys on half the ranks, s_c/2 x s_c on the others; the
         # ring is synchronous, so the slower of the two paces every step
         return rates.attention_rate(pass_) * min(
-            attention_shape(s_c / 2, False, pass_, d_qk) * attention_wave_factor(s_c, heads, sm),
-            attention_shape(s_c, False, pass_, d_qk) * attention_wave_factor(s_c / 2, heads, sm))
+            attention_shape(s_c / 2, False, pass_, d_qk, k) * attention_wave_factor(s_c, heads, sm),
+            attention_shape(s_c, False, pass_, d_qk, k) * attention_wave_factor(s_c / 2, heads, sm))
 
     f0 = step_flops / speed("fwd", True) + launch
     b0 = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", True) + 3 * launch
@@ -552,6 +580,26 @@ def _elementwise_kernels(model: ModelSpec, fused_rope: bool = True) -> tuple[int
     rope = 2 if model.position_embedding == "rope" and fused_rope else 0
     fwd = 2 + 2 + 1 + rope
     return fwd, fwd + 2
+
+
+def eager_block(model: ModelSpec, training: TrainingSpec, plan: Plan) -> tuple[tuple[float, float], tuple[int, int]] | None:
+    """((forward, backward) HBM bytes per token, (forward, backward) launches) of one dense layer's memory-bound
+    kernels where the framework runs the block eager (``FrameworkProfile.eager_block_bytes``: torchtitan without
+    ``--compile.enable`` on the model, ``TrainingSpec.compiled_blocks``), or None where they are fused
+    (:func:`_elementwise_bytes_per_token`). Counted on the framework's own block for an RMSNorm / SwiGLU / RoPE
+    layer (planner/eager_probe.py); other layer kinds keep the fused count. The backward excludes the recompute.
+    Under TP with SP the norms and residual adds run on ``1/t`` of the tokens and the projections' widths are
+    ``1/t``; DTensor's own redistribution copies are not counted."""
+    prof = frameworks.get(training.framework)
+    if (prof.eager_block_bytes is None or training.compiled_blocks or model.norm != "rmsnorm"
+            or not model.gated_mlp or model.position_embedding != "rope" or model.is_mla):
+        return None
+    t = plan.tp
+    sp = t if plan.sequence_parallel else 1
+    widths = {"h": model.hidden_size / sp, "q": model.q_size / t, "kv": kv_heads_per_rank(model, t) * model.kv_channels,
+              "f": model.ffn_size / t, "d": model.kv_channels, "one": 1.0 / sp}
+    fwd, bwd = (sum(c * widths[k] for k, c in coef.items()) for coef in prof.eager_block_bytes)
+    return (fwd, bwd), prof.eager_block_kernels
 
 
 #: Megatron-Core's eager RoPE (core_v0.16.1 models/common/embeddings/rope_utils.py ``_apply_rotary_pos_emb_bshd``,
@@ -1000,7 +1048,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
                order: str = DEFAULT_ORDER, moe: bool = False) -> LayerTime:
     """Compute and communication of one transformer layer for one micro-batch on one GPU; ``moe``: a
     MoE layer (attention, shared experts, router and routed experts: :func:`moe_layer_extra`)."""
-    rates = Rates.of(hw, training.precision)
+    rates = Rates.of(hw, training.precision, training.attention)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     overlap = resolved_overlap(training)
     imbalance = training.moe_load_imbalance
@@ -1013,7 +1061,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         fwd, bwd, wgrad = fwd + f, bwd + dg + wg, wgrad + wg
         gemms.append((f, dg, wg, kind))
     ring = None
-    if plan.cp > 1 and training.attention == "flash":
+    if plan.cp > 1 and training.attention in FLASH_ATTENTION:
         ring = ring_attention(model, hw, training, plan, order)
         att_f, att_b = ring.fwd_compute, ring.bwd_compute
     else:
@@ -1021,11 +1069,17 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     # memory-bound ops move their bytes, and are never faster than their launches (a floor, as a
     # GEMM is never faster than its HBM traffic): it bites only on small micro-batches
     rope = unfused_rope(model, training, plan)
-    k_f, k_b = _elementwise_kernels(model, fused_rope=rope is None)
-    elem_f = tokens * _elementwise_bytes_per_token(model, plan, moe, imbalance, fused_rope=rope is None) / \
-        rates.hbm_bytes_per_s
+    eager = None if moe else eager_block(model, training, plan)
+    if eager is not None:  # the framework's eager block, counted on its own code (eager_block)
+        (e_f, e_b), (k_f, k_b) = eager
+        elem_f, elem_b = tokens * e_f / rates.hbm_bytes_per_s, tokens * e_b / rates.hbm_bytes_per_s
+    else:
+        k_f, k_b = _elementwise_kernels(model, fused_rope=rope is None)
+        elem_f = tokens * _elementwise_bytes_per_token(model, plan, moe, imbalance, fused_rope=rope is None) / \
+            rates.hbm_bytes_per_s
+        elem_b = 2 * elem_f
     fwd += att_f + max(elem_f, k_f * rates.gemm_overhead_s)
-    bwd += att_b + max(2 * elem_f, k_b * rates.gemm_overhead_s)
+    bwd += att_b + max(elem_b, k_b * rates.gemm_overhead_s)
     if rope is not None:  # the eager RoPE of a YaRN model under Megatron-Bridge (unfused_rope)
         (r_f, r_b), (rk_f, rk_b) = rope
         fwd += max(tokens * r_f / rates.hbm_bytes_per_s, rk_f * rates.gemm_overhead_s)
@@ -1161,6 +1215,9 @@ def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     v_r = padded_vocab_size(model.vocab_size, plan.tp) / plan.tp
     f, dg, wg = gemm_fwd_bwd_s(tokens, model.hidden_size, v_r, rates)
     ce = tokens * v_r * (2 + 4 + 4 + 4 + 4 + 2) / rates.hbm_bytes_per_s  # bf16 logits -> fp32 softmax -> grad -> bf16
+    eager_loss = frameworks.get(training.framework).eager_loss_bytes_per_logit
+    if eager_loss is not None and not training.compiled_loss:  # the framework's eager loss, counted on its own code
+        ce = tokens * v_r * sum(eager_loss) / rates.hbm_bytes_per_s
     tp_group = axis_span(plan, "tp", hw.nvlink_domain, order)
     kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
     tp = comm.collective_time_s(kind, tokens * model.hidden_size * act_bytes(training), tp_group, hw)

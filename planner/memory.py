@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner import frameworks
-from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size, stage_chunks,
+from planner.specs import (FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size, stage_chunks,
                            uneven_chunks)
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
@@ -452,7 +452,7 @@ def _core_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, 
     lin = LINEAR_INPUT_BYTES.get(training.precision, e)
     s, b = training.seq_len // plan.cp, plan.micro_batch_size
     sb, a_r = s * b, model.num_attention_heads / t
-    if training.attention == "flash":
+    if training.attention in FLASH_ATTENTION:
         terms = [ActTerm("softmax log-sum-exp", sb * a_r * FP32_BYTES, core=True)]
         if lin != e:
             terms.append(ActTerm("attention output (bf16)", sb * out_r * e, core=True))

@@ -46,7 +46,9 @@ Recompute = Literal["none", "selective", "full"]
 # Megatron-Core core_v0.16.1 TransformerConfig.recompute_modules choices (TrainingSpec.recompute_modules)
 RecomputeModule = Literal["core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts", "layernorm"]
 RECOMPUTE_MODULES: tuple[str, ...] = typing.get_args(RecomputeModule)
-AttentionKernel = Literal["flash", "materialized"]
+AttentionKernel = Literal["flash", "flash2", "materialized"]
+#: the attention kernels that store no s x s scores (TrainingSpec.attention)
+FLASH_ATTENTION: tuple[str, ...] = ("flash", "flash2")
 
 
 class _Spec(BaseModel):
@@ -552,6 +554,13 @@ class HardwareSpec(_Spec):
                     "None: the same as the forward. Set where the two passes have different bottlenecks (Blackwell "
                     "Ultra doubles the exponential units that bound the forward, not the shared-memory traffic that "
                     "bounds the backward).")
+    attention_beyond_fa2: bool = Field(
+        default=False,
+        description="The attention level above (attention_efficiency) is a kernel faster than FlashAttention-2 "
+                    "(Hopper's cuDNN / FlashAttention-3, which use its wgmma and TMA units). A job that runs "
+                    "FlashAttention-2 (TrainingSpec.attention 'flash2') then gets FlashAttention-2's measured speed "
+                    "(planner.cost, _H200_FA2_CAUSAL). False: that kernel is the level itself (A100), or it was not "
+                    "measured here (Blackwell).")
     hbm_efficiency: float = Field(
         default=0.7, gt=0, le=1, description="Achieved fraction of HBM bandwidth in memory-bound kernels.")
 
@@ -640,8 +649,12 @@ class TrainingSpec(_Spec):
                     "(Transformer Engine recipes), or fp32 (the CPU validate run).")
     attention: AttentionKernel = Field(
         default="flash",
-        description="flash: fused attention that stores no s x s scores (Dao et al. 2022); "
-                    "materialized: the scores and softmax are stored, as in Korthikanti et al. 2022.")
+        description="flash: fused attention that stores no s x s scores (Dao et al. 2022), at the speed of the "
+                    "GPU's fastest kernel (cuDNN / FlashAttention-3 on Hopper: HardwareSpec.attention_efficiency); "
+                    "flash2: the same kernel family at FlashAttention-2's measured speed (the flash-attn 2 package; "
+                    "torch's SDPA on Hopper until torch 2.9 made cuDNN its default, pytorch/pytorch#162073), slower "
+                    "where HardwareSpec.attention_beyond_fa2; materialized: the scores and softmax are stored, as in "
+                    "Korthikanti et al. 2022.")
     framework: Literal["megatron", "nemo", "torchtitan", "deepspeed", "torch"] = Field(
         default="megatron",
         description="The framework that runs the plan: sets how weights, gradients, optimizer states and "

@@ -13,7 +13,7 @@ import shlex
 
 from planner.names import slug
 from planner.presets import SpecError
-from planner.specs import Scenario, chunk_split
+from planner.specs import FLASH_ATTENTION, Scenario, chunk_split
 
 Flag = tuple[str, "str | tuple[str, ...] | None"]  # a tuple: one flag with several values (argparse nargs)
 
@@ -305,7 +305,7 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     flags += PRECISION_FLAGS.get(tr.precision, [])
     if tr.precision == "fp8" and tr.fp8_recipe == "tensorwise":
         flags.append(("--fp8-recipe", "tensorwise"))
-    flags.append(("--attention-backend", "flash" if tr.attention == "flash" else "unfused"))
+    flags.append(("--attention-backend", "flash" if tr.attention in FLASH_ATTENTION else "unfused"))
     if tr.cross_entropy_fusion != "none":  # the loss kernel the memory estimate assumed (frameworks/megatron.py)
         flags.append(("--cross-entropy-loss-fusion", None))
         if tr.cross_entropy_fusion == "te":

@@ -94,6 +94,12 @@ class FrameworkProfile:
     # experts (torch._grouped_mm); n > 0, one cuBLAS GEMM per local expert, issued round-robin to n CUDA streams
     # (Transformer Engine's GroupedLinear under Megatron-Core's TEGroupedMLP, planner.cost.TE_GROUPED_GEMM_STREAMS)
     expert_gemm_streams: int = 0
+    # the memory-bound kernels of a dense RMSNorm/SwiGLU/RoPE block when it runs eager, not compiled (TrainingSpec.compile
+    # off): ((forward, backward) bytes per token as width coefficients, (forward, backward) launches), and the eager
+    # loss's (forward, backward) bytes per logit; None: the framework runs fused kernels (planner.cost.eager_block)
+    eager_block_bytes: tuple | None = None
+    eager_block_kernels: tuple[int, int] | None = None
+    eager_loss_bytes_per_logit: tuple[int, int] | None = None
 
     def allows_zero(self, zero_stage: int, pp: int) -> bool:
         """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages."""

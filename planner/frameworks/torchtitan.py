@@ -77,6 +77,30 @@ LOSS_PARALLEL_BYTES_PER_ELEMENT = 22  # loss_parallel's decomposed log-softmax, 
 COMPILED_LOGITS_BYTES_PER_ELEMENT = 2 * BF16
 
 
+#: HBM bytes per token of one eager (not compiled) Llama 3 block's memory-bound kernels, as coefficients of the
+#: widths: ``h`` hidden, ``q`` query (heads x head dim), ``kv`` key (KV heads x head dim), ``f`` FFN, ``d`` head dim,
+#: ``one`` a constant; (forward, backward without the recompute). Counted on torchtitan 0.3.0's own block
+#: (planner/eager_probe.py, tests/test_eager_traffic.py runs it and checks these), with the norms as CUDA's fused
+#: ``_fused_rms_norm`` pair (torch >= 2.8). Forward: two norms (4h + 4 each: input, output, fp32 rstd), the fused QKV
+#: split made contiguous (4q + 8kv), the complex RoPE on Q and K (to fp32, complex multiply by the cached cis, back to
+#: bf16: 20q + 20kv, and 4d per call of the cis rows), the two residual adds (6h each), SiLU (4f) and the gate product
+#: (6f). Backward: the gate product's two gradients (12f), SiLU's (6f), the MLP input-gradient sum (6h), the two norm
+#: backwards (6h + 4 each), the two residual-gradient adds (6h each), RoPE's backward (20q + 20kv, 8d of cis reads and
+#: two 8d copies of the conjugated cis rows), and the QKV gradients concatenated (4q + 8kv). The fused (Megatron,
+#: compiled) count is planner.cost._elementwise_bytes_per_token.
+EAGER_BLOCK_BYTES = (
+    {"h": 20, "q": 24, "kv": 28, "f": 10, "d": 8, "one": 8},
+    {"h": 30, "q": 24, "kv": 28, "f": 18, "d": 24, "one": 8},
+)
+#: Kernel launches of that eager block, (forward, backward without the recompute): the same count.
+EAGER_BLOCK_KERNELS = (15, 17)
+#: HBM bytes per logit of the eager loss, (forward, backward): ``F.cross_entropy(pred.float())`` casts the bf16
+#: logits to fp32 (2 + 4), log-softmax (4 + 4); backward zero-fills and scatters the NLL gradient (4), log-softmax's
+#: backward (8 + 4), the cast back (4 + 2). Counted by planner/eager_probe.loss_traffic on torchtitan 0.3.0's
+#: ``cross_entropy_loss``.
+EAGER_LOSS_BYTES_PER_LOGIT = (14, 22)
+
+
 def published_layers_per_stage(num_layers: int, pp: int, vpp: int = 1) -> tuple[int, ...] | None:
     """Layers per pipeline rank of torchtitan's published pipeline runs (its benchmark,
     llama3_h100_202412_torchtitan.md, run at torchtitan 9dec370 without split points).
@@ -176,12 +200,16 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            # its automatic split shortens only the first and last *virtual* stage, and
                            # module_fqns_per_model_part cannot be passed on the command line (planner/emit/torchtitan.py)
                            uneven_virtual_ends_only=True, pipeline_recv_buffers=True,
-                           expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan")
+                           expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan",
+                           eager_block_bytes=EAGER_BLOCK_BYTES,
+                           eager_block_kernels=EAGER_BLOCK_KERNELS, eager_loss_bytes_per_logit=EAGER_LOSS_BYTES_PER_LOGIT)
 
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
                         uneven_virtual_ends_only=False,  # plan3d validate's miniature splits any stage
-                        moe_ep_needs_fsdp=False)  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
+                        moe_ep_needs_fsdp=False,  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
+                        # plan3d validate's miniature runs fused SwiGLU and RoPE of its own, not torchtitan's block
+                        eager_block_bytes=None, eager_block_kernels=None, eager_loss_bytes_per_logit=None)
 
 
 def reserved_modelled(model, training, plan) -> bool:
