@@ -116,9 +116,6 @@ _H200_FA2_CAUSAL_D64 = {"fwd": (215.6, 260.8, 281.4, 280.9, 286.0, 310.7),
 #: Head dims of the measured attention tables; between them the speed is interpolated in log2(d), outside them the
 #: nearest table is used (wider heads, e.g. MLA's 192, keep the head-dim-128 speed: nothing wider was measured).
 ATTENTION_HEAD_DIMS = (64, 128)
-#: The attention kernels with a measured table: "fused" (cuDNN, Transformer Engine's default on Hopper, the level each
-#: profile's ``attention_efficiency`` states) and "fa2" (FlashAttention-2, above).
-ATTENTION_KERNELS = ("fused", "fa2")
 ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # (pass, causal, head dim) -> speeds by ATTENTION_SEQ, the fused kernel
 FA2_ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # the same for FlashAttention-2
 for _out, _tables in ((ATTENTION_TFLOPS_BY_HEAD_DIM, ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64))),
@@ -141,8 +138,9 @@ def _attention_row_speed(row: tuple, kv_len: float) -> float:
 
 def attention_shape(kv_len: float, causal: bool, pass_: str, head_dim: float = 128, kernel: str = "fused") -> float:
     """Speed of a fused attention kernel over ``kv_len`` keys relative to the fused (cuDNN) kernel's causal forward at
-    16k, head dim 128. ``kernel``: "fused" or "fa2" (``ATTENTION_KERNELS``; FlashAttention-2's own rows, so its
-    speed comes out relative to the same cuDNN reference).
+    16k, head dim 128. ``kernel``: "fused" (cuDNN, Transformer Engine's default on Hopper, the level each profile's
+    ``attention_efficiency`` states) or "fa2" (FlashAttention-2's own rows, so its speed comes out relative to the
+    same cuDNN reference).
 
     Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (H200 measurement and
     FlashAttention-3 paper, above); outside 512-32k the end row is used (the lookup says so via
