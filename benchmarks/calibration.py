@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options  # noqa: E402
+from planner.candidates import Pins, SearchSpace, switch_options  # noqa: E402
 from planner.cost import estimate_time  # noqa: E402
 from planner.presets import load_hardware  # noqa: E402
 from planner.sanity import BEST_PUBLISHED_MFU as SANITY_MFU  # noqa: E402
@@ -142,8 +142,7 @@ def load(path: Path) -> list[tuple[Scored, Pins]]:
 def predict(run: Scored, pins: Pins) -> None:
     hw = load_hardware(run.hw_name)
     # as `plan3d search` without --grad-reduce-in-bf16 or --fp8-params either way (the scorer states neither)
-    space = SearchSpace(pins=pins, grad_reduce_in_bf16=grad_dtype_options(run.training, None),
-                        fp8_params=fp8_params_options(run.training, None))
+    space = SearchSpace(pins=pins, **switch_options(run.training))
     res = search(run.model, hw, run.training, space)
     if res.best is None:
         return

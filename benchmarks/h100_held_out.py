@@ -8,7 +8,7 @@ GBS x seq / (tokens/s/GPU x GPUs). Nothing in planner/ or hardware_profiles/ was
 runs: the H100 profile keeps the A100 ``sustained_fraction``. The file's ``assumed`` field lists
 what the pages leave out (ZeRO-1, SP with TP > 1, no recompute). The layout is pinned and the job
 switches the pages do not state either, bf16 gradients and fp8 weights, are left to the search as
-`plan3d search` does without their flags (``candidates.grad_dtype_options``, ``fp8_params_options``).
+`plan3d search` does without their flags (``candidates.switch_options``).
 Prints each run's error, the switches taken and the predicted peak, then the mean and worst absolute
 error; it asserts nothing.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options  # noqa: E402
+from planner.candidates import Pins, SearchSpace, switch_options  # noqa: E402
 from planner.estimate import estimate  # noqa: E402
 from planner.presets import load_hardware, load_model  # noqa: E402
 from planner.search import search  # noqa: E402
@@ -39,8 +39,7 @@ def main() -> None:
         training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision="fp8")
         pins = Pins(tp=r["tp"], pp=r["pp"], cp=r["cp"], vpp=r["vp"], micro_batch_size=r["mbs"], recompute="none",
                     sequence_parallel=r["tp"] > 1, zero_stage=1)
-        space = SearchSpace(pins=pins, grad_reduce_in_bf16=grad_dtype_options(training, None),
-                            fp8_params=fp8_params_options(training, None))
+        space = SearchSpace(pins=pins, **switch_options(training))
         res = search(model, hw, training, space)
         if res.best is None:
             print(f"NeMo {r['release']} {r['model']:11s} {r['gpus']:4d} GPUs: the published layout does not fit (MISS)")

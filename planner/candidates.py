@@ -178,7 +178,7 @@ class SearchSpace:
     max_micro_batch_size: int = 16
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     # job switches the search may choose (TrainingSpec fields of the same name; None: only the job's own). The
-    # CLI offers both values where the user set neither (grad_dtype_options, fp8_params_options)
+    # CLI offers both values where the user set neither (switch_options)
     grad_reduce_in_bf16: tuple[bool, ...] | None = None
     fp8_params: tuple[bool, ...] | None = None
 
@@ -215,6 +215,15 @@ def fp8_params_options(training: TrainingSpec, given: bool | None) -> tuple[bool
             and training.optimizer_dtype == "fp32":
         return (False, True)
     return None
+
+
+def switch_options(training: TrainingSpec, grad_reduce_in_bf16: bool | None = None,
+                   fp8_params: bool | None = None) -> dict[str, tuple[bool, ...] | None]:
+    """The ``SearchSpace`` keywords of the job switches a search offers (:func:`grad_dtype_options`,
+    :func:`fp8_params_options`), given what the user set of each (None: neither ``--x`` nor ``--no-x``), as
+    `plan3d search` builds them: ``SearchSpace(pins=..., **switch_options(training, ...))``."""
+    return {"grad_reduce_in_bf16": grad_dtype_options(training, grad_reduce_in_bf16),
+            "fp8_params": fp8_params_options(training, fp8_params)}
 
 
 def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace

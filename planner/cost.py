@@ -1212,10 +1212,11 @@ def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     v_r = padded_vocab_size(model.vocab_size, plan.tp) / plan.tp
     f, dg, wg = gemm_fwd_bwd_s(tokens, model.hidden_size, v_r, rates)
-    ce = tokens * v_r * (2 + 4 + 4 + 4 + 4 + 2) / rates.hbm_bytes_per_s  # bf16 logits -> fp32 softmax -> grad -> bf16
+    per_logit = 2 + 4 + 4 + 4 + 4 + 2  # bf16 logits -> fp32 softmax -> grad -> bf16
     eager_loss = frameworks.get(training.framework).eager_loss_bytes_per_logit
     if eager_loss is not None and not training.compiled_loss:  # the framework's eager loss, counted on its own code
-        ce = tokens * v_r * sum(eager_loss) / rates.hbm_bytes_per_s
+        per_logit = sum(eager_loss)
+    ce = tokens * v_r * per_logit / rates.hbm_bytes_per_s
     tp_group = axis_span(plan, "tp", hw.nvlink_domain, order)
     kind = "reduce_scatter" if plan.sequence_parallel else "all_reduce"
     tp = comm.collective_time_s(kind, tokens * model.hidden_size * act_bytes(training), tp_group, hw)

@@ -504,6 +504,11 @@ def reference_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
 LIGHTER_WHEN_TRUE = ("grad_reduce_in_bf16", "fp8_params")
 
 
+def switch_values(space: SearchSpace, training: TrainingSpec) -> dict[str, tuple[bool, ...]]:
+    """The values of each ``LIGHTER_WHEN_TRUE`` switch a search covers: ``space``'s, else the job's own."""
+    return {f: getattr(space, f) or (getattr(training, f),) for f in LIGHTER_WHEN_TRUE}
+
+
 def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
            top_k: int = 0, order: str = DEFAULT_ORDER) -> SearchResult:
     """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp).
@@ -513,7 +518,7 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     the fastest with True. Each plan found then gets the default (False) of each back, in that order, where it
     is as fast and still fits (:func:`_prefer_defaults`)."""
     space = space or SearchSpace()
-    offered = {f: set(getattr(space, f) or (getattr(training, f),)) for f in LIGHTER_WHEN_TRUE}
+    offered = {f: set(v) for f, v in switch_values(space, training).items()}
     training = training.model_copy(update={f: next(iter(v)) for f, v in offered.items() if len(v) == 1})
     searched = [f for f, v in offered.items() if len(v) > 1]
     if not searched:
@@ -597,9 +602,8 @@ def exhaustive_with_training(model: ModelSpec, hw: HardwareSpec, training: Train
     from planner.memory import estimate_memory
 
     space = space or SearchSpace()
-    values = [getattr(space, f) or (getattr(training, f),) for f in LIGHTER_WHEN_TRUE]
     best, best_t, n, best_tr = None, float("inf"), 0, training
-    for combo in itertools.product(*values):
+    for combo in itertools.product(*switch_values(space, training).values()):
         tr = training.model_copy(update=dict(zip(LIGHTER_WHEN_TRUE, combo)))
         for plan in enumerate_plans(model, hw, tr, space):
             n += 1

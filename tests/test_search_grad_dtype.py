@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options
+from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options, switch_options
 from planner.cli import app
 from planner.memory import estimate_memory
 from planner.presets import load_hardware, load_model
@@ -41,6 +41,13 @@ def test_options_only_where_unset_mixed_precision_and_emitted():
     # plan3d's torchtitan and DeepSpeed files carry no gradient-dtype setting
     assert grad_dtype_options(tr.model_copy(update={"framework": "torchtitan"}), None) is None
     assert grad_dtype_options(tr.model_copy(update={"framework": "deepspeed"}), None) is None
+
+
+def test_switch_options_are_the_search_space_keywords_of_both_switches():
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096, precision="fp8")
+    assert switch_options(tr) == {"grad_reduce_in_bf16": BOTH, "fp8_params": BOTH}
+    assert switch_options(tr, False, True) == {"grad_reduce_in_bf16": None, "fp8_params": None}
+    assert SearchSpace(**switch_options(tr)).fp8_params == BOTH
 
 
 def test_fp8_params_offered_only_where_lighter_and_emitted():

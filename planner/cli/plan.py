@@ -98,7 +98,7 @@ def search(
 ) -> None:
     """Find the fastest plan that fits: CP-SAT over TP x PP x DP x CP, micro-batches, schedule, recompute, SP, ZeRO."""
     from planner import render
-    from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options, schedule_pin_problems
+    from planner.candidates import Pins, SearchSpace, schedule_pin_problems, switch_options
     from planner.search import parse_gpu_counts
 
     try:
@@ -118,8 +118,7 @@ def search(
                                                                    torch_compile, cross_entropy_fusion))
     _check_pins(spec_hw.for_job(counts[0]) if len(counts) == 1 else spec_hw, tp)
     # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
-    space = SearchSpace(pins=pins, grad_reduce_in_bf16=grad_dtype_options(training, grad_reduce_in_bf16),
-                        fp8_params=fp8_params_options(training, fp8_params))
+    space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params))
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
     if schedule_problem:
         raise SpecError(schedule_problem)
