@@ -126,7 +126,9 @@ class ModelSpec(_Spec):
         default=None, description="Biases on the MLP matrices. Default: same as linear_bias.")
     embedding_norm: bool = Field(default=False, description="A norm right after the word embedding (BLOOM).")
     dropout: bool = Field(
-        default=False, description="Dropout active in training (stores 1-byte masks); Llama-style models have none.")
+        default=False,
+        description="Dropout active in training (stores 1-byte masks). Not given: on for learned-position (GPT-2/3 "
+                    "style) models, off otherwise; see ModelSpec._dropout_default.")
     swiglu_limit: float | None = Field(
         default=None, gt=0,
         description="Clamp of the gated activation's inputs (GPT-OSS ``swiglu_limit``: gate <= limit, linear in "
@@ -181,6 +183,23 @@ class ModelSpec(_Spec):
     qk_rope_head_dim: int | None = Field(default=None, ge=1, description="MLA: rotary part of a query/key head.")
     qk_nope_head_dim: int | None = Field(default=None, ge=1, description="MLA: non-rotary part of a query/key head.")
     v_head_dim: int | None = Field(default=None, ge=1, description="MLA: width of one value head.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dropout_default(cls, data):
+        """A spec that does not say gets the dropout its architecture family is trained with: 0.1 for
+        learned-position (GPT-2/3 style) models, none for RoPE and ALiBi models.
+
+        Sources: Megatron-LM's own defaults are ``--attention-dropout 0.1 --hidden-dropout 0.1``
+        (``megatron/training/arguments.py``; ``planner.readers.megatron`` reads a launch that omits them the same
+        way); NVIDIA's GPT-3 configs keep them (NeMo-Framework-Launcher ``conf/training/gpt3/175b.yaml``:
+        ``hidden_dropout: 0.1``), as do GPT-2's and OPT's Hugging Face configs (``resid_pdrop``/``dropout`` 0.1).
+        The RoPE families' Hugging Face configs set it to 0 (Llama, Mistral, Qwen ``attention_dropout`` 0.0;
+        GPT-J ``resid_pdrop`` 0.0). An explicit ``dropout`` always wins; Hugging Face import reads it from the
+        config (``planner.hf``)."""
+        if isinstance(data, dict) and data.get("dropout") is None:
+            data = {**data, "dropout": data.get("position_embedding") == "learned"}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:

@@ -4,6 +4,7 @@ import pytest
 
 from planner.presets import (HARDWARE_DIRNAME, MODEL_DIRNAME, SpecError, build, load_hardware, load_model,
                              preset_names)
+from planner.memory import layer_activation_terms
 from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 ALL_MODELS = preset_names(MODEL_DIRNAME)
@@ -172,3 +173,18 @@ def test_padded_vocab_as_megatron():
 def test_training_spec_rejects_zero():
     with pytest.raises(Exception):
         TrainingSpec(num_gpus=0, global_batch_size=1, seq_len=1)
+
+
+def test_dropout_default_follows_the_architecture_family():
+    """Not given: Megatron-LM's 0.1 for learned-position GPT models (its ``--hidden-dropout`` default, NeMo's
+    GPT-3 configs), none for RoPE and ALiBi models (their configs' 0.0); given: as given."""
+    base = dict(name="x", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    assert ModelSpec(**base, position_embedding="learned", max_seq_len=128).dropout is True
+    assert ModelSpec(**base).dropout is False
+    assert ModelSpec(**base, position_embedding="alibi").dropout is False
+    assert ModelSpec(**base, position_embedding="learned", max_seq_len=128, dropout=False).dropout is False
+    assert ModelSpec(**base, dropout=True).dropout is True
+    gpt = ModelSpec(**base, position_embedding="learned", max_seq_len=128)
+    training = TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=128)
+    terms = {t.name for t in layer_activation_terms(gpt, training, Plan(tp=1, pp=1, dp=1, micro_batch_size=1))}
+    assert "attention residual dropout mask" in terms  # the masks are stored (planner.memory)
