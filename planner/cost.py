@@ -1297,11 +1297,32 @@ def micro_factors(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     """Per-micro-batch factors of one plan: one dense layer's terms (:func:`layer_time`), one MoE layer's
     (``moe_*``, zero for a dense model) and the output layer's."""
     head_compute, head_tp = _head_time_s(model, hw, training, plan, order)
-    out = _layer_factors(layer_time(model, hw, training, plan, order)) | {"head_compute": head_compute,
-                                                                         "head_tp": head_tp}
-    if model.is_moe:
-        return out | _layer_factors(layer_time(model, hw, training, plan, order, moe=True), "moe_")
+    dense = layer_time(model, hw, training, plan, order)
+    moe = layer_time(model, hw, training, plan, order, moe=True) if model.is_moe else None
+    if model.mtp_num_layers:
+        head_compute, head_tp = _with_mtp_s(model, hw, training, plan, head_compute, head_tp,
+                                            moe if model.is_moe_layer(model.num_layers - 1) else dense)
+    out = _layer_factors(dense) | {"head_compute": head_compute, "head_tp": head_tp}
+    if moe is not None:
+        return out | _layer_factors(moe, "moe_")
     return out | dict.fromkeys(MOE_KEYS, 0.0)
+
+
+def _with_mtp_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, head_compute: float,
+                head_tp: float, layer: LayerTime) -> tuple[float, float]:
+    """The output layer's (compute, TP) terms with the multi-token-prediction modules added
+    (``ModelSpec.mtp_num_layers``), which run on the loss stage after the decoder (Megatron-Core core_v0.16.1
+    ``gpt_model.py``, ``MultiTokenPredictionBlock``). Per module and micro-batch: one layer of the last layer's
+    kind (``layer``: its forward, backward, recompute, CP and EP terms counted as compute, its TP as TP),
+    ``eh_proj``, a column-parallel ``[tokens, 2h] x [2h, h/t]`` GEMM (:func:`gemm_fwd_bwd_s`), and the output
+    layer and loss once more (the head's own terms). The norms are left out (three ``h``-wide passes beside the
+    layer's)."""
+    n = model.mtp_num_layers
+    rates = Rates.of(hw, training.precision, training.attention)
+    tokens = plan.micro_batch_size * training.seq_len / plan.cp
+    eh = sum(gemm_fwd_bwd_s(tokens, 2 * model.hidden_size, model.hidden_size / plan.tp, rates))
+    layer_s = layer.fwd_compute + layer.bwd_compute + layer.recompute + layer.cp + layer.ep
+    return head_compute * (1 + n) + n * (layer_s + eh), head_tp * (1 + n) + n * layer.tp
 
 
 def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float, n_moe=None,

@@ -110,6 +110,22 @@ def logits_flops_per_token(model: ModelSpec) -> float:
     return 2.0 * model.hidden_size * model.vocab_size
 
 
+def mtp_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True) -> float:
+    """Forward FLOPs per token of the multi-token-prediction modules (``ModelSpec.mtp_num_layers``): each is a
+    layer of the last layer's kind, the ``2h -> h`` projection of the concatenated embedding and hidden state,
+    its three norms and one more pass of the output layer. As Megatron-LM counts them
+    (core_v0.16.1 ``training/training.py`` ``num_floating_point_operations``: ``num_layers + mtp_num_layers``
+    with the MTP layers MoE where the last layer is, ``+ mtp_num_layers * (3h + 2h^2)`` FMAs for the norms and
+    the projection, the logit term times ``mtp_num_layers + 1``)."""
+    n = model.mtp_num_layers
+    if not n:
+        return 0.0
+    h = model.hidden_size
+    layer = (gemm_flops_per_token_per_layer(model, model.is_moe_layer(model.num_layers - 1))
+             + mean_attention_flops_per_token_per_layer(model, seq_len, causal))
+    return n * (layer + 2.0 * (3 * h + 2 * h * h) + logits_flops_per_token(model))
+
+
 def recompute_flops_per_token_per_layer(model: ModelSpec, seq_len: int, recompute: str, causal: bool = True,
                                         moe: bool | None = None) -> float:
     """Extra forward FLOPs per token and layer spent recomputing (formulas.md B1 "Recompute cost").
@@ -142,7 +158,8 @@ def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True, n
     # Megatron-Bridge counts GPT-OSS's (attended_pairs)
     layers = ((L - n_moe) * gemm_flops_per_token_per_layer(model, False)
               + n_moe * (gemm_flops_per_token_per_layer(model, True) if model.is_moe else 0.0) + L * attn)
-    return PASSES_TRAIN * (layers + (logits_flops_per_token(model) if logits else 0.0))
+    head = logits_flops_per_token(model) + mtp_flops_per_token(model, seq_len, causal) if logits else 0.0
+    return PASSES_TRAIN * (layers + head)
 
 
 def model_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int, causal: bool = True) -> float:

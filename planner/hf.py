@@ -346,10 +346,12 @@ def _deepseek(data: dict, source: str, default_name: str, *, v3: bool) -> dict:
     RMSNorm; untied by default. ``num_key_value_heads`` is not used by MLA (every head has its own
     key and value after ``kv_b_proj``): the spec's KV heads are the query heads.
 
-    Not part of the ``transformers`` model class, so not counted: DeepSeek-V3's multi-token-prediction
-    module (``num_nextn_predict_layers``; 14B, report arXiv:2412.19437 section 2.2, stored in the
-    published checkpoint as layer 61) and the router's ``e_score_correction_bias`` (a buffer, updated
-    by the load balancer, not by gradients; report section 2.1.2). ``moe_layer_freq`` (read by the
+    DeepSeek-V3's multi-token-prediction modules (``num_nextn_predict_layers``, 1; 14B, report
+    arXiv:2412.19437 section 2.2, stored in the published checkpoint as layer 61; not part of the
+    ``transformers`` model class) are read into ``mtp_num_layers``: trained, as DeepSeek and Megatron-Bridge's
+    DeepSeek-V3 recipes train them, but not counted in the parameters (the report's 671B leaves them out).
+    Not counted either: the router's ``e_score_correction_bias`` (a buffer, updated by the load balancer, not
+    by gradients; report section 2.1.2). ``moe_layer_freq`` (read by the
     remote code, ignored by ``transformers``) must be 1, as in every published config.
 
     Defaults: V3 (DeepseekV3Config) 7168 wide, 128 heads, ranks 1536/512, 256 experts of 2048, top 8,
@@ -394,7 +396,8 @@ def _deepseek(data: dict, source: str, default_name: str, *, v3: bool) -> dict:
             "top_k": _count(data, source, "num_experts_per_tok", default=d["num_experts_per_tok"], minimum=1),
             "moe_ffn_hidden_size": moe_ffn,
             "shared_expert_ffn_hidden_size": shared * moe_ffn if shared else None,
-            "first_k_dense": _count(data, source, "first_k_dense_replace", default=d["first_k_dense_replace"])}
+            "first_k_dense": _count(data, source, "first_k_dense_replace", default=d["first_k_dense_replace"]),
+            "mtp_num_layers": _count(data, source, "num_nextn_predict_layers", default=0, minimum=0)}
 
 
 def _deepseek_v2(data: dict, source: str, default_name: str) -> dict:

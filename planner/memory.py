@@ -216,11 +216,41 @@ def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> 
     h = model.hidden_size
     if stage == 0:
         dense += v_pad * h / t + model.embedding_params() - model.vocab_size * h
+    expert = moe_layers * moe_expert
     if stage == plan.loss_stage:  # rank p - 1, or rank 0 in a V (zbv, dualpipev)
         dense += model.norm_params
         if not model.tied_embeddings or (p > 1 and not plan.v_shaped):  # V: tied copy on the same rank
             dense += v_pad * h / t
-    return dense, moe_layers * moe_expert
+        mtp_dense, mtp_expert = mtp_param_split(model, plan, stage)
+        dense, expert = dense + mtp_dense, expert + mtp_expert
+    return dense, expert
+
+
+def mtp_last_layer_is_moe(model: ModelSpec) -> bool:
+    """Whether the multi-token-prediction layers are MoE layers: they take the last decoder layer's kind
+    (Megatron-Core core_v0.16.1 ``gpt_layer_specs.get_gpt_mtp_block_spec`` builds them from the decoder's
+    last layer spec; ``training.py`` counts them as MoE where the last layer is)."""
+    return model.is_moe_layer(model.num_layers - 1)
+
+
+def mtp_param_split(model: ModelSpec, plan: Plan, stage: int) -> tuple[float, float]:
+    """(dense, expert) parameters of the multi-token-prediction modules (``ModelSpec.mtp_num_layers``) on one
+    GPU of the loss stage, where Megatron-Core places them (core_v0.16.1 ``multi_token_prediction.py``
+    ``MultiTokenPredictionLayer``): per module a transformer layer of the last layer's kind
+    (:func:`layer_param_split`), ``enorm``, ``hnorm`` and a final norm, and ``eh_proj``, a column-parallel
+    ``2h -> h`` linear. The output layer is the main model's. Not on the first stage, the module also needs the
+    word embedding there (``gpt_model.py``: ``if self.pre_process or self.mtp_process: self.embedding = ...``),
+    a second copy unless the output layer already is the tied embedding."""
+    n = model.mtp_num_layers
+    if not n:
+        return 0.0, 0.0
+    t, h = plan.tp, model.hidden_size
+    moe = mtp_last_layer_is_moe(model)
+    layer_dense, layer_expert = layer_param_split(model, t, moe, plan.ep, plan.expert_tp)
+    dense = n * (layer_dense + 3 * model.norm_params + 2 * h * h / t)
+    if stage != 0 and not model.tied_embeddings:
+        dense += padded_vocab_size(model.vocab_size, t) * h / t
+    return dense, n * layer_expert
 
 
 def stage_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:
@@ -905,8 +935,27 @@ def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     logits = frameworks.get(training.framework).logits_bytes_per_element(training, plan)
     if model.final_logit_softcap is not None:
         logits += e  # the tanh output of cap * tanh(logits / cap), saved for its backward (Gemma-2)
-    return (2 * s * b * h * e / sp  # final-norm input and output-layer input
+    head = (2 * s * b * h * e / sp  # final-norm input and output-layer input
             + logits * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
+    return head + mtp_bytes(model, training, plan, head)
+
+
+def mtp_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, head_bytes: float) -> float:
+    """What the multi-token-prediction modules (``ModelSpec.mtp_num_layers``) keep for backward, per micro-batch on
+    the loss stage. Megatron-Core computes each module's logits and loss inside the forward
+    (core_v0.16.1 ``gpt_model.py`` ``_postprocess``: ``process_mtp_loss`` before the main logits), so all of it
+    lives with the main logits until the loss backward, the loss phase of :func:`layer_phase_bytes`. Per module:
+    one layer of the last layer's kind (:func:`saved_bytes_per_layer_kind`), the inputs of ``enorm``, ``hnorm``
+    and of ``eh_proj`` (the two normed halves, ``2h``) (``MultiTokenPredictionLayer.forward``), and a second
+    output head as the main one keeps it (``head_bytes``: final-norm and output-layer inputs, logits, labels)."""
+    n = model.mtp_num_layers
+    if not n:
+        return 0.0
+    sp = plan.tp if plan.sequence_parallel else 1
+    sbh_e = training.seq_len // plan.cp * plan.micro_batch_size * model.hidden_size * act_bytes(training) / sp
+    dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
+    layer = moe_b if mtp_last_layer_is_moe(model) else dense_b
+    return n * (layer + 4 * sbh_e + head_bytes)
 
 
 def stage_boundary_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
@@ -1009,6 +1058,12 @@ def stage_linear_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layer
     if moe_layers:
         d, e = layer_param_split(model, plan.tp, True, plan.ep, plan.expert_tp)
         total += moe_layers * (d - norms - model.router_params() + e)
+    if model.mtp_num_layers and stage == plan.loss_stage:  # the MTP layers and their eh_proj (mtp_param_split)
+        moe = mtp_last_layer_is_moe(model)
+        d, e = layer_param_split(model, plan.tp, moe, plan.ep, plan.expert_tp)
+        router = model.router_params() if moe else 0.0
+        h = model.hidden_size
+        total += model.mtp_num_layers * (d - norms - router + e + 2 * h * h / plan.tp)
     return total
 
 

@@ -169,6 +169,14 @@ class ModelSpec(_Spec):
         description="The first k layers have a dense MLP of ffn_hidden_size instead of experts (DeepSeek "
                     "first_k_dense_replace; Megatron --moe-layer-freq '([0]*k+[1]*(L-k))').")
     router_bias: bool = Field(default=False, description="The router linear layer has a bias (GPT-OSS).")
+    mtp_num_layers: int = Field(
+        default=0, ge=0, le=8,
+        description="Multi-token-prediction modules trained on the last pipeline stage (DeepSeek-V3 "
+                    "num_nextn_predict_layers 1, arXiv:2412.19437 section 2.2; Megatron --mtp-num-layers). Each is "
+                    "one more layer of the last layer's kind, a 2h -> h projection, three norms and a second pass "
+                    "of the output layer and loss; not counted in num_parameters (DeepSeek's 671B leaves its 14B "
+                    "out), counted in memory, step time and model FLOPs (planner.memory, planner.cost, "
+                    "planner.flops). Megatron-LM and NeMo only.")
     router_dtype: Literal["fp32", "bf16"] = Field(
         default="fp32", description="Precision of the router logits and probabilities (Megatron --moe-router-dtype).")
     capacity_factor: float | None = Field(
@@ -471,6 +479,9 @@ class ModelSpec(_Spec):
                         "or on none (--disable-bias-linear, optionally --add-qkv-bias)")
         if self.position_embedding == "alibi":
             gaps.append("position_embedding: alibi is not a Megatron-LM --position-embedding-type")
+        if self.mtp_num_layers and self.position_embedding == "learned":  # arguments.py validate_args
+            gaps.append("mtp_num_layers: Megatron-LM's multi-token prediction needs rope position embeddings, "
+                        "not learned")
         return gaps + self._megatron_moe_gaps()
 
     def _megatron_moe_gaps(self) -> list[str]:
@@ -1039,6 +1050,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
             errors.append(str(err))
     from planner.frameworks import get as framework_profile
 
+    if model.mtp_num_layers and training.framework not in ("megatron", "nemo"):
+        errors.append(f"mtp_num_layers: {training.framework} trains no multi-token-prediction module (Megatron "
+                      "--mtp-num-layers); use framework megatron or nemo, or set mtp_num_layers: 0 in the model spec")
     if training.cross_entropy_fusion != "none" and training.framework not in ("megatron", "nemo"):
         errors.append(f"cross_entropy_fusion: {training.framework} has no Megatron loss fusion "
                       "(--cross-entropy-loss-fusion); use framework megatron or nemo, or none")

@@ -100,6 +100,7 @@ def test_megatron_accepts_emitted_moe_plans(megatron, monkeypatch, tmp_path, cas
     assert config.moe_expert_capacity_factor == m.capacity_factor
     assert config.qk_layernorm == (m.qk_norm == "head" or m.is_mla)
     assert config.multi_latent_attention == m.is_mla
+    assert (config.mtp_num_layers or 0) == m.mtp_num_layers  # DeepSeek-V3: its one MTP module
     if m.is_mla:
         assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
                 config.v_head_dim) == (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
@@ -243,6 +244,8 @@ def test_torchtitan_accepts_emitted_moe_plans(titan, tmp_path, case):
     ConfigManager, ParallelDims, pipe = titan
     job, plan = TORCHTITAN_MOE_PLANS[case]
     sc = scenario(**job, **plan)
+    # torchtitan's 671B flavour builds no MTP layer; plan3d refuses to emit one (test_torchtitan_refuses_mtp)
+    sc = sc.model_copy(update={"model": sc.model.model_copy(update={"mtp_num_layers": 0})})
     p = sc.resolved_plan()
     (script,) = write_all(tmp_path / "o", render_all(sc, ["torchtitan"]))
     world, argv = _torchtitan_argv(script, tmp_path / "run")
@@ -463,3 +466,16 @@ def test_emit_refuses_moe_graph_scopes_on_a_dense_model():
     sc = sc.model_copy(update={"training": sc.training.model_copy(update={"cuda_graph_modules": ("moe_router",)})})
     with pytest.raises(SpecError, match="moe_\\* scopes need a MoE model"):
         emit_megatron.megatron_flags(sc)
+
+
+def test_torchtitan_refuses_mtp():
+    """DeepSeek-V3's preset trains one MTP module (as Megatron-Bridge's recipes do); the torchtitan flavour plan3d
+    writes (deepseek_v3_671b) builds none, so the job is refused in one line naming the field."""
+    from planner.specs import job_problems
+
+    sc = scenario(**TORCHTITAN_MOE_PLANS["deepseek-v3-pp16-ep64"][0], **TORCHTITAN_MOE_PLANS["deepseek-v3-pp16-ep64"][1])
+    assert sc.model.mtp_num_layers == 1
+    titan = sc.training.model_copy(update={"framework": "torchtitan"})
+    problems = job_problems(sc.model, sc.hardware, titan)
+    assert any(p.startswith("mtp_num_layers: torchtitan") for p in problems), problems
+    assert not [p for p in job_problems(sc.model, sc.hardware, sc.training) if p.startswith("mtp_num_layers")]

@@ -39,9 +39,21 @@ def _plan(**kw) -> Plan:
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b", "tiny-moe"])
 def test_one_gpu_holds_the_whole_model(name):
-    model = load_model(name)
+    model = load_model(name).model_copy(update={"mtp_num_layers": 0})
     plan = _plan()
     assert stage_params_per_rank(model, plan, 0, model.num_layers) == model.num_params
+
+
+def test_one_gpu_holds_deepseek_v3_with_its_mtp_module():
+    """DeepSeek-V3 with its MTP module on one GPU against the published checkpoint: 685B = 671B main model + 14B
+    MTP module (deepseek-ai/DeepSeek-V3 model card; report arXiv:2412.19437 section 2.2). The checkpoint stores
+    the module's own copies of the embedding and output head (V x h each), which the trained model shares with
+    the main model on one stage; within 0.2 % (the card rounds to 1B)."""
+    assert DSV3.mtp_num_layers == 1
+    one_gpu = stage_params_per_rank(DSV3, _plan(), 0, DSV3.num_layers)
+    assert one_gpu > DSV3.num_params  # the module is counted, not in num_params (671B)
+    checkpoint = one_gpu + 2 * 129280 * 7168
+    assert checkpoint == pytest.approx(685e9, rel=0.002)
 
 
 def test_mla_attention_params_per_tp_rank_as_megatron_builds_them():
@@ -74,7 +86,8 @@ def test_stages_count_dense_first_and_moe_layers():
     plan = _plan(pp=16, dp=128, ep=64, layers_per_stage=(3,) + (4,) * 14 + (2,))
     assert stage_param_split(DSV3, plan, 0, 3)[1] == 0
     experts = sum(stage_param_split(DSV3, plan, r, n)[1] for r, n in enumerate(plan.stage_layers(61)))
-    assert experts * 64 == DSV3.num_moe_layers * DSV3.expert_params()
+    # the MTP layer, a MoE layer like the last one, on the last stage
+    assert experts * 64 == (DSV3.num_moe_layers + DSV3.mtp_num_layers) * DSV3.expert_params()
 
 
 # --- gradients and optimizer states --------------------------------------------------------------
@@ -301,8 +314,8 @@ def test_deepseek_v3_published_layout_fits_on_80gb():
     recompute standing in for DeepSeek's recompute of the norms and MLA up-projections (section 3.2.3;
     Megatron's --recompute-modules are not modelled); bf16 (the report's FP8 caching is not modelled);
     stages 3 + 14 x 4 + 2: the first holds the embedding and the 3 dense layers, the last the output head
-    (and, in DeepSeek-V3, the MTP module, not in this spec). Without recompute, 1F1B's 16 in-flight
-    micro-batches do not fit: the layout needs what the report describes."""
+    and the MTP module (with its copy of the embedding: the peak stage, about 27.5 GiB). Without recompute,
+    1F1B's 16 in-flight micro-batches do not fit: the layout needs what the report describes."""
     tr = TrainingSpec(num_gpus=2048, global_batch_size=15360, seq_len=4096, framework="megatron")
     plan = _plan(pp=16, dp=128, ep=64, zero_stage=1, recompute="full", layers_per_stage=(3,) + (4,) * 14 + (2,))
     assert plan_problems(DSV3, H100, tr, plan) == []

@@ -121,6 +121,12 @@ def test_alibi_is_refused_with_one_line():
     assert "\n" not in str(err.value) and "alibi" in str(err.value)
 
 
+def test_mtp_is_refused_with_one_line():
+    with pytest.raises(SpecError) as err:
+        launch.miniature(_scenario(_model(mtp_num_layers=1)), max_ranks=2)
+    assert "\n" not in str(err.value) and "mtp_num_layers=1" in str(err.value)
+
+
 PROBE = """
 import os, torch, torch.distributed as dist, torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh

@@ -54,6 +54,8 @@ def model_flags(sc: Scenario) -> list[Flag]:
             flags.append(("--add-qkv-bias", None))
     dropout = "0.1" if m.dropout else "0.0"
     flags += [("--attention-dropout", dropout), ("--hidden-dropout", dropout)]
+    if m.mtp_num_layers:  # TransformerConfig.mtp_num_layers: built on the last pipeline stage
+        flags.append(("--mtp-num-layers", str(m.mtp_num_layers)))
     return flags + attention_flags(sc) + moe_flags(sc)
 
 
@@ -177,6 +179,10 @@ def moe_plan_refusals(sc: Scenario) -> list[str]:
         if p.recompute == "full":
             errors.append("--emit megatron: --overlap-moe-expert-parallel-comm refuses full recomputation; use "
                           "recompute none or selective, or drop --moe-a2a-overlap")
+        if m.mtp_num_layers > 1 or (m.mtp_num_layers and p.pp == 1):
+            errors.append(f"--emit megatron: --overlap-moe-expert-parallel-comm takes at most one MTP layer and then "
+                          f"pp > 1 (transformer_config.py), the plan has mtp_num_layers {m.mtp_num_layers} and "
+                          f"pp({p.pp}); drop --moe-a2a-overlap")
     return errors
 
 

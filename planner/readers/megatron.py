@@ -61,7 +61,6 @@ UNMODELLED_FLAGS = {
     "--hybrid-attention-ratio": "a hybrid Mamba-Transformer model (--hybrid-attention-ratio)",
     "--hybrid-mlp-ratio": "a hybrid Mamba-Transformer model (--hybrid-mlp-ratio)",
     "--is-hybrid-model": "a hybrid Mamba-Transformer model (--is-hybrid-model)",
-    "--mtp-num-layers": "multi-token prediction layers (--mtp-num-layers)",
     "--ds-sequence-parallel-size": "DeepSpeed-Ulysses sequence parallelism (--ds-sequence-parallel-size)",
 }
 
@@ -77,7 +76,7 @@ def _refuse_unmodelled(a: Args) -> None:
         if not a.has(flag):
             continue
         value = a.values[flag]
-        if flag in ("--ds-sequence-parallel-size", "--mtp-num-layers"):
+        if flag == "--ds-sequence-parallel-size":
             counts = value if isinstance(value, list) else [value]
             try:
                 if all(int(str(c)) <= 1 for c in counts):  # Megatron-DeepSpeed's --num-experts 1 is dense
@@ -225,6 +224,7 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
         "tied_embeddings": not a.has("--untie-embeddings-and-output-weights"),
         "position_embedding": pos, "linear_bias": not a.has("--disable-bias-linear"),
         "qkv_bias": True if a.has("--add-qkv-bias") else None, "dropout": dropout,
+        "mtp_num_layers": a.int("--mtp-num-layers", 0) or 0,
         # a LayerNorm after the word embedding: Megatron-DeepSpeed's --embed-layernorm (BLOOM), or the
         # '# plan3d: embedding_norm=true' note plan3d emit writes (Megatron-LM has no such flag)
         "embedding_norm": a.has("--embed-layernorm") or file_notes.get("embedding_norm") == "true",

@@ -111,6 +111,10 @@ def _model(doc: dict, where: str, notes: list[str]) -> dict:
     spec = load_model(preset).model_dump()
     if name == "llama3":
         spec["max_seq_len"] = LLAMA31_MAX_SEQ_LEN
+    if spec.get("mtp_num_layers"):  # the flavours read here build no MTP layers (models/deepseek_v3/__init__.py)
+        spec["mtp_num_layers"] = 0
+        notes.append(f"model: torchtitan {name} {flavor.upper()} builds no multi-token-prediction layer; "
+                     "read with mtp_num_layers 0")
     notes.append(f"model: torchtitan {name} {flavor.upper()} = plan3d preset {preset}")
     return spec
 

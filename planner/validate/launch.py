@@ -134,7 +134,7 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
     Context parallelism runs on gloo as torch's ring attention around the CPU flash-attention kernel
     (planner.validate.ring); on NCCL it is refused (that adapter calls the CPU kernel; torch's CUDA
     ``context_parallel`` is not wired into the worker yet), and with experts (the expert grid of
-    :func:`planner.validate.worker.moe_mesh` has no cp axis). ALiBi: the validate model has no ALiBi bias. Mixture of experts: what the MoE layer does not run
+    :func:`planner.validate.worker.moe_mesh` has no cp axis). ALiBi and multi-token prediction: the validate model has neither. Mixture of experts: what the MoE layer does not run
     (:func:`planner.validate.moe.moe_refusal`: capacity factors, MLA, expert TP, tp > 1 without SP).
     """
     cp = sc.plan.cp
@@ -146,6 +146,9 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
                 "validate the same plan with cp=1")
     if sc.model.position_embedding == "alibi":
         return "model: position_embedding=alibi is not in the validate model; validate a rope or learned variant"
+    if sc.model.mtp_num_layers:
+        return (f"model: mtp_num_layers={sc.model.mtp_num_layers} (multi-token prediction) is not in the validate "
+                "model; validate a variant with mtp_num_layers: 0")
     if sc.plan.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev"):
         return (f"plan: pipeline_schedule={sc.plan.pipeline_schedule}: the validate worker runs 1F1B / interleaved "
                 "1F1B only; tests/test_schedules_zb.py checks the zero-bubble schedules against torch")
