@@ -39,6 +39,11 @@ MOE_PLANS = {
     # DeepSeek-V3's published layout (arXiv:2412.19437 section 3.2.1): PP16 x EP64 x ZeRO-1 DP, no TP, 2,048 GPUs
     "deepseek-v3-pp16-ep64": (dict(model="deepseek-v3", gpus=2048, global_batch=4096, seq_len=4096),
                               dict(tp=1, pp=16, dp=128, ep=64, zero_stage=1, layers_per_stage=DSV3_STAGES)),
+    # NVIDIA's H100 DeepSeek-V3 layout (Megatron-Bridge 25.09, 'Et|(tt|)*30mL'): uneven stages under
+    # interleaving, so a --pipeline-model-parallel-layout, which must hold the MTP layer ('m')
+    "deepseek-v3-tp2-pp8-vpp4-layout": (dict(model="deepseek-v3", gpus=512, global_batch=512, seq_len=4096),
+                                        dict(tp=2, pp=8, dp=32, vpp=4, ep=64, etp=1, sequence_parallel=True,
+                                             zero_stage=1, layers_per_stage=(7,) + (8,) * 6 + (6,))),
     "qwen3-235b-tp4-pp8-ep8-etp1": (dict(model="qwen3-235b-a22b", gpus=256, global_batch=512, seq_len=4096),
                                     dict(tp=4, pp=8, dp=8, ep=8, etp=1, sequence_parallel=True, zero_stage=1,
                                          layers_per_stage=QWEN235_STAGES)),

@@ -196,13 +196,15 @@ def is_even(sc: Scenario) -> bool:
     return len(set(layers)) == 1
 
 
-def layout_string(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> str:
+def layout_string(layers_per_stage: tuple[int, ...] | list[int], vpp: int, mtp: int = 0) -> str:
     """Megatron-LM's ``--pipeline-model-parallel-layout`` for a plan's stages, written out in full.
 
     Source: Megatron-LM core_v0.16.1 ``megatron/core/transformer/pipeline_parallel_layer_layout.py``:
     the string lists the virtual stages separated by ``|``, virtual stage ``v * pp + r`` being chunk
     ``v`` of pipeline rank ``r``; ``E`` is the embedding, ``t`` one transformer layer, ``L`` the loss,
-    which must come first and last. A stage of ``n`` layers is split into ``vpp`` chunks as
+    which must come first and last, ``m`` a multi-token-prediction layer (``mtp``, ``ModelSpec.mtp_num_layers``),
+    which ``validate_layer_layout`` wants counted there, after every decoder layer and in the last virtual stage
+    of its rank: written just before the loss. A stage of ``n`` layers is split into ``vpp`` chunks as
     :func:`planner.specs.chunk_split` says (``n / vpp`` each when it divides, the shorter chunks next to
     the embedding and the loss otherwise). No ``*`` shorthand: the string holds no shell glob character.
     """
@@ -215,7 +217,7 @@ def layout_string(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> st
             if v == 0 and r == 0:
                 text = "E" + text
             if v == vpp - 1 and r == pp - 1:
-                text += "L"
+                text += "m" * mtp + "L"
             chunks.append(text)
     return "|".join(chunks)
 
@@ -270,7 +272,7 @@ def pipeline_flags(sc: Scenario) -> list[Flag]:
     if len(set(layers[1:-1])) <= 1 and not any(n % p.vpp for n in layers):
         return [("--decoder-first-pipeline-num-layers", str(layers[0])),
                 ("--decoder-last-pipeline-num-layers", str(layers[-1]))] + vpp_flag
-    return [("--pipeline-model-parallel-layout", layout_string(layers, p.vpp))] + vpp_flag[1:]
+    return [("--pipeline-model-parallel-layout", layout_string(layers, p.vpp, sc.model.mtp_num_layers))] + vpp_flag[1:]
 
 
 def uses_megatron_fsdp(sc: Scenario) -> bool:
