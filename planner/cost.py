@@ -1301,7 +1301,7 @@ def micro_factors(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     moe = layer_time(model, hw, training, plan, order, moe=True) if model.is_moe else None
     if model.mtp_num_layers:
         head_compute, head_tp = _with_mtp_s(model, hw, training, plan, head_compute, head_tp,
-                                            moe if model.is_moe_layer(model.num_layers - 1) else dense)
+                                            moe if model.mtp_is_moe() else dense)
     out = _layer_factors(dense) | {"head_compute": head_compute, "head_tp": head_tp}
     if moe is not None:
         return out | _layer_factors(moe, "moe_")

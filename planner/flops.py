@@ -121,7 +121,7 @@ def mtp_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True) -> 
     if not n:
         return 0.0
     h = model.hidden_size
-    layer = (gemm_flops_per_token_per_layer(model, model.is_moe_layer(model.num_layers - 1))
+    layer = (gemm_flops_per_token_per_layer(model, model.mtp_is_moe())
              + mean_attention_flops_per_token_per_layer(model, seq_len, causal))
     return n * (layer + 2.0 * (3 * h + 2 * h * h) + logits_flops_per_token(model))
 

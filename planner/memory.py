@@ -226,13 +226,6 @@ def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> 
     return dense, expert
 
 
-def mtp_last_layer_is_moe(model: ModelSpec) -> bool:
-    """Whether the multi-token-prediction layers are MoE layers: they take the last decoder layer's kind
-    (Megatron-Core core_v0.16.1 ``gpt_layer_specs.get_gpt_mtp_block_spec`` builds them from the decoder's
-    last layer spec; ``training.py`` counts them as MoE where the last layer is)."""
-    return model.is_moe_layer(model.num_layers - 1)
-
-
 def mtp_param_split(model: ModelSpec, plan: Plan, stage: int) -> tuple[float, float]:
     """(dense, expert) parameters of the multi-token-prediction modules (``ModelSpec.mtp_num_layers``) on one
     GPU of the loss stage, where Megatron-Core places them (core_v0.16.1 ``multi_token_prediction.py``
@@ -245,7 +238,7 @@ def mtp_param_split(model: ModelSpec, plan: Plan, stage: int) -> tuple[float, fl
     if not n:
         return 0.0, 0.0
     t, h = plan.tp, model.hidden_size
-    moe = mtp_last_layer_is_moe(model)
+    moe = model.mtp_is_moe()
     layer_dense, layer_expert = layer_param_split(model, t, moe, plan.ep, plan.expert_tp)
     dense = n * (layer_dense + 3 * model.norm_params + 2 * h * h / t)
     if stage != 0 and not model.tied_embeddings:
@@ -954,7 +947,7 @@ def mtp_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, head_bytes: 
     sp = plan.tp if plan.sequence_parallel else 1
     sbh_e = training.seq_len // plan.cp * plan.micro_batch_size * model.hidden_size * act_bytes(training) / sp
     dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
-    layer = moe_b if mtp_last_layer_is_moe(model) else dense_b
+    layer = moe_b if model.mtp_is_moe() else dense_b
     return n * (layer + 4 * sbh_e + head_bytes)
 
 
@@ -1059,7 +1052,7 @@ def stage_linear_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layer
         d, e = layer_param_split(model, plan.tp, True, plan.ep, plan.expert_tp)
         total += moe_layers * (d - norms - model.router_params() + e)
     if model.mtp_num_layers and stage == plan.loss_stage:  # the MTP layers and their eh_proj (mtp_param_split)
-        moe = mtp_last_layer_is_moe(model)
+        moe = model.mtp_is_moe()
         d, e = layer_param_split(model, plan.tp, moe, plan.ep, plan.expert_tp)
         router = model.router_params() if moe else 0.0
         h = model.hidden_size

@@ -309,6 +309,12 @@ class ModelSpec(_Spec):
         """Layers with experts: all but the ``first_k_dense`` (0 for a dense model)."""
         return self.num_layers - self.first_k_dense if self.is_moe else 0
 
+    def mtp_is_moe(self) -> bool:
+        """Whether the multi-token-prediction layers (``mtp_num_layers``) have experts: they take the last decoder
+        layer's kind (Megatron-Core core_v0.16.1 ``gpt_layer_specs.get_gpt_mtp_block_spec`` builds them from the
+        decoder's last layer spec; ``training.py`` counts them as MoE where the last layer is)."""
+        return self.is_moe_layer(self.num_layers - 1)
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (0-based) has experts (DeepSeek ``first_k_dense_replace`` rule)."""
         return self.is_moe and index >= self.first_k_dense

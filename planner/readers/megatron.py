@@ -79,7 +79,7 @@ def _refuse_unmodelled(a: Args) -> None:
         if flag == "--ds-sequence-parallel-size":
             counts = value if isinstance(value, list) else [value]
             try:
-                if all(int(str(c)) <= 1 for c in counts):  # Megatron-DeepSpeed's --num-experts 1 is dense
+                if all(int(str(c)) <= 1 for c in counts):  # a Ulysses degree of 1 splits nothing
                     continue
             except ValueError:
                 pass
