@@ -1408,7 +1408,8 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
 
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
                  overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch",
-                 grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd: bool = True) -> dict:
+                 grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd: bool = True,
+                 grad_trail_s=0.0) -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
     ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
@@ -1435,13 +1436,19 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     (``z3 / 2``) that shares the DP links with it, else exposed; and nothing is left for the step's end.
     ``grad_under_own_bwd`` False (:func:`grad_reduce_overlaps_last_backward`): a once-per-step reduction that
     starts only after the stage's last backward hides under the drain of the stages before it alone.
+    ``grad_trail_s`` (:func:`grad_reduce_trail_s`): how long a per-micro-batch reduction may run on past its own
+    backward, under the forward that follows (Megatron-FSDP's reduce-scatter queue); 0 where the compute stream
+    waits for it at the end of the backward.
     """
     z3_exposed = overlapped_s_array(z3, terms["compute"], c)
     every = np.asarray(grad_every_mb, dtype=float)
     grad_mb = dp_grad * every
     dp_grad = dp_grad * (1.0 - every)
     if grad_mb_overlap:
-        grad_exposed = overlapped_s_array(grad_mb, np.maximum(terms["bwd"] - np.asarray(z3) / 2, 0.0), c)
+        half_z3 = np.asarray(z3) / 2  # the ZeRO-3 gathers of each pass share the DP links with it
+        window = np.maximum(terms["bwd"] - half_z3, 0.0) + \
+            np.minimum(np.maximum(terms["fwd"] - half_z3, 0.0), grad_trail_s)
+        grad_exposed = overlapped_s_array(grad_mb, window, c)
     else:
         grad_exposed = grad_mb + 0.0 * terms["bwd"]
     per_mb = terms["total"] + z3_exposed + grad_exposed
@@ -1618,17 +1625,36 @@ def grad_reduce_overlapped(training: TrainingSpec) -> bool:
     return training.overlap_grad_reduce if training.framework == "deepspeed" else True
 
 
-def grad_reduction_args(training: TrainingSpec, pp: int, zero_stages) -> dict:
+def grad_reduce_trail_s(hw: HardwareSpec, training: TrainingSpec, plan: Plan, order: str = DEFAULT_ORDER) -> float:
+    """Seconds a per-micro-batch gradient reduction (:func:`grad_reduced_every_microbatch`) may run on past the end of
+    its own backward before the compute stream has to wait for it; 0 where the framework waits at the end of every
+    backward (``FrameworkProfile.grad_reduce_queue_elements`` None: FSDP2, DeepSpeed).
+
+    Megatron-FSDP (ZeRO 2-3 under Megatron-Core and NeMo) issues each bucket's reduce-scatter asynchronously and
+    waits for the oldest only when more than ``Q`` gradient elements are queued (``MEGATRON_FSDP_RS_QUEUE_ELEMENTS``,
+    one queue per model chunk), so the reduction trails its backward by up to the time to reduce-scatter ``Q``
+    elements per chunk over the DP x CP group, under the forward that follows; ``vpp`` chunks queue side by side.
+    The dense DP group stands for the expert-data-parallel one of a MoE model's expert gradients."""
+    queue = frameworks.get(training.framework).grad_reduce_queue_elements
+    shards = plan.dp * plan.cp
+    if queue is None or shards == 1:
+        return 0.0
+    group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.nvlink_domain, order)
+    return plan.vpp * comm.collective_time_s("reduce_scatter", queue * grad_bytes(training), group, hw)
+
+
+def grad_reduction_args(training: TrainingSpec, pp: int, zero_stages, trail_s: float = 0.0) -> dict:
     """:func:`compose_step`'s gradient-reduction keywords for a job: ``grad_every_mb``
     (:func:`grad_reduced_every_microbatch`; a bool for one ZeRO stage, a ``[Z, 1]`` array for a sequence of them,
-    as the search's tables hold them), ``grad_mb_overlap`` (:func:`grad_reduce_overlapped`) and
-    ``grad_under_own_bwd`` (:func:`grad_reduce_overlaps_last_backward`)."""
+    as the search's tables hold them), ``grad_mb_overlap`` (:func:`grad_reduce_overlapped`),
+    ``grad_under_own_bwd`` (:func:`grad_reduce_overlaps_last_backward`) and ``grad_trail_s``
+    (``trail_s``, :func:`grad_reduce_trail_s` of the plan)."""
     if isinstance(zero_stages, int):
         every = grad_reduced_every_microbatch(training.framework, zero_stages, pp)
     else:
         every = np.array([grad_reduced_every_microbatch(training.framework, z, pp) for z in zero_stages])[:, None]
     return {"grad_every_mb": every, "grad_mb_overlap": grad_reduce_overlapped(training),
-            "grad_under_own_bwd": grad_reduce_overlaps_last_backward(training.framework, pp)}
+            "grad_under_own_bwd": grad_reduce_overlaps_last_backward(training.framework, pp), "grad_trail_s": trail_s}
 
 
 def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int):
@@ -1760,7 +1786,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     split = [stage_param_split(model, plan, r, n) for r, n in enumerate(layers)]
     optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
                             [x[1] for x in split] if model.is_moe else None)
-    grad = grad_reduction_args(training, plan.pp, plan.zero_stage)
+    grad = grad_reduction_args(training, plan.pp, plan.zero_stage, grad_reduce_trail_s(hw, training, plan, order))
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
                        training.overlap_grad_reduce, c, plan.pipeline_schedule, schedule_family(training), **grad)
     pace = int(np.argmax(out["per_mb"][0]))

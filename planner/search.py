@@ -37,10 +37,9 @@ import numpy as np
 
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options,
                                 offload_options, shapes, valid_micro_batch_sizes)
-from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, grad_reduction_args, micro_factors,
-                          optimizer_s,
-                          p2p_hop_s, resolved_overlap, schedule_family, stage_moe_counts, stage_param_split,
-                          stage_terms, zero3_gather_s)
+from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, grad_reduce_trail_s,
+                          grad_reduction_args, micro_factors, optimizer_s, p2p_hop_s, resolved_overlap, schedule_family,
+                          stage_moe_counts, stage_param_split, stage_terms, zero3_gather_s)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (act_bytes, chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
@@ -221,7 +220,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
             counts, before = _stage_counts(p), _stage_before(p)
             step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m_step, p, v, counts,
                                 before, training.overlap_grad_reduce, c, split.schedule, family,
-                                **grad_reduction_args(training, p, zeros))["step"]
+                                **grad_reduction_args(training, p, zeros,
+                                                      grad_reduce_trail_s(hw, training, base, order)))["step"]
         step = np.where(np.isfinite(step), step, INFEASIBLE / NS)
         time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
         mem_kib[si, ok] = mem[ok].astype(np.int64)
@@ -267,7 +267,7 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
                         m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
                         c, base.pipeline_schedule, schedule_family(training),
-                        **grad_reduction_args(training, p, zeros))["step"]
+                        **grad_reduction_args(training, p, zeros, grad_reduce_trail_s(hw, training, base, order)))["step"]
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:

@@ -102,9 +102,10 @@ def test_compose_step_charges_the_reduction_per_microbatch_hand_computed():
 
 def test_zero2_pays_the_reduce_scatter_every_microbatch():
     """Megatron-FSDP optim_grads (ZeRO-2) on Llama-3-8B, 16 H100, m = 4 micro-batches, pp 1, on a slow network:
-    its exposed DP time is 4 x the per-micro-batch excess of the reduce-scatter over the backward plus the
-    weight all-gather's under the first forward (hand-composed from the same parts); ZeRO-1 pays the
-    reduce-scatter once. ZeRO-2 is therefore slower than ZeRO-1, no longer the same communication."""
+    its exposed DP time is 4 x the per-micro-batch excess of the reduce-scatter over the backward and the part of
+    the next forward its queue lets it trail into (grad_reduce_trail_s), plus the weight all-gather's under the
+    first forward (hand-composed from the same parts); ZeRO-1 pays the reduce-scatter once. ZeRO-2 is therefore
+    slower than ZeRO-1, no longer the same communication."""
     model = load_model("llama3-8b")
     slow = H100.model_copy(update={"inter_node_bandwidth_gbps": 2.0})
     tr = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096)
@@ -113,12 +114,47 @@ def test_zero2_pays_the_reduce_scatter_every_microbatch():
     t1 = estimate_time(model, slow, tr, plan.model_copy(update={"zero_stage": 1}))
     rs, ag = cost.dp_sync_parts_s(model, slow, tr, plan, 0, 32)
     c, st = cost.contention(slow), t2.stages[0]
-    expected = 4 * overlapped_s(rs, st.bwd, c) + overlapped_s(ag, st.fwd, c)
+    trail = cost.grad_reduce_trail_s(slow, tr, plan)
+    assert rs > st.bwd and trail > 0
+    per_mb = overlapped_s(rs, st.bwd + min(st.fwd, trail), c)
+    assert per_mb < overlapped_s(rs, st.bwd, c)  # the next forward hides part of what the backward did not
+    expected = 4 * per_mb + overlapped_s(ag, st.fwd, c)
     assert t2.breakdown["dp_comm_exposed"] == pytest.approx(expected)
     assert t1.breakdown["dp_comm_exposed"] == pytest.approx(overlapped_s(rs, st.bwd, c) + overlapped_s(ag, st.fwd, c))
-    assert t2.step_time_s - t1.step_time_s == pytest.approx(3 * overlapped_s(rs, st.bwd, c))
+    assert t2.step_time_s - t1.step_time_s == pytest.approx(4 * per_mb - overlapped_s(rs, st.bwd, c))
     assert t2.dp_comm_s == pytest.approx(4 * rs + ag)
     assert sum(t2.breakdown.values()) == pytest.approx(t2.step_time_s)  # the per-micro-batch part is in the breakdown
+
+
+def test_compose_step_lets_the_reduction_trail_into_the_next_forward_hand_computed():
+    """The hand-computed case above (backward 3 s, forward 1 s, reduce-scatter 5 s per micro-batch, contention 0.1,
+    m = 4) with a reduction that may trail its backward by 0.6 s (a queue) or by 2 s (more than the forward):
+    X = 4 + (5 - 3.6) + 0.1 x 3.6 = 5.76, step = 4 x 5.76 + 0.05 = 23.09; past the forward the window is
+    backward + forward: X = 4 + (5 - 4) + 0.1 x 4 = 5.4, step = 21.65."""
+    terms = {k: np.array([[v]]) for k, v in dict(total=4.0, compute=4.0, fwd=1.0, bwd=3.0, wgrad=0.0).items()}
+    args = dict(optimizer=0.0, m=4, pp=1, vpp=1, counts=np.ones(1), before=np.zeros((1, 1)),
+                overlap_grad_reduce=True, c=0.1, grad_every_mb=True)
+    queued = cost.compose_step(terms, np.zeros(1), np.array([5.0]), np.array([0.5]), **args, grad_trail_s=0.6)
+    assert queued["step"][0] == pytest.approx(23.09)
+    free = cost.compose_step(terms, np.zeros(1), np.array([5.0]), np.array([0.5]), **args, grad_trail_s=2.0)
+    assert free["step"][0] == pytest.approx(21.65)
+
+
+def test_only_megatron_fsdp_lets_the_reduction_trail_its_backward():
+    """FSDP2 waits for its reduce-scatters at the end of every backward (``_root_post_backward_final_callback``) and
+    DeepSpeed in its reduction epilogue: no trail. Megatron-FSDP queues up to 1e9 elements per model chunk: the trail
+    is vpp x the reduce-scatter of 1e9 gradient elements over the DP group, on the same collective model."""
+    slow = H100.model_copy(update={"inter_node_bandwidth_gbps": 2.0})
+    plan = Plan(tp=1, pp=2, dp=8, vpp=2, micro_batch_size=1, zero_stage=2)
+    for fw in ("torchtitan", "deepspeed", "torch"):
+        assert cost.grad_reduce_trail_s(slow, TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096,
+                                                           framework=fw), plan) == 0.0
+    tr = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096)
+    from planner.layout import axis_span
+    group = axis_span(plan, "dp", slow.nvlink_domain)
+    one = cost.comm.collective_time_s("reduce_scatter", 1e9 * 4, group, slow)  # fp32 gradients
+    assert cost.grad_reduce_trail_s(slow, tr, plan) == pytest.approx(2 * one)
+    assert cost.grad_reduce_trail_s(slow, tr, plan.model_copy(update={"dp": 1, "pp": 2, "tp": 8})) == 0.0
 
 
 def test_torchtitan_with_pp_reduces_once_and_without_every_microbatch():

@@ -94,6 +94,12 @@ class FrameworkProfile:
     # experts (torch._grouped_mm); n > 0, one cuBLAS GEMM per local expert, issued round-robin to n CUDA streams
     # (Transformer Engine's GroupedLinear under Megatron-Core's TEGroupedMLP, planner.cost.TE_GROUPED_GEMM_STREAMS)
     expert_gemm_streams: int = 0
+    # a gradient reduction issued in every micro-batch's backward (ZeRO 2-3, planner.cost.grad_reduced_every_microbatch)
+    # runs on its own stream; None: the compute stream waits for it at the end of that backward (FSDP2's
+    # _root_post_backward_final_callback, DeepSpeed's reduction epilogue). A count: the reductions run on past the
+    # backward, under whatever compute follows, until that many gradient elements per model chunk are outstanding
+    # (Megatron-FSDP's reduce-scatter queue, planner.cost.grad_reduce_trail_s)
+    grad_reduce_queue_elements: int | None = None
     # the memory-bound kernels of a dense RMSNorm/SwiGLU/RoPE block when it runs eager, not compiled (TrainingSpec.compile
     # off): ((forward, backward) bytes per token as width coefficients, (forward, backward) launches), and the eager
     # loss's (forward, backward) bytes per logit; None: the framework runs fused kernels (planner.cost.eager_block)

@@ -68,6 +68,15 @@ from __future__ import annotations
 
 from planner.frameworks import FrameworkProfile, StateBytes
 
+#: Megatron-FSDP's reduce-scatter queue for ZeRO 2-3 (``optim_grads``, ``optim_grads_params``), in gradient elements
+#: per model chunk: core_v0.16.1 ``core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py`` sets
+#: ``suggested_RS_queue_capacity`` to ``suggested_communication_unit_size``, at least 1,000,000,000 ("Cap to 1B
+#: elements": ``max(1_000_000_000, ...)``; the default ``DistributedDataParallelConfig`` leaves it None), and
+#: ``param_and_grad_buffer.py::GradReducePipeline.wait_for_previous_grad_reduce`` makes the compute stream wait for
+#: the oldest asynchronous reduce-scatter only once the queued buckets exceed it. ``_root_post_backward`` does not
+#: wait ("asynchronous gradient reduce-scatter calls can be overlapped with subsequent compute").
+MEGATRON_FSDP_RS_QUEUE_ELEMENTS = 1_000_000_000
+
 FP8_WEIGHT_CACHE_BYTES = 2  # TE fp8 weight + fp8 transpose, 1 B each (module docstring)
 #: The quantised weight copies TE keeps per GEMM weight, by recipe: fp8 row-wise + transpose; mxfp8 both
 #: block-scaled directions with their E8M0 scales (1/32 B each); nvfp4 both directions at 0.5 B with
@@ -171,4 +180,6 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)
                            allows_cpu_offload=True,
                            # --moe-grouped-gemm (planner/emit/megatron.py): TEGroupedMLP, TE's multi-stream GroupedLinear
-                           expert_gemm_streams=4)
+                           expert_gemm_streams=4,
+                           # Megatron-FSDP's reduce-scatter queue (optim_grads[_params], cost.grad_reduce_trail_s)
+                           grad_reduce_queue_elements=MEGATRON_FSDP_RS_QUEUE_ELEMENTS)

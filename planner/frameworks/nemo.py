@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.frameworks import FrameworkProfile
-from planner.frameworks.megatron import logits_bytes_per_element
+from planner.frameworks.megatron import MEGATRON_FSDP_RS_QUEUE_ELEMENTS, logits_bytes_per_element
 from planner.frameworks.megatron import state_bytes as megatron_state_bytes
 
 #: Apex DistributedFusedAdam states per parameter with optim.dtype bf16 (module docstring): m, v.
@@ -72,4 +72,6 @@ PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_pe
                            allows_cpu_offload=True,  # NeMo passes cpu_offloading_num_layers to Megatron-Core
                            unfused_yarn_rope=True,  # Megatron-Bridge's provider (FrameworkProfile.unfused_yarn_rope)
                            # the recipes' moe_grouped_gemm=True: TEGroupedMLP, TE's multi-stream GroupedLinear
-                           expert_gemm_streams=4)
+                           expert_gemm_streams=4,
+                           # Megatron-FSDP's reduce-scatter queue (optim_grads[_params], cost.grad_reduce_trail_s)
+                           grad_reduce_queue_elements=MEGATRON_FSDP_RS_QUEUE_ELEMENTS)
