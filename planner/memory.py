@@ -374,6 +374,22 @@ LINEAR_INPUT_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, moe: bool | None = None
                            ) -> list[ActTerm]:
+    """Tensors one transformer layer saves for backward, per GPU and micro-batch (:func:`_layer_activation_terms`,
+    memoised on the plan fields it reads: the search asks the same layer of many shapes)."""
+    moe = model.is_moe if moe is None else (moe and model.is_moe)
+    key = (plan.tp, plan.cp, plan.micro_batch_size, plan.sequence_parallel, plan.ep, plan.expert_tp)
+    return list(_layer_activation_terms_cached(model, training, key, moe))
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_activation_terms_cached(model: ModelSpec, training: TrainingSpec, key: tuple, moe: bool
+                                   ) -> tuple[ActTerm, ...]:
+    tp, cp, mbs, sp, ep, etp = key
+    plan = Plan.model_construct(tp=tp, cp=cp, micro_batch_size=mbs, sequence_parallel=sp, ep=ep, etp=etp)
+    return tuple(_layer_activation_terms(model, training, plan, moe))
+
+
+def _layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, moe: bool) -> list[ActTerm]:
     """Tensors one transformer layer saves for backward, per GPU and micro-batch.
 
     Korthikanti et al. 2022 (arXiv:2205.05198) section 4.1: attention ``11 sbh + 5 a s^2 b``,
@@ -406,7 +422,6 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan,
     (``moe``; default: a MoE layer when the model has experts, ``moe=False`` for its dense-first
     layers) replaces the MLP terms by :func:`moe_activation_terms`.
     """
-    moe = model.is_moe if moe is None else (moe and model.is_moe)
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
     profile = frameworks.get(training.framework)
