@@ -455,3 +455,26 @@ def test_deepspeed_shards_experts_like_any_parameter_without_ep():
     params = stage_params_per_rank(TINY, plan, 0, 4)
     st = stage_state_bytes(TINY, tr, plan, 0, 4)
     assert st.optimizer_bytes == pytest.approx(12 * params / 8)
+
+
+@pytest.mark.parametrize("model_name,framework", [("deepseek-v3", "megatron"), ("mixtral-8x7b", "torchtitan"),
+                                                  ("llama3-70b", "megatron"), ("gpt-oss-120b", "nemo")])
+def test_memoised_activation_terms_are_the_uncached_ones(model_name, framework):
+    """``layer_activation_terms`` is memoised on (tp, cp, micro-batch, SP, ep, etp): plans that differ in every
+    other field (dp, pp, vpp, ZeRO, recompute, layers per stage) get exactly the terms the uncached function
+    computes for each of them, so a plan field read without being in the key would fail here."""
+    from planner import memory
+
+    model = load_model(model_name)
+    tr = TrainingSpec(num_gpus=512, global_batch_size=512, seq_len=4096, framework=framework,
+                      recompute_modules=("core_attn", "moe_act") if framework != "torchtitan" else ("core_attn",))
+    ep = 8 if model.is_moe else 1
+    plans = [Plan(tp=tp, pp=pp, dp=512 // (tp * pp * cp), cp=cp, vpp=vpp, micro_batch_size=mbs,
+                  sequence_parallel=tp > 1, zero_stage=z, recompute=rc, ep=ep, etp=1 if model.is_moe else None)
+             for tp, pp, cp, vpp, mbs, z, rc in [(1, 4, 1, 1, 1, 1, "none"), (2, 8, 2, 2, 2, 3, "selective"),
+                                                 (4, 2, 1, 1, 1, 0, "full"), (2, 4, 1, 1, 2, 1, "none")]]
+    for plan in plans:
+        for moe in (False, True):
+            got = layer_activation_terms(model, tr, plan, moe=moe)
+            assert got == memory._layer_activation_terms(model, tr, plan, moe and model.is_moe)
+            assert got is not layer_activation_terms(model, tr, plan, moe=moe)  # a fresh list each call
