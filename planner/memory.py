@@ -1059,19 +1059,15 @@ def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stag
 def stage_linear_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:
     """GEMM weights of the stage's layers on one GPU (norms, biases and the router left out): what
     Transformer Engine caches quantised copies of under fp8 (``planner.frameworks.megatron``)."""
-    moe_layers = stage_moe_layer_count(model, plan, stage, layers)
-    norms = model.norms_per_layer * model.norm_params
-    dense_l, _ = layer_param_split(model, plan.tp, False)
-    total = (layers - moe_layers) * (dense_l - norms)
-    if moe_layers:
-        d, e = layer_param_split(model, plan.tp, True, plan.ep, plan.expert_tp)
-        total += moe_layers * (d - norms - model.router_params() + e)
-    if model.mtp_num_layers and stage == plan.loss_stage:  # the MTP layers and their eh_proj (mtp_param_split)
-        moe = model.mtp_is_moe()
+    def linear(moe: bool) -> float:  # one layer's parameters less its norms and (MoE) its router
         d, e = layer_param_split(model, plan.tp, moe, plan.ep, plan.expert_tp)
-        router = model.router_params() if moe else 0.0
+        return d + e - model.norms_per_layer * model.norm_params - (model.router_params() if moe else 0.0)
+
+    moe_layers = stage_moe_layer_count(model, plan, stage, layers)
+    total = (layers - moe_layers) * linear(False) + (moe_layers * linear(True) if moe_layers else 0.0)
+    if model.mtp_num_layers and stage == plan.loss_stage:  # the MTP layers and their eh_proj (mtp_param_split)
         h = model.hidden_size
-        total += model.mtp_num_layers * (d - norms - router + e + 2 * h * h / plan.tp)
+        total += model.mtp_num_layers * (linear(model.mtp_is_moe()) + 2 * h * h / plan.tp)
     return total
 
 
