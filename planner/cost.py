@@ -1688,7 +1688,19 @@ def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         key = (plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.etp, plan.zero_stage, stage == 0,
                stage == plan.loss_stage, layers, stage_moe_counts(model, plan)[stage], plan.v_shaped)
         return _dp_sync_moe(model, hw, training, key, order)
-    return _dp_sync(model, hw, training, plan, stage, layers, order)
+    # dense: the result depends on these plan fields only (stage_param_split, _dp_sync_split); cached likewise
+    key = (model, hw, training, order, plan.tp, plan.cp, plan.dp, plan.pp, plan.zero_stage, stage == 0,
+           stage == plan.loss_stage, layers, plan.v_shaped)
+    hit = _DENSE_SYNC_CACHE.get(key)
+    if hit is None:
+        if len(_DENSE_SYNC_CACHE) >= 65536:
+            _DENSE_SYNC_CACHE.clear()
+        hit = _DENSE_SYNC_CACHE[key] = _dp_sync(model, hw, training, plan, stage, layers, order)
+    return hit
+
+
+#: dp_sync_parts_s of dense models, keyed on the plan fields it reads
+_DENSE_SYNC_CACHE: dict = {}
 
 
 @functools.lru_cache(maxsize=65536)
