@@ -62,7 +62,7 @@ import numpy as np
 
 from planner import comm, flops, frameworks
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
-from planner.memory import (act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
+from planner.memory import (LINEAR_INPUT_BYTES, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             stage_param_split, stage_params_per_rank)
 from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
@@ -1042,6 +1042,27 @@ def module_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rat
     return s, tp, ep
 
 
+def sp_gather_bytes_per_element(training: TrainingSpec) -> float:
+    """Bytes per element of a sequence-parallel all-gather (a column-parallel linear's input, or a row-parallel
+    linear's output gradient in backward).
+
+    Transformer Engine quantises the input on the rank's own 1/t shard (the fused norm writes it quantised,
+    ``with_quantized_norm``, or the input quantizer runs first) and gathers the quantised data with
+    ``gather_along_first_dim(..., quantizer=input_quantizer)``; the backward's re-gather of the saved shard for the
+    weight gradient does the same (TE 2.x ``module/layernorm_linear.py``, ``layernorm_mlp.py`` and ``linear.py``,
+    forward "Prepare GEMM input" and ``backward``; TE 1.x gathered the fp8 norm output as well), and so does the
+    output gradient's gather (``module/base.py`` ``grad_output_preprocess``, "FP8 with all-gather": the gradient
+    quantizer is passed to ``gather_along_first_dim``). Megatron-Core's TE layers ask for no high-precision norm
+    output (``return_layernorm_output=False``), so no 16-bit copy is gathered. The bytes are those of the saved
+    GEMM input (``planner.memory.LINEAR_INPUT_BYTES``: 1 B fp8, 1 + 1/32 B MXFP8, 0.5 + 1/16 B NVFP4). The
+    reduce-scatters carry the 16-bit GEMM outputs. Frameworks that gather the 16-bit tensor (torch's DTensor SP)
+    and 16-bit training: ``act_bytes``."""
+    e = act_bytes(training)
+    if not frameworks.get(training.framework).quantized_sp_gather:
+        return e
+    return LINEAR_INPUT_BYTES.get(training.precision, e)
+
+
 def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                order: str = DEFAULT_ORDER, moe: bool = False) -> LayerTime:
     """Compute and communication of one transformer layer for one micro-batch on one GPU; ``moe``: a
@@ -1094,7 +1115,11 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     col = [(dg, wg) for _, dg, wg, kind in gemms if kind == "column"]
     regions = len(col)  # TP regions: 2 in a dense layer, 1 in a MoE layer without shared experts
     if plan.sequence_parallel:
-        ag = comm.collective_time_s("all_gather", buf, tp_group, hw)
+        # every all-gather (the column-parallel input, its re-gather for the weight gradient, the row-parallel
+        # output gradient) moves the low-precision copy where the framework quantises before gathering
+        # (sp_gather_bytes_per_element); the reduce-scatters stay 16-bit
+        ag = comm.collective_time_s("all_gather", tokens * model.hidden_size * sp_gather_bytes_per_element(training),
+                                    tp_group, hw)
         rs = comm.collective_time_s("reduce_scatter", buf, tp_group, hw)
         # backward: the input re-gather overlaps the data-grad GEMM and the input-grad RS overlaps
         # the weight-grad GEMM of each column-parallel linear (Megatron layers.py)

@@ -428,3 +428,48 @@ def test_torchtitan_selective_ac_recomputes_every_second_matmul():
     meg = cost.layer_time(model, H100, tt.model_copy(update={"framework": "megatron"}), plan)
     full = cost.layer_time(model, H100, tt, plan.model_copy(update={"recompute": "full"}))
     assert meg.recompute < gemms < lt.recompute < full.recompute
+
+
+@pytest.mark.parametrize("precision, framework, ag_bytes", [
+    ("bf16", "megatron", 2), ("fp8", "megatron", 1), ("mxfp8", "nemo", 1 + 1 / 32), ("nvfp4", "nemo", 0.5 + 1 / 16),
+    ("fp8", "torchtitan", 2),  # DTensor SP gathers the 16-bit tensor
+])
+def test_sp_all_gather_moves_the_quantised_input(precision, framework, ag_bytes):
+    """Transformer Engine gathers the column-parallel input after quantising it (gather_along_first_dim with the
+    input quantizer); the reduce-scatters stay 16-bit. Without TP overlap a dense layer's forward exposes two
+    all-gathers and two reduce-scatters of tokens x h elements (Korthikanti et al. 2022 section 4.2.2)."""
+    from planner import comm
+    from planner.layout import axis_span
+
+    model = load_model("llama3-70b")
+    hw = load_hardware("b200-180gb")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192, precision=precision, framework=framework,
+                      tp_comm_overlap=False)
+    plan = Plan(tp=4, pp=4, dp=4, micro_batch_size=1, sequence_parallel=True, zero_stage=1)
+    tokens_h = 8192 * model.hidden_size
+    group = axis_span(plan, "tp", hw.nvlink_domain)
+    expected = 2 * (comm.collective_time_s("all_gather", tokens_h * ag_bytes, group, hw)
+                    + comm.collective_time_s("reduce_scatter", tokens_h * 2, group, hw))
+    assert cost.sp_gather_bytes_per_element(tr) == pytest.approx(ag_bytes)
+    assert cost.layer_time(model, hw, tr, plan).tp_fwd == pytest.approx(expected, rel=1e-12)
+
+
+def test_sp_output_gradient_all_gather_is_quantised_too(monkeypatch):
+    """Backward: the row-parallel output gradient's all-gather (exposed without TP overlap, one per TP region) is
+    gathered quantised as well (TE base.py grad_output_preprocess, "FP8 with all-gather"): forcing 16-bit
+    all-gathers must add at least those two exposed all-gathers' difference to the backward."""
+    from planner import comm
+    from planner.layout import axis_span
+
+    model = load_model("llama3-70b")
+    hw = load_hardware("b200-180gb")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192, precision="fp8", tp_comm_overlap=False)
+    plan = Plan(tp=4, pp=4, dp=4, micro_batch_size=1, sequence_parallel=True, zero_stage=1)
+    group = axis_span(plan, "tp", hw.nvlink_domain)
+    quantised = cost.layer_time(model, hw, tr, plan).tp_bwd
+    monkeypatch.setattr(cost, "sp_gather_bytes_per_element", lambda training: 2)
+    wide = cost.layer_time(model, hw, tr, plan).tp_bwd
+    tokens_h = 8192 * model.hidden_size
+    exposed_diff = 2 * (comm.collective_time_s("all_gather", tokens_h * 2, group, hw)
+                        - comm.collective_time_s("all_gather", tokens_h * 1, group, hw))
+    assert wide - quantised >= exposed_diff * (1 - 1e-9) > 0

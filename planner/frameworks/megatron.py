@@ -171,7 +171,7 @@ def logits_bytes_per_element(training, plan) -> float:
 
 
 PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
-                           sp_gathers_inputs=False,
+                           sp_gathers_inputs=False, quantized_sp_gather=True,
                            # core_v0.16.1 moe/moe_layer.py::MoELayer.forward raises in training when the attention
                            # TP group is > 1 without sequence parallelism
                            moe_needs_sp=True, allows_fp8_params=True,
