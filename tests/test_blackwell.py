@@ -98,12 +98,12 @@ def test_search_on_nvl72_may_use_tp_beyond_a_tray():
     ("nvfp4", 5000 * 0.723 * 6.812 / 3.764),      # NVFP4 3.764 ms: 1.81x FP8, under the datasheets' 2x
 ])
 def test_gemm_rate_per_precision_hand_computed(precision, tflops):
-    """GB200 profile GEMM rates, times the B200 die's sustained 0.77 (TE docs/examples/gemm_profiling, kernel-only
+    """GB200 profile GEMM rates, times the B200 die's sustained 0.76 (TE docs/examples/gemm_profiling, kernel-only
     B300 table)."""
     from planner.cost import Rates
 
     rate = Rates.of(load_hardware("gb200-nvl72"), precision).gemm_flops
-    assert rate == pytest.approx(tflops * 1e12 * 0.77, rel=1e-9)
+    assert rate == pytest.approx(tflops * 1e12 * 0.76, rel=1e-9)
 
 
 # Transformer Engine's GEMM benchmark, per layer (h 4096, f 16384, M 15,872): autocast minus kernel-only ms, at the
@@ -202,14 +202,14 @@ def test_nemo_runs_nvfp4_without_tp_overlap():
 
 def test_blackwell_ultra_attention_forward_and_backward_levels():
     """GB300: forward at FlashAttention-4's 1613 TFLOP/s (0.645 of 2500; the doubled SFU), backward at the
-    B200 die's cuDNN 1240 TFLOP/s (0.496 of 2500); GB200 both at 0.496. Times sustained 0.87 (GB300) and 0.77
+    B200 die's cuDNN 1240 TFLOP/s (0.496 of 2500); GB200 both at 0.496. Times sustained 0.87 (GB300) and 0.76
     (GB200, the B200 die's fit)."""
     from planner.cost import Rates
 
     gb300, gb200 = Rates.of(load_hardware("gb300-nvl72"), "bf16"), Rates.of(load_hardware("gb200-nvl72"), "bf16")
     assert gb300.attention_rate("fwd") == pytest.approx(2500e12 * 0.645 * 0.87, rel=1e-9)
     assert gb300.attention_rate("bwd") == pytest.approx(2500e12 * 0.496 * 0.87, rel=1e-9)
-    assert gb200.attention_rate("fwd") == gb200.attention_rate("bwd") == pytest.approx(2500e12 * 0.496 * 0.77, rel=1e-9)
+    assert gb200.attention_rate("fwd") == gb200.attention_rate("bwd") == pytest.approx(2500e12 * 0.496 * 0.76, rel=1e-9)
 
 
 def test_b200_die_sustained_fraction_is_the_fit():
