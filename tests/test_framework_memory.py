@@ -427,3 +427,36 @@ def test_megatron_fsdp_fp8_params_shard_uint8_weights(framework):
     # mxfp8 under Megatron-FSDP is left at the bf16 bytes (planner/frameworks/megatron.py)
     mx = stage_state_bytes(LLAMA, _training(framework, precision="mxfp8", fp8_params=True), plan, 0, 32)
     assert mx.weights_bytes == pytest.approx(base.weights_bytes)
+
+
+def test_deepspeed_partitions_are_deepspeeds_own():
+    """planner.frameworks.deepspeed.partition_balanced is DeepSpeed's runtime/utils.py partition_balanced, ported:
+    the same part boundaries as the installed DeepSpeed's for every layer count and stage count tried."""
+    utils = pytest.importorskip("deepspeed.runtime.utils")
+    from planner.frameworks.deepspeed import partition_balanced
+
+    for layers in range(1, 90):
+        for pp in (2, 3, 4, 5, 6, 8, 12, 16):
+            assert partition_balanced([1.0] * layers, pp) == [int(x) for x in utils.partition_balanced([1] * layers, pp)]
+
+
+def test_bloom_176b_published_layout_fits_under_the_deepspeed_profile():
+    """BLOOM-176B as it trained (bigscience-workshop/bigscience train/tr11-176B-ml, tr11-176B-ml.slurm and README
+    @003b2505 / 00327f8c): Megatron-DeepSpeed on 384 A100 80GB, TP 4, PP 12, DP 8, micro-batch 2, global batch 2048
+    of 2048 tokens, bf16 with ZeRO stage 0 (BF16_Optimizer), --checkpoint-activations, and
+    --pp-partition-method 'type:transformer|embedding': "pp rank 0: [embed | 5 transformer blocks] ... pp rank 11:
+    [5 transformer blocks | embed]" (README, Architecture). The split is one DeepSpeed builds, and the configuration
+    that ran is predicted to fit; an uneven split DeepSpeed would not build is refused, naming the ones it would."""
+    from planner.frameworks.deepspeed import pipeline_partitions
+
+    model, a100 = load_model("bloom-176b"), load_hardware("a100-80gb")
+    tr = TrainingSpec(num_gpus=384, global_batch_size=2048, seq_len=2048, framework="deepspeed")
+    split = (5,) + (6,) * 10 + (5,)
+    assert pipeline_partitions(70, 12)["type:transformer|embedding"] == split
+    plan = Plan(tp=4, pp=12, dp=8, micro_batch_size=2, recompute="full", zero_stage=0, layers_per_stage=split)
+    assert plan_problems(model, a100, tr, plan) == []
+    assert estimate_memory(model, a100, tr, plan).fits
+    odd = plan.model_copy(update={"layers_per_stage": (4,) + (6,) * 10 + (6,)})
+    (err,) = plan_problems(model, a100, tr, odd)
+    assert err.startswith("layers_per_stage: deepspeed's pipeline builds [6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5, 5] "
+                          "(type:transformer); [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5] (type:transformer|embedding)"), err

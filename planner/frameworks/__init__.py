@@ -66,6 +66,10 @@ class FrameworkProfile:
     allows_cp: bool = True
     allows_vpp: bool = True
     allows_uneven: bool = True
+    # the uneven splits the framework's pipeline builds by its own partition rule, (layers, pp) -> {method: split}
+    # (DeepSpeed's PipelineModule partition_method, planner.frameworks.deepspeed.pipeline_partitions); with it, an
+    # uneven layers_per_stage must be one of them, whatever allows_uneven says (the search keeps even splits)
+    pipeline_partitions: Callable | None = None
     allows_heavier_ends: bool = True  # uneven splits may give the first/last stage *more* layers
     allows_uneven_interleaved: bool = True  # uneven stages together with vpp > 1
     # with vpp > 1, only the first and the last *virtual* stage may be shorter, every other one holding
@@ -158,7 +162,15 @@ class FrameworkProfile:
         if plan.vpp > 1 and not self.allows_vpp:
             errors.append(f"vpp: {self.name}'s pipeline has no interleaved schedule (vpp={plan.vpp}); use vpp=1")
         lps = plan.layers_per_stage
-        if lps is not None and len(set(lps)) > 1:
+        if lps is not None and len(set(lps)) > 1 and self.pipeline_partitions is not None:
+            splits = self.pipeline_partitions(sum(lps), len(lps))
+            if tuple(lps) not in splits.values():
+                built = "; ".join(f"{list(v)} ({k})" for k, v in splits.items()) or "even splits only"
+                errors.append(f"layers_per_stage: {self.name}'s pipeline builds {built} for {sum(lps)} layers on "
+                              f"pp={len(lps)}, not {list(lps)}; use one of those")
+            elif plan.vpp > 1:
+                errors.append(f"layers_per_stage: {self.name} has no interleaved schedule (vpp={plan.vpp}); use vpp=1")
+        elif lps is not None and len(set(lps)) > 1:
             middle = lps[1] if len(lps) > 2 else max(lps)
             if not self.allows_uneven:
                 errors.append(f"layers_per_stage: {self.name} splits layers evenly; drop layers_per_stage")

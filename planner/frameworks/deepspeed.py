@@ -21,13 +21,20 @@ Code paths (deepspeedai/DeepSpeed ``deepspeed/runtime``):
   (``training.fp16``; ``fp16/fused_optimizer.py::FP16_Optimizer``) the fp32 master, its fp32 gradient and
   Adam's states are whole: 2 + 2 + 4 + 12 B.
 * **Pipeline engine** (``pipe/engine.py``): ZeRO 0 or 1 only ("ZeRO-2 and ZeRO-3 are incompatible
-  with pipeline parallelism"), no interleaved schedule, layers split by ``partition_method``
-  (plan3d emits even splits); Megatron-DeepSpeed has no context parallelism and plan3d writes
-  no fp8 recipe for it.
+  with pipeline parallelism"), no interleaved schedule, layers split by ``PipelineModule``'s
+  ``partition_method`` (``pipe/module.py::_partition_layers``): ``type:<regex>`` gives each layer whose class
+  matches a weight of 1 and splits the weights with ``runtime/utils.py::partition_balanced``. Megatron-DeepSpeed's
+  ``--pp-partition-method`` defaults to ``type:transformer`` (its transformer layers only); BLOOM's
+  ``type:transformer|embedding`` also counts the two tied ``EmbeddingPipe`` at the ends (:func:`pipeline_partitions`).
+  An uneven ``layers_per_stage`` is accepted when it is one of those; ``plan3d search`` keeps even splits (the
+  JSON config it writes cannot carry the model code's partition method). Megatron-DeepSpeed has no context
+  parallelism and plan3d writes no fp8 recipe for it.
 * **Logits**: Megatron-DeepSpeed's vocab-parallel cross entropy, as Megatron (6 B per logit).
 """
 
 from __future__ import annotations
+
+import functools
 
 from planner.frameworks import FrameworkProfile, StateBytes
 from planner.frameworks.megatron import logits_bytes_per_element
@@ -61,8 +68,56 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
                       optimizer_bytes=MASTER_AND_ADAM * P / n)
 
 
+def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
+    """Part boundaries DeepSpeed gives ``weights`` over ``num_parts`` stages: ``deepspeed/runtime/utils.py``
+    ``partition_balanced`` (DeepSpeed 0.19.8), the linear-partition dynamic programme that minimises the spread
+    between the heaviest and the lightest part, ties to the later split point; ``partition_uniform`` when there are
+    no more items than parts. Ported as written (``tests/test_framework_memory.py`` compares it with DeepSpeed's)."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return [min(p, n) for p in range(m + 1)]
+    inf = float("inf")
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0.0] * (n + 1)
+    for i, w in enumerate(weights):
+        prefix[i + 1] = prefix[i] + w
+    dp_max[0][0] = dp_cost[0][0] = 0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                hi, lo = max(dp_max[k][j - 1], part), min(dp_min[k][j - 1], part)
+                if dp_cost[i][j] >= hi - lo:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], position[i][j] = hi - lo, hi, lo, k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]
+
+
+@functools.lru_cache(maxsize=256)
+def pipeline_partitions(num_layers: int, pp: int) -> dict[str, tuple[int, ...]]:
+    """Transformer layers per stage that Megatron-DeepSpeed's ``--pp-partition-method`` builds, by method:
+    ``type:transformer`` (its default: the layers alone, weight 1 each) and ``type:transformer|embedding`` (the
+    tied ``EmbeddingPipe`` before the first layer and after the last also weigh 1; each stage then holds its
+    slots less its embeddings: BLOOM-176B's 70 layers on 12 stages, 5 + 10 x 6 + 5, bigscience-workshop/bigscience
+    ``train/tr11-176B-ml/README.md``). A split with a stage of no layer is left out."""
+    out = {}
+    if pp <= 1:
+        return out
+    bounds = partition_balanced([1.0] * num_layers, pp)
+    out["type:transformer"] = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    slots = partition_balanced([1.0] * (num_layers + 2), pp)  # slot 0 and slot L + 1: the two embeddings
+    out["type:transformer|embedding"] = tuple(
+        (b - a) - (a <= 0 < b) - (a <= num_layers + 1 < b) for a, b in zip(slots, slots[1:]))
+    return {k: v for k, v in out.items() if min(v) >= 1}
+
+
 PROFILE = FrameworkProfile(name="deepspeed", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=False, max_zero_with_pp=1, allows_cp=False, allows_vpp=False,
-                           allows_uneven=False, allows_fp8=False,
+                           allows_uneven=False, pipeline_partitions=pipeline_partitions, allows_fp8=False,
                            # plan3d's DeepSpeed launch files write no MoE/expert-parallel configuration
                            allows_ep=False, expert_tp_rule="tp")

@@ -386,9 +386,7 @@ def zero_stage(a: Args, ds_config: dict | None) -> int:
             stage = _section(ds_config, "zero_optimization", a).get("stage", 0)
             if stage not in (0, 1, 2, 3):
                 raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.stage {stage!r}: not 0, 1, 2 or 3")
-            if stage == 0 and deepspeed_bf16_optimizer(a, ds_config):
-                return 1  # BF16_Optimizer: plan3d reads DeepSpeed launches with Megatron's profile, whose ZeRO-1 it is
-            return stage
+            return stage  # stage 0 with bf16: BF16_Optimizer, the deepspeed profile's ZeRO 0 (frameworks/deepspeed.py)
         return a.int("--zero-stage", 0)
     if a.has("--use-megatron-fsdp") or a.has("--use-torch-fsdp2"):
         if a.has("--use-torch-fsdp2"):
@@ -563,7 +561,10 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     else:
         attention = "materialized" if a.get("--attention-backend") in ("unfused", "local") else "flash"
     training = {"num_gpus": gpus, "global_batch_size": gbs, "seq_len": a.int("--seq-length"),
-                "precision": precision, "attention": attention, "framework": "megatron",
+                "precision": precision, "attention": attention,
+                # a Megatron-DeepSpeed launch runs DeepSpeed's engine: its ZeRO stages, BF16_Optimizer, buckets and
+                # pipeline partitions (planner/frameworks/deepspeed.py)
+                "framework": "deepspeed" if a.has("--deepspeed") else "megatron",
                 "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
                 "grad_reduce_in_bf16": a.has("--grad-reduce-in-bf16"),
                 # the loss kernel (TrainingSpec.cross_entropy_fusion); Megatron-DeepSpeed has no such flags
@@ -585,12 +586,15 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
             "microbatch_group_size": (a.count("--microbatch-group-size-per-virtual-pipeline-stage")
                                       if a.has("--microbatch-group-size-per-virtual-pipeline-stage") and vpp > 1
                                       else None)}
-    if a.has("--deepspeed") and ds_config is not None and plan["zero_stage"] == 1 and \
-            _section(ds_config, "zero_optimization", a).get("stage", 0) == 0:
-        notes.append("DeepSpeed bf16 with ZeRO stage 0: BF16_Optimizer shards the fp32 master weights and "
-                     "optimizer states over the data-parallel ranks and keeps full fp32 gradients (bf16_optimizer.py): "
-                     "modelled as Megatron's distributed optimizer (ZeRO-1); the bf16 gradients it also holds until "
-                     "they are added in (2 B per parameter) are not counted")
+    if a.has("--deepspeed") and ds_config is not None and plan["zero_stage"] == 0 and not fp16:
+        if deepspeed_bf16_optimizer(a, ds_config):
+            notes.append("DeepSpeed bf16 with ZeRO stage 0: BF16_Optimizer shards the fp32 master weights and "
+                         "optimizer states over the data-parallel ranks and keeps full fp32 gradients next to the bf16 "
+                         "ones, which it zeroes but keeps (bf16_optimizer.py clear_lp_grads): 2 + 2 + 4 + 12/dp B per "
+                         "parameter")
+        else:
+            notes.append("DeepSpeed bf16 with ZeRO stage 0 and no fp32 gradient accumulation: counted as "
+                         "BF16_Optimizer's 2 + 2 + 4 + 12/dp B per parameter, more than this config holds")
     if plan["recompute"] == "selective" and not a.has("--deepspeed"):  # Megatron-Core checks them only then
         training["recompute_modules"] = recompute_modules(a)
     return model, training, plan, notes
