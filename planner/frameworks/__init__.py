@@ -168,8 +168,6 @@ class FrameworkProfile:
                 built = "; ".join(f"{list(v)} ({k})" for k, v in splits.items()) or "even splits only"
                 errors.append(f"layers_per_stage: {self.name}'s pipeline builds {built} for {sum(lps)} layers on "
                               f"pp={len(lps)}, not {list(lps)}; use one of those")
-            elif plan.vpp > 1:
-                errors.append(f"layers_per_stage: {self.name} has no interleaved schedule (vpp={plan.vpp}); use vpp=1")
         elif lps is not None and len(set(lps)) > 1:
             middle = lps[1] if len(lps) > 2 else max(lps)
             if not self.allows_uneven:
