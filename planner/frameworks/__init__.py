@@ -52,8 +52,9 @@ class FrameworkProfile:
     state_bytes: Callable
     logits_bytes_per_element: Callable  # (training, plan) -> bytes per logit live at the loss peak
     sp_gathers_inputs: bool  # DTensor SP keeps QKV/FC1 inputs gathered (torch); Megatron keeps the 1/t shard
-    # the sequence-parallel all-gather of a column-parallel input moves the low-precision copy (Transformer Engine:
-    # the norm output or input is quantised, then gathered, planner.cost.sp_gather_bytes_per_element); else 16-bit
+    # the sequence-parallel all-gathers (a column-parallel input, a row-parallel output gradient) move the
+    # low-precision copy (Transformer Engine quantises, then gathers: planner.cost.sp_gather_bytes_per_element);
+    # else 16-bit
     quantized_sp_gather: bool = False
     swiglu_unfused: bool = False  # eager ``w2(silu(w1 x) * w3 x)``: also saves the SiLU output (torchtitan)
     op_sac: bool = False  # "selective" recompute is torchtitan's op-level policy (planner.memory.op_sac_terms)
