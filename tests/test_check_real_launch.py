@@ -156,3 +156,27 @@ def test_torchtitan_tomls_are_judged_by_the_torchtitan_profile():
     assert r.scenario.training.framework == "torchtitan"
     as_validate = r.scenario.model_copy(update={"training": r.scenario.training.model_copy(update={"framework": "torch"})})
     assert estimate_scenario_memory(r.scenario).peak_gib > estimate_scenario_memory(as_validate).peak_gib
+
+
+@pytest.mark.parametrize("edit, layers, method", [
+    # no --pp-partition-method: Megatron-DeepSpeed's GPTModelPipe falls back to type:transformer
+    (lambda t: t.replace("    --pp-partition-method 'type:transformer|embedding' \\\n", ""), 70, "type:transformer"),
+    # 71 layers + 2 embeddings = 73 slots do not split evenly over 12: DeepSpeed's partition_balanced decides
+    (lambda t: t.replace("NLAYERS=70", "NLAYERS=71"), 71, "type:transformer|embedding"),
+])
+def test_megatron_deepspeed_stages_are_deepspeeds_partition(tmp_path, edit, layers, method):
+    """A Megatron-DeepSpeed launch gets the stages DeepSpeed's PipelineModule builds for its partition method
+    (planner.frameworks.deepspeed.pipeline_partitions, compared with DeepSpeed's own partition_balanced in
+    tests/test_framework_memory.py), also where they are uneven; before, 70 layers on 12 stages without the
+    BLOOM method, or 73 slots with it, were refused."""
+    from planner.frameworks.deepspeed import pipeline_partitions
+
+    text = (REAL / "bigscience_tr11-176B-ml.slurm").read_text()
+    changed = edit(text)
+    assert changed != text
+    path = tmp_path / "tr11.slurm"
+    path.write_text(changed)
+    (r,) = check_file_branches(path, load_hardware(H100), None, None, None)
+    assert not r.errors, r.errors
+    assert r.scenario.plan.layers_per_stage == pipeline_partitions(layers, 12)[method]
+    assert r.scenario.model.num_layers == layers

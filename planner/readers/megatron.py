@@ -458,20 +458,22 @@ def layers_per_stage(a: Args, layers: int, pp: int) -> list[int] | None:
         out[0] -= emb
         out[-1] -= loss
         return out
-    method = str(a.get("--pp-partition-method", "")).lower()
-    if pp > 1 and a.has("--deepspeed") and re.fullmatch(r"type:(transformer\|embedding|embedding\|transformer)", method):
-        # Megatron-DeepSpeed's pipeline (BLOOM): DeepSpeed's PipelineModule balances the layers whose class
-        # matches the pattern (deepspeed/runtime/pipe/module.py _partition_layers, partition_balanced): the L
-        # ParallelTransformerLayerPipe and the two tied EmbeddingPipe, first and last; L + 2 equal slots
-        slots = layers + 2
-        if slots % pp:
-            raise SpecError(f"{a.path}:{a.line('--pp-partition-method')}: --pp-partition-method {method}: {layers} "
-                            f"layers + 2 embeddings = {slots} do not split evenly over pp {pp}, and plan3d does not "
-                            "follow DeepSpeed's uneven balancing; choose a pp that divides them")
-        out = [slots // pp] * pp
-        out[0] -= 1
-        out[-1] -= 1
-        return out
+    method = str(a.get("--pp-partition-method", "type:transformer")).lower().replace("embedding|transformer",
+                                                                                    "transformer|embedding")
+    if pp > 1 and a.has("--deepspeed") and method in ("type:transformer", "type:transformer|embedding"):
+        # Megatron-DeepSpeed's pipeline: DeepSpeed's PipelineModule balances the layers whose class matches the
+        # pattern (deepspeed/runtime/pipe/module.py _partition_layers, partition_balanced): the L
+        # ParallelTransformerLayerPipe, and with "|embedding" (BLOOM) the two tied EmbeddingPipe, first and last.
+        # Megatron-DeepSpeed's GPTModelPipe defaults to type:transformer when --pp-partition-method is not given
+        # (megatron/model/gpt_model.py); planner.frameworks.deepspeed.pipeline_partitions computes both
+        from planner.frameworks.deepspeed import pipeline_partitions
+
+        split = pipeline_partitions(layers, pp).get(method)
+        if split is None:
+            raise SpecError(f"{a.path}: --pp-partition-method {method}: DeepSpeed would leave a pipeline stage of "
+                            f"pp {pp} without a transformer layer for {layers} layers, which its pipeline refuses; "
+                            "choose a smaller pp")
+        return None if len(set(split)) == 1 else list(split)
     first, last = a.int("--decoder-first-pipeline-num-layers"), a.int("--decoder-last-pipeline-num-layers")
     if pp == 1 or (first is None and last is None):
         return None
