@@ -63,7 +63,7 @@ import numpy as np
 from planner import comm, flops, frameworks
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
 from planner.memory import (LINEAR_INPUT_BYTES, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
-                            stage_param_split, stage_params_per_rank)
+                            stage_param_split)
 from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 ACT_BYTES = 2
@@ -1709,27 +1709,15 @@ def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     (``plan.expert_dp`` ranks ``etp*ep`` apart, :func:`planner.layout.expert_span`; Megatron-Core
     ``expert_data_parallel_group``), after the dense ones on the same stream: the two add.
     """
-    if model.is_moe:  # cached: the search asks the same stage kinds of many shapes
-        key = (plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.etp, plan.zero_stage, stage == 0,
-               stage == plan.loss_stage, layers, stage_moe_counts(model, plan)[stage], plan.v_shaped)
-        return _dp_sync_moe(model, hw, training, key, order)
-    # dense: the result depends on these plan fields only (stage_param_split, _dp_sync_split); cached likewise
-    key = (model, hw, training, order, plan.tp, plan.cp, plan.dp, plan.pp, plan.zero_stage, stage == 0,
-           stage == plan.loss_stage, layers, plan.v_shaped)
-    hit = _DENSE_SYNC_CACHE.get(key)
-    if hit is None:
-        if len(_DENSE_SYNC_CACHE) >= 65536:
-            _DENSE_SYNC_CACHE.clear()
-        hit = _DENSE_SYNC_CACHE[key] = _dp_sync(model, hw, training, plan, stage, layers, order)
-    return hit
-
-
-#: dp_sync_parts_s of dense models, keyed on the plan fields it reads
-_DENSE_SYNC_CACHE: dict = {}
+    # cached on the plan fields it reads: the search asks the same stage kinds of many shapes
+    key = (plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.etp, plan.zero_stage, stage == 0,
+           stage == plan.loss_stage, layers, stage_moe_counts(model, plan)[stage] if model.is_moe else 0,
+           plan.v_shaped)
+    return _dp_sync_cached(model, hw, training, key, order)
 
 
 @functools.lru_cache(maxsize=65536)
-def _dp_sync_moe(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, key: tuple, order: str):
+def _dp_sync_cached(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, key: tuple, order: str):
     tp, cp, dp, pp, ep, etp, zero, first, last, layers, n_moe, v_shaped = key
     stage = 0 if first else (pp - 1 if last else 1)
     layout = (layers,) * pp if pp > 1 else (layers,)
@@ -1738,15 +1726,11 @@ def _dp_sync_moe(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, key
                                 micro_batch_size=1, layers_per_stage=layout,
                                 pipeline_schedule="zbv" if v_shaped else None)
     dense_layer, _ = layer_param_split(model, tp, False)
-    moe_dense, moe_expert = layer_param_split(model, tp, True, ep, etp)
-    dense = stage_params_per_rank(model, plan, stage, 0) + (layers - n_moe) * dense_layer + n_moe * moe_dense
-    return _dp_sync_split(dense, n_moe * moe_expert, hw, training, plan, order)
-
-
-def _dp_sync(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
-             order: str) -> tuple[float, float]:
-    dense, expert = stage_param_split(model, plan, stage, layers)
-    return _dp_sync_split(dense, expert, hw, training, plan, order)
+    moe_dense, moe_expert = layer_param_split(model, tp, True, ep, etp) if n_moe else (0.0, 0.0)
+    # the stage's layers, plus what it holds besides them (embedding, output layer, MTP modules: dense and expert)
+    rest_dense, rest_expert = stage_param_split(model, plan, stage, 0)
+    dense = rest_dense + (layers - n_moe) * dense_layer + n_moe * moe_dense
+    return _dp_sync_split(dense, rest_expert + n_moe * moe_expert, hw, training, plan, order)
 
 
 def _dp_sync_split(dense: float, expert: float, hw: HardwareSpec, training: TrainingSpec, plan: Plan,

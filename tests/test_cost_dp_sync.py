@@ -206,3 +206,26 @@ def test_pipelining_reduces_after_the_last_backward_hand_computed():
     assert cost.grad_reduce_overlaps_last_backward("torchtitan", 2) is False
     assert cost.grad_reduce_overlaps_last_backward("torchtitan", 1) is True
     assert cost.grad_reduce_overlaps_last_backward("megatron", 4) is True
+
+
+@pytest.mark.parametrize("name", ["llama3-70b", "deepseek-v3"])
+def test_cached_dp_sync_is_the_stage_param_split(name):
+    """dp_sync_parts_s is cached on the plan fields it reads, through a stand-in plan of the same stage kind: for
+    plans that differ in every other field, and for every stage, it equals the reduction of the stage's own
+    (dense, expert) parameters (memory.stage_param_split). DeepSeek-V3's loss stage holds its MTP module, whose
+    experts are reduced over the expert-data-parallel group like the other experts."""
+    from planner.cost import DEFAULT_ORDER, _dp_sync_split, dp_sync_parts_s
+    from planner.memory import stage_param_split
+
+    model, hw = load_model(name), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=512, global_batch_size=1024, seq_len=4096)
+    for tp, pp, cp, zero, sched in [(1, 1, 1, 0, None), (2, 4, 1, 1, None), (8, 2, 2, 3, None), (2, 4, 2, 1, "zbv"),
+                                    (1, 8, 1, 2, None)]:
+        dp = 512 // (tp * pp * cp)
+        ep = 8 if model.is_moe else 1
+        plan = Plan.model_construct(tp=tp, pp=pp, dp=dp, cp=cp, vpp=2 if sched else 1, micro_batch_size=1,
+                                    zero_stage=zero, ep=ep, etp=None, layers_per_stage=None, pipeline_schedule=sched)
+        layers = plan.stage_layers(model.num_layers)
+        for stage in range(pp):
+            want = _dp_sync_split(*stage_param_split(model, plan, stage, layers[stage]), hw, tr, plan, DEFAULT_ORDER)
+            assert dp_sync_parts_s(model, hw, tr, plan, stage, layers[stage]) == pytest.approx(want, rel=1e-12)
