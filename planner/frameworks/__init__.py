@@ -163,13 +163,14 @@ class FrameworkProfile:
         if plan.vpp > 1 and not self.allows_vpp:
             errors.append(f"vpp: {self.name}'s pipeline has no interleaved schedule (vpp={plan.vpp}); use vpp=1")
         lps = plan.layers_per_stage
-        if lps is not None and len(set(lps)) > 1 and self.pipeline_partitions is not None:
+        uneven = lps is not None and len(set(lps)) > 1
+        if uneven and self.pipeline_partitions is not None:
             splits = self.pipeline_partitions(sum(lps), len(lps))
             if tuple(lps) not in splits.values():
                 built = "; ".join(f"{list(v)} ({k})" for k, v in splits.items()) or "even splits only"
                 errors.append(f"layers_per_stage: {self.name}'s pipeline builds {built} for {sum(lps)} layers on "
                               f"pp={len(lps)}, not {list(lps)}; use one of those")
-        elif lps is not None and len(set(lps)) > 1:
+        elif uneven:
             middle = lps[1] if len(lps) > 2 else max(lps)
             if not self.allows_uneven:
                 errors.append(f"layers_per_stage: {self.name} splits layers evenly; drop layers_per_stage")
