@@ -30,7 +30,10 @@ How it works:
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
+import types
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -409,10 +412,51 @@ def pareto_by_group(tables: Tables) -> np.ndarray:
     return np.sort(idx[keep])
 
 
+CP_MODEL = "ortools.sat.python.cp_model"
+
+
+class _PandasOnFirstUse(types.ModuleType):
+    """Stands for pandas in ortools' ``cp_model`` module: the real pandas is imported on the first attribute read."""
+
+    def __getattr__(self, name: str):
+        import pandas
+
+        return getattr(pandas, name)
+
+
+def cp_model_module():
+    """OR-Tools' CP-SAT Python module, imported without importing pandas.
+
+    ortools 9.x ``ortools/sat/python/cp_model.py`` imports pandas at module level for its ``*_series`` helpers
+    (``new_int_var_series`` and the like), which plan3d does not call; on a 2-core machine pandas is about 0.4 s
+    of the 2 s a ``plan3d search`` process takes (``python -X importtime``; ``benchmarks/search_speed.py``).
+    Where neither module is imported yet, ``cp_model`` is imported against a stand-in that has only the two
+    names it reads at import time (``pd.Index`` and ``pd.Series``, for a type alias), and its ``pd`` is then
+    replaced by :class:`_PandasOnFirstUse`, so the series helpers still find the real pandas in the same
+    process. If the import reads anything else, it is redone the ordinary way."""
+    if CP_MODEL in sys.modules or "pandas" in sys.modules:
+        return importlib.import_module(CP_MODEL)
+    stand_in = types.ModuleType("pandas")
+    stand_in.Index, stand_in.Series = type("Index", (), {}), type("Series", (), {})
+    sys.modules["pandas"] = stand_in
+    try:
+        module = importlib.import_module(CP_MODEL)
+    except Exception:  # a later ortools that reads more of pandas at import: the ordinary import
+        sys.modules.pop(CP_MODEL, None)
+        module = None
+    finally:
+        if sys.modules.get("pandas") is stand_in:
+            del sys.modules["pandas"]
+    if module is None:
+        return importlib.import_module(CP_MODEL)
+    module.pd = _PandasOnFirstUse("pandas")
+    return module
+
+
 def solve(tables: Tables, pins: Pins, candidates: np.ndarray, forbid_shapes: list[tuple] = (),
           time_limit_s: float = 10.0) -> Solution | None:
     """The fastest combination among ``candidates`` that fits, as CP-SAT proves it; None when none fits."""
-    from ortools.sat.python import cp_model
+    cp_model = cp_model_module()
 
     t0 = time.perf_counter()
     if candidates.size == 0:
