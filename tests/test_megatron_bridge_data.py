@@ -129,14 +129,41 @@ def test_a2a_overlap_only_where_megatron_runs_it():
     """Megatron-Core's TransformerConfig (core_v0.16.1) asserts a virtual pipeline for the MoE all-to-all overlap when
     pp > 1. The DGX-B300 DeepSeek-V3 rows are published at PP16 without VP while their recipe
     (DEEPSEEK_V3_PRETRAIN_CONFIG_B300_FP8_MX_V2: PP8 VP2) turns the overlap on: they ran without it. The GB200 row
-    of the same release (PP4 VP4, the recipe's own layout) keeps it; PP1 rows need no VP."""
+    of the same release (PP4 VP4, the recipe's own layout) keeps it; PP1 rows need no VP. (The 26.02 rows: their
+    page's configs are not stored, so they are read at NVIDIA 04264182; the later releases' own configs turn the
+    overlap off, test_recipes_read_at_the_pages_own_commit.)"""
     a2a = _bridge_benchmark().a2a_overlap
-    for release in ("26.02", "26.02.01", "26.04"):
-        b300 = find(release, "DGX-B300", "DeepSeekV3", "main")
-        assert b300["a2a_overlap"] and (b300["pp"], b300["vp"]) == (16, None) and not a2a(b300)
-        gb200 = find(release, "DGX-GB200", "DeepSeekV3", "main")
-        assert gb200["a2a_overlap"] and (gb200["pp"], gb200["vp"]) == (4, 4) and a2a(gb200)
+    b300 = find("26.02", "DGX-B300", "DeepSeekV3", "main")
+    assert b300["a2a_overlap"] and (b300["pp"], b300["vp"]) == (16, None) and not a2a(b300)
+    gb200 = find("26.02", "DGX-GB200", "DeepSeekV3", "main")
+    assert gb200["a2a_overlap"] and (gb200["pp"], gb200["vp"]) == (4, 4) and a2a(gb200)
     assert a2a({"a2a_overlap": True, "pp": 1, "vp": None}) and not a2a({"a2a_overlap": False, "pp": 4, "vp": 4})
+
+
+def test_recipes_read_at_the_pages_own_commit():
+    """26.04 rows are read against radixark/Megatron-Bridge d063066b, 26.02.01 rows against zidanehuang001 8e0fe90,
+    the commits whose docs/performance-summary.md publishes them. There, deepseek_workload_base_configs.py has
+    DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_FP8_MX_V2 = GB300_V2 = GB300_V1 with global_batch_size 4096: micro_batch_size 2,
+    PP 2, VP 8, EP 32, pp_layout "Et*4|(t*4|)*14tmL", hybridep, moe_a2a_overlap False, cuda_graph_scope [] and no
+    cuda_graph_impl, recompute_modules ["mla_up_proj"] (the rows' own layout; NVIDIA 04264182 has micro-batch 1,
+    recompute [], the overlap and a full-iteration graph). GB200_FP8_MX_V2 = GB200_V2: PP 4, VP 4, EP 64, hybridep,
+    no overlap, TE graphs of attn, moe_router, moe_preprocess, recompute ["mlp"] at d063066b, ["mla_up_proj"] at
+    8e0fe90. Qwen3-235B's B300 and H100 builders at 8e0fe90 set moe_token_dispatcher_type "alltoall"
+    (qwen3_llm_pretrain.py), so the backend BASE_QWEN3_235B_A22B_CONFIG names ("deepep") does not run there."""
+    commit = {"26.04": "d063066b4d66853c4c9308caf321a9c5b8836915", "26.02.01": "8e0fe90db6d83e179c775922836921443fda0435"}
+    for release, mlp_recompute in (("26.04", ["mlp"]), ("26.02.01", ["mla_up_proj"])):
+        gb300 = find(release, "DGX-GB300", "DeepSeekV3", "main")
+        rc = gb300["recipe"]
+        assert rc["commit"] == commit[release] and gb300["mbs"] == 2 and rc["layout_differs_from_row"] is None
+        assert (rc["recompute_modules"], rc["moe_a2a_overlap"], rc["cuda_graph"]) == (["mla_up_proj"], False, None)
+        assert not gb300["a2a_overlap"] and gb300["dispatcher"] == "deepep"
+        gb200 = find(release, "DGX-GB200", "DeepSeekV3", "main")["recipe"]
+        assert (gb200["commit"], gb200["recompute_modules"], gb200["moe_a2a_overlap"], gb200["cuda_graph"]) == \
+            (commit[release], mlp_recompute, False, "transformer_engine [attn, moe_router, moe_preprocess]")
+    for system in ("DGX-B300", "DGX-H100"):
+        r = find("26.02.01", system, "Qwen3_235B_a22B", "main")
+        assert r["recipe"]["moe_token_dispatcher_type"] == "alltoall" and r["dispatcher"] == "alltoall"
+    assert find("26.04", "DGX-B300", "Qwen3_235B_a22B", "main")["dispatcher"] == "deepep"  # its builder sets flex
 
 
 def test_every_run_published_with_its_recipes_layout_fits():
