@@ -27,13 +27,18 @@ from planner.presets import load_hardware, load_model  # noqa: E402
 from planner.specs import Plan, TrainingSpec, plan_problems  # noqa: E402
 
 CONSISTENCY = 0.10  # the data file's consistency_rule
+# the recipes' selective recompute (the data file's ``recipes``), as Megatron's --recompute-modules
+# (``TrainingSpec.recompute_modules``): DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1 recomputes mla_up_proj and mlp; the Qwen3
+# H100 configs recompute nothing
+RECOMPUTE_MODULES = {"deepseek-v3": ("mla_up_proj", "mlp")}
 
 
 def plan_of(r: dict) -> Plan:
     dp = r["gpus"] // (r["tp"] * r["pp"] * r["cp"])
     lps = tuple(r["layers_per_stage"]) if r["layers_per_stage"] else None
     return Plan(tp=r["tp"], pp=r["pp"], dp=dp, cp=r["cp"], vpp=r["vp"], ep=r["ep"], etp=r["etp"],
-                micro_batch_size=r["mbs"], recompute="none", sequence_parallel=r["tp"] > 1, zero_stage=1,
+                micro_batch_size=r["mbs"], recompute="selective" if r["model"] in RECOMPUTE_MODULES else "none",
+                sequence_parallel=r["tp"] > 1, zero_stage=1,
                 layers_per_stage=lps)
 
 
@@ -64,7 +69,8 @@ def main() -> None:
         model = load_model(r["model"])
         training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"],
                                 precision=r["precision"], framework="nemo", moe_token_dispatcher=r["dispatcher"],
-                                moe_a2a_overlap=r["a2a_overlap"], fp8_recipe="tensorwise")  # FP8-CS rows
+                                moe_a2a_overlap=r["a2a_overlap"], fp8_recipe="tensorwise",  # FP8-CS rows
+                                recompute_modules=RECOMPUTE_MODULES.get(r["model"], ("core_attn",)))
         plan = plan_of(r)
         problems = plan_problems(model, hw, training, plan)
         if problems:
