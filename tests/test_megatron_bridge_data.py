@@ -127,16 +127,14 @@ def _bridge_benchmark():
 
 def test_a2a_overlap_only_where_megatron_runs_it():
     """Megatron-Core's TransformerConfig (core_v0.16.1) asserts a virtual pipeline for the MoE all-to-all overlap when
-    pp > 1. The DGX-B300 DeepSeek-V3 rows are published at PP16 without VP while their recipe
-    (DEEPSEEK_V3_PRETRAIN_CONFIG_B300_FP8_MX_V2: PP8 VP2) turns the overlap on: they ran without it. The GB200 row
-    of the same release (PP4 VP4, the recipe's own layout) keeps it; PP1 rows need no VP. (The 26.02 rows: their
-    page's configs are not stored, so they are read at NVIDIA 04264182; the later releases' own configs turn the
-    overlap off, test_recipes_read_at_the_pages_own_commit.)"""
+    pp > 1, so a row whose recipe turns the overlap on for another layout runs without it at PP > 1 with no VP
+    (before 2026-12-02 the DGX-B300 DeepSeek-V3 rows, PP16 without VP, were read against a PP8 VP2 recipe with the
+    overlap; their own configs at 8e0fe90 / d063066b turn it off, test_recipes_read_at_the_pages_own_commit). The
+    26.02 GB200 row (PP4 VP4, its recipe's own layout at NVIDIA 04264182) keeps it; PP1 rows need no VP."""
     a2a = _bridge_benchmark().a2a_overlap
-    b300 = find("26.02", "DGX-B300", "DeepSeekV3", "main")
-    assert b300["a2a_overlap"] and (b300["pp"], b300["vp"]) == (16, None) and not a2a(b300)
     gb200 = find("26.02", "DGX-GB200", "DeepSeekV3", "main")
     assert gb200["a2a_overlap"] and (gb200["pp"], gb200["vp"]) == (4, 4) and a2a(gb200)
+    assert not a2a({"a2a_overlap": True, "pp": 16, "vp": None})
     assert a2a({"a2a_overlap": True, "pp": 1, "vp": None}) and not a2a({"a2a_overlap": False, "pp": 4, "vp": 4})
 
 
@@ -151,12 +149,14 @@ def test_recipes_read_at_the_pages_own_commit():
     8e0fe90. Qwen3-235B's B300 and H100 builders at 8e0fe90 set moe_token_dispatcher_type "alltoall"
     (qwen3_llm_pretrain.py), so the backend BASE_QWEN3_235B_A22B_CONFIG names ("deepep") does not run there."""
     commit = {"26.04": "d063066b4d66853c4c9308caf321a9c5b8836915", "26.02.01": "8e0fe90db6d83e179c775922836921443fda0435"}
-    for release, mlp_recompute in (("26.04", ["mlp"]), ("26.02.01", ["mla_up_proj"])):
+    commit["26.02"] = commit["26.02.01"]  # the 26.02 GB300 row's layout is 8e0fe90's config, not 04264182's
+    for release in ("26.04", "26.02.01", "26.02"):
         gb300 = find(release, "DGX-GB300", "DeepSeekV3", "main")
         rc = gb300["recipe"]
         assert rc["commit"] == commit[release] and gb300["mbs"] == 2 and rc["layout_differs_from_row"] is None
         assert (rc["recompute_modules"], rc["moe_a2a_overlap"], rc["cuda_graph"]) == (["mla_up_proj"], False, None)
         assert not gb300["a2a_overlap"] and gb300["dispatcher"] == "deepep"
+    for release, mlp_recompute in (("26.04", ["mlp"]), ("26.02.01", ["mla_up_proj"])):
         gb200 = find(release, "DGX-GB200", "DeepSeekV3", "main")["recipe"]
         assert (gb200["commit"], gb200["recompute_modules"], gb200["moe_a2a_overlap"], gb200["cuda_graph"]) == \
             (commit[release], mlp_recompute, False, "transformer_engine [attn, moe_router, moe_preprocess]")
