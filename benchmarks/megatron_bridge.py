@@ -123,6 +123,9 @@ def not_modelled(r: dict, models: set[str]) -> str | None:
         return f"no plan3d preset {r['model']}"
     if r.get("model_note") == "tokendrop":
         return "token-dropping run (plan3d costs dropless routing)"
+    optimizer = (r.get("recipe") or {}).get("optimizer")
+    if optimizer not in (None, "adam"):  # Kimi-K2's perf recipes train with Muon (the data file's notes)
+        return f"optimizer {optimizer} not modelled (plan3d costs AdamW)"
     return None
 
 
