@@ -754,9 +754,12 @@ class TrainingSpec(_Spec):
     optimizer_dtype: Literal["fp32", "bf16"] = Field(
         default="fp32",
         description="Adam state dtype. fp32: Megatron's distributed optimizer (fp32 master copy, m, v). "
-                    "bf16: NeMo's Apex DistributedFusedAdam with optim.name distributed_fused_adam and "
-                    "optim.dtype bf16 (m and v in bf16, a bf16 master copy only with fp8_params); nemo only "
-                    "(planner/frameworks/nemo.py).")
+                    "bf16 under megatron: the precision-aware optimizer (--use-precision-aware-optimizer "
+                    "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16: m and v in bf16, the master as TE's int16 "
+                    "remainder in bf16 training, else fp32; distributed optimizer only, planner/frameworks/megatron.py). "
+                    "bf16 under nemo: NeMo's Apex DistributedFusedAdam with optim.name distributed_fused_adam and "
+                    "optim.dtype bf16 (m and v in bf16, a bf16 master copy only with fp8_params; "
+                    "planner/frameworks/nemo.py). Other frameworks: fp32 only.")
     moe_token_dispatcher: Literal["alltoall", "deepep"] = Field(
         default="alltoall",
         description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, the default) or "
@@ -1130,7 +1133,12 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     from planner.frameworks import get as framework_profile
 
-    errors += framework_profile(training.framework).plan_problems(plan, model)
+    fw = framework_profile(training.framework)
+    errors += fw.plan_problems(plan, model)
+    if not fw.allows_optimizer_zero(training.optimizer_dtype, plan.zero_stage):
+        errors.append(f"zero_stage: {training.framework}'s {training.optimizer_dtype} optimizer states (Megatron "
+                      f"--use-precision-aware-optimizer) need the distributed optimizer: use zero_stage "
+                      f"{fw.bf16_optimizer_zero_stages[0]} (plan has {plan.zero_stage}) or optimizer_dtype fp32")
     return errors + job_problems(model, hardware, training)
 
 

@@ -39,7 +39,7 @@ PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: str = "bf16",
              hardware: str = "h100-sxm-80gb", name: str | None = None, tp_comm_overlap: bool | None = None,
              overlap_p2p_comm: bool | None = None, fp8_params: bool = False, cross_entropy_fusion: str = "none",
-             **plan) -> Scenario:
+             optimizer_dtype: str = "fp32", **plan) -> Scenario:
     m = load_model(model)
     if name is not None:
         m = m.model_copy(update={"name": name})
@@ -47,7 +47,7 @@ def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: 
                     training=TrainingSpec(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len,
                                           precision=precision, tp_comm_overlap=tp_comm_overlap,
                                           overlap_p2p_comm=overlap_p2p_comm, fp8_params=fp8_params,
-                                          cross_entropy_fusion=cross_entropy_fusion),
+                                          cross_entropy_fusion=cross_entropy_fusion, optimizer_dtype=optimizer_dtype),
                     plan=Plan(**({"micro_batch_size": 1} | plan)))
 
 
@@ -179,6 +179,9 @@ MEGATRON_PLANS = {
     # Megatron-Bridge's Llama recipes: cross_entropy_loss_fusion (GPTModelProvider default) with the TE kernel
     "te-cross-entropy": (L70 | {"cross_entropy_fusion": "te"}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
     "native-cross-entropy": (L70 | {"cross_entropy_fusion": "native"}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
+    # Megatron's precision-aware optimizer with bf16 moments (Megatron-Bridge's DeepSeek-V3 recipe sets it)
+    "bf16-adam-states": (L70 | {"optimizer_dtype": "bf16"}, dict(tp=8, pp=4, dp=2, sequence_parallel=True,
+                                                                 zero_stage=1)),
     "nvfp4-b300": (L70 | {"precision": "nvfp4", "hardware": "b300-288gb"},
                    dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
@@ -365,6 +368,11 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         if config.cross_entropy_loss_fusion:
             assert config.cross_entropy_fusion_impl == sc.training.cross_entropy_fusion
         assert bool(args.fp8_param_gather) == sc.training.fp8_params
+        import torch
+
+        bf16_adam = sc.training.optimizer_dtype == "bf16"
+        assert bool(args.use_precision_aware_optimizer) == bf16_adam
+        assert (args.exp_avg_dtype, args.exp_avg_sq_dtype) == ((torch.bfloat16,) * 2 if bf16_adam else (torch.float32,) * 2)
         assert bool(args.reuse_grad_buf_for_mxfp8_param_ag) == (sc.training.fp8_params
                                                                 and sc.training.precision == "mxfp8")
         assert config.fp4 == ("e2m1" if sc.training.precision == "nvfp4" else None)

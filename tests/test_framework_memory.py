@@ -166,9 +166,52 @@ def test_nemo_apex_bf16_optimizer_states(fp8_params):
 def test_bf16_optimizer_states_only_where_modelled():
     from planner.specs import job_problems
 
-    tr = _training("megatron", optimizer_dtype="bf16")
-    assert job_problems(LLAMA, H100, tr) == [
-        "optimizer_dtype: megatron as plan3d models it keeps fp32 optimizer states, not bf16; use fp32"]
+    assert job_problems(LLAMA, H100, _training("megatron", optimizer_dtype="bf16")) == []
+    assert job_problems(LLAMA, H100, _training("torchtitan", optimizer_dtype="bf16")) == [
+        "optimizer_dtype: torchtitan as plan3d models it keeps fp32 optimizer states, not bf16; use fp32"]
+
+
+@pytest.mark.parametrize("precision,fp8_recipe,fp8_params,per_param", [
+    ("bf16", "delayed", False, 6),  # TE's master: the int16 remainder (2) + bf16 m, v (2 + 2)
+    ("fp8", "delayed", False, 6),  # delayed scaling keeps TE's master too (use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    ("fp8", "tensorwise", False, 8),  # current scaling: Megatron's fp32 master (4) + bf16 m, v
+    ("fp8", "delayed", True, 8),  # fp8 weights: no bf16 parameter to take a remainder from, the fp32 master
+    ("mxfp8", "delayed", False, 8)])
+def test_megatron_precision_aware_optimizer_states(precision, fp8_recipe, fp8_params, per_param):
+    """Megatron --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (core_v0.16.1
+    optimizer_config.py lines 355-362: TE keeps the master in bf16 training and fp8 delayed scaling;
+    distrib_optimizer.py line 802: an int16 master remainder with store_param_remainders, on by default):
+    6 or 8 B per parameter over dp x cp, in place of 12; the other states are unchanged."""
+    hw = load_hardware("b200-180gb") if precision == "mxfp8" else H100
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    kw = dict(precision=precision, fp8_recipe=fp8_recipe, fp8_params=fp8_params)
+    bf16 = stage_state_bytes(LLAMA, _training("megatron", optimizer_dtype="bf16", **kw), plan, 1, 8, hw)
+    fp32 = stage_state_bytes(LLAMA, _training("megatron", **kw), plan, 1, 8, hw)
+    assert fp32.optimizer_bytes == pytest.approx(12 * _params(plan, 1) / 16)
+    assert bf16.optimizer_bytes == pytest.approx(per_param * _params(plan, 1) / 16)
+    assert (bf16.weights_bytes, bf16.grads_bytes) == (fp32.weights_bytes, fp32.grads_bytes)
+
+
+def test_megatron_precision_aware_optimizer_needs_the_distributed_optimizer():
+    """optimizer_config.py line 381: "--use-precision-aware-optimizer only supported with distributed optimizer":
+    plan_problems names it, the search offers ZeRO 1 only, and the emitter writes the three flags."""
+    from planner.candidates import SearchSpace, enumerate_plans
+    from planner.emit.megatron import megatron_flags
+    from planner.specs import Scenario, plan_problems
+
+    tr = _training("megatron", num_gpus=8, gbs=16, optimizer_dtype="bf16")
+    z0 = Plan(tp=2, pp=1, dp=4, micro_batch_size=1, zero_stage=0, sequence_parallel=True)
+    assert plan_problems(LLAMA, H100, tr, z0) == [
+        "zero_stage: megatron's bf16 optimizer states (Megatron --use-precision-aware-optimizer) need the distributed "
+        "optimizer: use zero_stage 1 (plan has 0) or optimizer_dtype fp32"]
+    z1 = z0.model_copy(update={"zero_stage": 1})
+    assert plan_problems(LLAMA, H100, tr, z1) == []
+    space = SearchSpace(max_micro_batch_size=1)
+    assert {p.zero_stage for p in enumerate_plans(LLAMA, H100, tr, space)} == {1}
+    flags = megatron_flags(Scenario(model=LLAMA, hardware=H100, training=tr, plan=z1))
+    for flag in (("--use-precision-aware-optimizer", None), ("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16"),
+                 ("--use-distributed-optimizer", None)):
+        assert flag in flags
 
 
 def test_fp8_param_gather_read_from_a_launch_file_and_emitted():
@@ -460,3 +503,28 @@ def test_bloom_176b_published_layout_fits_under_the_deepspeed_profile():
     (err,) = plan_problems(model, a100, tr, odd)
     assert err.startswith("layers_per_stage: deepspeed's pipeline builds [6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5, 5] "
                           "(type:transformer); [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5] (type:transformer|embedding)"), err
+
+
+def test_precision_aware_optimizer_read_from_a_launch_file(tmp_path):
+    """`plan3d check` reads --use-precision-aware-optimizer with bf16 moments as optimizer_dtype bf16 (the launch
+    of test_fp8_param_gather_read_from_a_launch_file_and_emitted with the three flags added), and the estimate
+    then holds 8 B of optimizer state per parameter (fp8 weights: Megatron's fp32 master) in place of 12. Other
+    moment dtypes are read as fp32 Adam's, the larger."""
+    from planner.check import check_file_branches
+
+    src = (Path(__file__).parent / "data" / "launch" / "megatron_llama3_8b_fp8.sh").read_text()
+    assert src.count("    --use-distributed-optimizer\n") == 1
+    hw = load_hardware("h200-141gb")
+    results = {}
+    for name, extra in (("bf16", "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"),
+                        ("mixed", "--exp-avg-dtype bf16 --exp-avg-sq-dtype fp32"), ("none", None)):
+        text = src if extra is None else src.replace(
+            "    --use-distributed-optimizer\n", f"    --use-distributed-optimizer\n    --use-precision-aware-optimizer {extra}\n")
+        path = tmp_path / f"{name}.sh"
+        path.write_text(text)
+        (r,) = check_file_branches(path, hw, None, None)
+        results[name] = r
+    assert [results[k].scenario.training.optimizer_dtype for k in ("bf16", "mixed", "none")] == ["bf16", "fp32", "fp32"]
+    opt = {k: estimate_memory(r.scenario.model, hw, r.scenario.training, r.scenario.plan).stages[0].optimizer_bytes
+           for k, r in results.items()}
+    assert opt["bf16"] == pytest.approx(opt["none"] * 8 / 12) and opt["mixed"] == opt["none"]

@@ -324,9 +324,15 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
             flags.append(("--overlap-param-gather", None))
     if tr.grad_reduce_in_bf16:
         flags.append(("--grad-reduce-in-bf16", None))
-    if tr.optimizer_dtype != "fp32":  # the memory estimate assumed NeMo's Apex optimizer (planner/frameworks/nemo.py)
+    if tr.optimizer_dtype != "fp32" and tr.framework != "megatron":  # nemo's bf16: Apex (planner/frameworks/nemo.py)
         raise SpecError(f"--emit megatron: optimizer_dtype {tr.optimizer_dtype} is NeMo's Apex DistributedFusedAdam; "
-                        "Megatron-LM's distributed optimizer keeps fp32 states; use optimizer_dtype fp32")
+                        "Megatron-LM's distributed optimizer keeps fp32 states; use optimizer_dtype fp32, or framework "
+                        "megatron for its precision-aware optimizer")
+    if tr.optimizer_dtype == "bf16":  # Megatron's precision-aware optimizer (planner/frameworks/megatron.py)
+        if p.zero_stage != 1:  # core_v0.16.1 optimizer_config.py: "only supported with distributed optimizer"
+            raise SpecError("--emit megatron: optimizer_dtype bf16 (--use-precision-aware-optimizer) needs the "
+                            f"distributed optimizer; use zero_stage 1 (plan has {p.zero_stage}) or optimizer_dtype fp32")
+        flags += [("--use-precision-aware-optimizer", None), ("--exp-avg-dtype", "bf16"), ("--exp-avg-sq-dtype", "bf16")]
     if tr.fp8_params:  # fp8 weights, no bf16 copy (planner/frameworks/megatron.py)
         if p.zero_stage < 1:  # core_v0.16.1 arguments.py: "--fp8-param-gather only supported with distributed optimizer, ..."
             raise SpecError("--emit megatron: fp8_params needs the distributed optimizer (Megatron --fp8-param-gather); "

@@ -85,6 +85,9 @@ class FrameworkProfile:
     # --cpu-offloading-num-layers; plan3d emits no such knob for torchtitan or DeepSpeed
     allows_cpu_offload: bool = False
     optimizer_dtypes: tuple[str, ...] = ("fp32",)  # Adam state dtypes modelled (TrainingSpec.optimizer_dtype)
+    # the ZeRO stages at which bf16 optimizer states run (None: any); Megatron's precision-aware optimizer needs
+    # the distributed optimizer (planner/frameworks/megatron.py)
+    bf16_optimizer_zero_stages: tuple[int, ...] | None = None
     # bf16 gradients (TrainingSpec.grad_reduce_in_bf16) as plan3d emits this framework (Megatron
     # --grad-reduce-in-bf16); `plan3d search` then offers both gradient dtypes when the user set neither
     # (candidates.grad_dtype_options)
@@ -118,6 +121,11 @@ class FrameworkProfile:
     def allows_zero(self, zero_stage: int, pp: int) -> bool:
         """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages."""
         return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp)
+
+    def allows_optimizer_zero(self, optimizer_dtype: str, zero_stage: int) -> bool:
+        """Whether optimizer states of ``optimizer_dtype`` (``TrainingSpec.optimizer_dtype``) run at ``zero_stage``."""
+        return optimizer_dtype == "fp32" or self.bf16_optimizer_zero_stages is None \
+            or zero_stage in self.bf16_optimizer_zero_stages
 
     def allows_split(self, first: int, middle: int, last: int, vpp: int = 1) -> bool:
         """Whether the framework can place ``first`` / ``middle`` / ``last`` layers on the stages."""

@@ -14,6 +14,16 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   of the buffer: no extra bytes beyond padding.
 * **Optimizer**: fp32 master copy + Adam m and v, 12 B/param, divided by DP x CP with the
   distributed optimizer (``distrib_optimizer.py``, the ``data_parallel_group_with_cp``).
+* **Precision-aware optimizer** (``TrainingSpec.optimizer_dtype="bf16"``: ``--use-precision-aware-optimizer
+  --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``; Megatron-Bridge's DeepSeek-V3 recipe sets it): Transformer Engine's
+  FusedAdam keeps m and v in bf16 (2 + 2 B). The master weight is TE's too where
+  ``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` holds (core_v0.16.1 ``optimizer/optimizer_config.py`` lines
+  355-362: bf16 training, or fp8 with delayed scaling) and then, ``store_param_remainders`` being on by default
+  (TE >= 2.1, ibid. line 192), it is the 16 bits the bf16 parameter lacks: an int16 remainder, 2 B
+  (``distrib_optimizer.py`` line 802, the state shard it allocates to load one: ``init_shard(torch.int16)``). Otherwise (per-tensor current scaling,
+  MXFP8, NVFP4, or fp8 weights) Megatron keeps the fp32 master, 4 B. So 6 or 8 B/param in place of 12, over the same
+  data-parallel groups. Megatron accepts it only with the distributed optimizer (``optimizer_config.py`` line 381:
+  "--use-precision-aware-optimizer only supported with distributed optimizer"): ZeRO >= 1.
 * **ZeRO-2/3**: Megatron-FSDP (``--use-megatron-fsdp --data-parallel-sharding-strategy
   optim_grads[_params]``), counted as ``planner.memory.zero_working_set_bytes`` says.
 * **fp8** (Transformer Engine, ``--fp8-format``): bf16 weights stay; TE's ``Linear`` caches the
@@ -104,6 +114,21 @@ QUANTISED_PARAM_BYTES = {"fp8": FP8_PARAM_BYTES + FP8_PARAM_TRANSPOSE_BYTES, "mx
 #: (``megatron_fsdp.py`` line 453, ``fp8_create_transpose_cache``) and dropped when the layer is released
 #: (``keep_fp8_transpose_cache`` False, lines 538-544), so it belongs to the working set (left at 2 B per weight).
 MEGATRON_FSDP_FP8_PARAM_BYTES = 1
+#: Adam's m and v in bf16 under the precision-aware optimizer (``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``)
+PRECISION_AWARE_MOMENTS_BYTES = 2 + 2
+#: its master weight: the int16 remainder of the fp32 value next to the bf16 parameter (store_param_remainders), or
+#: the fp32 master itself where Megatron, not TE, keeps it (module docstring)
+PARAM_REMAINDER_BYTES = 2
+FP32_MASTER_BYTES = 4
+
+
+def precision_aware_optimizer_bytes(training) -> float:
+    """Optimizer bytes per parameter under Megatron's precision-aware optimizer with bf16 moments (module
+    docstring): TE keeps the master as an int16 remainder in bf16 training and fp8 delayed scaling with bf16
+    weights (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``, ``store_param_remainders``), else the fp32 master."""
+    te_master = (training.precision == "bf16" or (training.precision == "fp8" and training.fp8_recipe == "delayed")) \
+        and not training.fp8_params
+    return PRECISION_AWARE_MOMENTS_BYTES + (PARAM_REMAINDER_BYTES if te_master else FP32_MASTER_BYTES)
 LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
 TE_FUSED_LOGITS_BYTES_PER_ELEMENT = 2  # bf16 logits, the gradient written in place (module docstring)
 
@@ -157,9 +182,12 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
             weights += (QUANTISED_PARAM_BYTES[training.precision] - no_transpose - per_param[0]) * linear
         else:
             weights += (WEIGHT_CACHE_BYTES[training.precision] - no_transpose) * linear
+    optimizer = dense * o + expert_params * oe
+    if training.optimizer_dtype == "bf16" and per_param[2]:  # the precision-aware optimizer (module docstring)
+        optimizer *= precision_aware_optimizer_bytes(training) / per_param[2]
     return StateBytes(weights_bytes=weights,
                       grads_bytes=min(dense * g + expert_params * ge + g_work, stage_params * per_param[1]),
-                      optimizer_bytes=dense * o + expert_params * oe)
+                      optimizer_bytes=optimizer)
 
 
 def logits_bytes_per_element(training, plan) -> float:
@@ -175,6 +203,8 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            # core_v0.16.1 moe/moe_layer.py::MoELayer.forward raises in training when the attention
                            # TP group is > 1 without sequence parallelism
                            moe_needs_sp=True, allows_fp8_params=True,
+                           # fp32 Adam, or the precision-aware optimizer with bf16 moments (module docstring)
+                           optimizer_dtypes=("fp32", "bf16"), bf16_optimizer_zero_stages=(1,),
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
                            allows_grad_reduce_in_bf16=True,
                            # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)

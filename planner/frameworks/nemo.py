@@ -54,10 +54,13 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     """Megatron-Core's states (``planner.frameworks.megatron.state_bytes``); with
     ``optimizer_dtype="bf16"`` the optimizer shards are Apex DistributedFusedAdam's bf16 states
     (module docstring), sharded over the same data-parallel groups as Megatron's."""
-    st = megatron_state_bytes(model, training, plan, stage_params, layer_params, layers,
-                              expert_params=expert_params, linear_params=linear_params, hardware=hardware)
     if training.optimizer_dtype != "bf16":
-        return st
+        return megatron_state_bytes(model, training, plan, stage_params, layer_params, layers,
+                                    expert_params=expert_params, linear_params=linear_params, hardware=hardware)
+    # Megatron's fp32 states, rescaled to Apex's (not Megatron's precision-aware optimizer, frameworks/megatron.py)
+    st = megatron_state_bytes(model, training.model_copy(update={"optimizer_dtype": "fp32"}), plan, stage_params,
+                              layer_params, layers, expert_params=expert_params, linear_params=linear_params,
+                              hardware=hardware)
     per_param = BF16_ADAM_MOMENTS_BYTES + (BF16_ADAM_MASTER_BYTES if training.fp8_params else 0)
     from planner.memory import OPTIMIZER_BYTES
 

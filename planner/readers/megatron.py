@@ -569,6 +569,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "framework": "deepspeed" if a.has("--deepspeed") else "megatron",
                 "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
                 "grad_reduce_in_bf16": a.has("--grad-reduce-in-bf16"),
+                # the precision-aware optimizer with bf16 moments (planner/frameworks/megatron.py); other moment or
+                # master dtypes are smaller than fp32 Adam's and are read as fp32, the larger
+                "optimizer_dtype": "bf16" if (not a.has("--deepspeed") and a.has("--use-precision-aware-optimizer")
+                                              and a.get("--exp-avg-dtype") == "bf16"
+                                              and a.get("--exp-avg-sq-dtype") == "bf16") else "fp32",
                 # the loss kernel (TrainingSpec.cross_entropy_fusion); Megatron-DeepSpeed has no such flags
                 "cross_entropy_fusion": "none" if a.has("--deepspeed") or not a.has("--cross-entropy-loss-fusion")
                 else ("te" if a.get("--cross-entropy-fusion-impl") == "te" else "native"),
