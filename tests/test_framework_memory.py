@@ -528,3 +528,17 @@ def test_precision_aware_optimizer_read_from_a_launch_file(tmp_path):
     opt = {k: estimate_memory(r.scenario.model, hw, r.scenario.training, r.scenario.plan).stages[0].optimizer_bytes
            for k, r in results.items()}
     assert opt["bf16"] == pytest.approx(opt["none"] * 8 / 12) and opt["mixed"] == opt["none"]
+
+
+def test_search_tables_hold_the_precision_aware_optimizer():
+    """The search tables hold what the estimate holds for the precision-aware optimizer (tests/table_checks.py), and
+    offer ZeRO 1 only."""
+    from planner.search import build_tables
+    from tests.table_checks import assert_entry_is_estimate, legal_keys
+
+    tr = _training("megatron", num_gpus=16, gbs=32, optimizer_dtype="bf16")
+    tables = build_tables(LLAMA, H100, tr, SearchSpace(max_micro_batch_size=1))
+    keys = legal_keys(tables)
+    assert len(keys) > 20 and {tables.plan(k).zero_stage for k in keys} == {1}
+    for k in keys[:: max(1, len(keys) // 25)]:
+        assert_entry_is_estimate(LLAMA, H100, tr, tables, k)
