@@ -22,8 +22,9 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   (TE >= 2.1, ibid. line 192), it is the 16 bits the bf16 parameter lacks: an int16 remainder, 2 B
   (``distrib_optimizer.py`` line 802, the state shard it allocates to load one: ``init_shard(torch.int16)``). Otherwise (per-tensor current scaling,
   MXFP8, NVFP4, or fp8 weights) Megatron keeps the fp32 master, 4 B. So 6 or 8 B/param in place of 12, over the same
-  data-parallel groups. Megatron accepts it only with the distributed optimizer (``optimizer_config.py`` line 381:
-  "--use-precision-aware-optimizer only supported with distributed optimizer"): ZeRO >= 1.
+  data-parallel groups (TE older than 2.1 keeps the fp32 master, 2 B more per parameter: not modelled). Megatron
+  accepts it only with the distributed optimizer (``optimizer_config.py`` line 381: "--use-precision-aware-optimizer
+  only supported with distributed optimizer"), which Megatron-FSDP does not turn on: ZeRO 1 here.
 * **ZeRO-2/3**: Megatron-FSDP (``--use-megatron-fsdp --data-parallel-sharding-strategy
   optim_grads[_params]``), counted as ``planner.memory.zero_working_set_bytes`` says.
 * **fp8** (Transformer Engine, ``--fp8-format``): bf16 weights stay; TE's ``Linear`` caches the
@@ -120,6 +121,8 @@ PRECISION_AWARE_MOMENTS_BYTES = 2 + 2
 #: the fp32 master itself where Megatron, not TE, keeps it (module docstring)
 PARAM_REMAINDER_BYTES = 2
 FP32_MASTER_BYTES = 4
+LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
+TE_FUSED_LOGITS_BYTES_PER_ELEMENT = 2  # bf16 logits, the gradient written in place (module docstring)
 
 
 def precision_aware_optimizer_bytes(training) -> float:
@@ -129,8 +132,6 @@ def precision_aware_optimizer_bytes(training) -> float:
     te_master = (training.precision == "bf16" or (training.precision == "fp8" and training.fp8_recipe == "delayed")) \
         and not training.fp8_params
     return PRECISION_AWARE_MOMENTS_BYTES + (PARAM_REMAINDER_BYTES if te_master else FP32_MASTER_BYTES)
-LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
-TE_FUSED_LOGITS_BYTES_PER_ELEMENT = 2  # bf16 logits, the gradient written in place (module docstring)
 
 
 def linear_params_per_rank(model, tp: int, layers: int) -> float:
