@@ -1133,12 +1133,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     from planner.frameworks import get as framework_profile
 
-    fw = framework_profile(training.framework)
-    errors += fw.plan_problems(plan, model)
-    if not fw.allows_optimizer_zero(training.optimizer_dtype, plan.zero_stage):
-        errors.append(f"zero_stage: {training.framework}'s {training.optimizer_dtype} optimizer states (Megatron "
-                      f"--use-precision-aware-optimizer) need the distributed optimizer: use zero_stage "
-                      f"{fw.bf16_optimizer_zero_stages[0]} (plan has {plan.zero_stage}) or optimizer_dtype fp32")
+    errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
     return errors + job_problems(model, hardware, training)
 
 

@@ -118,12 +118,13 @@ class FrameworkProfile:
     eager_block_kernels: tuple[int, int] | None = None
     eager_loss_bytes_per_logit: tuple[int, int] | None = None
 
-    def allows_zero(self, zero_stage: int, pp: int) -> bool:
-        """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages."""
-        return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp)
+    def allows_zero(self, zero_stage: int, pp: int, optimizer_dtype: str = "fp32") -> bool:
+        """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages and optimizer states of
+        ``optimizer_dtype`` (``TrainingSpec.optimizer_dtype``)."""
+        return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp) \
+            and self._optimizer_allows_zero(zero_stage, optimizer_dtype)
 
-    def allows_optimizer_zero(self, optimizer_dtype: str, zero_stage: int) -> bool:
-        """Whether optimizer states of ``optimizer_dtype`` (``TrainingSpec.optimizer_dtype``) run at ``zero_stage``."""
+    def _optimizer_allows_zero(self, zero_stage: int, optimizer_dtype: str) -> bool:
         return optimizer_dtype == "fp32" or self.bf16_optimizer_zero_stages is None \
             or zero_stage in self.bf16_optimizer_zero_stages
 
@@ -156,13 +157,17 @@ class FrameworkProfile:
                     f"{precision}; set precision fp8 or drop fp8_params"]
         return []
 
-    def plan_problems(self, plan, model=None) -> list[str]:
+    def plan_problems(self, plan, model=None, optimizer_dtype: str = "fp32") -> list[str]:
         """What of ``plan`` this framework cannot run, one line each naming the field (``model``, when
-        given, adds the rules that depend on it: MoE)."""
+        given, adds the rules that depend on it: MoE; ``optimizer_dtype``, the job's optimizer states)."""
         errors = self._moe_problems(plan, model)
         if not self.allows_zero(plan.zero_stage, plan.pp):
             allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
             errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
+        elif not self._optimizer_allows_zero(plan.zero_stage, optimizer_dtype):
+            errors.append(f"zero_stage: {self.name}'s {optimizer_dtype} optimizer states (Megatron "
+                          f"--use-precision-aware-optimizer) need the distributed optimizer: use zero_stage "
+                          f"{self.bf16_optimizer_zero_stages[0]} (plan has {plan.zero_stage}) or optimizer_dtype fp32")
         if plan.cpu_offload_layers and not self.allows_cpu_offload:
             errors.append(f"cpu_offload_layers: {self.name} as plan3d emits it has no activation offloading "
                           f"(Megatron --cpu-offloading-num-layers); use framework megatron or nemo, or 0")

@@ -144,7 +144,8 @@ def linear_params_per_rank(model, tp: int, layers: int) -> float:
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
-                expert_params: float = 0.0, linear_params: float | None = None, hardware=None) -> StateBytes:
+                expert_params: float = 0.0, linear_params: float | None = None, hardware=None,
+                optimizer_bytes_per_param: float | None = None) -> StateBytes:
     """Weights, gradients and optimizer of one GPU of a stage under Megatron-Core (module docstring):
     ZeRO sharding as ``planner.memory.state_bytes_per_param`` with the ZeRO-2/3 working set of
     ``planner.memory.zero_working_set_bytes``, plus TE's fp8 weight cache.
@@ -153,7 +154,9 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     distributed-optimizer shards live in the expert-data-parallel group of ``plan.expert_dp`` ranks
     (core_v0.16.1 ``distributed_data_parallel.py``: ``expert_parallel_buffers`` over
     ``intra_expt_dp_group``), the rest over dp x cp. ``linear_params``: the stage's GEMM weights for
-    the fp8 cache (default: ``layers`` dense layers, :func:`linear_params_per_rank`)."""
+    the fp8 cache (default: ``layers`` dense layers, :func:`linear_params_per_rank`). ``optimizer_bytes_per_param``:
+    another optimizer's state bytes per parameter, sharded as Megatron's (NeMo's Apex optimizer); default Megatron's
+    own (12, or the precision-aware optimizer's with ``optimizer_dtype`` bf16)."""
     from planner.memory import param_bytes, state_bytes_per_param, zero_working_set_bytes
 
     per_param = param_bytes(training)
@@ -184,8 +187,10 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         else:
             weights += (WEIGHT_CACHE_BYTES[training.precision] - no_transpose) * linear
     optimizer = dense * o + expert_params * oe
-    if training.optimizer_dtype == "bf16" and per_param[2]:  # the precision-aware optimizer (module docstring)
-        optimizer *= precision_aware_optimizer_bytes(training) / per_param[2]
+    if optimizer_bytes_per_param is None and training.optimizer_dtype == "bf16":  # precision-aware (module docstring)
+        optimizer_bytes_per_param = precision_aware_optimizer_bytes(training)
+    if optimizer_bytes_per_param is not None and per_param[2]:  # another optimizer's bytes, sharded alike
+        optimizer *= optimizer_bytes_per_param / per_param[2]
     return StateBytes(weights_bytes=weights,
                       grads_bytes=min(dense * g + expert_params * ge + g_work, stage_params * per_param[1]),
                       optimizer_bytes=optimizer)

@@ -37,8 +37,6 @@ its performance summary lists such runs ("FSDP = 1: use FSDP", docs/performance-
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from planner.frameworks import FrameworkProfile
 from planner.frameworks.megatron import MEGATRON_FSDP_RS_QUEUE_ELEMENTS, logits_bytes_per_element
 from planner.frameworks.megatron import state_bytes as megatron_state_bytes
@@ -54,17 +52,11 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     """Megatron-Core's states (``planner.frameworks.megatron.state_bytes``); with
     ``optimizer_dtype="bf16"`` the optimizer shards are Apex DistributedFusedAdam's bf16 states
     (module docstring), sharded over the same data-parallel groups as Megatron's."""
-    if training.optimizer_dtype != "bf16":
-        return megatron_state_bytes(model, training, plan, stage_params, layer_params, layers,
-                                    expert_params=expert_params, linear_params=linear_params, hardware=hardware)
-    # Megatron's fp32 states, rescaled to Apex's (not Megatron's precision-aware optimizer, frameworks/megatron.py)
-    st = megatron_state_bytes(model, training.model_copy(update={"optimizer_dtype": "fp32"}), plan, stage_params,
-                              layer_params, layers, expert_params=expert_params, linear_params=linear_params,
-                              hardware=hardware)
-    per_param = BF16_ADAM_MOMENTS_BYTES + (BF16_ADAM_MASTER_BYTES if training.fp8_params else 0)
-    from planner.memory import OPTIMIZER_BYTES
-
-    return replace(st, optimizer_bytes=st.optimizer_bytes * per_param / OPTIMIZER_BYTES)
+    # Apex's bf16 states, not Megatron's precision-aware optimizer (planner/frameworks/megatron.py)
+    apex = BF16_ADAM_MOMENTS_BYTES + (BF16_ADAM_MASTER_BYTES if training.fp8_params else 0) \
+        if training.optimizer_dtype == "bf16" else None
+    return megatron_state_bytes(model, training, plan, stage_params, layer_params, layers, expert_params=expert_params,
+                                linear_params=linear_params, hardware=hardware, optimizer_bytes_per_param=apex)
 
 
 PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
