@@ -177,14 +177,14 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
                                      for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue
-        dpg_s, dpp_s, z3_s, static, work, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         # memory of each stage kind [U, Z, 3], as memory.stage_memory. A MoE model's dense-first layers can
         # reach past rank 0, so its middle stages need not fall with the stage index: every middle stage
         # that may hold a dense layer, and the first one after them, is computed, and the middle kind is
         # their maximum (a stage the three kinds miss could not fit while the table says it does)
         mrows = _memory_rows(model, base, rows)
-        if len(mrows) > len(rows):
-            static, work = _state_rows(model, hw, training, base, mrows, zeros)
+        static, work = _state_rows(model, hw, training, base, mrows, zeros)
+        if not model.is_moe:  # a MoE model's DP terms are composed over every stage (_moe_step)
+            dpg_s, dpp_s, z3_s, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         nm = np.array([x[1] for x in mrows], dtype=float)
         inflight = np.stack([in_flight(base, m, r) for r, _ in mrows], axis=1)  # [U, R]
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
@@ -309,9 +309,9 @@ def _stage_before(p: int) -> np.ndarray:
 
 
 def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
-    """Per ZeRO stage and stage kind: gradient reduction, parameter all-gather, ZeRO-3 gather, static
-    memory (the framework's weights + gradients + optimizer, as memory.stage_memory) and its transient
-    working set [Z, 3]; optimizer time [Z]. Each distinct communication is computed once."""
+    """Per ZeRO stage and stage kind of a dense model: gradient reduction, parameter all-gather and ZeRO-3
+    gather [Z, 3]; optimizer time [Z]. Each distinct communication is computed once (the static memory is
+    :func:`_state_rows`)."""
     params = [stage_params_per_rank(model, plan, r, n) for r, n in rows]
     sync = {}
     for key in sorted({min(z, 1) if z < 3 else 3 for z in zeros}):
@@ -319,7 +319,6 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
         sync[key] = [dp_sync_parts_s(model, hw, training, zp, r, n, order) for r, n in rows]
     z3p = plan.model_copy(update={"zero_stage": 3})
     gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
-    static, work = _state_rows(model, hw, training, plan, rows, zeros)
     dpg_s, dpp_s, z3_s, opt_s = [], [], [], []
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
@@ -328,7 +327,7 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
         dpp_s.append([x[1] for x in parts])
         z3_s.append(gather if z == 3 else [0.0] * 3)
         opt_s.append(optimizer_s(model, hw, training, zp, params))
-    return np.array(dpg_s), np.array(dpp_s), np.array(z3_s), static, work, np.array(opt_s)
+    return np.array(dpg_s), np.array(dpp_s), np.array(z3_s), np.array(opt_s)
 
 
 def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -349,7 +348,7 @@ def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> l
 
 def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, np.ndarray]:
     """Static memory (weights + gradients + optimizer) and its transient working set [Z, R] of each
-    (stage, layers) row (memory.stage_state_bytes): the three kinds in :func:`_zero_terms`, more rows for a
+    (stage, layers) row (memory.stage_state_bytes): the three kinds of :func:`_stage_rows`, more rows for a
     MoE model's middle stages (:func:`_memory_rows`)."""
     static, work = [], []
     for z in zeros:
