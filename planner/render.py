@@ -26,31 +26,50 @@ def _billions(n: int) -> str:
     return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
 
 
-def models_table(specs: list[ModelSpec]) -> Table:
-    t = Table(title="Model presets")
-    for col in ("name", "params", "active", "layers", "hidden", "heads", "kv heads", "ffn", "experts", "vocab", "act",
-                "norm"):
-        t.add_column(col, justify="left" if col in ("name", "act", "norm") else "right")
+def _name_column(t: Table, specs) -> None:
+    """The name column of a listing, never cut short: the name is what ``--model`` / ``--hardware`` take."""
+    t.add_column("name", justify="left", no_wrap=True, min_width=max((len(s.name) for s in specs), default=4))
+
+
+def _listing(title: str, specs, columns: dict, narrow: bool, keep_narrow: tuple[str, ...]) -> Table:
+    """A listing of specs: the name, then ``columns`` (header -> cell of a spec), each folded over lines rather
+    than cut short; in a narrow terminal (:func:`compact`) only the columns ``keep_narrow`` names."""
+    t = Table(title=title)
+    _name_column(t, specs)
+    shown = {k: f for k, f in columns.items() if not narrow or k in keep_narrow}
+    for col in shown:
+        t.add_column(col, justify="left" if col in ("act", "norm") else "right", overflow="fold")
     for s in specs:
-        experts = f"{s.top_k}/{s.num_experts} x {s.moe_ffn_size}" if s.is_moe else "-"
-        t.add_row(s.name, _billions(s.num_params), _billions(s.num_active_params), str(s.num_layers),
-                  str(s.hidden_size), str(s.num_attention_heads), str(s.kv_heads), str(s.ffn_size), experts,
-                  str(s.vocab_size), s.activation, s.norm)
+        t.add_row(s.name, *(f(s) for f in shown.values()))
     return t
 
 
-def hardware_table(specs: list[HardwareSpec]) -> Table:
-    t = Table(title="Hardware profiles")
-    for col in ("name", "memory GiB", "usable GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "fp4 TFLOP/s", "GPUs/node",
-                "NVLink domain (segment)", "intra GB/s", "inter GB/s"):
-        t.add_column(col, justify="left" if col == "name" else "right")
-    for s in specs:
-        t.add_row(s.name, f"{s.gpu_memory_gib:g}", f"{s.usable_memory_gib:.1f}", f"{s.peak_bf16_tflops:g}",
-                  f"{s.peak_fp8_tflops:g}" if s.peak_fp8_tflops else "-",
-                  f"{s.peak_fp4_tflops:g}" if s.peak_fp4_tflops else "-", str(s.gpus_per_node),
-                  str(s.nvlink_domain) + (f" ({s.nvlink_domain_segment})" if s.nvlink_domain_segment else ""),
-                  f"{s.intra_node_bandwidth_gbps:g}", f"{s.inter_node_bandwidth_gbps:g}")
-    return t
+def models_table(specs: list[ModelSpec], narrow: bool = False) -> Table:
+    """The bundled model presets; narrow: name, parameters, layers, hidden size and experts only."""
+    columns = {
+        "params": lambda s: _billions(s.num_params), "active": lambda s: _billions(s.num_active_params),
+        "layers": lambda s: str(s.num_layers), "hidden": lambda s: str(s.hidden_size),
+        "heads": lambda s: str(s.num_attention_heads), "kv heads": lambda s: str(s.kv_heads),
+        "ffn": lambda s: str(s.ffn_size),
+        "experts": lambda s: f"{s.top_k}/{s.num_experts} x {s.moe_ffn_size}" if s.is_moe else "-",
+        "vocab": lambda s: str(s.vocab_size), "act": lambda s: s.activation, "norm": lambda s: s.norm}
+    return _listing("Model presets", specs, columns, narrow, ("params", "active", "layers", "hidden", "experts"))
+
+
+def hardware_table(specs: list[HardwareSpec], narrow: bool = False) -> Table:
+    """The bundled hardware profiles; narrow: name, usable memory, bf16/fp8 rates, GPUs per node, NVLink domain."""
+    columns = {
+        "memory GiB": lambda s: f"{s.gpu_memory_gib:g}", "usable GiB": lambda s: f"{s.usable_memory_gib:.1f}",
+        "bf16 TFLOP/s": lambda s: f"{s.peak_bf16_tflops:g}",
+        "fp8 TFLOP/s": lambda s: f"{s.peak_fp8_tflops:g}" if s.peak_fp8_tflops else "-",
+        "fp4 TFLOP/s": lambda s: f"{s.peak_fp4_tflops:g}" if s.peak_fp4_tflops else "-",
+        "GPUs/node": lambda s: str(s.gpus_per_node),
+        "NVLink domain (segment)": lambda s: str(s.nvlink_domain) + (f" ({s.nvlink_domain_segment})"
+                                                                     if s.nvlink_domain_segment else ""),
+        "intra GB/s": lambda s: f"{s.intra_node_bandwidth_gbps:g}",
+        "inter GB/s": lambda s: f"{s.inter_node_bandwidth_gbps:g}"}
+    return _listing("Hardware profiles", specs, columns, narrow,
+                    ("usable GiB", "bf16 TFLOP/s", "fp8 TFLOP/s", "GPUs/node", "NVLink domain (segment)"))
 
 
 def spec_dict(spec: ModelSpec | HardwareSpec) -> dict:

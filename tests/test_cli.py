@@ -31,6 +31,21 @@ def test_models_lists_presets(runner):
     assert "llama3-70b" in res.output and "megatron-gpt-1t" in res.output
 
 
+@pytest.mark.parametrize("command", ["models", "hardware"])
+@pytest.mark.parametrize("columns", ["80", "120", "200"])
+def test_listings_never_cut_a_name_or_figure_short(runner, command, columns):
+    """The names are what --model / --hardware take: at any width (a pipe or CI log is 80 columns) each is
+    printed whole, and no cell is cut to an ellipsis (narrow terminals get fewer columns instead)."""
+    from planner import presets
+
+    res = runner.invoke(app, [command], env={"COLUMNS": columns})
+    assert res.exit_code == 0
+    kind = presets.MODEL_DIRNAME if command == "models" else presets.HARDWARE_DIRNAME
+    names = presets.preset_names(kind)
+    assert names and all(f" {n} " in res.output for n in names), res.output
+    assert "\u2026" not in res.output, res.output
+
+
 def test_models_json(runner):
     res = runner.invoke(app, ["models", "--json"])
     data = {m["name"]: m for m in json.loads(res.output)}

@@ -19,7 +19,8 @@ def models(json_out: JsonOpt = False) -> None:
     if json_out:
         render.print_json([s.model_dump() | {"num_params": s.num_params, "num_active_params": s.num_active_params} for s in specs])
     else:
-        console().print(render.models_table(specs))
+        con = console()
+        con.print(render.models_table(specs, narrow=render.compact(con)))
 
 
 @app.command()
@@ -32,7 +33,8 @@ def hardware(json_out: JsonOpt = False) -> None:
     if json_out:
         render.print_json([s.model_dump() | {"usable_memory_gib": s.usable_memory_gib} for s in specs])
     else:
-        console().print(render.hardware_table(specs))
+        con = console()
+        con.print(render.hardware_table(specs, narrow=render.compact(con)))
 
 
 @app.command()
