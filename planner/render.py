@@ -28,7 +28,7 @@ def _billions(n: int) -> str:
 
 def _name_column(t: Table, specs) -> None:
     """The name column of a listing, never cut short: the name is what ``--model`` / ``--hardware`` take."""
-    t.add_column("name", justify="left", no_wrap=True, min_width=max((len(s.name) for s in specs), default=4))
+    t.add_column("name", justify="left", no_wrap=True, min_width=max((len(s.name) for s in specs), default=4), overflow="fold")
 
 
 def _listing(title: str, specs, columns: dict, narrow: bool, keep_narrow: tuple[str, ...]) -> Table:
@@ -86,8 +86,8 @@ def spec_dict(spec: ModelSpec | HardwareSpec) -> dict:
 def spec_table(spec: ModelSpec | HardwareSpec) -> Table:
     kind = "Model" if isinstance(spec, ModelSpec) else "Hardware"
     t = Table(title=f"{kind}: {spec.name}")
-    t.add_column("field")
-    t.add_column("value", justify="right")
+    t.add_column("field", overflow="fold")
+    t.add_column("value", justify="right", overflow="fold")
     data = spec_dict(spec)
     derived = set(data) - set(spec.model_dump())
     for key, value in data.items():
@@ -113,7 +113,7 @@ def memory_table(mem: dict, title: str = "Memory per GPU of each pipeline stage 
     cols = (("stage", "layers", "states", "activations", "other", "total", "fits") if narrow else
             ("stage", "layers", "weights", "grads", "optimizer", "activations", "other", "total", "of usable", "fits"))
     for col in cols:
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")
     usable = mem["usable_gib"]
     for s in mem["stages"]:
         ok = s["total_gib"] <= usable
@@ -162,9 +162,9 @@ def print_estimate(con, est) -> None:
 
 def print_time(con, time: dict) -> None:
     t = Table(title="Step time")
-    t.add_column("term")
-    t.add_column("seconds", justify="right")
-    t.add_column("share", justify="right")
+    t.add_column("term", overflow="fold")
+    t.add_column("seconds", justify="right", overflow="fold")
+    t.add_column("share", justify="right", overflow="fold")
     step = time["step_time_s"]
     for k, v in time["breakdown"].items():
         t.add_row(k, f"{v:.4f}", f"{100 * v / step:.1f}%" if step else "-")
@@ -238,7 +238,7 @@ def print_search(con, result: dict) -> None:
     cols = ("#", "plan", "step s", "MFU", "peak GiB", "loses on") if narrow else (
         "#", "plan", "step s", "tokens/s", "MFU", "peak GiB", "loses on")
     for col in cols:
-        t.add_column(col, justify="left" if col in ("plan", "loses on") else "right")
+        t.add_column(col, justify="left" if col in ("plan", "loses on") else "right", overflow="fold")
     rows = [(best, "")] + [(a, "{term} +{seconds:.3f} s".format(**loses_on(best, a))
                             + (" (within range)" if lead_within_range(best, a) else ""))
                            for a in result["alternatives"]]
@@ -284,7 +284,7 @@ def sweep_dict(rows: list[dict]) -> dict:
 def print_sweep(con, rows: list[dict]) -> None:
     t = Table(title="Best plan per GPU count")
     for col in ("GPUs", "plan", "step s", "tokens/s", "MFU", "peak GiB"):
-        t.add_column(col, justify="left" if col == "plan" else "right")
+        t.add_column(col, justify="left" if col == "plan" else "right", overflow="fold")
     for r in rows:
         est = r["estimate"]
         if est is None:
@@ -371,7 +371,7 @@ def print_validate(con, sc, run, report: dict) -> None:
               f"SP {'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero_stage}) on {run.training.num_gpus} ranks")
     t = Table(title="Predicted against measured")
     for col in ("metric", "stage", "predicted", "measured", "error"):
-        t.add_column(col, justify="left" if col == "metric" else "right")
+        t.add_column(col, justify="left" if col == "metric" else "right", overflow="fold")
     worst: dict = {}
     for row in report["memory"]:
         key = (row["metric"], row["stage"])
