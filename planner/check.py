@@ -55,9 +55,22 @@ class CheckResult:
 
 
 def is_plan_file(path: Path) -> bool:
-    if path.suffix not in (".json", ".yaml", ".yml"):
-        return False
-    doc = read_document(path)
+    """A plan3d plan (model, hardware, training, plan): a JSON or YAML file with a ``plan`` and a ``model``, or a
+    file of any other name whose text is such a JSON object (``plan3d search --out`` writes JSON whatever the
+    name it is given)."""
+    if path.suffix in (".json", ".yaml", ".yml"):
+        doc = read_document(path)
+    else:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return False  # the launch-file path names the problem
+        if not text.lstrip().startswith("{"):
+            return False
+        try:
+            doc = json.loads(text)
+        except (ValueError, RecursionError):
+            return False
     return isinstance(doc, dict) and "plan" in doc and "model" in doc
 
 

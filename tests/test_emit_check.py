@@ -308,6 +308,19 @@ def test_check_plan_file_and_headroom(runner, tmp_path):
     assert tight.exit_code == 1
 
 
+def test_check_reads_a_plan_file_of_any_name(runner, tmp_path):
+    """`plan3d search --out NAME` writes JSON whatever NAME is; check reads it back as the plan it is (not as a
+    launch script that needs --hardware), and a script of no suffix is still read as a script."""
+    res = runner.invoke(app, ["search", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "8",
+                              "--global-batch", "64", "--seq-len", "4096", "--out", str(tmp_path / "best-plan")])
+    assert res.exit_code == 0, res.output
+    back = runner.invoke(app, ["check", str(tmp_path / "best-plan")])
+    assert back.exit_code == 0 and "fits" in back.output, back.output
+    script = tmp_path / "train"
+    script.write_text("#!/bin/bash\n{ echo not a plan; }\n")
+    assert runner.invoke(app, ["check", str(script)]).exit_code == 2  # a launch file: --hardware is needed
+
+
 LAYOUTS = {"stored-even-vpp2": {"vpp": 2, "layers_per_stage": (20, 20, 20, 20)},
            "uneven-vpp2": {"vpp": 2, "layers_per_stage": (18, 22, 22, 18)},
            "uneven-middle": {"layers_per_stage": (20, 15, 25, 20)},
