@@ -157,13 +157,21 @@ def pp_hop_crosses_nodes(plan: Plan, gpus_per_node: int, order: str = DEFAULT_OR
 
 def placement_line(plan: Plan, domain: int, order: str = DEFAULT_ORDER) -> str:
     """Where each parallel group sits, for the estimate's layout line: ``TP 8 inside one NVLink domain
-    of 72 GPUs; DP 9 across 9 domains`` (the worst-placed group of each axis of size > 1)."""
+    of 72 GPUs; DP 9 across 9 domains`` (the worst-placed group of each axis of size > 1). A MoE plan
+    (ep > 1) adds its expert groups (:func:`expert_span`): EP, expert TP where it differs from TP, and the
+    expert-data-parallel group its expert gradients are reduced over."""
+    def where(g: GroupSpan) -> str:
+        return "inside one NVLink domain" if g.nodes == 1 else f"across {g.nodes} domains ({g.per_node} per domain)"
+
     parts = []
     for axis in parse_order(order):
         size = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}[axis]
-        if size == 1:
-            continue
-        g = axis_span(plan, axis, domain, order)
-        where = "inside one NVLink domain" if g.nodes == 1 else f"across {g.nodes} domains ({g.per_node} per domain)"
-        parts.append(f"{axis.upper()} {size} {where}")
+        if size > 1:
+            parts.append(f"{axis.upper()} {size} {where(axis_span(plan, axis, domain, order))}")
+    if plan.ep > 1:
+        edp = plan.tp * plan.cp * plan.dp // (plan.expert_tp * plan.ep)
+        for axis, label, size in (("ep", "EP", plan.ep), ("etp", "expert TP", plan.expert_tp),
+                                  ("edp", "expert DP", edp)):
+            if size > 1 and not (axis == "etp" and plan.expert_tp == plan.tp):
+                parts.append(f"{label} {size} {where(expert_span(plan, axis, domain))}")
     return f"Layout ({order}, NVLink domain of {domain} GPUs): " + ("; ".join(parts) or "one GPU")

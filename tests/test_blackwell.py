@@ -80,6 +80,20 @@ def test_layout_line_names_the_domain():
     assert "TP 8 across 2 domains" in placement_line(plan, 4)
 
 
+def test_layout_line_places_the_expert_groups():
+    """A MoE plan's layout line names where its EP group sits (Megatron-Core's expert grid ETP x EP x EDP x PP:
+    an EP group is ``ep`` ranks ``etp`` apart): TP 2 x EP 8 is ranks 0, 2, ..., 14, two 8-GPU nodes, but one
+    NVL72 domain; expert TP is named only where it differs from TP."""
+    from planner.layout import placement_line
+
+    plan = Plan(tp=2, pp=2, dp=16, ep=8, micro_batch_size=1, sequence_parallel=True)
+    assert "EP 8 across 2 domains (4 per domain)" in placement_line(plan, 8)
+    assert "EP 8 inside one NVLink domain" in placement_line(plan, load_hardware("gb200-nvl72").nvlink_domain)
+    assert "expert TP" not in placement_line(plan, 8)
+    assert "expert TP 1 " not in placement_line(plan.model_copy(update={"etp": 1}), 8)  # size 1: not a group
+    assert "EP" not in placement_line(Plan(tp=2, pp=2, dp=16, micro_batch_size=1), 8)
+
+
 def test_search_on_nvl72_may_use_tp_beyond_a_tray():
     """With TP pinned to 8 on GB200 (4 GPUs per tray) the search finds plans; on trays as domains it
     could not place TP 8 inside one domain, and the pin is refused up front."""
