@@ -242,7 +242,8 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                 dp = N // (tp * cp * pp)
                 if not pins.ok(tp=tp, cp=cp, pp=pp, dp=dp):
                     continue
-                experts = valid_expert(model, hw, tp, cp, dp, pins)
+                experts = [(ep, etp) for ep, etp in valid_expert(model, hw, tp, cp, dp, pins)
+                           if fw.allows_expert(ep, etp or tp, tp)]  # what the framework runs
                 for plain in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven,
                                           max(MAX_UNEVEN_VPP, pins.vpp or 0)):
                     if pins.ok(vpp=plain.vpp) and (plain.vpp == 1 or fw.allows_vpp) and \
@@ -335,8 +336,8 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
             for rc, sp in micro_options(tp, space, model.is_moe):
                 for off in offload_options(model, hw, training, space, rc, split.pp):
                     for z in space.zero_stages:
-                        if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp,
-                                                                                 training.optimizer_dtype):
+                        if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp, training.optimizer_dtype,
+                                                                                 ep, cp * tp):
                             continue
                         plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,
                                     recompute=rc, sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers(),

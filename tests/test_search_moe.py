@@ -36,6 +36,31 @@ def test_search_equals_brute_force_on_tiny_moe():
     assert not plan_problems(TINY, H100, tr, res.best)
 
 
+@pytest.mark.parametrize("framework", ["megatron", "nemo", "torchtitan", "deepspeed", "torch"])
+def test_search_proposes_only_what_the_framework_runs(framework):
+    """Each framework's expert rules (FrameworkProfile.allows_expert: DeepSpeed as emitted has no EP, torchtitan
+    runs etp 1 under EP; allows_zero: torchtitan's EP needs its FSDP mesh unless ep divides cp x tp) bound the
+    search as they bound the brute force: its best is a plan the framework runs and as fast as the brute
+    force's. Before, `plan3d search --framework deepspeed` on a MoE model picked ep 8 and failed with a
+    traceback when the plan was built."""
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=1024, framework=framework)
+    space = SearchSpace(**(SMALL | {"zero_stages": (0, 1, 3)}))
+    res = search(TINY, H100, tr, space)
+    best, best_t, _ = exhaustive(TINY, H100, tr, space)
+    assert res.best is not None and best is not None
+    assert not plan_problems(TINY, H100, res.training or tr, res.best)
+    assert estimate_time(TINY, H100, res.training or tr, res.best).step_time_s == pytest.approx(best_t, rel=1e-9)
+
+
+def test_torchtitan_ep_without_fsdp_only_inside_cp_x_tp():
+    """torchtitan draws EP from dp_shard x cp x tp: at ZeRO 0 (no FSDP) an ep of 2 needs cp x tp >= 2."""
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=1024, framework="torchtitan")
+    for pins, legal in ((Pins(zero_stage=0, ep=2, tp=1, cp=1), False), (Pins(zero_stage=0, ep=2, tp=2), True)):
+        space = SearchSpace(pins=pins, **(SMALL | {"zero_stages": (0, 1)}))
+        assert (search(TINY, H100, tr, space).best is not None) is legal
+        assert (exhaustive(TINY, H100, tr, space)[0] is not None) is legal
+
+
 def test_pinned_ep_and_etp_are_on_the_plan():
     tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=1024)
     res = search(TINY, H100, tr, SearchSpace(pins=Pins(ep=4, etp=2), **SMALL))

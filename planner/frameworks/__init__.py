@@ -118,11 +118,18 @@ class FrameworkProfile:
     eager_block_kernels: tuple[int, int] | None = None
     eager_loss_bytes_per_logit: tuple[int, int] | None = None
 
-    def allows_zero(self, zero_stage: int, pp: int, optimizer_dtype: str = "fp32") -> bool:
-        """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages and optimizer states of
-        ``optimizer_dtype`` (``TrainingSpec.optimizer_dtype``)."""
+    def allows_zero(self, zero_stage: int, pp: int, optimizer_dtype: str = "fp32", ep: int = 1, cp_tp: int = 1
+                    ) -> bool:
+        """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages, optimizer states of
+        ``optimizer_dtype`` (``TrainingSpec.optimizer_dtype``) and ``ep``-way expert parallelism over ``cp x tp``
+        context- and tensor-parallel ranks (:meth:`_ep_allows_zero`)."""
         return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp) \
-            and self._optimizer_allows_zero(zero_stage, optimizer_dtype)
+            and self._optimizer_allows_zero(zero_stage, optimizer_dtype) and self._ep_allows_zero(zero_stage, ep, cp_tp)
+
+    def _ep_allows_zero(self, zero_stage: int, ep: int, cp_tp: int) -> bool:
+        """torchtitan 0.3.0 ``parallel_dims.py`` draws EP from dp_shard x cp x tp: without FSDP (dp_shard 1) only
+        an ``ep`` that divides cp x tp has its ranks (the launch-file reader's rule, planner/readers/torchtitan.py)."""
+        return not (ep > 1 and self.moe_ep_needs_fsdp and zero_stage < 1 and cp_tp % ep)
 
     def _optimizer_allows_zero(self, zero_stage: int, optimizer_dtype: str) -> bool:
         return optimizer_dtype == "fp32" or self.bf16_optimizer_zero_stages is None \
@@ -198,23 +205,31 @@ class FrameworkProfile:
         return errors
 
 
+    def allows_expert(self, ep: int, etp: int, tp: int) -> bool:
+        """Whether this framework runs ``ep``-way expert parallelism with experts split ``etp`` ways beside a
+        ``tp``-way TP (the rules :meth:`_moe_problems` words; the search's shapes keep only these)."""
+        if ep > 1 and not self.allows_ep:
+            return False
+        if self.expert_tp_rule == "tp":
+            return etp == tp
+        if self.expert_tp_rule == "torchtitan":
+            return etp == (1 if ep > 1 else tp)
+        return True
+
     def _moe_problems(self, plan, model) -> list[str]:
         """Expert-parallel limits of this framework (the ``FrameworkProfile`` MoE fields)."""
         errors = []
         ep, etp, tp = plan.ep, plan.expert_tp, plan.tp
         if ep > 1 and not self.allows_ep:
             errors.append(f"ep: {self.name} as plan3d emits it has no expert parallelism (ep={ep}); use ep=1")
-        if self.expert_tp_rule == "tp" and etp != tp:
+        elif not self.allows_expert(ep, etp, tp) and self.expert_tp_rule == "tp":
             errors.append(f"etp: {self.name} splits experts like the dense MLP (etp = tp = {tp}); drop etp")
-        elif self.expert_tp_rule == "torchtitan":
+        elif not self.allows_expert(ep, etp, tp):  # torchtitan's rule
             want = 1 if ep > 1 else tp
-            if etp != want:
-                errors.append(f"etp: {self.name} runs experts with etp={want} when ep={ep} "
-                              f"(torchtitan 0.3.0: EP replaces expert TP; without EP experts are split over tp); "
-                              f"set etp {want}")
-        # torchtitan 0.3.0 parallel_dims.py draws EP from dp_shard x cp x tp: without FSDP (dp_shard 1) only
-        # an ep that divides cp x tp has its ranks (the launch-file reader's rule, planner/readers/torchtitan.py)
-        if ep > 1 and self.moe_ep_needs_fsdp and plan.zero_stage < 1 and (plan.cp * tp) % ep:
+            errors.append(f"etp: {self.name} runs experts with etp={want} when ep={ep} "
+                          f"(torchtitan 0.3.0: EP replaces expert TP; without EP experts are split over tp); "
+                          f"set etp {want}")
+        if not self._ep_allows_zero(plan.zero_stage, ep, plan.cp * tp):
             errors.append(f"zero_stage: {self.name}'s expert parallelism lives inside its FSDP mesh (efsdp); "
                           f"use zero_stage >= 1 with ep={ep}, or an ep that divides cp x tp = {plan.cp * tp}")
         if (self.moe_needs_sp and model is not None and model.is_moe and tp > 1
