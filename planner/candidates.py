@@ -291,6 +291,29 @@ def schedule_pin_problems(framework: str, schedule: str | None) -> str | None:
     return None
 
 
+def framework_pin_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -> list[str]:
+    """The pinned knobs ``framework`` does not run (``FrameworkProfile.plan_problems``), one line each, so that
+    `plan3d search --framework F --cp 2` says why instead of finding no legal plan. Only lines about a pinned
+    knob count: the probe plan's unpinned fields are placeholders."""
+    fw = frameworks.get(framework)
+    pp = pins.pp or 1
+    zero = pins.zero_stage
+    if zero is None:  # a placeholder the framework runs with this pp (the search picks the real one)
+        zero = next((z for z in fw.zero_stages if fw.allows_zero(z, pp, optimizer_dtype)), fw.zero_stages[0])
+    # an unpinned tp or cp stands at ep, so a rule on cp x tp (torchtitan's EP inside FSDP) fires only when both are set
+    tp = pins.tp if pins.tp is not None else (pins.ep or 1)
+    cp = pins.cp if pins.cp is not None else (pins.ep or 1)
+    probe = Plan.model_construct(tp=tp, pp=pp, dp=1, cp=cp, vpp=pins.vpp or 1, micro_batch_size=1,
+                                 num_microbatches=None, recompute="none", sequence_parallel=bool(pins.sequence_parallel),
+                                 zero_stage=zero, layers_per_stage=None, ep=pins.ep or 1, etp=pins.etp,
+                                 microbatch_group_size=None, pipeline_schedule=None,
+                                 cpu_offload_layers=pins.cpu_offload_layers or 0)
+    pinned = {"cp": pins.cp, "vpp": pins.vpp, "cpu_offload_layers": pins.cpu_offload_layers, "ep": pins.ep,
+              "etp": pins.etp, "zero_stage": pins.zero_stage}
+    return [f"--framework {framework}: {line}" for line in fw.plan_problems(probe, None, optimizer_dtype)
+            if pinned.get(line.split(":", 1)[0]) is not None]
+
+
 def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tuple[str, bool]]:
     """(recompute, sequence_parallel) pairs for a given tp. A MoE model with tp > 1 needs sequence
     parallelism (Megatron-Core ``moe_layer.py`` refuses MoE + TP without it in training)."""

@@ -171,7 +171,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
             sched_ok = (v == 1) | (m % p == 0)
         else:  # the framework's own rules for the schedule (schedules.schedule_problems)
             sched_ok = np.array([B % (b * dp) == 0 and not schedule_problems(split.schedule, training.framework, p, v,
-                                                                              B // (b * dp)) for b in mbs_u])
+                                                                              B // (b * dp)) for b in mbs_u], dtype=bool)
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
         ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_dtype, ep, cp * tp)
                                      for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO

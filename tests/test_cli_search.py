@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from planner.cli import app
 
 JOB = ["--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--global-batch", "64", "--seq-len", "4096"]
@@ -102,3 +104,38 @@ def test_bad_search_input(runner):
 def test_json_silences_the_spinner(runner):
     res = runner.invoke(app, ["search", *JOB, "--gpus", "8", "--json", "--top", "0"])
     json.loads(res.stdout)  # nothing but JSON on stdout
+
+
+PIN_CASES = [  # (framework, model, pins, refused): each refusal is one the search would find no plan for
+    ("deepspeed", "tiny-gpt", {"pp": 2, "vpp": 2}, "vpp: deepspeed's pipeline has no interleaved schedule"),
+    ("deepspeed", "tiny-gpt", {"cp": 2}, "cp: deepspeed has no context parallelism"),
+    ("deepspeed", "tiny-moe", {"ep": 2}, "ep: deepspeed as plan3d emits it has no expert parallelism"),
+    ("deepspeed", "tiny-gpt", {"pp": 2, "zero_stage": 3}, "zero_stage: deepspeed runs ZeRO [0, 1] with pp=2"),
+    ("torchtitan", "tiny-gpt", {"cpu_offload_layers": 2}, "cpu_offload_layers: torchtitan as plan3d emits it has no"),
+    ("torchtitan", "tiny-moe", {"ep": 2, "zero_stage": 0, "tp": 1, "cp": 1}, "lives inside its FSDP mesh"),
+    ("torchtitan", "tiny-moe", {"ep": 2, "zero_stage": 0}, None),  # tp or cp 2 gives EP its ranks without FSDP
+    ("megatron", "tiny-gpt", {"pp": 2, "vpp": 2, "zero_stage": 1}, None),
+]
+
+
+@pytest.mark.parametrize("framework,model,pins,refused", PIN_CASES)
+def test_pins_a_framework_cannot_run_are_refused_up_front(runner, framework, model, pins, refused):
+    """`search --framework F` with a pin F does not run says which pin and why (exit 2), not "no legal plan";
+    and it refuses only what the search itself could not find a plan for."""
+    from planner.candidates import Pins, SearchSpace, framework_pin_problems
+    from planner.presets import load_hardware, load_model
+    from planner.search import search
+    from planner.specs import TrainingSpec
+
+    lines = framework_pin_problems(framework, Pins(**pins))
+    assert (refused is None and not lines) or (len(lines) == 1 and refused in lines[0]), lines
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=512, framework=framework)
+    found = search(load_model(model), load_hardware("h100-sxm-80gb"), tr, SearchSpace(pins=Pins(**pins))).best
+    assert (found is None) == (refused is not None)
+    flags = [w for k, v in pins.items() for w in (f"--{k.replace('_', '-')}", str(v))]
+    res = runner.invoke(app, ["search", "--model", model, "--hardware", "h100-sxm-80gb", "--gpus", "8",
+                              "--global-batch", "16", "--seq-len", "512", "--framework", framework, *flags, "--quiet"])
+    if refused:
+        assert res.exit_code == 2 and refused in res.output and "Traceback" not in res.output, res.output
+    else:
+        assert res.exit_code == 0, res.output
