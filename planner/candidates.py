@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from planner import frameworks
-from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec, plan_problems
+from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec, offload_problems, plan_problems
 
 RECOMPUTE = ("none", "selective", "full")
 MAX_UNEVEN_VPP = 4  # unpinned, uneven splits are searched with vpp up to this (a pinned vpp is searched at any value)
@@ -291,8 +291,9 @@ def schedule_pin_problems(framework: str, schedule: str | None) -> str | None:
     return None
 
 
-def framework_pin_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -> list[str]:
-    """The pinned knobs ``framework`` does not run (``FrameworkProfile.plan_problems``), one line each, so that
+def pinned_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -> list[str]:
+    """The pinned knobs ``framework`` does not run (``FrameworkProfile.plan_problems``, and the offload limits of
+    :func:`planner.specs.offload_problems`), one line each, so that
     `plan3d search --framework F --cp 2` says why instead of finding no legal plan. Only lines about a pinned
     knob count: the probe plan's unpinned fields are placeholders."""
     fw = frameworks.get(framework)
@@ -310,8 +311,10 @@ def framework_pin_problems(framework: str, pins: Pins, optimizer_dtype: str = "f
                                  cpu_offload_layers=pins.cpu_offload_layers or 0)
     pinned = {"cp": pins.cp, "vpp": pins.vpp, "cpu_offload_layers": pins.cpu_offload_layers, "ep": pins.ep,
               "etp": pins.etp, "zero_stage": pins.zero_stage}
-    return [f"--framework {framework}: {line}" for line in fw.plan_problems(probe, None, optimizer_dtype)
-            if pinned.get(line.split(":", 1)[0]) is not None]
+    lines = [f"--framework {framework}: {line}" for line in fw.plan_problems(probe, None, optimizer_dtype)
+             if pinned.get(line.split(":", 1)[0]) is not None]
+    # the offload rules of every framework (Plan's own), where offload and pp or recompute are pinned
+    return lines + offload_problems(pins.cpu_offload_layers or 0, pp, pins.recompute or "none")
 
 
 def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tuple[str, bool]]:

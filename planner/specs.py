@@ -814,6 +814,20 @@ class TrainingSpec(_Spec):
                     "benchmarks force balance).")
 
 
+def offload_problems(cpu_offload_layers: int, pp: int, recompute: str) -> list[str]:
+    """Activation offloading's limits (``Plan.cpu_offload_layers``): Megatron-LM core_v0.16.1
+    transformer_config.py ``__post_init__``: "Currently there is no support for Pipeline parallelism with CPU
+    offloading"; "CPU offloading does not work when activation recomputation is enabled"."""
+    errors = []
+    if cpu_offload_layers and pp > 1:
+        errors.append(f"cpu_offload_layers: Megatron offloads activations only without pipeline parallelism "
+                      f"(pp is {pp}); set pp 1 or cpu_offload_layers 0")
+    if cpu_offload_layers and recompute != "none":
+        errors.append(f"cpu_offload_layers: Megatron offloads activations only without recomputation "
+                      f"(recompute is {recompute}); set recompute none or cpu_offload_layers 0")
+    return errors
+
+
 class Plan(_Spec):
     """How a job is split: the output of `plan3d search`, the input of estimate/emit/check/validate."""
 
@@ -869,15 +883,7 @@ class Plan(_Spec):
             errors.append("sequence_parallel: needs tp > 1 (tp is 1); drop --sequence-parallel or raise tp")
         if self.vpp > 1 and self.pp == 1:
             errors.append(f"vpp: vpp({self.vpp}) > 1 needs pp > 1 (pp is 1)")
-        # Megatron-LM core_v0.16.1 transformer_config.py __post_init__: "Currently there is no support for
-        # Pipeline parallelism with CPU offloading"; "CPU offloading does not work when activation
-        # recomputation is enabled"
-        if self.cpu_offload_layers and self.pp > 1:
-            errors.append(f"cpu_offload_layers: Megatron offloads activations only without pipeline parallelism "
-                          f"(pp is {self.pp}); set pp 1 or cpu_offload_layers 0")
-        if self.cpu_offload_layers and self.recompute != "none":
-            errors.append(f"cpu_offload_layers: Megatron offloads activations only without recomputation "
-                          f"(recompute is {self.recompute}); set recompute none or cpu_offload_layers 0")
+        errors += offload_problems(self.cpu_offload_layers, self.pp, self.recompute)
         if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
             errors.append(f"layers_per_stage: {len(self.layers_per_stage)} entries for pp({self.pp}) stages")
         if self.layers_per_stage is not None and len(self.layers_per_stage) == self.pp:

@@ -115,6 +115,9 @@ PIN_CASES = [  # (framework, model, pins, refused): each refusal is one the sear
     ("torchtitan", "tiny-moe", {"ep": 2, "zero_stage": 0, "tp": 1, "cp": 1}, "lives inside its FSDP mesh"),
     ("torchtitan", "tiny-moe", {"ep": 2, "zero_stage": 0}, None),  # tp or cp 2 gives EP its ranks without FSDP
     ("megatron", "tiny-gpt", {"pp": 2, "vpp": 2, "zero_stage": 1}, None),
+    ("megatron", "tiny-gpt", {"pp": 2, "cpu_offload_layers": 2}, "offloads activations only without pipeline"),
+    ("megatron", "tiny-gpt", {"recompute": "full", "cpu_offload_layers": 2}, "only without recomputation"),
+    ("megatron", "tiny-gpt", {"cpu_offload_layers": 2}, None),
 ]
 
 
@@ -122,12 +125,12 @@ PIN_CASES = [  # (framework, model, pins, refused): each refusal is one the sear
 def test_pins_a_framework_cannot_run_are_refused_up_front(runner, framework, model, pins, refused):
     """`search --framework F` with a pin F does not run says which pin and why (exit 2), not "no legal plan";
     and it refuses only what the search itself could not find a plan for."""
-    from planner.candidates import Pins, SearchSpace, framework_pin_problems
+    from planner.candidates import Pins, SearchSpace, pinned_problems
     from planner.presets import load_hardware, load_model
     from planner.search import search
     from planner.specs import TrainingSpec
 
-    lines = framework_pin_problems(framework, Pins(**pins))
+    lines = pinned_problems(framework, Pins(**pins))
     assert (refused is None and not lines) or (len(lines) == 1 and refused in lines[0]), lines
     tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=512, framework=framework)
     found = search(load_model(model), load_hardware("h100-sxm-80gb"), tr, SearchSpace(pins=Pins(**pins))).best

@@ -98,7 +98,7 @@ def search(
 ) -> None:
     """Find the fastest plan that fits: CP-SAT over TP x PP x DP x CP, micro-batches, schedule, recompute, SP, ZeRO."""
     from planner import render
-    from planner.candidates import Pins, SearchSpace, framework_pin_problems, schedule_pin_problems, switch_options
+    from planner.candidates import Pins, SearchSpace, pinned_problems, schedule_pin_problems, switch_options
     from planner.search import parse_gpu_counts
 
     try:
@@ -122,7 +122,7 @@ def search(
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
     if schedule_problem:
         raise SpecError(schedule_problem)
-    pin_problems = framework_pin_problems(training.framework, pins, training.optimizer_dtype)
+    pin_problems = pinned_problems(training.framework, pins, training.optimizer_dtype)
     if pin_problems:
         raise SpecError(pin_problems)
     if not spec_model.is_moe and (ep not in (None, 1) or etp is not None):
