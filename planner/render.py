@@ -28,7 +28,7 @@ def _billions(n: int) -> str:
 
 def _name_column(t: Table, specs) -> None:
     """The name column of a listing, never cut short: the name is what ``--model`` / ``--hardware`` take."""
-    t.add_column("name", justify="left", no_wrap=True, min_width=max((len(s.name) for s in specs), default=4), overflow="fold")
+    t.add_column("name", justify="left", no_wrap=True, min_width=max((len(s.name) for s in specs), default=4))
 
 
 def _listing(title: str, specs, columns: dict, narrow: bool, keep_narrow: tuple[str, ...]) -> Table:

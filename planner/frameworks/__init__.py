@@ -224,7 +224,7 @@ class FrameworkProfile:
             errors.append(f"ep: {self.name} as plan3d emits it has no expert parallelism (ep={ep}); use ep=1")
         elif not self.allows_expert(ep, etp, tp) and self.expert_tp_rule == "tp":
             errors.append(f"etp: {self.name} splits experts like the dense MLP (etp = tp = {tp}); drop etp")
-        elif not self.allows_expert(ep, etp, tp):  # torchtitan's rule
+        elif not self.allows_expert(ep, etp, tp):  # expert_tp_rule "torchtitan"
             want = 1 if ep > 1 else tp
             errors.append(f"etp: {self.name} runs experts with etp={want} when ep={ep} "
                           f"(torchtitan 0.3.0: EP replaces expert TP; without EP experts are split over tp); "
