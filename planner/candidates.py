@@ -309,8 +309,9 @@ def pinned_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -
                                  zero_stage=zero, layers_per_stage=None, ep=pins.ep or 1, etp=pins.etp,
                                  microbatch_group_size=None, pipeline_schedule=None,
                                  cpu_offload_layers=pins.cpu_offload_layers or 0)
+    # an etp rule reads tp and ep too (etp = tp, or 1 under EP): it counts only when all three are pinned
     pinned = {"cp": pins.cp, "vpp": pins.vpp, "cpu_offload_layers": pins.cpu_offload_layers, "ep": pins.ep,
-              "etp": pins.etp, "zero_stage": pins.zero_stage}
+              "etp": pins.etp if None not in (pins.tp, pins.ep) else None, "zero_stage": pins.zero_stage}
     lines = [f"--framework {framework}: {line}" for line in fw.plan_problems(probe, None, optimizer_dtype)
              if pinned.get(line.split(":", 1)[0]) is not None]
     # the offload rules of every framework (Plan's own), where offload and pp or recompute are pinned

@@ -118,6 +118,8 @@ PIN_CASES = [  # (framework, model, pins, refused): each refusal is one the sear
     ("megatron", "tiny-gpt", {"pp": 2, "cpu_offload_layers": 2}, "offloads activations only without pipeline"),
     ("megatron", "tiny-gpt", {"recompute": "full", "cpu_offload_layers": 2}, "only without recomputation"),
     ("megatron", "tiny-gpt", {"cpu_offload_layers": 2}, None),
+    ("torchtitan", "tiny-moe", {"tp": 2, "ep": 2, "etp": 2}, "etp: torchtitan runs experts with etp=1 when ep=2"),
+    ("torchtitan", "tiny-moe", {"tp": 2, "etp": 1}, None),  # legal with the ep the search picks (> 1)
 ]
 
 
