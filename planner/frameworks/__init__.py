@@ -204,7 +204,6 @@ class FrameworkProfile:
                               f"layers, not {list(lps)} at vpp={plan.vpp}")
         return errors
 
-
     def allows_expert(self, ep: int, etp: int, tp: int) -> bool:
         """Whether this framework runs ``ep``-way expert parallelism with experts split ``etp`` ways beside a
         ``tp``-way TP (the rules :meth:`_moe_problems` words; the search's shapes keep only these)."""
@@ -222,13 +221,14 @@ class FrameworkProfile:
         ep, etp, tp = plan.ep, plan.expert_tp, plan.tp
         if ep > 1 and not self.allows_ep:
             errors.append(f"ep: {self.name} as plan3d emits it has no expert parallelism (ep={ep}); use ep=1")
-        elif not self.allows_expert(ep, etp, tp) and self.expert_tp_rule == "tp":
-            errors.append(f"etp: {self.name} splits experts like the dense MLP (etp = tp = {tp}); drop etp")
-        elif not self.allows_expert(ep, etp, tp):  # expert_tp_rule "torchtitan"
-            want = 1 if ep > 1 else tp
-            errors.append(f"etp: {self.name} runs experts with etp={want} when ep={ep} "
-                          f"(torchtitan 0.3.0: EP replaces expert TP; without EP experts are split over tp); "
-                          f"set etp {want}")
+        elif not self.allows_expert(ep, etp, tp):
+            if self.expert_tp_rule == "tp":
+                errors.append(f"etp: {self.name} splits experts like the dense MLP (etp = tp = {tp}); drop etp")
+            else:  # expert_tp_rule "torchtitan"
+                want = 1 if ep > 1 else tp
+                errors.append(f"etp: {self.name} runs experts with etp={want} when ep={ep} "
+                              f"(torchtitan 0.3.0: EP replaces expert TP; without EP experts are split over tp); "
+                              f"set etp {want}")
         if not self._ep_allows_zero(plan.zero_stage, ep, plan.cp * tp):
             errors.append(f"zero_stage: {self.name}'s expert parallelism lives inside its FSDP mesh (efsdp); "
                           f"use zero_stage >= 1 with ep={ep}, or an ep that divides cp x tp = {plan.cp * tp}")
