@@ -244,10 +244,10 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                     continue
                 experts = [(ep, etp) for ep, etp in valid_expert(model, hw, tp, cp, dp, pins)
                            if fw.allows_expert(ep, etp or tp, tp)]  # what the framework runs
-                for plain in valid_splits(model, pp, space.allow_uneven and fw.allows_uneven,
-                                          max(MAX_UNEVEN_VPP, pins.vpp or 0)):
+                uneven = space.allow_uneven and (fw.allows_uneven or fw.pipeline_partitions is not None)
+                for plain in valid_splits(model, pp, uneven, max(MAX_UNEVEN_VPP, pins.vpp or 0)):
                     if pins.ok(vpp=plain.vpp) and (plain.vpp == 1 or fw.allows_vpp) and \
-                            fw.allows_split(plain.first, plain.middle, plain.last, plain.vpp):
+                            fw.allows_stage_split(plain.pp, plain.vpp, plain.first, plain.middle, plain.last):
                         for split in schedule_splits(plain, training.framework, pins):
                             for ep, etp in experts:
                                 yield tp, cp, dp, split, ep, etp

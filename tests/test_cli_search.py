@@ -144,3 +144,49 @@ def test_pins_a_framework_cannot_run_are_refused_up_front(runner, framework, mod
         assert res.exit_code == 2 and refused in res.output and "Traceback" not in res.output, res.output
     else:
         assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("model,emit,refused", [
+    ("bloom-176b", "megatron", "--format megatron: bloom-176b: position_embedding: alibi is not a Megatron-LM"),
+    ("bloom-176b", "torchrun,deepspeed", "--format torchrun: bloom-176b: position_embedding: alibi"),
+    ("gpt3-175b", "torchtitan", "--emit torchtitan: torchtitan ships no model for gpt3-175b"),
+    ("llama3-8b", "megatron,foo", "--format/--emit: unknown foo"),
+])
+def test_search_emit_refuses_what_no_plan_can_fix_before_searching(runner, monkeypatch, tmp_path, model, emit, refused):
+    """A launch format that cannot build the model (or does not exist) is refused before the search runs, exit 2,
+    one line; nothing is written, not even the --out plan file (it used to be written, then the emit failed)."""
+    import planner.cli.plan as cli_plan
+
+    def no_search(*a, **k):
+        raise AssertionError("the search ran")
+
+    monkeypatch.setattr(cli_plan, "_run_search", no_search)
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["search", "--model", model, "--hardware", "h100-sxm-80gb", "--gpus", "64",
+                              "--global-batch", "128", "--seq-len", "2048", "--emit", emit, "--out-dir",
+                              str(tmp_path / "launch"), "--out", str(out), "--quiet"])
+    assert res.exit_code == 2 and refused in res.output and "Traceback" not in res.output, res.output
+    assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1, res.output
+    assert not out.exists() and not (tmp_path / "launch").exists()
+
+
+def test_search_emit_a_format_that_can_build_the_model_still_searches(runner, tmp_path):
+    # BLOOM's ALiBi has no Megatron-LM flag, but DeepSpeed's config holds no model: that emit is not refused
+    res = runner.invoke(app, ["search", "--model", "bloom-176b", "--hardware", "a100-80gb", "--gpus", "384",
+                              "--global-batch", "2048", "--seq-len", "2048", "--framework", "deepspeed",
+                              "--emit", "deepspeed", "--out-dir", str(tmp_path), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert any(p.name.endswith(".deepspeed.json") for p in tmp_path.iterdir())
+
+
+def test_no_legal_plan_without_pins_does_not_blame_pins(runner, monkeypatch):
+    from planner import search as S
+
+    monkeypatch.setattr(S, "search", lambda *a, **k: S.SearchResult(best=None, candidates=0))
+    monkeypatch.setattr(S, "smallest_fitting_gpus", lambda *a, **k: None)
+    base = ["search", *JOB, "--gpus", "8", "--quiet"]
+    res = runner.invoke(app, base)
+    assert res.exit_code == 3 and "no legal plan for 8 GPUs under megatron" in res.output, res.output
+    assert "with these pins" not in res.output
+    res = runner.invoke(app, [*base, "--tp", "2"])
+    assert res.exit_code == 3 and "with these pins" in res.output, res.output

@@ -505,6 +505,28 @@ def test_bloom_176b_published_layout_fits_under_the_deepspeed_profile():
                           "(type:transformer); [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5] (type:transformer|embedding)"), err
 
 
+def test_search_offers_the_splits_deepspeeds_pipeline_builds():
+    """The search may propose an uneven split under DeepSpeed exactly where DeepSpeed's own partition method builds
+    it: BLOOM-176B's published layout (TP 4, PP 12 on 384 A100s, 5 + 10 x 6 + 5) is found when TP and PP are pinned
+    (before, the search offered DeepSpeed even splits only, and 70 layers split evenly on no pp that 384 GPUs and a
+    batch of 2048 allow: "no legal plan"); every uneven split it proposes is one of pipeline_partitions'."""
+    from planner.candidates import Pins, SearchSpace, enumerate_plans
+    from planner.frameworks.deepspeed import pipeline_partitions
+    from planner.search import search
+
+    model, a100 = load_model("bloom-176b"), load_hardware("a100-80gb")
+    tr = TrainingSpec(num_gpus=384, global_batch_size=2048, seq_len=2048, framework="deepspeed")
+    best = search(model, a100, tr, SearchSpace(pins=Pins(tp=4, pp=12))).best
+    assert best is not None and best.layers_per_stage == (5,) + (6,) * 10 + (5,)
+    assert search(model, a100, tr).best is not None
+    small = TrainingSpec(num_gpus=7, global_batch_size=3, seq_len=2048, framework="deepspeed")
+    llama = load_model("llama3-8b")
+    plans = list(enumerate_plans(llama, load_hardware("h100-sxm-80gb"), small, SearchSpace()))
+    uneven = {p.layers_per_stage for p in plans if p.layers_per_stage is not None}
+    assert uneven and all(lps in pipeline_partitions(32, len(lps)).values() for lps in uneven), uneven
+    assert all(p.vpp == 1 for p in plans)
+
+
 def test_precision_aware_optimizer_read_from_a_launch_file(tmp_path):
     """`plan3d check` reads --use-precision-aware-optimizer with bf16 moments as optimizer_dtype bf16 (the launch
     of test_fp8_param_gather_read_from_a_launch_file_and_emitted with the three flags added), and the estimate

@@ -128,6 +128,12 @@ def search(
     if not spec_model.is_moe and (ep not in (None, 1) or etp is not None):
         raise SpecError(f"{'--ep' if ep not in (None, 1) else '--etp'}: applies to mixture-of-experts models; "
                         f"{spec_model.name} is dense")
+    if emit_formats:  # what the launch formats refuse whatever the plan: before the search, not after it
+        from planner.emit import job_problems, parse_formats
+
+        emit_problems = job_problems(spec_model, training, parse_formats(emit_formats))
+        if emit_problems:
+            raise SpecError(emit_problems)
     spin_quiet = quiet or json_out
     if len(counts) > 1:
         if out or emit_formats:
@@ -208,8 +214,13 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                        f"{res.closest.label()} (recompute {res.closest.recompute}, ZeRO-{res.closest.zero_stage}), "
                        f"has stage {peak.stage} needing {mem.peak_gib:.1f} GiB of {mem.usable_gib:.1f} GiB usable"]
             elif res.candidates == 0:
+                pinned = any(v is not None for v in vars(space.pins).values())
                 msg = [f"no legal plan for {training.num_gpus} GPUs with these pins: check --tp/--pp/--cp/--vpp/"
-                       "--micro-batch-size against the model's heads and layers, --gpus and --global-batch"]
+                       "--micro-batch-size against the model's heads and layers, --gpus and --global-batch"
+                       if pinned else
+                       f"no legal plan for {training.num_gpus} GPUs under {training.framework}: no tp x pp x cp x dp "
+                       f"split of the GPUs suits {model.name}'s heads and layers, the global batch and what "
+                       f"{training.framework} runs; check --gpus and --global-batch (docs/search.md)"]
             smallest = S.smallest_fitting_gpus(model, hw, training, space)
             limit = min(training.num_gpus * 4096, MAX_GPUS)
             msg.append(f"the smallest GPU count that fits is {smallest}" if smallest else

@@ -26,15 +26,32 @@ def parse_formats(text: str) -> list[str]:
     return wanted
 
 
+def model_problems(model, formats: list[str]) -> list[str]:
+    """What the Megatron-LM launch formats cannot build of ``model`` (``ModelSpec.megatron_gaps``), one line each:
+    a launch file that builds another model than the plan's is refused, never written. Independent of the plan,
+    so ``plan3d search --emit`` checks it before searching."""
+    megatron_formats = [f for f in formats if f in ("megatron", "torchrun", "slurm")]
+    gaps = model.megatron_gaps() if megatron_formats else []
+    return [f"--format {megatron_formats[0]}: {model.name}: {gap}" for gap in gaps]
+
+
+def job_problems(model, training, formats: list[str]) -> list[str]:
+    """Every refusal of ``formats`` that the model and the job alone decide (the plan's are the emitters' own):
+    :func:`model_problems` and torchtitan's model and precision (``planner.emit.torchtitan.job_problems``)."""
+    from planner.emit import torchtitan
+
+    return model_problems(model, formats) + (torchtitan.job_problems(model, training) if "torchtitan" in formats
+                                             else [])
+
+
 def render_all(sc: Scenario, formats: list[str]) -> dict[str, str]:
     """Every requested launch file. A Slurm script comes with the plan file its validate mode reads."""
     from planner import render
     from planner.emit import deepspeed, megatron, slurm, torchrun, torchtitan
 
-    megatron_formats = [f for f in formats if f in ("megatron", "torchrun", "slurm")]
-    gaps = sc.model.megatron_gaps() if megatron_formats else []
-    if gaps:  # a launch file that builds another model than the plan's is refused, never written
-        raise SpecError([f"--format {megatron_formats[0]}: {sc.model.name}: {gap}" for gap in gaps])
+    gaps = model_problems(sc.model, formats)
+    if gaps:
+        raise SpecError(gaps)
     base = stem(sc)
     plan_name = f"{base}.plan.json"
     out: dict[str, str] = {}

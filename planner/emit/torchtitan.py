@@ -95,19 +95,30 @@ def stage_options(sc: Scenario) -> tuple[int, int, int]:
                     f"place {list(p.layers_per_stage)} layers on pp={p.pp} x vpp={p.vpp} stages; use --format megatron")
 
 
+def job_problems(model, training) -> list[str]:
+    """What keeps torchtitan 0.3.0 from training this model at this precision whatever the plan (one line each):
+    a model it does not ship, or a precision its config for the model cannot be switched to (``REGISTRY``). Known
+    before a search, so ``plan3d search --emit torchtitan`` refuses up front."""
+    if model.name not in REGISTRY:
+        return [f"--emit torchtitan: torchtitan ships no model for {slug(model.name)}; "
+                f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets"]
+    _, configs = REGISTRY[model.name]
+    if training.precision not in configs:
+        trains = " and ".join(f"{c} trains in {prec}" for prec, c in configs.items())
+        return [f"--emit torchtitan: torchtitan 0.3.0's {trains} and its command line cannot change that; "
+                f"the plan is {training.precision} (use --format megatron)"]
+    return []
+
+
 def args(sc: Scenario) -> list[str]:
     if sc.plan.cpu_offload_layers:
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 has no activation offloading to host memory (plan has "
                         f"cpu_offload_layers={sc.plan.cpu_offload_layers}); use --format megatron or cpu_offload_layers 0")
-    if sc.model.name not in REGISTRY:
-        raise SpecError(f"--emit torchtitan: torchtitan ships no model for {slug(sc.model.name)}; "
-                        f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets")
+    problems = job_problems(sc.model, sc.training)
+    if problems:
+        raise SpecError(problems[0])
     p, tr = sc.resolved_plan(), sc.training
     module, configs = REGISTRY[sc.model.name]
-    if tr.precision not in configs:
-        trains = " and ".join(f"{c} trains in {prec}" for prec, c in configs.items())
-        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's {trains} and its command line cannot change that; "
-                        f"the plan is {tr.precision} (use --format megatron)")
     config = configs[tr.precision]
     sharded = p.zero_stage >= 1 and p.dp > 1
     expert = expert_args(sc, dp_shard=p.dp if sharded else 1)

@@ -147,6 +147,15 @@ class FrameworkProfile:
             return middle % vpp == 0 and middle - 1 <= min(first, last) and max(first, last) <= middle
         return self.allows_uneven and (self.allows_heavier_ends or max(first, last) <= middle)
 
+    def allows_stage_split(self, pp: int, vpp: int, first: int, middle: int, last: int) -> bool:
+        """Whether the search may offer this split (:meth:`allows_split`); for a framework whose pipeline builds
+        its own partitions (``pipeline_partitions``), an uneven split only where it is one of them, without
+        interleaving (DeepSpeed's ``--pp-partition-method``: BLOOM-176B's 5 + 10 x 6 + 5)."""
+        if first == middle == last or self.pipeline_partitions is None:
+            return self.allows_split(first, middle, last, vpp)
+        layers = (first,) + (middle,) * (pp - 2) + (last,)
+        return vpp == 1 and layers in self.pipeline_partitions(sum(layers), pp).values()
+
     def job_problems(self, precision: str, fp8_params: bool = False, optimizer_dtype: str = "fp32") -> list[str]:
         """What of the job (whatever the plan) this framework cannot run."""
         if optimizer_dtype not in self.optimizer_dtypes:
