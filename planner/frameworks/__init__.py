@@ -69,7 +69,7 @@ class FrameworkProfile:
     allows_uneven: bool = True
     # the uneven splits the framework's pipeline builds by its own partition rule, (layers, pp) -> {method: split}
     # (DeepSpeed's PipelineModule partition_method, planner.frameworks.deepspeed.pipeline_partitions); with it, an
-    # uneven layers_per_stage must be one of them, whatever allows_uneven says (the search keeps even splits)
+    # uneven layers_per_stage must be one of them, whatever allows_uneven says (the search offers those: allows_stage_split)
     pipeline_partitions: Callable | None = None
     allows_heavier_ends: bool = True  # uneven splits may give the first/last stage *more* layers
     allows_uneven_interleaved: bool = True  # uneven stages together with vpp > 1
