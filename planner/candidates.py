@@ -233,6 +233,8 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     N, pins = training.num_gpus, space.pins
     fw = frameworks.get(training.framework)  # what the framework can run (planner/frameworks)
     max_cp = max(space.max_cp, pins.cp or 1) if fw.allows_cp else 1
+    # uneven splits where the framework runs them, or builds some itself (FrameworkProfile.allows_stage_split)
+    uneven = space.allow_uneven and (fw.allows_uneven or fw.pipeline_partitions is not None)
     tps = valid_tp(model, hw, N, space.cross_node_tp or (pins.tp or 0) > hw.nvlink_domain)
     for tp in tps:
         for cp in valid_cp(training, max_cp):
@@ -244,7 +246,6 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                     continue
                 experts = [(ep, etp) for ep, etp in valid_expert(model, hw, tp, cp, dp, pins)
                            if fw.allows_expert(ep, etp or tp, tp)]  # what the framework runs
-                uneven = space.allow_uneven and (fw.allows_uneven or fw.pipeline_partitions is not None)
                 for plain in valid_splits(model, pp, uneven, max(MAX_UNEVEN_VPP, pins.vpp or 0)):
                     if pins.ok(vpp=plain.vpp) and (plain.vpp == 1 or fw.allows_vpp) and \
                             fw.allows_stage_split(plain.pp, plain.vpp, plain.first, plain.middle, plain.last):
