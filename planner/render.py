@@ -223,7 +223,8 @@ def _plan_cell(est) -> str:
     extra += [f"ZeRO-{p.zero_stage}"] if p.zero_stage else []
     extra += ["bf16 grads"] if est.scenario.training.grad_reduce_in_bf16 else []
     extra += ["fp8 params"] if est.scenario.training.fp8_params else []
-    extra += ["bf16 Adam states"] if est.scenario.training.optimizer_dtype == "bf16" else []
+    extra += {"bf16": ["bf16 Adam states"], "bf16-apex": ["bf16 Apex Adam states"]}.get(
+        est.scenario.training.optimizer_dtype, [])
     extra += ["uneven " + "/".join(map(str, p.layers_per_stage))] if p.layers_per_stage else []
     return est.scenario.plan.label() + (f" ({', '.join(extra)})" if extra else "")
 

@@ -751,14 +751,15 @@ class TrainingSpec(_Spec):
                     "the gradient into the bf16 logits in place; Megatron-Bridge's Llama recipes and performance "
                     "scripts). Memory only: 2 B per logit with te, else 6 (planner/frameworks/megatron.py); megatron "
                     "and nemo only.")
-    optimizer_dtype: Literal["fp32", "bf16"] = Field(
+    optimizer_dtype: Literal["fp32", "bf16", "bf16-apex"] = Field(
         default="fp32",
         description="Adam state dtype. fp32: Megatron's distributed optimizer (fp32 master copy, m, v). "
-                    "bf16 under megatron: the precision-aware optimizer (--use-precision-aware-optimizer "
-                    "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16: m and v in bf16, the master as TE's int16 "
-                    "remainder in bf16 training, else fp32; distributed optimizer only, planner/frameworks/megatron.py). "
-                    "bf16 under nemo: NeMo's Apex DistributedFusedAdam with optim.name distributed_fused_adam and "
-                    "optim.dtype bf16 (m and v in bf16, a bf16 master copy only with fp8_params; "
+                    "bf16 (megatron, and nemo: NeMo 2 and Megatron-Bridge run Megatron-Core's optimizer): the "
+                    "precision-aware optimizer (--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype "
+                    "bf16: m and v in bf16, the master as TE's int16 remainder in bf16 training, else fp32; "
+                    "distributed optimizer only, planner/frameworks/megatron.py). bf16-apex (nemo only): NeMo 1's "
+                    "Apex DistributedFusedAdam, optim.name distributed_fused_adam with optim.dtype bf16 (NeMo "
+                    "launcher YAMLs; m and v in bf16, a bf16 master copy only with fp8_params; "
                     "planner/frameworks/nemo.py). Other frameworks: fp32 only.")
     moe_token_dispatcher: Literal["alltoall", "deepep"] = Field(
         default="alltoall",

@@ -56,12 +56,12 @@ def test_state_options_reach_the_estimate():
            "--seq-len", "4096", "--tp", "8", "--pp", "4", "--sequence-parallel", "--zero-stage", "1",
            "--precision", "fp8", "--framework", "nemo", "--json"]
     base = json.loads(plan3d("estimate", *job).stdout)["memory"]["stages"][0]
-    p = plan3d("estimate", *job, "--grad-reduce-in-bf16", "--fp8-params", "--optimizer-dtype", "bf16")
+    p = plan3d("estimate", *job, "--grad-reduce-in-bf16", "--fp8-params", "--optimizer-dtype", "bf16-apex")
     lean = json.loads(p.stdout)["memory"]["stages"][0]
     assert lean["grads_gib"] < base["grads_gib"] and lean["weights_gib"] < base["weights_gib"]
     assert lean["optimizer_gib"] < base["optimizer_gib"]
     p = plan3d("estimate", *job, "--optimizer-dtype", "fp16")
-    assert p.returncode == 2 and "--optimizer-dtype: 'fp16' is not one of fp32, bf16" in p.stderr
+    assert p.returncode == 2 and "--optimizer-dtype: 'fp16' is not one of fp32, bf16, bf16-apex" in p.stderr
 
 
 def test_cross_entropy_fusion_option_reaches_the_last_stage():

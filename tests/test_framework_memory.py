@@ -158,15 +158,47 @@ def test_nemo_apex_bf16_optimizer_states(fp8_params):
     """NeMo distributed_fused_adam with optim.dtype bf16 (Apex DistributedFusedAdam StateBucket):
     m and v in bf16 (2 + 2 B), plus a bf16 master copy only with fp8_params (store_params), over dp."""
     plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
-    st = stage_state_bytes(LLAMA, _training("nemo", precision="fp8", fp8_params=fp8_params, optimizer_dtype="bf16"),
-                           plan, 1, 8)
+    st = stage_state_bytes(LLAMA, _training("nemo", precision="fp8", fp8_params=fp8_params,
+                                            optimizer_dtype="bf16-apex"), plan, 1, 8)
     assert st.optimizer_bytes == pytest.approx((6 if fp8_params else 4) * _params(plan, 1) / 16)
+
+
+@pytest.mark.parametrize("precision,fp8_params,per_param", [
+    ("bf16", False, 6),  # bf16 m, v (2 + 2) + TE's int16 master remainder (2)
+    ("fp8", True, 8),  # fp8 weights: the fp32 master (4)
+])
+def test_nemo_bf16_optimizer_states_are_megatron_cores(precision, fp8_params, per_param):
+    """NeMo 2 and Megatron-Bridge run Megatron-Core's optimizer, so optimizer_dtype bf16 under nemo is the
+    precision-aware optimizer's 6-8 B per parameter (core_v0.16.1 optimizer_config.py, distrib_optimizer.py;
+    docs/memory.md), not NeMo 1's Apex 4 B: counting a NeMo 2 job at 4 B would pass a plan that runs out of
+    memory. The bytes match the megatron profile's, over the same dp."""
+    plan = Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=1)
+    kw = dict(precision=precision, fp8_params=fp8_params, optimizer_dtype="bf16")
+    nemo = stage_state_bytes(LLAMA, _training("nemo", **kw), plan, 1, 8)
+    assert nemo.optimizer_bytes == pytest.approx(per_param * _params(plan, 1) / 16)
+    assert nemo == stage_state_bytes(LLAMA, _training("megatron", **kw), plan, 1, 8)
+    assert job_problems_of("nemo", "bf16", Plan(tp=1, pp=4, dp=16, micro_batch_size=1, zero_stage=0)) == [
+        "zero_stage: nemo's bf16 optimizer states (Megatron --use-precision-aware-optimizer) need the distributed "
+        "optimizer: use zero_stage 1 (plan has 0) or optimizer_dtype fp32"]
+    assert job_problems_of("nemo", "bf16-apex", Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=3)) == [
+        "zero_stage: nemo's bf16-apex optimizer states (NeMo 1's Apex distributed_fused_adam) run without "
+        "Megatron-FSDP: use zero_stage 0 or 1 (plan has 3) or optimizer_dtype fp32"]
+    assert job_problems_of("nemo", "bf16-apex", plan) == []
+
+
+def job_problems_of(framework: str, optimizer_dtype: str, plan: Plan) -> list[str]:
+    from planner.frameworks import get
+
+    return get(framework).plan_problems(plan, LLAMA, optimizer_dtype)
 
 
 def test_bf16_optimizer_states_only_where_modelled():
     from planner.specs import job_problems
 
     assert job_problems(LLAMA, H100, _training("megatron", optimizer_dtype="bf16")) == []
+    assert job_problems(LLAMA, H100, _training("nemo", optimizer_dtype="bf16-apex")) == []
+    assert job_problems(LLAMA, H100, _training("megatron", optimizer_dtype="bf16-apex")) == [
+        "optimizer_dtype: megatron as plan3d models it keeps fp32/bf16 optimizer states, not bf16-apex; use fp32"]
     assert job_problems(LLAMA, H100, _training("torchtitan", optimizer_dtype="bf16")) == [
         "optimizer_dtype: torchtitan as plan3d models it keeps fp32 optimizer states, not bf16; use fp32"]
 
@@ -231,9 +263,11 @@ def test_fp8_param_gather_read_from_a_launch_file_and_emitted():
     with pytest.raises(SpecError, match="fp8_params needs the distributed optimizer"):
         megatron_flags(z0)
     apex = r.scenario.model_copy(update={"training": r.scenario.training.model_copy(
-        update={"framework": "nemo", "optimizer_dtype": "bf16"})})
-    with pytest.raises(SpecError, match="optimizer_dtype bf16 is NeMo's Apex"):
+        update={"framework": "nemo", "optimizer_dtype": "bf16-apex"})})
+    with pytest.raises(SpecError, match="optimizer_dtype bf16-apex is NeMo 1's Apex"):
         megatron_flags(apex)  # a Megatron-LM launch would hold fp32 Adam states the estimate left out
+    nemo2 = apex.model_copy(update={"training": apex.training.model_copy(update={"optimizer_dtype": "bf16"})})
+    assert ("--use-precision-aware-optimizer", None) in megatron_flags(nemo2)  # NeMo 2: Megatron-Core's optimizer
 
 
 def test_torchtitan_pipeline_keeps_unsharded_params_and_fp32_grads():

@@ -25,8 +25,9 @@ NEMOTRON_340B = ModelSpec(name="nemotron4-340b", **NEMOTRON["model"])
 # model.sequence_parallel=True and "+model.fp8_params=${FP8_ENABLED^}" (True for the fp8 run);
 # nemotron4-340b-synth.yaml: activations_checkpoint_granularity: selective, optim
 # distributed_fused_adam (Apex DistributedFusedAdam) with grad_sync_dtype: bf16 (its gradient buckets
-# in bf16) and dtype: bf16 (its Adam states in bf16; planner/frameworks/nemo.py).
-NEMOTRON_RECIPE = dict(precision="fp8", fp8_params=True, grad_reduce_in_bf16=True, optimizer_dtype="bf16",
+# in bf16) and dtype: bf16 (its Adam states in bf16: NeMo 1's Apex optimizer, optimizer_dtype bf16-apex;
+# planner/frameworks/nemo.py).
+NEMOTRON_RECIPE = dict(precision="fp8", fp8_params=True, grad_reduce_in_bf16=True, optimizer_dtype="bf16-apex",
                        framework="nemo")
 NEMOTRON_PLAN = Plan(tp=8, pp=8, dp=2, vpp=12, micro_batch_size=1, sequence_parallel=True, zero_stage=1,
                      recompute="selective")

@@ -56,8 +56,8 @@ def test_fp8_params_offered_only_where_lighter_and_emitted():
     assert fp8_params_options(tr.model_copy(update={"precision": "mxfp8"}), None) == BOTH
     assert fp8_params_options(tr, True) is None and fp8_params_options(tr, False) is None  # the user's word
     for other in ({"precision": "bf16"}, {"precision": "nvfp4"}, {"framework": "torchtitan"},
-                  # NeMo's bf16 Apex optimizer adds a bf16 master copy with fp8 weights: not lighter there
-                  {"framework": "nemo", "optimizer_dtype": "bf16"}):
+                  # NeMo 1's bf16 Apex optimizer adds a bf16 master copy with fp8 weights: not lighter there
+                  {"framework": "nemo", "optimizer_dtype": "bf16-apex"}):
         assert fp8_params_options(tr.model_copy(update=other), None) is None, other
 
 

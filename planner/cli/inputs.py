@@ -131,8 +131,8 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
                   torch_compile: Optional[bool] = None, cross_entropy_fusion: Optional[str] = None) -> dict:
     """How the framework holds gradients, weights and optimizer states (and scales fp8), as TrainingSpec fields
     (unset left out)."""
-    if optimizer_dtype is not None and optimizer_dtype not in ("fp32", "bf16"):
-        raise SpecError(f"--optimizer-dtype: '{optimizer_dtype}' is not one of fp32, bf16")
+    if optimizer_dtype is not None and optimizer_dtype not in ("fp32", "bf16", "bf16-apex"):
+        raise SpecError(f"--optimizer-dtype: '{optimizer_dtype}' is not one of fp32, bf16, bf16-apex")
     if fp8_recipe is not None and fp8_recipe not in ("delayed", "tensorwise"):
         raise SpecError(f"--fp8-recipe: '{fp8_recipe}' is not one of delayed, tensorwise")
     if cross_entropy_fusion is not None and cross_entropy_fusion not in ("none", "native", "te"):

@@ -324,10 +324,10 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
             flags.append(("--overlap-param-gather", None))
     if tr.grad_reduce_in_bf16:
         flags.append(("--grad-reduce-in-bf16", None))
-    if tr.optimizer_dtype != "fp32" and tr.framework != "megatron":  # nemo's bf16: Apex (planner/frameworks/nemo.py)
-        raise SpecError(f"--emit megatron: optimizer_dtype {tr.optimizer_dtype} is NeMo's Apex DistributedFusedAdam; "
-                        "Megatron-LM's distributed optimizer keeps fp32 states; use optimizer_dtype fp32, or framework "
-                        "megatron for its precision-aware optimizer")
+    if tr.optimizer_dtype == "bf16-apex":  # NeMo 1's Apex optimizer (planner/frameworks/nemo.py)
+        raise SpecError("--emit megatron: optimizer_dtype bf16-apex is NeMo 1's Apex DistributedFusedAdam, which "
+                        "Megatron-LM does not run; use optimizer_dtype bf16 (Megatron's precision-aware optimizer) "
+                        "or fp32")
     if tr.optimizer_dtype == "bf16":  # Megatron's precision-aware optimizer (planner/frameworks/megatron.py)
         if p.zero_stage != 1:  # core_v0.16.1 optimizer_config.py: "only supported with distributed optimizer"
             raise SpecError("--emit megatron: optimizer_dtype bf16 (--use-precision-aware-optimizer) needs the "

@@ -18,7 +18,8 @@ SwiGLU (``planner/validate/kernels.py``) and Megatron's selective recompute of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Callable
 
 FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed")
@@ -85,9 +86,10 @@ class FrameworkProfile:
     # --cpu-offloading-num-layers; plan3d emits no such knob for torchtitan or DeepSpeed
     allows_cpu_offload: bool = False
     optimizer_dtypes: tuple[str, ...] = ("fp32",)  # Adam state dtypes modelled (TrainingSpec.optimizer_dtype)
-    # the ZeRO stages at which bf16 optimizer states run (None: any); Megatron's precision-aware optimizer needs
-    # the distributed optimizer (planner/frameworks/megatron.py)
-    bf16_optimizer_zero_stages: tuple[int, ...] | None = None
+    # the ZeRO stages at which each non-fp32 optimizer state dtype runs (a dtype left out: any); Megatron's
+    # precision-aware optimizer (bf16) needs the distributed optimizer (planner/frameworks/megatron.py), NeMo 1's
+    # Apex optimizer (bf16-apex) is a DDP optimizer of its own, not Megatron-FSDP (planner/frameworks/nemo.py)
+    optimizer_zero_stages: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # bf16 gradients (TrainingSpec.grad_reduce_in_bf16) as plan3d emits this framework (Megatron
     # --grad-reduce-in-bf16); `plan3d search` then offers both gradient dtypes when the user set neither
     # (candidates.grad_dtype_options)
@@ -132,8 +134,7 @@ class FrameworkProfile:
         return not (ep > 1 and self.moe_ep_needs_fsdp and zero_stage < 1 and cp_tp % ep)
 
     def _optimizer_allows_zero(self, zero_stage: int, optimizer_dtype: str) -> bool:
-        return optimizer_dtype == "fp32" or self.bf16_optimizer_zero_stages is None \
-            or zero_stage in self.bf16_optimizer_zero_stages
+        return zero_stage in self.optimizer_zero_stages.get(optimizer_dtype, (zero_stage,))
 
     def allows_split(self, first: int, middle: int, last: int, vpp: int = 1) -> bool:
         """Whether the framework can place ``first`` / ``middle`` / ``last`` layers on the stages."""
@@ -181,9 +182,11 @@ class FrameworkProfile:
             allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
             errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
         elif not self._optimizer_allows_zero(plan.zero_stage, optimizer_dtype):
-            errors.append(f"zero_stage: {self.name}'s {optimizer_dtype} optimizer states (Megatron "
-                          f"--use-precision-aware-optimizer) need the distributed optimizer: use zero_stage "
-                          f"{self.bf16_optimizer_zero_stages[0]} (plan has {plan.zero_stage}) or optimizer_dtype fp32")
+            stages = self.optimizer_zero_stages[optimizer_dtype]
+            what = ("(Megatron --use-precision-aware-optimizer) need the distributed optimizer" if optimizer_dtype == "bf16"
+                    else "(NeMo 1's Apex distributed_fused_adam) run without Megatron-FSDP")
+            errors.append(f"zero_stage: {self.name}'s {optimizer_dtype} optimizer states {what}: use zero_stage "
+                          f"{' or '.join(map(str, stages))} (plan has {plan.zero_stage}) or optimizer_dtype fp32")
         if plan.cpu_offload_layers and not self.allows_cpu_offload:
             errors.append(f"cpu_offload_layers: {self.name} as plan3d emits it has no activation offloading "
                           f"(Megatron --cpu-offloading-num-layers); use framework megatron or nemo, or 0")

@@ -10,7 +10,13 @@ What differs is the defaults a NeMo recipe sets, not the code that holds the mem
   (``nemo/collections/llm/recipes/optim/adam.py``): ZeRO-1;
 * fp8 through Transformer Engine, with TE's fp8 weight cache (see ``planner.frameworks.megatron``).
 
-* ``optimizer_dtype="bf16"``: NeMo 1's ``optim.name: distributed_fused_adam`` is Apex's
+* ``optimizer_dtype="bf16"``: NeMo 2 and Megatron-Bridge build Megatron-Core's optimizer from its
+  ``OptimizerConfig``, so bf16 states are the precision-aware optimizer's
+  (``use_precision_aware_optimizer=True``, ``exp_avg_dtype``/``exp_avg_sq_dtype`` bf16; Megatron-Bridge's
+  DeepSeek-V3 recipe sets it) and count as ``planner.frameworks.megatron`` counts them: 6-8 B per parameter,
+  distributed optimizer only. Counting a NeMo 2 job at Apex's 4 B would pass a plan that runs out of memory.
+
+* ``optimizer_dtype="bf16-apex"``: NeMo 1's ``optim.name: distributed_fused_adam`` is Apex's
   ``DistributedFusedAdam`` (``nemo/core/optim/distributed_adam.py``, ``MegatronDistributedFusedAdam``),
   whose ``StateBucket`` (``apex/contrib/optimizers/distributed_fused_adam.py``) allocates
   ``exp_avg_shard`` and ``exp_avg_sq_shard`` of ``shard_size`` (bucket / distributed group) in the
@@ -25,7 +31,8 @@ What differs is the defaults a NeMo recipe sets, not the code that holds the mem
   ``nemotron/nemotron4-340b-synth.yaml``). Apex's gradient buckets are in ``grad_sync_dtype``
   (``grad_reduce_in_bf16``, as Megatron's buffer); its transient per-bucket shard buffers
   (``bucket_cap_mb``, ``pipeline_size`` = 2 buckets at a time) are left out. Apex shards
-  regardless of the plan's ZeRO stage; at ZeRO 0 the bytes are counted unsharded (the larger).
+  regardless of the plan's ZeRO stage; at ZeRO 0 the bytes are counted unsharded (the larger). It replaces
+  Megatron's optimizer, so it runs with Megatron's DDP (ZeRO 0 or 1 in plan3d's terms), not Megatron-FSDP.
 
 The search limits: Megatron's ``DistributedDataParallel`` with or without the distributed optimizer
 (ZeRO 0 and 1), and Megatron-FSDP with parameters, gradients and optimizer sharded (ZeRO 3): the
@@ -49,19 +56,19 @@ BF16_ADAM_MASTER_BYTES = 2
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
                 expert_params: float = 0.0, linear_params: float | None = None, hardware=None):
-    """Megatron-Core's states (``planner.frameworks.megatron.state_bytes``); with
-    ``optimizer_dtype="bf16"`` the optimizer shards are Apex DistributedFusedAdam's bf16 states
-    (module docstring), sharded over the same data-parallel groups as Megatron's."""
-    # Apex's bf16 states, not Megatron's precision-aware optimizer (planner/frameworks/megatron.py)
+    """Megatron-Core's states (``planner.frameworks.megatron.state_bytes``, which also counts ``optimizer_dtype``
+    bf16, the precision-aware optimizer); with ``optimizer_dtype="bf16-apex"`` the optimizer shards are Apex
+    DistributedFusedAdam's bf16 states (module docstring), sharded over the same data-parallel groups as Megatron's."""
     apex = BF16_ADAM_MOMENTS_BYTES + (BF16_ADAM_MASTER_BYTES if training.fp8_params else 0) \
-        if training.optimizer_dtype == "bf16" else None
+        if training.optimizer_dtype == "bf16-apex" else None
     return megatron_state_bytes(model, training, plan, stage_params, layer_params, layers, expert_params=expert_params,
                                 linear_params=linear_params, hardware=hardware, optimizer_bytes_per_param=apex)
 
 
 PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=False, quantized_sp_gather=True, zero_stages=(0, 1, 3), moe_needs_sp=True,
-                           allows_fp8_params=True, optimizer_dtypes=("fp32", "bf16"),
+                           allows_fp8_params=True, optimizer_dtypes=("fp32", "bf16", "bf16-apex"),
+                           optimizer_zero_stages={"bf16": (1,), "bf16-apex": (0, 1)},
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
                            allows_grad_reduce_in_bf16=True,
                            allows_cpu_offload=True,  # NeMo passes cpu_offloading_num_layers to Megatron-Core
