@@ -18,8 +18,7 @@ SwiGLU (``planner/validate/kernels.py``) and Megatron's selective recompute of t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 FRAMEWORKS = ("megatron", "nemo", "torchtitan", "deepspeed")
@@ -86,10 +85,11 @@ class FrameworkProfile:
     # --cpu-offloading-num-layers; plan3d emits no such knob for torchtitan or DeepSpeed
     allows_cpu_offload: bool = False
     optimizer_dtypes: tuple[str, ...] = ("fp32",)  # Adam state dtypes modelled (TrainingSpec.optimizer_dtype)
-    # the ZeRO stages at which each non-fp32 optimizer state dtype runs (a dtype left out: any); Megatron's
+    # (dtype, ZeRO stages) pairs: the stages at which each non-fp32 optimizer state dtype runs (a dtype left out:
+    # any; pairs, not a dict, so the profile stays hashable); Megatron's
     # precision-aware optimizer (bf16) needs the distributed optimizer (planner/frameworks/megatron.py), NeMo 1's
     # Apex optimizer (bf16-apex) is a DDP optimizer of its own, not Megatron-FSDP (planner/frameworks/nemo.py)
-    optimizer_zero_stages: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    optimizer_zero_stages: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # bf16 gradients (TrainingSpec.grad_reduce_in_bf16) as plan3d emits this framework (Megatron
     # --grad-reduce-in-bf16); `plan3d search` then offers both gradient dtypes when the user set neither
     # (candidates.grad_dtype_options)
@@ -134,7 +134,7 @@ class FrameworkProfile:
         return not (ep > 1 and self.moe_ep_needs_fsdp and zero_stage < 1 and cp_tp % ep)
 
     def _optimizer_allows_zero(self, zero_stage: int, optimizer_dtype: str) -> bool:
-        return zero_stage in self.optimizer_zero_stages.get(optimizer_dtype, (zero_stage,))
+        return zero_stage in dict(self.optimizer_zero_stages).get(optimizer_dtype, (zero_stage,))
 
     def allows_split(self, first: int, middle: int, last: int, vpp: int = 1) -> bool:
         """Whether the framework can place ``first`` / ``middle`` / ``last`` layers on the stages."""
@@ -182,7 +182,7 @@ class FrameworkProfile:
             allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
             errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
         elif not self._optimizer_allows_zero(plan.zero_stage, optimizer_dtype):
-            stages = self.optimizer_zero_stages[optimizer_dtype]
+            stages = dict(self.optimizer_zero_stages)[optimizer_dtype]
             what = ("(Megatron --use-precision-aware-optimizer) need the distributed optimizer" if optimizer_dtype == "bf16"
                     else "(NeMo 1's Apex distributed_fused_adam) run without Megatron-FSDP")
             errors.append(f"zero_stage: {self.name}'s {optimizer_dtype} optimizer states {what}: use zero_stage "

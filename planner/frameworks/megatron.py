@@ -210,7 +210,7 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            # TP group is > 1 without sequence parallelism
                            moe_needs_sp=True, allows_fp8_params=True,
                            # fp32 Adam, or the precision-aware optimizer with bf16 moments (module docstring)
-                           optimizer_dtypes=("fp32", "bf16"), optimizer_zero_stages={"bf16": (1,)},
+                           optimizer_dtypes=("fp32", "bf16"), optimizer_zero_stages=(("bf16", (1,)),),
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
                            allows_grad_reduce_in_bf16=True,
                            # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)

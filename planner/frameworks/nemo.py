@@ -68,7 +68,7 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
 PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=False, quantized_sp_gather=True, zero_stages=(0, 1, 3), moe_needs_sp=True,
                            allows_fp8_params=True, optimizer_dtypes=("fp32", "bf16", "bf16-apex"),
-                           optimizer_zero_stages={"bf16": (1,), "bf16-apex": (0, 1)},
+                           optimizer_zero_stages=(("bf16", (1,)), ("bf16-apex", (0, 1))),
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
                            allows_grad_reduce_in_bf16=True,
                            allows_cpu_offload=True,  # NeMo passes cpu_offloading_num_layers to Megatron-Core
