@@ -319,6 +319,42 @@ def pinned_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -
     return lines + offload_problems(pins.cpu_offload_layers or 0, pp, pins.recompute or "none")
 
 
+def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, pins: Pins) -> list[str]:
+    """Why no split of the GPUs is legal with these pins, where the pins alone decide it, one line each (in
+    ``plan_problems``' words where one plan shows it); empty where the reason lies in the combinations the search tried.
+
+    Only rules no unpinned knob can rescue count: the pinned degrees must divide the GPUs; a pinned tp against the
+    model's heads, KV heads, FFN width and the NVLink domain (``tp:``); a pinned cp against the sequence (``cp:``);
+    and the global batch against dp times the pinned micro-batch (or dp alone when the micro-batch is searched) for
+    every dp the pins leave: the GPUs over tp x pp x cp, each unpinned one of those a divisor of the GPUs
+    (``global_batch_size:``)."""
+    g = training.num_gpus
+    fixed = {k: getattr(pins, k) for k in ("tp", "pp", "cp", "dp") if getattr(pins, k) is not None}
+    product = 1
+    for v in fixed.values():
+        product *= v
+    if g % product:
+        return [f"plan: {' * '.join(f'{k}({v})' for k, v in fixed.items())} = {product} does not divide num_gpus({g})"]
+    divisors = [d for d in range(1, g + 1) if g % d == 0]
+    options = [(pins.tp,) if pins.tp else divisors, (pins.pp,) if pins.pp else divisors,
+               (pins.cp,) if pins.cp else divisors]
+    dps = sorted({g // (t * p * c) for t in options[0] for p in options[1] for c in options[2] if g % (t * p * c) == 0
+                  and (pins.dp is None or g // (t * p * c) == pins.dp)}, reverse=True)
+    b = pins.micro_batch_size or 1
+    B = training.global_batch_size
+    tp, pp, cp = pins.tp or 1, pins.pp or 1, pins.cp or 1
+    probe = Plan.model_construct(tp=tp, pp=pp, dp=dps[0] if len(dps) == 1 else 1, cp=cp, vpp=1, micro_batch_size=b,
+                                 num_microbatches=None, recompute="none", sequence_parallel=False, zero_stage=0,
+                                 layers_per_stage=None, ep=1, etp=None, microbatch_group_size=None,
+                                 pipeline_schedule=None, cpu_offload_layers=0)
+    keys = {"tp": pins.tp is not None, "cp": pins.cp is not None, "global_batch_size": len(dps) == 1}
+    lines = [line for line in plan_problems(model, hardware, training, probe) if keys.get(line.split(":", 1)[0])]
+    if len(dps) > 1 and all(B % (b * d) for d in dps):
+        lines.append(f"global_batch_size: {B} is not divisible by micro_batch_size({b}) * dp for any dp these pins "
+                     f"leave ({', '.join(map(str, dps))})")
+    return lines
+
+
 def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tuple[str, bool]]:
     """(recompute, sequence_parallel) pairs for a given tp. A MoE model with tp > 1 needs sequence
     parallelism (Megatron-Core ``moe_layer.py`` refuses MoE + TP without it in training)."""

@@ -190,3 +190,23 @@ def test_no_legal_plan_without_pins_does_not_blame_pins(runner, monkeypatch):
     assert "with these pins" not in res.output
     res = runner.invoke(app, [*base, "--tp", "2"])
     assert res.exit_code == 3 and "with these pins" in res.output, res.output
+
+
+@pytest.mark.parametrize("pins,gpus,batch,why", [
+    # OPT-175B's layout with a batch its data-parallel size does not divide: 992 / 8 = 124 replicas, 1024 sequences
+    (["--tp", "8", "--pp", "1", "--cp", "1"], "992", "1024",
+     "global_batch_size: 1024 is not divisible by micro_batch_size(1) * dp(124) = 124"),
+    # cp searched: every dp the pins leave (96 / 8 / cp) fails the batch with micro-batch 4
+    (["--tp", "2", "--pp", "4", "--micro-batch-size", "4"], "96", "1538",
+     "global_batch_size: 1538 is not divisible by micro_batch_size(4) * dp for any dp these pins leave "
+     "(12, 6, 4, 3, 2, 1)"),
+    (["--tp", "2", "--pp", "5"], "96", "1536", "plan: tp(2) * pp(5) = 10 does not divide num_gpus(96)"),
+])
+def test_no_legal_plan_names_the_pin_that_binds(runner, pins, gpus, batch, why):
+    """A pinned layout no search can complete says which rule the pins break (`plan_problems`' words), not the
+    generic "check --tp/--pp/..." line, and the smallest-cluster line does not call a layout problem a fit."""
+    res = runner.invoke(app, ["search", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", gpus,
+                              "--global-batch", batch, "--seq-len", "4096", *pins, "--quiet"])
+    assert res.exit_code == 3, res.output
+    assert f"no legal plan for {gpus} GPUs with these pins: {why}" in res.output, res.output
+    assert "has a legal plan that fits" in res.output and "check --tp" not in res.output

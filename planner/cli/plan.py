@@ -214,8 +214,12 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                        f"{res.closest.label()} (recompute {res.closest.recompute}, ZeRO-{res.closest.zero_stage}), "
                        f"has stage {peak.stage} needing {mem.peak_gib:.1f} GiB of {mem.usable_gib:.1f} GiB usable"]
             elif res.candidates == 0:
+                from planner.candidates import pinned_layout_problems
+
                 pinned = any(v is not None for v in vars(space.pins).values())
-                msg = [f"no legal plan for {training.num_gpus} GPUs with these pins: check --tp/--pp/--cp/--vpp/"
+                why = pinned_layout_problems(model, hw, training, space.pins) if pinned else []
+                msg = [f"no legal plan for {training.num_gpus} GPUs with these pins: {'; '.join(why)}" if why else
+                       f"no legal plan for {training.num_gpus} GPUs with these pins: check --tp/--pp/--cp/--vpp/"
                        "--micro-batch-size against the model's heads and layers, --gpus and --global-batch"
                        if pinned else
                        f"no legal plan for {training.num_gpus} GPUs under {training.framework}: no tp x pp x cp x dp "
@@ -224,7 +228,7 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
             smallest = S.smallest_fitting_gpus(model, hw, training, space)
             limit = min(training.num_gpus * 4096, MAX_GPUS)
             msg.append(f"the smallest GPU count that fits is {smallest}" if smallest else
-                       f"no GPU count of the form {training.num_gpus} x 2^k up to {limit:,} fits")
+                       f"no GPU count of the form {training.num_gpus} x 2^k up to {limit:,} has a legal plan that fits")
             out["message"] = msg
     return out
 
