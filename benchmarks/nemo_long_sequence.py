@@ -74,15 +74,16 @@ def main() -> None:
             if t is None:
                 cells.append(f"{'no plan':>16s}")
                 continue
-            errors[name].append(t / measured - 1)
+            errors[name].append((row, t / measured - 1))
             cells.append(f"{t:8.2f} {100 * (t / measured - 1):+6.1f}%")
             pick = pick or plan
         layout = f"TP{row['tp']} PP{row['pp']} DP{row['dp']} CP{row['cp']}"
         print(f"{row['seq_k']:5d}K {row['gpus']:5d} {layout:15s} {measured:10.2f} {causal:9.2f} | "
               f"{' '.join(cells)}  recompute {pick.recompute if pick else '-'}")
-    for name, errs in errors.items():
-        if errs:
-            long = [e for e, r in zip(errs, data["rows"]) if r["seq_k"] >= 32]
+    for name, pairs in errors.items():
+        if pairs:
+            errs = [e for _, e in pairs]
+            long = [e for r, e in pairs if r["seq_k"] >= 32] or [float("nan")]
             print(f"{name:9s}: mean |error| {100 * sum(map(abs, errs)) / len(errs):5.1f} %, worst "
                   f"{100 * max(errs, key=abs):+6.1f} %; from 32K: mean {100 * sum(long) / len(long):+6.1f} %")
     print("batch (tokens per step) does not matter: step-time error of the search's pick at")
