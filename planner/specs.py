@@ -636,9 +636,13 @@ class HardwareSpec(_Spec):
         size = self.job_nvlink_domain(num_gpus)
         return self if size == self.nvlink_domain else self.model_copy(update={"nvlink_domain_size": size})
 
-    def tp_straddles(self, tp: int) -> str | None:
-        """Why TP groups of ``tp`` would straddle NVLink domains (neither a divisor nor a multiple of one), or None."""
+    def tp_straddles(self, tp: int, num_gpus: int | None = None) -> str | None:
+        """Why TP groups of ``tp`` would straddle NVLink domains (neither a divisor nor a multiple of one), or None.
+        A job of ``num_gpus`` that fits in one domain straddles none, whatever ``tp`` (32 GPUs of a GB200 NVL72
+        rack with TP 16: the search's own rule, ``candidates.valid_tp``, takes tp up to min(GPUs, domain))."""
         n = self.nvlink_domain
+        if num_gpus is not None and num_gpus <= n:
+            return None
         if n % tp and tp % n:
             return (f"neither divides nor is a multiple of the NVLink domain ({n} GPUs) of {self.name}, so TP "
                     f"groups would straddle domains; choose a divisor of {n}")
@@ -1107,7 +1111,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
                       f"(micro_batch_size({b}) * dp({d})) = {B // (b * d)}")
     if a % t:
         errors.append(f"tp: num_attention_heads({a}) is not divisible by tp({t})")
-    straddle = hardware.tp_straddles(t)
+    straddle = hardware.tp_straddles(t, training.num_gpus)
     if straddle:
         errors.append(f"tp: tp({t}) {straddle}")
     if g % t and t % g:
@@ -1162,7 +1166,7 @@ def moe_plan_problems(model: ModelSpec, hardware: HardwareSpec, plan: Plan) -> l
                       "(Megatron folds the expert ranks into the tp x cp x dp ranks)")
     if model.moe_ffn_size % et:
         errors.append(f"etp: moe_ffn_hidden_size({model.moe_ffn_size}) is not divisible by etp({et})")
-    straddle = hardware.tp_straddles(et)
+    straddle = hardware.tp_straddles(et, plan.world_size)
     if straddle and plan.etp is not None:
         errors.append(f"etp: etp({et}) {straddle}")
     return errors

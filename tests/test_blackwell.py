@@ -279,3 +279,20 @@ def test_the_layout_line_says_when_a_job_fills_segments(runner):
                               "512", "--seq-len", "4096", "--tp", "8"], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
     assert "NVLink domain of 64 GPUs" in res.output and "256 GPUs fill 64 of each 72-GPU domain" in res.output
+
+
+def test_a_job_inside_one_nvlink_domain_takes_any_tp_the_search_takes():
+    """32 GPUs of a GB200 NVL72 rack sit in one NVLink domain, so TP 16 straddles nothing: `plan_problems` and the
+    pinned `search --tp 16` accept what the search's own rule offers (`candidates.valid_tp`: tp up to
+    min(GPUs, domain)); at 144 GPUs (two racks) TP 16 groups would cross the racks and stay refused."""
+    from planner.specs import plan_problems
+
+    rack, model = load_hardware("gb200-nvl72"), load_model("llama3-8b")
+    inside = TrainingSpec(num_gpus=32, global_batch_size=128, seq_len=4096)
+    plan = Plan(tp=16, pp=1, dp=2, micro_batch_size=1, sequence_parallel=True, zero_stage=1)
+    assert not [p for p in plan_problems(model, rack, inside, plan) if p.startswith("tp:")]
+    across = TrainingSpec(num_gpus=144, global_batch_size=144, seq_len=4096)
+    wide = Plan(tp=16, pp=1, dp=9, micro_batch_size=1, sequence_parallel=True, zero_stage=1)
+    assert [p for p in plan_problems(model, rack, across, wide) if p.startswith("tp:")] == [
+        "tp: tp(16) neither divides nor is a multiple of the NVLink domain (72 GPUs) of gb200-nvl72, so TP groups "
+        "would straddle domains; choose a divisor of 72"]

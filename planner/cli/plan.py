@@ -62,11 +62,13 @@ def estimate(
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 
 
-def _check_pins(hw, tp: Optional[int]) -> None:
-    """Refuse a pinned tp whose groups would straddle NVLink domains (``plan_problems`` says the same for a plan)."""
-    straddle = hw.tp_straddles(tp) if tp is not None else None
-    if straddle:
-        raise SpecError(f"--tp: {tp} {straddle}")
+def _check_pins(hw, tp: Optional[int], counts: list[int]) -> None:
+    """Refuse a pinned tp whose groups would straddle NVLink domains at any of the GPU counts (``plan_problems``
+    says the same for a plan)."""
+    for n in counts if tp is not None else ():
+        straddle = hw.for_job(n).tp_straddles(tp, n)
+        if straddle:
+            raise SpecError(f"--tp: {tp} {straddle}" + (f" (at {n} GPUs)" if len(counts) > 1 else ""))
 
 
 @app.command()
@@ -116,7 +118,7 @@ def search(
                                                      moe_options(moe_dispatcher, moe_a2a_overlap, moe_load_imbalance, cuda_graph_modules)
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
                                                                    torch_compile, cross_entropy_fusion))
-    _check_pins(spec_hw.for_job(counts[0]) if len(counts) == 1 else spec_hw, tp)
+    _check_pins(spec_hw, tp, counts)
     # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
     space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params))
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
