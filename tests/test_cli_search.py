@@ -170,6 +170,26 @@ def test_search_emit_refuses_what_no_plan_can_fix_before_searching(runner, monke
     assert not out.exists() and not (tmp_path / "launch").exists()
 
 
+def test_search_emit_refuses_nemo_1_apex_states_in_a_megatron_launch_before_searching(runner, monkeypatch, tmp_path):
+    """NeMo 1's Apex optimizer (optimizer_dtype bf16-apex) has no Megatron-LM flag: the Megatron launch formats
+    refuse it before the search, as they do a model gap; the plan file alone is written."""
+    import planner.cli.plan as cli_plan
+
+    def no_search(*a, **k):
+        raise AssertionError("the search ran")
+
+    monkeypatch.setattr(cli_plan, "_run_search", no_search)
+    job = ["search", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "16", "--global-batch", "32",
+           "--seq-len", "2048", "--framework", "nemo", "--optimizer-dtype", "bf16-apex", "--quiet"]
+    res = runner.invoke(app, [*job, "--emit", "slurm", "--out-dir", str(tmp_path / "launch")])
+    assert res.exit_code == 2 and "--format slurm: optimizer_dtype bf16-apex is NeMo 1's Apex" in res.output, res.output
+    assert not (tmp_path / "launch").exists()
+    monkeypatch.undo()
+    res = runner.invoke(app, [*job, "--emit", "plan", "--out-dir", str(tmp_path / "plan")])
+    assert res.exit_code == 0, res.output
+    assert any(f.name.endswith(".plan.json") for f in (tmp_path / "plan").iterdir())
+
+
 def test_search_emit_a_format_that_can_build_the_model_still_searches(runner, tmp_path):
     # BLOOM's ALiBi has no Megatron-LM flag, but DeepSpeed's config holds no model: that emit is not refused
     res = runner.invoke(app, ["search", "--model", "bloom-176b", "--hardware", "a100-80gb", "--gpus", "384",
