@@ -198,7 +198,8 @@ def test_bf16_optimizer_states_only_where_modelled():
     assert job_problems(LLAMA, H100, _training("megatron", optimizer_dtype="bf16")) == []
     assert job_problems(LLAMA, H100, _training("nemo", optimizer_dtype="bf16-apex")) == []
     assert job_problems(LLAMA, H100, _training("megatron", optimizer_dtype="bf16-apex")) == [
-        "optimizer_dtype: megatron as plan3d models it keeps fp32/bf16 optimizer states, not bf16-apex; use fp32"]
+        "optimizer_dtype: bf16-apex is NeMo 1's Apex distributed_fused_adam (framework nemo); megatron as plan3d "
+        "models it keeps fp32/bf16 optimizer states; use bf16 or fp32"]
     assert job_problems(LLAMA, H100, _training("torchtitan", optimizer_dtype="bf16")) == [
         "optimizer_dtype: torchtitan as plan3d models it keeps fp32 optimizer states, not bf16; use fp32"]
 

@@ -159,6 +159,10 @@ class FrameworkProfile:
 
     def job_problems(self, precision: str, fp8_params: bool = False, optimizer_dtype: str = "fp32") -> list[str]:
         """What of the job (whatever the plan) this framework cannot run."""
+        if optimizer_dtype == "bf16-apex" and optimizer_dtype not in self.optimizer_dtypes:
+            return [f"optimizer_dtype: bf16-apex is NeMo 1's Apex distributed_fused_adam (framework nemo); {self.name} "
+                    f"as plan3d models it keeps {'/'.join(self.optimizer_dtypes)} optimizer states; use "
+                    f"{' or '.join(reversed(self.optimizer_dtypes))}"]
         if optimizer_dtype not in self.optimizer_dtypes:
             return [f"optimizer_dtype: {self.name} as plan3d models it keeps {'/'.join(self.optimizer_dtypes)} "
                     f"optimizer states, not {optimizer_dtype}; use {self.optimizer_dtypes[0]}"]
