@@ -221,6 +221,9 @@ def test_no_legal_plan_without_pins_does_not_blame_pins(runner, monkeypatch):
      "global_batch_size: 1538 is not divisible by micro_batch_size(4) * dp for any dp these pins leave "
      "(12, 6, 4, 3, 2, 1)"),
     (["--tp", "2", "--pp", "5"], "96", "1536", "plan: tp(2) * pp(5) = 10 does not divide num_gpus(96)"),
+    (["--pp", "64"], "64", "64", "pp: pp(64) is more than num_layers(32); every stage holds a layer"),
+    (["--pp", "8", "--vpp", "8"], "64", "64", "vpp: pp(8) * vpp(8) = 64 model chunks for num_layers(32); every chunk "
+     "but the first and the last holds a layer, so at most 34"),
 ])
 def test_no_legal_plan_names_the_pin_that_binds(runner, pins, gpus, batch, why):
     """A pinned layout no search can complete says which rule the pins break (`plan_problems`' words), not the
