@@ -233,3 +233,13 @@ def test_no_legal_plan_names_the_pin_that_binds(runner, pins, gpus, batch, why):
     assert res.exit_code == 3, res.output
     assert f"no legal plan for {gpus} GPUs with these pins: {why}" in res.output, res.output
     assert "has a legal plan that fits" in res.output and "check --tp" not in res.output
+
+
+def test_sequence_parallel_pinned_with_tp_1_runs_as_megatron_runs_it(runner):
+    """Megatron-LM turns sequence parallelism off at tp 1 (core_v0.16.1 arguments.py: "Disabling sequence
+    parallelism because tensor model parallelism is disabled"), so a published layout with TP 1 and SP on ran:
+    the search plans it with SP off instead of finding no legal plan; with tp searched, SP on still means tp > 1."""
+    d = _json(runner, [*JOB, "--gpus", "8", "--tp", "1", "--pp", "1", "--sequence-parallel"])
+    assert d["plan"]["tp"] == 1 and d["plan"]["sequence_parallel"] is False
+    d = _json(runner, [*JOB, "--gpus", "8", "--sequence-parallel"])
+    assert d["plan"]["tp"] > 1 and d["plan"]["sequence_parallel"] is True

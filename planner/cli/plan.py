@@ -109,6 +109,14 @@ def search(
         raise SpecError(f"--gpus: {err}") from None
     if recompute is not None and recompute not in ("none", "selective", "full"):
         raise SpecError(f"--recompute: '{recompute}' is not one of none, selective, full")
+    if tp == 1 and sequence_parallel:
+        # Megatron-LM turns sequence parallelism off at tp 1 ("Disabling sequence parallelism because tensor model
+        # parallelism is disabled", core_v0.16.1 arguments.py validate_args), so a launch with both runs: so does
+        # the search (a plan has SP only with tp > 1, Plan's own rule)
+        sequence_parallel = None
+        if not (quiet or json_out):
+            typer.echo("note: --sequence-parallel with --tp 1: Megatron-LM turns it off at tp 1, and so does the search",
+                       err=True)
     pins = Pins(tp=tp, pp=pp, cp=cp, vpp=vpp, micro_batch_size=micro_batch_size, recompute=recompute,
                 sequence_parallel=sequence_parallel, zero_stage=zero_stage, ep=ep, etp=etp,
                 pipeline_schedule=pipeline_schedule, cpu_offload_layers=cpu_offload_layers)
