@@ -40,10 +40,10 @@ def job_problems(model, training, formats: list[str]) -> list[str]:
     :func:`model_problems`, NeMo 1's Apex optimizer in a Megatron-LM launch (``megatron.parallel_flags`` refuses it
     too) and torchtitan's model and precision (``planner.emit.torchtitan.job_problems``)."""
     from planner.emit import torchtitan
+    from planner.emit.megatron import APEX_REFUSAL
 
     megatron_formats = [f for f in formats if f in ("megatron", "torchrun", "slurm")]
-    apex = [f"--format {megatron_formats[0]}: optimizer_dtype bf16-apex is NeMo 1's Apex DistributedFusedAdam, which "
-            "Megatron-LM does not run; use optimizer_dtype bf16 (Megatron's precision-aware optimizer) or fp32"] \
+    apex = [f"--format {megatron_formats[0]}: {APEX_REFUSAL}"] \
         if megatron_formats and training.optimizer_dtype == "bf16-apex" else []
     return model_problems(model, formats) + apex + (torchtitan.job_problems(model, training) if "torchtitan" in formats
                                                     else [])

@@ -279,6 +279,12 @@ def uses_megatron_fsdp(sc: Scenario) -> bool:
     return sc.plan.zero_stage >= 2
 
 
+#: Why a Megatron-LM launch refuses NeMo 1's Apex optimizer states (``TrainingSpec.optimizer_dtype`` bf16-apex):
+#: Megatron-LM has no flag for them (planner/frameworks/nemo.py); ``planner.emit.job_problems`` says it before a search.
+APEX_REFUSAL = ("optimizer_dtype bf16-apex is NeMo 1's Apex DistributedFusedAdam, which Megatron-LM does not run; use "
+                "optimizer_dtype bf16 (Megatron's precision-aware optimizer) or fp32")
+
+
 def parallel_flags(sc: Scenario) -> list[Flag]:
     p, tr = sc.resolved_plan(), sc.training
     flags: list[Flag] = [
@@ -325,9 +331,7 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     if tr.grad_reduce_in_bf16:
         flags.append(("--grad-reduce-in-bf16", None))
     if tr.optimizer_dtype == "bf16-apex":  # NeMo 1's Apex optimizer (planner/frameworks/nemo.py)
-        raise SpecError("--emit megatron: optimizer_dtype bf16-apex is NeMo 1's Apex DistributedFusedAdam, which "
-                        "Megatron-LM does not run; use optimizer_dtype bf16 (Megatron's precision-aware optimizer) "
-                        "or fp32")
+        raise SpecError(f"--emit megatron: {APEX_REFUSAL}")
     if tr.optimizer_dtype == "bf16":  # Megatron's precision-aware optimizer (planner/frameworks/megatron.py)
         if p.zero_stage != 1:  # core_v0.16.1 optimizer_config.py: "only supported with distributed optimizer"
             raise SpecError("--emit megatron: optimizer_dtype bf16 (--use-precision-aware-optimizer) needs the "
