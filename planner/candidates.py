@@ -336,9 +336,8 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
         product *= v
     if g % product:
         return [f"plan: {' * '.join(f'{k}({v})' for k, v in fixed.items())} = {product} does not divide num_gpus({g})"]
-    divisors = [d for d in range(1, g + 1) if g % d == 0]
-    options = [(pins.tp,) if pins.tp else divisors, (pins.pp,) if pins.pp else divisors,
-               (pins.cp,) if pins.cp else divisors]
+    free = divisors(g)
+    options = [(pins.tp,) if pins.tp else free, (pins.pp,) if pins.pp else free, (pins.cp,) if pins.cp else free]
     dps = sorted({g // (t * p * c) for t in options[0] for p in options[1] for c in options[2] if g % (t * p * c) == 0
                   and (pins.dp is None or g // (t * p * c) == pins.dp)}, reverse=True)
     b = pins.micro_batch_size or 1

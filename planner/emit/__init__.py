@@ -26,11 +26,16 @@ def parse_formats(text: str) -> list[str]:
     return wanted
 
 
+def _megatron_formats(formats: list[str]) -> list[str]:
+    """The requested formats that launch Megatron-LM (its arguments, in a torchrun or Slurm script)."""
+    return [f for f in formats if f in ("megatron", "torchrun", "slurm")]
+
+
 def model_problems(model, formats: list[str]) -> list[str]:
     """What the Megatron-LM launch formats cannot build of ``model`` (``ModelSpec.megatron_gaps``), one line each:
     a launch file that builds another model than the plan's is refused, never written. Independent of the plan,
     so ``plan3d search --emit`` checks it before searching."""
-    megatron_formats = [f for f in formats if f in ("megatron", "torchrun", "slurm")]
+    megatron_formats = _megatron_formats(formats)
     gaps = model.megatron_gaps() if megatron_formats else []
     return [f"--format {megatron_formats[0]}: {model.name}: {gap}" for gap in gaps]
 
@@ -42,7 +47,7 @@ def job_problems(model, training, formats: list[str]) -> list[str]:
     from planner.emit import torchtitan
     from planner.emit.megatron import APEX_REFUSAL
 
-    megatron_formats = [f for f in formats if f in ("megatron", "torchrun", "slurm")]
+    megatron_formats = _megatron_formats(formats)
     apex = [f"--format {megatron_formats[0]}: {APEX_REFUSAL}"] \
         if megatron_formats and training.optimizer_dtype == "bf16-apex" else []
     return model_problems(model, formats) + apex + (torchtitan.job_problems(model, training) if "torchtitan" in formats
