@@ -166,6 +166,13 @@ class Pins:
     def ok(self, **values) -> bool:
         return all(getattr(self, k) is None or getattr(self, k) == v for k, v in values.items())
 
+    def sp_ok(self, tp: int, sp: bool) -> bool:
+        """Whether a plan with this tp and sequence parallelism matches the pinned ``sequence_parallel``. A pin of
+        True means SP wherever there is TP: at tp 1 the plan has none (Plan's own rule), as Megatron-LM turns
+        ``--sequence-parallel`` off at tp 1 ("Disabling sequence parallelism because tensor model parallelism is
+        disabled", core_v0.16.1 arguments.py validate_args), so a pinned tp of 1 with SP still has plans."""
+        return self.sequence_parallel is None or sp == (self.sequence_parallel and tp > 1)
+
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -306,7 +313,7 @@ def pinned_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -
     tp = pins.tp if pins.tp is not None else (pins.ep or 1)
     cp = pins.cp if pins.cp is not None else (pins.ep or 1)
     probe = Plan.model_construct(tp=tp, pp=pp, dp=1, cp=cp, vpp=pins.vpp or 1, micro_batch_size=1,
-                                 num_microbatches=None, recompute="none", sequence_parallel=bool(pins.sequence_parallel),
+                                 num_microbatches=None, recompute="none", sequence_parallel=bool(pins.sequence_parallel) and tp > 1,
                                  zero_stage=zero, layers_per_stage=None, ep=pins.ep or 1, etp=pins.etp,
                                  microbatch_group_size=None, pipeline_schedule=None,
                                  cpu_offload_layers=pins.cpu_offload_layers or 0)
@@ -367,7 +374,7 @@ def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tu
     parallelism (Megatron-Core ``moe_layer.py`` refuses MoE + TP without it in training)."""
     for rc in RECOMPUTE:
         for sp in (((True,) if moe else (False, True)) if tp > 1 else (False,)):
-            if space.pins.ok(recompute=rc, sequence_parallel=sp):
+            if space.pins.ok(recompute=rc) and space.pins.sp_ok(tp, sp):
                 yield rc, sp
 
 

@@ -97,7 +97,9 @@ def _micros(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: S
     cap = max(space.max_micro_batch_size, space.pins.micro_batch_size or 1)
     sizes = sorted({b for d in dps if B % d == 0 for b in valid_micro_batch_sizes(B // d, cap)
                     if space.pins.ok(micro_batch_size=b)})
-    return [(b, rc, sp, off) for b in sizes for rc, sp in micro_options(2, space)
+    # the options of tp 1 and of tp > 1 (a pinned SP means none at tp 1, Pins.sp_ok); each shape keeps its own
+    options = dict.fromkeys([*micro_options(2, space), *micro_options(1, space)])
+    return [(b, rc, sp, off) for b in sizes for rc, sp in options
             for off in offload_options(model, hw, training, space, rc)]
 
 
@@ -157,7 +159,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         # placement depends only on etp, ep and the GPU count, fixed here)
         boundary_u = training.seq_len // cp * boundary_full_u / np.where(sp_u, tp, 1)
         if (tp, cp, ep, etp) not in factors:
-            factors[(tp, cp, ep, etp)] = _micro_factors(model, hw, training, micros, base, order)
+            factors[(tp, cp, ep, etp)] = _micro_factors(model, hw, training, micros, base, order, space.pins)
         f = factors[(tp, cp, ep, etp)]
         crosses = pp_hop_crosses_nodes(base, hw.nvlink_domain, order)
         if (tp, cp, crosses) not in hops:
@@ -274,16 +276,17 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
                         **grad_reduction_args(training, p, zeros, grad_reduce_trail_s(hw, training, base, order)))["step"]
 
 
-def _micro_factors(model, hw, training, micros, base: Plan, order) -> dict:
+def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = Pins()) -> dict:
     """For one (tp, cp): every per-micro-batch factor of every micro option (cost.micro_factors, and the
-    memory terms), as arrays over the options."""
+    memory terms), as arrays over the options; ``valid`` False where the plan is illegal or off the pins (SP:
+    :meth:`Pins.sp_ok`, which depends on tp)."""
     cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
                                   "valid")}
     fw = frameworks.get(training.framework)
     for mbs, rc, sp, off in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp,
                                        "cpu_offload_layers": off})
-        valid = not (sp and base.tp == 1)
+        valid = not (sp and base.tp == 1) and pins.sp_ok(base.tp, sp)
         # memory/profiles: Megatron's MoE layer trains with tp > 1 only with SP (FrameworkProfile.moe_needs_sp)
         valid = valid and not (fw.moe_needs_sp and model.is_moe and base.tp > 1 and not sp)
         row = micro_factors(model, hw, training, plan, order) if valid else dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
@@ -494,8 +497,7 @@ def solve(tables: Tables, pins: Pins, candidates: np.ndarray, forbid_shapes: lis
             model.Add(knob[name] == getattr(pins, name))
     if pins.recompute is not None:
         model.Add(knob["recompute"] == RECOMPUTE.index(pins.recompute))
-    if pins.sequence_parallel is not None:
-        model.Add(knob["sequence_parallel"] == int(pins.sequence_parallel))
+    # a pinned SP is in the tables (Pins.sp_ok: SP at tp > 1, none at tp 1), not a constraint here
     # the step time first; among equally fast plans the lower ZeRO stage (less machinery, same result).
     # One precomputed table keeps the element bound tight, so CP-SAT proves the optimum at once.
     zero = np.array(tables.zeros, dtype=np.int64)[z_idx]

@@ -238,8 +238,13 @@ def test_no_legal_plan_names_the_pin_that_binds(runner, pins, gpus, batch, why):
 def test_sequence_parallel_pinned_with_tp_1_runs_as_megatron_runs_it(runner):
     """Megatron-LM turns sequence parallelism off at tp 1 (core_v0.16.1 arguments.py: "Disabling sequence
     parallelism because tensor model parallelism is disabled"), so a published layout with TP 1 and SP on ran:
-    the search plans it with SP off instead of finding no legal plan; with tp searched, SP on still means tp > 1."""
+    the search plans it with SP off instead of finding no legal plan; with tp searched, SP on means SP wherever
+    there is TP (candidates.Pins.sp_ok): every tp > 1 plan has it, a tp 1 plan has none."""
     d = _json(runner, [*JOB, "--gpus", "8", "--tp", "1", "--pp", "1", "--sequence-parallel"])
     assert d["plan"]["tp"] == 1 and d["plan"]["sequence_parallel"] is False
-    d = _json(runner, [*JOB, "--gpus", "8", "--sequence-parallel"])
-    assert d["plan"]["tp"] > 1 and d["plan"]["sequence_parallel"] is True
+    d = _json(runner, [*JOB, "--gpus", "8", "--tp", "2", "--sequence-parallel"])
+    assert d["plan"]["tp"] == 2 and d["plan"]["sequence_parallel"] is True
+    d = _json(runner, [*JOB, "--gpus", "8", "--sequence-parallel", "--top", "5"])
+    plans = [d["plan"], *(a["plan"] for a in d["alternatives"])]
+    assert any(p["tp"] > 1 for p in plans)
+    assert all(p["sequence_parallel"] is (p["tp"] > 1) for p in plans)

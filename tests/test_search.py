@@ -80,6 +80,22 @@ def test_pins_are_respected():
     _check_same_optimum(model, hw, tr, SearchSpace(pins=pins, max_micro_batch_size=4))
 
 
+def test_pinned_sequence_parallel_means_sp_wherever_there_is_tp():
+    """Megatron-LM turns --sequence-parallel off at tp 1 (core_v0.16.1 arguments.py validate_args), so a pin of
+    SP leaves the tp-1 plans (without SP) in the space, for a library caller as for the CLI; tp > 1 plans keep it."""
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=4096)
+    res = search(model, hw, tr, SearchSpace(pins=Pins(tp=1, sequence_parallel=True)))
+    assert res.best is not None and (res.best.tp, res.best.sequence_parallel) == (1, False)
+    _check_same_optimum(model, hw, tr, SearchSpace(pins=Pins(tp=1, sequence_parallel=True), max_micro_batch_size=4))
+    for tp in (None, 2):  # unpinned tp: every tp > 1 candidate has SP, tp 1 ones none
+        space = SearchSpace(pins=Pins(tp=tp, sequence_parallel=True), max_micro_batch_size=4)
+        res = _check_same_optimum(model, hw, tr, space)
+        assert all(p.sequence_parallel == (p.tp > 1) for p in [res.best, *res.alternatives])
+    res = search(model, hw, tr, SearchSpace(pins=Pins(sequence_parallel=False)))
+    assert not res.best.sequence_parallel and not any(p.sequence_parallel for p in res.alternatives)
+
+
 def test_alternatives_have_other_shapes_and_are_slower():
     model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
     tr = TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096)

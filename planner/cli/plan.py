@@ -110,10 +110,7 @@ def search(
     if recompute is not None and recompute not in ("none", "selective", "full"):
         raise SpecError(f"--recompute: '{recompute}' is not one of none, selective, full")
     if tp == 1 and sequence_parallel:
-        # Megatron-LM turns sequence parallelism off at tp 1 ("Disabling sequence parallelism because tensor model
-        # parallelism is disabled", core_v0.16.1 arguments.py validate_args), so a launch with both runs: so does
-        # the search (a plan has SP only with tp > 1, Plan's own rule)
-        sequence_parallel = None
+        # Megatron-LM turns sequence parallelism off at tp 1, and so does the search (Pins.sp_ok)
         if not (quiet or json_out):
             typer.echo("note: --sequence-parallel with --tp 1: Megatron-LM turns it off at tp 1, and so does the search",
                        err=True)
