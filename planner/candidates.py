@@ -312,11 +312,10 @@ def pinned_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -
     # an unpinned tp or cp stands at ep, so a rule on cp x tp (torchtitan's EP inside FSDP) fires only when both are set
     tp = pins.tp if pins.tp is not None else (pins.ep or 1)
     cp = pins.cp if pins.cp is not None else (pins.ep or 1)
-    probe = Plan.model_construct(tp=tp, pp=pp, dp=1, cp=cp, vpp=pins.vpp or 1, micro_batch_size=1,
-                                 num_microbatches=None, recompute="none", sequence_parallel=bool(pins.sequence_parallel) and tp > 1,
-                                 zero_stage=zero, layers_per_stage=None, ep=pins.ep or 1, etp=pins.etp,
-                                 microbatch_group_size=None, pipeline_schedule=None,
-                                 cpu_offload_layers=pins.cpu_offload_layers or 0)
+    # model_construct gives every field not named its default (Plan's), as the probes below rely on
+    probe = Plan.model_construct(tp=tp, pp=pp, dp=1, cp=cp, vpp=pins.vpp or 1, micro_batch_size=1, recompute="none",
+                                 sequence_parallel=bool(pins.sequence_parallel) and tp > 1, zero_stage=zero,
+                                 ep=pins.ep or 1, etp=pins.etp, cpu_offload_layers=pins.cpu_offload_layers or 0)
     # an etp rule reads tp and ep too (etp = tp, or 1 under EP): it counts only when all three are pinned
     pinned = {"cp": pins.cp, "vpp": pins.vpp, "cpu_offload_layers": pins.cpu_offload_layers, "ep": pins.ep,
               "etp": pins.etp if None not in (pins.tp, pins.ep) else None, "zero_stage": pins.zero_stage}
@@ -350,10 +349,8 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
     b = pins.micro_batch_size or 1
     B = training.global_batch_size
     tp, pp, cp = pins.tp or 1, pins.pp or 1, pins.cp or 1
-    probe = Plan.model_construct(tp=tp, pp=pp, dp=dps[0] if len(dps) == 1 else 1, cp=cp, vpp=1, micro_batch_size=b,
-                                 num_microbatches=None, recompute="none", sequence_parallel=False, zero_stage=0,
-                                 layers_per_stage=None, ep=1, etp=None, microbatch_group_size=None,
-                                 pipeline_schedule=None, cpu_offload_layers=0)
+    probe = Plan.model_construct(tp=tp, pp=pp, dp=dps[0] if len(dps) == 1 else 1, cp=cp, micro_batch_size=b,
+                                 recompute="none", zero_stage=0)
     keys = {"tp": pins.tp is not None, "cp": pins.cp is not None, "global_batch_size": len(dps) == 1}
     lines = [line for line in plan_problems(model, hardware, training, probe) if keys.get(line.split(":", 1)[0])]
     if len(dps) > 1 and all(B % (b * d) for d in dps):
