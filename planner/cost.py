@@ -1268,6 +1268,9 @@ class StageTime:
         return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.ep_comm
 
 
+STAGE_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "fwd", "bwd", "ep_comm", "wgrad")
+
+
 @dataclass(frozen=True)
 class TimeEstimate:
     step_time_s: float
@@ -1576,7 +1579,21 @@ def _rows_of_all_stages(plan: Plan, num_layers: int):
 
 def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                 order: str = DEFAULT_ORDER) -> tuple[StageTime, ...]:
-    """Per-micro-batch time of every stage; uneven stages are costed from their own layer counts."""
+    """Per-micro-batch time of every stage; uneven stages are costed from their own layer counts.
+
+    Megatron's block recompute (``plan.recompute_num_layers``): every term of a stage is the share of its layers
+    recomputed (``specs.recomputed_share``) of the stage under full recompute, and the rest of it under none (the
+    per-layer terms add up layer by layer; the others are the same under both)."""
+    if plan.recompute == "full" and plan.recompute_num_layers is not None:
+        whole = plan.model_copy(update={"recompute_num_layers": None})
+        full = stage_times(model, hw, training, whole, order)
+        none = stage_times(model, hw, training, whole.model_copy(update={"recompute": "none"}), order)
+        out = []
+        for st_f, st_n, n in zip(full, none, plan.stage_layers(model.num_layers)):
+            share = plan.recomputed_share(st_f.stage, n)[0]
+            out.append(StageTime(stage=st_f.stage, **{k: share * getattr(st_f, k) + (1 - share) * getattr(st_n, k)
+                                                    for k in STAGE_TERMS}))
+        return tuple(out)
     f = micro_factors(model, hw, training, plan, order)
     hop = p2p_hop_s(model, hw, training, plan, pp_hop_crosses_nodes(plan, hw.nvlink_domain, order),
                     axis_span(plan, "tp", hw.nvlink_domain, order))
@@ -1823,12 +1840,20 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     step = float(out["step"][0])
     tokens = training.global_batch_size * training.seq_len
     mf = flops.model_flops_per_step(model, training.global_batch_size, training.seq_len)  # activated FLOPs (MoE)
-    hf = flops.hardware_flops_per_step(model, training.global_batch_size, training.seq_len, plan.recompute)
+    hf = flops.hardware_flops_per_step(model, training.global_batch_size, training.seq_len, plan.recompute,
+                                       recomputed_layers_share(model, plan))
     peak = hw.peak_flops(training.precision)
     n = training.num_gpus
     return TimeEstimate(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=mf / step / n / 1e12,
                         mfu=flops.mfu(mf, step, n, peak), hfu=flops.hfu(hf, step, n, peak), breakdown=breakdown,
                         stages=stages, dp_comm_s=float((dp_grad * (m if grad["grad_every_mb"] else 1) + dp_param).max()))
+
+
+def recomputed_layers_share(model: ModelSpec, plan: Plan) -> float:
+    """Share of the model's layers recomputed under ``plan.recompute`` full (1 unless Megatron's block method,
+    ``plan.recompute_num_layers``, leaves some out: ``specs.recomputed_share`` per stage)."""
+    layers = plan.stage_layers(model.num_layers)
+    return sum(plan.recomputed_share(r, n)[0] * n for r, n in enumerate(layers)) / max(sum(layers), 1)
 
 
 def estimate_scenario_time(sc: Scenario, order: str = DEFAULT_ORDER) -> TimeEstimate:

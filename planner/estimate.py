@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner import flops
-from planner.cost import TimeEstimate, estimate_time
+from planner.cost import TimeEstimate, estimate_time, recomputed_layers_share
 from planner.memory import MemoryEstimate, estimate_memory
 from planner.specs import Scenario
 
-PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute",
+PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute", "recompute_num_layers",
              "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep", "etp", "pipeline_schedule",
              "cpu_offload_layers")
 
@@ -55,6 +55,6 @@ def estimate(sc: Scenario) -> Estimate:
         memory=estimate_memory(sc.model, sc.hardware, tr, plan),
         model_flops_per_step=flops.model_flops_per_step(sc.model, tr.global_batch_size, tr.seq_len),
         hardware_flops_per_step=flops.hardware_flops_per_step(sc.model, tr.global_batch_size, tr.seq_len,
-                                                              plan.recompute),
+                                                              plan.recompute, recomputed_layers_share(sc.model, plan)),
         time=estimate_time(sc.model, sc.hardware, tr, plan),
     )

@@ -168,9 +168,10 @@ def model_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int,
 
 
 def hardware_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int, recompute: str,
-                            causal: bool = True) -> float:
-    """Executed FLOPs of one step: model FLOPs plus the recomputed forward work (PaLM appendix B HFU)."""
-    extra = _recompute_layers(model, model.num_layers, None, seq_len, recompute, causal)
+                            recomputed_share: float = 1.0, causal: bool = True) -> float:
+    """Executed FLOPs of one step: model FLOPs plus the recomputed forward work (PaLM appendix B HFU);
+    ``recomputed_share`` of the layers recomputed (Megatron's block method, ``Plan.recompute_num_layers``)."""
+    extra = recomputed_share * _recompute_layers(model, model.num_layers, None, seq_len, recompute, causal)
     return model_flops_per_step(model, global_batch_size, seq_len, causal) + global_batch_size * seq_len * extra
 
 

@@ -901,7 +901,18 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     """What the layers of stage ``stage`` keep for backward at its peak: in-flight chunks x layers per chunk
     x bytes saved per layer (A3, A4); a MoE model's dense-first and MoE layers each with their own bytes
     (``Plan.stage_moe_layers``). `plan3d validate` measures exactly this. With activation offloading
-    (``plan.cpu_offload_layers``, pp = 1) only :func:`offload_resident_layers` count."""
+    (``plan.cpu_offload_layers``, pp = 1) only :func:`offload_resident_layers` count.
+
+    Megatron's block recompute (``plan.recompute_num_layers`` K): the first K layers of each chunk keep their
+    input only, the others everything, so the stage holds the share ``specs.recomputed_share`` gives of what it
+    would hold under full recompute and the rest of what it would hold under none (exact for equal chunks; with
+    unequal ones the smallest chunk share, an upper bound)."""
+    if plan.recompute == "full" and plan.recompute_num_layers is not None:
+        share = plan.recomputed_share(stage, layers)[1]
+        whole = plan.model_copy(update={"recompute_num_layers": None})
+        kept = whole.model_copy(update={"recompute": "none"})
+        return share * stage_saved_bytes(model, training, whole, num_microbatches, stage, layers) + \
+            (1 - share) * stage_saved_bytes(model, training, kept, num_microbatches, stage, layers)
     dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
     if plan.cpu_offload_layers:
         dense_n, moe_n = offload_resident_layers(model, plan, layers)

@@ -847,6 +847,14 @@ class Plan(_Spec):
         description="Micro-batches per step per pipeline; derived as global_batch / (micro_batch_size * dp).")
     recompute: Recompute = Field(
         default="none", description="Activation recomputation: none, selective (attention core) or full (layer).")
+    recompute_num_layers: int | None = Field(
+        default=None, ge=1,
+        description="With recompute full: Megatron's block method, --recompute-method block --recompute-num-layers "
+                    "K: only the first K transformer layers of each model chunk are recomputed, the others keep "
+                    "every activation (core_v0.16.1 transformer_block.py _checkpointed_forward: \"checkpoint the "
+                    "input activation of only a set number of individual Transformer layers and skip the rest\"). "
+                    "None: every layer (--recompute-method uniform --recompute-num-layers 1). Megatron, NeMo and "
+                    "plan3d validate's torch runs; estimated, emitted and read by check, not proposed by search.")
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs tp > 1).")
     cpu_offload_layers: int = Field(
         default=0, ge=0,
@@ -889,6 +897,9 @@ class Plan(_Spec):
         if self.vpp > 1 and self.pp == 1:
             errors.append(f"vpp: vpp({self.vpp}) > 1 needs pp > 1 (pp is 1)")
         errors += offload_problems(self.cpu_offload_layers, self.pp, self.recompute)
+        if self.recompute_num_layers is not None and self.recompute != "full":
+            errors.append(f"recompute_num_layers: the block method recomputes whole layers; it needs recompute full, "
+                          f"not {self.recompute}")
         if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
             errors.append(f"layers_per_stage: {len(self.layers_per_stage)} entries for pp({self.pp}) stages")
         if self.layers_per_stage is not None and len(self.layers_per_stage) == self.pp:
@@ -950,6 +961,10 @@ class Plan(_Spec):
     def empty_chunks(self, num_layers: int) -> tuple[int, ...]:
         """Chunks of each pipeline rank that hold no transformer layer (:func:`empty_chunks`)."""
         return tuple(empty_chunks(n, self.vpp, first=r == 0) for r, n in enumerate(self.stage_layers(num_layers)))
+
+    def recomputed_share(self, stage: int, layers: int) -> tuple[float, float]:
+        """:func:`recomputed_share` of pipeline rank ``stage`` holding ``layers`` layers under this plan."""
+        return recomputed_share(layers, self.vpp, stage == 0, self.recompute, self.recompute_num_layers)
 
     def chunk_starts(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
         """Index of the first layer of each virtual stage, per pipeline rank: chunk ``c`` of rank ``r`` is
@@ -1036,6 +1051,23 @@ def chunk_split(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> tupl
     rank 0's chunk 0 and rank 15's chunk 7 hold no transformer layer (:func:`min_stage_layers`).
     """
     return tuple(stage_chunks(n, vpp, first=r == 0) for r, n in enumerate(layers_per_stage))
+
+
+def recomputed_share(layers: int, vpp: int, first: bool, recompute: str, num_layers: int | None
+                     ) -> tuple[float, float]:
+    """(share of a stage's layers whose forward runs again in the backward, smallest such share of any of its
+    chunks that holds layers). (1, 1) under full recompute of every layer, (0, 0) under none or selective (whose
+    recomputed modules are costed per layer). With ``num_layers`` K (``Plan.recompute_num_layers``, Megatron's
+    block method) a chunk of n layers (:func:`stage_chunks`) recomputes its first min(K, n): the first share is
+    the stage's recompute time over full recompute's, exactly; the second bounds its saved activations from
+    above (``planner.memory.stage_saved_bytes``), exactly when the chunks are equal."""
+    if recompute != "full":
+        return 0.0, 0.0
+    chunks = [c for c in stage_chunks(layers, vpp, first) if c]
+    if num_layers is None or not chunks:
+        return 1.0, 1.0
+    return (sum(min(num_layers, c) for c in chunks) / sum(chunks),
+            min(min(num_layers, c) / c for c in chunks))
 
 
 def stage_chunks(layers: int, vpp: int, first: bool) -> tuple[int, ...]:

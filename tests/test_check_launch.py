@@ -258,18 +258,42 @@ def test_no_precision_flag_is_fp32_as_in_megatron(tmp_path):
 
 
 def test_partial_checkpointing_is_bounded_by_no_recompute(tmp_path):
-    # torchtitan JobConfig: selective_ac_option defaults to "2" (every second layer); Megatron block recompute
-    # of 2 of 8 layers per stage: both store at most what no recompute stores
+    # torchtitan JobConfig: selective_ac_option defaults to "2" (every second layer): it stores at most what no
+    # recompute stores; so does Megatron's uniform method with 2 layers recomputed at once (it holds two layers'
+    # activations in the backward, where plan3d's full recompute holds one)
     toml = tmp_path / "ac.toml"
     toml.write_text((LAUNCH / "torchtitan_llama3_8b.toml").read_text().replace("selective_ac_option = 'op'", ""))
     (r,) = check_file_branches(toml, load_hardware("h100-sxm-80gb"), None, 64)
     assert r.scenario.plan.recompute == "none" and any("upper bound" in n for n in r.notes)
+    script = tmp_path / "uniform.sh"
+    script.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().replace(
+        "--bf16", "--bf16 --pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method uniform "
+                  "--recompute-num-layers 2"))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, 16)
+    assert r.scenario.plan.recompute == "none" and any("2 layers at once" in n for n in r.notes)
+
+
+def test_block_recompute_is_read_as_megatron_runs_it(tmp_path):
+    """--recompute-method block --recompute-num-layers 2 on 16 layers per stage: the first 2 layers of the stage's
+    chunk recomputed, the other 14 keeping everything (core_v0.16.1 transformer_block.py _checkpointed_forward),
+    so its saved activations lie between full recompute's and none's, 2/16 of the way from none."""
     script = tmp_path / "block.sh"
     script.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().replace(
         "--bf16", "--bf16 --pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method block "
                   "--recompute-num-layers 2"))
     (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, 16)
-    assert r.scenario.plan.recompute == "none" and any("2 of 16 layers" in n for n in r.notes)
+    plan = r.scenario.plan
+    assert (plan.recompute, plan.recompute_num_layers) == ("full", 2) and not any("upper bound" in n for n in r.notes)
+    from planner.memory import stage_saved_bytes
+
+    sc = r.scenario
+    m = sc.training.global_batch_size // (plan.micro_batch_size * plan.dp)
+
+    def saved(p):
+        return stage_saved_bytes(sc.model, sc.training, p, m, 0, p.stage_layers(sc.model.num_layers)[0])
+    full = saved(plan.model_copy(update={"recompute_num_layers": None}))
+    none = saved(plan.model_copy(update={"recompute_num_layers": None, "recompute": "none"}))
+    assert saved(plan) == pytest.approx(none + 2 / 16 * (full - none))
 
 
 def test_emitted_deepspeed_config_is_checked_with_its_plan(tmp_path):

@@ -34,6 +34,8 @@ VARIANTS = {
     "selective-recompute": {"recompute": "selective", "sequence_parallel": True},
     "gpt-full-recompute-zero3": {"model": "megatron-gpt-1.7b", "recompute": "full", "zero_stage": 3},
     "uneven-stages": {"layers_per_stage": (15, 17), "recompute": "selective"},
+    # Megatron's block recompute: the first layer of each 2-layer stage recomputed, the other keeps everything
+    "block-recompute": {"recompute": "full", "recompute_num_layers": 1},
     # rank 0's first chunk holds only the embedding (specs.min_stage_layers): chunks (0, 1, 1, 1) and (3, 3, 3, 3)
     "empty-embedding-chunk": {"vpp": 4, "layers_per_stage": (3, 29)},
 }
@@ -49,6 +51,7 @@ def test_validate_miniature(name):
     assert report["wall_s"] < RUN_LIMIT_S
     p = mini.plan
     assert (p.tp, p.pp, p.dp, p.vpp) == (2, 2, 2, sc.plan.vpp) and p.recompute == sc.plan.recompute
+    assert p.recompute_num_layers == sc.plan.recompute_num_layers
     assert p.sequence_parallel == sc.plan.sequence_parallel
     if sc.plan.layers_per_stage and sc.plan.vpp == 1:  # the lighter first stage stays lighter in the miniature
         assert p.layers_per_stage == (1, 3)

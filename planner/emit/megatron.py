@@ -302,6 +302,9 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         flags += [("--recompute-granularity", "selective")]
         if tr.recompute_modules != ("core_attn",):  # TransformerConfig.recompute_modules, default core_attn (nargs +)
             flags.append(("--recompute-modules", tuple(tr.recompute_modules)))
+    elif p.recompute == "full" and p.recompute_num_layers is not None:  # the first K layers of each model chunk
+        flags += [("--recompute-granularity", "full"), ("--recompute-method", "block"),
+                  ("--recompute-num-layers", str(p.recompute_num_layers))]
     elif p.recompute == "full":
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                   ("--recompute-num-layers", "1")]

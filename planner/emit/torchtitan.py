@@ -114,6 +114,10 @@ def args(sc: Scenario) -> list[str]:
     if sc.plan.cpu_offload_layers:
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 has no activation offloading to host memory (plan has "
                         f"cpu_offload_layers={sc.plan.cpu_offload_layers}); use --format megatron or cpu_offload_layers 0")
+    if sc.plan.recompute_num_layers is not None:  # its selective_ac_option N checkpoints every N-th layer instead
+        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 has no block recompute of the first "
+                        f"{sc.plan.recompute_num_layers} layers of each stage (its per-layer AC takes every N-th layer); "
+                        "use --format megatron or drop recompute_num_layers")
     problems = job_problems(sc.model, sc.training)
     if problems:
         raise SpecError(problems[0])

@@ -84,6 +84,9 @@ class FrameworkProfile:
     # activation offloading to host memory (Plan.cpu_offload_layers): Megatron-Core's TE-backed
     # --cpu-offloading-num-layers; plan3d emits no such knob for torchtitan or DeepSpeed
     allows_cpu_offload: bool = False
+    # Megatron's block recompute (Plan.recompute_num_layers, --recompute-method block --recompute-num-layers K);
+    # torchtitan's per-layer AC option ("selective", a layer frequency) and DeepSpeed's are other schemes
+    allows_block_recompute: bool = False
     optimizer_dtypes: tuple[str, ...] = ("fp32",)  # Adam state dtypes modelled (TrainingSpec.optimizer_dtype)
     # (dtype, ZeRO stages) pairs: the stages at which each non-fp32 optimizer state dtype runs (a dtype left out:
     # any; pairs, not a dict, so the profile stays hashable); Megatron's
@@ -194,6 +197,9 @@ class FrameworkProfile:
         if plan.cpu_offload_layers and not self.allows_cpu_offload:
             errors.append(f"cpu_offload_layers: {self.name} as plan3d emits it has no activation offloading "
                           f"(Megatron --cpu-offloading-num-layers); use framework megatron or nemo, or 0")
+        if getattr(plan, "recompute_num_layers", None) is not None and not self.allows_block_recompute:
+            errors.append(f"recompute_num_layers: {self.name} has no block recompute of the first layers of each "
+                          f"chunk (Megatron --recompute-method block); use framework megatron or nemo, or drop it")
         if plan.cp > 1 and not self.allows_cp:
             errors.append(f"cp: {self.name} has no context parallelism (cp={plan.cp}); use cp=1")
         if plan.vpp > 1 and not self.allows_vpp:

@@ -206,6 +206,7 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
 
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
+                        allows_block_recompute=True,  # its miniature recomputes the first K layers of a chunk
                         uneven_virtual_ends_only=False,  # plan3d validate's miniature splits any stage
                         moe_ep_needs_fsdp=False,  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
                         # plan3d validate's miniature runs fused SwiGLU and RoPE of its own, not torchtitan's block

@@ -161,7 +161,7 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
               backend: str = "gloo", precision: str = "fp32") -> Scenario:
     """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring).
 
-    Kept from the plan: tp, pp, cp, vpp, recompute, SP, the ZeRO stage (1 runs as 2), GQA, activation,
+    Kept from the plan: tp, pp, cp, vpp, recompute (with its block K), SP, the ZeRO stage (1 runs as 2), GQA, activation,
     norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout; for a
     MoE model the experts, shared experts, gate and router bias (:func:`miniature_moe_fields`).
     Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, the precision (``precision``:
@@ -208,6 +208,7 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     training = TrainingSpec(num_gpus=tp * pp * dp * cp, global_batch_size=mbs * micro * dp, seq_len=seq,
                             precision=precision, attention="flash", framework="torch", overlap_grad_reduce=True)
     plan = Plan(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
+                recompute_num_layers=p.recompute_num_layers,
                 sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage,
                 layers_per_stage=stage_layers, ep=math.gcd(p.ep, tp * dp) if m.is_moe else 1,
                 etp=1 if m.is_moe and p.etp is not None else None)

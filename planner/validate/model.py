@@ -205,10 +205,13 @@ def build_chunks(model: ModelSpec, layers_per_chunk: list[int], seed: int = 1234
     return chunks
 
 
-def set_recompute(chunk: Chunk, recompute: str) -> None:
-    for blk in chunk.layers:
-        blk.recompute = recompute
-        blk.attention.recompute_core = recompute == "selective"
+def set_recompute(chunk: Chunk, recompute: str, num_layers: int | None = None) -> None:
+    """``recompute`` on every layer of the chunk; with ``num_layers`` K (full only) on its first K layers, the
+    others keeping everything, as Megatron's block method runs each model chunk (``Plan.recompute_num_layers``)."""
+    for i, blk in enumerate(chunk.layers):
+        rc = "none" if num_layers is not None and i >= num_layers else recompute
+        blk.recompute = rc
+        blk.attention.recompute_core = rc == "selective"
 
 
 def tensor_parallelize(chunk: Chunk, tp_mesh, sequence_parallel: bool) -> None:

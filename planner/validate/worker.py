@@ -480,7 +480,7 @@ def _main(argv: list[str] | None) -> int:
                 blk.attention.cp_group = None if bad.get("local_attention") else mesh["cp"].get_group()
                 blk.attention.positions = positions
     for k, chunk in enumerate(mine):
-        set_recompute(chunk, p.recompute)
+        set_recompute(chunk, p.recompute, p.recompute_num_layers)
         if p.tp > 1:
             tensor_parallelize(chunk, mesh["tp"], p.sequence_parallel)
         if bad.get("corrupt") and len(chunk.layers) and not any(len(c.layers) for c in mine[:k]):
