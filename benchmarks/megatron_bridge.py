@@ -15,8 +15,8 @@ then mean |error| and worst signed error per system, precision, family and overa
 
 Mapping (the brief of this benchmark; the table gives no ZeRO stage, recompute or SP): framework nemo;
 zero_stage 3 when FSDP is on, else 1 (Megatron distributed optimizer); sequence parallelism when TP > 1;
-recompute: the recipe's recompute_modules as Megatron's selective recompute of those modules, else none (the two
-recipes' recompute_num_layers, block recompute, are not modelled); the recipe's cpu_offloading_num_layers as
+recompute: the recipe's full recompute (the two recipes with recompute_method block: Plan.recompute_num_layers), else
+its recompute_modules as Megatron's selective recompute of those modules, else none; the recipe's cpu_offloading_num_layers as
 ``Plan.cpu_offload_layers``; bf16 gradients (``grad_reduce_in_bf16``: every model's perf script sets
 ``cfg.ddp.grad_reduce_in_fp32 = False``, e.g. ``set_llama3_common_configs`` in
 scripts/performance/configs/llama/llama3_llm_pretrain.py, ``set_qwen3_common_configs``, ``set_gpt_oss_common_configs``);
@@ -81,7 +81,7 @@ def plan_of(r: dict, moe: bool) -> Plan:
     lps = tuple(r["layers_per_stage"]) if r.get("layers_per_stage") else None
     experts = {"ep": r["ep"] or 1, "etp": 1} if moe else {}  # dense rows print EP 1 or n/a: no expert layers
     return Plan(tp=r["tp"], pp=r["pp"], dp=dp, cp=r["cp"], vpp=r["vp"] or 1, micro_batch_size=r["mbs"],
-                recompute="selective" if recompute_modules(r) else "none", sequence_parallel=r["tp"] > 1,
+                **recompute_of(r), sequence_parallel=r["tp"] > 1,
                 zero_stage=3 if r["fsdp"] else 1, layers_per_stage=lps,
                 cpu_offload_layers=(r.get("recipe") or {}).get("cpu_offloading_num_layers") or 0, **experts)
 
@@ -95,6 +95,17 @@ def a2a_overlap(r: dict) -> bool:
     published with PP > 1 and no VP therefore ran without it, whatever the recipe of another layout says (the
     DGX-B300 DeepSeek-V3 rows: PP16 without VP in the table, the B300 MXFP8 recipe's PP8 VP2 with overlap)."""
     return bool(r["a2a_overlap"]) and not (r["pp"] > 1 and (r["vp"] or 1) == 1)
+
+
+def recompute_of(r: dict) -> dict:
+    """The recipe's recompute as plan fields: full recompute by Megatron's block method (``recompute_method``
+    block, ``recompute_num_layers`` K: ``Plan.recompute_num_layers``), else selective recompute of its
+    ``recompute_modules``, else none."""
+    recipe = r.get("recipe") or {}
+    if recipe.get("recompute_granularity") == "full":
+        k = recipe.get("recompute_num_layers") if recipe.get("recompute_method") == "block" else None
+        return {"recompute": "full", "recompute_num_layers": k}
+    return {"recompute": "selective" if recompute_modules(r) else "none"}
 
 
 def recompute_modules(r: dict) -> tuple[str, ...]:
