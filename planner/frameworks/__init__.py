@@ -197,7 +197,7 @@ class FrameworkProfile:
         if plan.cpu_offload_layers and not self.allows_cpu_offload:
             errors.append(f"cpu_offload_layers: {self.name} as plan3d emits it has no activation offloading "
                           f"(Megatron --cpu-offloading-num-layers); use framework megatron or nemo, or 0")
-        if getattr(plan, "recompute_num_layers", None) is not None and not self.allows_block_recompute:
+        if plan.recompute_num_layers is not None and not self.allows_block_recompute:
             errors.append(f"recompute_num_layers: {self.name} has no block recompute of the first layers of each "
                           f"chunk (Megatron --recompute-method block); use framework megatron or nemo, or drop it")
         if plan.cp > 1 and not self.allows_cp:

@@ -215,10 +215,12 @@ TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=Fals
 
 def reserved_modelled(model, training, plan) -> bool:
     """Whether :mod:`planner.allocator_trace` writes this plan's step: dense models, one virtual stage per
-    rank in 1F1B order (torchtitan's default ``pipeline_parallel_schedule``), no activation offloading.
+    rank in 1F1B order (torchtitan's default ``pipeline_parallel_schedule``), no activation offloading and no
+    block recompute.
     Interleaved and zero-bubble schedules and MoE layers (expert shards over ``efsdp``, dispatch buffers)
     are not written: their peak stays the allocated estimate."""
-    return (not model.is_moe and plan.vpp == 1 and plan.schedule == "1f1b" and not plan.cpu_offload_layers)
+    return (not model.is_moe and plan.vpp == 1 and plan.schedule == "1f1b" and not plan.cpu_offload_layers
+            and plan.recompute_num_layers is None)  # block recompute (Megatron's) is not written either
 
 
 def with_reserved(model, hardware, training, plan, num_microbatches: int, stages: tuple) -> tuple:
