@@ -1851,7 +1851,10 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
 
 def recomputed_layers_share(model: ModelSpec, plan: Plan) -> float:
     """Share of the model's layers recomputed under ``plan.recompute`` full (1 unless Megatron's block method,
-    ``plan.recompute_num_layers``, leaves some out: ``specs.recomputed_share`` per stage)."""
+    ``plan.recompute_num_layers``, leaves some out: ``specs.recomputed_share`` per stage); 1 under selective or
+    no recompute, whose recomputed work ``flops.hardware_flops_per_step`` counts whole."""
+    if plan.recompute != "full" or plan.recompute_num_layers is None:
+        return 1.0
     layers = plan.stage_layers(model.num_layers)
     return sum(plan.recomputed_share(r, n)[0] * n for r, n in enumerate(layers)) / max(sum(layers), 1)
 

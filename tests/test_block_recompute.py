@@ -89,6 +89,11 @@ def test_time_recomputes_the_share_of_the_layers():
     assert estimate_time(L70, H100, tr, plan.model_copy(update={"recompute_num_layers": 10})).breakdown == \
         pytest.approx(t_full.breakdown)
     # hardware FLOPs: the model's plus 6 of every 20 layers' forward again (PaLM appendix B)
+    from planner.cost import recomputed_layers_share
+
+    assert recomputed_layers_share(L70, plan) == pytest.approx(0.3)
+    for rc in ("selective", "full"):  # the recompute counted whole otherwise
+        assert recomputed_layers_share(L70, plan.model_copy(update={"recompute": rc, "recompute_num_layers": None})) == 1
     hf = flops.hardware_flops_per_step(L70, 64, 8192, "full", 0.3)
     mf = flops.model_flops_per_step(L70, 64, 8192)
     assert hf - mf == pytest.approx(0.3 * (flops.hardware_flops_per_step(L70, 64, 8192, "full") - mf))
