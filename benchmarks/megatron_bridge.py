@@ -15,9 +15,9 @@ then mean |error| and worst signed error per system, precision, family and overa
 
 Mapping (the brief of this benchmark; the table gives no ZeRO stage, recompute or SP): framework nemo;
 zero_stage 3 when FSDP is on, else 1 (Megatron distributed optimizer); sequence parallelism when TP > 1;
-recompute: the recipe's full recompute (the two recipes with recompute_method block: Plan.recompute_num_layers), else
-its recompute_modules as Megatron's selective recompute of those modules, else none; the recipe's cpu_offloading_num_layers as
-``Plan.cpu_offload_layers``; bf16 gradients (``grad_reduce_in_bf16``: every model's perf script sets
+recompute: the recipe's full recompute (the two recipes with recompute_method block: Plan.recompute_num_layers),
+else its recompute_modules as Megatron's selective recompute of those modules, else none; the recipe's
+cpu_offloading_num_layers as ``Plan.cpu_offload_layers``; bf16 gradients (``grad_reduce_in_bf16``: every model's perf script sets
 ``cfg.ddp.grad_reduce_in_fp32 = False``, e.g. ``set_llama3_common_configs`` in
 scripts/performance/configs/llama/llama3_llm_pretrain.py, ``set_qwen3_common_configs``, ``set_gpt_oss_common_configs``);
 fp8 weights with no bf16 copy (``fp8_params``) in every fp8 and mxfp8 run: the perf scripts take their precision from

@@ -161,8 +161,8 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
               backend: str = "gloo", precision: str = "fp32") -> Scenario:
     """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring).
 
-    Kept from the plan: tp, pp, cp, vpp, recompute (with its block K), SP, the ZeRO stage (1 runs as 2), GQA, activation,
-    norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout; for a
+    Kept from the plan: tp, pp, cp, vpp, recompute (with its block K), SP, the ZeRO stage (1 runs as 2), GQA,
+    activation, norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout; for a
     MoE model the experts, shared experts, gate and router bias (:func:`miniature_moe_fields`).
     Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, the precision (``precision``:
     fp32 by default, where the loss check against one process is exact; or bf16 with FSDP2's mixed
