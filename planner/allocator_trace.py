@@ -186,9 +186,13 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     groups = [root_blocks] + [attn_p + mlp_p] * layers  # group 0: the root module
     terms = layer_activation_terms(model, training, plan)
     split = next((i for i, x in enumerate(terms) if x.name.startswith("norm2")), len(terms))
-    rc = plan.recompute
-    forward_terms = [(x.bytes, kept_under(x, rc)) for x in terms if not x.layer_input]
-    recompute_terms = [x.bytes for x in terms if x.autograd and not kept_under(x, rc) and not x.layer_input]
+    # per layer, the policy it runs under: torchtitan's per-layer AC (plan.recompute_interval) checkpoints every
+    # N-th block of the rank and leaves the others alone (Plan.checkpointed_layers)
+    policies = [plan.recompute] * layers if not plan.partial_recompute else \
+        ["full" if c else "none" for c in plan.checkpointed_layers(stage, layers)]
+    forward_by = {rc: [(x.bytes, kept_under(x, rc)) for x in terms if not x.layer_input] for rc in set(policies)}
+    recompute_by = {rc: [x.bytes for x in terms if x.autograd and not kept_under(x, rc) and not x.layer_input]
+                    for rc in set(policies)}
     backward_halves = [([x.bytes for x in reversed(half) if x.autograd], blocks)
                        for half, blocks in ((terms[split:], mlp_p), (terms[:split], attn_p))]
 
@@ -271,7 +275,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             unshard(g)
             layer = [x]
             prev = None
-            for nbytes, kept in forward_terms:
+            for nbytes, kept in forward_by[policies[i]]:
                 k = tr.new(nbytes)
                 tr.free(prev)
                 prev = None
@@ -352,7 +356,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 unshard(g - 1)  # FSDP2's backward prefetch of the block before
             layer = keep.pop()
             # recompute: what the policy dropped, re-made in forward order
-            recomputed = [tr.new(x) for x in recompute_terms]
+            recomputed = [tr.new(x) for x in recompute_by[policies[i]]]
             held = layer + recomputed
             wgrads = []
             prev = grad

@@ -1583,9 +1583,10 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
 
     Megatron's block recompute (``plan.recompute_num_layers``): every term of a stage is the share of its layers
     recomputed (``specs.recomputed_share``) of the stage under full recompute, and the rest of it under none (the
-    per-layer terms add up layer by layer; the others are the same under both)."""
-    if plan.recompute == "full" and plan.recompute_num_layers is not None:
-        whole = plan.model_copy(update={"recompute_num_layers": None})
+    per-layer terms add up layer by layer; the others are the same under both). torchtitan's per-layer AC
+    (``plan.recompute_interval``) the same way, with its share."""
+    if plan.partial_recompute:
+        whole = plan.model_copy(update={"recompute_num_layers": None, "recompute_interval": None})
         full = stage_times(model, hw, training, whole, order)
         none = stage_times(model, hw, training, whole.model_copy(update={"recompute": "none"}), order)
         out = []
@@ -1851,9 +1852,10 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
 
 def recomputed_layers_share(model: ModelSpec, plan: Plan) -> float:
     """Share of the model's layers recomputed under ``plan.recompute`` full (1 unless Megatron's block method,
-    ``plan.recompute_num_layers``, leaves some out: ``specs.recomputed_share`` per stage); 1 under selective or
-    no recompute, whose recomputed work ``flops.hardware_flops_per_step`` counts whole."""
-    if plan.recompute != "full" or plan.recompute_num_layers is None:
+    ``plan.recompute_num_layers``, or torchtitan's per-layer AC, ``plan.recompute_interval``, leaves some out:
+    ``specs.recomputed_share`` per stage); 1 under selective or no recompute, whose recomputed work
+    ``flops.hardware_flops_per_step`` counts whole."""
+    if not plan.partial_recompute:
         return 1.0
     layers = plan.stage_layers(model.num_layers)
     return sum(plan.recomputed_share(r, n)[0] * n for r, n in enumerate(layers)) / max(sum(layers), 1)

@@ -445,14 +445,16 @@ def _apply_tp(torch, model, tp_mesh, loss_parallel: bool):
 def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int, tp: int = 1,
                  reshard_after_forward: bool = True, recompute: str = "none", microbatches: int = 1,
                  pipeline_nosync: bool = False, last_stage: bool = False, first_stage_in_flight: int = 0,
-                 steps: int = 2,
+                 steps: int = 2, recompute_interval: int | None = None,
                  capacity_gib: float | None = None) -> FakeRankResult:
     """Peak memory of rank 0 of a ``dp`` x ``tp`` job training ``spec`` with ``layers`` layers.
 
     FSDP2 over ``dp`` (torchtitan's ``apply_fsdp``: each block, then the root; bf16 params, fp32
     reduce), TP over ``tp`` with sequence parallelism and loss parallelism (torchtitan's
     ``apply_tp``), AdamW (foreach). ``recompute="full"`` wraps each block in
-    ``checkpoint_wrapper`` (torchtitan's full AC), ``"selective"`` adds torchtitan's op-level policy. ``microbatches`` forward+backward passes per
+    ``checkpoint_wrapper`` (torchtitan's full AC), ``"selective"`` adds torchtitan's op-level policy; with
+    ``recompute_interval`` N (full) only every N-th block is wrapped, as torchtitan's per-layer AC
+    (``_apply_layer_sac``: count % N == 0). ``microbatches`` forward+backward passes per
     step; with ``pipeline_nosync`` they run as a pipeline stage runs them under FSDP2
     (``PipelineStage.backward_maybe_with_nosync``: no gradient sync, no reshard after backward,
     then ``perform_reduce_grad``). ``last_stage``: the last stage of a pipeline (no embedding; its
@@ -482,7 +484,7 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
         try:
             result = _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp,
                         reshard_after_forward, recompute, microbatches, pipeline_nosync or first_stage_in_flight > 0,
-                        last_stage, first_stage_in_flight, steps, t0)
+                        last_stage, first_stage_in_flight, steps, t0, recompute_interval)
         finally:
             fake.__exit__(None, None, None)
     reserved = replay_reserved(events, capacity_gib * 2**30 if capacity_gib else None).peak_reserved
@@ -490,7 +492,8 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
 
 
 def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp, reshard_after_forward,
-         recompute, microbatches, pipeline_nosync, last_stage, first_stage_in_flight, steps, t0):
+         recompute, microbatches, pipeline_nosync, last_stage, first_stage_in_flight, steps, t0,
+         recompute_interval=None):
     import time
 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -503,7 +506,8 @@ def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, t
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         extra = {"context_fn": _op_sac_context_fn(torch)} if recompute == "selective" else {}
         for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)
+            if recompute_interval is None or (i + 1) % recompute_interval == 0:
+                model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)

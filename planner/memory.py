@@ -906,10 +906,11 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     Megatron's block recompute (``plan.recompute_num_layers`` K): the first K layers of each chunk keep their
     input only, the others everything, so the stage holds the share ``specs.recomputed_share`` gives of what it
     would hold under full recompute and the rest of what it would hold under none (exact for equal chunks; with
-    unequal ones the smallest chunk share, an upper bound)."""
-    if plan.recompute == "full" and plan.recompute_num_layers is not None:
+    unequal ones the smallest chunk share, an upper bound). torchtitan's per-layer AC (``plan.recompute_interval``
+    N) likewise, with every N-th layer of the rank recomputed (exact at vpp 1)."""
+    if plan.partial_recompute:
         share = plan.recomputed_share(stage, layers)[1]
-        whole = plan.model_copy(update={"recompute_num_layers": None})
+        whole = plan.model_copy(update={"recompute_num_layers": None, "recompute_interval": None})
         kept = whole.model_copy(update={"recompute": "none"})
         return share * stage_saved_bytes(model, training, whole, num_microbatches, stage, layers) + \
             (1 - share) * stage_saved_bytes(model, training, kept, num_microbatches, stage, layers)

@@ -855,6 +855,14 @@ class Plan(_Spec):
                     "input activation of only a set number of individual Transformer layers and skip the rest\"). "
                     "None: every layer (--recompute-method uniform --recompute-num-layers 1). Megatron, NeMo and "
                     "plan3d validate's torch runs; estimated, emitted and read by check, not proposed by search.")
+    recompute_interval: int | None = Field(
+        default=None, ge=1,
+        description="With recompute full: torchtitan's per-layer selective AC, --activation_checkpoint.mode selective "
+                    "--activation_checkpoint.selective_ac_option N: every N-th transformer layer a pipeline rank builds "
+                    "is fully checkpointed, the others keep every activation (torchtitan "
+                    "distributed/activation_checkpoint.py _apply_layer_sac: one process-wide counter over the rank's "
+                    "blocks, checkpoint where counter % N == 0). None: every layer. torchtitan and plan3d validate's "
+                    "torch runs; estimated, emitted and read by check, not proposed by search.")
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs tp > 1).")
     cpu_offload_layers: int = Field(
         default=0, ge=0,
@@ -900,6 +908,12 @@ class Plan(_Spec):
         if self.recompute_num_layers is not None and self.recompute != "full":
             errors.append(f"recompute_num_layers: the block method recomputes whole layers; it needs recompute full, "
                           f"not {self.recompute}")
+        if self.recompute_interval is not None and self.recompute != "full":
+            errors.append(f"recompute_interval: per-layer AC recomputes whole layers; it needs recompute full, "
+                          f"not {self.recompute}")
+        if self.recompute_interval is not None and self.recompute_num_layers is not None:
+            errors.append("recompute_interval: Megatron's block method (recompute_num_layers) and torchtitan's "
+                          "per-layer AC (recompute_interval) are two frameworks' forms; give one")
         if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
             errors.append(f"layers_per_stage: {len(self.layers_per_stage)} entries for pp({self.pp}) stages")
         if self.layers_per_stage is not None and len(self.layers_per_stage) == self.pp:
@@ -964,7 +978,20 @@ class Plan(_Spec):
 
     def recomputed_share(self, stage: int, layers: int) -> tuple[float, float]:
         """:func:`recomputed_share` of pipeline rank ``stage`` holding ``layers`` layers under this plan."""
-        return recomputed_share(layers, self.vpp, stage == 0, self.recompute, self.recompute_num_layers)
+        return recomputed_share(layers, self.vpp, stage == 0, self.recompute, self.recompute_num_layers,
+                                self.recompute_interval)
+
+    @property
+    def partial_recompute(self) -> bool:
+        """Full recompute of some layers only: Megatron's block method or torchtitan's per-layer AC."""
+        return self.recompute == "full" and (self.recompute_num_layers is not None or
+                                             self.recompute_interval is not None)
+
+    def checkpointed_layers(self, stage: int, layers: int) -> tuple[bool, ...]:
+        """Per layer of pipeline rank ``stage`` (in the order the rank builds them, chunk by chunk): fully
+        recomputed or not (:func:`checkpointed_layers`)."""
+        return checkpointed_layers(layers, self.vpp, stage == 0, self.recompute, self.recompute_num_layers,
+                                   self.recompute_interval)
 
     def chunk_starts(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
         """Index of the first layer of each virtual stage, per pipeline rank: chunk ``c`` of rank ``r`` is
@@ -1053,21 +1080,42 @@ def chunk_split(layers_per_stage: tuple[int, ...] | list[int], vpp: int) -> tupl
     return tuple(stage_chunks(n, vpp, first=r == 0) for r, n in enumerate(layers_per_stage))
 
 
-def recomputed_share(layers: int, vpp: int, first: bool, recompute: str, num_layers: int | None
-                     ) -> tuple[float, float]:
+def recomputed_share(layers: int, vpp: int, first: bool, recompute: str, num_layers: int | None,
+                     interval: int | None = None) -> tuple[float, float]:
     """(share of a stage's layers whose forward runs again in the backward, smallest such share of any of its
     chunks that holds layers). (1, 1) under full recompute of every layer, (0, 0) under none or selective (whose
     recomputed modules are costed per layer). With ``num_layers`` K (``Plan.recompute_num_layers``, Megatron's
     block method) a chunk of n layers (:func:`stage_chunks`) recomputes its first min(K, n): the first share is
     the stage's recompute time over full recompute's, exactly; the second bounds its saved activations from
-    above (``planner.memory.stage_saved_bytes``), exactly when the chunks are equal."""
+    above (``planner.memory.stage_saved_bytes``), exactly when the chunks are equal. With ``interval`` N
+    (``Plan.recompute_interval``, torchtitan's per-layer AC) the rank's k-th layer (k = 1, 2, ... over its
+    chunks) is recomputed where k % N == 0: floor(L / N) of its L layers, exactly; any n consecutive layers hold
+    at least floor(n / N) of them, so the smallest chunk share is bounded by min floor(n / N) / n whatever order
+    the framework splits the chunks in (exactly at vpp 1)."""
     if recompute != "full":
         return 0.0, 0.0
     chunks = [c for c in stage_chunks(layers, vpp, first) if c]
-    if num_layers is None or not chunks:
+    if not chunks or (num_layers is None and interval is None):
         return 1.0, 1.0
+    if interval is not None:
+        return (layers // interval) / layers, min((c // interval) / c for c in chunks)
     return (sum(min(num_layers, c) for c in chunks) / sum(chunks),
             min(min(num_layers, c) / c for c in chunks))
+
+
+def checkpointed_layers(layers: int, vpp: int, first: bool, recompute: str, num_layers: int | None,
+                        interval: int | None = None) -> tuple[bool, ...]:
+    """Per layer of a stage, in build order (chunk after chunk, :func:`stage_chunks`): recomputed whole in the
+    backward or not. Full recompute: all; Megatron's block method (``num_layers`` K): the first K of each chunk
+    (core_v0.16.1 ``transformer_block.py`` ``_checkpointed_forward``); torchtitan's per-layer AC (``interval``
+    N): the k-th layer where k % N == 0 (``_apply_layer_sac``); none and selective: none."""
+    if recompute != "full":
+        return (False,) * layers
+    if interval is not None:
+        return tuple((k + 1) % interval == 0 for k in range(layers))
+    if num_layers is None:
+        return (True,) * layers
+    return tuple(i < num_layers for c in stage_chunks(layers, vpp, first) for i in range(c))
 
 
 def stage_chunks(layers: int, vpp: int, first: bool) -> tuple[int, ...]:

@@ -31,8 +31,11 @@ LLAMA3_8B = load_model("llama3-8b")
 H100 = load_hardware("h100-sxm-80gb")
 PUBLISHED = json.loads((Path(__file__).parent / "data" / "published_memory.json").read_text())["torchtitan_h100_202412"]
 
-# name: (layers of the stage, dp, tp, pp, zero stage, recompute, micro-batches, which pipeline stage)
+# name: (layers of the stage, dp, tp, pp, zero stage, recompute, micro-batches, which pipeline stage); recompute
+# "full/N": torchtitan's per-layer AC, every N-th block checkpointed (Plan.recompute_interval)
 CASES = {
+    "fsdp8-layer-ac-every-2": (4, 8, 1, 1, 3, "full/2", 1, "only"),
+    "pp2-first-stage-layer-ac-every-3": (4, 8, 1, 2, 3, "full/3", 4, "first"),
     "fsdp8-selective-2-layers": (2, 8, 1, 1, 3, "selective", 1, "only"),
     "fsdp8-none": (4, 8, 1, 1, 3, "none", 1, "only"),
     "fsdp8-full-ac": (4, 8, 1, 1, 3, "full", 1, "only"),
@@ -47,10 +50,18 @@ CASES = {
 }
 
 
+def _policy(rc):
+    """(recompute, recompute_interval) of a case's recompute: "full/N" is torchtitan's per-layer AC."""
+    rc, _, every = rc.partition("/")
+    return rc, int(every) if every else None
+
+
 def _scenario(layers, dp, tp, pp, zero, rc, mb):
     model = LLAMA3_8B.model_copy(update={"num_layers": layers * pp})
     training = TrainingSpec(num_gpus=dp * tp * pp, global_batch_size=MBS * dp * mb, seq_len=SEQ, framework="torchtitan")
-    plan = Plan(tp=tp, pp=pp, dp=dp, micro_batch_size=MBS, zero_stage=zero, recompute=rc, sequence_parallel=tp > 1)
+    rc, every = _policy(rc)
+    plan = Plan(tp=tp, pp=pp, dp=dp, micro_batch_size=MBS, zero_stage=zero, recompute=rc, recompute_interval=every,
+                sequence_parallel=tp > 1)
     return model, training, plan
 
 
@@ -67,7 +78,8 @@ def _torch_trace(layers, dp, tp, pp, zero, rc, mb, which):
 
     def run():
         return fake_rank.measure_step(LLAMA3_8B, layers=layers, seq_len=SEQ, micro_batch_size=MBS, dp=dp, tp=tp,
-                                      reshard_after_forward=reshard_after_forward(plan), recompute=rc, microbatches=mb,
+                                      reshard_after_forward=reshard_after_forward(plan), recompute=plan.recompute,
+                                      recompute_interval=plan.recompute_interval, microbatches=mb,
                                       pipeline_nosync=which == "last", last_stage=which == "last",
                                       first_stage_in_flight=pp if which == "first" else 0)
 

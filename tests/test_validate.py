@@ -21,10 +21,11 @@ from planner.validate.launch import MEMORY_TOLERANCE, miniature, validate_local 
 RUN_LIMIT_S = 120  # acceptance: each variant completes in under 2 minutes
 
 
-def _scenario(model="llama3-8b", **plan):
+def _scenario(model="llama3-8b", framework="megatron", **plan):
     base = dict(tp=2, pp=2, dp=16, micro_batch_size=1, recompute="none", sequence_parallel=False, zero_stage=0)
     return Scenario(model=load_model(model), hardware=load_hardware("h100-sxm-80gb"),
-                    training=TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=2048), plan=Plan(**(base | plan)))
+                    training=TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=2048, framework=framework),
+                    plan=Plan(**(base | plan)))
 
 
 VARIANTS = {
@@ -36,6 +37,9 @@ VARIANTS = {
     "uneven-stages": {"layers_per_stage": (15, 17), "recompute": "selective"},
     # Megatron's block recompute: the first layer of each 2-layer stage recomputed, the other keeps everything
     "block-recompute": {"recompute": "full", "recompute_num_layers": 1},
+    # torchtitan's per-layer AC: the second layer of each rank's two recomputed, the first keeps everything
+    "layer-interval-recompute": {"framework": "torchtitan", "recompute": "full", "recompute_interval": 2,
+                                 "zero_stage": 3},
     # rank 0's first chunk holds only the embedding (specs.min_stage_layers): chunks (0, 1, 1, 1) and (3, 3, 3, 3)
     "empty-embedding-chunk": {"vpp": 4, "layers_per_stage": (3, 29)},
 }
@@ -44,14 +48,14 @@ VARIANTS = {
 @pytest.mark.parametrize("name", VARIANTS)
 def test_validate_miniature(name):
     spec = dict(VARIANTS[name])
-    sc = _scenario(spec.pop("model", "llama3-8b"), **spec)
+    sc = _scenario(spec.pop("model", "llama3-8b"), spec.pop("framework", "megatron"), **spec)
     mini, outcome = validate_local(sc, steps=3, timeout_s=RUN_LIMIT_S)
     assert outcome.ok, outcome.message
     report = outcome.report
     assert report["wall_s"] < RUN_LIMIT_S
     p = mini.plan
     assert (p.tp, p.pp, p.dp, p.vpp) == (2, 2, 2, sc.plan.vpp) and p.recompute == sc.plan.recompute
-    assert p.recompute_num_layers == sc.plan.recompute_num_layers
+    assert (p.recompute_num_layers, p.recompute_interval) == (sc.plan.recompute_num_layers, sc.plan.recompute_interval)
     assert p.sequence_parallel == sc.plan.sequence_parallel
     if sc.plan.layers_per_stage and sc.plan.vpp == 1:  # the lighter first stage stays lighter in the miniature
         assert p.layers_per_stage == (1, 3)

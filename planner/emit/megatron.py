@@ -402,6 +402,10 @@ def schedule_refusals(sc: Scenario, framework: str) -> list[str]:
 def megatron_flags(sc: Scenario) -> list[Flag]:
     """Every Megatron-LM flag of the plan, in order; a MoE plan Megatron-LM would refuse is refused."""
     refusals = schedule_refusals(sc, "megatron") + moe_plan_refusals(sc)
+    if sc.plan.recompute_interval is not None:  # Megatron recomputes the first K of a chunk, or N at a time
+        refusals.append(f"--emit megatron: Megatron has no per-layer AC of every {sc.plan.recompute_interval}-th layer "
+                        "(torchtitan's selective_ac_option); use recompute_num_layers (--recompute-method block) "
+                        "or drop recompute_interval")
     if refusals:
         raise SpecError(refusals)
     return model_flags(sc) + parallel_flags(sc) + run_flags() + cuda_graph_flags(sc)

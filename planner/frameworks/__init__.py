@@ -87,6 +87,9 @@ class FrameworkProfile:
     # Megatron's block recompute (Plan.recompute_num_layers, --recompute-method block --recompute-num-layers K);
     # torchtitan's per-layer AC option ("selective", a layer frequency) and DeepSpeed's are other schemes
     allows_block_recompute: bool = False
+    # torchtitan's per-layer AC (Plan.recompute_interval, --activation_checkpoint.mode selective
+    # --activation_checkpoint.selective_ac_option N: every N-th block of a rank fully checkpointed)
+    allows_layer_interval_recompute: bool = False
     optimizer_dtypes: tuple[str, ...] = ("fp32",)  # Adam state dtypes modelled (TrainingSpec.optimizer_dtype)
     # (dtype, ZeRO stages) pairs: the stages at which each non-fp32 optimizer state dtype runs (a dtype left out:
     # any; pairs, not a dict, so the profile stays hashable); Megatron's
@@ -200,6 +203,9 @@ class FrameworkProfile:
         if plan.recompute_num_layers is not None and not self.allows_block_recompute:
             errors.append(f"recompute_num_layers: {self.name} has no block recompute of the first layers of each "
                           f"chunk (Megatron --recompute-method block); use framework megatron or nemo, or drop it")
+        if plan.recompute_interval is not None and not self.allows_layer_interval_recompute:
+            errors.append(f"recompute_interval: {self.name} has no per-layer AC of every N-th layer (torchtitan "
+                          f"--activation_checkpoint.selective_ac_option N); use framework torchtitan, or drop it")
         if plan.cp > 1 and not self.allows_cp:
             errors.append(f"cp: {self.name} has no context parallelism (cp={plan.cp}); use cp=1")
         if plan.vpp > 1 and not self.allows_vpp:

@@ -200,6 +200,7 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            # its automatic split shortens only the first and last *virtual* stage, and
                            # module_fqns_per_model_part cannot be passed on the command line (planner/emit/torchtitan.py)
                            uneven_virtual_ends_only=True, pipeline_recv_buffers=True,
+                           allows_layer_interval_recompute=True,  # selective_ac_option N (Plan.recompute_interval)
                            expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan",
                            eager_block_bytes=EAGER_BLOCK_BYTES,
                            eager_block_kernels=EAGER_BLOCK_KERNELS, eager_loss_bytes_per_logit=EAGER_LOSS_BYTES_PER_LOGIT)
@@ -207,6 +208,7 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
                         allows_block_recompute=True,  # its miniature recomputes the first K layers of a chunk
+                        # (and every N-th layer of a rank, Plan.recompute_interval, as torchtitan does)
                         uneven_virtual_ends_only=False,  # plan3d validate's miniature splits any stage
                         moe_ep_needs_fsdp=False,  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
                         # plan3d validate's miniature runs fused SwiGLU and RoPE of its own, not torchtitan's block
@@ -216,7 +218,7 @@ TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=Fals
 def reserved_modelled(model, training, plan) -> bool:
     """Whether :mod:`planner.allocator_trace` writes this plan's step: dense models, one virtual stage per
     rank in 1F1B order (torchtitan's default ``pipeline_parallel_schedule``), no activation offloading and no
-    block recompute.
+    block recompute (torchtitan's own per-layer AC, ``plan.recompute_interval``, is written layer by layer).
     Interleaved and zero-bubble schedules and MoE layers (expert shards over ``efsdp``, dispatch buffers)
     are not written: their peak stays the allocated estimate."""
     return (not model.is_moe and plan.vpp == 1 and plan.schedule == "1f1b" and not plan.cpu_offload_layers

@@ -51,14 +51,14 @@ def is_torchtitan(doc: dict) -> bool:
 
 def apply_overrides(doc: dict, words: list[str]) -> dict:
     """``--section.key value`` / ``--section.key=value`` / ``--section.flag`` (true) on top of the TOML;
-    ``activation_checkpoint:MODE`` (torchtitan 0.3's subcommand form) sets the mode."""
+    ``activation_checkpoint:MODE`` (torchtitan 0.3's subcommand form) sets the mode, whose selective is per-op."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()}
     i = 0
     while i < len(words):
         word = words[i]
         m = re.fullmatch(r"activation_checkpoint:(\w+)", word)
-        if m:
-            out.setdefault("activation_checkpoint", {})["mode"] = m.group(1)
+        if m:  # torchtitan 0.3's SelectiveAC is per-op only (distributed/activation_checkpoint.py): no layer option
+            out["activation_checkpoint"] = {"mode": m.group(1), "selective_ac_option": "op"}
         elif word.startswith("--") and "." in word:
             key, eq, value = word[2:].partition("=")
             if not eq:
@@ -184,16 +184,23 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         if pipeline_schedule in ("zbv", "dualpipev") and len(set(layers_per_stage)) == 1:
             layers_per_stage = None  # an even V layout, as Plan wants it
     # JobConfig defaults: mode "selective", selective_ac_option "2" (every second layer fully checkpointed)
+    # (older torchtitan, TOML configs: ActivationCheckpoint in config/job_config.py; 0.3.0 has per-op SAC only)
     ac = doc.get("activation_checkpoint", {})
     mode = str(ac.get("mode", "selective"))
+    interval = None
     if mode == "selective":
-        option = str(ac.get("selective_ac_option", "2"))
+        option = str(ac.get("selective_ac_option", "2")).strip()
         if option == "op":
             notes.append("activation_checkpoint selective (op): modelled as selective recompute")
+        elif option.isdigit():  # _apply_layer_sac: every N-th block a rank builds, all of them for 0 or 1
+            mode = "full"
+            interval = int(option) if int(option) > 1 else None
+            if interval is not None:
+                notes.append(f"activation_checkpoint selective every {interval} layers: every {interval}-th layer "
+                             "of a rank fully recomputed, the others keep everything")
         else:
-            mode = "none"  # checkpointed layers keep only their input: no recompute bounds it from above
-            notes.append(f"activation_checkpoint selective every {option} layers: modelled as no recompute, "
-                         "an upper bound")
+            raise SpecError(f"{where}: activation_checkpoint.selective_ac_option = {option!r}: torchtitan takes 'op' "
+                            "or a layer frequency such as '2'")
     converters = doc.get("model", {}).get("converters", [])
     converters = [converters] if isinstance(converters, str) else list(converters)
     fp8 = "float8" in converters or bool(doc.get("float8", {}).get("enable_float8_linear")) or \
@@ -211,7 +218,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
                 "precision": "fp8" if fp8 else "bf16", "attention": "flash", "framework": "torchtitan",
                 **_compile(doc, tr, notes)}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
-            "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"),
+            "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"), "recompute_interval": interval,
             "sequence_parallel": tp > 1 and bool(par.get("enable_sequence_parallel", True)),
             "zero_stage": 3 if shard > 1 else 0, "layers_per_stage": layers_per_stage,
             # the sparse mesh (pp, dp_replicate, efsdp, ep) has no tensor axis: experts are whole with ep > 1,

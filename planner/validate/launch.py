@@ -208,7 +208,7 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     training = TrainingSpec(num_gpus=tp * pp * dp * cp, global_batch_size=mbs * micro * dp, seq_len=seq,
                             precision=precision, attention="flash", framework="torch", overlap_grad_reduce=True)
     plan = Plan(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, micro_batch_size=mbs, recompute=p.recompute,
-                recompute_num_layers=p.recompute_num_layers,
+                recompute_num_layers=p.recompute_num_layers, recompute_interval=p.recompute_interval,
                 sequence_parallel=p.sequence_parallel, zero_stage=2 if p.zero_stage == 1 else p.zero_stage,
                 layers_per_stage=stage_layers, ep=math.gcd(p.ep, tp * dp) if m.is_moe else 1,
                 etp=1 if m.is_moe and p.etp is not None else None)

@@ -205,13 +205,22 @@ def build_chunks(model: ModelSpec, layers_per_chunk: list[int], seed: int = 1234
     return chunks
 
 
-def set_recompute(chunk: Chunk, recompute: str, num_layers: int | None = None) -> None:
+def set_recompute(chunk: Chunk, recompute: str, num_layers: int | None = None, interval: int | None = None,
+                  start: int = 0) -> int:
     """``recompute`` on every layer of the chunk; with ``num_layers`` K (full only) on its first K layers, the
-    others keeping everything, as Megatron's block method runs each model chunk (``Plan.recompute_num_layers``)."""
+    others keeping everything, as Megatron's block method runs each model chunk (``Plan.recompute_num_layers``);
+    with ``interval`` N (full only) on the rank's k-th layer where k % N == 0, k counted from ``start`` + 1 over the
+    rank's chunks, as torchtitan's per-layer AC (``_apply_layer_sac``, ``Plan.recompute_interval``). Returns
+    ``start`` plus the chunk's layers, the count the rank's next chunk starts from."""
     for i, blk in enumerate(chunk.layers):
-        rc = "none" if num_layers is not None and i >= num_layers else recompute
+        rc = recompute
+        if num_layers is not None and i >= num_layers:
+            rc = "none"
+        if interval is not None and (start + i + 1) % interval:
+            rc = "none"
         blk.recompute = rc
         blk.attention.recompute_core = rc == "selective"
+    return start + len(chunk.layers)
 
 
 def tensor_parallelize(chunk: Chunk, tp_mesh, sequence_parallel: bool) -> None:

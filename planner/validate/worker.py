@@ -479,8 +479,9 @@ def _main(argv: list[str] | None) -> int:
             for blk in c.layers:
                 blk.attention.cp_group = None if bad.get("local_attention") else mesh["cp"].get_group()
                 blk.attention.positions = positions
+    built = 0  # the rank's layers so far, in build order (torchtitan's per-layer AC counts across its chunks)
     for k, chunk in enumerate(mine):
-        set_recompute(chunk, p.recompute, p.recompute_num_layers)
+        built = set_recompute(chunk, p.recompute, p.recompute_num_layers, p.recompute_interval, built)
         if p.tp > 1:
             tensor_parallelize(chunk, mesh["tp"], p.sequence_parallel)
         if bad.get("corrupt") and len(chunk.layers) and not any(len(c.layers) for c in mine[:k]):
