@@ -21,9 +21,9 @@ plan3d estimates hold them at the training precision).
 The core sizes (layers, width, heads, vocabulary) are required even where ``transformers`` has a
 default: a config without them is not a published model. Read and deliberately ignored, because
 they change neither parameters nor saved activations: RoPE settings, sliding windows other than
-GPT-OSS's (Mistral, Qwen2 ``use_sliding_window``, Gemma-2: their attention FLOPs are counted over the
-whole causal window, an over-estimate), initialisation and generation settings. GPT-OSS's windows
-(``sliding_window``, ``layer_types``) are read into ``sliding_window`` / ``sliding_window_layers``.
+GPT-OSS's and Gemma-3's (Mistral, Qwen2 ``use_sliding_window``, Gemma-2: their attention FLOPs are counted over
+the whole causal window, an over-estimate), initialisation and generation settings. GPT-OSS's and Gemma-3's
+windows (``sliding_window``, ``layer_types``) are read into ``sliding_window`` / ``sliding_window_layers``.
 """
 
 from __future__ import annotations
@@ -150,6 +150,21 @@ def _phi3(data: dict, source: str, default_name: str) -> dict:
     fields = _llama(data, source, default_name, ffn_default=8192)
     return fields | {"qkv_bias": False, "out_proj_bias": False, "mlp_bias": False,
                      "dropout": _dropout(data, "attention_dropout", "resid_pdrop", "embd_pdrop")}
+
+
+def _gemma3(data: dict, source: str, default_name: str) -> dict:
+    """Gemma3ForCausalLM (``modeling_gemma3.py``, Gemma3TextConfig defaults; Gemma 3 report, arXiv:2503.19786
+    section 2.1): Gemma 2's layer (GeGLU MLP, four RMSNorms per layer, ``head_dim`` default 256, tied by default,
+    :func:`_gemma2`) with an RMSNorm over one head on queries and keys (``q_norm``/``k_norm`` of ``head_dim``:
+    qk_norm "head") in place of soft-capping (``attn_logit_softcapping`` and ``final_logit_softcapping``
+    default null); local layers with a sliding window (``sliding_window``, default 4096) and one global layer
+    in every ``sliding_window_pattern`` (default 6: layer i is local where (i + 1) % 6 != 0; newer configs
+    list ``layer_types``). The 4B-27B checkpoints are Gemma3ForConditionalGeneration, refused (:func:`refusal`)."""
+    pattern = _count(data, source, "sliding_window_pattern", default=6, minimum=1)
+    return _gemma2(data, source, default_name) | {
+        "qk_norm": "head", "attn_logit_softcap": data.get("attn_logit_softcapping"),
+        "final_logit_softcap": data.get("final_logit_softcapping"),
+        **_layer_windows(data, source, 4096, lambda layers: layers - layers // pattern)}
 
 
 def _olmo2(data: dict, source: str, default_name: str) -> dict:
@@ -456,16 +471,23 @@ def _yarn(data: dict) -> dict:
 def _gpt_oss_windows(data: dict, source: str) -> dict:
     """``sliding_window`` and ``sliding_window_layers`` of a GPT-OSS config (see :func:`_gpt_oss`); a null
     window is full attention in every layer (``GptOssAttention`` passes ``sliding_window=None``)."""
+    return _layer_windows(data, source, 128, lambda layers: (layers + 1) // 2)
+
+
+def _layer_windows(data: dict, source: str, window_default: int, windowed_default: Callable[[int], int]) -> dict:
+    """``sliding_window`` and ``sliding_window_layers`` from ``sliding_window`` and ``layer_types`` (its
+    ``"sliding_attention"`` entries), or, without ``layer_types``, ``windowed_default(num_hidden_layers)``
+    windowed layers (the configuration class's own default pattern)."""
     layers = _get(data, source, "num_hidden_layers")
-    window = data.get("sliding_window", 128)
+    window = data.get("sliding_window", window_default)
     if window is None:
         return {}
-    window = _count(data, source, "sliding_window", default=128, minimum=1)
+    window = _count(data, source, "sliding_window", default=window_default, minimum=1)
     types = data.get("layer_types")
     if types is None:
         if isinstance(layers, bool) or not isinstance(layers, int):
             return {"sliding_window": window}  # ModelSpec refuses num_layers with its own line
-        return {"sliding_window": window, "sliding_window_layers": (layers + 1) // 2}
+        return {"sliding_window": window, "sliding_window_layers": windowed_default(layers)}
     known = ("sliding_attention", "full_attention")
     if not isinstance(types, list) or not all(t in known for t in types):
         raise SpecError(f"{source}: layer_types: expected a list of {' / '.join(known)}, got {types!r}")
@@ -476,7 +498,7 @@ def _gpt_oss_windows(data: dict, source: str) -> dict:
 
 READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
-    "Gemma2ForCausalLM": _gemma2, "Phi3ForCausalLM": _phi3, "FalconForCausalLM": _falcon,
+    "Gemma2ForCausalLM": _gemma2, "Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3, "FalconForCausalLM": _falcon,
     "Olmo2ForCausalLM": _olmo2, "GPT2LMHeadModel": _gpt2, "GPTNeoXForCausalLM": _gpt_neox,
     "Qwen3ForCausalLM": _qwen3, "MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe, "DeepseekV2ForCausalLM": _deepseek_v2,
@@ -486,7 +508,7 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
                "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM", "falcon": "FalconForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "falcon": "FalconForCausalLM",
                "olmo2": "Olmo2ForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -528,6 +550,10 @@ def refusal(data: dict, arch: str) -> tuple[str, str] | None:
     for key in SSM_KEYS:
         if data.get(key) is not None:
             return key, SSM_MESSAGE
+    if arch == "Gemma3ForConditionalGeneration" or data.get("model_type") == "gemma3":
+        return "architectures", ("Gemma3ForConditionalGeneration carries a SigLIP vision tower, which is not modelled; "
+                                 "for the language model alone, save its text_config as a config.json "
+                                 "(\"architectures\": [\"Gemma3ForCausalLM\"])")
     if arch == "RWForCausalLM":
         return "architectures", ("RWForCausalLM is Falcon's remote-code class; use the config.json of the current "
                                  "Hub revision (FalconForCausalLM)")

@@ -418,6 +418,7 @@ def test_stage_counts_add_up_to_num_params_for_every_structure():
     ("llama-3.1-405b.json", []), ("qwen2.5-7b.json", []), ("mistral-7b.json", []),
     ("phi-3-mini-4k-instruct.json", []), ("gpt2.json", []),
     ("gemma-2-9b.json", ["activation", "norm_placement", "attn_logit_softcap", "final_logit_softcap"]),
+    ("gemma-3-1b-pt.json", ["activation", "norm_placement"]),
     ("olmo-2-1124-7b.json", ["norm_placement", "qk_norm"]),
     ("falcon-40b.json", ["parallel_attention"]), ("pythia-160m.json", ["parallel_attention"]),
 ])
@@ -430,3 +431,47 @@ def test_megatron_gaps_attention_bias_without_mlp_bias():
     # Llama with attention_bias (q/k/v/o biases) and no MLP biases: no Megatron flag combination.
     llama = _load("llama-3.1-405b.json").model_copy(update={"qkv_bias": True, "out_proj_bias": True})
     assert [g.split(":")[0] for g in llama.megatron_gaps()] == ["out_proj_bias, mlp_bias"]
+
+
+# --- Gemma 3 (text) ------------------------------------------------------------------------------
+
+def test_gemma3_1b_counts_from_the_report():
+    # Gemma 3 report (arXiv:2503.19786) Table 1, 1B: 302M embedding and 698M non-embedding parameters, no vision
+    # encoder, each rounded to 1M; the embedding is tied (vocab_size x hidden_size, stored once)
+    spec = _load("gemma-3-1b-pt.json")
+    embedding = spec.vocab_size * spec.hidden_size
+    assert abs(embedding - 302e6) < 0.5e6
+    assert abs(spec.num_params - embedding - 698e6) < 0.5e6
+
+
+def test_gemma3_structure():
+    """Gemma3TextConfig / modeling_gemma3.py: Gemma 2's sandwich norms and GeGLU, per-head q/k RMSNorm, no
+    soft-capping; 5 local layers (window 512 in the 1B config) for every global one (sliding_window_pattern 6)."""
+    spec = _load("gemma-3-1b-pt.json")
+    assert (spec.activation, spec.norm_placement, spec.qk_norm, spec.tied_embeddings) == \
+        ("geglu", "sandwich", "head", True)
+    assert (spec.attn_logit_softcap, spec.final_logit_softcap) == (None, None)
+    assert (spec.head_dim, spec.kv_heads) == (256, 1)
+    assert (spec.sliding_window, spec.sliding_window_layers) == (512, 26 - 26 // 6)
+
+
+def test_gemma3_layer_types_list_and_model_type_only(tmp_path):
+    """Newer configs list layer_types (transformers 4.53+); a config with model_type gemma3_text and no
+    architectures reads the same class."""
+    data = json.loads((HF / "gemma-3-1b-pt.json").read_text())
+    data["layer_types"] = ["sliding_attention"] * 20 + ["full_attention"] * 6
+    del data["architectures"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    spec = load_model(str(path))
+    assert spec.sliding_window_layers == 20 and spec.qk_norm == "head"
+    assert spec.num_params == _load("gemma-3-1b-pt.json").num_params
+
+
+def test_gemma3_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                                "text_config": json.loads((HF / "gemma-3-1b-pt.json").read_text())}))
+    with pytest.raises(SpecError, match=r"architectures: Gemma3ForConditionalGeneration carries a SigLIP vision "
+                                        r"tower, which is not modelled; .*text_config"):
+        load_model(str(path))
