@@ -221,7 +221,7 @@ def recompute_text(recompute: str, num_layers: int | None, interval: int | None 
     """A plan's recompute, with Megatron's block method's layer count (``Plan.recompute_num_layers``) or
     torchtitan's per-layer interval (``Plan.recompute_interval``) where set."""
     return recompute + (f" (first {num_layers} layers of each chunk)" if num_layers is not None else "") + \
-        (f" (every {interval}th layer)" if interval is not None else "")
+        (f" (one layer in every {interval})" if interval is not None else "")
 
 
 def _plan_cell(est) -> str:

@@ -49,8 +49,8 @@ def check_supported(sc: Scenario) -> None:
         raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no block recompute of the first "
                         f"{p.recompute_num_layers} layers of each chunk; use --format megatron or drop recompute_num_layers")
     if p.recompute_interval is not None:
-        raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no per-layer AC of every "
-                        f"{p.recompute_interval}-th layer; drop recompute_interval")
+        raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no per-layer AC (one layer in "
+                        f"every {p.recompute_interval} recomputed); drop recompute_interval")
     if p.pp > 1 and p.zero_stage > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's pipeline engine takes ZeRO 0 or 1, not {p.zero_stage} with pp={p.pp}")
     if sc.training.precision != "bf16":

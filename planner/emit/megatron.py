@@ -403,8 +403,8 @@ def megatron_flags(sc: Scenario) -> list[Flag]:
     """Every Megatron-LM flag of the plan, in order; a MoE plan Megatron-LM would refuse is refused."""
     refusals = schedule_refusals(sc, "megatron") + moe_plan_refusals(sc)
     if sc.plan.recompute_interval is not None:  # Megatron recomputes the first K of a chunk, or N at a time
-        refusals.append(f"--emit megatron: Megatron has no per-layer AC of every {sc.plan.recompute_interval}-th layer "
-                        "(torchtitan's selective_ac_option); use recompute_num_layers (--recompute-method block) "
+        refusals.append(f"--emit megatron: Megatron has no per-layer AC (one layer in every {sc.plan.recompute_interval}, "
+                        "torchtitan's selective_ac_option); use recompute_num_layers (--recompute-method block) "
                         "or drop recompute_interval")
     if refusals:
         raise SpecError(refusals)

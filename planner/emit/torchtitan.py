@@ -119,8 +119,8 @@ def args(sc: Scenario) -> list[str]:
                         f"{sc.plan.recompute_num_layers} layers of each stage (its per-layer AC takes every N-th layer); "
                         "use --format megatron or drop recompute_num_layers")
     if sc.plan.recompute_interval is not None:  # _apply_layer_sac went with the TOML configs
-        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's selective AC is per-op only; its per-layer AC of every "
-                        f"{sc.plan.recompute_interval}-th layer (selective_ac_option) is gone since the TOML "
+        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's selective AC is per-op only; its per-layer AC (one layer in "
+                        f"every {sc.plan.recompute_interval}, selective_ac_option) is gone since the TOML "
                         "configs; use recompute full or selective, or an older torchtitan's TOML")
     problems = job_problems(sc.model, sc.training)
     if problems:

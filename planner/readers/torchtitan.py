@@ -196,7 +196,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
             mode = "full"
             interval = int(option) if int(option) > 1 else None
             if interval is not None:
-                notes.append(f"activation_checkpoint selective every {interval} layers: every {interval}-th layer "
+                notes.append(f"activation_checkpoint selective every {interval} layers: one layer in every {interval} "
                              "of a rank fully recomputed, the others keep everything")
         else:
             raise SpecError(f"{where}: activation_checkpoint.selective_ac_option = {option!r}: torchtitan takes 'op' "
