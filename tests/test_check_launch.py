@@ -306,3 +306,23 @@ def test_emitted_deepspeed_config_is_checked_with_its_plan(tmp_path):
     config.write_text(json.dumps(doc))
     (r,) = check_paths([str(config)], load_hardware("h100-sxm-80gb"), None, None)
     assert any("train_micro_batch_size_per_gpu is 4" in e for e in r.errors) and exit_code([r]) == 2
+
+
+@pytest.mark.parametrize("flags, fp16, grads_16bit", [
+    ("--bf16", False, False),  # validate_args: bf16 accumulates and reduces in fp32
+    ("--bf16 --grad-reduce-in-bf16", False, True),
+    ("--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16", False, True),
+    ("--fp16", True, True),  # fp16: accumulate_allreduce_grads_in_fp32 stays off, the gradients are fp16
+    ("--fp16 --accumulate-allreduce-grads-in-fp32", True, False),
+    ("--fp16 --grad-reduce-in-bf16", True, True),  # read only under --bf16: fp16 gradients all the same
+])
+def test_gradient_dtype_is_read_as_megatron_sets_it(tmp_path, flags, fp16, grads_16bit):
+    """Megatron-LM core_v0.16.1 arguments.py validate_args (the --bf16 and --fp16 branches) and training.py
+    (DistributedDataParallelConfig.grad_reduce_in_fp32 = args.accumulate_allreduce_grads_in_fp32)."""
+    script = tmp_path / "grads.sh"
+    text = (LAUNCH / "megatron_gqa_default.sh").read_text()
+    assert "--bf16 " in text
+    script.write_text(text.replace("--bf16 ", flags + " "))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
+    assert not r.errors, r.errors
+    assert (r.scenario.training.fp16, r.scenario.training.grad_reduce_in_bf16) == (fp16, grads_16bit)

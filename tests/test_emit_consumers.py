@@ -39,7 +39,7 @@ PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: str = "bf16",
              hardware: str = "h100-sxm-80gb", name: str | None = None, tp_comm_overlap: bool | None = None,
              overlap_p2p_comm: bool | None = None, fp8_params: bool = False, cross_entropy_fusion: str = "none",
-             optimizer_dtype: str = "fp32", **plan) -> Scenario:
+             optimizer_dtype: str = "fp32", fp16: bool = False, grad_reduce_in_bf16: bool = False, **plan) -> Scenario:
     m = load_model(model)
     if name is not None:
         m = m.model_copy(update={"name": name})
@@ -47,7 +47,8 @@ def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: 
                     training=TrainingSpec(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len,
                                           precision=precision, tp_comm_overlap=tp_comm_overlap,
                                           overlap_p2p_comm=overlap_p2p_comm, fp8_params=fp8_params,
-                                          cross_entropy_fusion=cross_entropy_fusion, optimizer_dtype=optimizer_dtype),
+                                          cross_entropy_fusion=cross_entropy_fusion, optimizer_dtype=optimizer_dtype,
+                                          fp16=fp16, grad_reduce_in_bf16=grad_reduce_in_bf16),
                     plan=Plan(**({"micro_batch_size": 1} | plan)))
 
 
@@ -188,6 +189,11 @@ MEGATRON_PLANS = {
     "nvfp4-b300": (L70 | {"precision": "nvfp4", "hardware": "b300-288gb"},
                    dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
+    # the gradient dtype: --grad-reduce-in-bf16 under --bf16; under --fp16 Megatron keeps fp16 gradients unless
+    # --accumulate-allreduce-grads-in-fp32 (core_v0.16.1 arguments.py validate_args)
+    "bf16-grads": (L70 | {"grad_reduce_in_bf16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
+    "fp16-fp32-grads": (L70 | {"fp16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
+    "fp16-16bit-grads": (L70 | {"fp16": True, "grad_reduce_in_bf16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
     "8b-pp2-uneven-vpp2": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096),
                            dict(tp=4, pp=2, dp=2, vpp=2, layers_per_stage=(14, 18), zero_stage=1)),
     # the README's estimate example (gpt3-175b on 64 A100s, tp8 pp8 vpp3, SP, selective)
@@ -376,6 +382,10 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert bool(args.fp8_param_gather) == sc.training.fp8_params
         import torch
 
+        # the 16-bit format and the gradient dtype the memory and DP terms assumed (TrainingSpec.grad_reduce_in_bf16)
+        assert args.params_dtype == (torch.half if sc.training.fp16 else torch.bfloat16)
+        assert bool(args.accumulate_allreduce_grads_in_fp32) == (not sc.training.grad_reduce_in_bf16)
+
         bf16_adam = sc.training.optimizer_dtype == "bf16"
         assert bool(args.use_precision_aware_optimizer) == bf16_adam
         assert (args.exp_avg_dtype, args.exp_avg_sq_dtype) == ((torch.bfloat16,) * 2 if bf16_adam else (torch.float32,) * 2)
@@ -455,6 +465,11 @@ TORCHTITAN_PLANS = {
                                        sequence_parallel=True, zero_stage=1)),
     "uneven-first-last": (L70, dict(tp=8, pp=4, dp=2, layers_per_stage=(19, 21, 21, 19), recompute="full")),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
+    # the gradient dtype: --grad-reduce-in-bf16 under --bf16; under --fp16 Megatron keeps fp16 gradients unless
+    # --accumulate-allreduce-grads-in-fp32 (core_v0.16.1 arguments.py validate_args)
+    "bf16-grads": (L70 | {"grad_reduce_in_bf16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
+    "fp16-fp32-grads": (L70 | {"fp16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
+    "fp16-16bit-grads": (L70 | {"fp16": True, "grad_reduce_in_bf16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
     # torchtitan's own first/last_stage_less_layers 1: 32 layers + E + L = 34 stages of one slot, stage 0
     # only the embedding, stage 33 only norm + output (llama3_405b needs torchao's float8 to load here)
     "8b-vpp17-embedding-loss-chunks": (L8, dict(tp=8, pp=2, dp=1, vpp=17, layers_per_stage=(16, 16))),

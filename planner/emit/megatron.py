@@ -318,7 +318,7 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     if uses_megatron_fsdp(sc):  # validate_args: "Megatron FSDP only supports fsdp_dtensor checkpoint format"
         flags.append(("--ckpt-format", "fsdp_dtensor"))
     flags += [("--micro-batch-size", str(p.micro_batch_size)), ("--global-batch-size", str(tr.global_batch_size)),
-              ("--seq-length", str(tr.seq_len)), ("--bf16", None)]
+              ("--seq-length", str(tr.seq_len)), ("--fp16" if tr.fp16 else "--bf16", None)]
     flags += PRECISION_FLAGS.get(tr.precision, [])
     if tr.precision == "fp8" and tr.fp8_recipe == "tensorwise":
         flags.append(("--fp8-recipe", "tensorwise"))
@@ -331,7 +331,12 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--overlap-grad-reduce", None))
         if p.zero_stage == 1:
             flags.append(("--overlap-param-gather", None))
-    if tr.grad_reduce_in_bf16:
+    # gradient dtype (core_v0.16.1 arguments.py validate_args; training.py passes accumulate_allreduce_grads_in_fp32
+    # as DDP's grad_reduce_in_fp32): under --bf16 fp32 unless --grad-reduce-in-bf16; under --fp16 the fp16 of the
+    # weights unless --accumulate-allreduce-grads-in-fp32, and --grad-reduce-in-bf16 is not read there
+    if tr.fp16 and not tr.grad_reduce_in_bf16:
+        flags.append(("--accumulate-allreduce-grads-in-fp32", None))
+    elif tr.grad_reduce_in_bf16 and not tr.fp16:
         flags.append(("--grad-reduce-in-bf16", None))
     if tr.optimizer_dtype == "bf16-apex":  # NeMo 1's Apex optimizer (planner/frameworks/nemo.py)
         raise SpecError(f"--emit megatron: {APEX_REFUSAL}")

@@ -378,6 +378,19 @@ def deepspeed_bf16_optimizer(a: Args, ds_config: dict) -> bool:
     return bf16 and accum in (None, "fp32", "float32", "float")
 
 
+def grads_16bit(a: Args) -> bool:
+    """Whether Megatron keeps and reduces the gradients in 16 bits (``TrainingSpec.grad_reduce_in_bf16``):
+    core_v0.16.1 ``arguments.py`` ``validate_args`` turns ``accumulate_allreduce_grads_in_fp32`` on for ``--bf16``
+    unless ``--grad-reduce-in-bf16`` (or ``--main-grads-dtype bf16``), leaves it off for ``--fp16`` unless given,
+    and ``training.py`` passes it to DDP as ``grad_reduce_in_fp32``. Under ``--deepspeed`` DeepSpeed's engine holds
+    the gradients (``planner/frameworks/deepspeed.py``): the flag alone."""
+    if a.has("--deepspeed"):
+        return a.has("--grad-reduce-in-bf16")
+    if a.has("--fp16") and not a.has("--bf16"):
+        return not a.has("--accumulate-allreduce-grads-in-fp32")
+    return a.has("--bf16") and (a.has("--grad-reduce-in-bf16") or a.get("--main-grads-dtype") == "bf16")
+
+
 def zero_stage(a: Args, ds_config: dict | None) -> int:
     """ZeRO stage: DeepSpeed's config under --deepspeed; Megatron's distributed optimizer is stage 1;
     Megatron FSDP by its sharding strategy (--data-parallel-sharding-strategy)."""
@@ -580,7 +593,7 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # pipeline partitions (planner/frameworks/deepspeed.py)
                 "framework": "deepspeed" if a.has("--deepspeed") else "megatron",
                 "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
-                "grad_reduce_in_bf16": a.has("--grad-reduce-in-bf16"),
+                "grad_reduce_in_bf16": grads_16bit(a),
                 # the precision-aware optimizer with bf16 moments (planner/frameworks/megatron.py); other moment or
                 # master dtypes are smaller than fp32 Adam's and are read as fp32, the larger
                 "optimizer_dtype": "bf16" if (not a.has("--deepspeed") and a.has("--use-precision-aware-optimizer")
