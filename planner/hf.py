@@ -21,8 +21,8 @@ plan3d estimates hold them at the training precision).
 The core sizes (layers, width, heads, vocabulary) are required even where ``transformers`` has a
 default: a config without them is not a published model. Read and deliberately ignored, because
 they change neither parameters nor saved activations: RoPE settings, sliding windows other than
-GPT-OSS's and Gemma-3's (Mistral, Qwen2 ``use_sliding_window``, Gemma-2: their attention FLOPs are counted over
-the whole causal window, an over-estimate), initialisation and generation settings. GPT-OSS's and Gemma-3's
+GPT-OSS's and Gemma-2/3's (Mistral, Qwen2 ``use_sliding_window``: their attention FLOPs are counted over the
+whole causal window, an over-estimate), initialisation and generation settings. GPT-OSS's and Gemma-2/3's
 windows (``sliding_window``, ``layer_types``) are read into ``sliding_window`` / ``sliding_window_layers``.
 """
 
@@ -128,7 +128,9 @@ def _qwen2(data: dict, source: str, default_name: str) -> dict:
 def _gemma2(data: dict, source: str, default_name: str) -> dict:
     """Gemma2ForCausalLM (``modeling_gemma2.py``): GeGLU MLP (``hidden_activation``), four RMSNorms per
     layer (input, post-attention, pre- and post-feedforward), ``head_dim`` default 256 (not ``h // a``),
-    tied by default, attention and final-logit soft-capping (Gemma 2 report, arXiv:2408.00118, 2.2)."""
+    tied by default, attention and final-logit soft-capping, local and global layers alternating, the local
+    first (Gemma 2 report, arXiv:2408.00118, 2.2: "sliding window size of 4096 tokens"; Gemma2Config
+    ``sliding_window`` default 4096, ``layer_types`` default sliding where (i + 1) % 2, i.e. ceil(L / 2) layers)."""
     attention_bias = _flag(data, "attention_bias", False)
     return {**_core(data, source), "name": _name(data, default_name),
             "num_kv_heads": _get(data, source, "num_key_value_heads", default=4),
@@ -141,7 +143,8 @@ def _gemma2(data: dict, source: str, default_name: str) -> dict:
             "linear_bias": False, "qkv_bias": attention_bias, "out_proj_bias": attention_bias, "mlp_bias": False,
             "attn_logit_softcap": data.get("attn_logit_softcapping", 50.0),  # null: no cap
             "final_logit_softcap": data.get("final_logit_softcapping", 30.0),
-            "dropout": _dropout(data, "attention_dropout")}
+            "dropout": _dropout(data, "attention_dropout"),
+            **_layer_windows(data, source, 4096, lambda layers: (layers + 1) // 2)}
 
 
 def _phi3(data: dict, source: str, default_name: str) -> dict:

@@ -112,6 +112,9 @@ def test_gemma2_structure():
     assert spec.tied_embeddings and spec.norm_placement == "sandwich" and spec.norms_per_layer == 4
     assert spec.activation == "geglu" and spec.gated_mlp
     assert (spec.attn_logit_softcap, spec.final_logit_softcap) == (50.0, 30.0)
+    # Gemma 2 report (arXiv:2408.00118) 2.2: local sliding-window (4096) and global attention in every other
+    # layer; 42 layers: 21 local
+    assert (spec.sliding_window, spec.sliding_window_layers) == (4096, 21)
 
 
 def test_qwen2_biases_on_qkv_only():
