@@ -862,7 +862,8 @@ class Plan(_Spec):
                     "is fully checkpointed, the others keep every activation (torchtitan "
                     "distributed/activation_checkpoint.py _apply_layer_sac: one process-wide counter over the rank's "
                     "blocks, checkpoint where counter % N == 0). None: every layer. torchtitan and plan3d validate's "
-                    "torch runs; estimated, emitted and read by check, not proposed by search.")
+                    "torch runs; estimated and read by check, not proposed by search, and written by no emitter "
+                    "(torchtitan 0.3.0's selective AC is per-op only).")
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs tp > 1).")
     cpu_offload_layers: int = Field(
         default=0, ge=0,

@@ -84,8 +84,7 @@ class FrameworkProfile:
     # activation offloading to host memory (Plan.cpu_offload_layers): Megatron-Core's TE-backed
     # --cpu-offloading-num-layers; plan3d emits no such knob for torchtitan or DeepSpeed
     allows_cpu_offload: bool = False
-    # Megatron's block recompute (Plan.recompute_num_layers, --recompute-method block --recompute-num-layers K);
-    # torchtitan's per-layer AC option ("selective", a layer frequency) and DeepSpeed's are other schemes
+    # Megatron's block recompute (Plan.recompute_num_layers, --recompute-method block --recompute-num-layers K)
     allows_block_recompute: bool = False
     # torchtitan's per-layer AC (Plan.recompute_interval, --activation_checkpoint.mode selective
     # --activation_checkpoint.selective_ac_option N: every N-th block of a rank fully checkpointed)
