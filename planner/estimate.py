@@ -13,7 +13,7 @@ from planner.memory import MemoryEstimate, estimate_memory
 from planner.specs import Scenario
 
 PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute", "recompute_num_layers",
-             "recompute_interval", "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep",
+             "recompute_interval", "recompute_group_layers", "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep",
              "etp", "pipeline_schedule", "cpu_offload_layers")
 
 

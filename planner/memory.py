@@ -825,10 +825,18 @@ def saved_bytes_per_layer_kind(model: ModelSpec, training: TrainingSpec, plan: P
 
 def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     """One layer's recompute working set (:func:`recompute_working_bytes`), the larger of the dense and
-    the MoE layer for a MoE model."""
+    the MoE layer for a MoE model. Under Megatron's uniform groups of N layers (``plan.recompute_group_layers``)
+    a group is recomputed whole before its backward (core_v0.16.1 ``transformer_block.py``
+    ``_checkpointed_forward``): N layers' recomputed tensors, and the inputs of its N - 1 inner layers (the
+    group's own input is the checkpoint, already saved), N at most the largest chunk."""
     kinds = [False, True] if model.is_moe else [False]
-    return max(recompute_working_bytes(layer_activation_terms(model, training, plan, moe=m), plan.recompute)
-               for m in kinds)
+    one = max(recompute_working_bytes(layer_activation_terms(model, training, plan, moe=m), plan.recompute)
+              for m in kinds)
+    if plan.recompute != "full" or plan.recompute_group_layers is None:
+        return one
+    n = min(plan.recompute_group_layers, max(max(c) for c in plan.chunk_layers(model.num_layers)))
+    inputs = max(saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=m), "full") for m in kinds)
+    return n * one + (n - 1) * inputs
 
 
 def chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches: int, stage: int,
@@ -907,7 +915,12 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     input only, the others everything, so the stage holds the share ``specs.recomputed_share`` gives of what it
     would hold under full recompute and the rest of what it would hold under none (exact for equal chunks; with
     unequal ones the smallest chunk share, an upper bound). torchtitan's per-layer AC (``plan.recompute_interval``
-    N) likewise, with every N-th layer of the rank recomputed (exact at vpp 1)."""
+    N) likewise, with every N-th layer of the rank recomputed (exact at vpp 1). Megatron's uniform groups of N
+    (``plan.recompute_group_layers``): full recompute's inputs, one per group (``Plan.grouped_share``)."""
+    if plan.recompute == "full" and plan.recompute_group_layers is not None:  # Megatron's uniform groups of N
+        whole = plan.model_copy(update={"recompute_group_layers": None})
+        return plan.grouped_share(stage, layers) * stage_saved_bytes(model, training, whole, num_microbatches, stage,
+                                                                     layers)
     if plan.partial_recompute:
         share = plan.recomputed_share(stage, layers)[1]
         whole = plan.model_copy(update={"recompute_num_layers": None, "recompute_interval": None})

@@ -103,9 +103,10 @@ def plan_line(plan: dict) -> str:
     extras += [f"etp {plan['etp']}"] if plan.get("etp") not in (None, plan["tp"]) else []
     extras += ["sequence parallel"] if plan["sequence_parallel"] else []
     extras += [f"ZeRO-{plan['zero_stage']}"] if plan["zero_stage"] else []
+    rc = recompute_text(plan["recompute"], plan.get("recompute_num_layers"), plan.get("recompute_interval"),
+                        plan.get("recompute_group_layers"))
     return (f"TP {plan['tp']} x PP {plan['pp']} x DP {plan['dp']}" + "".join(f", {x}" for x in extras) +
-            f"; micro-batch {plan['micro_batch_size']} x {plan['num_microbatches']}; recompute "
-            f"{recompute_text(plan['recompute'], plan.get('recompute_num_layers'), plan.get('recompute_interval'))}")
+            f"; micro-batch {plan['micro_batch_size']} x {plan['num_microbatches']}; recompute {rc}")
 
 
 def memory_table(mem: dict, title: str = "Memory per GPU of each pipeline stage (GiB)", narrow: bool = False) -> Table:
@@ -217,16 +218,19 @@ def search_dict(result: dict) -> dict:
     }
 
 
-def recompute_text(recompute: str, num_layers: int | None, interval: int | None = None) -> str:
-    """A plan's recompute, with Megatron's block method's layer count (``Plan.recompute_num_layers``) or
-    torchtitan's per-layer interval (``Plan.recompute_interval``) where set."""
+def recompute_text(recompute: str, num_layers: int | None, interval: int | None = None,
+                   group: int | None = None) -> str:
+    """A plan's recompute, with Megatron's block method's layer count (``Plan.recompute_num_layers``),
+    torchtitan's per-layer interval (``Plan.recompute_interval``) or Megatron's uniform groups
+    (``Plan.recompute_group_layers``) where set."""
     return recompute + (f" (first {num_layers} layers of each chunk)" if num_layers is not None else "") + \
-        (f" (one layer in every {interval})" if interval is not None else "")
+        (f" (one layer in every {interval})" if interval is not None else "") + \
+        (f" (in groups of {group} layers)" if group is not None else "")
 
 
 def _plan_cell(est) -> str:
     p = est.scenario.plan
-    extra = [recompute_text(p.recompute, p.recompute_num_layers, p.recompute_interval)] if p.recompute != "none" else []
+    extra = [recompute_text(p.recompute, p.recompute_num_layers, p.recompute_interval, p.recompute_group_layers)] if p.recompute != "none" else []
     extra += ["SP"] if p.sequence_parallel else []
     extra += [f"ZeRO-{p.zero_stage}"] if p.zero_stage else []
     extra += ["bf16 grads"] if est.scenario.training.grad_reduce_in_bf16 else []
@@ -377,7 +381,7 @@ def print_validate(con, sc, run, report: dict) -> None:
     p = run.plan
     con.print(f"[bold]validate[/bold] {sc.model.name} {sc.plan.label()}: ran {run.model.name} "
               f"(tp {p.tp}, pp {p.pp}, vpp {p.vpp}, dp {p.dp}, "
-              f"recompute {recompute_text(p.recompute, p.recompute_num_layers, p.recompute_interval)}, "
+              f"recompute {recompute_text(p.recompute, p.recompute_num_layers, p.recompute_interval, p.recompute_group_layers)}, "
               f"SP {'on' if p.sequence_parallel else 'off'}, ZeRO-{p.zero_stage}) on {run.training.num_gpus} ranks")
     t = Table(title="Predicted against measured")
     for col in ("metric", "stage", "predicted", "measured", "error"):

@@ -864,6 +864,14 @@ class Plan(_Spec):
                     "blocks, checkpoint where counter % N == 0). None: every layer. torchtitan and plan3d validate's "
                     "torch runs; estimated and read by check, not proposed by search, and written by no emitter "
                     "(torchtitan 0.3.0's selective AC is per-op only).")
+    recompute_group_layers: int | None = Field(
+        default=None, ge=2,
+        description="With recompute full: Megatron's uniform method with groups of N > 1 layers, --recompute-method "
+                    "uniform --recompute-num-layers N: each model chunk's layers run in groups of N (the last one "
+                    "shorter), each group checkpointed at its input and recomputed whole in the backward "
+                    "(core_v0.16.1 transformer_block.py _checkpointed_forward, 'uniform'), so a chunk of n layers "
+                    "keeps ceil(n / N) inputs and its backward holds N layers' activations at once. None: groups of "
+                    "one. Megatron and NeMo; estimated, emitted and read by check, not proposed by search.")
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism (needs tp > 1).")
     cpu_offload_layers: int = Field(
         default=0, ge=0,
@@ -912,6 +920,13 @@ class Plan(_Spec):
         if self.recompute_interval is not None and self.recompute != "full":
             errors.append(f"recompute_interval: per-layer AC recomputes whole layers; it needs recompute full, "
                           f"not {self.recompute}")
+        if self.recompute_group_layers is not None and self.recompute != "full":
+            errors.append(f"recompute_group_layers: Megatron's uniform method recomputes whole layers; it needs "
+                          f"recompute full, not {self.recompute}")
+        if self.recompute_group_layers is not None and (self.recompute_num_layers is not None or
+                                                        self.recompute_interval is not None):
+            errors.append("recompute_group_layers: Megatron's uniform method, its block method (recompute_num_layers) "
+                          "and torchtitan's per-layer AC (recompute_interval) exclude each other; give one")
         if self.recompute_interval is not None and self.recompute_num_layers is not None:
             errors.append("recompute_interval: Megatron's block method (recompute_num_layers) and torchtitan's "
                           "per-layer AC (recompute_interval) are two frameworks' forms; give one")
@@ -981,6 +996,17 @@ class Plan(_Spec):
         """:func:`recomputed_share` of pipeline rank ``stage`` holding ``layers`` layers under this plan."""
         return recomputed_share(layers, self.vpp, stage == 0, self.recompute, self.recompute_num_layers,
                                 self.recompute_interval)
+
+    def grouped_share(self, stage: int, layers: int) -> float:
+        """Saved activations of pipeline rank ``stage`` under Megatron's uniform groups
+        (``recompute_group_layers`` N) over those of full recompute in groups of one: a chunk of n layers keeps
+        ceil(n / N) inputs where groups of one keep n; the largest share of any of its chunks (exact for equal
+        chunks, an upper bound otherwise). 1 without groups."""
+        n_group = self.recompute_group_layers
+        chunks = [c for c in stage_chunks(layers, self.vpp, stage == 0) if c]
+        if self.recompute != "full" or n_group is None or not chunks:
+            return 1.0
+        return max(-(-c // n_group) / c for c in chunks)
 
     @property
     def partial_recompute(self) -> bool:

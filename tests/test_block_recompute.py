@@ -123,3 +123,68 @@ def test_emit_and_check_round_trip(tmp_path):
     for fmt in ("torchtitan", "deepspeed"):
         with pytest.raises(SpecError, match=f"--emit {fmt}: .*block recompute"):
             render_all(sc, [fmt])
+
+
+# --- Megatron's uniform method in groups of N > 1 (Plan.recompute_group_layers) -------------------------------
+
+def test_uniform_groups_keep_one_input_per_group_and_recompute_a_group_at_once():
+    """--recompute-method uniform --recompute-num-layers N (core_v0.16.1 transformer_block.py _checkpointed_forward:
+    ``checkpoint_handler(custom(layer_idx, layer_idx + N))``): a chunk of 20 layers in groups of 3 keeps ceil(20/3)
+    = 7 inputs, and the backward of a group holds its 3 layers' recomputed tensors and its 2 inner layers' inputs
+    on top. Composed by hand from the per-layer terms, stage 1 of pp 4 (no loss, ZeRO 1: no other working set)."""
+    from planner.memory import recompute_working_bytes, stage_memory
+
+    tr = TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=8192)
+    plan = _plan(pp=4, dp=2, recompute_group_layers=3)
+    m = 64 // 2
+    terms = layer_activation_terms(L70, tr, plan, moe=False)
+    inp, one = saved_bytes_per_layer(terms, "full"), recompute_working_bytes(terms, "full")
+    in_flight = 4 - 1  # 1F1B on rank 1 of 4: p - r micro-batches
+    assert stage_saved_bytes(L70, tr, plan, m, 1, 20) == pytest.approx(in_flight * 7 * inp)
+    assert layer_recompute_working_bytes(L70, tr, plan) == pytest.approx(3 * one + 2 * inp)
+    st = stage_memory(L70, tr, plan, m, 1, 20)
+    assert st.activations_bytes == pytest.approx(in_flight * 7 * inp + 3 * one + 2 * inp)
+    # a group longer than the chunk is the chunk
+    assert layer_recompute_working_bytes(L70, tr, plan.model_copy(update={"recompute_group_layers": 50})) == \
+        pytest.approx(20 * one + 19 * inp)
+    # time: every layer recomputed once, as in groups of one
+    ones = plan.model_copy(update={"recompute_group_layers": None})
+    assert estimate_time(L70, H100, tr, plan).breakdown == pytest.approx(estimate_time(L70, H100, tr, ones).breakdown)
+
+
+def test_uniform_groups_rules_and_refusals():
+    with pytest.raises(ValueError, match="recompute_group_layers: .*needs recompute full"):
+        _plan(recompute="selective", recompute_group_layers=2)
+    with pytest.raises(ValueError, match="recompute_group_layers: .*exclude each other"):
+        _plan(recompute_group_layers=2, recompute_num_layers=1)
+    tr = TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=8192)
+    for fw, refused in (("megatron", False), ("nemo", False), ("torch", True), ("torchtitan", True),
+                        ("deepspeed", True)):
+        lines = plan_problems(L70, H100, tr.model_copy(update={"framework": fw}), _plan(recompute_group_layers=2))
+        assert any(line.startswith("recompute_group_layers:") for line in lines) == refused, (fw, lines)
+    from planner.emit import render_all
+    from planner.validate.launch import refusal
+
+    sc = Scenario(model=L70, hardware=H100, training=tr, plan=_plan(pp=4, dp=2, recompute_group_layers=2))
+    for fmt in ("torchtitan", "deepspeed"):
+        with pytest.raises(SpecError, match=f"--emit {fmt}: .*groups of 2"):
+            render_all(sc, [fmt])
+    assert "recompute_group_layers=2" in refusal(sc)
+
+
+def test_uniform_groups_emit_and_check_round_trip(tmp_path):
+    from planner.check import check_file
+    from planner.emit import render_all
+    from planner.memory import estimate_scenario_memory
+
+    tr = TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=8192)
+    sc = Scenario(model=L70, hardware=H100, training=tr, plan=_plan(pp=4, dp=2, recompute_group_layers=4))
+    files = render_all(sc, ["megatron"])
+    (name, text), = [(n, t) for n, t in files.items() if not n.endswith(".plan.json")]
+    assert re.search(r"--recompute-method\s+uniform\s+--recompute-num-layers\s+4\s", text)
+    path = tmp_path / name
+    path.write_text(text)
+    result = check_file(path, H100, None, None)
+    assert not result.errors, result.errors
+    assert result.scenario.resolved_plan() == sc.resolved_plan()
+    assert estimate_scenario_memory(result.scenario).stages == estimate_scenario_memory(sc).stages

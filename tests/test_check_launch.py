@@ -257,16 +257,27 @@ def test_no_precision_flag_is_fp32_as_in_megatron(tmp_path):
     assert r.scenario.training.precision == "fp32" and any("fp32" in n for n in r.notes)
 
 
-def test_uniform_recompute_of_several_layers_is_bounded_by_no_recompute(tmp_path):
-    # Megatron's uniform method with 2 layers recomputed at once holds two layers' activations in the backward,
-    # where plan3d's full recompute holds one: no recompute bounds it from above (torchtitan's per-layer AC,
-    # selective_ac_option N, is read exactly: tests/test_layer_interval_recompute.py)
+def test_uniform_recompute_in_groups_is_read_as_megatron_runs_it(tmp_path):
+    """--recompute-method uniform --recompute-num-layers 2 on 16 layers per stage: 8 groups of 2, each checkpointed
+    at its input and recomputed whole (core_v0.16.1 transformer_block.py _checkpointed_forward): half of full
+    recompute's saved inputs, and a two-layer working set in the backward. Under --deepspeed (no groups there) it
+    stays no recompute, an upper bound."""
     script = tmp_path / "uniform.sh"
-    script.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().replace(
-        "--bf16", "--bf16 --pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method uniform "
-                  "--recompute-num-layers 2"))
+    text = (LAUNCH / "megatron_gqa_default.sh").read_text()
+    flags = ("--bf16 --pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method uniform "
+             "--recompute-num-layers 2")
+    script.write_text(text.replace("--bf16", flags))
     (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, 16)
-    assert r.scenario.plan.recompute == "none" and any("2 layers at once" in n for n in r.notes)
+    plan = r.scenario.plan
+    assert (plan.recompute, plan.recompute_num_layers, plan.recompute_group_layers) == ("full", None, 2)
+    assert not any("upper bound" in n for n in r.notes)
+    from planner.memory import stage_saved_bytes
+
+    sc = r.scenario
+    m = sc.training.global_batch_size // (plan.micro_batch_size * plan.dp)
+    ones = plan.model_copy(update={"recompute_group_layers": None})
+    assert stage_saved_bytes(sc.model, sc.training, plan, m, 0, 16) == \
+        pytest.approx(stage_saved_bytes(sc.model, sc.training, ones, m, 0, 16) / 2)
 
 
 def test_block_recompute_is_read_as_megatron_runs_it(tmp_path):

@@ -168,6 +168,9 @@ MEGATRON_PLANS = {
     # Megatron's block method: the first 3 of each chunk's 10 layers recomputed (Plan.recompute_num_layers)
     "block-recompute-vpp2": (L70, dict(tp=8, pp=4, dp=2, vpp=2, recompute="full", recompute_num_layers=3,
                                        sequence_parallel=True, zero_stage=1)),
+    # Megatron's uniform method in groups of 4 layers (Plan.recompute_group_layers)
+    "uniform-groups-of-4": (L70, dict(tp=8, pp=4, dp=2, recompute="full", recompute_group_layers=4,
+                                      sequence_parallel=True, zero_stage=1)),
     "zero2-fsdp": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096),
                    dict(tp=2, pp=1, dp=8, zero_stage=2, sequence_parallel=True)),
     "zero3-fsdp-pp2": (L70, dict(tp=8, pp=2, dp=4, zero_stage=3, layers_per_stage=(40, 40))),
@@ -362,7 +365,8 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert config.recompute_granularity == (None if p.recompute == "none" else p.recompute)
         if p.recompute == "full":  # the layers recomputed per chunk (transformer_block.py _checkpointed_forward)
             assert (config.recompute_method, config.recompute_num_layers) == \
-                (("block", p.recompute_num_layers) if p.recompute_num_layers is not None else ("uniform", 1))
+                (("block", p.recompute_num_layers) if p.recompute_num_layers is not None
+                 else ("uniform", p.recompute_group_layers or 1))
         # --cpu-offloading-num-layers turns cpu_offloading on in validate_args; TransformerConfig checks pp 1,
         # no recompute, fewer than num_layers (transformer_config.py __post_init__)
         assert (config.cpu_offloading, config.cpu_offloading_num_layers) == (p.cpu_offload_layers > 0,

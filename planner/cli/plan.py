@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, CrossEntropyFusionOpt, Fp8RecipeOpt, OffloadOpt, RecomputeIntervalOpt, RecomputeLayersOpt, RecomputeModulesOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, CrossEntropyFusionOpt, Fp8RecipeOpt, OffloadOpt, RecomputeGroupOpt, RecomputeIntervalOpt, RecomputeLayersOpt, RecomputeModulesOpt,
     OptimizerDtypeOpt, ScheduleOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
@@ -28,7 +28,8 @@ def estimate(
     tp_comm_overlap: TpOverlapOpt = None, overlap_p2p_comm: P2pOverlapOpt = None,
     tp: TpOpt = None, pp: PpOpt = None, vpp: VppOpt = None, cp: CpOpt = None,
     micro_batch_size: MbsOpt = None, recompute: RecomputeOpt = None, recompute_num_layers: RecomputeLayersOpt = None,
-    recompute_interval: RecomputeIntervalOpt = None, sequence_parallel: SpOpt = None,
+    recompute_interval: RecomputeIntervalOpt = None, recompute_group_layers: RecomputeGroupOpt = None,
+    sequence_parallel: SpOpt = None,
     zero_stage: ZeroOpt = None, layers_per_stage: LayersOpt = None, microbatch_group_size: GroupOpt = None,
     ep: EpOpt = None, etp: EtpOpt = None, cpu_offload_layers: OffloadOpt = None, moe_dispatcher: MoeDispatcherOpt = None,
     moe_a2a_overlap: MoeA2aOverlapOpt = None, moe_load_imbalance: MoeImbalanceOpt = None,
@@ -48,6 +49,7 @@ def estimate(
                                tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm, tp=tp, pp=pp, vpp=vpp,
                                cp=cp, micro_batch_size=micro_batch_size, recompute=recompute,
                                recompute_num_layers=recompute_num_layers, recompute_interval=recompute_interval,
+                               recompute_group_layers=recompute_group_layers,
                                sequence_parallel=sequence_parallel, zero_stage=zero_stage,
                                layers_per_stage=parse_layers_per_stage(layers_per_stage),
                                microbatch_group_size=microbatch_group_size, ep=ep, etp=etp,

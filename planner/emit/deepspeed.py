@@ -48,6 +48,9 @@ def check_supported(sc: Scenario) -> None:
     if p.recompute_num_layers is not None:
         raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no block recompute of the first "
                         f"{p.recompute_num_layers} layers of each chunk; use --format megatron or drop recompute_num_layers")
+    if p.recompute_group_layers is not None:
+        raise SpecError(f"--emit deepspeed: the DeepSpeed config written here recomputes layer by layer, not in groups "
+                        f"of {p.recompute_group_layers}; use --format megatron or drop recompute_group_layers")
     if p.recompute_interval is not None:
         raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no per-layer AC (one layer in "
                         f"every {p.recompute_interval} recomputed); drop recompute_interval")

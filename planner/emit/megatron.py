@@ -305,9 +305,9 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     elif p.recompute == "full" and p.recompute_num_layers is not None:  # the first K layers of each model chunk
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "block"),
                   ("--recompute-num-layers", str(p.recompute_num_layers))]
-    elif p.recompute == "full":
+    elif p.recompute == "full":  # groups of one layer, or of the plan's recompute_group_layers
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
-                  ("--recompute-num-layers", "1")]
+                  ("--recompute-num-layers", str(p.recompute_group_layers or 1))]
     if p.cpu_offload_layers:
         # core_v0.16.1: --cpu-offloading-num-layers comes from TransformerConfig (arguments.py
         # _add_network_size_args); validate_args sets args.cpu_offloading = True when it is > 0, and

@@ -86,6 +86,9 @@ class FrameworkProfile:
     allows_cpu_offload: bool = False
     # Megatron's block recompute (Plan.recompute_num_layers, --recompute-method block --recompute-num-layers K)
     allows_block_recompute: bool = False
+    # Megatron's uniform method with groups of N > 1 layers (Plan.recompute_group_layers, --recompute-method
+    # uniform --recompute-num-layers N)
+    allows_recompute_groups: bool = False
     # torchtitan's per-layer AC (Plan.recompute_interval, --activation_checkpoint.mode selective
     # --activation_checkpoint.selective_ac_option N: every N-th block of a rank fully checkpointed)
     allows_layer_interval_recompute: bool = False
@@ -202,6 +205,10 @@ class FrameworkProfile:
         if plan.recompute_num_layers is not None and not self.allows_block_recompute:
             errors.append(f"recompute_num_layers: {self.name} has no block recompute of the first layers of each "
                           f"chunk (Megatron --recompute-method block); use framework megatron or nemo, or drop it")
+        if plan.recompute_group_layers is not None and not self.allows_recompute_groups:
+            errors.append(f"recompute_group_layers: {self.name} has no recompute of layers in groups (Megatron "
+                          f"--recompute-method uniform --recompute-num-layers N); use framework megatron or nemo, "
+                          f"or drop it")
         if plan.recompute_interval is not None and not self.allows_layer_interval_recompute:
             errors.append(f"recompute_interval: {self.name} has no per-layer AC of every N-th layer (torchtitan "
                           f"--activation_checkpoint.selective_ac_option N); use framework torchtitan, or drop it")

@@ -72,7 +72,7 @@ PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_pe
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
                            allows_grad_reduce_in_bf16=True,
                            # NeMo passes cpu_offloading_num_layers and recompute_method/num_layers to Megatron-Core
-                           allows_cpu_offload=True, allows_block_recompute=True,
+                           allows_cpu_offload=True, allows_block_recompute=True, allows_recompute_groups=True,
                            unfused_yarn_rope=True,  # Megatron-Bridge's provider (FrameworkProfile.unfused_yarn_rope)
                            # the recipes' moe_grouped_gemm=True: TEGroupedMLP, TE's multi-stream GroupedLinear
                            expert_gemm_streams=4,

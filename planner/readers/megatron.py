@@ -426,14 +426,14 @@ def recompute_modules(a: Args) -> tuple[str, ...]:
     return tuple(modules)
 
 
-def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, int | None]:
-    """(``Plan.recompute``, ``Plan.recompute_num_layers``) of the launch. ``--recompute-method block
-    --recompute-num-layers K`` recomputes the first K layers of each model chunk (core_v0.16.1
-    ``transformer_block.py`` ``_checkpointed_forward``): K below the chunk's layers is Megatron's block method,
-    modelled as it runs (under ``--deepspeed`` as no recompute, an upper bound: that profile has no block method).
-    ``--recompute-method uniform --recompute-num-layers N`` recomputes groups of N layers at once, holding N layers'
-    activations in the backward where plan3d's full recompute holds one: with N > 1 it is modelled as no
-    recompute, an upper bound, so the gate never passes it on a one-layer working set."""
+def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, int | None, int | None]:
+    """(``Plan.recompute``, ``Plan.recompute_num_layers``, ``Plan.recompute_group_layers``) of the launch.
+    ``--recompute-method block --recompute-num-layers K`` recomputes the first K layers of each model chunk
+    (core_v0.16.1 ``transformer_block.py`` ``_checkpointed_forward``): K below the chunk's layers is Megatron's
+    block method, modelled as it runs. ``--recompute-method uniform --recompute-num-layers N`` checkpoints groups
+    of N layers and recomputes each group whole, holding N layers' activations in the backward: with N > 1,
+    ``recompute_group_layers``. Under ``--deepspeed`` both are modelled as no recompute, an upper bound: that
+    profile has neither."""
     granularity = a.get("--recompute-granularity")
     if a.has("--moe-layer-recompute") and granularity == "full":  # TransformerConfig.__post_init__
         raise SpecError(f"{a.path}:{a.line('--moe-layer-recompute')}: --moe-layer-recompute with "
@@ -445,15 +445,18 @@ def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, in
     n = a.int("--recompute-num-layers", 1)
     if granularity == "full" and a.get("--recompute-method") == "block" and n < layers_per_chunk:
         if not a.has("--deepspeed"):
-            return "full", n
+            return "full", n, None
         notes.append(f"--recompute-method block recomputes {n} of {layers_per_chunk} layers per stage: "
                      "modelled as no recompute, an upper bound (the deepspeed profile has no block method)")
-        return "none", None
+        return "none", None, None
     if granularity == "full" and a.get("--recompute-method") == "uniform" and min(n, layers_per_chunk) > 1:
+        if not a.has("--deepspeed"):
+            return "full", None, n
         notes.append(f"--recompute-method uniform --recompute-num-layers {n} recomputes {min(n, layers_per_chunk)} "
-                     "layers at once: modelled as no recompute, an upper bound")
-        return "none", None
-    return granularity or "none", None
+                     "layers at once: modelled as no recompute, an upper bound (the deepspeed profile recomputes "
+                     "layer by layer)")
+        return "none", None, None
+    return granularity or "none", None, None
 
 
 def _layout(a: Args, pp: int) -> tuple[tuple[int, ...], int] | None:
@@ -607,11 +610,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # absent flags leave the framework's default (planner.cost.framework_defaults)
                 "tp_comm_overlap": True if a.has("--tp-comm-overlap") else None,
                 "overlap_p2p_comm": False if a.has("--no-overlap-p2p-communication") else None}
-    rc, rc_layers = recompute(a, per_chunk_layers, notes)
+    rc, rc_layers, rc_group = recompute(a, per_chunk_layers, notes)
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             # absent --expert-tensor-parallel-size: tp (validate_args), the plan's None
             "ep": a.count("--expert-model-parallel-size", 1), "etp": a.count("--expert-tensor-parallel-size"),
-            "recompute": rc, "recompute_num_layers": rc_layers, "sequence_parallel": sp,
+            "recompute": rc, "recompute_num_layers": rc_layers, "recompute_group_layers": rc_group, "sequence_parallel": sp,
             # validate_args turns offloading on only for a count > 0 (core_v0.16.1 arguments.py line 1236)
             "cpu_offload_layers": max(0, a.int("--cpu-offloading-num-layers", 0)),
             "zero_stage": zero_stage(a, ds_config),
