@@ -1245,10 +1245,13 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
                                     plan.microbatch_group_size)
         if p == 1 and plan.pipeline_schedule != "1f1b":
             errors.append(f"pipeline_schedule: {plan.pipeline_schedule} needs pp > 1 (pp is 1)")
-    elif v > 1 and B % (b * d) == 0:
-        from planner.schedules import interleaved_problems
+    elif v > 1 and B % (b * d) == 0:  # the default interleaved schedule, by the framework's own rules
+        from planner.schedules import framework_family, interleaved_problems, schedule_problems
 
-        errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
+        if framework_family(training.framework) == "torch":
+            errors += schedule_problems("interleaved", training.framework, p, v, B // (b * d))
+        else:
+            errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     from planner.frameworks import get as framework_profile
 
     errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
