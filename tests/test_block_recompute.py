@@ -99,19 +99,18 @@ def test_time_recomputes_the_share_of_the_layers():
     assert hf - mf == pytest.approx(0.3 * (flops.hardware_flops_per_step(L70, 64, 8192, "full") - mf))
 
 
-def test_emit_and_check_round_trip(tmp_path):
+def _emit_and_check(tmp_path, sc: Scenario, formats: list[str], method: str, n: int) -> int:
+    """Emit ``sc`` in ``formats``, check that each launch carries ``--recompute-method METHOD
+    --recompute-num-layers N`` and that `check` reads back the same plan and memory; the launches checked."""
     from planner.check import check_file
     from planner.emit import render_all
     from planner.memory import estimate_scenario_memory
 
-    tr = TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=8192)
-    sc = Scenario(model=L70, hardware=H100, training=tr, plan=_plan(pp=4, dp=2, vpp=2, recompute_num_layers=3))
-    files = render_all(sc, ["megatron", "torchrun"])
     checked = 0
-    for name, text in files.items():
+    for name, text in render_all(sc, formats).items():
         if name.endswith(".plan.json"):
             continue
-        assert re.search(r"--recompute-method\s+block\s+--recompute-num-layers\s+3\s", text), name
+        assert re.search(rf"--recompute-method\s+{method}\s+--recompute-num-layers\s+{n}\s", text), name
         path = tmp_path / name
         path.write_text(text)
         result = check_file(path, H100, None, None)
@@ -119,7 +118,15 @@ def test_emit_and_check_round_trip(tmp_path):
         assert result.scenario.resolved_plan() == sc.resolved_plan()
         assert estimate_scenario_memory(result.scenario).stages == estimate_scenario_memory(sc).stages
         checked += 1
-    assert checked == 2
+    return checked
+
+
+def test_emit_and_check_round_trip(tmp_path):
+    from planner.emit import render_all
+
+    tr = TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=8192)
+    sc = Scenario(model=L70, hardware=H100, training=tr, plan=_plan(pp=4, dp=2, vpp=2, recompute_num_layers=3))
+    assert _emit_and_check(tmp_path, sc, ["megatron", "torchrun"], "block", 3) == 2
     for fmt in ("torchtitan", "deepspeed"):
         with pytest.raises(SpecError, match=f"--emit {fmt}: .*block recompute"):
             render_all(sc, [fmt])
@@ -173,18 +180,6 @@ def test_uniform_groups_rules_and_refusals():
 
 
 def test_uniform_groups_emit_and_check_round_trip(tmp_path):
-    from planner.check import check_file
-    from planner.emit import render_all
-    from planner.memory import estimate_scenario_memory
-
     tr = TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=8192)
     sc = Scenario(model=L70, hardware=H100, training=tr, plan=_plan(pp=4, dp=2, recompute_group_layers=4))
-    files = render_all(sc, ["megatron"])
-    (name, text), = [(n, t) for n, t in files.items() if not n.endswith(".plan.json")]
-    assert re.search(r"--recompute-method\s+uniform\s+--recompute-num-layers\s+4\s", text)
-    path = tmp_path / name
-    path.write_text(text)
-    result = check_file(path, H100, None, None)
-    assert not result.errors, result.errors
-    assert result.scenario.resolved_plan() == sc.resolved_plan()
-    assert estimate_scenario_memory(result.scenario).stages == estimate_scenario_memory(sc).stages
+    assert _emit_and_check(tmp_path, sc, ["megatron", "torchrun"], "uniform", 4) == 2
