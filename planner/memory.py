@@ -775,7 +775,7 @@ def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
     return sum(x.bytes for x in terms if x.autograd and not kept_under(x, recompute))
 
 
-def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float = 0.0):
+def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float = 0.0, family: str = "megatron"):
     """Micro-batches (chunk-micro-batches when ``vpp > 1``) whose activations stage ``stage`` holds at peak.
 
     The zero-bubble schedules (``plan.pipeline_schedule`` interleaved_zb, zbv, dualpipev) take the closed
@@ -785,9 +785,14 @@ def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float
 
     1F1B: ``min(m, p - r)`` (Megatron ``schedules.py``: ``p - r - 1`` warm-up forwards + 1).
     Interleaved: warm-up ``2 (p - r - 1) + (v - 1) N`` chunk forwards + 1, at most ``m v``, with ``N`` the
-    micro-batch group size (default ``p``; Megatron ``get_pp_rank_microbatches``). ``tests/test_schedules.py``
-    checks these against Megatron-Core's and torch.distributed.pipelining's own schedule code.
-    ``num_microbatches`` may be a numpy array (the search evaluates many at once).
+    micro-batch group size (default ``p``; Megatron ``get_pp_rank_microbatches``). In torch's order
+    (``family`` ``"torch"``: torchtitan and plain torch, ``ScheduleInterleaved1F1B``) ``N`` is its
+    micro-batches per round, ``m // max(1, m // p)`` (``schedules.torch_group_size``): ``p`` when ``m`` is a
+    multiple of ``p``, more otherwise (torch's flex rounds; p 2, v 2, m 3: 6 in flight on rank 0 where the
+    Megatron order holds 5). ``tests/test_schedules.py`` checks these against Megatron-Core's and
+    torch.distributed.pipelining's own schedule code, and ``tests/test_schedules_zb.py`` against the saved
+    tensors torch's schedule holds on gloo. ``num_microbatches`` may be a numpy array (the search evaluates
+    many at once).
     """
     p, v, m, r = plan.pp, plan.vpp, num_microbatches, stage
     if plan.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev"):
@@ -796,7 +801,10 @@ def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float
         return np.asarray(peak_in_flight(plan.pipeline_schedule, p, v, m, r, w_fraction=w_fraction))
     if v == 1:
         return np.minimum(m, p - r)
-    n = plan.microbatch_group_size or p  # Megatron's group size N, default p (planner/schedules.py)
+    if family == "torch":  # torch's micro-batches per round (schedules.torch_group_size)
+        n = m // np.maximum(1, m // p)
+    else:
+        n = plan.microbatch_group_size or p  # Megatron's group size N, default p (planner/schedules.py)
     return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * n + 1)
 
 
@@ -810,8 +818,11 @@ def schedule_w_fraction(training: TrainingSpec) -> float:
 
 
 def stage_in_flight_chunks(training: TrainingSpec, plan: Plan, num_microbatches, stage: int):
-    """:func:`in_flight_chunks` with the framework's ``w_fraction``."""
-    return in_flight_chunks(plan, num_microbatches, stage, schedule_w_fraction(training))
+    """:func:`in_flight_chunks` with the framework's ``w_fraction`` and schedule order (``schedules.framework_family``)."""
+    from planner.schedules import framework_family
+
+    return in_flight_chunks(plan, num_microbatches, stage, schedule_w_fraction(training),
+                            framework_family(training.framework))
 
 
 def saved_bytes_per_layer_kind(model: ModelSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:

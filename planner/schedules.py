@@ -662,8 +662,8 @@ def schedule_problems(schedule: str, framework: str, p: int, v: int, m: int, gro
     * the schedule must be one the framework has (:data:`FRAMEWORK_SCHEDULES`);
     * zbv, dualpipev: exactly 2 chunks per rank (torch raises for any other count); dualpipev needs
       ``m >= 2p`` (torch ``ScheduleDualPipeV``, DeepSpeed ``DualPipeVEngine``);
-    * torch's interleaved and interleaved_zb: ``m`` a multiple of ``max(1, m // p)``; interleaved as plan3d
-      models it: ``m`` a multiple of ``p`` (other counts hold more in flight than the Megatron order it counts);
+    * torch's interleaved and interleaved_zb: ``m`` a multiple of ``max(1, m // p)`` (other counts than multiples
+      of ``p`` run as torch's flex rounds, which ``memory.in_flight_chunks`` counts in torch's order);
     * torchtitan: single-stage schedules (1f1b) need 1 chunk per rank and multi-stage ones at least 2
       (``_get_pipeline_metadata``), so ZB-H1 (interleaved_zb with v = 1) runs in plain torch only;
     * Megatron's interleaved: :func:`interleaved_problems`.
@@ -687,13 +687,6 @@ def schedule_problems(schedule: str, framework: str, p: int, v: int, m: int, gro
         if m % rounds:
             errors.append(f"num_microbatches: torch's {schedule} needs num_microbatches({m}) to be a multiple of "
                           f"max(1, m // pp) = {rounds}; choose {m - m % rounds} or {m + rounds - m % rounds}")
-        elif schedule == "interleaved" and v > 1 and m % p:
-            # torch runs it (flex_pp rounds), but its order then holds more than the Megatron order the memory and
-            # bubble terms count (p 2, v 2, m 3: 6 chunks in flight on rank 0 against 5; tests/test_schedules.py)
-            near = " or ".join(str(x) for x in sorted({max(p, m - m % p), m + p - m % p}))
-            errors.append(f"num_microbatches: plan3d models {framework}'s interleaved schedule (torch "
-                          f"ScheduleInterleaved1F1B) for num_microbatches a multiple of pp({p}) only, got {m}; "
-                          f"choose {near}")
     if framework == "torchtitan" and schedule == "interleaved_zb" and v < 2:
         errors.append("vpp: torchtitan runs multi-stage schedules (InterleavedZeroBubble) with at least 2 stages "
                       "per rank; use vpp >= 2")

@@ -137,8 +137,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     sp_u = np.array([bool(u[2]) for u in micros])
     boundary_full_u = mbs_u * model.hidden_size * act_bytes(training)
 
-    def in_flight(plan, m, r):  # memory.stage_in_flight_chunks: the framework's w_fraction
-        return in_flight_chunks(plan, m, r, w_fraction)
+    def in_flight(plan, m, r):  # memory.stage_in_flight_chunks: the framework's w_fraction and order
+        return in_flight_chunks(plan, m, r, w_fraction, family)
     factors: dict = {}
     hops: dict = {}
     usable_kib = int(hw.usable_memory_gib * GIB // KIB)

@@ -63,6 +63,10 @@ def test_torch_family_matches_torch_pipelining_action_lists(p, v, m):
         else:
             assert ours == theirs[r], (p, v, m, r)
         assert S.measured_peak(theirs[r]) == S.peak_in_flight("torch", p, v, m, r)
+        # what the estimator charges a torchtitan/torch stage (memory.in_flight_chunks in torch's order), also at
+        # counts that are not a multiple of p (torch's flex rounds)
+        plan = Plan(tp=1, pp=p, dp=1, vpp=v, micro_batch_size=1, pipeline_schedule="interleaved" if v > 1 else None)
+        assert int(np.asarray(in_flight_chunks(plan, m, r, family="torch"))) == S.measured_peak(theirs[r]), (p, v, m, r)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 6)])
@@ -139,19 +143,25 @@ def test_interleaved_problems_follow_megatron():
     assert int(np.asarray(in_flight_chunks(plan, 10, 0))) == 2 * 3 + 10 + 1  # the estimator uses N
 
 
-def test_torch_interleaved_counts_off_the_pp_multiple_are_refused_not_undercounted():
-    """torch's ScheduleInterleaved1F1B also runs micro-batch counts that are not a multiple of pp (flex_pp rounds:
-    m % max(1, m // pp) == 0), but its order then holds more chunks in flight than the Megatron order the
-    estimator's memory and bubble count (p 2, v 2, m 3: 6 on rank 0 against 5), so those counts are refused for
-    the torch family; at multiples of pp the two orders hold the same peak on every rank."""
-    plan = Plan(tp=1, pp=2, dp=1, vpp=2, micro_batch_size=1)
-    assert S.peak_in_flight("torch", 2, 2, 3, 0) == 6 > int(np.asarray(in_flight_chunks(plan, 3, 0))) == 5
+def test_torch_interleaved_counts_off_the_pp_multiple_are_counted_in_torchs_order():
+    """torch's ScheduleInterleaved1F1B also runs micro-batch counts that are not a multiple of pp (flex rounds of
+    m // max(1, m // pp) micro-batches, when m is a multiple of max(1, m // pp)). Its order then holds more chunks
+    in flight than Megatron's order with its default N = pp (p 2, v 2, m 3: 6 on rank 0 against 5): the torchtitan
+    and torch profiles are charged torch's count, Megatron keeps its own, and only the counts torch itself
+    refuses are refused. At multiples of pp the two orders hold the same peak on every rank."""
+    plan = Plan(tp=1, pp=2, dp=1, vpp=2, micro_batch_size=1, pipeline_schedule="interleaved")
+    assert int(np.asarray(in_flight_chunks(plan, 3, 0, family="torch"))) == 6
+    assert int(np.asarray(in_flight_chunks(plan, 3, 0))) == 5  # Megatron's order, N = pp
     for fw in ("torchtitan", "torch"):
-        assert "multiple of pp(2) only, got 3" in S.schedule_problems("interleaved", fw, 2, 2, 3)[0]
+        assert S.schedule_problems("interleaved", fw, 2, 2, 3) == []
         assert S.schedule_problems("interleaved", fw, 2, 2, 4) == []
+        assert "multiple of max(1, m // pp) = 2" in S.schedule_problems("interleaved", fw, 4, 2, 9)[0]
+    assert S.schedule_problems("interleaved", "megatron", 2, 2, 3) == S.interleaved_problems(2, 2, 3) != []
     for p in (2, 3, 4, 8):
         for v in (2, 3, 4):
             for m in (p, 2 * p, 3 * p, 4 * p):
                 plan = Plan(tp=1, pp=p, dp=1, vpp=v, micro_batch_size=1)
                 for r in range(p):
                     assert S.peak_in_flight("torch", p, v, m, r) == int(np.asarray(in_flight_chunks(plan, m, r)))
+                    assert int(np.asarray(in_flight_chunks(plan, m, r, family="torch"))) == \
+                        int(np.asarray(in_flight_chunks(plan, m, r)))

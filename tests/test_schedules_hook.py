@@ -68,6 +68,10 @@ def test_plan_rules_are_the_frameworks():
     ("interleaved_zb", 8, [8, 8, 8, 8]),  # m = 4: N = 4, min(8, 8)
     ("zbv", 8, [5, 6, 7, 8]),  # m = 4: min(8, 8, 5 + r)
     ("zbv", 16, [8, 8, 8, 8]),  # m = 8: min(8, 16, 9 + r)
+    # interleaved in torch's order: 2 (p - r - 1) + (v - 1) N + 1, N = m // max(1, m // p) micro-batches per round
+    ("interleaved", 16, [11, 9, 7, 5]),  # m = 8: N = 4 = p, Megatron's count
+    ("interleaved", 20, [12, 10, 8, 6]),  # m = 10: flex rounds, N = 5 (Megatron's N = p order would hold 11 on rank 0)
+    ("interleaved", 14, [14, 12, 10, 8]),  # m = 7: N = 7, min(14, 6 + 7 + 1)
 ])
 def test_in_flight_chunks_of_the_torch_schedules(schedule, batch, expected):
     tr = _tr("torchtitan", batch=batch)

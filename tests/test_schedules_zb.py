@@ -22,9 +22,12 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace as NS
 
+import numpy as np
 import pytest
 
 from planner import schedules as S
+from planner.memory import in_flight_chunks
+from planner.specs import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -381,6 +384,10 @@ def test_saved_activation_peak_matches_torch(gloo_peaks, name, p, v, m):
         got = gloo_peaks[(name, p, v, m, r)]
         assert got["left"] == 0, "saved tensors outlived the step"
         assert got["peak"] == S.peak_in_flight_of(name, p, v, m, r, w_fraction=S.TORCH_W_FRACTION), (r, got)
+        # and what the estimator charges a torchtitan stage (flex interleaved counts, m % p != 0, included)
+        plan = Plan(tp=1, pp=p, dp=1, vpp=v, micro_batch_size=1, pipeline_schedule=name)
+        charged = in_flight_chunks(plan, m, r, S.TORCH_W_FRACTION, S.framework_family("torchtitan"))
+        assert int(np.asarray(charged)) == got["peak"], (r, got)
 
 
 if __name__ == "__main__":  # a gloo rank of gloo_peaks

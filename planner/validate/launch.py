@@ -555,6 +555,7 @@ def moe_balanced_saved_peak_bytes(sc: Scenario, pp_rank: int) -> float:
     import numpy as np
 
     from planner.memory import in_flight_chunks
+    from planner.schedules import framework_family
     from planner.validate.moe import balanced_routed_tokens, microbatch_saved_bytes
 
     p = sc.resolved_plan()
@@ -562,7 +563,8 @@ def moe_balanced_saved_peak_bytes(sc: Scenario, pp_rank: int) -> float:
     dense_layers = sc.stage_layers[pp_rank] - moe_layers
     r = balanced_routed_tokens(sc.training, p, sc.model)
     per_stage_pass = microbatch_saved_bytes(sc, dense_layers, [r] * moe_layers)  # all chunks of the stage
-    return float(np.asarray(in_flight_chunks(p, p.num_microbatches, pp_rank)) * per_stage_pass / p.vpp)
+    held = in_flight_chunks(p, p.num_microbatches, pp_rank, family=framework_family(sc.training.framework))
+    return float(np.asarray(held) * per_stage_pass / p.vpp)
 
 
 def moe_saved_rows(sc: Scenario, r: dict) -> tuple[list[dict], dict]:
