@@ -1166,6 +1166,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     if plan.recompute == "full":
         tp_bwd += tp_fwd  # the recomputed forward repeats its collectives
         ep_bwd += ep_fwd  # and its token dispatch and combine
+        tp_bwd += distributed_checkpoint_gather_s(training, plan, buf, tp_group, hw)
     if plan.recompute == "full" or (plan.recompute == "selective" and
                                     (op_sac or "core_attn" in training.recompute_modules)):
         cp_bwd += cp_fwd  # and its ring exchange
@@ -1200,6 +1201,21 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         fwd, bwd = fwd + offload_exposed_s(copy_s, fwd, L, n) / L, bwd + offload_exposed_s(copy_s, bwd, L, n) / L
     return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
                      cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd, wgrad=wgrad)
+
+
+def distributed_checkpoint_gather_s(training: TrainingSpec, plan: Plan, input_bytes: float, tp_group,
+                                    hw: HardwareSpec) -> float:
+    """Seconds per layer and micro-batch to gather a distributed checkpoint's input back before the recompute
+    (Megatron ``--distribute-saved-activations``, ``memory.distributes_checkpoints``): core_v0.16.1
+    ``CheckpointFunction.backward`` calls ``gather_split_1d_tensor``, one all-gather of the ``input_bytes`` layer
+    input over the TP group on the compute stream, nothing to overlap it with. Uniform groups of N layers
+    (``plan.recompute_group_layers``) checkpoint one input per group: 1/N of a gather per layer (exact where N
+    divides the chunk). 0 where the checkpoints are not distributed."""
+    from planner.memory import distributes_checkpoints
+
+    if not distributes_checkpoints(training, plan):
+        return 0.0
+    return comm.collective_time_s("all_gather", input_bytes, tp_group, hw) / (plan.recompute_group_layers or 1)
 
 
 def offload_windows(num_layers: int, offload_layers: int) -> tuple[int, ...]:

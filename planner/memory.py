@@ -827,11 +827,24 @@ def stage_in_flight_chunks(training: TrainingSpec, plan: Plan, num_microbatches,
 
 def saved_bytes_per_layer_kind(model: ModelSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
     """(dense layer, MoE layer) bytes one layer keeps for backward under ``plan.recompute`` (the MoE
-    value is 0 for a dense model)."""
-    dense = saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=False), plan.recompute)
+    value is 0 for a dense model).
+
+    Megatron's ``--distribute-saved-activations`` (``training.distribute_saved_activations``, full recompute,
+    tp > 1, no SP): the checkpoint keeps ``split_tensor_into_1d_equal_chunks`` of its input, this rank's 1/tp
+    share in a new buffer, in place of the whole input (core_v0.16.1 ``tensor_parallel/random.py``
+    ``CheckpointFunction.forward``); what the backward gathers back is the recompute's, not held between passes."""
+    share = 1 / plan.tp if distributes_checkpoints(training, plan) else 1.0
+    dense = share * saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=False), plan.recompute)
     if not model.is_moe:
         return dense, 0.0
-    return dense, saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=True), plan.recompute)
+    return dense, share * saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=True), plan.recompute)
+
+
+def distributes_checkpoints(training: TrainingSpec, plan: Plan) -> bool:
+    """Whether each full-recompute checkpoint keeps only its 1/tp share of the layer input (Megatron
+    ``--distribute-saved-activations``; its rules, ``specs.distributed_checkpoint_problems``, hold)."""
+    return (training.distribute_saved_activations and plan.recompute == "full" and plan.tp > 1
+            and not plan.sequence_parallel)
 
 
 def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:

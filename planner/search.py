@@ -51,7 +51,8 @@ from planner.memory import (act_bytes, chunk_peak_layers, in_flight_chunks, inpu
                             stage_moe_layer_count, stage_params_per_rank, stage_state_bytes)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS
-from planner.specs import GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, job_problems, empty_chunks, uneven_chunks
+from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, distributed_checkpoint_problems,
+                           empty_chunks, job_problems, uneven_chunks)
 
 NS = 1e9  # time unit of the tables: nanoseconds
 KIB = 1024  # memory unit of the tables
@@ -289,6 +290,8 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
         valid = not (sp and base.tp == 1) and pins.sp_ok(base.tp, sp)
         # memory/profiles: Megatron's MoE layer trains with tp > 1 only with SP (FrameworkProfile.moe_needs_sp)
         valid = valid and not (fw.moe_needs_sp and model.is_moe and base.tp > 1 and not sp)
+        # Megatron's --distribute-saved-activations: full recompute, tp > 1, no SP (specs.plan_problems)
+        valid = valid and not distributed_checkpoint_problems(training, plan)
         row = micro_factors(model, hw, training, plan, order) if valid else dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
         # memory (owned with planner.memory): per dense and per MoE layer, as memory.stage_saved_bytes
         dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)

@@ -805,6 +805,12 @@ class TrainingSpec(_Spec):
     @classmethod
     def _recompute_modules(cls, v: tuple) -> tuple:
         return tuple(dict.fromkeys(v))
+    distribute_saved_activations: bool = Field(
+        default=False,
+        description="Under full recompute, each checkpoint keeps only its 1/tp share of the layer input and "
+                    "all-gathers it over the TP group before recomputing (Megatron --distribute-saved-activations; "
+                    "core_v0.16.1 tensor_parallel/random.py CheckpointFunction). Megatron's rules: tp > 1, "
+                    "recompute full, no sequence parallelism; megatron and nemo only.")
     moe_a2a_overlap: bool = Field(
         default=False,
         description="Overlap the MoE dispatch/combine all-to-all with another micro-batch's compute (Megatron "
@@ -1195,6 +1201,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                 and {"moe_act", "layernorm"} & set(mods)):  # ibid.: "Delayed scaling does not support ..."
             errors.append("recompute_modules: moe_act and layernorm recompute do not run with fp8 delayed scaling "
                           "(Megatron); use --fp8-recipe tensorwise or drop them")
+    if training.distribute_saved_activations and training.framework not in ("megatron", "nemo"):
+        errors.append(f"distribute_saved_activations: {training.framework} has no Megatron distributed checkpoint "
+                      "(--distribute-saved-activations); use framework megatron or nemo, or drop it")
     if training.compile and training.framework not in ("torchtitan", "torch"):  # torch: torchtitan's code, as read
         errors.append(f"compile: torch.compile of the blocks and the loss is modelled for torchtitan only "
                       f"(--compile.enable); {training.framework} runs eager here, drop compile")
@@ -1252,10 +1261,30 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
             errors += schedule_problems("interleaved", training.framework, p, v, B // (b * d))
         else:
             errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
+    errors += distributed_checkpoint_problems(training, plan)
     from planner.frameworks import get as framework_profile
 
     errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
     return errors + job_problems(model, hardware, training)
+
+
+def distributed_checkpoint_problems(training: TrainingSpec, plan: Plan) -> list[str]:
+    """Megatron's rules for ``--distribute-saved-activations`` (``TrainingSpec.distribute_saved_activations``):
+    core_v0.16.1 ``arguments.py::validate_args`` asserts tensor_model_parallel_size > 1 and recompute_granularity
+    full; ``TransformerConfig.__post_init__`` raises with sequence parallelism."""
+    if not training.distribute_saved_activations:
+        return []
+    errors = []
+    if plan.tp == 1:
+        errors.append("distribute_saved_activations: Megatron distributes the checkpointed inputs over the tensor-"
+                      "parallel group only, so it needs tp > 1; set tp > 1 or drop --distribute-saved-activations")
+    if plan.recompute != "full":
+        errors.append(f"distribute_saved_activations: applies to full recompute only (recompute is "
+                      f"{plan.recompute}); set recompute full or drop --distribute-saved-activations")
+    if plan.sequence_parallel:
+        errors.append("distribute_saved_activations: Megatron refuses it with sequence parallelism (the inputs are "
+                      "already split); drop --sequence-parallel or --distribute-saved-activations")
+    return errors
 
 
 def moe_plan_problems(model: ModelSpec, hardware: HardwareSpec, plan: Plan) -> list[str]:

@@ -30,7 +30,7 @@ from planner.emit import render_all
 from planner.io import write_all
 from planner.names import slug
 from planner.presets import SpecError, load_hardware, load_model
-from planner.specs import Plan, Scenario, TrainingSpec, chunk_split
+from planner.specs import Plan, Scenario, TrainingSpec, chunk_split, plan_problems
 
 # pretrain_gpt.py (core_v0.16.1) calls pretrain(..., args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}).
 PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -39,7 +39,8 @@ PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: str = "bf16",
              hardware: str = "h100-sxm-80gb", name: str | None = None, tp_comm_overlap: bool | None = None,
              overlap_p2p_comm: bool | None = None, fp8_params: bool = False, cross_entropy_fusion: str = "none",
-             optimizer_dtype: str = "fp32", fp16: bool = False, grad_reduce_in_bf16: bool = False, **plan) -> Scenario:
+             optimizer_dtype: str = "fp32", fp16: bool = False, grad_reduce_in_bf16: bool = False,
+             distribute_saved_activations: bool = False, **plan) -> Scenario:
     m = load_model(model)
     if name is not None:
         m = m.model_copy(update={"name": name})
@@ -48,7 +49,8 @@ def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: 
                                           precision=precision, tp_comm_overlap=tp_comm_overlap,
                                           overlap_p2p_comm=overlap_p2p_comm, fp8_params=fp8_params,
                                           cross_entropy_fusion=cross_entropy_fusion, optimizer_dtype=optimizer_dtype,
-                                          fp16=fp16, grad_reduce_in_bf16=grad_reduce_in_bf16),
+                                          fp16=fp16, grad_reduce_in_bf16=grad_reduce_in_bf16,
+                                          distribute_saved_activations=distribute_saved_activations),
                     plan=Plan(**({"micro_batch_size": 1} | plan)))
 
 
@@ -171,6 +173,9 @@ MEGATRON_PLANS = {
     # Megatron's uniform method in groups of 4 layers (Plan.recompute_group_layers)
     "uniform-groups-of-4": (L70, dict(tp=8, pp=4, dp=2, recompute="full", recompute_group_layers=4,
                                       sequence_parallel=True, zero_stage=1)),
+    # --distribute-saved-activations: full recompute, tp > 1, no SP (TrainingSpec.distribute_saved_activations)
+    "distributed-checkpoints": (L70 | {"distribute_saved_activations": True},
+                                dict(tp=8, pp=4, dp=2, recompute="full", zero_stage=1)),
     "zero2-fsdp": (dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096),
                    dict(tp=2, pp=1, dp=8, zero_stage=2, sequence_parallel=True)),
     "zero3-fsdp-pp2": (L70, dict(tp=8, pp=2, dp=4, zero_stage=3, layers_per_stage=(40, 40))),
@@ -367,6 +372,7 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
             assert (config.recompute_method, config.recompute_num_layers) == \
                 (("block", p.recompute_num_layers) if p.recompute_num_layers is not None
                  else ("uniform", p.recompute_group_layers or 1))
+        assert bool(config.distribute_saved_activations) == sc.training.distribute_saved_activations
         # --cpu-offloading-num-layers turns cpu_offloading on in validate_args; TransformerConfig checks pp 1,
         # no recompute, fewer than num_layers (transformer_config.py __post_init__)
         assert (config.cpu_offloading, config.cpu_offloading_num_layers) == (p.cpu_offload_layers > 0,
@@ -458,6 +464,27 @@ def test_megatron_refusals_are_megatrons_own(megatron, monkeypatch, tmp_path):
     j = argv.index("--ckpt-format")
     with pytest.raises(AssertionError, match="fsdp_dtensor"):
         megatron_validate(megatron, monkeypatch, argv[:j] + argv[j + 2:], "<unset>")
+
+
+def test_megatron_refuses_what_plan3d_refuses_for_distributed_checkpoints(megatron, monkeypatch, tmp_path):
+    """--distribute-saved-activations: plan3d's rules (specs.distributed_checkpoint_problems) are Megatron's own,
+    met by the emitted launch and broken by each of the edits below."""
+    sc = scenario(**L70, distribute_saved_activations=True, tp=8, pp=4, dp=2, recompute="full", zero_stage=1)
+    (script,) = [w for w in write_all(tmp_path / "o", render_all(sc, ["torchrun"])) if w.suffix == ".sh"]
+    (argv, _), = run_script(script, tmp_path / "run")
+    assert "--distribute-saved-activations" in argv
+    megatron_validate(megatron, monkeypatch, argv, "1")
+    i = argv.index("--recompute-granularity")
+    assert argv[i + 1:i + 6] == ["full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    selective = argv[:i] + ["--recompute-granularity", "selective"] + argv[i + 6:]
+    with pytest.raises(AssertionError, match="only application to full recompute"):
+        megatron_validate(megatron, monkeypatch, selective, "1")
+    with pytest.raises(ValueError, match="must be false when sequence parallel"):
+        megatron_validate(megatron, monkeypatch, argv + ["--sequence-parallel"], "1")
+    for change, reason in ((dict(recompute="selective"), "applies to full recompute only"),
+                           (dict(sequence_parallel=True), "refuses it with sequence parallelism")):
+        bad = sc.model_copy(update={"plan": sc.plan.model_copy(update=change)})
+        assert any(reason in line for line in plan_problems(bad.model, bad.hardware, bad.training, bad.plan))
 
 
 # --- torchtitan 0.3.0 --------------------------------------------------------------------------------

@@ -51,6 +51,9 @@ def check_supported(sc: Scenario) -> None:
     if p.recompute_group_layers is not None:
         raise SpecError(f"--emit deepspeed: the DeepSpeed config written here recomputes layer by layer, not in groups "
                         f"of {p.recompute_group_layers}; use --format megatron or drop recompute_group_layers")
+    if sc.training.distribute_saved_activations:
+        raise SpecError("--emit deepspeed: the DeepSpeed config written here keeps whole checkpointed inputs (no "
+                        "partition_activations); use --format megatron or drop --distribute-saved-activations")
     if p.recompute_interval is not None:
         raise SpecError(f"--emit deepspeed: the DeepSpeed config written here has no per-layer AC (one layer in "
                         f"every {p.recompute_interval} recomputed); drop recompute_interval")

@@ -308,6 +308,8 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     elif p.recompute == "full":  # groups of one layer, or of the plan's recompute_group_layers
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                   ("--recompute-num-layers", str(p.recompute_group_layers or 1))]
+    if tr.distribute_saved_activations:  # the checkpointed inputs split over TP (specs.distributed_checkpoint_problems)
+        flags.append(("--distribute-saved-activations", None))
     if p.cpu_offload_layers:
         # core_v0.16.1: --cpu-offloading-num-layers comes from TransformerConfig (arguments.py
         # _add_network_size_args); validate_args sets args.cpu_offloading = True when it is > 0, and

@@ -121,6 +121,9 @@ def args(sc: Scenario) -> list[str]:
     if sc.plan.recompute_group_layers is not None:
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 checkpoints each block alone, not in groups of "
                         f"{sc.plan.recompute_group_layers}; use --format megatron or drop recompute_group_layers")
+    if sc.training.distribute_saved_activations:
+        raise SpecError("--emit torchtitan: torchtitan has no distributed checkpoint of the layer inputs (Megatron "
+                        "--distribute-saved-activations); use --format megatron or drop it")
     if sc.plan.recompute_interval is not None:  # _apply_layer_sac went with the TOML configs
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's selective AC is per-op only; its per-layer AC (one layer in "
                         f"every {sc.plan.recompute_interval}, selective_ac_option) is gone since the TOML "
