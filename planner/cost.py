@@ -1453,7 +1453,7 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
                  overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch",
                  grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd: bool = True,
-                 grad_trail_s=0.0) -> dict:
+                 grad_trail_s=0.0, bubble_of=None) -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
     ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
@@ -1471,7 +1471,8 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     with the ZeRO-3 gathers' exposed part.
 
     ``schedule`` (``Plan.pipeline_schedule``): the zero-bubble schedules replace the bubble term by
-    :func:`schedule_bubble_s` (the same ``m · X_max`` steady state; their bubble from the action lists).
+    :func:`schedule_bubble_s` (the same ``m · X_max`` steady state; their bubble from the action lists), or
+    ``bubble_of`` where given (the search's :class:`ZeroBubbleBatch`, the same function run for many plans at once).
 
     ``grad_every_mb`` (:func:`grad_reduced_every_microbatch`; a bool, or per ZeRO option broadcastable to the
     rows): the framework reduces the gradients in every micro-batch's backward, not once per step. Then
@@ -1498,8 +1499,8 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     per_mb = terms["total"] + z3_exposed + grad_exposed
     if schedule in ZB_SCHEDULES and pp > 1:
         w = np.asarray(counts, dtype=float)
-        bubble = schedule_bubble_s(schedule, pp, vpp, m, (terms["fwd"] @ w) / pp, (terms["wgrad"] @ w) / pp,
-                                   (per_mb @ w) / pp, family)
+        bubble = (bubble_of or schedule_bubble_s)(schedule, pp, vpp, m, (terms["fwd"] @ w) / pp,
+                                                  (terms["wgrad"] @ w) / pp, (per_mb @ w) / pp, family)
     else:
         bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
     if overlap_grad_reduce:
@@ -1529,6 +1530,22 @@ def schedule_bubble_s(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total
     (``schedules.bubble_closed_form_s``: ZB-H1, Qi et al. 2024 arXiv:2401.10241 section 2.1), else the
     action lists run against each other (:func:`simulated_bubble_s`: ``schedules.bubble_s``'s rules, over all
     options of one micro-batch count at once)."""
+    closed, runs = _bubble_runs(schedule, pp, vpp, m, fwd_s, wgrad_s, total_s, family)
+    if closed is not None:
+        return closed
+    out, asked = runs
+    for key, sel, f, i, w in asked:  # one run of the action lists per micro-batch count, over all options
+        try:
+            out[sel] = simulated_bubble_s(*key[:4], f, i, w, key[4])
+        except ValueError:  # a micro-batch count the schedule refuses (schedule_problems says why)
+            pass
+    return out
+
+
+def _bubble_runs(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total_s, family: str):
+    """:func:`schedule_bubble_s` up to its simulations: (the closed-form bubble, None) where one holds, else
+    (None, (the bubble array, inf where not asked, and the runs it asks: (simulated_bubble_s's program key
+    (schedule, pp, vpp, m, family), the options' mask, their f, i, w)))."""
     from planner import schedules
 
     nv = schedules.chunks_per_rank(schedule, vpp)
@@ -1538,46 +1555,101 @@ def schedule_bubble_s(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total
     m_b, f, i, w = np.broadcast_arrays(np.asarray(m), f, i, w)
     closed = schedules.bubble_closed_form_s(schedule, pp, vpp, f, i, w)
     if closed is not None:
-        return np.asarray(closed, dtype=float)
+        return np.asarray(closed, dtype=float), None
     fam = "deepspeed" if family == "deepspeed" else "torch"
     out = np.full(f.shape, np.inf)  # inf: not asked (m < 1: the search's illegal or non-fitting combinations)
-    for mv in np.unique(m_b[m_b >= 1]):  # one run of the action lists per micro-batch count, over all options
-        sel = m_b == mv
-        try:
-            out[sel] = simulated_bubble_s(schedule, pp, vpp, int(mv), f[sel], i[sel], w[sel], fam)
-        except ValueError:  # a micro-batch count the schedule refuses (schedule_problems says why)
-            pass
-    return out
+    asked = [((schedule, pp, vpp, int(mv), fam), sel, f[sel], i[sel], w[sel])
+             for mv in np.unique(m_b[m_b >= 1]) for sel in [m_b == mv]]
+    return None, (out, asked)
+
+
+class ZeroBubbleBatch:
+    """:func:`schedule_bubble_s` for many plans with one simulation per action program: the search's tables ask
+    it for every shape (``compose_step``'s ``bubble_of``), get a placeholder (0 where a simulation is owed, inf
+    where none is asked, the closed form where one holds), and add :meth:`owed` to the step once :meth:`run`
+    has run every program once over all the options that asked for it. The same numbers as asking plan by
+    plan: :func:`simulated_bubble_s` is elementwise over its options."""
+
+    def __init__(self) -> None:
+        self._asked: dict[tuple, list] = {}
+        self._pending: list = []
+
+    def __call__(self, schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total_s, family: str = "torch"):
+        closed, runs = _bubble_runs(schedule, pp, vpp, m, fwd_s, wgrad_s, total_s, family)
+        if closed is not None:
+            return closed
+        out, asked = runs
+        owed = np.where(np.isinf(out), np.inf, 0.0)  # filled in by run()
+        for key, sel, f, i, w in asked:
+            out[sel] = 0.0
+            self._asked.setdefault(key, []).append((owed, sel, f, i, w))
+        self._pending.append(owed)
+        return out
+
+    def owed(self):
+        """The bubbles owed to the last :meth:`__call__` (None if it needed no simulation); :meth:`run` fills them."""
+        return self._pending.pop() if self._pending else None
+
+    def run(self) -> None:
+        """One simulation per action program over every option that asked for it; a micro-batch count the
+        schedule refuses (``schedules.schedule_problems`` says why) leaves inf, as in :func:`schedule_bubble_s`."""
+        for key, asks in self._asked.items():
+            f, i, w = (np.concatenate([a[k] for a in asks]) for k in (2, 3, 4))
+            try:
+                got = simulated_bubble_s(*key[:4], f, i, w, key[4])
+            except ValueError:
+                got = np.full(f.shape, np.inf)
+            at = 0
+            for owed, sel, fa, _, _ in asks:
+                owed[sel] = got[at:at + fa.shape[0]]
+                at += fa.shape[0]
+        self._asked.clear()
 
 
 @functools.lru_cache(maxsize=256)
 def _schedule_program(schedule: str, p: int, v: int, m: int, family: str):
-    """``schedules.action_program`` with each rank's action counts per kind [p, 4] (its work for any durations)."""
+    """``schedules.action_program`` as waves for :func:`simulated_bubble_s`: the actions grouped by their depth in
+    the dependency graph (an action's wave is one more than the later of the action before it on its rank and the
+    one it waits for), each wave as (actions, kinds, the action before, the action waited for), a missing one
+    pointing at the row after the last action, which stays 0; the ranks' last actions; and each rank's action
+    counts per kind [p, 4] (its work for any durations)."""
     from planner import schedules
 
     kinds, _, ranks, deps, prevs, last = schedules.action_program(schedule, p, m, v, family)
+    n = len(kinds)
+    depth = [0] * n
+    for a, (d, q) in enumerate(zip(deps, prevs)):  # the program lists every action after its inputs
+        depth[a] = 1 + max(depth[d] if d >= 0 else -1, depth[q] if q >= 0 else -1)
+    depth_a, kinds_a = np.array(depth, dtype=int), np.array(kinds, dtype=int)
+    prevs_a, deps_a = np.array(prevs, dtype=int), np.array(deps, dtype=int)
+    prevs_a[prevs_a < 0], deps_a[deps_a < 0] = n, n
+    order = np.argsort(depth_a, kind="stable")
+    bounds = np.searchsorted(depth_a[order], np.arange(depth_a.max() + 2 if n else 1))
+    waves = tuple((order[lo:hi], kinds_a[order[lo:hi]], prevs_a[order[lo:hi]], deps_a[order[lo:hi]])
+                  for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo)
     counts = np.zeros((p, 4))
-    np.add.at(counts, (np.array(ranks, dtype=int), np.array(kinds, dtype=int)), 1.0)
-    return kinds, deps, prevs, last, counts
+    np.add.at(counts, (np.array(ranks, dtype=int), kinds_a), 1.0)
+    return n, waves, np.array([a for a in last if a >= 0], dtype=int), counts
 
 
 def simulated_bubble_s(schedule: str, pp: int, vpp: int, m: int, f_s, i_s, w_s, family: str = "torch"):
     """``schedules.bubble_s`` with ``hop_s = 0`` and uniform stages, for arrays of per-chunk (f, i, w) at once:
     the same rules (each rank in list order, each action when the rank is free and its input is there; a full
-    backward B lasts i + w), run as one program over the options (``schedules.action_program``).
-    tests/test_schedules_hook.py checks it equals ``schedules.bubble_s``."""
-    kinds, deps, prevs, last, counts = _schedule_program(schedule, pp, vpp, m, family)
+    backward B lasts i + w), run as one program over the options (``schedules.action_program``). An action ends
+    at max(end of the action before it on its rank, end of its input) + its duration; the actions of one wave
+    (:func:`_schedule_program`) depend only on earlier waves, so each wave is one array step (a missing action
+    reads the zero row, and max(x, 0) = x for the non-negative ends: the same sums as action by action). Every
+    operation is elementwise over the options, so an option's bubble does not depend on the others asked with it
+    (:class:`ZeroBubbleBatch` asks many at once). tests/test_schedules_hook.py checks it equals
+    ``schedules.bubble_s``."""
+    n, waves, last, counts = _schedule_program(schedule, pp, vpp, m, family)
     f, i, w = (np.atleast_1d(np.asarray(x, dtype=float)) for x in (f_s, i_s, w_s))
-    dur = [f, i, w, i + w]
-    zero = np.zeros_like(f)
-    end = [zero] * len(kinds)
-    for a, (k, d, q) in enumerate(zip(kinds, deps, prevs)):
-        start = end[q] if q >= 0 else zero
-        if d >= 0:
-            start = np.maximum(start, end[d])
-        end[a] = start + dur[k]
-    step = np.max([end[a] for a in last if a >= 0], axis=0)
-    work = counts @ np.stack(dur)  # [p, K]
+    dur = np.stack([f, i, w, i + w])  # [4, K]
+    end = np.zeros((n + 1, f.shape[0]))
+    for acts, k, q, d in waves:
+        end[acts] = np.maximum(end[q], end[d]) + dur[k]
+    step = end[last].max(axis=0)
+    work = counts[:, 0:1] * f + counts[:, 1:2] * i + counts[:, 2:3] * w + counts[:, 3:4] * dur[3]  # [p, K]
     return step - work.max(axis=0)
 
 

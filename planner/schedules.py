@@ -478,37 +478,56 @@ def action_program(schedule: str, p: int, m: int, v: int | None = None, family: 
     program times any durations (:func:`simulate`, and ``cost.simulated_bubble_s`` on arrays)."""
     n_stages = p * chunks_per_rank(schedule, v)
     acts = [schedule_actions(schedule, p, m, r, v, family, group) for r in range(p)]
+    # each action as (kind 0-3, its stage, the key it waits for or -1, the key(s) it completes), a key being
+    # (kind F 0 / I 1 / W 2) * stride + stage * m + micro-batch, so the lookups below are on plain ints
+    stride = n_stages * m
+    code = {"F": 0, "I": 1, "W": 2, "B": 3}
+    coded = []
+    for r in range(p):
+        at = [stage_index(schedule, p, r, c) for c in range(chunks_per_rank(schedule, v))]
+        rank_coded = []
+        for kind, mb, c in acts[r]:
+            s = at[c]
+            k = code[kind]
+            if k == 0:
+                dep = (s - 1) * m + mb if s > 0 else -1
+            elif k == 2:
+                dep = stride + s * m + mb
+            else:  # I or B: the next stage's I, or the loss stage's own F
+                dep = stride + (s + 1) * m + mb if s < n_stages - 1 else s * m + mb
+            own = k * stride + s * m + mb if k < 3 else stride + s * m + mb
+            rank_coded.append((k, s, dep, own))
+        coded.append(rank_coded)
     ptr, last = [0] * p, [-1] * p
-    done: dict[tuple[str, int, int], int] = {}  # (kind F/I/W, stage, mb) -> action index
+    done: dict[int, int] = {}  # key -> action index
     kinds, stages, ranks, deps, prevs = [], [], [], [], []
     remaining = sum(len(a) for a in acts)
     while remaining:
         progressed = False
         for r in range(p):
-            while ptr[r] < len(acts[r]):
-                kind, mb, c = acts[r][ptr[r]]
-                s = stage_index(schedule, p, r, c)
-                if kind == "F":
-                    dep = ("F", s - 1, mb) if s > 0 else None
-                elif kind in ("I", "B"):
-                    dep = ("I", s + 1, mb) if s < n_stages - 1 else ("F", s, mb)
+            rank_coded, i, n_r = coded[r], ptr[r], len(coded[r])
+            while i < n_r:
+                k, s, dep, own = rank_coded[i]
+                if dep >= 0:
+                    waited = done.get(dep)
+                    if waited is None:
+                        break
                 else:
-                    dep = ("I", s, mb)
-                if dep is not None and dep not in done:
-                    break
+                    waited = -1
                 idx = len(kinds)
-                kinds.append("FIWB".index(kind))
+                kinds.append(k)
                 stages.append(s)
                 ranks.append(r)
-                deps.append(-1 if dep is None else done[dep])
+                deps.append(waited)
                 prevs.append(last[r])
                 last[r] = idx
-                if kind == "B":
-                    done[("I", s, mb)] = done[("W", s, mb)] = idx
-                else:
-                    done[(kind, s, mb)] = idx
-                ptr[r] += 1
-                remaining -= 1
+                done[own] = idx
+                if k == 3:  # a full backward is both I and W
+                    done[own + stride] = idx
+                i += 1
+            if i > ptr[r]:
+                remaining -= i - ptr[r]
+                ptr[r] = i
                 progressed = True
         if not progressed:
             stuck = {r: acts[r][ptr[r]] for r in range(p) if ptr[r] < len(acts[r])}

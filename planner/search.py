@@ -42,7 +42,7 @@ from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumer
                                 offload_options, shapes, valid_micro_batch_sizes)
 from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, grad_reduce_trail_s,
                           grad_reduction_args, micro_factors, optimizer_s, p2p_hop_s, resolved_overlap, schedule_family,
-                          stage_moe_counts, stage_param_split, stage_terms, zero3_gather_s)
+                          stage_moe_counts, stage_param_split, stage_terms, zero3_gather_s, ZeroBubbleBatch)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (act_bytes, chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
@@ -142,6 +142,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         return in_flight_chunks(plan, m, r, w_fraction, family)
     factors: dict = {}
     hops: dict = {}
+    zb = ZeroBubbleBatch()  # the zero-bubble schedules' simulations, one per action program for all shapes
+    owed_steps = []  # (shape, legal options, step without its simulated bubble, that bubble once zb has run)
     usable_kib = int(hw.usable_memory_gib * GIB // KIB)
 
     def probe(tp, cp, dp, split, ep=1, etp=None, mbs=1, rc="none", sp=False, z=0):
@@ -219,7 +221,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
         # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
         if model.is_moe:  # every stage: dense-first layers make the middle stages differ
-            step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p)
+            step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p, zb)
         else:
             empty = np.array([empty_chunks(x, v, first=r == 0) for r, x in rows], dtype=float)
             t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c, empty=empty)
@@ -228,18 +230,32 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
             step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m_step, p, v, counts,
                                 before, training.overlap_grad_reduce, c, split.schedule, family,
                                 **grad_reduction_args(training, p, zeros,
-                                                      grad_reduce_trail_s(hw, training, base, order)))["step"]
-        step = np.where(np.isfinite(step), step, INFEASIBLE / NS)
-        time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
+                                                      grad_reduce_trail_s(hw, training, base, order)),
+                                bubble_of=zb)["step"]
+        owed = zb.owed()
+        if owed is not None:  # its bubble comes from a simulation still to run (zb.run below)
+            owed_steps.append((si, ok, step, owed))
+        else:
+            _set_times(time_ns, si, ok, step)
         mem_kib[si, ok] = mem[ok].astype(np.int64)
         legal[si, ok] = True
+    zb.run()
+    for si, ok, step, owed in owed_steps:
+        _set_times(time_ns, si, ok, step + owed)
     return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
                   usable_kib=usable_kib, build_s=time.perf_counter() - t0)
 
 
-def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, overlap_p2p) -> np.ndarray:
+def _set_times(time_ns: np.ndarray, si: int, ok: np.ndarray, step: np.ndarray) -> None:
+    """Shape ``si``'s step times [U, Z] into the table, in ns (an infinite step: INFEASIBLE)."""
+    step = np.where(np.isfinite(step), step, INFEASIBLE / NS)
+    time_ns[si, ok] = np.round(step[ok] * NS).astype(np.int64)
+
+
+def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, overlap_p2p,
+              bubble_of=None) -> np.ndarray:
     """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it
-    (``m``: micro-batches per step, [U, 1] or [U, Z]).
+    (``m``: micro-batches per step, [U, 1] or [U, Z]; ``bubble_of``: compose_step's).
 
     The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
     of a MoE model need not be alike and the three stage kinds of the dense path do not suffice; every
@@ -274,7 +290,8 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
                         m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
                         c, base.pipeline_schedule, schedule_family(training),
-                        **grad_reduction_args(training, p, zeros, grad_reduce_trail_s(hw, training, base, order)))["step"]
+                        **grad_reduction_args(training, p, zeros, grad_reduce_trail_s(hw, training, base, order)),
+                        bubble_of=bubble_of)["step"]
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = Pins()) -> dict:

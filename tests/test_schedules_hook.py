@@ -150,6 +150,33 @@ def test_vectorised_simulation_is_schedules_simulate(schedule, p, v, m, family):
     assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
+def test_batched_bubbles_are_plan_by_plan_bubbles():
+    """The search asks cost.ZeroBubbleBatch for every shape and runs each action program once over all of them;
+    each bubble is the one schedule_bubble_s gives that shape alone, bit for bit: m < 1 not asked (inf), a count
+    the schedule refuses (inf), the closed form where it holds (ZB-H1 with w <= min(f, i)), simulations else."""
+    rng = np.random.default_rng(11)
+    asks = [("zbv", 4, 2, np.array([[8], [0], [6]])), ("zbv", 4, 2, np.array([[8], [12], [3]])),
+            ("dualpipev", 4, 2, np.array([[8], [4], [16]])), ("interleaved_zb", 4, 2, np.array([[8], [9], [6]])),
+            ("interleaved_zb", 4, 1, np.array([[8], [4], [16]]))]
+    batch, parts = cost.ZeroBubbleBatch(), []
+    for schedule, p, v, m in asks:
+        fwd, wgrad, rest = rng.uniform(0.5, 2.0, (3, 3, 2))
+        if v == 1:  # ZB-H1's closed form holds while w <= min(f, i)
+            wgrad = 0.1 * fwd
+        total = fwd + wgrad + rest
+        want = cost.schedule_bubble_s(schedule, p, v, m, fwd, wgrad, total)
+        got = batch(schedule, p, v, m, fwd, wgrad, total)
+        parts.append((want, got, batch.owed()))
+    batch.run()
+    for want, got, owed in parts:
+        total = got if owed is None else got + owed
+        assert np.array_equal(np.isinf(want), np.isinf(total))
+        assert np.array_equal(want[np.isfinite(want)], total[np.isfinite(want)])
+    assert np.isinf(parts[0][0][1]).all() and np.isfinite(parts[0][0][0]).all()  # m = 0: not asked
+    assert np.isinf(parts[3][0][1]).all()  # interleaved_zb refuses m = 9 at pp 4 (9 % max(1, 9 // 4))
+    assert parts[4][2] is None and parts[0][2] is not None  # ZB-H1's closed form: nothing owed
+
+
 def test_zbv_bubble_from_the_action_lists():
     """zbv: no closed form applies; with the stage's own f, i, w the simulated bubble lies under interleaved
     1F1B's (p - 1)(f + i + w) per chunk and at least (p - 1) f (the last rank's first forward waits)."""
