@@ -6,7 +6,11 @@ Cases (issue 5): GPT 1T on 3072 A100-80GB (global batch 3072, seq 2048); Llama-3
 H100 (global batch 2048, seq 8192); GPT-3 175B on 1024 H100 (global batch 1536, seq 2048);
 (issue 12) Llama-3-70B on 256 H100 (global batch 512, seq 8192); (issue 16) DeepSeek-V3 on 2048 H100
 (global batch 15360, seq 4096: the DeepSeek-V3 report's final batch, arXiv:2412.19437 section 4.2), with
-EP and ETP searched (its brute force is left out: it enumerates millions of plans).
+EP and ETP searched (its brute force is left out: it enumerates millions of plans). torchtitan, whose
+search also offers torch's zero-bubble schedules (their bubbles simulated from the action lists, one
+run per action program for all shapes: cost.ZeroBubbleBatch): Llama-3-8B on 64 H100 (global batch
+512, seq 8192) and Mixtral-8x7B on 128 H100 (global batch 1024, seq 4096); no brute force for
+either (the reference estimate simulates every plan's schedule alone: over 10 minutes).
 
 - "search" is planner.search.search: table building + CP-SAT, no alternatives (median of N runs).
 - "CP-SAT" is the solver call alone, inside that.
@@ -38,8 +42,10 @@ CASES = [
     ("gpt3-175b", "h100-sxm-80gb", 1024, 1536, 2048),
     ("llama3-70b", "h100-sxm-80gb", 256, 512, 8192),
     ("deepseek-v3", "h100-sxm-80gb", 2048, 15360, 4096),
+    ("llama3-8b", "h100-sxm-80gb", 64, 512, 8192, "torchtitan"),
+    ("mixtral-8x7b", "h100-sxm-80gb", 128, 1024, 4096, "torchtitan"),
 ]
-NO_BRUTE_FORCE = {"deepseek-v3"}
+NO_BRUTE_FORCE = {"deepseek-v3", "llama3-8b", "mixtral-8x7b"}  # torchtitan: every plan simulated alone
 
 
 def timed(fn, repeats):
@@ -51,9 +57,9 @@ def timed(fn, repeats):
     return statistics.median(times), out
 
 
-def cli_wall(name, hw, gpus, batch, seq, repeats):
+def cli_wall(name, hw, gpus, batch, seq, repeats, framework="megatron"):
     cmd = [sys.executable, "-m", "planner.cli", "search", "--model", name, "--hardware", hw, "--gpus", str(gpus),
-           "--global-batch", str(batch), "--seq-len", str(seq), "--json", "--top", "0"]
+           "--global-batch", str(batch), "--seq-len", str(seq), "--framework", framework, "--json", "--top", "0"]
     return timed(lambda: subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True), repeats)[0]
 
 
@@ -62,11 +68,12 @@ def main() -> None:
     print(f"{'case':42s} {'search s':>9s} {'CP-SAT s':>9s} {'exhaustive s':>13s} {'speed-up':>9s} "
           f"{'plan3d search s':>16s} {'plans':>7s}")
     only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else None
-    for name, hw_name, gpus, batch, seq in CASES:
+    for name, hw_name, gpus, batch, seq, *fw in CASES:
         if only and name != only:
             continue
+        framework = fw[0] if fw else "megatron"
         model, hw = load_model(name), load_hardware(hw_name)
-        tr = TrainingSpec(num_gpus=gpus, global_batch_size=batch, seq_len=seq)
+        tr = TrainingSpec(num_gpus=gpus, global_batch_size=batch, seq_len=seq, framework=framework)
         search_s, res = timed(lambda: search(model, hw, tr), repeats)
         solver_s = statistics.median(search(model, hw, tr).solver_s for _ in range(repeats))
         if name in NO_BRUTE_FORCE:
@@ -77,8 +84,8 @@ def main() -> None:
             brute_s, (plan, brute_t, n) = timed(lambda: exhaustive(model, hw, tr), 1)
             got = estimate_time(model, hw, tr, res.best).step_time_s
             assert abs(got / brute_t - 1) < 1e-6, f"{name}: solver {got} != exhaustive {brute_t}"
-        cli_s = cli_wall(name, hw_name, gpus, batch, seq, max(1, repeats // 2))
-        case = f"{name} on {gpus} x {hw_name}"
+        cli_s = cli_wall(name, hw_name, gpus, batch, seq, max(1, repeats // 2), framework)
+        case = f"{name} on {gpus} x {hw_name}" + (f" ({framework})" if fw else "")
         print(f"{case:42s} {search_s:9.3f} {solver_s:9.3f} {brute_s:13.2f} {brute_s / search_s:8.1f}x "
               f"{cli_s:16.3f} {n:7d}")
     print("\nTarget: CP-SAT under 1 s per case on a 2-core machine, whole `plan3d search` under 2 s.")
