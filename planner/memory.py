@@ -1095,14 +1095,30 @@ def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stag
     and the distributed optimizer shards each buffer over its own data-parallel group;
     torchtitan's FSDP2 shards the experts over its ``efsdp`` mesh (``dp_shard*cp*tp/ep``,
     ``distributed/parallel_dims.py``), its other parameters over ``fsdp`` (``dp_shard*cp``)."""
-    profile = frameworks.get(training.framework)
+    return stage_state_bytes_of(model, training, plan, layers, stage_param_inputs(model, plan, stage, layers), hardware)
+
+
+def stage_param_inputs(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple:
+    """What :func:`stage_state_bytes` hands the framework profile about stage ``stage``'s parameters on one GPU:
+    (all of them, the largest layer, the routed experts' share, the GEMM weights; the last None for a dense model,
+    whose profile takes its default). None of them depends on the ZeRO stage, so the search computes them once
+    per stage for every ZeRO option (:func:`stage_state_bytes_of`)."""
     dense, expert = stage_param_split(model, plan, stage, layers)
+    if not model.is_moe:
+        return dense, layer_params_per_rank(model, plan.tp), 0.0, None
+    return (dense + expert, stage_max_layer_params(model, plan, stage, layers), expert,
+            stage_linear_params_per_rank(model, plan, stage, layers))
+
+
+def stage_state_bytes_of(model: ModelSpec, training: TrainingSpec, plan: Plan, layers: int, inputs: tuple,
+                         hardware: HardwareSpec | None = None) -> frameworks.StateBytes:
+    """:func:`stage_state_bytes` from the stage's :func:`stage_param_inputs`."""
+    profile = frameworks.get(training.framework)
+    params, largest, expert, linear = inputs
     if not model.is_moe:  # the dense path, unchanged
-        return profile.state_bytes(model, training, plan, dense, layer_params_per_rank(model, plan.tp), layers,
-                                   hardware=hardware)
-    largest = stage_max_layer_params(model, plan, stage, layers)
-    return profile.state_bytes(model, training, plan, dense + expert, largest, layers, expert_params=expert,
-                               linear_params=stage_linear_params_per_rank(model, plan, stage, layers), hardware=hardware)
+        return profile.state_bytes(model, training, plan, params, largest, layers, hardware=hardware)
+    return profile.state_bytes(model, training, plan, params, largest, layers, expert_params=expert,
+                               linear_params=linear, hardware=hardware)
 
 
 def stage_linear_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:

@@ -48,7 +48,8 @@ from planner import frameworks
 from planner.memory import (act_bytes, chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
-                            stage_moe_layer_count, stage_params_per_rank, stage_state_bytes)
+                            stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
+                            stage_state_bytes_of)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, distributed_checkpoint_problems,
@@ -374,9 +375,10 @@ def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarra
     (stage, layers) row (memory.stage_state_bytes): the three kinds of :func:`_stage_rows`, more rows for a
     MoE model's middle stages (:func:`_memory_rows`)."""
     static, work = [], []
+    inputs = [stage_param_inputs(model, plan, r, n) for r, n in rows]  # the same for every ZeRO stage
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
-        states = [stage_state_bytes(model, training, zp, r, n, hw) for r, n in rows]
+        states = [stage_state_bytes_of(model, training, zp, n, x, hw) for (_, n), x in zip(rows, inputs)]
         static.append([st.weights_bytes + st.grads_bytes + st.optimizer_bytes for st in states])
         work.append([st.working_weights_bytes + st.working_grads_bytes for st in states])
     return np.array(static), np.array(work)
