@@ -852,15 +852,21 @@ def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan
     the MoE layer for a MoE model. Under Megatron's uniform groups of N layers (``plan.recompute_group_layers``)
     a group is recomputed whole before its backward (core_v0.16.1 ``transformer_block.py``
     ``_checkpointed_forward``): N layers' recomputed tensors, and the inputs of its N - 1 inner layers (the
-    group's own input is the checkpoint, already saved), N at most the largest chunk."""
+    group's own input is the checkpoint, already saved), N at most the largest chunk. A distributed checkpoint
+    (:func:`distributes_checkpoints`) is gathered back whole before its recompute, in place of its 1/tp share
+    (core_v0.16.1 ``CheckpointFunction.backward``: ``gather_split_1d_tensor``): the other (tp - 1)/tp of the
+    input join the working set."""
     kinds = [False, True] if model.is_moe else [False]
     one = max(recompute_working_bytes(layer_activation_terms(model, training, plan, moe=m), plan.recompute)
               for m in kinds)
-    if plan.recompute != "full" or plan.recompute_group_layers is None:
+    if plan.recompute != "full":
         return one
-    n = min(plan.recompute_group_layers, max(max(c) for c in plan.chunk_layers(model.num_layers)))
     inputs = max(saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=m), "full") for m in kinds)
-    return n * one + (n - 1) * inputs
+    gathered = (1 - 1 / plan.tp) * inputs if distributes_checkpoints(training, plan) else 0.0
+    if plan.recompute_group_layers is None:
+        return one + gathered
+    n = min(plan.recompute_group_layers, max(max(c) for c in plan.chunk_layers(model.num_layers)))
+    return n * one + (n - 1) * inputs + gathered
 
 
 def chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches: int, stage: int,

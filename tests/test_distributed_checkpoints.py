@@ -46,6 +46,16 @@ def test_a_checkpoint_keeps_one_tp_share_of_the_layer_input():
     assert saved_bytes_per_layer_kind(GPT3, _tr(True), none) == saved_bytes_per_layer_kind(GPT3, _tr(False), none)
 
 
+def test_the_backward_gathers_one_input_back_whole():
+    """The recompute of a distributed checkpoint first gathers its input back whole, in place of its 1/t share
+    (CheckpointFunction.backward): the working set grows by the other (t - 1)/t of one 2 s b h input."""
+    from planner.memory import layer_recompute_working_bytes
+
+    grown = layer_recompute_working_bytes(GPT3, _tr(True), _plan()) - layer_recompute_working_bytes(GPT3, _tr(False),
+                                                                                                   _plan())
+    assert grown == pytest.approx(7 / 8 * 2 * 2048 * GPT3.hidden_size)
+
+
 def test_block_recompute_shares_only_the_checkpointed_layers():
     """--recompute-method block: the first K layers of a chunk are checkpoints (1/t of their input), the others
     keep everything (stage_saved_bytes mixes the two by specs.recomputed_share)."""
