@@ -136,6 +136,17 @@ class _Trace:
         self.events: list = []
         self._n = 0
         self.kept: set = set()  # persistent tensors: their frees are not written
+        self.held: dict = {}  # the pipeline's kept stage outputs (key: bytes), freed by release_held only
+
+    def hold(self, key, nbytes: float) -> None:
+        """Keep ``key`` past its last use: a stage output in ``output_chunks`` (``pipeline_kept_outputs``)."""
+        self.held[key] = nbytes
+
+    def release_held(self) -> None:
+        """``clear_runtime_states`` at the start of the next step drops the kept outputs."""
+        keys, self.held = list(self.held), {}
+        for k in keys:
+            self.events.append(("DEL", k, 0))
 
 
     def new(self, nbytes: float, key=None):
@@ -147,7 +158,7 @@ class _Trace:
         return key
 
     def free(self, key) -> None:
-        if key is not None and key not in self.kept:
+        if key is not None and key not in self.kept and key not in self.held:
             self.events.append(("DEL", key, 0))
 
     def free_all(self, keys) -> None:
@@ -217,6 +228,8 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 recv_g.append(tr.new(boundary, ("recv_grad", i)))
         tr.kept.update(recv_x + recv_g)
     gathered = set()
+    # torch.distributed.pipelining's kept stage outputs (memory.pipeline_kept_output_bytes); none without PP
+    kept_mode = training.pipeline_kept_outputs if p > 1 and training.pipeline_kept_outputs != "none" else None
 
     def unshard(g):
         if g in gathered or not groups[g]:
@@ -294,17 +307,26 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             normed = tr.new(sb * h * e / sp)
             logits = sb * v_local
             if t > 1 and training.precision != "fp32":  # loss_parallel: torch's own op sequence
-                live = _play(tr, LOSS_PARALLEL_EVENTS[:LOSS_PARALLEL_FORWARD], BF16 * logits,
-                             after={0: (lambda: reshard(0)) if raf else None})
+                # kept outputs: the fp32 logits (id 1; memory.kept_output_bytes)
+                events = LOSS_PARALLEL_EVENTS[:LOSS_PARALLEL_FORWARD]
+                if kept_mode:  # the stage output the schedule keeps: the fp32 logits (memory.kept_output_bytes),
+                    out = tr.new(FP32 * logits)  # made by the model (2024: self.output(h).float()), so the loss's
+                    tr.hold(out, FP32 * logits)  # bf16 logits (id 0) and its .float() copy (id 1) are not written
+                    if raf:
+                        reshard(0)
+                    events = tuple(ev for ev in events if ev[1] not in (0, 1))
+                live = _play(tr, events, BF16 * logits, after={0: (lambda: reshard(0)) if raf else None})
                 loss = ("lp", live)
             else:
-                pred = tr.new(e * logits)
+                pred = tr.new((FP32 if kept_mode else e) * logits)  # kept: the model's fp32 logits, as above
+                if kept_mode:
+                    tr.hold(pred, FP32 * logits)
                 if raf:
                     reshard(0)  # the root module's forward ends with the output layer (FSDP2 post_forward)
                 if training.compiled_loss and e != FP32:  # the compiled loss saves the bf16 logits themselves
                     loss = [pred]
                 else:
-                    f32 = tr.new(FP32 * logits) if e != FP32 else None
+                    f32 = tr.new(FP32 * logits) if e != FP32 and not kept_mode else None
                     lsm = tr.new(FP32 * logits)
                     tr.free(f32)
                     tr.free(pred)  # train.py: del pred
@@ -312,6 +334,8 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             keep.append([x, normed])
         else:
             keep.append([x])  # the stage's output, held until its gradient comes back
+            if kept_mode == "all":  # and past it: every stage's output_chunks (before pytorch#153383)
+                tr.hold(x, sb * h * e / sp)
         saved[mb] = (keep, loss)
 
     def backward(mb, mb_first):
@@ -381,6 +405,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 reshard(0)
 
     def step(k):
+        tr.release_held()  # the schedule's clear_runtime_states: the previous step's kept outputs
         warm = min(m, p - stage) if p > 1 else 1
         f = bwd = 0
         while bwd < m:  # 1F1B (Schedule1F1B); pp = 1: forward, backward per micro-batch
@@ -399,6 +424,9 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 tr.new(FP32 * sum(blocks) / n, ("grad", g))
                 tr.free(rs_in)
                 tr.free_all(("acc", g, j) for j in range(len(blocks)))
+        if kept_mode and last:  # step() returns merge_chunks(output_chunks): one torch.cat of the kept logits
+            merged = tr.new(sum(tr.held.values()))
+            tr.free(merged)
         for g, blocks in enumerate(groups):  # AdamW: states at the first step, one temporary per group
             if k == 0:
                 for j, x in enumerate(blocks):
@@ -417,12 +445,15 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
 STEADY_CYCLES = 3  # 1F1B cycles written after the warm-up (stage_reserved)
 
 
-def traced_microbatches(plan, stage: int, num_microbatches: int) -> int:
+def traced_microbatches(plan, stage: int, num_microbatches: int, training=None) -> int:
     """Micro-batches the trace writes: after the warm-up of ``min(m, p - r)`` forwards, 1F1B repeats one
     backward and one forward of the same tensors, so the allocator's state repeats from cycle to cycle;
     the trace keeps ``STEADY_CYCLES`` of them (``tests/test_torchtitan_reserved.py`` checks the peak is the
-    one of all ``m``). Gradient accumulation at pp = 1 likewise."""
+    one of all ``m``). Gradient accumulation at pp = 1 likewise. Where the pipeline keeps its stage outputs
+    (``training.pipeline_kept_outputs``) the state grows from one micro-batch to the next: all are written."""
     warm = min(num_microbatches, plan.pp - stage) if plan.pp > 1 else 1
+    if plan.pp > 1 and training is not None and training.pipeline_kept_outputs != "none":  # the kept outputs grow every micro-batch
+        return num_microbatches
     return min(num_microbatches, warm + STEADY_CYCLES)
 
 
@@ -437,7 +468,7 @@ def stage_reserved(model, training, plan, stage: int, layers: int, num_microbatc
     :func:`traced_microbatches` (all ``num_microbatches`` with ``all_microbatches``)."""
     from planner.fake_rank import replay_reserved
 
-    m = num_microbatches if all_microbatches else traced_microbatches(plan, stage, num_microbatches)
+    m = num_microbatches if all_microbatches else traced_microbatches(plan, stage, num_microbatches, training)
     alloc = replay_reserved(stage_events(model, training, plan, stage, layers, m, step_microbatches=num_microbatches),
                             capacity_bytes)
     return float(alloc.peak_reserved), float(alloc.peak_allocated), bool(alloc.oom)

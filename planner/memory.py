@@ -1073,6 +1073,56 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, 
     return pipeline_buffer_count(plan, num_microbatches, stage, in_flight) * stage_boundary_bytes(model, training, plan)
 
 
+def kept_output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """One micro-batch's output of the loss stage as a pipeline schedule keeps it
+    (:func:`pipeline_kept_output_bytes`): the logits, ``s/cp x b x V/t`` (vocabulary-sharded under TP: torchtitan's
+    ``loss_parallel``), in fp32. torchtitan's Llama of 2024 ended its forward with ``self.output(h).float()`` (the
+    torchtitan model that torch's own FSDP2 + pipelining tests copied, with ``ScheduleFlexibleInterleaved1F1B``,
+    which torch had in late 2024); torchtitan 0.3.0 returns the bf16 logits (``models/common/decoder.py``), for which
+    4 B is an upper bound."""
+    s, b = training.seq_len // plan.cp, plan.micro_batch_size
+    return s * b * padded_vocab_size(model.vocab_size, plan.tp) / plan.tp * FP32_BYTES
+
+
+def kept_outputs_bytes_of(kept: str, plan: Plan, num_microbatches, stage, output_bytes, boundary_bytes,
+                          transient_bytes=0.0):
+    """:func:`pipeline_kept_output_bytes` from its parts, vectorised over ``num_microbatches``, ``stage`` (an array
+    of ranks), the per-micro-batch sizes and ``transient_bytes`` (search)."""
+    if plan.pp == 1 or kept == "none":
+        return 0.0
+    m = np.asarray(num_microbatches, dtype=float)
+    is_loss = np.asarray(stage) == plan.loss_stage
+    during = np.maximum(m - 1, 0) * output_bytes
+    at_merge = 2 * m * output_bytes - transient_bytes
+    out = np.where(is_loss, np.maximum(during, at_merge), 0.0)
+    if kept == "all":  # every other chunk of the rank keeps its m boundary outputs
+        out = out + (plan.vpp - is_loss) * m * boundary_bytes
+    return out if np.ndim(out) else float(out)
+
+
+def pipeline_kept_output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
+                               stage: int, transient_bytes: float = 0.0):
+    """Stage outputs that torch.distributed.pipelining keeps until the step ends
+    (``TrainingSpec.pipeline_kept_outputs``), on pipeline rank ``stage``.
+
+    torch 2.13 ``distributed/pipelining/stage.py`` ``forward_one_chunk``: ``if self.is_last and
+    save_forward_output: self.output_chunks.append(output)``; ``schedules.py`` ``step(..., return_outputs=True)``
+    by default, and at its end ``self._merge_outputs(self._stage.output_chunks)`` (``merge_chunks``: one
+    ``torch.cat`` of the m outputs); ``output_chunks`` is cleared by ``clear_runtime_states`` when the next step
+    starts. Before pytorch#153383 (merged 2025-05-13, "Optimize memory usage by releasing output memory earlier")
+    every stage appended its output, not only the last (``"all"``). torchtitan 0.3.0 passes
+    ``return_outputs=False`` (``trainer.py``): nothing is kept (``"none"``).
+
+    On the loss stage the peak holds the larger of two moments: the last micro-batch's loss with the m - 1 earlier
+    outputs kept, and the merge after the last backward, where the m outputs and their concatenation (2 m) live
+    but the activations, the loss spike and what the last backward released
+    (``StateBytes.released_at_last_backward_bytes``) are gone (``transient_bytes``). Every other chunk (``"all"``) keeps its m
+    boundary outputs (:func:`stage_boundary_bytes`), counted whole: an upper bound before the last micro-batch."""
+    return kept_outputs_bytes_of(training.pipeline_kept_outputs, plan, num_microbatches, stage,
+                                 kept_output_bytes(model, training, plan), stage_boundary_bytes(model, training, plan),
+                                 transient_bytes)
+
+
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
                       stage: int):
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the
@@ -1168,13 +1218,16 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
     spike = output_bytes(model, training, plan) if stage == plan.loss_stage else 0.0
     recompute = layer_recompute_working_bytes(model, training, plan)
     w_work, g_work, a_work = layer_phase_bytes(st, recompute, spike)
+    saved = stage_saved_bytes(model, training, plan, num_microbatches, stage, layers)
+    kept = pipeline_kept_output_bytes(model, training, plan, num_microbatches, stage,
+                                      saved + spike + st.released_at_last_backward_bytes)
     return StageMemory(
         stage=stage, layers=layers,
         weights_bytes=st.weights_bytes + w_work,
         grads_bytes=st.grads_bytes + g_work,
         optimizer_bytes=st.optimizer_bytes,
-        activations_bytes=stage_saved_bytes(model, training, plan, num_microbatches, stage, layers) + a_work,
-        other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)),
+        activations_bytes=saved + a_work,
+        other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)) + kept,
     )
 
 

@@ -46,6 +46,7 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (act_bytes, chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
+                            kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
@@ -188,7 +189,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         # that may hold a dense layer, and the first one after them, is computed, and the middle kind is
         # their maximum (a stage the three kinds miss could not fit while the table says it does)
         mrows = _memory_rows(model, base, rows)
-        static, work = _state_rows(model, hw, training, base, mrows, zeros)
+        static, work, released = _state_rows(model, hw, training, base, mrows, zeros)
         if not model.is_moe:  # a MoE model's DP terms are composed over every stage (_moe_step)
             dpg_s, dpp_s, z3_s, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         nm = np.array([x[1] for x in mrows], dtype=float)
@@ -212,7 +213,11 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
         layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
-        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak) / KIB)
+        # torch.distributed.pipelining's kept stage outputs [U, Z, R] (memory.pipeline_kept_output_bytes)
+        kept = kept_outputs_bytes_of(training.pipeline_kept_outputs, base, m[:, None, None], rows_r[None, None, :],
+                                     f["kept_output_bytes"][:, None, None], boundary_u[:, None, None],
+                                     (act + out_spike)[:, None, :] + released[None])
+        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak + kept) / KIB)
         if len(mrows) > len(rows):  # back to the three kinds: first, the worst middle, last
             mem = np.stack([mem[..., 0], mem[..., 1:-1].max(axis=-1), mem[..., -1]], axis=-1)
         # the zero-bubble schedules' bubble is simulated (cost.schedule_bubble_s): only for the combinations
@@ -300,7 +305,7 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
     memory terms), as arrays over the options; ``valid`` False where the plan is illegal or off the pins (SP:
     :meth:`Pins.sp_ok`, which depends on tp)."""
     cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
-                                  "valid")}
+                                  "kept_output_bytes", "valid")}
     fw = frameworks.get(training.framework)
     for mbs, rc, sp, off in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp,
@@ -315,7 +320,8 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
         dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
         row |= {"saved": dense_b, "saved_moe": moe_b, "working": layer_recompute_working_bytes(model, training, plan),
                 "input_bytes": input_bytes_per_microbatch(model, training, plan),
-                "output_bytes": output_bytes(model, training, plan), "valid": valid}
+                "output_bytes": output_bytes(model, training, plan),
+                "kept_output_bytes": kept_output_bytes(model, training, plan), "valid": valid}
         for k, val in row.items():
             cols[k].append(val)
     return {k: np.array(v) for k, v in cols.items()}
@@ -370,18 +376,20 @@ def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> l
     return [rows[0], *middles, rows[-1]]
 
 
-def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, np.ndarray]:
-    """Static memory (weights + gradients + optimizer) and its transient working set [Z, R] of each
-    (stage, layers) row (memory.stage_state_bytes): the three kinds of :func:`_stage_rows`, more rows for a
-    MoE model's middle stages (:func:`_memory_rows`)."""
-    static, work = [], []
+def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Static memory (weights + gradients + optimizer), its transient working set and what the last backward
+    releases of it (``StateBytes.released_at_last_backward_bytes``) [Z, R] of each (stage, layers) row
+    (memory.stage_state_bytes): the three kinds of :func:`_stage_rows`, more rows for a MoE model's middle stages
+    (:func:`_memory_rows`)."""
+    static, work, released = [], [], []
     inputs = [stage_param_inputs(model, plan, r, n) for r, n in rows]  # the same for every ZeRO stage
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
         states = [stage_state_bytes_of(model, training, zp, n, x, hw) for (_, n), x in zip(rows, inputs)]
         static.append([st.weights_bytes + st.grads_bytes + st.optimizer_bytes for st in states])
         work.append([st.working_weights_bytes + st.working_grads_bytes for st in states])
-    return np.array(static), np.array(work)
+        released.append([st.released_at_last_backward_bytes for st in states])
+    return np.array(static), np.array(work), np.array(released)
 
 
 def _stage_counts(p: int) -> tuple[int, int, int]:

@@ -47,6 +47,7 @@ Recompute = Literal["none", "selective", "full"]
 RecomputeModule = Literal["core_attn", "mla_up_proj", "mlp", "moe_act", "moe", "shared_experts", "layernorm"]
 RECOMPUTE_MODULES: tuple[str, ...] = typing.get_args(RecomputeModule)
 AttentionKernel = Literal["flash", "flash2", "materialized"]
+KeptOutputs = Literal["none", "last", "all"]
 #: the attention kernels that store no s x s scores (TrainingSpec.attention)
 FLASH_ATTENTION: tuple[str, ...] = ("flash", "flash2")
 
@@ -811,6 +812,14 @@ class TrainingSpec(_Spec):
                     "all-gathers it over the TP group before recomputing (Megatron --distribute-saved-activations; "
                     "core_v0.16.1 tensor_parallel/random.py CheckpointFunction). Megatron's rules: tp > 1, "
                     "recompute full, no sequence parallelism; megatron and nemo only.")
+    pipeline_kept_outputs: KeptOutputs = Field(
+        default="none",
+        description="Which pipeline stages of torch.distributed.pipelining keep every micro-batch's output until the "
+                    "step ends (planner.memory.pipeline_kept_output_bytes): none (torchtitan 0.3.0, which calls "
+                    "schedule.step(..., return_outputs=False); plan3d validate likewise), last (the loss stage: "
+                    "torch's own default, return_outputs=True, which also concatenates them at the end of step()), "
+                    "all (torch before pytorch#153383, May 2025: every stage, as torchtitan's published Dec 2024 "
+                    "runs ran). torchtitan and torch only.")
     moe_a2a_overlap: bool = Field(
         default=False,
         description="Overlap the MoE dispatch/combine all-to-all with another micro-batch's compute (Megatron "
@@ -1204,6 +1213,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.distribute_saved_activations and training.framework not in ("megatron", "nemo"):
         errors.append(f"distribute_saved_activations: {training.framework} has no Megatron distributed checkpoint "
                       "(--distribute-saved-activations); use framework megatron or nemo, or drop it")
+    if training.pipeline_kept_outputs != "none" and training.framework not in ("torchtitan", "torch"):
+        errors.append(f"pipeline_kept_outputs: {training.framework} does not run torch.distributed.pipelining, whose "
+                      "schedules keep the stage outputs; use framework torchtitan or torch, or drop it")
     if training.compile and training.framework not in ("torchtitan", "torch"):  # torch: torchtitan's code, as read
         errors.append(f"compile: torch.compile of the blocks and the loss is modelled for torchtitan only "
                       f"(--compile.enable); {training.framework} runs eager here, drop compile")

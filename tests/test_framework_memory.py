@@ -365,6 +365,12 @@ TT_DEVICE = H100.model_copy(update={"name": "h100-96gb", "gpu_memory_gib": TT["d
 PUBLISHED_COMPILE_COMPONENTS = ("model",)
 
 
+# torch 1963fc8 (Dec 2024), which the published runs used, predates pytorch#153383 (May 2025): every pipeline stage kept
+# its outputs until the end of the step, and torchtitan 9dec370 called schedule.step() with no return_outputs (torch
+# had none then), so the last stage also concatenated its logits at the end (planner.memory.pipeline_kept_output_bytes)
+PUBLISHED_KEPT_OUTPUTS = "all"
+
+
 def _torchtitan_scenario(run):
     """(model, hardware, training, plan) of a published torchtitan run: its pipeline runs as torchtitan
     9dec370 laid them out (``torchtitan.published_layers_per_stage``, vpp 2 for Interleaved 1F1B), compiled where
@@ -374,7 +380,7 @@ def _torchtitan_scenario(run):
     lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"], vpp)
     tr = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * run["dp"], seq_len=run["seq_len"],
                       framework="torchtitan", compile="torch.compile" in run["techniques"],
-                      compile_components=PUBLISHED_COMPILE_COMPONENTS)
+                      compile_components=PUBLISHED_COMPILE_COMPONENTS, pipeline_kept_outputs=PUBLISHED_KEPT_OUTPUTS)
     plan = Plan(tp=run["tp"], pp=run["pp"], dp=run["dp"], cp=run["cp"], vpp=vpp, micro_batch_size=run["micro_batch"],
                 recompute=run["ac"], sequence_parallel=run["tp"] > 1, zero_stage=3, layers_per_stage=lps)
     return model, TT_DEVICE, tr, plan

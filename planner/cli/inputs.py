@@ -129,7 +129,8 @@ def module_list(text: Optional[str], flag: str, allowed: tuple[str, ...]) -> tup
 def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool], optimizer_dtype: Optional[str],
                   fp8_recipe: Optional[str] = None, recompute_modules: Optional[str] = None,
                   torch_compile: Optional[bool] = None, cross_entropy_fusion: Optional[str] = None,
-                  distribute_saved_activations: Optional[bool] = None) -> dict:
+                  distribute_saved_activations: Optional[bool] = None,
+                  pipeline_kept_outputs: Optional[str] = None) -> dict:
     """How the framework holds gradients, weights and optimizer states (and scales fp8), as TrainingSpec fields
     (unset left out)."""
     if optimizer_dtype is not None and optimizer_dtype not in ("fp32", "bf16", "bf16-apex"):
@@ -138,12 +139,15 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
         raise SpecError(f"--fp8-recipe: '{fp8_recipe}' is not one of delayed, tensorwise")
     if cross_entropy_fusion is not None and cross_entropy_fusion not in ("none", "native", "te"):
         raise SpecError(f"--cross-entropy-fusion: '{cross_entropy_fusion}' is not one of none, native, te")
+    if pipeline_kept_outputs is not None and pipeline_kept_outputs not in ("none", "last", "all"):
+        raise SpecError(f"--pipeline-kept-outputs: '{pipeline_kept_outputs}' is not one of none, last, all")
     from planner.specs import RECOMPUTE_MODULES
 
     modules = module_list(recompute_modules, "--recompute-modules", RECOMPUTE_MODULES)
     return given(grad_reduce_in_bf16=grad_reduce_in_bf16, fp8_params=fp8_params, optimizer_dtype=optimizer_dtype,
                  fp8_recipe=fp8_recipe, recompute_modules=modules, compile=torch_compile,
-                 cross_entropy_fusion=cross_entropy_fusion, distribute_saved_activations=distribute_saved_activations)
+                 cross_entropy_fusion=cross_entropy_fusion, distribute_saved_activations=distribute_saved_activations,
+                 pipeline_kept_outputs=pipeline_kept_outputs)
 
 
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],

@@ -41,6 +41,10 @@ class StateBytes:
     # counts max(working, logits spike) on the last stage
     working_weights_bytes: float = 0.0
     working_grads_bytes: float = 0.0
+    # part of weights_bytes + grads_bytes freed by the last micro-batch's backward, before the pipeline schedule
+    # returns (torchtitan under PP: FSDP2's post_backward reshards the unsharded parameters and reduce-scatters and
+    # frees the unsharded fp32 gradient accumulators); planner.memory.pipeline_kept_output_bytes
+    released_at_last_backward_bytes: float = 0.0
 
 
 @dataclass(frozen=True)

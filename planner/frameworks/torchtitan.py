@@ -162,7 +162,7 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     root = max(P - layers * Pl, 0.0)  # embedding / final norm / output layer on this stage
     grad_cast = FP32 if wb != FP32 else 0  # the bf16 gradient is cast to reduce_dtype for the reduce-scatter
     weights, grads = FP32 * sharded, FP32 * sharded
-    work_w = work_g = 0.0
+    work_w = work_g = released = 0.0
     m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
     if m == 1 and plan.pp == 1:  # zero_grad(set_to_none) freed them: the shards appear during backward only
         grads, work_shards = 0.0, FP32 * sharded
@@ -171,6 +171,9 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     if plan.pp > 1:  # PipelineStage: no reshard after backward, no gradient sync until perform_reduce_grad
         weights += wb * P
         grads += FP32 * P
+        # freed at the last backward (torch pipelining stage.py backward_maybe_with_nosync, last_backward: FSDP2
+        # post_backward with reshard_after_backward and gradient sync on), before the schedule returns
+        released = (wb + FP32) * P
         # each group's bf16 gradient lives until it is added into the fp32 accumulator
         # (FSDPParam.to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed)
         work_g = grad_cast and wb * max(Pl, root)
@@ -182,7 +185,8 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         weights += wb * P
         work_g = (wb + grad_cast) * max(Pl, root)
     return StateBytes(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=ADAM_STATE_BYTES * sharded,
-                      working_weights_bytes=work_w, working_grads_bytes=work_g + work_shards)
+                      working_weights_bytes=work_w, working_grads_bytes=work_g + work_shards,
+                      released_at_last_backward_bytes=released)
 
 
 def logits_bytes_per_element(training, plan) -> float:

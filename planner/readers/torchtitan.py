@@ -226,6 +226,14 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
             "ep": ep, "etp": 1 if ep > 1 and tp > 1 else None}
     if pipeline_schedule is not None:
         plan["pipeline_schedule"] = pipeline_schedule
+    if pp > 1 and not doc.get("_registry"):
+        # a TOML config is torchtitan from before its config registry (0.3.0, whose trainer calls
+        # step(..., return_outputs=False)); its schedules kept the stage outputs: every stage's on torch before
+        # pytorch#153383, the last stage's after it. Read as the first, an upper bound on the second
+        # (planner.memory.pipeline_kept_output_bytes)
+        training["pipeline_kept_outputs"] = "all"
+        notes.append("pipeline (TOML-era torchtitan): the schedule keeps every stage's outputs until the step ends "
+                     "(torch before return_outputs=False), modelled as pipeline_kept_outputs all")
     if shard > 1:
         notes.append("FSDP2 (data_parallel_shard_degree > 1): modelled as ZeRO-3")
     return model, training, plan, notes

@@ -152,6 +152,9 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
     if sc.plan.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev"):
         return (f"plan: pipeline_schedule={sc.plan.pipeline_schedule}: the validate worker runs 1F1B / interleaved "
                 "1F1B only; tests/test_schedules_zb.py checks the zero-bubble schedules against torch")
+    if sc.training.pipeline_kept_outputs != "none" and sc.plan.pp > 1:
+        return (f"training: pipeline_kept_outputs={sc.training.pipeline_kept_outputs}: the validate worker calls "
+                "step(return_outputs=False) and keeps no stage outputs; validate the plan without it")
     if sc.training.distribute_saved_activations:
         return ("training: distribute_saved_activations: the validate model keeps whole checkpointed inputs, not "
                 "Megatron's 1/tp shares; validate the plan without --distribute-saved-activations")

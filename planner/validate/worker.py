@@ -34,6 +34,7 @@ verdict fails for each kind of miss; never set it in a real run:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -532,6 +533,9 @@ def _main(argv: list[str] | None) -> int:
         schedule = Schedule1F1B(stages[0], n_microbatches=p.num_microbatches, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))
     is_first, is_last = pp_rank == 0, pp_rank == p.pp - 1
+    # torch's step() keeps the last stage's outputs and returns their concatenation unless told not to, where it
+    # can be (planner.memory.pipeline_kept_output_bytes)
+    keeps_no_outputs = "return_outputs" in inspect.signature(schedule.step).parameters
 
     phase("microbenchmarks")
     grad_size = local_bytes(params) * (p.dp * p.cp if p.zero_stage >= 3 else 1)
@@ -558,6 +562,8 @@ def _main(argv: list[str] | None) -> int:
         kwargs = {}
         if is_last:
             kwargs = {"target": labels, "losses": losses}
+        if keeps_no_outputs:  # as torchtitan 0.3.0 (trainer.py): the estimate's pipeline_kept_outputs "none"
+            kwargs["return_outputs"] = False
         if is_first:
             schedule.step(tokens, **kwargs)
         else:
