@@ -1530,16 +1530,13 @@ def schedule_bubble_s(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total
     (``schedules.bubble_closed_form_s``: ZB-H1, Qi et al. 2024 arXiv:2401.10241 section 2.1), else the
     action lists run against each other (:func:`simulated_bubble_s`: ``schedules.bubble_s``'s rules, over all
     options of one micro-batch count at once)."""
-    closed, runs = _bubble_runs(schedule, pp, vpp, m, fwd_s, wgrad_s, total_s, family)
-    if closed is not None:
-        return closed
-    out, asked = runs
-    for key, sel, f, i, w in asked:  # one run of the action lists per micro-batch count, over all options
-        try:
-            out[sel] = simulated_bubble_s(*key[:4], f, i, w, key[4])
-        except ValueError:  # a micro-batch count the schedule refuses (schedule_problems says why)
-            pass
-    return out
+    batch = ZeroBubbleBatch()  # one run of the action lists per micro-batch count, over all options
+    out = batch(schedule, pp, vpp, m, fwd_s, wgrad_s, total_s, family)
+    owed = batch.owed()
+    if owed is None:  # the closed form
+        return out
+    batch.run()
+    return out + owed
 
 
 def _bubble_runs(schedule: str, pp: int, vpp: int, m, fwd_s, wgrad_s, total_s, family: str):
@@ -1597,7 +1594,7 @@ class ZeroBubbleBatch:
             f, i, w = (np.concatenate([a[k] for a in asks]) for k in (2, 3, 4))
             try:
                 got = simulated_bubble_s(*key[:4], f, i, w, key[4])
-            except ValueError:
+            except ValueError:  # a micro-batch count the schedule refuses (schedule_problems says why)
                 got = np.full(f.shape, np.inf)
             at = 0
             for owed, sel, fa, _, _ in asks:

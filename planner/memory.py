@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner import frameworks
-from planner.specs import (FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size, stage_chunks,
-                           uneven_chunks)
+from planner.specs import (FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec,
+                           distributed_checkpoint_problems, padded_vocab_size, stage_chunks, uneven_chunks)
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
 GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
@@ -842,9 +842,9 @@ def saved_bytes_per_layer_kind(model: ModelSpec, training: TrainingSpec, plan: P
 
 def distributes_checkpoints(training: TrainingSpec, plan: Plan) -> bool:
     """Whether each full-recompute checkpoint keeps only its 1/tp share of the layer input (Megatron
-    ``--distribute-saved-activations``; its rules, ``specs.distributed_checkpoint_problems``, hold)."""
-    return (training.distribute_saved_activations and plan.recompute == "full" and plan.tp > 1
-            and not plan.sequence_parallel)
+    ``--distribute-saved-activations``) where Megatron's rules for it (``specs.distributed_checkpoint_problems``)
+    hold; elsewhere the inputs are kept whole."""
+    return training.distribute_saved_activations and not distributed_checkpoint_problems(training, plan)
 
 
 def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
