@@ -842,9 +842,11 @@ def saved_bytes_per_layer_kind(model: ModelSpec, training: TrainingSpec, plan: P
 
 def distributes_checkpoints(training: TrainingSpec, plan: Plan) -> bool:
     """Whether each full-recompute checkpoint keeps only its 1/tp share of the layer input (Megatron
-    ``--distribute-saved-activations``) where Megatron's rules for it (``specs.distributed_checkpoint_problems``)
-    hold; elsewhere the inputs are kept whole."""
-    return training.distribute_saved_activations and not distributed_checkpoint_problems(training, plan)
+    ``--distribute-saved-activations``, DeepSpeed's ``partition_activations``) where the framework's rules for it
+    (``specs.distributed_checkpoint_problems``) hold and there is more than one TP rank; elsewhere the inputs are
+    kept whole. Under DeepSpeed with sequence parallelism the share is 1/tp of the sequence shard."""
+    return (training.distribute_saved_activations and plan.tp > 1
+            and not distributed_checkpoint_problems(training, plan))
 
 
 def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:

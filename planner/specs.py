@@ -810,8 +810,9 @@ class TrainingSpec(_Spec):
         default=False,
         description="Under full recompute, each checkpoint keeps only its 1/tp share of the layer input and "
                     "all-gathers it over the TP group before recomputing (Megatron --distribute-saved-activations; "
-                    "core_v0.16.1 tensor_parallel/random.py CheckpointFunction). Megatron's rules: tp > 1, "
-                    "recompute full, no sequence parallelism; megatron and nemo only.")
+                    "core_v0.16.1 tensor_parallel/random.py CheckpointFunction; DeepSpeed partition_activations, "
+                    "which also splits a sequence-parallel shard). Megatron's rules: tp > 1, recompute full, no "
+                    "sequence parallelism; DeepSpeed's: recompute full. megatron, nemo and deepspeed.")
     pipeline_kept_outputs: KeptOutputs = Field(
         default="none",
         description="Which pipeline stages of torch.distributed.pipelining keep every micro-batch's output until the "
@@ -1210,9 +1211,10 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                 and {"moe_act", "layernorm"} & set(mods)):  # ibid.: "Delayed scaling does not support ..."
             errors.append("recompute_modules: moe_act and layernorm recompute do not run with fp8 delayed scaling "
                           "(Megatron); use --fp8-recipe tensorwise or drop them")
-    if training.distribute_saved_activations and training.framework not in ("megatron", "nemo"):
-        errors.append(f"distribute_saved_activations: {training.framework} has no Megatron distributed checkpoint "
-                      "(--distribute-saved-activations); use framework megatron or nemo, or drop it")
+    if training.distribute_saved_activations and training.framework not in ("megatron", "nemo", "deepspeed"):
+        errors.append(f"distribute_saved_activations: {training.framework} has no distributed checkpoint (Megatron "
+                      "--distribute-saved-activations, DeepSpeed partition_activations); use framework megatron, nemo "
+                      "or deepspeed, or drop it")
     if training.pipeline_kept_outputs != "none" and training.framework not in ("torchtitan", "torch"):
         errors.append(f"pipeline_kept_outputs: {training.framework} does not run torch.distributed.pipelining, whose "
                       "schedules keep the stage outputs; use framework torchtitan or torch, or drop it")
@@ -1281,19 +1283,26 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
 
 
 def distributed_checkpoint_problems(training: TrainingSpec, plan: Plan) -> list[str]:
-    """Megatron's rules for ``--distribute-saved-activations`` (``TrainingSpec.distribute_saved_activations``):
-    core_v0.16.1 ``arguments.py::validate_args`` asserts tensor_model_parallel_size > 1 and recompute_granularity
-    full; ``TransformerConfig.__post_init__`` raises with sequence parallelism."""
+    """The framework's rules for distributed checkpoints (``TrainingSpec.distribute_saved_activations``).
+
+    Megatron ``--distribute-saved-activations``: core_v0.16.1 ``arguments.py::validate_args`` asserts
+    tensor_model_parallel_size > 1 and recompute_granularity full; ``TransformerConfig.__post_init__`` raises with
+    sequence parallelism. DeepSpeed's ``partition_activations`` (Megatron-DeepSpeed ``--deepspeed-activation-
+    checkpointing --partition-activations``): its checkpoint function is the full-layer one, so recompute full;
+    deepspeed 0.19.8 ``runtime/activation_checkpointing/checkpointing.py`` partitions whatever input it is handed
+    over the model-parallel group (``partition_activations``: ``get_partition_size`` = numel / mp_size), a
+    sequence-parallel shard too, and with one TP rank it keeps the whole input: no further rule."""
     if not training.distribute_saved_activations:
         return []
     errors = []
-    if plan.tp == 1:
+    deepspeed = training.framework == "deepspeed"
+    if plan.tp == 1 and not deepspeed:
         errors.append("distribute_saved_activations: Megatron distributes the checkpointed inputs over the tensor-"
                       "parallel group only, so it needs tp > 1; set tp > 1 or drop --distribute-saved-activations")
     if plan.recompute != "full":
         errors.append(f"distribute_saved_activations: applies to full recompute only (recompute is "
                       f"{plan.recompute}); set recompute full or drop --distribute-saved-activations")
-    if plan.sequence_parallel:
+    if plan.sequence_parallel and not deepspeed:
         errors.append("distribute_saved_activations: Megatron refuses it with sequence parallelism (the inputs are "
                       "already split); drop --sequence-parallel or --distribute-saved-activations")
     return errors

@@ -138,3 +138,67 @@ def test_emit_and_check_round_trip(tmp_path):
     for fmt in ("torchtitan", "deepspeed"):
         with pytest.raises(SpecError, match=f"--emit {fmt}: .*"):
             render_all(sc, [fmt])
+
+
+# --- DeepSpeed's partition_activations (Megatron-DeepSpeed --deepspeed-activation-checkpointing --partition-activations)
+
+def test_deepspeed_partitions_the_checkpointed_input_sequence_shard_too():
+    """deepspeed 0.19.8 ``checkpointing.py`` ``partition_activations`` keeps numel / mp_size of each floating-point
+    input of the checkpointed layer, whatever its shape: without SP 2 s b h / t, with SP the already split
+    2 s b h / t a second time, 2 s b h / t^2 (Megatron refuses its own form with SP)."""
+    s, b, h, t = 2048, 1, GPT3.hidden_size, 8
+    ds = dict(framework="deepspeed")
+    shared, _ = saved_bytes_per_layer_kind(GPT3, _tr(True, **ds), _plan())
+    assert shared == 2 * s * b * h / t
+    sp = _plan(sequence_parallel=True)
+    assert saved_bytes_per_layer_kind(GPT3, _tr(True, **ds), sp)[0] == 2 * s * b * h / t**2
+    assert saved_bytes_per_layer_kind(GPT3, _tr(False, **ds), sp)[0] == 2 * s * b * h / t
+    # one TP rank: DeepSpeed's partition is the whole input (no rule refuses it, nothing changes)
+    one = _plan(tp=1, dp=64)
+    assert saved_bytes_per_layer_kind(GPT3, _tr(True, **ds), one) == saved_bytes_per_layer_kind(GPT3, _tr(False, **ds), one)
+    assert not [x for x in plan_problems(GPT3, A100, _tr(True, **ds), one) if x.startswith("distribute_saved")]
+    # Megatron's rules still hold for Megatron
+    assert any(x.startswith("distribute_saved_activations: Megatron refuses it with sequence parallelism")
+               for x in plan_problems(GPT3, A100, _tr(True), sp))
+    assert not [x for x in plan_problems(GPT3, A100, _tr(True, **ds), sp) if x.startswith("distribute_saved")]
+    # only full recompute is checkpointed by DeepSpeed's function
+    assert any(x.startswith("distribute_saved_activations: applies to full recompute only")
+               for x in plan_problems(GPT3, A100, _tr(True, **ds), _plan(recompute="selective")))
+
+
+def test_deepspeed_gathers_the_partitions_back_before_the_recompute():
+    """``get_full_inputs``: one all-gather of the checkpointed input over the model-parallel group per layer and
+    micro-batch, as Megatron's ``gather_split_1d_tensor``: the same time term, sized by the input it is handed."""
+    from planner.cost import distributed_checkpoint_gather_s
+
+    ds = _tr(True, framework="deepspeed")
+    sp = _plan(sequence_parallel=True)
+    group = axis_span(sp, "tp", A100.nvlink_domain)
+    input_bytes = 2 * 2048 * GPT3.hidden_size / 8  # the SP shard
+    assert distributed_checkpoint_gather_s(ds, sp, input_bytes, group, A100) == pytest.approx(
+        comm.collective_time_s("all_gather", input_bytes, group, A100))
+    assert distributed_checkpoint_gather_s(_tr(False, framework="deepspeed"), sp, input_bytes, group, A100) == 0.0
+
+
+def test_check_reads_megatron_deepspeeds_partition_activations(tmp_path):
+    """A Megatron-DeepSpeed launch with --deepspeed-activation-checkpointing --partition-activations: Megatron-
+    DeepSpeed's ``_configure_deepspeed_activation_checkpointing`` hands ``args.partition_activations`` to
+    ``deepspeed.checkpointing.configure``; without --deepspeed-activation-checkpointing the flag does nothing."""
+    from pathlib import Path
+
+    from planner.check import check_file
+
+    launch = Path(__file__).parent / "data" / "launch"
+    src = (launch / "megatron_deepspeed_gpt_1.3B.sh").read_text()
+    (tmp_path / "ds_config_gpt_1.3B.json").write_text((launch / "ds_config_gpt_1.3B.json").read_text())
+    src = src.replace("mp_size=1", "mp_size=2").replace("num_node=2", "num_node=4")
+    h100 = load_hardware("h100-sxm-80gb")
+    for extra, want in [("--deepspeed-activation-checkpointing --partition-activations", True),
+                        ("--partition-activations", False), ("--deepspeed-activation-checkpointing", False)]:
+        path = tmp_path / f"ds_{len(extra)}.sh"
+        path.write_text(src.replace('    --zero-stage 1"', f'    --zero-stage 1 {extra}"'))
+        result = check_file(path, h100, None, None)
+        assert not result.errors, result.errors
+        assert result.scenario.training.framework == "deepspeed"
+        assert result.scenario.training.distribute_saved_activations is want, extra
+        assert result.scenario.plan.tp == 2 and result.scenario.plan.recompute == "full"

@@ -598,8 +598,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
                 "grad_reduce_in_bf16": grads_16bit(a),
                 # each full-recompute checkpoint keeps 1/tp of its input (memory.saved_bytes_per_layer_kind); under
-                # --deepspeed the checkpoints are DeepSpeed's (partition_activations, not read: an upper bound)
-                "distribute_saved_activations": a.has("--distribute-saved-activations") and not a.has("--deepspeed"),
+                # --deepspeed the checkpoints are DeepSpeed's, partitioned with --partition-activations (Megatron-
+                # DeepSpeed hands the flag to deepspeed.checkpointing.configure with --deepspeed-activation-checkpointing)
+                "distribute_saved_activations": (a.has("--distribute-saved-activations") and not a.has("--deepspeed"))
+                or (a.has("--deepspeed") and a.has("--deepspeed-activation-checkpointing")
+                    and a.has("--partition-activations")),
                 # the precision-aware optimizer with bf16 moments (planner/frameworks/megatron.py); other moment or
                 # master dtypes are smaller than fp32 Adam's and are read as fp32, the larger
                 "optimizer_dtype": "bf16" if (not a.has("--deepspeed") and a.has("--use-precision-aware-optimizer")
