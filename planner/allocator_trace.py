@@ -50,6 +50,11 @@ The event order, one rank of one stage (each source cited where used below):
   Under PP (``PipelineStage.backward_maybe_with_nosync``: no gradient sync) the bf16 gradient is
   added into an fp32 unsharded accumulator kept for the step (``FSDPParam.to_accumulated_grad_if_needed``),
   reduce-scattered in ``perform_reduce_grad`` after the last micro-batch.
+* **kept stage outputs** (``training.pipeline_kept_outputs``; torch ``pipelining/stage.py`` ``output_chunks``,
+  ``memory.pipeline_kept_output_bytes``): the loss stage's fp32 logits, made by the model (torchtitan's 2024
+  Llama: ``self.output(h).float()``) and held past their loss, and with ``all`` every other stage's output past its
+  backward; after the gradient reduction ``step()`` concatenates the held logits (``_merge_outputs``, one
+  transient of their sum), and ``clear_runtime_states`` frees them when the next step starts.
 * **optimizer**: AdamW allocates ``exp_avg`` and ``exp_avg_sq`` (8 B / N) at its first step;
   ``zero_grad(set_to_none=True)`` frees the sharded gradients.
 
@@ -307,7 +312,6 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             normed = tr.new(sb * h * e / sp)
             logits = sb * v_local
             if t > 1 and training.precision != "fp32":  # loss_parallel: torch's own op sequence
-                # kept outputs: the fp32 logits (id 1; memory.kept_output_bytes)
                 events = LOSS_PARALLEL_EVENTS[:LOSS_PARALLEL_FORWARD]
                 if kept_mode:  # the stage output the schedule keeps: the fp32 logits (memory.kept_output_bytes),
                     out = tr.new(FP32 * logits)  # made by the model (2024: self.output(h).float()), so the loss's
@@ -452,8 +456,8 @@ def traced_microbatches(plan, stage: int, num_microbatches: int, training=None) 
     one of all ``m``). Gradient accumulation at pp = 1 likewise. Where the pipeline keeps its stage outputs
     (``training.pipeline_kept_outputs``) the state grows from one micro-batch to the next: all are written."""
     warm = min(num_microbatches, plan.pp - stage) if plan.pp > 1 else 1
-    if plan.pp > 1 and training is not None and training.pipeline_kept_outputs != "none":  # the kept outputs grow every micro-batch
-        return num_microbatches
+    if plan.pp > 1 and training is not None and training.pipeline_kept_outputs != "none":
+        return num_microbatches  # the kept outputs grow from one micro-batch to the next
     return min(num_microbatches, warm + STEADY_CYCLES)
 
 

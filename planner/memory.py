@@ -1118,8 +1118,9 @@ def pipeline_kept_output_bytes(model: ModelSpec, training: TrainingSpec, plan: P
     On the loss stage the peak holds the larger of two moments: the last micro-batch's loss with the m - 1 earlier
     outputs kept, and the merge after the last backward, where the m outputs and their concatenation (2 m) live
     but the activations, the loss spike and what the last backward released
-    (``StateBytes.released_at_last_backward_bytes``) are gone (``transient_bytes``). Every other chunk (``"all"``) keeps its m
-    boundary outputs (:func:`stage_boundary_bytes`), counted whole: an upper bound before the last micro-batch."""
+    (``StateBytes.released_at_last_backward_bytes``) are gone (``transient_bytes``). Every other chunk (``"all"``)
+    keeps its m boundary outputs (:func:`stage_boundary_bytes`), counted whole: an upper bound before the last
+    micro-batch."""
     return kept_outputs_bytes_of(training.pipeline_kept_outputs, plan, num_microbatches, stage,
                                  kept_output_bytes(model, training, plan), stage_boundary_bytes(model, training, plan),
                                  transient_bytes)

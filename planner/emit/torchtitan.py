@@ -126,7 +126,8 @@ def args(sc: Scenario) -> list[str]:
                         "--distribute-saved-activations); use --format megatron or drop it")
     if sc.training.pipeline_kept_outputs != "none" and sc.plan.pp > 1:
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 keeps no stage outputs (trainer.py: step(..., "
-                        f"return_outputs=False)), not pipeline_kept_outputs={sc.training.pipeline_kept_outputs}; drop it")
+                        f"return_outputs=False)), not pipeline_kept_outputs={sc.training.pipeline_kept_outputs}; "
+                        "drop it")
     if sc.plan.recompute_interval is not None:  # _apply_layer_sac went with the TOML configs
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's selective AC is per-op only; its per-layer AC (one layer in "
                         f"every {sc.plan.recompute_interval}, selective_ac_option) is gone since the TOML "

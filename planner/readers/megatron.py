@@ -599,7 +599,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "grad_reduce_in_bf16": grads_16bit(a),
                 # each full-recompute checkpoint keeps 1/tp of its input (memory.saved_bytes_per_layer_kind); under
                 # --deepspeed the checkpoints are DeepSpeed's, partitioned with --partition-activations (Megatron-
-                # DeepSpeed hands the flag to deepspeed.checkpointing.configure with --deepspeed-activation-checkpointing)
+                # DeepSpeed hands the flag to deepspeed.checkpointing.configure under
+                # --deepspeed-activation-checkpointing)
                 "distribute_saved_activations": (a.has("--distribute-saved-activations") and not a.has("--deepspeed"))
                 or (a.has("--deepspeed") and a.has("--deepspeed-activation-checkpointing")
                     and a.has("--partition-activations")),
