@@ -179,7 +179,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     pipeline's receive buffers."""
     from planner.frameworks.torchtitan import reshard_after_forward
     from planner.memory import act_bytes, kept_under, layer_activation_terms, param_bytes, stage_param_split
-    from planner.specs import padded_vocab_size
+    from planner.specs import padded_vocab_size, pipeline_kept_mode
 
     tr = _Trace()
     p, m, t = plan.pp, num_microbatches, plan.tp
@@ -234,7 +234,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         tr.kept.update(recv_x + recv_g)
     gathered = set()
     # torch.distributed.pipelining's kept stage outputs (memory.pipeline_kept_output_bytes); none without PP
-    kept_mode = training.pipeline_kept_outputs if p > 1 and training.pipeline_kept_outputs != "none" else None
+    kept_mode = pipeline_kept_mode(training, plan)
 
     def unshard(g):
         if g in gathered or not groups[g]:
@@ -456,7 +456,9 @@ def traced_microbatches(plan, stage: int, num_microbatches: int, training=None) 
     one of all ``m``). Gradient accumulation at pp = 1 likewise. Where the pipeline keeps its stage outputs
     (``training.pipeline_kept_outputs``) the state grows from one micro-batch to the next: all are written."""
     warm = min(num_microbatches, plan.pp - stage) if plan.pp > 1 else 1
-    if plan.pp > 1 and training is not None and training.pipeline_kept_outputs != "none":
+    from planner.specs import pipeline_kept_mode
+
+    if training is not None and pipeline_kept_mode(training, plan):
         return num_microbatches  # the kept outputs grow from one micro-batch to the next
     return min(num_microbatches, warm + STEADY_CYCLES)
 

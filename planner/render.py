@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from planner.specs import HardwareSpec, ModelSpec
+from planner.specs import HardwareSpec, ModelSpec, pipeline_kept_mode
 
 #: Below this console width the tables drop or merge columns (the compact layout).
 COMPACT_COLUMNS = 100
@@ -235,9 +235,9 @@ def _plan_cell(est) -> str:
     extra += [f"ZeRO-{p.zero_stage}"] if p.zero_stage else []
     extra += ["bf16 grads"] if est.scenario.training.grad_reduce_in_bf16 else []
     extra += ["distributed checkpoints"] if est.scenario.training.distribute_saved_activations else []
-    kept = est.scenario.training.pipeline_kept_outputs
+    kept = pipeline_kept_mode(est.scenario.training, p)
     extra += [f"pipeline keeps {kept} stage outputs" if kept == "all" else "pipeline keeps the loss stage's outputs"] \
-        if kept != "none" and p.pp > 1 else []
+        if kept else []
     extra += ["fp8 params"] if est.scenario.training.fp8_params else []
     extra += {"bf16": ["bf16 Adam states"], "bf16-apex": ["bf16 Apex Adam states"]}.get(
         est.scenario.training.optimizer_dtype, [])

@@ -1282,6 +1282,13 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     return errors + job_problems(model, hardware, training)
 
 
+def pipeline_kept_mode(training: TrainingSpec, plan: Plan) -> str | None:
+    """``training.pipeline_kept_outputs`` where it applies: a pipeline (pp > 1) whose schedule keeps outputs; else None
+    (planner.memory.pipeline_kept_output_bytes)."""
+    kept = training.pipeline_kept_outputs
+    return kept if plan.pp > 1 and kept != "none" else None
+
+
 def distributed_checkpoint_problems(training: TrainingSpec, plan: Plan) -> list[str]:
     """The framework's rules for distributed checkpoints (``TrainingSpec.distribute_saved_activations``).
 

@@ -9,6 +9,7 @@ knob pinned in the file makes that impossible, the error names the knob and the 
 from __future__ import annotations
 
 from pathlib import Path
+import typing
 from typing import Optional
 
 from planner.errors import SpecError
@@ -139,9 +140,11 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
         raise SpecError(f"--fp8-recipe: '{fp8_recipe}' is not one of delayed, tensorwise")
     if cross_entropy_fusion is not None and cross_entropy_fusion not in ("none", "native", "te"):
         raise SpecError(f"--cross-entropy-fusion: '{cross_entropy_fusion}' is not one of none, native, te")
-    if pipeline_kept_outputs is not None and pipeline_kept_outputs not in ("none", "last", "all"):
-        raise SpecError(f"--pipeline-kept-outputs: '{pipeline_kept_outputs}' is not one of none, last, all")
-    from planner.specs import RECOMPUTE_MODULES
+    from planner.specs import RECOMPUTE_MODULES, KeptOutputs
+
+    kept_values = typing.get_args(KeptOutputs)
+    if pipeline_kept_outputs is not None and pipeline_kept_outputs not in kept_values:
+        raise SpecError(f"--pipeline-kept-outputs: '{pipeline_kept_outputs}' is not one of {', '.join(kept_values)}")
 
     modules = module_list(recompute_modules, "--recompute-modules", RECOMPUTE_MODULES)
     return given(grad_reduce_in_bf16=grad_reduce_in_bf16, fp8_params=fp8_params, optimizer_dtype=optimizer_dtype,

@@ -30,7 +30,7 @@ from planner.emit import megatron, torchrun
 from planner.names import slug
 from planner.presets import SpecError
 from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
-from planner.specs import Scenario
+from planner.specs import Scenario, pipeline_kept_mode
 
 # plan3d preset -> (torchtitan --module, {precision: the --config function that trains in it}).
 # torchtitan 0.3.0 config registries: models/llama3/config_registry.py; models/deepseek_v3/config_registry.py
@@ -124,7 +124,7 @@ def args(sc: Scenario) -> list[str]:
     if sc.training.distribute_saved_activations:
         raise SpecError("--emit torchtitan: torchtitan has no distributed checkpoint of the layer inputs (Megatron "
                         "--distribute-saved-activations); use --format megatron or drop it")
-    if sc.training.pipeline_kept_outputs != "none" and sc.plan.pp > 1:
+    if pipeline_kept_mode(sc.training, sc.plan):
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 keeps no stage outputs (trainer.py: step(..., "
                         f"return_outputs=False)), not pipeline_kept_outputs={sc.training.pipeline_kept_outputs}; "
                         "drop it")

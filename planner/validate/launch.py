@@ -36,7 +36,7 @@ from pathlib import Path
 
 from planner.memory import estimate_memory, stage_params_per_rank, stage_saved_bytes
 from planner.presets import SpecError, load_hardware
-from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec
+from planner.specs import HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, pipeline_kept_mode
 
 MEMORY_TOLERANCE = 0.05
 """Relative tolerance of each measured memory component (weights, gradients, optimizer states, saved
@@ -152,7 +152,7 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
     if sc.plan.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev"):
         return (f"plan: pipeline_schedule={sc.plan.pipeline_schedule}: the validate worker runs 1F1B / interleaved "
                 "1F1B only; tests/test_schedules_zb.py checks the zero-bubble schedules against torch")
-    if sc.training.pipeline_kept_outputs != "none" and sc.plan.pp > 1:
+    if pipeline_kept_mode(sc.training, sc.plan):
         return (f"training: pipeline_kept_outputs={sc.training.pipeline_kept_outputs}: the validate worker calls "
                 "step(return_outputs=False) and keeps no stage outputs; validate the plan without it")
     if sc.training.distribute_saved_activations:
