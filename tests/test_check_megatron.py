@@ -141,3 +141,42 @@ def test_sequence_parallel_at_tp1_is_turned_off_by_megatron_too(megatron_argumen
     capsys.readouterr()
     assert m.sequence_parallel is False and m.tensor_model_parallel_size == 1
     os.environ.pop("WORLD_SIZE", None)
+
+
+RECOMPUTE_CASES = [  # (extra flags, Megatron-Core accepts them)
+    (["--recompute-granularity", "full"], False),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], False),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], True),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"], True),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], False),
+    (["--recompute-activations", "--recompute-num-layers", "1"], False),
+    (["--recompute-activations"], True),
+]
+
+
+@pytest.mark.parametrize("extra,accepted", RECOMPUTE_CASES)
+def test_recompute_refusals_match_megatron_core(megatron_arguments, extra, accepted, tmp_path, monkeypatch, capsys):
+    """`check` refuses (exit 2) exactly the recompute settings Megatron-Core's own TransformerConfig refuses
+    before training starts (core_v0.16.1 transformer_config.py __post_init__)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    # --no-rope-fusion: the fused RoPE needs Transformer Engine, which this CPU machine does not have; it is
+    # not what the test is about
+    flags = " ".join(["--no-rope-fusion", *extra])
+    path = tmp_path / "job.sh"
+    path.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().rstrip() + f" \\\n    {flags}\n")
+    results = check_file_branches(path, load_hardware("h200-141gb"), None, None)
+    arguments, _ = megatron_arguments
+    args = _megatron(arguments, _words(read_flags(path)), 8, monkeypatch)
+    refusal = ""
+    try:
+        core_transformer_config_from_args(args)
+    except ValueError as err:
+        refusal = str(err)
+    capsys.readouterr()
+    os.environ.pop("WORLD_SIZE", None)
+    assert (not refusal) is accepted, refusal
+    assert accepted or "recompute" in refusal, refusal
+    assert (not results[0].errors) is accepted, results[0].errors
+    if not accepted:
+        assert "Megatron-Core refuses it" in results[0].errors[0]

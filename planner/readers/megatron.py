@@ -426,6 +426,25 @@ def recompute_modules(a: Args) -> tuple[str, ...]:
     return tuple(modules)
 
 
+def _megatron_core_recompute_rules(a: Args, granularity: str | None) -> None:
+    """Megatron-Core's own refusals of a recompute setting, raised before the model is built
+    (core_v0.16.1 ``TransformerConfig.__post_init__``): full granularity needs ``--recompute-method``
+    (block or uniform) and ``--recompute-num-layers``; selective granularity refuses ``--recompute-num-layers``.
+    A launch that breaks one never trains, so ``check`` refuses it (exit 2) instead of reading a plan from it.
+    Megatron-DeepSpeed launches (``--deepspeed``) are not Megatron-Core's config and are left alone."""
+    where = f"{a.path}:{a.line('--recompute-granularity')}"
+    if granularity == "full" and a.get("--recompute-method") is None:
+        raise SpecError(f"{where}: --recompute-granularity full without --recompute-method: Megatron-Core "
+                        "refuses it (recompute_method must be \"block\" or \"uniform\"); add --recompute-method "
+                        "uniform --recompute-num-layers 1 to recompute every layer")
+    if granularity == "full" and not a.has("--recompute-num-layers"):
+        raise SpecError(f"{where}: --recompute-granularity full without --recompute-num-layers: Megatron-Core "
+                        "refuses it; add --recompute-num-layers (1 with uniform recomputes every layer)")
+    if granularity == "selective" and a.has("--recompute-num-layers"):
+        raise SpecError(f"{a.path}:{a.line('--recompute-num-layers')}: --recompute-num-layers with selective "
+                        "recompute: Megatron-Core refuses it (recompute_num_layers must be None); drop it")
+
+
 def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, int | None, int | None]:
     """(``Plan.recompute``, ``Plan.recompute_num_layers``, ``Plan.recompute_group_layers``) of the launch.
     ``--recompute-method block --recompute-num-layers K`` recomputes the first K layers of each model chunk
@@ -440,6 +459,8 @@ def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, in
                         "--recompute-granularity full: Megatron refuses it; drop one")
     if a.has("--recompute-activations") or a.has("--moe-layer-recompute"):
         granularity = "selective"
+    if not a.has("--deepspeed"):
+        _megatron_core_recompute_rules(a, granularity)
     if a.has("--checkpoint-activations") or a.has("--deepspeed-activation-checkpointing"):
         granularity = "full"  # Megatron-DeepSpeed / Megatron-LM before 2022: every layer
     n = a.int("--recompute-num-layers", 1)
