@@ -12,16 +12,20 @@ run per action program for all shapes: cost.ZeroBubbleBatch): Llama-3-8B on 64 H
 512, seq 8192) and Mixtral-8x7B on 128 H100 (global batch 1024, seq 4096); no brute force for
 either (the reference estimate simulates every plan's schedule alone: over 10 minutes).
 
-- "search" is planner.search.search: table building + CP-SAT, no alternatives (median of N runs).
+- "search" is planner.search.search: table building + CP-SAT, no alternatives (median of N runs), with the
+  tables built over ``planner.search.table_workers`` processes (printed as "workers"; this machine's CPUs
+  from ``PARALLEL_MIN_SHAPES`` shapes on).
 - "CP-SAT" is the solver call alone, inside that.
 - "exhaustive" is planner.search.exhaustive: every legal plan through the reference estimate_time
   and estimate_memory (median of 1 run by default; it is slow).
-- "plan3d search" is the whole process, `plan3d search ... --json --top 0`, interpreter start included.
+- "plan3d search" is the whole process, `plan3d search ... --json --top 0`, interpreter start included; "1 process"
+  the same with ``PLAN3D_WORKERS=1`` (a fresh process each, so no memoised term is warm from an earlier run).
 Both must return the same step time; the script checks that.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -33,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from planner.cost import estimate_time  # noqa: E402
 from planner.presets import load_hardware, load_model  # noqa: E402
-from planner.search import exhaustive, search  # noqa: E402
+from planner.candidates import SearchSpace  # noqa: E402
+from planner.search import build_tables, exhaustive, search, table_workers  # noqa: E402
 from planner.specs import TrainingSpec  # noqa: E402
 
 CASES = [
@@ -57,16 +62,17 @@ def timed(fn, repeats):
     return statistics.median(times), out
 
 
-def cli_wall(name, hw, gpus, batch, seq, repeats, framework="megatron"):
+def cli_wall(name, hw, gpus, batch, seq, repeats, framework="megatron", workers=None):
     cmd = [sys.executable, "-m", "planner.cli", "search", "--model", name, "--hardware", hw, "--gpus", str(gpus),
            "--global-batch", str(batch), "--seq-len", str(seq), "--framework", framework, "--json", "--top", "0"]
-    return timed(lambda: subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True), repeats)[0]
+    env = {**os.environ, **({"PLAN3D_WORKERS": str(workers)} if workers else {})}
+    return timed(lambda: subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=env), repeats)[0]
 
 
 def main() -> None:
     repeats = int(sys.argv[sys.argv.index("--repeats") + 1]) if "--repeats" in sys.argv else 5
-    print(f"{'case':42s} {'search s':>9s} {'CP-SAT s':>9s} {'exhaustive s':>13s} {'speed-up':>9s} "
-          f"{'plan3d search s':>16s} {'plans':>7s}")
+    print(f"{'case':42s} {'search s':>9s} {'workers':>7s} {'CP-SAT s':>9s} {'exhaustive s':>13s} "
+          f"{'speed-up':>9s} {'plan3d search s':>16s} {'1 process s':>11s} {'plans':>7s}")
     only = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv else None
     for name, hw_name, gpus, batch, seq, *fw in CASES:
         if only and name != only:
@@ -75,6 +81,7 @@ def main() -> None:
         model, hw = load_model(name), load_hardware(hw_name)
         tr = TrainingSpec(num_gpus=gpus, global_batch_size=batch, seq_len=seq, framework=framework)
         search_s, res = timed(lambda: search(model, hw, tr), repeats)
+        workers = table_workers(len(build_tables(model, hw.for_job(gpus), tr, SearchSpace(), workers=1).shapes))
         solver_s = statistics.median(search(model, hw, tr).solver_s for _ in range(repeats))
         if name in NO_BRUTE_FORCE:
             brute_s, n = float("nan"), res.candidates
@@ -85,9 +92,10 @@ def main() -> None:
             got = estimate_time(model, hw, tr, res.best).step_time_s
             assert abs(got / brute_t - 1) < 1e-6, f"{name}: solver {got} != exhaustive {brute_t}"
         cli_s = cli_wall(name, hw_name, gpus, batch, seq, max(1, repeats // 2), framework)
+        serial_s = cli_wall(name, hw_name, gpus, batch, seq, max(1, repeats // 2), framework, workers=1)
         case = f"{name} on {gpus} x {hw_name}" + (f" ({framework})" if fw else "")
-        print(f"{case:42s} {search_s:9.3f} {solver_s:9.3f} {brute_s:13.2f} {brute_s / search_s:8.1f}x "
-              f"{cli_s:16.3f} {n:7d}")
+        print(f"{case:42s} {search_s:9.3f} {workers:7d} {solver_s:9.3f} {brute_s:13.2f} "
+              f"{brute_s / search_s:8.1f}x {cli_s:16.3f} {serial_s:11.3f} {n:7d}")
     print("\nTarget: CP-SAT under 1 s per case on a 2-core machine, whole `plan3d search` under 2 s.")
 
 

@@ -1583,6 +1583,13 @@ class ZeroBubbleBatch:
         self._pending.append(owed)
         return out
 
+    def merge(self, other: "ZeroBubbleBatch") -> None:
+        """Take ``other``'s asks (the search's table workers each collect their own; the simulations then run once
+        over all of them, here)."""
+        for key, asks in other._asked.items():
+            self._asked.setdefault(key, []).extend(asks)
+        other._asked = {}
+
     def owed(self):
         """The bubbles owed to the last :meth:`__call__` (None if it needed no simulation); :meth:`run` fills them."""
         return self._pending.pop() if self._pending else None

@@ -30,6 +30,7 @@ trays and still runs on NVLink. The ``gpus_per_node`` parameters below take that
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,7 +127,7 @@ def axis_span(plan: Plan, axis: str, gpus_per_node: int, order: str = DEFAULT_OR
     """
     axes = parse_order(order)
     sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
-    stride = int(np.prod([sizes[a] for a in axes[:axes.index(axis)]]))
+    stride = math.prod(sizes[a] for a in axes[:axes.index(axis)])
     outer = plan.world_size // (stride * sizes[axis])
     return _progression_span(stride, sizes[axis], outer, gpus_per_node)
 

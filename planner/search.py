@@ -15,7 +15,8 @@ How it works:
    model, written once), and into every stage's memory following ``memory.stage_memory`` term by
    term, for each (shape, micro, zero) combination, in integers (nanoseconds, KiB). Only three stage kinds can be extreme: the first, the
    first middle one and the last (in-flight micro-batches fall with the stage index, and the
-   overlap window of the DP sync grows with it).
+   overlap window of the DP sync grows with it). Shapes are independent: with many of them the tables are
+   built over forked worker processes (:func:`table_workers`, ``PLAN3D_WORKERS``), the same tables bit for bit.
 3. :func:`solve` builds a CP-SAT model. Its decision variables are the knobs (tp, pp, dp, cp,
    vpp, micro-batch size and count, recompute, SP, ZeRO, first/last layers), tied to one
    combination index by element constraints. The constraints are ``tp*pp*dp*cp = N`` and
@@ -52,7 +53,7 @@ from planner.memory import (act_bytes, chunk_peak_layers, in_flight_chunks, inpu
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
                             stage_state_bytes_of)
 from planner.schedules import schedule_problems
-from planner.errors import MAX_GPUS
+from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, distributed_checkpoint_problems,
                            empty_chunks, job_problems, uneven_chunks)
 
@@ -114,7 +115,13 @@ def _stage_rows(split: StageSplit) -> list[tuple[int, int]]:
 
 
 def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace,
-                 order: str = DEFAULT_ORDER) -> Tables:
+                 order: str = DEFAULT_ORDER, workers: int | None = None) -> Tables:
+    """Every (shape, micro, zero) combination's step time and stage memory (module docstring, step 2).
+
+    The shapes are independent, so with many of them (``PARALLEL_MIN_SHAPES``) they are split over ``workers``
+    processes (default :func:`table_workers`), each shape group sharing its per-micro-batch factors kept in
+    one process (:func:`_shape_chunks`); every shape is computed by the same code either way, so the tables
+    are the same (``tests/test_search_parallel.py``)."""
     t0 = time.perf_counter()
     B = training.global_batch_size
     job_ok = not job_problems(model, hw, training)
@@ -125,6 +132,95 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     time_ns = np.full((S, U, Z), INFEASIBLE, dtype=np.int64)
     mem_kib = np.full((S, U, Z, 3), INFEASIBLE, dtype=np.int64)
     legal = np.zeros((S, U, Z), dtype=bool)
+    usable_kib = int(hw.usable_memory_gib * GIB // KIB)
+    n = table_workers(S) if workers is None else (workers if can_fork_workers() else 1)
+    chunks = _shape_chunks(shape_list, 2 * n) if n > 1 and S else [list(range(S))]
+    jobs = [(model, hw, training, space, order, micros, zeros, [(si, shape_list[si]) for si in chunk])
+            for chunk in chunks]
+    if len(jobs) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # fork: a worker starts as a copy of this process, with nothing to import or re-run (spawn and forkserver
+        # re-run the caller's main script, which a script without a __main__ guard cannot survive)
+        with ProcessPoolExecutor(min(n, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
+            parts = list(pool.map(_fill_tables_job, jobs))
+    else:
+        parts = [_fill_tables_job(job) for job in jobs]
+    zb = ZeroBubbleBatch()  # the zero-bubble schedules' simulations, one per action program for all shapes
+    for part in parts:
+        zb.merge(part[4])
+    zb.run()
+    for idx, t_part, m_part, l_part, _, owed_steps in parts:
+        for si, ok, step, owed in owed_steps:
+            _set_times(t_part, si, ok, step + owed)
+        time_ns[idx], mem_kib[idx], legal[idx] = t_part, m_part, l_part
+    return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
+                  usable_kib=usable_kib, build_s=time.perf_counter() - t0)
+
+
+#: Fewer shapes than this are tabulated in this process. A shape takes about 1-2 ms. On this project's 2-core
+#: machine (``benchmarks/search_speed.py``, whole command, 2026-12-03) two workers took DeepSeek-V3 on 2,048 GPUs
+#: (10,350 shapes) from 18.7 to 12.0 s and Mixtral-8x7B under torchtitan (1,804) from 6.7 to 5.8 s, but the dense
+#: cases of 474-1,021 shapes moved by less than the run-to-run noise (-0.3 to +0.4 s), so they stay in one process.
+PARALLEL_MIN_SHAPES = 1500
+#: The most worker processes a search starts, whatever the machine.
+MAX_WORKERS = 16
+
+
+def table_workers(n_shapes: int) -> int:
+    """Processes to build the tables with: ``PLAN3D_WORKERS`` if set (1: no workers), else the CPUs this
+    process may run on (at most ``MAX_WORKERS``) when there are at least ``PARALLEL_MIN_SHAPES`` shapes, else 1."""
+    import os
+
+    env = os.environ.get("PLAN3D_WORKERS", "").strip()
+    if env:
+        try:
+            asked = max(1, int(env))
+        except ValueError:
+            raise SpecError(f"PLAN3D_WORKERS: '{env}' is not an integer; set a process count (1: none)") from None
+        return asked if can_fork_workers() else 1
+    if n_shapes < PARALLEL_MIN_SHAPES or not can_fork_workers():
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, MAX_WORKERS))
+
+
+def can_fork_workers() -> bool:
+    """Whether forked workers are safe here: Linux (macOS's system libraries are not fork-safe, Windows cannot
+    fork), no other Python thread in this process (a fork copies only the calling thread: a lock another
+    thread holds would stay held in the worker), and not a daemonic process (which may not have children)."""
+    import multiprocessing
+    import threading
+
+    return (sys.platform.startswith("linux") and threading.active_count() == 1
+            and not multiprocessing.current_process().daemon)
+
+
+def _shape_chunks(shape_list: list, n_chunks: int) -> list[list[int]]:
+    """The shape indices in at most ``n_chunks`` chunks of about equal size, the shapes of one (tp, cp, ep, etp)
+    (which share their per-micro-batch factors, :func:`_micro_factors`) kept together, largest group first."""
+    groups: dict = {}
+    for si, (tp, cp, _, _, ep, etp) in enumerate(shape_list):
+        groups.setdefault((tp, cp, ep, etp), []).append(si)
+    chunks: list[list[int]] = [[] for _ in range(max(1, min(n_chunks, len(groups))))]
+    for members in sorted(groups.values(), key=len, reverse=True):
+        min(chunks, key=len).extend(members)
+    return [sorted(c) for c in chunks if c]
+
+
+def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, ZeroBubbleBatch, list]:
+    """(shape indices, their step times [k, U, Z], stage memory [k, U, Z, 3], legality [k, U, Z], the zero-bubble
+    simulations they ask for, the steps still owed those bubbles) of one chunk of shapes: the body of
+    :func:`build_tables`, run in this process or a worker. The simulations are left to the caller, which runs
+    each action program once for every chunk (a worker's asks and its owed steps travel in one pickle, so they
+    still share their arrays)."""
+    model, hw, training, space, order, micros, zeros, indexed = job
+    B = training.global_batch_size
+    K, U, Z = len(indexed), len(micros), len(zeros)
+    time_ns = np.full((K, U, Z), INFEASIBLE, dtype=np.int64)
+    mem_kib = np.full((K, U, Z, 3), INFEASIBLE, dtype=np.int64)
+    legal = np.zeros((K, U, Z), dtype=bool)
     c = contention(hw)
     overlap_p2p = resolved_overlap(training).overlap_p2p_comm
     gb = param_bytes(training)
@@ -144,7 +240,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         return in_flight_chunks(plan, m, r, w_fraction, family)
     factors: dict = {}
     hops: dict = {}
-    zb = ZeroBubbleBatch()  # the zero-bubble schedules' simulations, one per action program for all shapes
+    zb = ZeroBubbleBatch()  # collects this chunk's zero-bubble simulations; build_tables runs them
     owed_steps = []  # (shape, legal options, step without its simulated bubble, that bubble once zb has run)
     usable_kib = int(hw.usable_memory_gib * GIB // KIB)
 
@@ -154,7 +250,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
                                     layers_per_stage=split.layers(), ep=ep, etp=etp, microbatch_group_size=None,
                                     pipeline_schedule=split.schedule)
 
-    for si, (tp, cp, dp, split, ep, etp) in enumerate(shape_list):
+    for si, (_, (tp, cp, dp, split, ep, etp)) in enumerate(indexed):
         p, v = split.pp, split.vpp
         rows = _stage_rows(split)
         n = np.array([x[1] for x in rows], dtype=float)
@@ -245,11 +341,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
             _set_times(time_ns, si, ok, step)
         mem_kib[si, ok] = mem[ok].astype(np.int64)
         legal[si, ok] = True
-    zb.run()
-    for si, ok, step, owed in owed_steps:
-        _set_times(time_ns, si, ok, step + owed)
-    return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
-                  usable_kib=usable_kib, build_s=time.perf_counter() - t0)
+    return np.array([si for si, _ in indexed], dtype=np.int64), time_ns, mem_kib, legal, zb, owed_steps
 
 
 def _set_times(time_ns: np.ndarray, si: int, ok: np.ndarray, step: np.ndarray) -> None:

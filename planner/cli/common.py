@@ -158,9 +158,16 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, soft_wrap=False, width=terminal_columns())
 
 
-def spinner(quiet: bool, text: str):
+def spinner(quiet: bool, text: str, animate: bool = True):
+    """A transient status line on stderr while ``text``'s work runs. ``animate=False`` draws it once and starts no
+    refresh thread: the search forks its table workers (planner.search.can_fork_workers), which a thread forbids."""
     import contextlib
 
     if quiet:
         return contextlib.nullcontext()
+    if not animate:
+        from rich.live import Live
+        from rich.spinner import Spinner
+
+        return Live(Spinner("dots", text), console=console(stderr=True), auto_refresh=False, transient=True)
     return console(stderr=True).status(text, spinner="dots")

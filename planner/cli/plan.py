@@ -210,7 +210,7 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
     from planner.specs import Scenario
 
     t0 = time.perf_counter()
-    with spinner(quiet, f"Searching plans for {model.name} on {training.num_gpus} x {hw.name}..."):
+    with spinner(quiet, f"Searching plans for {model.name} on {training.num_gpus} x {hw.name}...", animate=False):
         if exhaustive:
             best, _, n, tr = S.exhaustive_with_training(model, hw, training, space)
             res = S.SearchResult(best=best, status="EXHAUSTIVE" if best else "INFEASIBLE", candidates=n,

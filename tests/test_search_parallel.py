@@ -1,0 +1,96 @@
+"""The search tables built over worker processes (planner.search.build_tables, ``PLAN3D_WORKERS``) are the tables
+built in one process, entry for entry; the worker count and the chunks follow their rules."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from planner.candidates import SearchSpace
+from planner.errors import SpecError
+from planner.presets import load_hardware, load_model
+from planner.search import (PARALLEL_MIN_SHAPES, _shape_chunks, build_tables, can_fork_workers, search,
+                            table_workers)
+from planner.specs import TrainingSpec
+
+JOBS = [  # (model, GPUs, global batch, seq, framework): a MoE model's expert shapes; torchtitan's zero-bubble
+    ("tiny-moe", 64, 256, 1024, "megatron"),  # schedules, whose bubbles are simulated after the shapes (owed)
+    ("llama3-8b", 32, 256, 4096, "torchtitan"),
+]
+
+
+@pytest.mark.parametrize("name,gpus,batch,seq,framework", JOBS)
+def test_workers_build_the_same_tables(name, gpus, batch, seq, framework):
+    if not can_fork_workers():  # asked at run time: a thread another test left alive would make workers=3 serial
+        pytest.skip(f"no forked workers here (Linux, one Python thread): {threading.active_count()} threads")
+    model, hw = load_model(name), load_hardware("h100-sxm-80gb").for_job(gpus)
+    training = TrainingSpec(num_gpus=gpus, global_batch_size=batch, seq_len=seq, precision="bf16", framework=framework)
+    one = build_tables(model, hw, training, SearchSpace(), workers=1)
+    three = build_tables(model, hw, training, SearchSpace(), workers=3)
+    assert len(one.shapes) > 10 and one.legal.any()
+    assert one.shapes == three.shapes and one.micros == three.micros and one.zeros == three.zeros
+    assert np.array_equal(one.time_ns, three.time_ns)
+    assert np.array_equal(one.mem_kib, three.mem_kib)
+    assert np.array_equal(one.legal, three.legal)
+
+
+def test_chunks_cover_every_shape_once_and_keep_factor_groups_together():
+    model, hw = load_model("tiny-moe"), load_hardware("h100-sxm-80gb").for_job(64)
+    training = TrainingSpec(num_gpus=64, global_batch_size=256, seq_len=1024, precision="bf16")
+    shapes = build_tables(model, hw, training, SearchSpace(), workers=1).shapes
+    chunks = _shape_chunks(shapes, 4)
+    assert 1 < len(chunks) <= 4
+    assert sorted(i for c in chunks for i in c) == list(range(len(shapes)))
+    owner = {}
+    for k, chunk in enumerate(chunks):
+        for i in chunk:
+            tp, cp, _, _, ep, etp = shapes[i]
+            assert owner.setdefault((tp, cp, ep, etp), k) == k
+    sizes = [len(c) for c in chunks]
+    biggest_group = max(sum(1 for s in shapes if (s[0], s[1], s[4], s[5]) == key) for key in owner)
+    assert max(sizes) - min(sizes) <= biggest_group  # greedy: no chunk outgrows another by more than a group
+
+
+def test_worker_count_rules(monkeypatch):
+    monkeypatch.delenv("PLAN3D_WORKERS", raising=False)
+    assert table_workers(PARALLEL_MIN_SHAPES - 1) == 1
+    assert table_workers(PARALLEL_MIN_SHAPES) == (min(len(__import__("os").sched_getaffinity(0)), 16)
+                                                  if can_fork_workers() else 1)
+    monkeypatch.setenv("PLAN3D_WORKERS", "1")
+    assert table_workers(10**6) == 1
+    monkeypatch.setenv("PLAN3D_WORKERS", "3")
+    assert table_workers(5) == (3 if can_fork_workers() else 1)
+    monkeypatch.setenv("PLAN3D_WORKERS", "many")
+    with pytest.raises(SpecError, match="PLAN3D_WORKERS"):
+        table_workers(5)
+
+
+def test_another_thread_keeps_the_tables_in_this_process(monkeypatch):
+    """A fork copies only its calling thread, so with another thread alive no worker is forked."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert not can_fork_workers()
+        monkeypatch.setenv("PLAN3D_WORKERS", "4")
+        assert table_workers(10**6) == 1
+        model, hw = load_model("tiny-moe"), load_hardware("h100-sxm-80gb")
+        training = TrainingSpec(num_gpus=64, global_batch_size=256, seq_len=1024, precision="bf16")
+        assert search(model, hw, training).best is not None
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_bad_worker_count_is_a_one_line_cli_error(monkeypatch):
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    monkeypatch.setenv("PLAN3D_WORKERS", "many")
+    r = CliRunner().invoke(app, ["search", "--model", "tiny-moe", "--hardware", "h100-sxm-80gb", "--gpus", "64",
+                                 "--global-batch", "256", "--seq-len", "1024", "--json"])
+    assert r.exit_code == 2
+    assert "PLAN3D_WORKERS" in r.output and "Traceback" not in r.output
