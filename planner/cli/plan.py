@@ -258,7 +258,7 @@ def _sweep(model, hw, training, space, counts: list[int], quiet: bool) -> list[d
     from planner.specs import Scenario
 
     rows = []
-    with spinner(quiet, "Sweeping GPU counts..."):
+    with spinner(quiet, "Sweeping GPU counts...", animate=False):
         for n in counts:
             tr = training.model_copy(update={"num_gpus": n})
             res = S.search(model, hw, tr, space)
