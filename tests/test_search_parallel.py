@@ -3,9 +3,12 @@ built in one process, entry for entry; the worker count and the chunks follow th
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
-import numpy as np
 import pytest
 
 from planner.candidates import SearchSpace
@@ -21,19 +24,38 @@ JOBS = [  # (model, GPUs, global batch, seq, framework): a MoE model's expert sh
 ]
 
 
+# Run in a fresh interpreter: one Python thread there, so the workers are forked (in the test process, threads
+# other tests leave alive would keep the tables in one process and the comparison would test nothing)
+COMPARE = """
+import json, sys
+import numpy as np
+from planner.candidates import SearchSpace
+from planner.presets import load_hardware, load_model
+from planner.search import build_tables, can_fork_workers
+from planner.specs import TrainingSpec
+name, gpus, batch, seq, framework = json.loads(sys.argv[1])
+model, hw = load_model(name), load_hardware("h100-sxm-80gb").for_job(gpus)
+training = TrainingSpec(num_gpus=gpus, global_batch_size=batch, seq_len=seq, precision="bf16", framework=framework)
+one = build_tables(model, hw, training, SearchSpace(), workers=1)
+three = build_tables(model, hw, training, SearchSpace(), workers=3)
+print(json.dumps({"forked": can_fork_workers(), "shapes": len(one.shapes), "legal": int(one.legal.sum()),
+                  "same_keys": one.shapes == three.shapes and one.micros == three.micros and one.zeros == three.zeros,
+                  "time": bool(np.array_equal(one.time_ns, three.time_ns)),
+                  "mem": bool(np.array_equal(one.mem_kib, three.mem_kib)),
+                  "legal_same": bool(np.array_equal(one.legal, three.legal))}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the table workers are forked on Linux only")
 @pytest.mark.parametrize("name,gpus,batch,seq,framework", JOBS)
 def test_workers_build_the_same_tables(name, gpus, batch, seq, framework):
-    if not can_fork_workers():  # asked at run time: a thread another test left alive would make workers=3 serial
-        pytest.skip(f"no forked workers here (Linux, one Python thread): {threading.active_count()} threads")
-    model, hw = load_model(name), load_hardware("h100-sxm-80gb").for_job(gpus)
-    training = TrainingSpec(num_gpus=gpus, global_batch_size=batch, seq_len=seq, precision="bf16", framework=framework)
-    one = build_tables(model, hw, training, SearchSpace(), workers=1)
-    three = build_tables(model, hw, training, SearchSpace(), workers=3)
-    assert len(one.shapes) > 10 and one.legal.any()
-    assert one.shapes == three.shapes and one.micros == three.micros and one.zeros == three.zeros
-    assert np.array_equal(one.time_ns, three.time_ns)
-    assert np.array_equal(one.mem_kib, three.mem_kib)
-    assert np.array_equal(one.legal, three.legal)
+    res = subprocess.run([sys.executable, "-c", COMPARE, json.dumps([name, gpus, batch, seq, framework])],
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["forked"], "a fresh interpreter should fork the table workers"
+    assert got["shapes"] > 10 and got["legal"] > 0
+    assert got["same_keys"] and got["time"] and got["mem"] and got["legal_same"], got
 
 
 def test_chunks_cover_every_shape_once_and_keep_factor_groups_together():

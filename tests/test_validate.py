@@ -7,7 +7,6 @@ checks (one rank's share of a real plan on a GPU) are in test_validate_gpu.py an
 import json
 import math
 import re
-import warnings
 
 import pytest
 
@@ -18,6 +17,7 @@ from planner.presets import load_hardware, load_model  # noqa: E402
 from planner.render import scenario_json  # noqa: E402
 from planner.specs import Plan, Scenario, TrainingSpec  # noqa: E402
 from planner.validate.launch import MEMORY_TOLERANCE, miniature, validate_local  # noqa: E402
+from tests.torchrun_jobs import error_lines, run_torchrun  # noqa: E402
 
 RUN_LIMIT_S = 120  # acceptance: each variant completes in under 2 minutes
 
@@ -148,7 +148,6 @@ def test_calibrate_writes_a_profile_that_search_and_validate_use(runner, tmp_pat
 
 def test_inside_torchrun_validate_runs_the_plan_itself(tmp_path):
     """The path a Slurm job takes: torchrun starts `plan3d validate` on every rank, rank 0 reports."""
-    import subprocess
     import sys
 
     plan = tmp_path / "mini.plan.json"
@@ -156,23 +155,13 @@ def test_inside_torchrun_validate_runs_the_plan_itself(tmp_path):
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
            "-m", "planner.cli", "validate", str(plan), "--backend", "gloo", "--out", str(report)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_LIMIT_S)
-    if res.returncode != 0 and "(SIGABRT)" in res.stderr and "Traceback (most recent call last)" not in res.stderr:
-        # One rank killed by a native abort with no Python error (seen once in CI, 8 gloo ranks on 2 cores, not
-        # reproduced in 5 runs here): gloo's own failure, not the validate path's. Run it once more, and say so.
-        warnings.warn("torchrun validate: a rank aborted (SIGABRT) without a Python error; ran it again:\n"
-                      + _error_lines(res.stderr))
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_LIMIT_S)
-    assert res.returncode == 0, _error_lines(res.stderr) + res.stdout[-2000:] + res.stderr[-2000:]
+    res = run_torchrun(cmd, RUN_LIMIT_S)  # one retry after gloo's native abort (tests/torchrun_jobs.py)
+    assert res.returncode == 0, error_lines(res.stderr) + res.stdout[-2000:] + res.stderr[-2000:]
     data = json.loads(report.read_text())
     assert data["memory_max_abs_error"] <= MEMORY_TOLERANCE and len(data["memory"]) == 32
     assert "Predicted against measured" in res.stdout
 
 
-def _error_lines(stderr: str) -> str:
-    """The lines of a torchrun job's stderr that say why a rank failed (its own output is interleaved there)."""
-    keys = ("Error", "error:", "Exception", "terminate called", "what()", "Traceback", "Signal")
-    return "\n".join([ln for ln in stderr.splitlines() if any(k in ln for k in keys)][:30]) + "\n"
 
 
 def test_chunk_layer_counts_follow_the_plans_own_split():

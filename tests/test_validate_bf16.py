@@ -3,7 +3,6 @@ torchtitan trains (planner/validate/worker.py ``mp_policy``), judged against the
 bf16 run. 2 gloo ranks each (a few seconds per run on a 2-core machine)."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from planner.presets import load_hardware, load_model  # noqa: E402
 from planner.render import scenario_json  # noqa: E402
 from planner.specs import Plan, Scenario, TrainingSpec  # noqa: E402
 from planner.validate import launch  # noqa: E402
+from tests.torchrun_jobs import run_torchrun  # noqa: E402
 
 LIMIT_S = 120
 
@@ -139,9 +139,9 @@ def test_inside_torchrun_an_fp8_plan_runs_bf16_at_full_size(tmp_path):
     plan = tmp_path / "fp8.plan.json"
     plan.write_text(scenario_json(fp8))
     report = tmp_path / "report.json"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "planner.cli", "validate", str(plan), "--backend", "gloo", "--steps", "1",
-                          "--out", str(report)], capture_output=True, text=True, timeout=LIMIT_S)
+    res = run_torchrun([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "planner.cli", "validate", str(plan), "--backend", "gloo", "--steps", "1",
+                        "--out", str(report)], LIMIT_S)  # one retry after gloo's native abort (tests/torchrun_jobs.py)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     data = json.loads(report.read_text())
     assert any(c.startswith("precision fp8 -> bf16") for c in data["changed"]), data["changed"]
