@@ -137,15 +137,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     chunks = _shape_chunks(shape_list, 2 * n) if n > 1 and S else [list(range(S))]
     jobs = [(model, hw, training, space, order, micros, zeros, [(si, shape_list[si]) for si in chunk])
             for chunk in chunks]
-    if len(jobs) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        # fork: a worker starts as a copy of this process, with nothing to import or re-run (spawn and forkserver
-        # re-run the caller's main script, which a script without a __main__ guard cannot survive)
-        with ProcessPoolExecutor(min(n, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
-            parts = list(pool.map(_fill_tables_job, jobs))
-    else:
+    parts = _parallel_parts(jobs, n) if len(jobs) > 1 else None
+    if parts is None:
         parts = [_fill_tables_job(job) for job in jobs]
     zb = ZeroBubbleBatch()  # the zero-bubble schedules' simulations, one per action program for all shapes
     for part in parts:
@@ -157,6 +150,22 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         time_ns[idx], mem_kib[idx], legal[idx] = t_part, m_part, l_part
     return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
                   usable_kib=usable_kib, build_s=time.perf_counter() - t0)
+
+
+def _parallel_parts(jobs: list, n: int) -> list | None:
+    """:func:`_fill_tables_job` of every job over ``n`` forked workers; None if the pool broke (a worker killed,
+    by the kernel's OOM killer say), so that the caller builds the tables in this process instead. Fork: a worker
+    starts as a copy of this process, with nothing to import or re-run (spawn and forkserver re-run the caller's
+    main script, which a script without a ``__main__`` guard cannot survive)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        with ProcessPoolExecutor(min(n, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_fill_tables_job, jobs))
+    except BrokenProcessPool:
+        return None
 
 
 #: Fewer shapes than this are tabulated in this process. A shape takes about 1-2 ms. On this project's 2-core

@@ -116,3 +116,33 @@ def test_bad_worker_count_is_a_one_line_cli_error(monkeypatch):
                                  "--global-batch", "256", "--seq-len", "1024", "--json"])
     assert r.exit_code == 2
     assert "PLAN3D_WORKERS" in r.output and "Traceback" not in r.output
+
+
+BROKEN_POOL = """
+import json, os
+import numpy as np
+import planner.search as S
+from planner.candidates import SearchSpace
+from planner.presets import load_hardware, load_model
+from planner.specs import TrainingSpec
+parent, original = os.getpid(), S._fill_tables_job
+def dying(job):  # a worker killed mid-table (the OOM killer, say); the parent's own call runs as usual
+    if os.getpid() != parent:
+        os._exit(9)
+    return original(job)
+S._fill_tables_job = dying
+model, hw = load_model("tiny-moe"), load_hardware("h100-sxm-80gb").for_job(64)
+training = TrainingSpec(num_gpus=64, global_batch_size=256, seq_len=1024, precision="bf16")
+one = S.build_tables(model, hw, training, SearchSpace(), workers=1)
+broken = S.build_tables(model, hw, training, SearchSpace(), workers=2)
+print(json.dumps({"forked": S.can_fork_workers(), "same": bool(np.array_equal(one.time_ns, broken.time_ns)
+                  and np.array_equal(one.mem_kib, broken.mem_kib) and np.array_equal(one.legal, broken.legal))}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the table workers are forked on Linux only")
+def test_a_killed_worker_leaves_the_tables_to_this_process():
+    res = subprocess.run([sys.executable, "-c", BROKEN_POOL], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"forked": True, "same": True}
