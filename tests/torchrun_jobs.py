@@ -1,10 +1,10 @@
 """Running a torchrun job from a test, with the one retry gloo's native abort has earned.
 
-On this project's 2-core machines a gloo rank has been seen killed by a native SIGABRT after its work, with no
-Python error (once in test_validate.py's 8-rank job, once in test_validate_bf16.py's 2-rank job while the whole
-suite ran; neither reproduced when run alone, 3-5 times each). That is gloo's own failure at teardown, not the
-validate path's: such a run is started once more, with a warning that says so. Any other failure is returned
-as it is."""
+On this project's 2-core machines a gloo rank has been seen killed by a native SIGABRT with no Python error:
+once in test_validate.py's 8-rank job, and once in test_validate_bf16.py's 2-rank job while the whole suite ran,
+there after rank 0 had written its report and printed a PASS. Neither reproduced when run alone (3-5 times
+each). That is gloo's own failure, not the validate path's, so such a run is started once more, with a warning
+that says so. Any other failure is returned as it is."""
 
 from __future__ import annotations
 
