@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from planner.cost import estimate_time  # noqa: E402
 from planner.presets import load_hardware, load_model  # noqa: E402
 from planner.candidates import SearchSpace  # noqa: E402
-from planner.search import build_tables, exhaustive, search, table_workers  # noqa: E402
+from planner.search import exhaustive, search, table_shapes, table_workers  # noqa: E402
 from planner.specs import TrainingSpec  # noqa: E402
 
 CASES = [
@@ -81,7 +81,7 @@ def main() -> None:
         model, hw = load_model(name), load_hardware(hw_name)
         tr = TrainingSpec(num_gpus=gpus, global_batch_size=batch, seq_len=seq, framework=framework)
         search_s, res = timed(lambda: search(model, hw, tr), repeats)
-        workers = table_workers(len(build_tables(model, hw.for_job(gpus), tr, SearchSpace(), workers=1).shapes))
+        workers = table_workers(len(table_shapes(model, hw.for_job(gpus), tr, SearchSpace())))
         solver_s = statistics.median(search(model, hw, tr).solver_s for _ in range(repeats))
         if name in NO_BRUTE_FORCE:
             brute_s, n = float("nan"), res.candidates

@@ -123,9 +123,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     one process (:func:`_shape_chunks`); every shape is computed by the same code either way, so the tables
     are the same (``tests/test_search_parallel.py``)."""
     t0 = time.perf_counter()
-    B = training.global_batch_size
-    job_ok = not job_problems(model, hw, training)
-    shape_list = [sh for sh in shapes(model, hw, training, space) if B % sh[2] == 0] if job_ok else []
+    shape_list = table_shapes(model, hw, training, space)
     micros = _micros(model, hw, training, space, {sh[2] for sh in shape_list})
     zeros = tuple(z for z in space.zero_stages if space.pins.ok(zero_stage=z))
     S, U, Z = len(shape_list), len(micros), len(zeros)
@@ -150,6 +148,14 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
         time_ns[idx], mem_kib[idx], legal[idx] = t_part, m_part, l_part
     return Tables(shapes=shape_list, micros=micros, zeros=zeros, time_ns=time_ns, mem_kib=mem_kib, legal=legal,
                   usable_kib=usable_kib, build_s=time.perf_counter() - t0)
+
+
+def table_shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace) -> list:
+    """The shapes :func:`build_tables` tabulates (``candidates.shapes`` whose DP degree divides the global batch;
+    none for a job with problems), without tabulating them: their count decides the workers (:func:`table_workers`)."""
+    if job_problems(model, hw, training):
+        return []
+    return [sh for sh in shapes(model, hw, training, space) if training.global_batch_size % sh[2] == 0]
 
 
 def _parallel_parts(jobs: list, n: int) -> list | None:

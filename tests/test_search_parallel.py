@@ -15,7 +15,7 @@ from planner.candidates import SearchSpace
 from planner.errors import SpecError
 from planner.presets import load_hardware, load_model
 from planner.search import (PARALLEL_MIN_SHAPES, _shape_chunks, build_tables, can_fork_workers, search,
-                            table_workers)
+                            table_shapes, table_workers)
 from planner.specs import TrainingSpec
 
 JOBS = [  # (model, GPUs, global batch, seq, framework): a MoE model's expert shapes; torchtitan's zero-bubble
@@ -61,7 +61,8 @@ def test_workers_build_the_same_tables(name, gpus, batch, seq, framework):
 def test_chunks_cover_every_shape_once_and_keep_factor_groups_together():
     model, hw = load_model("tiny-moe"), load_hardware("h100-sxm-80gb").for_job(64)
     training = TrainingSpec(num_gpus=64, global_batch_size=256, seq_len=1024, precision="bf16")
-    shapes = build_tables(model, hw, training, SearchSpace(), workers=1).shapes
+    shapes = table_shapes(model, hw, training, SearchSpace())
+    assert shapes == build_tables(model, hw, training, SearchSpace(), workers=1).shapes
     chunks = _shape_chunks(shapes, 4)
     assert 1 < len(chunks) <= 4
     assert sorted(i for c in chunks for i in c) == list(range(len(shapes)))
