@@ -12,10 +12,12 @@ $(VENV)/.installed: pyproject.toml requirements-consumers.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[dev]"
-	# consumers of the emitted launch files; DeepSpeed builds against the torch installed above
+	# the dev extras and the launch files' consumers in one resolve: torchtitan's `datasets` caps
+	# huggingface-hub below 2, so transformers must be a release that accepts that hub (a second
+	# install would downgrade the hub under an already installed transformers)
+	$(PY) -m pip install --quiet -e ".[dev]" -r requirements-consumers.txt
+	# DeepSpeed builds against the torch installed above
 	$(PY) -m pip install --quiet --no-build-isolation "deepspeed==0.19.8"
-	$(PY) -m pip install --quiet -r requirements-consumers.txt
 	touch $@
 
 install: $(VENV)/.installed
