@@ -109,10 +109,11 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
             results = [CheckResult(path=path, line=1, scenario=sc)]
             hw = hardware or sc.hardware
         else:
-            if hardware is None:
-                raise SpecError(f"{path}: --hardware is required to check a launch file (only plan files carry "
-                                "their hardware)")
-            results, hw = _read_launch_file(path, hardware, gpus, vocab_size), hardware
+            hw, noted = (hardware, None) if hardware is not None else _noted_hardware(path)
+            results = _read_launch_file(path, hw, gpus, vocab_size)
+            if noted:
+                for r in results:
+                    r.notes = [noted] + r.notes
         if headroom is not None:
             hw = hw.model_copy(update={"fragmentation_headroom": headroom})
         for r in results:
@@ -121,6 +122,26 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
         return results
     except SpecError as err:
         return [CheckResult(path=path, line=_error_line(err), errors=err.lines)]
+
+
+def _noted_hardware(path: Path) -> tuple[HardwareSpec, str]:
+    """Without ``--hardware``: the bundled profile a launch file plan3d wrote names in its
+    ``# plan3d: hardware=NAME`` comment (``emit.megatron.annotations`` writes it only for a bundled profile
+    unchanged), and a note saying so. Only a bundled name is loaded, never a path, so a file cannot make
+    check read another file. Anything else needs ``--hardware``."""
+    from planner.presets import HARDWARE_DIRNAME, load_hardware, preset_names
+
+    need = f"{path}: --hardware is required to check a launch file (only plan files and the launch files plan3d " \
+           "writes for a bundled profile carry their hardware)"
+    if path.suffix in (".toml", ".json", ".yaml", ".yml"):
+        raise SpecError(need)
+    name = _notes(_read_text(path)).get("hardware")
+    if name is None:
+        raise SpecError(need)
+    if name not in preset_names(HARDWARE_DIRNAME):
+        raise SpecError(f"{path}: '# plan3d: hardware={name}' is not a bundled hardware profile (`plan3d hardware` "
+                        "lists them); pass --hardware")
+    return load_hardware(name), f"hardware: {name}, from the file's '# plan3d: hardware=' comment"
 
 
 def check_file(path: Path, hardware: HardwareSpec | None, headroom: float | None, gpus: int | None,

@@ -39,7 +39,7 @@ def emit_files(sc, formats: str, out_dir: str, force: bool, quiet: bool = False)
 @app.command()
 def check(
     files: Annotated[list[str], typer.Argument(metavar="FILE...", help="Plan files, bash/Slurm launch scripts, Megatron-LM argument files, torchtitan TOML or DeepSpeed JSON configs.")],
-    hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile (required for Megatron-LM files).")] = None,
+    hardware: Annotated[Optional[str], typer.Option("--hardware", "-H", help="Hardware preset or profile; required for launch files, except those plan3d emit wrote for a bundled profile (they name it).")] = None,
     headroom: Annotated[Optional[float], typer.Option("--headroom", min=0.0, max=0.9, help="Fragmentation headroom, e.g. 0.05 (default: the profile's).")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, max=MAX_GPUS, help="GPU count when a file does not say it.")] = None,
     vocab_size: Annotated[Optional[int], typer.Option("--vocab-size", min=1, max=MAX_COUNT, help="Tokenizer vocabulary (before Megatron's padding) for launch files whose tokenizer check cannot size.")] = None,

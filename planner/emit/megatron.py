@@ -434,11 +434,27 @@ def cuda_graph_flags(sc: Scenario) -> list[Flag]:
 def annotations(sc: Scenario) -> list[str]:
     """Facts no Megatron-LM flag carries, as ``# plan3d: key=value`` comments that `plan3d check` reads:
     the model's name (as its slug: a name may hold newlines or shell syntax), the GPU count (the
-    launcher carries it in scripts, not in an argument file) and a BLOOM-style embedding norm."""
+    launcher carries it in scripts, not in an argument file), the hardware profile when it is a bundled
+    one unchanged (:func:`bundled_hardware_name`: `check` then needs no ``--hardware``) and a BLOOM-style
+    embedding norm."""
     notes = [f"name={slug(sc.model.name)}", f"num_gpus={sc.training.num_gpus}"]
+    hardware = bundled_hardware_name(sc.hardware)
+    if hardware is not None:
+        notes.append(f"hardware={hardware}")
     if sc.model.embedding_norm:
         notes.append("embedding_norm=true")
     return notes
+
+
+def bundled_hardware_name(hw) -> str | None:
+    """The name of the bundled hardware profile ``hw`` is, field for field, or None (a profile file of the
+    user's, or a bundled one edited or calibrated): only such a name is written for `plan3d check` to load,
+    so a check never judges by figures other than the plan's."""
+    from planner.presets import HARDWARE_DIRNAME, load_hardware, preset_names
+
+    if hw.name not in preset_names(HARDWARE_DIRNAME):
+        return None
+    return hw.name if load_hardware(hw.name) == hw else None
 
 
 def args_block(flags: list[Flag], indent: str = "  ", quote: bool = True) -> str:

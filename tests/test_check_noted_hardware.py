@@ -1,0 +1,84 @@
+"""`plan3d check` on the launch files `plan3d emit` writes, without ``--hardware``: the files name a bundled
+profile in a ``# plan3d: hardware=NAME`` comment (``planner.emit.megatron.annotations``) only when the plan's
+profile is that bundled one unchanged; check loads only bundled names (never a path) and ``--hardware`` wins."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.cli import app
+from planner.presets import load_hardware, load_model
+from planner.render import scenario_json
+from planner.specs import Plan, Scenario, TrainingSpec
+
+FORMATS = "megatron,torchrun,slurm,torchtitan"
+
+
+def _emit(runner, tmp_path, hw, name="launch"):
+    sc = Scenario(model=load_model("llama3-8b"), hardware=hw,
+                  training=TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096),
+                  plan=Plan(tp=2, pp=2, dp=4, micro_batch_size=1, sequence_parallel=True, zero_stage=1))
+    plan = tmp_path / f"{name}.plan.json"
+    plan.write_text(scenario_json(sc))
+    out = tmp_path / name
+    res = runner.invoke(app, ["emit", str(plan), "--format", FORMATS, "--out-dir", str(out)])
+    assert res.exit_code == 0, res.output
+    return sorted(p for p in out.iterdir() if not p.name.endswith(".plan.json"))
+
+
+def _check(runner, files, *extra):
+    res = runner.invoke(app, ["check", *map(str, files), "--format", "json", *extra])
+    return res.exit_code, res.output
+
+
+def test_emitted_files_of_a_bundled_profile_check_without_hardware(runner, tmp_path):
+    files = _emit(runner, tmp_path, load_hardware("h100-sxm-80gb"))
+    assert len(files) == 4  # .megatron.args, .torchrun.sh, .slurm, .torchtitan.sh
+    for f in files:
+        assert "# plan3d: hardware=h100-sxm-80gb\n" in f.read_text()
+    code, out = _check(runner, files)
+    assert code == 0, out
+    noted = json.loads(out)
+    assert all(r["notes"][0] == "hardware: h100-sxm-80gb, from the file's '# plan3d: hardware=' comment"
+               for r in noted)
+    # the same figures as with the profile given on the command line
+    code, out = _check(runner, files, "--hardware", "h100-sxm-80gb")
+    assert code == 0
+    given = json.loads(out)
+    assert [r["memory"] for r in noted] == [r["memory"] for r in given]
+    assert {r["memory"]["usable_gib"] for r in noted} == {load_hardware("h100-sxm-80gb").usable_memory_gib}
+
+
+def test_hardware_on_the_command_line_wins_over_the_comment(runner, tmp_path):
+    files = _emit(runner, tmp_path, load_hardware("h100-sxm-80gb"))
+    code, out = _check(runner, files, "--hardware", "a100-40gb")
+    usable = {r["memory"]["usable_gib"] for r in json.loads(out) if r.get("memory")}
+    assert usable == {load_hardware("a100-40gb").usable_memory_gib}
+    assert not any("from the file's" in n for r in json.loads(out) for n in r["notes"])
+
+
+@pytest.mark.parametrize("change", [{"gpu_memory_gib": 70.0}, {"name": "my-cluster"}])
+def test_a_profile_that_is_not_a_bundled_one_unchanged_is_not_named(runner, tmp_path, change):
+    """A bundled profile edited under its own name (or calibrated) would be judged by the bundled figures if its
+    name were written: it is not, and check asks for --hardware in one line, exit 2."""
+    hw = load_hardware("h100-sxm-80gb").model_copy(update=change)
+    files = _emit(runner, tmp_path, hw)
+    for f in files:
+        assert "plan3d: hardware=" not in f.read_text()
+    code, out = _check(runner, files[:1])
+    assert code == 2
+    assert "--hardware is required" in json.loads(out)[0]["errors"][0]
+
+
+@pytest.mark.parametrize("value", ["../hardware_profiles/h100-sxm-80gb.yaml", "/etc/passwd", "h100"])
+def test_a_comment_naming_anything_but_a_bundled_profile_is_refused(runner, tmp_path, value):
+    """Only a bundled name is loaded: a path in the comment is not read."""
+    files = _emit(runner, tmp_path, load_hardware("h100-sxm-80gb"))
+    args = next(f for f in files if f.name.endswith(".megatron.args"))
+    args.write_text(args.read_text().replace("hardware=h100-sxm-80gb", f"hardware={value}"))
+    code, out = _check(runner, [args])
+    assert code == 2
+    err = json.loads(out)[0]["errors"][0]
+    assert f"'# plan3d: hardware={value}' is not a bundled hardware profile" in err and "--hardware" in err
