@@ -191,9 +191,12 @@ def table_workers(n_shapes: int) -> int:
     env = os.environ.get("PLAN3D_WORKERS", "").strip()
     if env:
         try:
-            asked = max(1, int(env))
+            asked = int(env)
         except ValueError:
-            raise SpecError(f"PLAN3D_WORKERS: '{env}' is not an integer; set a process count (1: none)") from None
+            asked = 0
+        if asked < 1:
+            raise SpecError(f"PLAN3D_WORKERS: '{env}' is not a process count; set a whole number from 1 (1: no "
+                            "workers)")
         return asked if can_fork_workers() else 1
     if n_shapes < PARALLEL_MIN_SHAPES or not can_fork_workers():
         return 1

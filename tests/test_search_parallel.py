@@ -85,9 +85,10 @@ def test_worker_count_rules(monkeypatch):
     assert table_workers(10**6) == 1
     monkeypatch.setenv("PLAN3D_WORKERS", "3")
     assert table_workers(5) == (3 if can_fork_workers() else 1)
-    monkeypatch.setenv("PLAN3D_WORKERS", "many")
-    with pytest.raises(SpecError, match="PLAN3D_WORKERS"):
-        table_workers(5)
+    for bad in ("many", "0", "-2", "1.5"):
+        monkeypatch.setenv("PLAN3D_WORKERS", bad)
+        with pytest.raises(SpecError, match=f"PLAN3D_WORKERS: '{bad}' is not a process count"):
+            table_workers(5)
 
 
 def test_another_thread_keeps_the_tables_in_this_process(monkeypatch):
