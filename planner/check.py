@@ -107,17 +107,21 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
         if is_plan_file(path):
             sc = load_scenario(str(path))
             results = [CheckResult(path=path, line=1, scenario=sc)]
-            hw = hardware or sc.hardware
+        elif hardware is None and path.suffix == ".json":
+            # a DeepSpeed config is judged with the file beside it, which says its hardware (a plan file, or a
+            # launch file plan3d wrote for a bundled profile: _noted_hardware)
+            results = _deepspeed_json_results(path, None, gpus, vocab_size)
         else:
             hw, noted = (hardware, None) if hardware is not None else _noted_hardware(path)
             results = _read_launch_file(path, hw, gpus, vocab_size)
             if noted:
                 for r in results:
                     r.notes = [noted] + r.notes
-        if headroom is not None:
-            hw = hw.model_copy(update={"fragmentation_headroom": headroom})
         for r in results:
             if r.scenario is not None:
+                hw = hardware or r.scenario.hardware
+                if headroom is not None:
+                    hw = hw.model_copy(update={"fragmentation_headroom": headroom})
                 r.scenario = r.scenario.model_copy(update={"hardware": hw})
         return results
     except SpecError as err:
@@ -133,7 +137,7 @@ def _noted_hardware(path: Path) -> tuple[HardwareSpec, str]:
 
     need = f"{path}: --hardware is required to check a launch file (only plan files and the launch files plan3d " \
            "writes for a bundled profile carry their hardware)"
-    if path.suffix in (".toml", ".json", ".yaml", ".yml"):
+    if path.suffix in (".toml", ".yaml", ".yml"):
         raise SpecError(need)
     name = _notes(_read_text(path)).get("hardware")
     if name is None:
@@ -337,9 +341,11 @@ def _deepspeed_json_results(path, hardware, gpus, vocab_size) -> list[CheckResul
         except (OSError, UnicodeDecodeError):
             continue
         if pattern.search(text):
-            results = _read_launch_file(sibling, hardware, gpus, vocab_size)
+            hw, noted = (hardware, None) if hardware is not None else _noted_hardware(sibling)
+            results = _read_launch_file(sibling, hw, gpus, vocab_size)
             for r in results:
-                r.path, r.notes = path, r.notes + [f"checked with {sibling.name}, which passes this config"]
+                r.path, r.notes = path, ([noted] if noted else []) + r.notes + \
+                    [f"checked with {sibling.name}, which passes this config"]
             return results
     plan_file = path.with_name(path.name.removesuffix(".deepspeed.json") + ".plan.json")
     if path.name.endswith(".deepspeed.json") and plan_file.is_file():  # `plan3d emit --format deepspeed` writes both

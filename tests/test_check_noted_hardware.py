@@ -82,3 +82,34 @@ def test_a_comment_naming_anything_but_a_bundled_profile_is_refused(runner, tmp_
     assert code == 2
     err = json.loads(out)[0]["errors"][0]
     assert f"'# plan3d: hardware={value}' is not a bundled hardware profile" in err and "--hardware" in err
+
+
+def test_an_emitted_deepspeed_config_is_checked_with_its_plan_without_hardware(runner, tmp_path):
+    """`plan3d emit --format deepspeed` writes the config and the plan beside it; the plan carries the hardware."""
+    sc = Scenario(model=load_model("llama3-8b"), hardware=load_hardware("a100-80gb"),
+                  training=TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096),
+                  plan=Plan(tp=1, pp=2, dp=8, micro_batch_size=1, zero_stage=1))
+    plan = tmp_path / "ds.plan.json"
+    plan.write_text(scenario_json(sc))
+    out = tmp_path / "ds"
+    res = runner.invoke(app, ["emit", str(plan), "--format", "deepspeed", "--out-dir", str(out)])
+    assert res.exit_code == 0, res.output
+    config = next(out.glob("*.deepspeed.json"))
+    code, text = _check(runner, [config])
+    assert code == 0, text
+    (result,) = json.loads(text)
+    assert result["memory"]["usable_gib"] == load_hardware("a100-80gb").usable_memory_gib
+    assert any("the plan it was emitted from" in n for n in result["notes"])
+    code, text = _check(runner, [config], "--hardware", "h100-sxm-80gb")  # --hardware still wins
+    assert json.loads(text)[0]["memory"]["usable_gib"] == load_hardware("h100-sxm-80gb").usable_memory_gib
+
+
+def test_a_deepspeed_config_passed_by_an_unannotated_script_needs_hardware(runner, tmp_path):
+    """The config's launch script is hand-written (no '# plan3d: hardware='): one line asking for --hardware."""
+    (tmp_path / "ds_config.json").write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 1,
+                                                         "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}))
+    (tmp_path / "train.sh").write_text("deepspeed --num_gpus 8 pretrain_gpt.py --deepspeed --deepspeed_config "
+                                       "ds_config.json --num-layers 2\n")
+    code, text = _check(runner, [tmp_path / "ds_config.json"])
+    assert code == 2
+    assert "train.sh: --hardware is required" in json.loads(text)[0]["errors"][0]
