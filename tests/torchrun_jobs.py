@@ -18,9 +18,18 @@ def error_lines(stderr: str) -> str:
     return "\n".join([ln for ln in stderr.splitlines() if any(k in ln for k in keys)][:30]) + "\n"
 
 
+#: The frame torchrun's own traceback starts from when a rank fails (it then raises ChildFailedError).
+LAUNCHER_FRAME = "torch/distributed/run.py"
+
+
 def native_abort(res: subprocess.CompletedProcess) -> bool:
-    """A rank killed by SIGABRT with no Python traceback anywhere in the job's output."""
-    return res.returncode != 0 and "(SIGABRT)" in res.stderr and "Traceback (most recent call last)" not in res.stderr
+    """A rank killed by SIGABRT with no Python traceback of a rank in the job's output. torchrun itself prints one
+    traceback (its own ``ChildFailedError``, from ``torch/distributed/run.py``) whenever a rank fails, so that one
+    is not a rank's."""
+    if res.returncode == 0 or "(SIGABRT)" not in res.stderr:
+        return False
+    blocks = res.stderr.split("Traceback (most recent call last)")[1:]
+    return all(LAUNCHER_FRAME in block and "ChildFailedError" in block for block in blocks)
 
 
 def run_torchrun(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
