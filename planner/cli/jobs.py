@@ -69,7 +69,9 @@ def validate(
     if launch.inside_torchrun():
         code = _validate_in_job(sc, plan_file, steps, backend, out, force, timeout, time_factor, tolerance, json_out,
                                 precision)
-        raise typer.Exit(code)
+        from planner.validate import exit_after_run
+
+        exit_after_run(code)  # this rank's work is done: no interpreter finalization (gloo's teardown aborts)
     local_hw = presets.load_hardware(hardware)
     factor = time_factor if time_factor is not None else launch.time_factor_for(hardware, backend or "gloo")
     with spinner(quiet or json_out, f"Validating a miniature of {sc.plan.label()} on this machine..."):

@@ -111,4 +111,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from planner.validate import exit_after_run
+
+    exit_after_run(main())

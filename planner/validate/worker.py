@@ -688,4 +688,6 @@ def _reference_loss(model, sc: Scenario, device) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from planner.validate import exit_after_run
+
+    exit_after_run(main())
