@@ -8,16 +8,17 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: install demo test bench clean
 
-$(VENV)/.installed: pyproject.toml requirements-consumers.txt
+$(VENV)/.installed: pyproject.toml requirements-consumers.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
 	# the dev extras and the launch files' consumers in one resolve: torchtitan's `datasets` caps
 	# huggingface-hub below 2, so transformers must be a release that accepts that hub (a second
 	# install would downgrade the hub under an already installed transformers)
-	$(PY) -m pip install --quiet -e ".[dev]" -r requirements-consumers.txt
+	# (constraints.txt: the versions of the last green CI run, so a new release cannot move the tests)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]" -r requirements-consumers.txt
 	# DeepSpeed builds against the torch installed above
-	$(PY) -m pip install --quiet --no-build-isolation "deepspeed==0.19.8"
+	$(PY) -m pip install --quiet -c constraints.txt --no-build-isolation "deepspeed==0.19.8"
 	touch $@
 
 install: $(VENV)/.installed
