@@ -1,6 +1,6 @@
 """tests/torchrun_jobs.py's rule for retrying a torchrun job once: a rank killed by SIGABRT with no Python
 traceback of its own. torchrun prints its own traceback (ChildFailedError) whenever a rank fails; the form below
-is what CI printed on 2026-12-03 (test_validate_bf16.py's 2-rank job, rank 1 aborted after the PASS)."""
+is what a run of test_validate_bf16.py printed here on 2026-12-03 (its 2-rank job: rank 1 aborted after the PASS)."""
 
 import subprocess
 
