@@ -107,16 +107,8 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
         if is_plan_file(path):
             sc = load_scenario(str(path))
             results = [CheckResult(path=path, line=1, scenario=sc)]
-        elif hardware is None and path.suffix == ".json":
-            # a DeepSpeed config is judged with the file beside it, which says its hardware (a plan file, or a
-            # launch file plan3d wrote for a bundled profile: _noted_hardware)
-            results = _deepspeed_json_results(path, None, gpus, vocab_size)
         else:
-            hw, noted = (hardware, None) if hardware is not None else _noted_hardware(path)
-            results = _read_launch_file(path, hw, gpus, vocab_size)
-            if noted:
-                for r in results:
-                    r.notes = [noted] + r.notes
+            results = _launch_file_results(path, hardware, gpus, vocab_size)
         for r in results:
             if r.scenario is not None:
                 hw = hardware or r.scenario.hardware
@@ -126,6 +118,20 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
         return results
     except SpecError as err:
         return [CheckResult(path=path, line=_error_line(err), errors=err.lines)]
+
+
+def _launch_file_results(path: Path, hardware: HardwareSpec | None, gpus: int | None,
+                         vocab_size: int | None) -> list[CheckResult]:
+    """:func:`_read_launch_file` with ``hardware``, or without it the bundled profile the file names
+    (:func:`_noted_hardware`, said first in each result's notes). A DeepSpeed config is passed on without one: it
+    is judged with the file beside it, which says its hardware (:func:`_deepspeed_json_results`)."""
+    if hardware is not None or path.suffix == ".json":
+        return _read_launch_file(path, hardware, gpus, vocab_size)
+    hw, noted = _noted_hardware(path)
+    results = _read_launch_file(path, hw, gpus, vocab_size)
+    for r in results:
+        r.notes = [noted] + r.notes
+    return results
 
 
 def _noted_hardware(path: Path) -> tuple[HardwareSpec, str]:
@@ -170,7 +176,7 @@ def _badness(r: CheckResult) -> float:
     return mem.peak_gib - mem.usable_gib
 
 
-def _read_launch_file(path: Path, hardware: HardwareSpec, gpus: int | None, vocab_size: int | None):
+def _read_launch_file(path: Path, hardware: HardwareSpec | None, gpus: int | None, vocab_size: int | None):
     if path.suffix == ".toml":
         return [_toml_result(path, hardware, gpus)]
     if path.suffix == ".json":
@@ -341,11 +347,9 @@ def _deepspeed_json_results(path, hardware, gpus, vocab_size) -> list[CheckResul
         except (OSError, UnicodeDecodeError):
             continue
         if pattern.search(text):
-            hw, noted = (hardware, None) if hardware is not None else _noted_hardware(sibling)
-            results = _read_launch_file(sibling, hw, gpus, vocab_size)
+            results = _launch_file_results(sibling, hardware, gpus, vocab_size)
             for r in results:
-                r.path, r.notes = path, ([noted] if noted else []) + r.notes + \
-                    [f"checked with {sibling.name}, which passes this config"]
+                r.path, r.notes = path, r.notes + [f"checked with {sibling.name}, which passes this config"]
             return results
     plan_file = path.with_name(path.name.removesuffix(".deepspeed.json") + ".plan.json")
     if path.name.endswith(".deepspeed.json") and plan_file.is_file():  # `plan3d emit --format deepspeed` writes both
