@@ -17,23 +17,30 @@ from planner.errors import MAX_COUNT, MAX_GPUS, SpecError
 @handle_errors
 def emit(
     plan_file: Annotated[str, typer.Argument(metavar="PLAN", help="Plan file written by `plan3d search --out`.")],
-    formats: Annotated[str, typer.Option("--format", "-f", help="Comma-separated: megatron, torchrun, slurm, deepspeed, torchtitan, plan.")] = "megatron,torchrun,slurm",
+    formats: Annotated[Optional[str], typer.Option("--format", "-f", help="Comma-separated: megatron, torchrun, slurm, deepspeed, torchtitan, plan. Default: the plan's framework's own (megatron,torchrun,slurm for megatron and nemo; torchtitan; deepspeed).")] = None,
     out_dir: Annotated[str, typer.Option("--out-dir", "-o", help="Folder for the launch files (created if missing).")] = ".",
     force: ForceOpt = False,
 ) -> None:
     """Write launch files for a plan: Megatron-LM arguments, torchrun, Slurm, DeepSpeed, torchtitan."""
     from planner import presets
+    from planner.emit import default_formats
 
-    emit_files(presets.load_scenario(plan_file), formats, out_dir, force)
+    sc = presets.load_scenario(plan_file)
+    emit_files(sc, formats if formats is not None else default_formats(sc.training.framework), out_dir, force)
 
 
 def emit_files(sc, formats: str, out_dir: str, force: bool, quiet: bool = False) -> None:
-    from planner.emit import parse_formats, render_all
+    """Write ``formats``' launch files for ``sc``; a format that runs another framework than the plan's gets a note
+    on stderr (``planner.emit.framework_notes``), even when ``quiet``."""
+    from planner.emit import framework_notes, parse_formats, render_all
     from planner.io import write_all
 
-    for path in write_all(out_dir, render_all(sc, parse_formats(formats)), force):
+    wanted = parse_formats(formats)
+    for path in write_all(out_dir, render_all(sc, wanted), force):
         if not quiet:
             console().print(f"wrote {path}", highlight=False)
+    for line in framework_notes(sc.training.framework, wanted):
+        console(stderr=True).print(line, highlight=False)
 
 
 @app.command()

@@ -12,6 +12,40 @@ from planner.specs import Scenario
 
 FORMATS = ("megatron", "torchrun", "slurm", "deepspeed", "torchtitan", "plan")
 
+#: The frameworks (``TrainingSpec.framework``) whose memory and time semantics each launch format runs: Megatron-LM's
+#: arguments (alone, under torchrun or Slurm) run Megatron-Core, which NeMo also runs; the DeepSpeed config runs
+#: DeepSpeed's engine; the torchtitan script runs torchtitan. The plan file runs under any.
+FORMAT_FRAMEWORKS = {"megatron": ("megatron", "nemo"), "torchrun": ("megatron", "nemo"), "slurm": ("megatron", "nemo"),
+                     "deepspeed": ("deepspeed",), "torchtitan": ("torchtitan",)}
+
+#: ``plan3d emit`` without ``--format``: the launch files of the framework the plan was searched for.
+DEFAULT_FORMATS = {"torchtitan": "torchtitan", "deepspeed": "deepspeed"}
+MEGATRON_DEFAULT_FORMATS = "megatron,torchrun,slurm"
+
+
+def default_formats(framework: str) -> str:
+    """The formats ``plan3d emit`` writes when none is asked for: the plan's own framework's (a torchtitan plan gets
+    its torchtitan script, a DeepSpeed plan its config and plan file), Megatron-LM's arguments, torchrun and Slurm
+    scripts otherwise."""
+    return DEFAULT_FORMATS.get(framework, MEGATRON_DEFAULT_FORMATS)
+
+
+def framework_notes(framework: str, formats: list[str]) -> list[str]:
+    """One line per requested format that runs another framework than the one the plan was searched for: its
+    memory and step time were predicted under that framework's semantics (planner/frameworks), not the format's.
+    The file is still written; ``plan3d check`` judges it under its own framework. ``torch`` (plan3d's own
+    validation run) has no launch format of its own and gets no note."""
+    if framework == "torch":
+        return []
+    notes = []
+    for fmt in formats:
+        runs = FORMAT_FRAMEWORKS.get(fmt)
+        if runs and framework not in runs:
+            notes.append(f"note: --format {fmt} runs {runs[0]}, but the plan was searched for framework {framework}: "
+                         f"its memory and step time are {framework}'s. Run `plan3d check` on the file, or search "
+                         f"with --framework {runs[0]}")
+    return notes
+
 
 def stem(sc: Scenario) -> str:
     """The file-name stem: the model name's slug (no ``/``, ``..``, spaces or shell syntax) and the plan."""

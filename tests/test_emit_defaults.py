@@ -1,0 +1,60 @@
+"""`plan3d emit` writes the plan's own framework's launch files by default, and says so when asked for another's."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from planner.emit import default_formats, framework_notes
+from planner.presets import load_hardware, load_model
+
+runner = CliRunner()
+
+
+def _plan_file(tmp_path: Path, framework: str) -> Path:
+    """A Llama-3-8B plan on 16 H100 (TP 2, PP 2, DP 4) searched, as its file says, for ``framework``."""
+    path = tmp_path / f"{framework}.plan.json"
+    path.write_text(json.dumps({
+        "model": load_model("llama3-8b").model_dump(), "hardware": load_hardware("h100-sxm-80gb").model_dump(),
+        "training": {"num_gpus": 16, "global_batch_size": 64, "seq_len": 4096, "framework": framework},
+        "plan": {"tp": 2, "pp": 2, "dp": 4, "micro_batch_size": 1, "num_microbatches": 16,
+                 "layers_per_stage": [16, 16], "zero_stage": 1}}))
+    return path
+
+
+@pytest.mark.parametrize("framework, suffixes", [
+    ("megatron", {".megatron.args", ".torchrun.sh", ".slurm", ".plan.json"}),
+    ("nemo", {".megatron.args", ".torchrun.sh", ".slurm", ".plan.json"}),
+    ("torchtitan", {".torchtitan.sh"}),
+    ("deepspeed", {".deepspeed.json", ".plan.json"}),
+])
+def test_emit_without_format_writes_the_plans_own_framework(tmp_path, framework, suffixes):
+    out = tmp_path / "launch"
+    res = runner.invoke(app, ["emit", str(_plan_file(tmp_path, framework)), "--out-dir", str(out)])
+    assert res.exit_code == 0, res.output
+    written = {p.name.split("_mbs1", 1)[1] for p in out.iterdir()}
+    assert written == suffixes
+    assert "note:" not in res.output
+
+
+def test_emit_of_another_frameworks_format_says_whose_prediction_it_is(tmp_path):
+    out = tmp_path / "launch"
+    res = runner.invoke(app, ["emit", str(_plan_file(tmp_path, "torchtitan")), "-f", "megatron,plan",
+                              "--out-dir", str(out)])
+    assert res.exit_code == 0, res.output
+    assert len(list(out.iterdir())) == 2  # still written: check judges the file under Megatron's semantics
+    assert "note: --format megatron runs megatron, but the plan was searched for framework torchtitan" in res.stderr
+    assert "note" not in res.stdout
+
+
+def test_framework_notes():
+    assert framework_notes("megatron", ["megatron", "torchrun", "slurm", "plan"]) == []
+    assert framework_notes("nemo", ["megatron", "slurm"]) == []  # NeMo runs Megatron-Core
+    assert [n.split(" runs")[0] for n in framework_notes("megatron", ["torchtitan", "deepspeed", "plan"])] == \
+        ["note: --format torchtitan", "note: --format deepspeed"]
+    assert framework_notes("torch", ["megatron", "torchtitan"]) == []
+    assert default_formats("megatron") == default_formats("nemo") == default_formats("torch") == \
+        "megatron,torchrun,slurm"
+    assert default_formats("torchtitan") == "torchtitan" and default_formats("deepspeed") == "deepspeed"
