@@ -62,7 +62,7 @@ import numpy as np
 
 from planner import comm, flops, frameworks
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
-from planner.memory import (LINEAR_INPUT_BYTES, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
+from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             stage_param_split)
 from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
@@ -832,7 +832,8 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     etp_s = (comm.collective_time_s("all_gather", copies * h * e, etp_group, hw)
              + comm.collective_time_s("reduce_scatter", copies * h * e, etp_group, hw))
     comm_f = comm_b = dispatch + combine + etp_s
-    if training.moe_a2a_overlap:
+    overlap = a2a_overlap_active(model, training, plan)
+    if overlap:
         # --overlap-moe-expert-parallel-comm: one micro-batch's forward runs merged with another's backward
         # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute
         exposed = overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw))
@@ -841,7 +842,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     if model.swiglu_limit is not None:  # the GPU work between the two host syncs (activation_sync_split)
         clamp_f = max(copies * EXPERT_CLAMP_BYTES[0] * f / etp / rates.hbm_bytes_per_s,
                       EXPERT_CLAMP_KERNELS[0] * rates.gemm_overhead_s)
-        sent = 0.0 if training.moe_a2a_overlap else dispatch + etp_s / 2
+        sent = 0.0 if overlap else dispatch + etp_s / 2
         to_act = perm_s / 2 + sent + fc1_f + clamp_f
     return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad,
                     fwd_to_activation=to_act)
@@ -1173,7 +1174,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     if moe:  # the per-layer host sync exposes the host's issue time where it exceeds the GPU's (moe_host_s)
         host_f, host_b = moe_host_s(model, hw, training, plan)
         gpu_f = fwd + tp_fwd + cp_fwd + ep_fwd
-        if model.capacity_factor is None and not training.moe_a2a_overlap:
+        if model.capacity_factor is None and not a2a_overlap_active(model, training, plan):
             # The sync chain. Dropless, the dispatcher waits for the token counts on the host before the dispatch
             # (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize at before_ep_alltoall; the flex dispatcher's
             # HybridEP/DeepEP dispatch and TEGroupedMLP's tokens_per_expert.tolist() likewise, core_v0.16.1

@@ -26,6 +26,7 @@ All functions are pure; sizes are bytes per GPU unless the name says otherwise.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -775,7 +776,47 @@ def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
     return sum(x.bytes for x in terms if x.autograd and not kept_under(x, recompute))
 
 
-def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float = 0.0, family: str = "megatron"):
+def a2a_overlap_active(model: ModelSpec, training: TrainingSpec, plan: Plan) -> bool:
+    """Whether Megatron-Core runs ``plan`` with the MoE all-to-all overlap the job asks for
+    (``TrainingSpec.moe_a2a_overlap``, ``--overlap-moe-expert-parallel-comm``): a MoE model, Megatron's order
+    (megatron, nemo) and what ``TransformerConfig.__post_init__`` (core_v0.16.1) accepts with it: ep > 1,
+    virtual pipeline stages when pp > 1, no full recomputation, at most one MTP layer and then pp > 1.
+    Elsewhere the plan runs without it (``planner.emit.megatron.moe_plan_refusals`` refuses to write the flag
+    there), so neither its time nor its memory applies."""
+    from planner.schedules import framework_family
+
+    p = plan.pp
+    return (training.moe_a2a_overlap and model.is_moe and framework_family(training.framework) == "megatron"
+            and plan.ep > 1 and (p == 1 or plan.vpp > 1) and plan.recompute != "full"
+            and model.mtp_num_layers <= 1 and not (model.mtp_num_layers == 1 and p == 1))
+
+
+def a2a_overlap_extra_layers(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches, stage: int,
+                             layers: int):
+    """Layers' activations a stage holds at its peak beyond the schedule's own count when the MoE all-to-all
+    overlap runs (:func:`a2a_overlap_active`; 0 elsewhere). Two things, both in Megatron-Core core_v0.16.1:
+
+    * with pp > 1 the interleaved schedule runs one more warm-up forward ("we schedule one extra micro-batch forward
+      step before the 1f1b stages", ``schedules.py`` ``get_pp_rank_microbatches``: ``num_warmup_microbatches + 1``,
+      at most every chunk of every micro-batch): one more chunk in flight (``in_flight_chunks`` with
+      ``warmup_extra=1``), counted at the stage's largest chunk;
+    * in the merged steady step (``combined_1f1b.py``: one micro-batch's forward runs layer by layer together with
+      another's backward, the forward of layer ``i`` before the backward of layer ``L-1-i`` frees its tensors), the
+      forward's layers grow as the backward's shrink: one layer more than the backward alone holds.
+
+    ``num_microbatches`` may be a numpy array (the search)."""
+    if not layers or not a2a_overlap_active(model, training, plan):
+        return np.zeros_like(np.asarray(num_microbatches, dtype=float))
+    extra = 1.0
+    if plan.pp > 1:
+        base = in_flight_chunks(plan, num_microbatches, stage)
+        more = in_flight_chunks(plan, num_microbatches, stage, warmup_extra=1)
+        extra = extra + (more - base) * math.ceil(layers / plan.vpp)
+    return np.asarray(extra, dtype=float) + np.zeros_like(np.asarray(num_microbatches, dtype=float))
+
+
+def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float = 0.0, family: str = "megatron",
+                     warmup_extra: int = 0):
     """Micro-batches (chunk-micro-batches when ``vpp > 1``) whose activations stage ``stage`` holds at peak.
 
     The zero-bubble schedules (``plan.pipeline_schedule`` interleaved_zb, zbv, dualpipev) take the closed
@@ -792,7 +833,8 @@ def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float
     Megatron order holds 5). ``tests/test_schedules.py`` checks these against Megatron-Core's and
     torch.distributed.pipelining's own schedule code, and ``tests/test_schedules_zb.py`` against the saved
     tensors torch's schedule holds on gloo. ``num_microbatches`` may be a numpy array (the search evaluates
-    many at once).
+    many at once). ``warmup_extra``: more warm-up forwards in Megatron's interleaved order (the MoE all-to-all
+    overlap's one, :func:`a2a_overlap_extra_layers`).
     """
     p, v, m, r = plan.pp, plan.vpp, num_microbatches, stage
     if plan.pipeline_schedule in ("interleaved_zb", "zbv", "dualpipev"):
@@ -805,7 +847,7 @@ def in_flight_chunks(plan: Plan, num_microbatches, stage: int, w_fraction: float
         n = m // np.maximum(1, m // p)
     else:
         n = plan.microbatch_group_size or p  # Megatron's group size N, default p (planner/schedules.py)
-    return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * n + 1)
+    return np.minimum(m * v, 2 * (p - r - 1) + (v - 1) * n + warmup_extra + 1)
 
 
 def schedule_w_fraction(training: TrainingSpec) -> float:
@@ -964,12 +1006,15 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
         dense_n, moe_n = offload_resident_layers(model, plan, layers)
         return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * (dense_n * dense_b + moe_n * moe_b))
     moe_layers = stage_moe_layer_count(model, plan, stage, layers)
+    # the MoE all-to-all overlap's extra layers, at the heavier layer kind of the stage
+    overlap = float(a2a_overlap_extra_layers(model, training, plan, num_microbatches, stage, layers)) * \
+        (max(dense_b, moe_b) if moe_layers else dense_b)
     peak_layers = chunk_peak_layers(training, plan, num_microbatches, stage, layers)
     if peak_layers is not None:
         per_layer = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / layers
-        return float(peak_layers * per_layer)
+        return float(peak_layers * per_layer) + overlap
     per_chunk = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / plan.vpp
-    return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * per_chunk)
+    return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * per_chunk) + overlap
 
 
 def stage_activation_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,

@@ -46,8 +46,8 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
                           stage_moe_counts, stage_param_split, stage_terms, zero3_gather_s, ZeroBubbleBatch)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
-from planner.memory import (act_bytes, chunk_peak_layers, in_flight_chunks, input_bytes_per_microbatch,
-                            kept_output_bytes, kept_outputs_bytes_of,
+from planner.memory import (a2a_overlap_active, act_bytes, chunk_peak_layers, in_flight_chunks,
+                            input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
@@ -244,6 +244,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     gb = param_bytes(training)
     fw = frameworks.get(training.framework)
     mbs_u = np.array([u[0] for u in micros], dtype=np.int64)
+    rc_full_u = np.array([u[1] == "full" for u in micros])  # no MoE all-to-all overlap (memory.a2a_overlap_active)
     off_u = np.array([u[3] for u in micros], dtype=np.int64)
     # layers resident on the GPU with offloading (memory.offload_resident_layers; pp 1: all L on rank 0)
     resident = np.array([offload_resident_layers(model, Plan.model_construct(cpu_offload_layers=o), model.num_layers)
@@ -319,6 +320,14 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
                 peak = {mu: chunk_peak_layers(training, base, mu, r, x) for mu in set(m[ok.any(axis=1)].tolist())}
                 per_layer = ((x - n_moe[i]) * f["saved"] + n_moe[i] * f["saved_moe"]) / x
                 act[:, i] = [peak[mu] * b if mu in peak else 0.0 for mu, b in zip(m.tolist(), per_layer)]
+        if a2a_overlap_active(model, training, base):  # memory.a2a_overlap_extra_layers
+            for i, (r, x) in enumerate(mrows):
+                if not x:
+                    continue
+                extra = np.ones(len(m)) if p == 1 else \
+                    1.0 + (in_flight_chunks(base, m, r, warmup_extra=1) - in_flight_chunks(base, m, r)) * -(-x // v)
+                heavier = np.maximum(f["saved"], f["saved_moe"]) if n_moe[i] else f["saved"]
+                act[:, i] = act[:, i] + np.where(rc_full_u, 0.0, extra * heavier)
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in mrows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]

@@ -484,3 +484,17 @@ def test_torchtitan_refuses_mtp():
     problems = job_problems(sc.model, sc.hardware, titan)
     assert any(p.startswith("mtp_num_layers: torchtitan") for p in problems), problems
     assert not [p for p in job_problems(sc.model, sc.hardware, sc.training) if p.startswith("mtp_num_layers")]
+
+
+def test_check_reads_the_all_to_all_overlap(tmp_path):
+    """--overlap-moe-expert-parallel-comm holds one more layer's activations on a pp 1 rank (the merged step,
+    memory.a2a_overlap_extra_layers): check reads the flag, or it would judge such a launch lighter than it runs."""
+    peaks = []
+    for extra in ("", "--overlap-moe-expert-parallel-comm"):
+        path = tmp_path / f"moe{len(peaks)}.megatron.args"
+        path.write_text(ARGS_BASE + extra + "\n")
+        result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+        assert not result.errors, result.errors
+        assert result.scenario.training.moe_a2a_overlap is bool(extra)
+        peaks.append(estimate_scenario_memory(result.scenario).peak.total_bytes)
+    assert peaks[1] > peaks[0]

@@ -637,7 +637,10 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "fp8_params": precision in ("fp8", "mxfp8") and not a.has("--deepspeed") and a.has("--fp8-param-gather"),
                 # absent flags leave the framework's default (planner.cost.framework_defaults)
                 "tp_comm_overlap": True if a.has("--tp-comm-overlap") else None,
-                "overlap_p2p_comm": False if a.has("--no-overlap-p2p-communication") else None}
+                "overlap_p2p_comm": False if a.has("--no-overlap-p2p-communication") else None,
+                # the MoE all-to-all overlap: one more warm-up forward and a merged step's layer in memory
+                # (memory.a2a_overlap_extra_layers), where Megatron runs it (memory.a2a_overlap_active)
+                "moe_a2a_overlap": not a.has("--deepspeed") and a.has("--overlap-moe-expert-parallel-comm")}
     rc, rc_layers, rc_group = recompute(a, per_chunk_layers, notes)
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             # absent --expert-tensor-parallel-size: tp (validate_args), the plan's None

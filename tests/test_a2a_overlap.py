@@ -1,0 +1,123 @@
+"""The MoE all-to-all overlap (Megatron --overlap-moe-expert-parallel-comm) where Megatron-Core runs it: its rules
+(core_v0.16.1 TransformerConfig), its extra warm-up forward and merged-step layer in memory, and one model in the
+estimate and the search tables."""
+
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+
+from planner.candidates import Pins, SearchSpace
+from planner.cost import estimate_time, layer_time
+from planner.memory import (a2a_overlap_active, estimate_memory, in_flight_chunks, saved_bytes_per_layer_kind,
+                            stage_saved_bytes)
+from planner.presets import load_hardware, load_model
+from planner.search import KIB, build_tables, exhaustive, search
+from planner.specs import Plan, TrainingSpec
+
+H100 = load_hardware("h100-sxm-80gb")
+TINY = load_model("tiny-moe")
+
+
+def _tr(overlap: bool = True, **kw) -> TrainingSpec:
+    return TrainingSpec(num_gpus=8, global_batch_size=32, seq_len=1024, moe_a2a_overlap=overlap, **kw)
+
+
+@pytest.mark.parametrize("plan, framework, mtp, runs", [
+    (dict(pp=1, dp=8, ep=8), "megatron", 0, True),
+    (dict(pp=2, dp=4, ep=4, vpp=2), "nemo", 0, True),
+    (dict(pp=1, dp=8, ep=1), "megatron", 0, False),                       # "only supported with expert parallelism"
+    (dict(pp=2, dp=4, ep=4), "megatron", 0, False),                       # pp > 1 needs virtual pipeline stages
+    (dict(pp=1, dp=8, ep=8, recompute="full"), "megatron", 0, False),     # "disable full recomputation"
+    (dict(pp=1, dp=8, ep=8), "megatron", 1, False),                       # one MTP layer needs pp > 1
+    (dict(pp=2, dp=4, ep=4, vpp=2), "megatron", 1, True),
+    (dict(pp=2, dp=4, ep=4, vpp=2), "megatron", 2, False),                # "MTP layernum only supports 1"
+    (dict(pp=1, dp=8, ep=8), "torchtitan", 0, False),                     # Megatron-Core's schedule only
+])
+def test_overlap_runs_where_megatron_core_accepts_it(plan, framework, mtp, runs):
+    model = TINY.model_copy(update={"mtp_num_layers": mtp})
+    p = Plan(tp=1, micro_batch_size=1, **plan)
+    assert a2a_overlap_active(model, _tr(framework=framework), p) is runs
+    assert not a2a_overlap_active(model, _tr(False, framework=framework), p)
+    assert not a2a_overlap_active(load_model("llama3-8b"), _tr(framework=framework), p)  # a dense model
+
+
+def test_overlap_time_only_where_it_runs():
+    """A pp > 1 plan without virtual stages runs the all-to-all exposed even when the job asks for the overlap
+    (before, the cost model hid it and only the launch file refused the flag)."""
+    for plan, hidden in ((Plan(tp=1, pp=2, dp=4, ep=4, vpp=2, micro_batch_size=1), True),
+                         (Plan(tp=1, pp=2, dp=4, ep=4, micro_batch_size=1), False)):
+        on = layer_time(TINY, H100, _tr(), plan, moe=True)
+        off = layer_time(TINY, H100, _tr(False), plan, moe=True)
+        assert (on.ep < off.ep) is hidden and (on.ep == off.ep) is not hidden
+
+
+def test_megatron_runs_one_more_warmup_forward(megatron_lm_root):
+    """Megatron-Core's own count (get_pp_rank_microbatches with overlap_moe_expert_parallel_comm) against
+    in_flight_chunks(warmup_extra=1): every rank one more chunk in flight, never past m x v."""
+    pytest.importorskip("torch")
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.pipeline_parallel import schedules as MS
+    except ImportError as err:
+        pytest.skip(f"Megatron-Core does not import here: {err}")
+    for p, v, m in ((2, 2, 4), (4, 2, 8), (4, 3, 12), (2, 4, 2)):
+        plan = Plan(tp=1, pp=p, dp=1, vpp=v, micro_batch_size=1)
+        for r in range(p):
+            comm = NS(pp_group=NS(size=lambda: p, rank=lambda r=r: r), virtual_pipeline_model_parallel_size=v)
+            _, _, warmup, _ = MS.get_pp_rank_microbatches(m, v, p, overlap_moe_expert_parallel_comm=True,
+                                                          p2p_communicator=comm)
+            assert int(np.asarray(in_flight_chunks(plan, m, r, warmup_extra=1))) == min(m * v, warmup + 1)
+
+
+def test_memory_counts_the_extra_chunk_and_the_merged_layer():
+    """Hand count on tiny-moe without its dense first layer (every layer a MoE layer saving b bytes). pp 1: one
+    micro-batch's L layers plus one layer of the next (the merged forward/backward step). pp 2 x vpp 2 (one layer
+    a chunk), 8 micro-batches, rank 0: Megatron's 2(p-1) + (v-1)p + 1 = 5 chunks, one more warm-up chunk, and
+    one layer."""
+    model = TINY.model_copy(update={"first_k_dense": 0})
+    L = model.num_layers
+    tr_on, tr_off = _tr(), _tr(False)
+    p1 = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
+    _, b = saved_bytes_per_layer_kind(model, tr_on, p1)
+    on, off = (stage_saved_bytes(model, t, p1, 4, 0, L) for t in (tr_on, tr_off))
+    assert off == pytest.approx(L * b) and on == pytest.approx((L + 1) * b)
+    p2 = Plan(tp=1, pp=2, dp=4, ep=4, vpp=2, micro_batch_size=1)
+    _, b2 = saved_bytes_per_layer_kind(model, tr_on, p2)
+    on, off = (stage_saved_bytes(model, t, p2, 8, 0, L // 2) for t in (tr_on, tr_off))
+    assert off == pytest.approx(5 * b2) and on == pytest.approx((6 + 1) * b2)
+    # a job that asks for the overlap on a plan Megatron runs without it holds what it holds without it
+    p3 = Plan(tp=1, pp=2, dp=4, ep=4, micro_batch_size=1)
+    assert stage_saved_bytes(model, tr_on, p3, 8, 0, L // 2) == stage_saved_bytes(model, tr_off, p3, 8, 0, L // 2)
+    # with the dense first layer, the extra layer is counted at the heavier kind (here the MoE layer)
+    dense_b, moe_b = saved_bytes_per_layer_kind(TINY, tr_on, p1)
+    on, off = (stage_saved_bytes(TINY, t, p1, 4, 0, L) for t in (tr_on, tr_off))
+    assert on - off == pytest.approx(max(dense_b, moe_b))
+
+
+@pytest.mark.parametrize("pins", [Pins(pp=1), Pins(pp=2)])
+def test_search_tables_hold_the_estimates_with_the_overlap(pins):
+    """One model: every legal table entry is estimate_time of its plan, and its memory at least the estimate's
+    peak (the overlap's extra chunk and layer included); the search's best equals the brute force's."""
+    tr = _tr()
+    space = SearchSpace(pins=pins, max_micro_batch_size=2, max_cp=1, allow_uneven=False, zero_stages=(0, 1))
+    tables = build_tables(TINY, H100, tr, space)
+    legal = np.flatnonzero(tables.legal.ravel())
+    assert legal.size > 10
+    active = 0
+    for k in legal[:: max(1, legal.size // 40)]:
+        plan = tables.plan(int(k))
+        s, u, z = tables.unindex(int(k))
+        active += a2a_overlap_active(TINY, tr, plan)
+        assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(TINY, H100, tr, plan).step_time_s * 1e9,
+                                                        abs=1.0), plan
+        peak = max(st.total_bytes for st in estimate_memory(TINY, H100, tr, plan).stages)
+        assert tables.mem_kib[s, u, z].max() * KIB >= peak - KIB, plan
+        assert tables.mem_kib[s, u, z].max() * KIB <= peak + KIB, plan
+    assert active
+    res = search(TINY, H100, tr, space)
+    best, best_t, _ = exhaustive(TINY, H100, tr, space)
+    assert estimate_time(TINY, H100, res.training or tr, res.best).step_time_s == pytest.approx(best_t, rel=1e-9)
