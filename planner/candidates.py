@@ -188,7 +188,6 @@ class SearchSpace:
     # CLI offers both values where the user set neither (switch_options)
     grad_reduce_in_bf16: tuple[bool, ...] | None = None
     fp8_params: tuple[bool, ...] | None = None
-    moe_a2a_overlap: tuple[bool, ...] | None = None
 
 
 def grad_dtype_options(training: TrainingSpec, given: bool | None) -> tuple[bool, ...] | None:
@@ -225,36 +224,13 @@ def fp8_params_options(training: TrainingSpec, given: bool | None) -> tuple[bool
     return None
 
 
-def a2a_overlap_options(model: ModelSpec, training: TrainingSpec, given: bool | None) -> tuple[bool, ...] | None:
-    """Whether a search offers the MoE all-to-all overlap (``SearchSpace.moe_a2a_overlap``; Megatron
-    ``--overlap-moe-expert-parallel-comm``, off by default in Megatron-LM) as well as running without it: where the
-    user set neither ``--moe-a2a-overlap`` nor ``--no-moe-a2a-overlap``, the model is a MoE model, the framework runs
-    Megatron-Core's schedule (megatron, nemo) and the job is mixed precision (``TransformerConfig``: "only supported
-    with bf16 or fp16 model"). Else only the job's own (None).
-
-    NVIDIA's MoE recipes turn it on where their layout allows (Megatron-Bridge ``moe_a2a_overlap`` in the Qwen3 and
-    DeepSeek-V3 performance configs, see benchmarks/megatron_bridge.py), so neither value is assumed. Unlike the
-    ``LIGHTER_WHEN_TRUE`` switches it holds more memory (one more warm-up chunk, ``memory.a2a_overlap_extra_layers``),
-    so the search runs both and takes the faster plan (the ties go to off, ``search.search``); a plan where Megatron
-    would not run it (``memory.a2a_overlap_active``) is reported without it."""
-    from planner.schedules import framework_family
-
-    if given is None and model.is_moe and framework_family(training.framework) == "megatron" \
-            and training.precision != "fp32":
-        return (False, True)
-    return None
-
-
 def switch_options(training: TrainingSpec, grad_reduce_in_bf16: bool | None = None,
-                   fp8_params: bool | None = None, model: ModelSpec | None = None,
-                   moe_a2a_overlap: bool | None = None) -> dict[str, tuple[bool, ...] | None]:
+                   fp8_params: bool | None = None) -> dict[str, tuple[bool, ...] | None]:
     """The ``SearchSpace`` keywords of the job switches a search offers (:func:`grad_dtype_options`,
-    :func:`fp8_params_options`, :func:`a2a_overlap_options` when ``model`` is given), given what the user set of
-    each (None: neither ``--x`` nor ``--no-x``), as `plan3d search` builds them:
-    ``SearchSpace(pins=..., **switch_options(training, ...))``."""
+    :func:`fp8_params_options`), given what the user set of each (None: neither ``--x`` nor ``--no-x``), as
+    `plan3d search` builds them: ``SearchSpace(pins=..., **switch_options(training, ...))``."""
     return {"grad_reduce_in_bf16": grad_dtype_options(training, grad_reduce_in_bf16),
-            "fp8_params": fp8_params_options(training, fp8_params),
-            "moe_a2a_overlap": a2a_overlap_options(model, training, moe_a2a_overlap) if model is not None else None}
+            "fp8_params": fp8_params_options(training, fp8_params)}
 
 
 def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace

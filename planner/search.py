@@ -32,7 +32,6 @@ How it works:
 from __future__ import annotations
 
 import importlib
-import math
 import sys
 import time
 import types
@@ -714,10 +713,6 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     the fastest with True. Each plan found then gets the default (False) of each back, in that order, where it
     is as fast and still fits (:func:`_prefer_defaults`)."""
     space = space or SearchSpace()
-    if len(set(space.moe_a2a_overlap or ())) > 1:
-        return _search_a2a_both_ways(model, hw, training, replace(space, moe_a2a_overlap=None), top_k, order)
-    if space.moe_a2a_overlap:
-        training = training.model_copy(update={"moe_a2a_overlap": space.moe_a2a_overlap[0]})
     offered = {f: set(v) for f, v in switch_values(space, training).items()}
     training = training.model_copy(update={f: next(iter(v)) for f, v in offered.items() if len(v) == 1})
     searched = [f for f, v in offered.items() if len(v) > 1]
@@ -732,39 +727,6 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                                         for p in result.alternatives]
     result.wall_s = time.perf_counter() - t0
     return result
-
-
-def _search_a2a_both_ways(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace, top_k: int,
-                          order: str) -> SearchResult:
-    """:func:`search` without and with the MoE all-to-all overlap (``candidates.a2a_overlap_options``): it hides
-    communication but holds more memory (``memory.a2a_overlap_extra_layers``), so it is no ``LIGHTER_WHEN_TRUE``
-    switch; the faster best plan wins, the ties go to off (Megatron-LM's default). Each plan Megatron would not run
-    with the overlap (``memory.a2a_overlap_active``) is reported without it."""
-    from planner.cost import estimate_time
-
-    t0 = time.perf_counter()
-    runs = [search(model, hw, training.model_copy(update={"moe_a2a_overlap": a}), space, top_k, order)
-            for a in (False, True)]
-
-    def step_s(res: SearchResult) -> float:
-        return estimate_time(model, hw, res.training, res.best, order).step_time_s if res.best else math.inf
-    off, on = runs
-    result = on if step_s(on) < step_s(off) else off
-    if result.best is not None:
-        result.training = _a2a_as_run(model, result.training, result.best)
-        result.alternative_trainings = [_a2a_as_run(model, tr, p)
-                                        for tr, p in zip(result.alternative_trainings, result.alternatives)]
-    result.wall_s = time.perf_counter() - t0
-    result.solver_s = off.solver_s + on.solver_s
-    return result
-
-
-def _a2a_as_run(model: ModelSpec, training: TrainingSpec, plan: Plan) -> TrainingSpec:
-    """``training`` with the all-to-all overlap off where Megatron would not run it for ``plan``: the same time and
-    memory (``memory.a2a_overlap_active``), and a launch file Megatron accepts."""
-    if training.moe_a2a_overlap and not a2a_overlap_active(model, training, plan):
-        return training.model_copy(update={"moe_a2a_overlap": False})
-    return training
 
 
 def _prefer_defaults(model: ModelSpec, hw: HardwareSpec, light: TrainingSpec, plan: Plan, searched: list[str],
@@ -836,9 +798,8 @@ def exhaustive_with_training(model: ModelSpec, hw: HardwareSpec, training: Train
 
     space = space or SearchSpace()
     best, best_t, n, best_tr = None, float("inf"), 0, training
-    a2a = space.moe_a2a_overlap or (training.moe_a2a_overlap,)
-    for combo in itertools.product(*switch_values(space, training).values(), a2a):
-        tr = training.model_copy(update=dict(zip((*LIGHTER_WHEN_TRUE, "moe_a2a_overlap"), combo)))
+    for combo in itertools.product(*switch_values(space, training).values()):
+        tr = training.model_copy(update=dict(zip(LIGHTER_WHEN_TRUE, combo)))
         for plan in enumerate_plans(model, hw, tr, space):
             n += 1
             if not estimate_memory(model, hw, tr, plan).fits:

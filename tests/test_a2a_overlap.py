@@ -12,7 +12,7 @@ from planner.cost import estimate_time, layer_time
 from planner.memory import (a2a_overlap_active, estimate_memory, in_flight_chunks, saved_bytes_per_layer_kind,
                             stage_saved_bytes)
 from planner.presets import load_hardware, load_model
-from planner.search import KIB, build_tables, exhaustive, exhaustive_with_training, search
+from planner.search import KIB, build_tables, exhaustive, search
 from planner.specs import Plan, TrainingSpec
 
 H100 = load_hardware("h100-sxm-80gb")
@@ -121,48 +121,3 @@ def test_search_tables_hold_the_estimates_with_the_overlap(pins):
     res = search(TINY, H100, tr, space)
     best, best_t, _ = exhaustive(TINY, H100, tr, space)
     assert estimate_time(TINY, H100, res.training or tr, res.best).step_time_s == pytest.approx(best_t, rel=1e-9)
-
-
-def test_search_offers_the_overlap_both_ways():
-    """Where the user set neither --moe-a2a-overlap nor --no-moe-a2a-overlap the search runs both and takes the
-    faster plan, as the brute force over both does; the plan's job says which, and a plan Megatron would not run
-    with it says off."""
-    from planner.candidates import a2a_overlap_options, switch_options
-
-    tr = TrainingSpec(num_gpus=8, global_batch_size=32, seq_len=1024)
-    assert a2a_overlap_options(TINY, tr, None) == (False, True)
-    assert a2a_overlap_options(TINY, tr, False) is None and a2a_overlap_options(TINY, tr, True) is None
-    assert a2a_overlap_options(load_model("llama3-8b"), tr, None) is None
-    assert a2a_overlap_options(TINY, tr.model_copy(update={"framework": "torchtitan"}), None) is None
-    assert switch_options(tr)["moe_a2a_overlap"] is None  # no model given: the job's own
-    for pins in (Pins(pp=1, ep=8), Pins(pp=2, ep=4)):
-        space = SearchSpace(pins=pins, max_micro_batch_size=2, max_cp=1, allow_uneven=False, zero_stages=(0, 1),
-                            **switch_options(tr, model=TINY))
-        res = search(TINY, H100, tr, space)
-        best, best_t, _, best_tr = exhaustive_with_training(TINY, H100, tr, space)
-        got = estimate_time(TINY, H100, res.training, res.best).step_time_s
-        assert got == pytest.approx(best_t, rel=1e-9)
-        assert not res.training.moe_a2a_overlap or a2a_overlap_active(TINY, res.training, res.best)
-        off = search(TINY, H100, tr, SearchSpace(pins=pins, max_micro_batch_size=2, max_cp=1, allow_uneven=False,
-                                                 zero_stages=(0, 1)))
-        assert got <= estimate_time(TINY, H100, off.training or tr, off.best).step_time_s
-
-
-def test_search_takes_the_overlap_where_it_is_faster():
-    """Qwen3-235B-A22B on 256 H100 at NVIDIA's published layout (TP2 PP8 EP32, Megatron-Bridge 26.04; its recipe
-    runs the overlap): the all-to-all is a third of the step without it, so the search takes it and the
-    interleaved schedule it needs, and writes the flag."""
-    from planner.candidates import switch_options
-    from planner.emit.megatron import render_args
-    from planner.specs import Scenario
-
-    model = load_model("qwen3-235b-a22b")
-    tr = TrainingSpec(num_gpus=256, global_batch_size=8192, seq_len=4096, precision="fp8")
-    pins = Pins(tp=2, pp=8, ep=32, micro_batch_size=1)
-    res = search(model, H100, tr, SearchSpace(pins=pins, **switch_options(tr, model=model)))
-    off = search(model, H100, tr, SearchSpace(pins=pins))
-    assert res.training.moe_a2a_overlap and res.best.vpp > 1 and not off.training.moe_a2a_overlap
-    t_on = estimate_time(model, H100, res.training, res.best).step_time_s
-    assert t_on < 0.95 * estimate_time(model, H100, off.training, off.best).step_time_s
-    args = render_args(Scenario(model=model, hardware=H100, training=res.training, plan=res.best))
-    assert "--overlap-moe-expert-parallel-comm" in args

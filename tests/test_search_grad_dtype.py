@@ -45,9 +45,8 @@ def test_options_only_where_unset_mixed_precision_and_emitted():
 
 def test_switch_options_are_the_search_space_keywords_of_both_switches():
     tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096, precision="fp8")
-    assert switch_options(tr) == {"grad_reduce_in_bf16": BOTH, "fp8_params": BOTH, "moe_a2a_overlap": None}
-    assert switch_options(tr, False, True) == {"grad_reduce_in_bf16": None, "fp8_params": None,
-                                               "moe_a2a_overlap": None}
+    assert switch_options(tr) == {"grad_reduce_in_bf16": BOTH, "fp8_params": BOTH}
+    assert switch_options(tr, False, True) == {"grad_reduce_in_bf16": None, "fp8_params": None}
     assert SearchSpace(**switch_options(tr)).fp8_params == BOTH
 
 

@@ -136,10 +136,8 @@ def search(
                                                                    distribute_saved_activations,
                                                                    pipeline_kept_outputs))
     _check_pins(spec_hw, tp, counts)
-    # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params, --moe-a2a-overlap or their --no- forms)
-    # is searched
-    space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params, spec_model,
-                                                    moe_a2a_overlap))
+    # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
+    space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params))
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
     if schedule_problem:
         raise SpecError(schedule_problem)
