@@ -33,7 +33,7 @@ import numpy as np
 
 from planner import frameworks
 from planner.specs import (FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec,
-                           distributed_checkpoint_problems, padded_vocab_size, stage_chunks, uneven_chunks)
+                           a2a_overlap_problems, distributed_checkpoint_problems, padded_vocab_size, stage_chunks, uneven_chunks)
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
 GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
@@ -781,14 +781,9 @@ def a2a_overlap_active(model: ModelSpec, training: TrainingSpec, plan: Plan) -> 
     (``TrainingSpec.moe_a2a_overlap``, ``--overlap-moe-expert-parallel-comm``): a MoE model, Megatron's order
     (megatron, nemo) and what ``TransformerConfig.__post_init__`` (core_v0.16.1) accepts with it: ep > 1,
     virtual pipeline stages when pp > 1, no full recomputation, at most one MTP layer and then pp > 1.
-    Elsewhere the plan runs without it (``planner.emit.megatron.moe_plan_refusals`` refuses to write the flag
-    there), so neither its time nor its memory applies."""
-    from planner.schedules import framework_family
-
-    p = plan.pp
-    return (training.moe_a2a_overlap and model.is_moe and framework_family(training.framework) == "megatron"
-            and plan.ep > 1 and (p == 1 or plan.vpp > 1) and plan.recompute != "full"
-            and model.mtp_num_layers <= 1 and not (model.mtp_num_layers == 1 and p == 1))
+    (``specs.a2a_overlap_problems``, which ``plan_problems`` and so the search, ``estimate`` and ``check`` refuse).
+    Elsewhere neither its time nor its memory applies."""
+    return training.moe_a2a_overlap and model.is_moe and not a2a_overlap_problems(model, training, plan)
 
 
 def a2a_overlap_extra_layers(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches, stage: int,

@@ -54,7 +54,8 @@ from planner.memory import (a2a_overlap_active, act_bytes, chunk_peak_layers, in
                             stage_state_bytes_of)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
-from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, distributed_checkpoint_problems,
+from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
+                           distributed_checkpoint_problems,
                            empty_chunks, job_problems, uneven_chunks)
 
 NS = 1e9  # time unit of the tables: nanoseconds
@@ -278,9 +279,12 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         # a layer's factors depend on (tp, cp), and a MoE layer's on (ep, etp) too (the EP group's
         # placement depends only on etp, ep and the GPU count, fixed here)
         boundary_u = training.seq_len // cp * boundary_full_u / np.where(sp_u, tp, 1)
-        if (tp, cp, ep, etp) not in factors:
-            factors[(tp, cp, ep, etp)] = _micro_factors(model, hw, training, micros, base, order, space.pins)
-        f = factors[(tp, cp, ep, etp)]
+        # the MoE all-to-all overlap runs, and so counts, only where Megatron takes it, which depends on the pipeline
+        # too (specs.a2a_overlap_problems: virtual stages when pp > 1, an MTP layer only with pp > 1)
+        key = (tp, cp, ep, etp, not a2a_overlap_problems(model, training, base))
+        if key not in factors:
+            factors[key] = _micro_factors(model, hw, training, micros, base, order, space.pins)
+        f = factors[key]
         crosses = pp_hop_crosses_nodes(base, hw.nvlink_domain, order)
         if (tp, cp, crosses) not in hops:
             tp_group = axis_span(base, "tp", hw.nvlink_domain, order)
@@ -434,6 +438,8 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
         valid = valid and not (fw.moe_needs_sp and model.is_moe and base.tp > 1 and not sp)
         # Megatron's --distribute-saved-activations: full recompute, tp > 1, no SP (specs.plan_problems)
         valid = valid and not distributed_checkpoint_problems(training, plan)
+        # Megatron's rules for the MoE all-to-all overlap the job asks for (specs.plan_problems)
+        valid = valid and not a2a_overlap_problems(model, training, plan)
         row = micro_factors(model, hw, training, plan, order) if valid else dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
         # memory (owned with planner.memory): per dense and per MoE layer, as memory.stage_saved_bytes
         dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)

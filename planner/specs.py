@@ -1276,6 +1276,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         else:
             errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     errors += distributed_checkpoint_problems(training, plan)
+    errors += a2a_overlap_problems(model, training, plan)
     from planner.frameworks import get as framework_profile
 
     errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
@@ -1287,6 +1288,33 @@ def pipeline_kept_mode(training: TrainingSpec, plan: Plan) -> str | None:
     (planner.memory.pipeline_kept_output_bytes)."""
     kept = training.pipeline_kept_outputs
     return kept if plan.pp > 1 and kept != "none" else None
+
+
+def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[str]:
+    """What Megatron-Core refuses of a MoE plan run with the all-to-all overlap (``training.moe_a2a_overlap``,
+    ``--overlap-moe-expert-parallel-comm``), one line each: core_v0.16.1 ``TransformerConfig.__post_init__`` asserts
+    expert parallelism, virtual pipeline stages when pp > 1, no full recomputation, at most one MTP layer and then
+    pp > 1; and it is Megatron-Core's schedule (``combined_1f1b.py``), which only megatron and nemo run. Empty for a
+    dense model (the switch has nothing to overlap) or without the switch."""
+    if not (training.moe_a2a_overlap and model.is_moe):
+        return []
+    if training.framework not in ("megatron", "nemo"):
+        return [f"moe_a2a_overlap: Megatron-Core's --overlap-moe-expert-parallel-comm; framework {training.framework} "
+                "does not run it; drop --moe-a2a-overlap"]
+    errors = []
+    if plan.ep == 1:
+        errors.append("moe_a2a_overlap: Megatron's all-to-all overlap needs expert parallelism; give ep > 1 or "
+                      "drop --moe-a2a-overlap")
+    if plan.pp > 1 and plan.vpp == 1:
+        errors.append(f"moe_a2a_overlap: with pp({plan.pp}) > 1 Megatron needs virtual pipeline stages for the "
+                      "all-to-all overlap; give vpp > 1 or drop --moe-a2a-overlap")
+    if plan.recompute == "full":
+        errors.append("moe_a2a_overlap: Megatron refuses full recomputation with the all-to-all overlap; recompute "
+                      "none or selective, or drop --moe-a2a-overlap")
+    if model.mtp_num_layers > 1 or (model.mtp_num_layers == 1 and plan.pp == 1):
+        errors.append(f"moe_a2a_overlap: Megatron takes at most one MTP layer with the all-to-all overlap, and then "
+                      f"pp > 1 (mtp_num_layers {model.mtp_num_layers}, pp {plan.pp}); drop --moe-a2a-overlap")
+    return errors
 
 
 def distributed_checkpoint_problems(training: TrainingSpec, plan: Plan) -> list[str]:

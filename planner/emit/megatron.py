@@ -13,7 +13,7 @@ import shlex
 
 from planner.names import slug
 from planner.presets import SpecError
-from planner.specs import FLASH_ATTENTION, Scenario, chunk_split
+from planner.specs import FLASH_ATTENTION, Scenario, a2a_overlap_problems, chunk_split
 
 Flag = tuple[str, "str | tuple[str, ...] | None"]  # a tuple: one flag with several values (argparse nargs)
 
@@ -168,21 +168,8 @@ def moe_plan_refusals(sc: Scenario) -> list[str]:
     if m.linear_bias and p.expert_tp > 1:
         errors.append(f"--emit megatron: Megatron-LM supports biases in MoE layers only with expert tensor parallelism "
                       f"1 (transformer_config.py), the plan has etp({p.expert_tp}); set etp 1")
-    if sc.training.moe_a2a_overlap:
-        # TransformerConfig.__post_init__ (core_v0.16.1), overlap_moe_expert_parallel_comm's asserts
-        if p.ep == 1:
-            errors.append("--emit megatron: --overlap-moe-expert-parallel-comm needs expert parallelism (ep > 1), "
-                          "the plan has ep 1; drop --moe-a2a-overlap")
-        if p.pp > 1 and p.vpp == 1:
-            errors.append(f"--emit megatron: --overlap-moe-expert-parallel-comm with pp({p.pp}) > 1 needs virtual "
-                          "pipeline stages (vpp > 1); use an interleaved plan or drop --moe-a2a-overlap")
-        if p.recompute == "full":
-            errors.append("--emit megatron: --overlap-moe-expert-parallel-comm refuses full recomputation; use "
-                          "recompute none or selective, or drop --moe-a2a-overlap")
-        if m.mtp_num_layers > 1 or (m.mtp_num_layers and p.pp == 1):
-            errors.append(f"--emit megatron: --overlap-moe-expert-parallel-comm takes at most one MTP layer and then "
-                          f"pp > 1 (transformer_config.py), the plan has mtp_num_layers {m.mtp_num_layers} and "
-                          f"pp({p.pp}); drop --moe-a2a-overlap")
+    # TransformerConfig.__post_init__ (core_v0.16.1), overlap_moe_expert_parallel_comm's asserts
+    errors += [f"--emit megatron: {line}" for line in a2a_overlap_problems(m, sc.training, p)]
     return errors
 
 
