@@ -886,6 +886,32 @@ def distributes_checkpoints(training: TrainingSpec, plan: Plan) -> bool:
             and not distributed_checkpoint_problems(training, plan))
 
 
+def cp_ring_transient_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """Bytes Transformer Engine's ring attention holds for one layer on top of what it saves, at the end of its
+    forward, where Megatron-Core runs context parallelism (``--cp-comm-type p2p``, the default; megatron, nemo).
+
+    ``AttnFuncWithCPAndKVP2P.forward`` (NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/
+    dot_product_attention/context_parallel.py``, TE 2.x) keeps every step's output (``out_per_step``, ``cp`` of
+    them; the last CP rank's are all full-length, the others' later ones half) and every received K/V chunk
+    (``p2p_comm_buffers``, ``cp`` entries, the local one among them, which the layer saves anyway) in lists until
+    the output correction after the last step, which accumulates into an fp32 output; the per-step log-sum-exps
+    (fp32) likewise. So, with ``O`` one local output (``s/cp x b x a/t x d``, 16-bit) and ``KV`` one local K/V
+    chunk: ``cp O + 2 O + (cp - 1) KV + cp x lse``. The backward's two K/V + dK/dV ring buffers and fp32 dQ are
+    smaller for cp >= 2 and are not counted apart. Not for multi-head latent attention (its K and V widths differ;
+    not modelled) nor torchtitan, whose ring attention is torch's own (``torch.distributed.tensor.experimental``)."""
+    from planner.schedules import framework_family
+
+    if plan.cp == 1 or training.attention not in FLASH_ATTENTION or model.is_mla \
+            or framework_family(training.framework) != "megatron":
+        return 0.0
+    t, c, e = plan.tp, plan.cp, act_bytes(training)
+    sb = training.seq_len // c * plan.micro_batch_size
+    out = sb * model.q_size / t * e
+    kv = 2 * sb * kv_heads_per_rank(model, t) * model.kv_channels * e
+    lse = c * sb * model.num_attention_heads / t * FP32_BYTES
+    return c * out + 2 * out + (c - 1) * kv + lse
+
+
 def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     """One layer's recompute working set (:func:`recompute_working_bytes`), the larger of the dense and
     the MoE layer for a MoE model. Under Megatron's uniform groups of N layers (``plan.recompute_group_layers``)
@@ -894,18 +920,20 @@ def layer_recompute_working_bytes(model: ModelSpec, training: TrainingSpec, plan
     group's own input is the checkpoint, already saved), N at most the largest chunk. A distributed checkpoint
     (:func:`distributes_checkpoints`) is gathered back whole before its recompute, in place of its 1/tp share
     (core_v0.16.1 ``CheckpointFunction.backward``: ``gather_split_1d_tensor``): the other (tp - 1)/tp of the
-    input join the working set."""
+    input join the working set. Context parallelism adds its ring attention's transient buffers
+    (:func:`cp_ring_transient_bytes`), there in the forward and again in a full recompute's."""
     kinds = [False, True] if model.is_moe else [False]
     one = max(recompute_working_bytes(layer_activation_terms(model, training, plan, moe=m), plan.recompute)
               for m in kinds)
+    ring = cp_ring_transient_bytes(model, training, plan)
     if plan.recompute != "full":
-        return one
+        return one + ring
     inputs = max(saved_bytes_per_layer(layer_activation_terms(model, training, plan, moe=m), "full") for m in kinds)
     gathered = (1 - 1 / plan.tp) * inputs if distributes_checkpoints(training, plan) else 0.0
     if plan.recompute_group_layers is None:
-        return one + gathered
+        return one + gathered + ring
     n = min(plan.recompute_group_layers, max(max(c) for c in plan.chunk_layers(model.num_layers)))
-    return n * one + (n - 1) * inputs + gathered
+    return n * one + (n - 1) * inputs + gathered + ring
 
 
 def chunk_peak_layers(training: TrainingSpec, plan: Plan, num_microbatches: int, stage: int,
