@@ -33,7 +33,8 @@ import numpy as np
 
 from planner import frameworks
 from planner.specs import (FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec,
-                           a2a_overlap_problems, distributed_checkpoint_problems, padded_vocab_size, stage_chunks, uneven_chunks)
+                           a2a_overlap_problems, distributed_checkpoint_problems, padded_vocab_size, stage_chunks,
+                           uneven_chunks)
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
 GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
@@ -778,11 +779,11 @@ def recompute_working_bytes(terms: list[ActTerm], recompute: str) -> float:
 
 def a2a_overlap_active(model: ModelSpec, training: TrainingSpec, plan: Plan) -> bool:
     """Whether Megatron-Core runs ``plan`` with the MoE all-to-all overlap the job asks for
-    (``TrainingSpec.moe_a2a_overlap``, ``--overlap-moe-expert-parallel-comm``): a MoE model, Megatron's order
-    (megatron, nemo) and what ``TransformerConfig.__post_init__`` (core_v0.16.1) accepts with it: ep > 1,
-    virtual pipeline stages when pp > 1, no full recomputation, at most one MTP layer and then pp > 1.
-    (``specs.a2a_overlap_problems``, which ``plan_problems`` and so the search, ``estimate`` and ``check`` refuse).
-    Elsewhere neither its time nor its memory applies."""
+    (``TrainingSpec.moe_a2a_overlap``, ``--overlap-moe-expert-parallel-comm``): a MoE model, Megatron's schedule
+    (megatron, nemo) and a plan ``TransformerConfig.__post_init__`` (core_v0.16.1) accepts with it: ep > 1,
+    virtual pipeline stages when pp > 1, no full recomputation, at most one MTP layer and then pp > 1
+    (``specs.a2a_overlap_problems``, part of ``plan_problems``: the search proposes no other plan for such a job,
+    ``estimate`` and ``check`` refuse one). Elsewhere neither its time nor its memory applies."""
     return training.moe_a2a_overlap and model.is_moe and not a2a_overlap_problems(model, training, plan)
 
 
