@@ -46,8 +46,8 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
                           stage_moe_counts, stage_param_split, stage_terms, zero3_gather_s, ZeroBubbleBatch)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
-from planner.memory import (a2a_overlap_active, act_bytes, chunk_peak_layers, in_flight_chunks,
-                            input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
+from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, chunk_peak_layers,
+                            in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
@@ -324,12 +324,9 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
                 peak = {mu: chunk_peak_layers(training, base, mu, r, x) for mu in set(m[ok.any(axis=1)].tolist())}
                 per_layer = ((x - n_moe[i]) * f["saved"] + n_moe[i] * f["saved_moe"]) / x
                 act[:, i] = [peak[mu] * b if mu in peak else 0.0 for mu, b in zip(m.tolist(), per_layer)]
-        if a2a_overlap_active(model, training, base):  # memory.a2a_overlap_extra_layers
+        if a2a_overlap_active(model, training, base):  # as memory.stage_saved_bytes; never with full recompute
             for i, (r, x) in enumerate(mrows):
-                if not x:
-                    continue
-                extra = np.ones(len(m)) if p == 1 else \
-                    1.0 + (in_flight_chunks(base, m, r, warmup_extra=1) - in_flight_chunks(base, m, r)) * -(-x // v)
+                extra = a2a_overlap_extra_layers(model, training, base, m, r, x)
                 heavier = np.maximum(f["saved"], f["saved_moe"]) if n_moe[i] else f["saved"]
                 act[:, i] = act[:, i] + np.where(rc_full_u, 0.0, extra * heavier)
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]

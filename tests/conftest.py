@@ -30,3 +30,18 @@ def megatron_lm_root(tmp_path_factory):
         tar.extractall(root, filter="data")
     sys.path.insert(0, str(root))
     yield root
+
+
+@pytest.fixture(scope="session")
+def megatron_schedules(megatron_lm_root):
+    """Megatron-Core's ``pipeline_parallel.schedules`` from the pinned source (skips where it does not import)."""
+    pytest.importorskip("torch")
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.pipeline_parallel import schedules as MS
+    except ImportError as err:
+        pytest.skip(f"Megatron-Core does not import here: {err}")
+    yield MS

@@ -52,18 +52,10 @@ def test_overlap_time_only_where_it_runs():
         assert (on.ep < off.ep) is hidden and (on.ep == off.ep) is not hidden
 
 
-def test_megatron_runs_one_more_warmup_forward(megatron_lm_root):
+def test_megatron_runs_one_more_warmup_forward(megatron_schedules):
     """Megatron-Core's own count (get_pp_rank_microbatches with overlap_moe_expert_parallel_comm) against
     in_flight_chunks(warmup_extra=1): every rank one more chunk in flight, never past m x v."""
-    pytest.importorskip("torch")
-    try:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.pipeline_parallel import schedules as MS
-    except ImportError as err:
-        pytest.skip(f"Megatron-Core does not import here: {err}")
+    MS = megatron_schedules
     for p, v, m in ((2, 2, 4), (4, 2, 8), (4, 3, 12), (2, 4, 2)):
         plan = Plan(tp=1, pp=p, dp=1, vpp=v, micro_batch_size=1)
         for r in range(p):

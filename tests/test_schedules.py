@@ -101,20 +101,6 @@ def test_memory_model_charges_the_megatron_peak(p, v, m):
 # --- Megatron-Core's own schedule code -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def megatron_schedules(megatron_lm_root):
-    pytest.importorskip("torch")
-    try:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.pipeline_parallel import schedules as MS
-    except ImportError as err:
-        pytest.skip(f"Megatron-Core does not import here: {err}")
-    yield MS
-
-
 @pytest.mark.parametrize("p,v,m,group", [(2, 2, 4, None), (4, 2, 8, None), (4, 3, 12, None), (4, 2, 10, 10),
                                          (4, 2, 12, 6), (8, 2, 16, None), (8, 4, 24, 12), (4, 4, 9, 9),
                                          # Meta's Llama 3 405B (benchmarks/meta_405b.py): PP 16 x VP 8, 32 and

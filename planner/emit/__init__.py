@@ -11,23 +11,24 @@ from planner.presets import SpecError
 from planner.specs import Scenario
 
 FORMATS = ("megatron", "torchrun", "slurm", "deepspeed", "torchtitan", "plan")
+#: The formats that launch Megatron-LM (its arguments, alone or in a torchrun or Slurm script).
+MEGATRON_FORMATS = ("megatron", "torchrun", "slurm")
 
 #: The frameworks (``TrainingSpec.framework``) whose memory and time semantics each launch format runs: Megatron-LM's
-#: arguments (alone, under torchrun or Slurm) run Megatron-Core, which NeMo also runs; the DeepSpeed config runs
-#: DeepSpeed's engine; the torchtitan script runs torchtitan. The plan file runs under any.
-FORMAT_FRAMEWORKS = {"megatron": ("megatron", "nemo"), "torchrun": ("megatron", "nemo"), "slurm": ("megatron", "nemo"),
-                     "deepspeed": ("deepspeed",), "torchtitan": ("torchtitan",)}
+#: arguments run Megatron-Core, which NeMo also runs; the DeepSpeed config runs DeepSpeed's engine; the torchtitan
+#: script runs torchtitan. The plan file runs under any.
+FORMAT_FRAMEWORKS = {**dict.fromkeys(MEGATRON_FORMATS, ("megatron", "nemo")), "deepspeed": ("deepspeed",),
+                     "torchtitan": ("torchtitan",)}
 
 #: ``plan3d emit`` without ``--format``: the launch files of the framework the plan was searched for.
 DEFAULT_FORMATS = {"torchtitan": "torchtitan", "deepspeed": "deepspeed"}
-MEGATRON_DEFAULT_FORMATS = "megatron,torchrun,slurm"
 
 
 def default_formats(framework: str) -> str:
     """The formats ``plan3d emit`` writes when none is asked for: the plan's own framework's (a torchtitan plan gets
     its torchtitan script, a DeepSpeed plan its config and plan file), Megatron-LM's arguments, torchrun and Slurm
     scripts otherwise."""
-    return DEFAULT_FORMATS.get(framework, MEGATRON_DEFAULT_FORMATS)
+    return DEFAULT_FORMATS.get(framework, ",".join(MEGATRON_FORMATS))
 
 
 def framework_notes(framework: str, formats: list[str]) -> list[str]:
@@ -62,7 +63,7 @@ def parse_formats(text: str) -> list[str]:
 
 def _megatron_formats(formats: list[str]) -> list[str]:
     """The requested formats that launch Megatron-LM (its arguments, in a torchrun or Slurm script)."""
-    return [f for f in formats if f in ("megatron", "torchrun", "slurm")]
+    return [f for f in formats if f in MEGATRON_FORMATS]
 
 
 def model_problems(model, formats: list[str]) -> list[str]:
