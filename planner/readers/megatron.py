@@ -480,6 +480,53 @@ def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, in
     return granularity or "none", None, None
 
 
+# CUDA-graph scopes whose saving plan3d's time model knows (TrainingSpec.cuda_graph_modules, planner.cost.moe_host_s)
+MODELLED_GRAPH_SCOPES = ("attn", "moe_router", "moe_preprocess")
+
+
+def cuda_graphs(a: Args, notes: list[str]) -> tuple[str, ...]:
+    """The per-layer parts Megatron captures in CUDA graphs that plan3d costs (``TrainingSpec.cuda_graph_modules``),
+    read as Megatron-LM core_v0.16.1 reads them, with notes for what plan3d leaves out.
+
+    ``--cuda-graph-impl`` none (default), local or transformer_engine (``TransformerConfig.cuda_graph_impl``); the
+    deprecated ``--enable-cuda-graph`` means local and ``--external-cuda-graph`` transformer_engine, and neither may
+    be given with ``--cuda-graph-impl`` (``arguments.py`` ``validate_args``: "Do not use --enable-cuda-graph or
+    --external-cuda-graph with --cuda-graph-impl"). ``--cuda-graph-scope`` lists the captured parts; none means the
+    whole layer, and full_iteration the whole step (local only). ``plan3d emit megatron`` writes transformer_engine
+    with the scopes of ``cuda_graph_modules`` (planner/emit/megatron.py ``cuda_graph_flags``), so the round trip
+    keeps them. The graphs' own memory (static input and output buffers, the graph memory pool, which Megatron's
+    ``cuda_graph_use_single_mempool`` docstring calls "cudagraph memory overheads") is not counted: a note says so.
+    """
+    legacy = [f for f in ("--enable-cuda-graph", "--external-cuda-graph") if a.has(f)]
+    impl = a.get("--cuda-graph-impl", "none")
+    impl = impl[0] if isinstance(impl, list) and impl else impl
+    if legacy and impl != "none":
+        raise SpecError(f"{a.path}:{a.line(legacy[0])}: {legacy[0]} with --cuda-graph-impl {impl}: Megatron asserts "
+                        "'Do not use --enable-cuda-graph or --external-cuda-graph with --cuda-graph-impl'; keep one")
+    if len(legacy) == 2:
+        raise SpecError(f"{a.path}:{a.line(legacy[0])}: --enable-cuda-graph and --external-cuda-graph cannot be "
+                        "enabled at the same time (Megatron asserts it); keep one")
+    if legacy:
+        impl = "local" if legacy[0] == "--enable-cuda-graph" else "transformer_engine"
+    if impl not in ("none", "local", "transformer_engine"):
+        raise SpecError(f"{a.path}:{a.line('--cuda-graph-impl')}: --cuda-graph-impl {impl}: Megatron-LM core_v0.16.1 "
+                        "takes none, local or transformer_engine")
+    if impl == "none":
+        return ()
+    scopes = a.get("--cuda-graph-scope", [])
+    scopes = [str(x) for x in (scopes if isinstance(scopes, list) else [scopes])]
+    scopes = [] if scopes == ["full"] else scopes  # validate_args: "full" is the whole layer
+    where = f"--cuda-graph-impl {impl}" + (f" --cuda-graph-scope {' '.join(scopes)}" if scopes else "")
+    notes.append(f"CUDA graphs ({where}): their static input/output buffers and graph memory pool are not counted "
+                 "in memory; keep headroom for them")
+    modelled = tuple(x for x in scopes if x in MODELLED_GRAPH_SCOPES) if impl == "transformer_engine" else ()
+    rest = [x for x in scopes if x not in modelled] or ([] if scopes else ["the whole layer"])
+    if rest:
+        notes.append(f"CUDA graphs: {', '.join(rest)} costed with eager kernel launches (plan3d models the launch "
+                     f"saving of {', '.join(MODELLED_GRAPH_SCOPES)} under transformer_engine only)")
+    return modelled
+
+
 def _layout(a: Args, pp: int) -> tuple[tuple[int, ...], int] | None:
     """(layers per stage, vpp) of ``--pipeline-model-parallel-layout``, as ``planner.emit.megatron.layout_layers``
     reads Megatron's layout string (core_v0.16.1 ``pipeline_parallel_layer_layout.py``)."""
@@ -640,7 +687,16 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "overlap_p2p_comm": False if a.has("--no-overlap-p2p-communication") else None,
                 # the MoE all-to-all overlap: one more warm-up forward and a merged step's layer in memory
                 # (memory.a2a_overlap_extra_layers), where Megatron runs it (memory.a2a_overlap_active)
-                "moe_a2a_overlap": not a.has("--deepspeed") and a.has("--overlap-moe-expert-parallel-comm")}
+                "moe_a2a_overlap": not a.has("--deepspeed") and a.has("--overlap-moe-expert-parallel-comm"),
+                # the captured parts whose launches plan3d costs as one (cuda_graphs; their memory is noted, not counted)
+                "cuda_graph_modules": () if a.has("--deepspeed") else cuda_graphs(a, notes)}
+    comm_types = a.get("--cp-comm-type", ["p2p"])
+    comm_types = comm_types if isinstance(comm_types, list) else [comm_types]
+    if cp > 1 and not a.has("--deepspeed") and any(str(x) != "p2p" for x in comm_types):
+        # TransformerConfig.cp_comm_type: p2p (default), all_gather, a2a, a2a+p2p; plan3d models the p2p ring only
+        # (planner.cost.ring_attention, memory.cp_ring_transient_bytes)
+        notes.append(f"--cp-comm-type {' '.join(map(str, comm_types))}: context parallelism costed and sized as "
+                     "the p2p ring (Megatron's default), the only one plan3d models")
     rc, rc_layers, rc_group = recompute(a, per_chunk_layers, notes)
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             # absent --expert-tensor-parallel-size: tp (validate_args), the plan's None
