@@ -1453,8 +1453,8 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
 
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
                  overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch",
-                 grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd: bool = True,
-                 grad_trail_s=0.0, bubble_of=None) -> dict:
+                 grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd=True,
+                 grad_trail_s=0.0, bubble_of=None, param_gather_overlapped: bool = True) -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
     ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
@@ -1481,7 +1481,9 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     (:func:`grad_reduce_overlapped`) under that micro-batch's backward, less the ZeRO-3 backward all-gather
     (``z3 / 2``) that shares the DP links with it, else exposed; and nothing is left for the step's end.
     ``grad_under_own_bwd`` False (:func:`grad_reduce_overlaps_last_backward`): a once-per-step reduction that
-    starts only after the stage's last backward hides under the drain of the stages before it alone.
+    starts only after the stage's last backward hides under the drain of the stages before it alone (a bool, or per
+    ZeRO option as ``grad_every_mb``). ``param_gather_overlapped`` False (:func:`param_gather_overlapped`): the
+    weights' all-gather runs inside the optimizer step, exposed.
     ``grad_trail_s`` (:func:`grad_reduce_trail_s`): how long a per-micro-batch reduction may run on past its own
     backward, under the forward that follows (Megatron-FSDP's reduce-scatter queue); 0 where the compute stream
     waits for it at the end of the backward.
@@ -1506,9 +1508,10 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
         bubble = (pp - 1) * (per_mb @ np.asarray(counts, dtype=float)) / pp / vpp
     if overlap_grad_reduce:
         before = np.asarray(before, dtype=float).T
-        own = terms["bwd"] if grad_under_own_bwd else 0.0 * terms["bwd"]
-        exposed = overlapped_s_array(dp_grad, own + terms["bwd"] @ before, c) + \
-            overlapped_s_array(dp_param, terms["fwd"] + terms["fwd"] @ before, c)
+        own = terms["bwd"] * np.asarray(grad_under_own_bwd, dtype=float)
+        gather = overlapped_s_array(dp_param, terms["fwd"] + terms["fwd"] @ before, c) if param_gather_overlapped \
+            else dp_param + 0.0 * terms["fwd"]
+        exposed = overlapped_s_array(dp_grad, own + terms["bwd"] @ before, c) + gather
     else:
         exposed = np.broadcast_to(dp_grad + dp_param, per_mb.shape)
     dp_exposed = exposed.max(axis=-1)
@@ -1740,14 +1743,35 @@ def grad_reduced_every_microbatch(framework: str, zero_stage: int, pp: int) -> b
     return zero_stage >= 2
 
 
-def grad_reduce_overlaps_last_backward(framework: str, pp: int) -> bool:
+def grad_reduce_overlaps_last_backward(framework: str, pp: int, zero_stage: int = 1) -> bool:
     """Whether a once-per-step gradient reduction starts during the stage's last backward (Megatron's buckets,
-    DeepSpeed's hooks: as each bucket's gradients are final) or only after it. ``torch.distributed.pipelining``
-    (torch, torchtitan with pp > 1) reduces in the ``REDUCE_GRAD`` action that ``_add_reduce_grad`` places after
-    the stage's last backward (``schedules.py``; ``PipelineStage.perform_reduce_grad`` runs FSDP2's
-    ``post_backward`` for every parameter group then), and FSDP2's ``_root_post_backward_final_callback`` makes
-    the compute stream wait for it: only the drain of the stages before it is left to hide it."""
+    DeepSpeed's ZeRO hooks: as each bucket's gradients are final) or only after it.
+
+    ``torch.distributed.pipelining`` (torch, torchtitan with pp > 1) reduces in the ``REDUCE_GRAD`` action that
+    ``_add_reduce_grad`` places after the stage's last backward (``schedules.py``; ``PipelineStage.perform_reduce_grad``
+    runs FSDP2's ``post_backward`` for every parameter group then), and FSDP2's ``_root_post_backward_final_callback``
+    makes the compute stream wait for it: only the drain of the stages before it is left to hide it.
+
+    DeepSpeed (0.19.8) reduces during the backward only through the ZeRO optimizer's gradient hooks at stage 1 or
+    more without a pipeline. At stage 0 (plain or ``BF16_Optimizer``) the engine all-reduces in
+    ``_backward_epilogue``, after ``loss.backward`` returns (``runtime/engine.py``). Its pipeline engine runs a
+    ``ReduceGrads`` instruction after the last ``BackwardPass`` (``pipe/schedule.py`` ``TrainSchedule.steps``:
+    ``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep`` at the last step), and its gradient-accumulation boundary
+    is true only inside that instruction (``pipe/engine.py`` ``_exec_reduce_grads`` sets ``_force_grad_boundary``),
+    so the stage-1 hooks, which reduce only at the boundary (``stage_1_and_2.py``), reduce nothing during the
+    backward."""
+    if framework == "deepspeed":
+        return pp == 1 and zero_stage >= 1
     return not (framework in ("torch", "torchtitan") and pp > 1)
+
+
+def param_gather_overlapped(training: TrainingSpec) -> bool:
+    """Whether the all-gather of the updated 16-bit weights (ZeRO 1-2, :func:`dp_sync_parts_s`) can hide under the next
+    step's first forward (Megatron ``--overlap-param-gather``, which the distributed optimizer takes with
+    ``--overlap-grad-reduce``). DeepSpeed gathers inside the optimizer step, before it returns:
+    ``DeepSpeedZeroOptimizer.step`` and ``BF16_Optimizer.update_lp_params`` call ``all_gather_dp_groups``
+    (0.19.8 ``runtime/zero/stage_1_and_2.py``, ``runtime/bf16_optimizer.py``), so there it is exposed."""
+    return training.framework != "deepspeed"
 
 
 def grad_reduce_overlapped(training: TrainingSpec) -> bool:
@@ -1783,14 +1807,18 @@ def grad_reduction_args(training: TrainingSpec, pp: int, zero_stages, trail_s: f
     """:func:`compose_step`'s gradient-reduction keywords for a job: ``grad_every_mb``
     (:func:`grad_reduced_every_microbatch`; a bool for one ZeRO stage, a ``[Z, 1]`` array for a sequence of them,
     as the search's tables hold them), ``grad_mb_overlap`` (:func:`grad_reduce_overlapped`),
-    ``grad_under_own_bwd`` (:func:`grad_reduce_overlaps_last_backward`) and ``grad_trail_s``
+    ``grad_under_own_bwd`` (:func:`grad_reduce_overlaps_last_backward`, like ``grad_every_mb`` per ZeRO option) ``param_gather_overlapped`` (:func:`param_gather_overlapped`) and ``grad_trail_s``
     (``trail_s``, :func:`grad_reduce_trail_s` of the plan)."""
+    fw = training.framework
     if isinstance(zero_stages, int):
-        every = grad_reduced_every_microbatch(training.framework, zero_stages, pp)
+        every = grad_reduced_every_microbatch(fw, zero_stages, pp)
+        under = grad_reduce_overlaps_last_backward(fw, pp, zero_stages)
     else:
-        every = np.array([grad_reduced_every_microbatch(training.framework, z, pp) for z in zero_stages])[:, None]
+        every = np.array([grad_reduced_every_microbatch(fw, z, pp) for z in zero_stages])[:, None]
+        under = np.array([grad_reduce_overlaps_last_backward(fw, pp, z) for z in zero_stages])[:, None]
     return {"grad_every_mb": every, "grad_mb_overlap": grad_reduce_overlapped(training),
-            "grad_under_own_bwd": grad_reduce_overlaps_last_backward(training.framework, pp), "grad_trail_s": trail_s}
+            "grad_under_own_bwd": under, "grad_trail_s": trail_s,
+            "param_gather_overlapped": param_gather_overlapped(training)}
 
 
 def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int):
@@ -1798,7 +1826,13 @@ def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: Train
         return 0.0, 0.0
     g = params * grad_bytes(training)
     if zero_stage == 0:
-        return comm.collective_time_s("all_reduce", g, group, hw), 0.0
+        # DeepSpeed's bf16 training at stage 0 is BF16_Optimizer, its own ZeRO-1: each rank steps its 1/dp of the
+        # fp32 master weights and all-gathers the bf16 ones (0.19.8 bf16_optimizer.py update_lp_params,
+        # all_gather_dp_groups; planner/frameworks/deepspeed.py)
+        bf16_optimizer = training.framework == "deepspeed" and training.precision != "fp32" and not training.fp16
+        gather = comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw) \
+            if bf16_optimizer else 0.0
+        return comm.collective_time_s("all_reduce", g, group, hw), gather
     # fp8 parameters (--fp8-param-gather) are all-gathered as fp8, 1 B each (Megatron-Core core_v0.16.1
     # distributed_data_parallel.py keeps them in a uint8 buffer); mxfp8 ones as bf16 into the shared
     # gradient buffer (param_and_grad_buffer.py, planner/frameworks/megatron.py); else the 16-bit weights

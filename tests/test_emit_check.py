@@ -140,6 +140,10 @@ def test_deepspeed_accepts_its_config(tmp_path, monkeypatch):
     cfg = ds_config.DeepSpeedConfig(str(config), mpu=DataParallel())
     assert cfg.train_batch_size == 128 and cfg.gradient_accumulation_steps == 64
     assert cfg.zero_optimization_stage == 1 and cfg.bfloat16_config.enabled
+    import torch
+
+    # the gradient reduction dtype plan3d costed (grad_reduce_in_bf16 False: fp32), as DeepSpeed reads it
+    assert not sc.training.grad_reduce_in_bf16 and cfg.communication_data_type == torch.float32
     bad = json.loads(config.read_text()) | {"train_batch_size": 127}
     with pytest.raises(AssertionError):
         ds_config.DeepSpeedConfig(bad, mpu=DataParallel())

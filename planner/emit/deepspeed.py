@@ -2,7 +2,8 @@
 
 Keys are DeepSpeed's (``deepspeed/runtime/config.py``): ``train_batch_size`` =
 ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x data-parallel size,
-``zero_optimization.stage``, ``bf16.enabled`` / ``fp16.enabled``. Expert parallelism is not a config key
+``zero_optimization.stage``, ``bf16.enabled`` / ``fp16.enabled``, ``communication_data_type`` (the gradient
+reduction dtype plan3d costed). Expert parallelism is not a config key
 (DeepSpeed-MoE takes ``ep_size`` in ``deepspeed.moe.layer.MoE``, in model code): MoE plans with ep > 1
 or an expert TP other than tp are refused. DeepSpeed's pipeline engine
 (``deepspeed/runtime/pipe/engine.py``) takes ZeRO stage 0 or 1 only; the config has no context
@@ -32,6 +33,9 @@ def config(sc: Scenario) -> dict:
                               "contiguous_gradients": True},
         "bf16": {"enabled": True},
         "fp16": {"enabled": False},
+        # the gradients' reduction dtype plan3d costed (TrainingSpec.grad_reduce_in_bf16; DeepSpeed's own default
+        # under bf16 would be bf16, runtime/engine.py communication_data_type)
+        "communication_data_type": "bf16" if sc.training.grad_reduce_in_bf16 else "fp32",
         "gradient_clipping": 1.0,
         "steps_per_print": 10,
         "wall_clock_breakdown": False,

@@ -385,10 +385,27 @@ def grads_16bit(a: Args) -> bool:
     and ``training.py`` passes it to DDP as ``grad_reduce_in_fp32``. Under ``--deepspeed`` DeepSpeed's engine holds
     the gradients (``planner/frameworks/deepspeed.py``): the flag alone."""
     if a.has("--deepspeed"):
-        return a.has("--grad-reduce-in-bf16")
+        return a.has("--grad-reduce-in-bf16")  # without its config; with one, deepspeed_comm_16bit decides
     if a.has("--fp16") and not a.has("--bf16"):
         return not a.has("--accumulate-allreduce-grads-in-fp32")
     return a.has("--bf16") and (a.has("--grad-reduce-in-bf16") or a.get("--main-grads-dtype") == "bf16")
+
+
+def deepspeed_comm_16bit(a: Args, ds_config: dict) -> bool:
+    """Whether DeepSpeed reduces the gradients in 16 bits (``TrainingSpec.grad_reduce_in_bf16``, which for DeepSpeed sets
+    only the bytes each reduction moves: its gradient buffers are sized in planner/frameworks/deepspeed.py). The
+    config's ``communication_data_type`` (fp32, fp16 or bf16, ``runtime/config.py`` ``get_communication_data_type``;
+    anything else DeepSpeed refuses); absent, the engine's default: fp16 under ``fp16.enabled``, bf16 under
+    ``bf16.enabled``, else fp32 (0.19.8 ``runtime/engine.py`` ``communication_data_type``). ``plan3d emit deepspeed``
+    writes the key (planner/emit/deepspeed.py)."""
+    value = ds_config.get("communication_data_type")
+    if value is None:
+        return bool(_section(ds_config, "fp16", a).get("enabled") is True
+                    or _section(ds_config, "bf16", a).get("enabled") is True)
+    if not isinstance(value, str) or value.lower() not in ("fp32", "fp16", "bf16"):
+        raise SpecError(f"{a.path}: DeepSpeed config communication_data_type: '{value}' is not one of fp32, fp16, bf16 "
+                        "(DeepSpeed refuses it)")
+    return value.lower() != "fp32"
 
 
 def zero_stage(a: Args, ds_config: dict | None) -> int:
@@ -664,7 +681,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # pipeline partitions (planner/frameworks/deepspeed.py)
                 "framework": "deepspeed" if a.has("--deepspeed") else "megatron",
                 "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
-                "grad_reduce_in_bf16": grads_16bit(a),
+                "grad_reduce_in_bf16": deepspeed_comm_16bit(a, ds_config) if a.has("--deepspeed") and ds_config is not None
+                else grads_16bit(a),
                 # each full-recompute checkpoint keeps 1/tp of its input (memory.saved_bytes_per_layer_kind); under
                 # --deepspeed the checkpoints are DeepSpeed's, partitioned with --partition-activations (Megatron-
                 # DeepSpeed hands the flag to deepspeed.checkpointing.configure under
