@@ -1,0 +1,78 @@
+"""`plan3d check` on torchtitan jobs: ``parallelism.fsdp_reshard_after_forward`` and ``training.mixed_precision_param``,
+two keys that change what a GPU holds, read as torchtitan applies them (``parallelize.py::apply_fsdp``,
+``distributed/utils.py::maybe_enable_amp``; planner/readers/torchtitan.py)."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from planner.check import check_file_branches
+from planner.emit import render_all
+from planner.memory import estimate_scenario_memory
+from planner.presets import load_hardware, load_model
+from planner.specs import Plan, Scenario, TrainingSpec
+
+H100 = load_hardware("h100-sxm-80gb")
+LAUNCH = Path(__file__).parent / "data" / "launch"
+
+
+@pytest.mark.parametrize("zero, pp", list(itertools.product((2, 3), (1, 2))))
+def test_emitted_torchtitan_launch_checks_as_emitted(tmp_path, zero, pp):
+    """`plan3d emit torchtitan` writes ``fsdp_reshard_after_forward never`` for ZeRO 2 and ``default`` for ZeRO 3
+    (planner/emit/torchtitan.py); `check` reads the same stage and so the same peak. Before, every FSDP job was
+    read as ZeRO 3: an emitted ZeRO-2 launch of Llama-3-8B on 8 GPUs held 38.8 GiB and checked as 26.5."""
+    sc = Scenario(model=load_model("llama3-8b"), hardware=H100,
+                  training=TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=4096, framework="torchtitan"),
+                  plan=Plan(tp=1, pp=pp, dp=8 // pp, micro_batch_size=1, zero_stage=zero, recompute="full"))
+    files = render_all(sc, ["torchtitan"])
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (script,) = [tmp_path / n for n in files if n.endswith(".sh")]
+    (r,) = check_file_branches(script, H100, None, None)
+    assert not r.errors, r.errors
+    want = estimate_scenario_memory(sc).peak_gib
+    assert r.scenario.plan.zero_stage == zero
+    assert estimate_scenario_memory(r.scenario).peak_gib == pytest.approx(want)
+
+
+def _with(text: str, section: str, line: str) -> str:
+    """``line`` added under ``[section]`` (TOML keys must stay inside their table)."""
+    head = f"[{section}]"
+    return text.replace(head, f"{head}\n{line}", 1) if head in text else text + f"\n{head}\n{line}\n"
+
+
+@pytest.mark.parametrize("policy, zero", [("default", 3), ("always", 3), ("never", 2)])
+def test_reshard_policy_sets_the_zero_stage(tmp_path, policy, zero):
+    path = tmp_path / "job.toml"
+    path.write_text(_with((LAUNCH / "torchtitan_llama3_8b.toml").read_text(), "parallelism",
+                          f'fsdp_reshard_after_forward = "{policy}"'))
+    (r,) = check_file_branches(path, H100, None, 8)
+    assert not r.errors, r.errors
+    assert r.scenario.plan.zero_stage == zero
+
+
+def test_fp32_parameters_are_fp32_training(tmp_path):
+    """``mixed_precision_param = "float32"``: FSDP2 gathers and computes in fp32, so weights and activations take
+    twice the bytes; read as plan3d's fp32 training, whose peak is above the bf16 one."""
+    text = (LAUNCH / "torchtitan_llama3_8b.toml").read_text()
+    bf16, fp32 = tmp_path / "bf16.toml", tmp_path / "fp32.toml"
+    bf16.write_text(text)
+    fp32.write_text(_with(text, "training", 'mixed_precision_param = "float32"'))
+    (a,) = check_file_branches(bf16, H100, None, 8)
+    (b,) = check_file_branches(fp32, H100, None, 8)
+    assert not a.errors and not b.errors, (a.errors, b.errors)
+    assert (a.scenario.training.precision, b.scenario.training.precision) == ("bf16", "fp32")
+    assert estimate_scenario_memory(b.scenario).peak_gib > estimate_scenario_memory(a.scenario).peak_gib
+    assert any("mixed_precision_param float32" in n for n in b.notes)
+
+
+@pytest.mark.parametrize("section, line, says", [
+    ("parallelism", 'fsdp_reshard_after_forward = "sometimes"', "fsdp_reshard_after_forward"),
+    ("training", 'mixed_precision_param = "float16"', "mixed_precision_param"),
+])
+def test_unknown_values_are_one_line_errors(tmp_path, section, line, says):
+    path = tmp_path / "job.toml"
+    path.write_text(_with((LAUNCH / "torchtitan_llama3_8b.toml").read_text(), section, line))
+    (r,) = check_file_branches(path, H100, None, 8)
+    assert r.errors and says in r.errors[0] and "\n" not in r.errors[0], r.errors
