@@ -1807,8 +1807,9 @@ def grad_reduction_args(training: TrainingSpec, pp: int, zero_stages, trail_s: f
     """:func:`compose_step`'s gradient-reduction keywords for a job: ``grad_every_mb``
     (:func:`grad_reduced_every_microbatch`; a bool for one ZeRO stage, a ``[Z, 1]`` array for a sequence of them,
     as the search's tables hold them), ``grad_mb_overlap`` (:func:`grad_reduce_overlapped`),
-    ``grad_under_own_bwd`` (:func:`grad_reduce_overlaps_last_backward`, like ``grad_every_mb`` per ZeRO option) ``param_gather_overlapped`` (:func:`param_gather_overlapped`) and ``grad_trail_s``
-    (``trail_s``, :func:`grad_reduce_trail_s` of the plan)."""
+    ``grad_under_own_bwd`` (:func:`grad_reduce_overlaps_last_backward`, per ZeRO option as ``grad_every_mb``),
+    ``param_gather_overlapped`` (:func:`param_gather_overlapped`) and ``grad_trail_s`` (``trail_s``,
+    :func:`grad_reduce_trail_s` of the plan)."""
     fw = training.framework
     if isinstance(zero_stages, int):
         every = grad_reduced_every_microbatch(fw, zero_stages, pp)

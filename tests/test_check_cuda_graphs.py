@@ -60,6 +60,7 @@ def test_no_cuda_graph_flag_no_note(tmp_path):
     ("--enable-cuda-graph --external-cuda-graph", "cannot be enabled at the same time"),
     ("--cuda-graph-impl everything", "none, local or transformer_engine"),
     ("--cuda-graph-impl transformer_engine --cuda-graph-scope moe_preprocess", "moe_router"),
+    ("--cuda-graph-impl transformer_engine --cuda-graph-scope atn", "--cuda-graph-scope atn"),
 ])
 def test_cuda_graph_flags_megatron_refuses_are_one_line_errors(tmp_path, flags, says):
     """What Megatron's validate_args asserts (the legacy switches with --cuda-graph-impl, both legacy switches) and

@@ -497,8 +497,10 @@ def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, in
     return granularity or "none", None, None
 
 
-# CUDA-graph scopes whose saving plan3d's time model knows (TrainingSpec.cuda_graph_modules, planner.cost.moe_host_s)
+# CUDA-graph scopes whose saving plan3d's time model knows (TrainingSpec.cuda_graph_modules, planner.cost.moe_host_s),
+# and every one Megatron-LM core_v0.16.1 takes (core/transformer/enums.py CudaGraphScope)
 MODELLED_GRAPH_SCOPES = ("attn", "moe_router", "moe_preprocess")
+GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
 def cuda_graphs(a: Args, notes: list[str]) -> tuple[str, ...]:
@@ -533,6 +535,10 @@ def cuda_graphs(a: Args, notes: list[str]) -> tuple[str, ...]:
     scopes = a.get("--cuda-graph-scope", [])
     scopes = [str(x) for x in (scopes if isinstance(scopes, list) else [scopes])]
     scopes = [] if scopes == ["full"] else scopes  # validate_args: "full" is the whole layer
+    unknown = [x for x in scopes if x not in GRAPH_SCOPES]
+    if unknown:  # argparse's type, CudaGraphScope[scope], raises on them
+        raise SpecError(f"{a.path}:{a.line('--cuda-graph-scope')}: --cuda-graph-scope {unknown[0]}: Megatron-LM "
+                        f"core_v0.16.1 takes {', '.join(GRAPH_SCOPES)}")
     where = f"--cuda-graph-impl {impl}" + (f" --cuda-graph-scope {' '.join(scopes)}" if scopes else "")
     notes.append(f"CUDA graphs ({where}): their static input/output buffers and graph memory pool are not counted "
                  "in memory; keep headroom for them")
