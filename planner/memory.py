@@ -1195,12 +1195,49 @@ def pipeline_kept_output_bytes(model: ModelSpec, training: TrainingSpec, plan: P
                                  transient_bytes)
 
 
+# Transformer Engine's userbuffer communicators for TP communication overlap (TE 2.x ``module/base.py``
+# ``initialize_ub``, default methods): ring_exchange qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad; pipeline proj_fprop,
+# fc2_fprop; bulk qkv_dgrad, qkv_wgrad, fc1_dgrad, fc1_wgrad; external proj_wgrad, fc2_wgrad. Each holds one buffer of
+# the ``shape`` it is given; those in ``layers_all_gather_overlap`` (8) are uint8 under an FP8 quantization mode
+# (``fp8_buf``), the reduce-scatter ones (4) keep the 16-bit dtype.
+UB_ALL_GATHER_BUFFERS, UB_REDUCE_SCATTER_BUFFERS = 8, 4
+
+
+def tp_comm_overlap_bytes_per_element(training: TrainingSpec) -> float:
+    """Bytes of Transformer Engine's TP-overlap userbuffers per element of their shape, 0 where the job runs none: the
+    framework is Megatron's (megatron, nemo) and TP communication overlap is on (``cost.resolved_overlap``; NeMo's
+    recipes default to it). Megatron-Core core_v0.16.1 ``training/initialize.py`` ``_initialize_tp_communicators``
+    calls ``initialize_ub`` with the FP8 quantization mode when ``args.fp8`` (the fp8 and mxfp8 recipes); TE gives
+    every communicator a buffer of the shape it is given, ``UB_ALL_GATHER_BUFFERS`` at 1 B under FP8, else 2, and
+    ``UB_REDUCE_SCATTER_BUFFERS`` at 2 B. Not counted: the cuBLAS workspaces TE repeats per overlap stream (tens of
+    MiB) and a second set under ``--first-last-layers-bf16``."""
+    from planner.cost import resolved_overlap  # cost imports this module
+
+    if training.framework not in ("megatron", "nemo") or not resolved_overlap(training).tp_comm_overlap:
+        return 0.0
+    ag_bytes = 1 if training.precision in ("fp8", "mxfp8") else ACT_BYTES
+    return float(UB_ALL_GATHER_BUFFERS * ag_bytes + UB_REDUCE_SCATTER_BUFFERS * ACT_BYTES)
+
+
+def tp_comm_overlap_buffer_bytes(training: TrainingSpec, plan: Plan, hidden_size: int) -> float:
+    """Transformer Engine's userbuffers, allocated once per GPU when TP communication overlap runs (it needs SP and
+    tp > 1): ``initialize_ub``'s ``shape = [seq_length * micro_batch_size // context_parallel_size, hidden_size]``
+    (Megatron-Core ``_initialize_tp_communicators``) times :func:`tp_comm_overlap_bytes_per_element`. Llama-3-70B at
+    8,192 tokens, micro-batch 1: 12 x 8192 x 8192 x 2 B = 1.5 GiB in bf16, 1.0 GiB in fp8."""
+    per = tp_comm_overlap_bytes_per_element(training)
+    if not per or plan.tp == 1 or not plan.sequence_parallel:
+        return 0.0
+    return float(training.seq_len * plan.micro_batch_size // plan.cp * hidden_size * per)
+
+
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
                       stage: int):
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the
     first stage, the output layer's on the last, the pipeline's receive buffers
-    (:func:`pipeline_buffer_bytes`)."""
-    other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage)
+    (:func:`pipeline_buffer_bytes`); and Transformer Engine's TP-overlap userbuffers on every stage
+    (:func:`tp_comm_overlap_buffer_bytes`)."""
+    other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + \
+        tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
     if stage == 0:
         mbs_in_flight = np.ceil(stage_in_flight_chunks(training, plan, num_microbatches, 0) / plan.vpp)
         other = other + mbs_in_flight * input_bytes_per_microbatch(model, training, plan)

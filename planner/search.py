@@ -51,7 +51,7 @@ from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_by
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
-                            stage_state_bytes_of)
+                            stage_state_bytes_of, tp_comm_overlap_bytes_per_element)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
@@ -255,6 +255,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     # memory.stage_boundary_bytes per micro; / tp under SP (applied per shape below)
     sp_u = np.array([bool(u[2]) for u in micros])
     boundary_full_u = mbs_u * model.hidden_size * act_bytes(training)
+    # Transformer Engine's TP-overlap userbuffers (memory.tp_comm_overlap_buffer_bytes), per micro option below
+    ub_per_element = tp_comm_overlap_bytes_per_element(training)
 
     def in_flight(plan, m, r):  # memory.stage_in_flight_chunks: the framework's w_fraction and order
         return in_flight_chunks(plan, m, r, w_fraction, family)
@@ -332,6 +334,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in mrows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
+        if ub_per_element and tp > 1:  # memory.tp_comm_overlap_buffer_bytes: every stage, with SP
+            other = other + (sp_u * (training.seq_len * mbs_u // cp) * model.hidden_size * ub_per_element)[:, None]
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
         out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
