@@ -18,7 +18,7 @@ from planner.presets import load_hardware, load_model
 from planner.specs import Plan, Scenario, TrainingSpec, plan_problems
 
 H100 = load_hardware("h100-sxm-80gb")
-SUFFIX = {"megatron": ".args", "torchrun": ".sh", "torchtitan": ".sh"}
+SUFFIX = {"megatron": ".args", "torchrun": ".sh", "slurm": ".slurm", "torchtitan": ".sh"}
 
 
 def _scenario(model, training: dict, plan: dict) -> Scenario | None:
@@ -62,7 +62,7 @@ def test_torchtitan_sweep(tmp_path):
 
 
 def test_megatron_sweep(tmp_path):
-    """Megatron-LM's argument file and torchrun script, over six layouts and random draws of the job switches
+    """Megatron-LM's argument file, torchrun script and Slurm script, over six layouts and random draws of the job switches
     (seeded): precision, gradient dtype, fp8 weights, the loss kernel, the optimizer dtype, the grad-reduce overlap."""
     switches = dict(precision=("bf16", "fp8"), grad_reduce_in_bf16=(False, True), fp8_params=(False, True),
                     cross_entropy_fusion=("none", "native", "te"), optimizer_dtype=("fp32", "bf16"),
@@ -80,7 +80,7 @@ def test_megatron_sweep(tmp_path):
             job["fp8_params"] = job["fp8_params"] and job["precision"] == "fp8"
             sc = _scenario(model, dict(num_gpus=8, global_batch_size=16, seq_len=4096, **job), layout)
             if sc is not None:
-                for fmt in ("megatron", "torchrun"):
+                for fmt in ("megatron", "torchrun", "slurm"):
                     _round_trip(tmp_path, sc, fmt)
                 checked += 1
     assert checked >= 40
