@@ -55,7 +55,7 @@ from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_by
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
-                           distributed_checkpoint_problems,
+                           cuda_graph_problems, distributed_checkpoint_problems,
                            empty_chunks, job_problems, uneven_chunks)
 
 NS = 1e9  # time unit of the tables: nanoseconds
@@ -441,6 +441,8 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
         valid = valid and not distributed_checkpoint_problems(training, plan)
         # Megatron's rules for the MoE all-to-all overlap the job asks for (specs.plan_problems)
         valid = valid and not a2a_overlap_problems(model, training, plan)
+        # and for CUDA graphs (specs.plan_problems): no full recompute, no offloading, Megatron's recompute rules
+        valid = valid and not cuda_graph_problems(model, training, plan)
         row = micro_factors(model, hw, training, plan, order) if valid else dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
         # memory (owned with planner.memory): per dense and per MoE layer, as memory.stage_saved_bytes
         dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)

@@ -1277,6 +1277,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
             errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     errors += distributed_checkpoint_problems(training, plan)
     errors += a2a_overlap_problems(model, training, plan)
+    errors += cuda_graph_problems(model, training, plan)
     from planner.frameworks import get as framework_profile
 
     errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
@@ -1314,6 +1315,42 @@ def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -
     if model.mtp_num_layers > 1 or (model.mtp_num_layers == 1 and plan.pp == 1):
         errors.append(f"moe_a2a_overlap: Megatron takes at most one MTP layer with the all-to-all overlap, and then "
                       f"pp > 1 (mtp_num_layers {model.mtp_num_layers}, pp {plan.pp}); drop --moe-a2a-overlap")
+    return errors
+
+
+def cuda_graph_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[str]:
+    """What Megatron-Core refuses of a plan whose job captures parts of each layer in CUDA graphs
+    (``training.cuda_graph_modules``, written as ``--cuda-graph-impl transformer_engine --cuda-graph-scope ...``),
+    one line each, from core_v0.16.1 ``TransformerConfig.__post_init__``: no CPU offloading ("CUDA graphs not
+    supported with CPU offloading"); full recompute only with the full-iteration graph, which plan3d does not write
+    ("full recompute is only supported with full iteration CUDA graph"); the moe scopes only on a MoE model ("moe
+    cuda graph is only supported for MoE"); under selective recompute, not the ``moe`` module with a graphed
+    router ("moe recompute is not supported with moe_router CUDA graph"), nor, with attention dropout, the
+    recomputed attention core inside a graphed attention ("attention dropout is not supported with graphed attention
+    recomputation"). Megatron's rules, so only for megatron and nemo; empty without graphs."""
+    graphs = training.cuda_graph_modules
+    if not graphs or training.framework not in ("megatron", "nemo"):
+        return []
+    errors = []
+    fix = "or drop --cuda-graph-modules"
+    if plan.cpu_offload_layers:
+        errors.append(f"cuda_graph_modules: Megatron refuses CUDA graphs with CPU offloading (cpu_offload_layers "
+                      f"{plan.cpu_offload_layers}); offload nothing {fix}")
+    if plan.recompute == "full":
+        errors.append(f"cuda_graph_modules: Megatron takes full recompute only with a full-iteration CUDA graph, not "
+                      f"per-layer graphs; recompute none or selective {fix}")
+    if not model.is_moe and any(g.startswith("moe") for g in graphs):
+        errors.append(f"cuda_graph_modules: the moe_* scopes need a MoE model (Megatron: 'moe cuda graph is only "
+                      f"supported for MoE'); keep attn {fix}")
+    if plan.recompute == "selective":
+        modules = training.recompute_modules
+        if "moe" in modules and "moe_router" in graphs:
+            errors.append("cuda_graph_modules: Megatron refuses the moe recompute module with a graphed moe_router; "
+                          "drop moe from --recompute-modules or moe_router from --cuda-graph-modules")
+        if model.dropout and "core_attn" in modules and "attn" in graphs:
+            errors.append("cuda_graph_modules: Megatron refuses attention dropout with a recomputed attention core "
+                          "inside a graphed attention; drop core_attn from --recompute-modules, or attn from "
+                          "--cuda-graph-modules, or use a model without dropout")
     return errors
 
 

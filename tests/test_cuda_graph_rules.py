@@ -1,0 +1,82 @@
+"""Megatron-Core's rules for per-layer CUDA graphs (``training.cuda_graph_modules``, emitted as ``--cuda-graph-impl
+transformer_engine --cuda-graph-scope ...``): ``specs.cuda_graph_problems``, part of ``plan_problems``, refuses what
+core_v0.16.1's ``TransformerConfig`` refuses, checked here against Megatron's own startup; the search proposes none of
+it. Before, plan3d emitted, for example, full recompute with per-layer graphs, which Megatron refuses to start."""
+
+import pytest
+
+from planner.candidates import Pins, SearchSpace
+from planner.presets import load_hardware, load_model
+from planner.search import search
+from planner.specs import Plan, TrainingSpec, cuda_graph_problems
+from tests.test_emit_consumers import megatron, megatron_validate  # noqa: F401 (the session fixture)
+from tests.test_emit_moe import TINY, _args_file_argv, _grouped_gemm_capability, scenario
+
+H100 = load_hardware("h100-sxm-80gb")
+
+
+def _training(**kw):
+    return TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=1024, **kw)
+
+
+@pytest.mark.parametrize("model, graphs, plan, extra, says", [
+    ("tiny-moe", ("attn",), dict(recompute="full"), {}, "full recompute"),
+    ("tiny-moe", ("attn",), dict(cpu_offload_layers=1), {}, "CPU offloading"),
+    ("tiny-gpt", ("moe_router",), {}, {}, "need a MoE model"),
+    ("tiny-moe", ("moe_router",), dict(recompute="selective"), dict(recompute_modules=("moe",)), "moe recompute"),
+    ("tiny-gpt+dropout", ("attn",), dict(recompute="selective"), {}, "attention dropout"),
+])
+def test_refused_combinations(model, graphs, plan, extra, says):
+    m = load_model(model.removesuffix("+dropout"))
+    m = m.model_copy(update={"dropout": True}) if model.endswith("+dropout") else m
+    training = _training(cuda_graph_modules=graphs, **extra)
+    p = Plan(tp=1, pp=1, dp=8, ep=8 if m.is_moe else 1, micro_batch_size=1, **plan)
+    problems = cuda_graph_problems(m, training, p)
+    assert len(problems) == 1 and says in problems[0] and problems[0].startswith("cuda_graph_modules:"), problems
+    assert cuda_graph_problems(m, training.model_copy(update={"cuda_graph_modules": ()}), p) == []
+    assert cuda_graph_problems(m, training.model_copy(update={"framework": "torchtitan"}), p) == []
+
+
+@pytest.mark.parametrize("swap, says", [
+    (("--recompute-granularity", "selective", ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                               "--recompute-num-layers", "1"]),
+     "full recompute is only supported with full iteration CUDA graph"),
+    (("--recompute-granularity", "selective", ["--recompute-granularity", "selective", "--recompute-modules", "moe"]),
+     "moe recompute is not supported with moe_router CUDA graph"),
+    (("--attention-dropout", "0.0", ["--attention-dropout", "0.1"]),
+     "attention dropout is not supported with graphed attention recomputation"),
+])
+def test_megatron_refuses_what_plan3d_refuses(megatron, monkeypatch, tmp_path, swap, says):  # noqa: F811
+    """An emitted launch Megatron accepts (selective recompute of the attention core, graphed attn and moe_router, no
+    dropout), then one flag changed to each refused combination: Megatron's own startup raises, with the sentence
+    ``cuda_graph_problems`` cites."""
+    sc = scenario(**TINY, tp=1, pp=1, dp=8, ep=8, recompute="selective")
+    sc = sc.model_copy(update={"training": sc.training.model_copy(update={"cuda_graph_modules": ("attn", "moe_router")})})
+    _grouped_gemm_capability(monkeypatch, 9)
+    argv = _args_file_argv(sc, tmp_path)
+    megatron_validate(megatron, monkeypatch, list(argv), "1")  # accepted as emitted
+    flag, value, new = swap
+    i = argv.index(flag)
+    assert argv[i + 1] == value
+    with pytest.raises((AssertionError, ValueError), match=says):
+        megatron_validate(megatron, monkeypatch, argv[:i] + new + argv[i + 2:], "1")
+
+
+def test_search_proposes_no_refused_plan():
+    model = load_model("tiny-moe")
+    training = TrainingSpec(num_gpus=8, global_batch_size=32, seq_len=1024, cuda_graph_modules=("attn",))
+    assert search(model, H100, training, SearchSpace(max_micro_batch_size=2, pins=Pins(recompute="full"))).best is None
+    best = search(model, H100, training, SearchSpace(max_micro_batch_size=2)).best
+    assert best is not None and best.recompute != "full" and not best.cpu_offload_layers
+
+
+def test_estimate_refuses_in_one_line():
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    res = CliRunner().invoke(app, ["estimate", "--model", "tiny-moe", "--hardware", "h100-sxm-80gb", "--gpus", "8",
+                                   "--global-batch", "16", "--seq-len", "1024", "--tp", "1", "--pp", "1", "--ep", "8",
+                                   "--recompute", "full", "--cuda-graph-modules", "attn"])
+    assert res.exit_code == 2, res.output
+    assert "cuda_graph_modules" in res.output and "Traceback" not in res.output
