@@ -32,16 +32,29 @@ def megatron_lm_root(tmp_path_factory):
     yield root
 
 
-@pytest.fixture(scope="session")
-def megatron_schedules(megatron_lm_root):
-    """Megatron-Core's ``pipeline_parallel.schedules`` from the pinned source (skips where it does not import)."""
-    pytest.importorskip("torch")
+def _import_from_megatron(load):
+    """``load()``'s result, run with the pinned Megatron-LM on the path and its import-time warnings silenced; the
+    test skips, with the reason, where torch or Megatron-Core does not import."""
+    pytest.importorskip("torch", reason="Megatron-Core imports torch")
     try:
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from megatron.core.pipeline_parallel import schedules as MS
+            return load()
     except ImportError as err:
         pytest.skip(f"Megatron-Core does not import here: {err}")
-    yield MS
+
+
+@pytest.fixture(scope="session")
+def megatron_import(megatron_lm_root):
+    """:func:`_import_from_megatron` for fixtures that import their own Megatron-Core modules."""
+    return _import_from_megatron
+
+
+@pytest.fixture(scope="session")
+def megatron_schedules(megatron_import):
+    """Megatron-Core's ``pipeline_parallel.schedules`` from the pinned source (skips where it does not import)."""
+    import importlib
+
+    yield megatron_import(lambda: importlib.import_module("megatron.core.pipeline_parallel.schedules"))

@@ -9,6 +9,7 @@ import pytest
 
 from planner.check import check_file_branches
 from planner.emit import render_all
+from planner.io import write_all
 from planner.presets import load_hardware, load_model
 from planner.specs import Plan, Scenario, TrainingSpec
 
@@ -80,10 +81,7 @@ def test_emitted_cuda_graph_scopes_round_trip_through_check(tmp_path):
                   training=TrainingSpec(num_gpus=8, global_batch_size=32, seq_len=1024,
                                         cuda_graph_modules=("attn", "moe_router")),
                   plan=Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1, zero_stage=1))
-    files = render_all(sc, ["megatron"])
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    (args_file,) = [tmp_path / n for n in files if n.endswith(".args")]
+    (args_file,) = [p for p in write_all(tmp_path, render_all(sc, ["megatron"])) if p.name.endswith(".args")]
     (r,) = check_file_branches(args_file, None, None, None)
     assert not r.errors, r.errors
     assert r.scenario.training.cuda_graph_modules == ("attn", "moe_router")

@@ -9,6 +9,7 @@ import pytest
 
 from planner.check import check_file_branches
 from planner.emit import render_all
+from planner.io import write_all
 from planner.memory import estimate_scenario_memory
 from planner.presets import load_hardware, load_model
 from planner.specs import Plan, Scenario, TrainingSpec
@@ -25,10 +26,7 @@ def test_emitted_torchtitan_launch_checks_as_emitted(tmp_path, zero, pp):
     sc = Scenario(model=load_model("llama3-8b"), hardware=H100,
                   training=TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=4096, framework="torchtitan"),
                   plan=Plan(tp=1, pp=pp, dp=8 // pp, micro_batch_size=1, zero_stage=zero, recompute="full"))
-    files = render_all(sc, ["torchtitan"])
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    (script,) = [tmp_path / n for n in files if n.endswith(".sh")]
+    (script,) = [p for p in write_all(tmp_path, render_all(sc, ["torchtitan"])) if p.name.endswith(".sh")]
     (r,) = check_file_branches(script, H100, None, None)
     assert not r.errors, r.errors
     want = estimate_scenario_memory(sc).peak_gib

@@ -81,13 +81,12 @@ def test_stage_ranks_are_the_pp_groups_columns():
 
 
 @pytest.fixture(scope="module")
-def rank_generator(megatron_lm_root):
-    pytest.importorskip("torch", reason="Megatron-Core's parallel_state imports torch")
-    try:
+def rank_generator(megatron_import):
+    def load():
         from megatron.core.parallel_state import RankGenerator
-    except ImportError as err:
-        pytest.skip(f"Megatron-Core does not import here: {err}")
-    yield RankGenerator
+        return RankGenerator
+
+    yield megatron_import(load)
 
 
 @pytest.mark.parametrize("tp,cp,dp,pp,ep,etp", [

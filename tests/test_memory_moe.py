@@ -183,15 +183,13 @@ def _saved_bytes(run, params) -> int:
 
 
 @pytest.fixture(scope="module")
-def megatron_moe(megatron_lm_root):
-    pytest.importorskip("torch")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
-            from megatron.core.transformer.moe import moe_utils
-    except ImportError as err:
-        pytest.skip(f"Megatron-Core does not import here: {err}")
+def megatron_moe(megatron_import):
+    def load():
+        from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+        from megatron.core.transformer.moe import moe_utils
+        return moe_utils, weighted_bias_swiglu_impl
+
+    moe_utils, weighted_bias_swiglu_impl = megatron_import(load)
     # Stand-in for Transformer Engine (absent here): RouterGatingLinearFunction tests ``te_general_gemm is not
     # None``, a name moe_utils binds only when TE imports; None selects Megatron's own torch.mm path.
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)

@@ -13,6 +13,7 @@ from planner.check import check_file_branches
 from planner.cost import estimate_time
 from planner.emit import render_all
 from planner.errors import SpecError
+from planner.io import write_all
 from planner.memory import estimate_scenario_memory
 from planner.presets import load_hardware, load_model
 from planner.specs import Plan, Scenario, TrainingSpec, plan_problems
@@ -36,9 +37,7 @@ def _round_trip(tmp_path, sc: Scenario, fmt: str) -> None:
         files = render_all(sc, [fmt])
     except SpecError:  # a plan the format cannot express is refused (tests/test_emit_*.py)
         return
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    (path,) = [tmp_path / n for n in files if n.endswith(SUFFIX[fmt])]
+    (path,) = [p for p in write_all(tmp_path, files, force=True) if p.name.endswith(SUFFIX[fmt])]
     (r,) = check_file_branches(path, None if fmt == "megatron" else H100, None, None)
     assert not r.errors, (fmt, sc.plan.label(), r.errors)
     got = r.scenario
