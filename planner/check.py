@@ -364,14 +364,25 @@ def _deepspeed_json_results(path, hardware, gpus, vocab_size) -> list[CheckResul
 
 
 def _agrees_with_deepspeed(result: CheckResult, doc: dict, path: Path) -> None:
-    """The plan's micro-batch, accumulation and ZeRO stage against the config's (DeepSpeed's own keys)."""
-    p = result.scenario.resolved_plan()
+    """The plan's micro-batch, accumulation, ZeRO stage, bucket settings and accumulation dtype against the config's
+    (DeepSpeed's own keys)."""
+    p, training = result.scenario.resolved_plan(), result.scenario.training
+    ds = training.deepspeed
     pairs = {"train_micro_batch_size_per_gpu": p.micro_batch_size, "gradient_accumulation_steps": p.num_microbatches,
-             "zero_optimization.stage": p.zero_stage}
+             "zero_optimization.stage": p.zero_stage,
+             # what sizes its buffers and picks its optimizer (planner/frameworks/deepspeed.py)
+             "zero_optimization.overlap_comm": training.overlap_grad_reduce,
+             "zero_optimization.contiguous_gradients": ds.contiguous_gradients,
+             "zero_optimization.reduce_bucket_size": ds.reduce_bucket_elements,
+             "data_types.grad_accum_dtype": ds.grad_accum_dtype}
+    if p.zero_stage >= 3:
+        pairs["zero_optimization.stage3_prefetch_bucket_size"] = ds.prefetch_bucket_elements
     for key, want in pairs.items():
         got = doc
         for part in key.split("."):
             got = got.get(part) if isinstance(got, dict) else None
+        if key == "data_types.grad_accum_dtype" and isinstance(got, str):
+            got = megatron.DEEPSPEED_DTYPES.get(got, got)  # DeepSpeed's other names for the same dtype
         if got is not None and got != want:
             result.errors.append(f"{path}: {key} is {got}, the plan next to it says {want}")
 

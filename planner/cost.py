@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner import comm, flops, frameworks
+from planner.frameworks import deepspeed as deepspeed_framework
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
 from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             stage_param_split)
@@ -1811,28 +1812,35 @@ def grad_reduction_args(training: TrainingSpec, pp: int, zero_stages, trail_s: f
     ``param_gather_overlapped`` (:func:`param_gather_overlapped`) and ``grad_trail_s`` (``trail_s``,
     :func:`grad_reduce_trail_s` of the plan)."""
     fw = training.framework
+
+    def hooked(z: int) -> int:
+        # DeepSpeed's BF16_Optimizer at ZeRO stage 1 reduces as stage 0 does, in the engine after the backward
+        # (0.19.8 engine.py allreduce_gradients: buffered_allreduce_fallback; frameworks.deepspeed.optimizer_wrapper)
+        return 0 if fw == "deepspeed" and deepspeed_framework.optimizer_wrapper(training, z, pp) != "zero" else z
+
     if isinstance(zero_stages, int):
         every = grad_reduced_every_microbatch(fw, zero_stages, pp)
-        under = grad_reduce_overlaps_last_backward(fw, pp, zero_stages)
+        under = grad_reduce_overlaps_last_backward(fw, pp, hooked(zero_stages))
     else:
         every = np.array([grad_reduced_every_microbatch(fw, z, pp) for z in zero_stages])[:, None]
-        under = np.array([grad_reduce_overlaps_last_backward(fw, pp, z) for z in zero_stages])[:, None]
+        under = np.array([grad_reduce_overlaps_last_backward(fw, pp, hooked(z)) for z in zero_stages])[:, None]
     return {"grad_every_mb": every, "grad_mb_overlap": grad_reduce_overlapped(training),
             "grad_under_own_bwd": under, "grad_trail_s": trail_s,
             "param_gather_overlapped": param_gather_overlapped(training)}
 
 
-def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int):
+def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int, pp: int):
     if shards == 1 or params == 0:
         return 0.0, 0.0
     g = params * grad_bytes(training)
-    if zero_stage == 0:
-        # DeepSpeed's bf16 training at stage 0 is BF16_Optimizer, its own ZeRO-1: each rank steps its 1/dp of the
+    wrapper = deepspeed_framework.optimizer_wrapper(training, zero_stage, pp) \
+        if training.framework == "deepspeed" else None
+    if zero_stage == 0 or wrapper == "bf16_optimizer":
+        # DeepSpeed's BF16_Optimizer is its own ZeRO-1: the gradients all-reduced, each rank steps its 1/dp of the
         # fp32 master weights and all-gathers the bf16 ones (0.19.8 bf16_optimizer.py update_lp_params,
-        # all_gather_dp_groups; planner/frameworks/deepspeed.py)
-        bf16_optimizer = training.framework == "deepspeed" and training.precision != "fp32" and not training.fp16
+        # all_gather_dp_groups); which configs run it: planner.frameworks.deepspeed.optimizer_wrapper
         gather = comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw) \
-            if bf16_optimizer else 0.0
+            if wrapper == "bf16_optimizer" else 0.0
         return comm.collective_time_s("all_reduce", g, group, hw), gather
     # fp8 parameters (--fp8-param-gather) are all-gathered as fp8, 1 B each (Megatron-Core core_v0.16.1
     # distributed_data_parallel.py keeps them in a uint8 buffer); mxfp8 ones as bf16 into the shared
@@ -1884,10 +1892,10 @@ def _dp_sync_split(dense: float, expert: float, hw: HardwareSpec, training: Trai
     shards = plan.dp * plan.cp
     group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.nvlink_domain, order) \
         if shards > 1 else None
-    rs, ag = _sync_s(dense, shards, group, hw, training, plan.zero_stage)
+    rs, ag = _sync_s(dense, shards, group, hw, training, plan.zero_stage, plan.pp)
     if expert:
         ers, eag = _sync_s(expert, plan.expert_dp, expert_span(plan, "edp", hw.nvlink_domain), hw, training,
-                           plan.zero_stage)
+                           plan.zero_stage, plan.pp)
         rs, ag = rs + ers, ag + eag
     return rs, ag
 

@@ -678,6 +678,35 @@ class HardwareSpec(_Spec):
         return tflops * 1e12
 
 
+class DeepSpeedZero(_Spec):
+    """The DeepSpeed config keys that set what its engine allocates beside the model states (deepspeed 0.19.8
+    ``runtime/zero/config.py`` ``DeepSpeedZeroConfig`` and ``data_types``; read by ``plan3d check`` from a
+    Megatron-DeepSpeed launch's config, written by ``plan3d emit deepspeed``). Only the deepspeed framework reads
+    them (planner/frameworks/deepspeed.py)."""
+
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        default=None,
+        description="data_types.grad_accum_dtype; None: DeepSpeed's default, the model's own dtype (0.19.8 "
+                    "engine.py get_data_types). With bf16 it picks the optimizer wrapper: fp32 at ZeRO stage 1 runs "
+                    "BF16_Optimizer instead of the ZeRO optimizer (engine.py _do_optimizer_sanity_check).")
+    contiguous_gradients: bool = Field(
+        default=True,
+        description="zero_optimization.contiguous_gradients (DeepSpeed's default true): the ZeRO optimizers copy "
+                    "gradients into reduce buckets of reduce_bucket_elements each; false allocates none.")
+    reduce_bucket_elements: int = Field(
+        default=500_000_000, gt=0, le=10**13,
+        description="zero_optimization.reduce_bucket_size, in elements (DeepSpeed's default 5e8).")
+    prefetch_bucket_elements: int = Field(
+        default=50_000_000, ge=0, le=10**13,
+        description="zero_optimization.stage3_prefetch_bucket_size, in elements (DeepSpeed's default 5e7); ZeRO-3 "
+                    "only.")
+    pipeline_engine: bool | None = Field(
+        default=None,
+        description="The model is a DeepSpeed PipelineModule, so the engine is its PipelineEngine even on one stage "
+                    "(Megatron-DeepSpeed's pretrain_gpt.py builds GPTModelPipe unless --no-pipeline-parallel); None: "
+                    "exactly when pp > 1. It picks BF16_Optimizer for bf16 at ZeRO 0 and refuses ZeRO 2-3.")
+
+
 class TrainingSpec(_Spec):
     """What one optimizer step processes."""
 
@@ -766,6 +795,10 @@ class TrainingSpec(_Spec):
                     "Apex DistributedFusedAdam, optim.name distributed_fused_adam with optim.dtype bf16 (NeMo "
                     "launcher YAMLs; m and v in bf16, a bf16 master copy only with fp8_params; "
                     "planner/frameworks/nemo.py). Other frameworks: fp32 only.")
+    deepspeed: DeepSpeedZero = Field(
+        default_factory=DeepSpeedZero,
+        description="DeepSpeed's gradient-accumulation dtype and ZeRO bucket settings (DeepSpeedZero); the deepspeed "
+                    "framework only.")
     moe_token_dispatcher: Literal["alltoall", "deepep"] = Field(
         default="alltoall",
         description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, the default) or "

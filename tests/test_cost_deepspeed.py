@@ -40,20 +40,35 @@ def test_pipeline_engine_reduces_after_the_last_backward(stages, micro_batches):
     assert cost.grad_reduce_overlaps_last_backward("megatron", stages, 0) is True
 
 
-def test_bf16_optimizer_all_gathers_its_weights_at_stage_0():
-    """BF16_Optimizer (DeepSpeed bf16 at ZeRO stage 0) steps 1/dp of the fp32 master weights and all-gathers the bf16
-    weights (``update_lp_params``): an all-gather of 2 B per parameter after the all-reduce. FP16_Optimizer
-    (fp16) and Megatron's ZeRO 0 gather nothing."""
-    model, plan = load_model("llama3-8b"), Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=0)
-    group = axis_span(plan, "dp", H100.nvlink_domain)
-    params = sum(cost.stage_param_split(model, plan, 0, 32))
+def test_bf16_optimizer_all_gathers_its_weights():
+    """BF16_Optimizer steps 1/dp of the fp32 master weights and all-gathers the bf16 weights (``update_lp_params``):
+    an all-gather of 2 B per parameter after the all-reduce. DeepSpeed 0.19.8 runs it for bf16 at ZeRO 0 under
+    the pipeline engine and for ZeRO 1 with fp32 gradient accumulation (tests/test_deepspeed_engine.py asks the
+    engine); bf16 at ZeRO 0 without a pipeline runs FP16_Optimizer in bf16 (deepspeedai/DeepSpeed#7790), which
+    gathers nothing, and so do fp16 and Megatron's ZeRO 0."""
+    model = load_model("llama3-8b")
     base = dict(num_gpus=16, global_batch_size=64, seq_len=4096)
     ds = TrainingSpec(**base, framework="deepspeed")
-    reduce_s, gather_s = cost.dp_sync_parts_s(model, H100, ds, plan, 0, 32)
-    assert reduce_s == pytest.approx(comm.collective_time_s("all_reduce", params * 4, group, H100))
-    assert gather_s == pytest.approx(comm.collective_time_s("all_gather", params * 2, group, H100)) and gather_s > 0
-    for other in (TrainingSpec(**base, framework="deepspeed", fp16=True), TrainingSpec(**base)):
-        assert cost.dp_sync_parts_s(model, H100, other, plan, 0, 32)[1] == 0.0
+    accum_fp32 = TrainingSpec(**base, framework="deepspeed", deepspeed={"grad_accum_dtype": "fp32"})
+    for training, plan in ((ds, Plan(tp=1, pp=2, dp=8, micro_batch_size=1, zero_stage=0)),
+                           (accum_fp32, Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=1))):
+        group = axis_span(plan, "dp", H100.nvlink_domain)
+        layers = 16 if plan.pp > 1 else 32
+        params = sum(cost.stage_param_split(model, plan, 0, layers))
+        reduce_s, gather_s = cost.dp_sync_parts_s(model, H100, training, plan, 0, layers)
+        assert reduce_s == pytest.approx(comm.collective_time_s("all_reduce", params * 4, group, H100))
+        assert gather_s == pytest.approx(comm.collective_time_s("all_gather", params * 2, group, H100)) and gather_s > 0
+    plain = Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=0)
+    for other in (ds, TrainingSpec(**base, framework="deepspeed", fp16=True), TrainingSpec(**base)):
+        assert cost.dp_sync_parts_s(model, H100, other, plain, 0, 32)[1] == 0.0
+    # the ZeRO optimizer at stage 1 reduce-scatters; BF16_Optimizer at stage 1 all-reduces after the backward
+    zero1 = Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=1)
+    group = axis_span(zero1, "dp", H100.nvlink_domain)
+    params = sum(cost.stage_param_split(model, zero1, 0, 32))
+    assert cost.dp_sync_parts_s(model, H100, ds, zero1, 0, 32)[0] == \
+        pytest.approx(comm.collective_time_s("reduce_scatter", params * 4, group, H100))
+    assert cost.grad_reduction_args(ds, 1, 1)["grad_under_own_bwd"] is True
+    assert cost.grad_reduction_args(accum_fp32, 1, 1)["grad_under_own_bwd"] is False
 
 
 def test_deepspeed_gathers_inside_the_optimizer_step_hand_computed():

@@ -609,6 +609,11 @@ def test_deepspeed_config_and_pipeline_constraint(monkeypatch, tmp_path, plan):
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (p.micro_batch_size,
                                                                                      p.num_microbatches)
     assert cfg.zero_optimization_stage == p.zero_stage
+    # the bucket settings plan3d counted (planner/frameworks/deepspeed.py), as DeepSpeed reads them
+    zero, ds = cfg.zero_config, sc.training.deepspeed
+    assert (zero.reduce_bucket_size, zero.contiguous_gradients, zero.overlap_comm) == \
+        (ds.reduce_bucket_elements, ds.contiguous_gradients, sc.training.overlap_grad_reduce)
+    assert p.zero_stage < 3 or zero.prefetch_bucket_size == ds.prefetch_bucket_elements
     # PipelineEngine.__init__ asserts ZeRO < 2: plan3d refuses ZeRO-2/3 with pp > 1 for the same reason
     assert "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in inspect.getsource(PipelineEngine.__init__)
     if p.zero_stage >= 2:

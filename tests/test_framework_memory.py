@@ -15,7 +15,7 @@ from planner.frameworks import torchtitan
 from planner.memory import estimate_memory, layer_params_per_rank, stage_params_per_rank, stage_state_bytes
 from planner.presets import load_hardware, load_model
 from planner.search import search
-from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec, plan_problems
+from planner.specs import DeepSpeedZero, ModelSpec, Plan, Scenario, TrainingSpec, plan_problems
 
 DATA = json.loads((Path(__file__).parent / "data" / "published_memory.json").read_text())
 LLAMA = load_model("llama3-8b")
@@ -304,17 +304,42 @@ def test_deepspeed_zero2_matches_its_estimator_plus_buckets():
     assert st.weights_bytes + st.grads_bytes + st.optimizer_bytes == pytest.approx(2 * p + 18 * p / 64 + 2 * 5e8 * 2)
 
 
-@pytest.mark.parametrize("fp16", [False, True])
-def test_deepspeed_zero0_is_bf16_optimizer_or_fp16_optimizer(fp16):
-    """ZeRO stage 0: bf16 runs DeepSpeed's BF16_Optimizer (bf16_optimizer.py: bf16 weights and gradients, full fp32
-    gradient buffer, fp32 master and Adam of 1/N of the parameters): 2 + 2 + 4 + 12/N B per parameter; fp16 runs
-    FP16_Optimizer (fp16/fused_optimizer.py), whose fp32 master and Adam states are whole: 2 + 2 + 4 + 12 B."""
-    plan = Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=0)
-    tr = _training("deepspeed").model_copy(update={"fp16": fp16})
+@pytest.mark.parametrize("pp, fp16, accum, sharded, accum_bytes", [
+    (2, False, None, True, 4),     # BF16_Optimizer under the pipeline engine; no dtype named: counted fp32
+    (2, False, "bf16", True, 2),   # BF16_Optimizer with bf16 accumulation (grad_acc_dtype buffer)
+    (1, False, None, False, 4),    # bf16 without a pipeline: FP16_Optimizer in bf16 (deepspeedai/DeepSpeed#7790)
+    (1, True, None, False, 4),     # fp16: FP16_Optimizer
+    (2, True, None, False, 4),
+])
+def test_deepspeed_zero0_is_bf16_optimizer_or_fp16_optimizer(pp, fp16, accum, sharded, accum_bytes):
+    """ZeRO stage 0, the wrapper DeepSpeed 0.19.8's engine picks (frameworks.deepspeed.optimizer_wrapper, asked of the
+    engine in tests/test_deepspeed_engine.py). BF16_Optimizer (bf16_optimizer.py: bf16 weights and gradients, a
+    full-size accumulation buffer in grad_accum_dtype, fp32 master and Adam of 1/N of the parameters): 2 + 2 + 4 +
+    12/N B per parameter; FP16_Optimizer (fp16/fused_optimizer.py), whose fp32 master and Adam states are whole:
+    2 + 2 + 4 + 12 B."""
+    plan = Plan(tp=1, pp=pp, dp=64 // pp, micro_batch_size=1, zero_stage=0)
+    layers = 32 // pp
+    tr = _training("deepspeed").model_copy(update={"fp16": fp16,
+                                                   "deepspeed": DeepSpeedZero(grad_accum_dtype=accum)})
+    st = stage_state_bytes(LLAMA, tr, plan, 0, layers)
+    p = stage_params_per_rank(LLAMA, plan, 0, layers)
+    assert (st.weights_bytes, st.grads_bytes) == pytest.approx((2 * p, (2 + accum_bytes) * p))
+    assert st.optimizer_bytes == pytest.approx(12 * p / (plan.dp if sharded else 1))
+
+
+@pytest.mark.parametrize("contiguous, overlap, elements, buffers", [
+    (True, True, 2e8, 2), (True, False, 2e8, 1), (False, True, 5e8, 0)])
+def test_deepspeed_zero2_buckets_follow_its_config(contiguous, overlap, elements, buffers):
+    """The ZeRO-1/2 reduce buckets as the config sets them (0.19.8 stage_1_and_2.py setup_buckets, counted on the
+    engine in tests/test_deepspeed_engine.py): reduce_bucket_size elements of bf16 each, one, two with overlap_comm,
+    none without contiguous_gradients."""
+    plan = Plan(tp=1, pp=1, dp=64, micro_batch_size=1, zero_stage=2)
+    tr = _training("deepspeed").model_copy(update={
+        "overlap_grad_reduce": overlap,
+        "deepspeed": DeepSpeedZero(contiguous_gradients=contiguous, reduce_bucket_elements=int(elements))})
     st = stage_state_bytes(LLAMA, tr, plan, 0, 32)
     p = stage_params_per_rank(LLAMA, plan, 0, 32)
-    assert (st.weights_bytes, st.grads_bytes) == pytest.approx((2 * p, 6 * p))
-    assert st.optimizer_bytes == pytest.approx(12 * p / (1 if fp16 else 64))
+    assert st.grads_bytes == pytest.approx(6 * p / 64 + buffers * elements * 2)
 
 
 TINY = ModelSpec(name="tiny", num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=1024)

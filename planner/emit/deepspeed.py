@@ -2,8 +2,9 @@
 
 Keys are DeepSpeed's (``deepspeed/runtime/config.py``): ``train_batch_size`` =
 ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x data-parallel size,
-``zero_optimization.stage``, ``bf16.enabled`` / ``fp16.enabled``, ``communication_data_type`` (the gradient
-reduction dtype plan3d costed). Expert parallelism is not a config key
+``zero_optimization.stage``, its bucket keys (``overlap_comm``, ``contiguous_gradients``, ``reduce_bucket_size``,
+``stage3_prefetch_bucket_size``: ``TrainingSpec.deepspeed``), ``data_types.grad_accum_dtype`` where the plan names
+one, ``bf16.enabled`` / ``fp16.enabled``, ``communication_data_type`` (the gradient reduction dtype plan3d costed). Expert parallelism is not a config key
 (DeepSpeed-MoE takes ``ep_size`` in ``deepspeed.moe.layer.MoE``, in model code): MoE plans with ep > 1
 or an expert TP other than tp are refused. DeepSpeed's pipeline engine
 (``deepspeed/runtime/pipe/engine.py``) takes ZeRO stage 0 or 1 only; the config has no context
@@ -25,21 +26,32 @@ from planner.specs import Scenario
 
 def config(sc: Scenario) -> dict:
     p = sc.resolved_plan()
-    return {
+    ds = sc.training.deepspeed
+    # the bucket settings plan3d counted (planner/frameworks/deepspeed.py state_bytes), written out so that the file
+    # holds what was checked whatever a DeepSpeed release defaults to
+    zero = {"stage": p.zero_stage, "overlap_comm": sc.training.overlap_grad_reduce,
+            "contiguous_gradients": ds.contiguous_gradients, "reduce_bucket_size": ds.reduce_bucket_elements}
+    if p.zero_stage >= 3:
+        zero["stage3_prefetch_bucket_size"] = ds.prefetch_bucket_elements
+    out = {
         "train_batch_size": sc.training.global_batch_size,
         "train_micro_batch_size_per_gpu": p.micro_batch_size,
         "gradient_accumulation_steps": p.num_microbatches,
-        "zero_optimization": {"stage": p.zero_stage, "overlap_comm": sc.training.overlap_grad_reduce,
-                              "contiguous_gradients": True},
-        "bf16": {"enabled": True},
-        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        # fp16 training (TrainingSpec.fp16: DeepSpeed's FP16_Optimizer) or bf16
+        "bf16": {"enabled": not sc.training.fp16},
+        "fp16": {"enabled": sc.training.fp16},
         # the gradients' reduction dtype plan3d costed (TrainingSpec.grad_reduce_in_bf16; DeepSpeed's own default
         # under bf16 would be bf16, runtime/engine.py communication_data_type)
-        "communication_data_type": "bf16" if sc.training.grad_reduce_in_bf16 else "fp32",
+        "communication_data_type": ("fp16" if sc.training.fp16 else "bf16") if sc.training.grad_reduce_in_bf16
+        else "fp32",
         "gradient_clipping": 1.0,
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
     }
+    if ds.grad_accum_dtype is not None:  # it picks the optimizer wrapper (frameworks.deepspeed.wrapper_for)
+        out["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
+    return out
 
 
 def check_supported(sc: Scenario) -> None:

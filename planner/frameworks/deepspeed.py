@@ -7,19 +7,29 @@ Code paths (deepspeedai/DeepSpeed ``deepspeed/runtime``):
   full size at stage 1 and partitioned at stage 2, plus their fp32 partition (4 B / N). Its own
   estimator ``estimate_zero2_model_states_mem_needs`` gives ``2 + 18 / N`` B/param ("18 = 2
   grads16 + 4 grads32 + 4 params32 + 8 optim states"; formulas.md A1). With
-  ``contiguous_gradients`` and ``overlap_comm`` (both written by ``plan3d emit deepspeed``) it
-  allocates two ``ipg_buffer`` of ``reduce_bucket_size`` (default 5e8 elements) in bf16: 2 GB.
+  ``contiguous_gradients`` (DeepSpeed's default) each backward allocates an ``ipg_buffer`` of
+  ``reduce_bucket_size`` elements (default 5e8) in the 16-bit dtype, and a second with ``overlap_comm``
+  (``setup_buckets``): 2 GB with both at the defaults; none without ``contiguous_gradients``.
 * **ZeRO-3** (``zero/stage3.py``): everything partitioned; ``estimate_zero3_model_states_mem_needs``
   adds ``4 x largest_layer_params`` (the gathered bf16 layer and its bf16 gradient), plus the
-  prefetch bucket ``stage3_prefetch_bucket_size`` (5e7 elements) and one reduce bucket.
-* **ZeRO-0** with bf16 (``bf16_optimizer.py::BF16_Optimizer``, which the engine picks for bf16 without ZeRO):
-  bf16 parameters and gradients, a full-size fp32 gradient accumulation buffer
-  (``fp32_groups_gradients_flat``), and the fp32 master and Adam states of 1/N of the parameters
-  (``_setup_for_real_optimizer``: ``fp32_groups_flat_partition`` is this rank's partition of the flat
+  prefetch bucket ``stage3_prefetch_bucket_size`` (5e7 elements) and, with ``contiguous_gradients``, one reduce
+  bucket whatever ``overlap_comm`` says (``stage3.py``: one ``bucket.buffer`` of ``reduce_bucket_size``).
+* **Which optimizer wrapper** (:func:`optimizer_wrapper`): the engine picks it in
+  ``engine.py::_do_optimizer_sanity_check`` from the ZeRO stage, the model dtype, ``data_types.grad_accum_dtype``
+  (default: the model dtype, ``get_data_types``) and whether the model is a ``PipelineModule``. Checked on the
+  engine itself on CPU (tests/deepspeed_engine_probe.py, tests/test_deepspeed_engine.py).
+* **BF16_Optimizer** (``bf16_optimizer.py``; bf16 at ZeRO-0 under the pipeline engine, or ZeRO stage 1 with
+  ``grad_accum_dtype`` fp32): bf16 parameters and gradients, a full-size gradient accumulation buffer
+  (``fp32_groups_gradients_flat``, in ``grad_accum_dtype``), and the fp32 master and Adam states of 1/N of the
+  parameters (``_setup_for_real_optimizer``: ``fp32_groups_flat_partition`` is this rank's partition of the flat
   bf16 group, and the wrapped optimizer steps only it; BigScience's BLOOM scripts: "bf16 must use z0! it
-  implements its own zero stage 1 equivalent"): 2 + 2 + 4 + 12 / N B. With fp16
-  (``training.fp16``; ``fp16/fused_optimizer.py::FP16_Optimizer``) the fp32 master, its fp32 gradient and
-  Adam's states are whole: 2 + 2 + 4 + 12 B.
+  implements its own zero stage 1 equivalent"): 2 + 2 + 4 + 12 / N B. The buffer is counted in fp32 unless the
+  config says bf16: before deepspeedai/DeepSpeed#7790 (January 2026) bf16 without ZeRO defaulted to fp32
+  accumulation, so a config that names no dtype got fp32 there.
+* **FP16_Optimizer** (``fp16/fused_optimizer.py``, or ``FP16_UnfusedOptimizer``; fp16 at ZeRO-0, and since
+  deepspeedai/DeepSpeed#7790 also bf16 at ZeRO-0 without a pipeline, the engine's ``DDP_BFLOAT16``): the fp32
+  master, its fp32 gradient and Adam's states whole: 2 + 2 + 4 + 12 B. Releases before #7790 ran BF16_Optimizer
+  there, which holds less; plan3d counts the larger.
 * **Pipeline engine** (``pipe/engine.py``): ZeRO 0 or 1 only ("ZeRO-2 and ZeRO-3 are incompatible
   with pipeline parallelism"), no interleaved schedule, layers split by ``PipelineModule``'s
   ``partition_method`` (``pipe/module.py::_partition_layers``): ``type:<regex>`` gives each layer whose class
@@ -39,9 +49,53 @@ import functools
 from planner.frameworks import FrameworkProfile, StateBytes
 from planner.frameworks.megatron import logits_bytes_per_element
 
-REDUCE_BUCKET_ELEMENTS = 5e8  # zero/config.py: reduce_bucket_size default 500,000,000
-PREFETCH_BUCKET_ELEMENTS = 5e7  # zero/config.py: stage3_prefetch_bucket_size default 50,000,000
 BF16, FP32, MASTER_AND_ADAM = 2, 4, 12
+
+
+def optimizer_wrapper(training, zero_stage: int, pp: int) -> str:
+    """The optimizer DeepSpeed's engine wraps Adam in for this job (:func:`wrapper_for`); the pipeline engine runs
+    when ``training.deepspeed.pipeline_engine`` says so, or, where it says nothing, when pp > 1."""
+    pipe = training.deepspeed.pipeline_engine
+    return wrapper_for(training.precision, training.fp16, training.deepspeed.grad_accum_dtype,
+                       pp > 1 if pipe is None else pipe, zero_stage)
+
+
+def wrapper_for(precision: str, fp16: bool, grad_accum_dtype: str | None, pipeline_engine: bool,
+                zero_stage: int) -> str:
+    """The optimizer DeepSpeed's engine wraps Adam in: ``"zero"`` (``DeepSpeedZeroOptimizer`` or its stage-3
+    form), ``"bf16_optimizer"`` (``BF16_Optimizer``), ``"fp16_optimizer"`` (``FP16_Optimizer`` /
+    ``FP16_UnfusedOptimizer``) or ``"fp32"`` (none). deepspeed 0.19.8 ``runtime/engine.py``
+    ``_do_optimizer_sanity_check``, with ``grad_accum_dtype`` defaulting to the model dtype (``get_data_types``):
+
+    * ZeRO 1-3: ``BF16_Optimizer`` for bf16 at stage 1 with ``grad_accum_dtype`` fp32 (and no CPU offload, which
+      plan3d refuses), else the ZeRO optimizer;
+    * ZeRO 0, bf16: ``BF16_Optimizer`` under the pipeline engine (``pipeline_parallelism``), else
+      ``FP16_Optimizer`` in bf16 (``DDP_BFLOAT16``; deepspeedai/DeepSpeed#7790). With ``grad_accum_dtype`` fp32
+      0.19.8 raises ``NotImplementedError``; earlier releases ran ``BF16_Optimizer`` (the mix ``plan3d check``
+      notes), taken here;
+    * ZeRO 0, fp16: ``FP16_Optimizer``.
+
+    fp8 training is bf16 to the engine (the model dtype). Asked of the engine on CPU for every case
+    (tests/test_deepspeed_engine.py)."""
+    if precision == "fp32":
+        return "fp32"
+    if zero_stage >= 1:
+        return "bf16_optimizer" if zero_stage == 1 and not fp16 and grad_accum_dtype == "fp32" else "zero"
+    if fp16:
+        return "fp16_optimizer"
+    return "bf16_optimizer" if grad_accum_dtype == "fp32" or pipeline_engine else "fp16_optimizer"
+
+
+def reduce_buffer_count(training, zero_stage: int) -> int:
+    """Reduce buckets of ``reduce_bucket_size`` elements a ZeRO optimizer holds through a backward: none without
+    ``contiguous_gradients``; stage 1-2 one, two with ``overlap_comm`` (``TrainingSpec.overlap_grad_reduce``;
+    0.19.8 ``stage_1_and_2.py::setup_buckets``); stage 3 one (``stage3.py``). Counted on the engine on CPU
+    (tests/deepspeed_engine_probe.py)."""
+    if not training.deepspeed.contiguous_gradients or zero_stage == 0:
+        return 0
+    if zero_stage >= 3:
+        return 1
+    return 2 if training.overlap_grad_reduce else 1
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
@@ -50,12 +104,18 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     without expert parallelism (``PROFILE.allows_ep`` is False), so the experts are ordinary
     parameters, sharded over dp x cp like the rest: ``expert_params`` changes nothing."""
     P, Pl, n, z = stage_params, layer_params, plan.dp * plan.cp, plan.zero_stage
-    if training.precision == "fp32":
+    wrapper = optimizer_wrapper(training, z, plan.pp)
+    if wrapper == "fp32":
         return StateBytes(weights_bytes=FP32 * P, grads_bytes=FP32 * P, optimizer_bytes=8 * P / (n if z else 1))
-    if z == 0:  # BF16_Optimizer shards the master and Adam over the data-parallel ranks; FP16_Optimizer does not
-        return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + FP32) * P,
-                          optimizer_bytes=MASTER_AND_ADAM * P / (1 if training.fp16 else n))
-    buckets = (2 if training.overlap_grad_reduce else 1) * REDUCE_BUCKET_ELEMENTS * BF16
+    if wrapper in ("bf16_optimizer", "fp16_optimizer"):
+        # BF16_Optimizer shards the master and Adam over the data-parallel ranks; FP16_Optimizer does not. The
+        # accumulation buffer is fp32 unless the config says bf16 (module docstring)
+        accum = BF16 if training.deepspeed.grad_accum_dtype in ("bf16", "fp16") and wrapper == "bf16_optimizer" \
+            else FP32
+        return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + accum) * P,
+                          optimizer_bytes=MASTER_AND_ADAM * P / (n if wrapper == "bf16_optimizer" else 1))
+    bucket_elements = training.deepspeed.reduce_bucket_elements
+    buckets = reduce_buffer_count(training, z) * bucket_elements * BF16
     if z == 1:
         return StateBytes(weights_bytes=BF16 * P, grads_bytes=BF16 * P + FP32 * P / n + buckets,
                           optimizer_bytes=MASTER_AND_ADAM * P / n)
@@ -63,8 +123,8 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + FP32) * P / n + buckets,
                           optimizer_bytes=MASTER_AND_ADAM * P / n)
     working = BF16 * min(P, Pl)  # one gathered layer (and, in grads, its bf16 gradient)
-    return StateBytes(weights_bytes=BF16 * P / n + working + PREFETCH_BUCKET_ELEMENTS * BF16,
-                      grads_bytes=(BF16 + FP32) * P / n + working + REDUCE_BUCKET_ELEMENTS * BF16,
+    return StateBytes(weights_bytes=BF16 * P / n + working + training.deepspeed.prefetch_bucket_elements * BF16,
+                      grads_bytes=(BF16 + FP32) * P / n + working + buckets,
                       optimizer_bytes=MASTER_AND_ADAM * P / n)
 
 

@@ -365,17 +365,33 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
             "capacity_factor": capacity if capacity > 0 else None}
 
 
-def deepspeed_bf16_optimizer(a: Args, ds_config: dict) -> bool:
-    """Whether DeepSpeed runs ``BF16_Optimizer`` for this config at ZeRO stage 0: bf16 accumulates gradients in
-    fp32 (engine.py ``get_data_types``: bf16 and no ZeRO) and the engine wraps the optimizer in it
-    (``_do_optimizer_sanity_check``); it keeps the fp32 master weights and the optimizer states of 1/dp of the
-    parameters per rank and full-size fp32 gradients (bf16_optimizer.py; BigScience's BLOOM scripts: "bf16
-    must use z0! it implements its own zero stage 1 equivalent"). An explicit ``data_types.grad_accum_dtype``
-    other than fp32 turns it off, and so does fp16 (FP16_Optimizer, whole optimizer states: ``TrainingSpec.fp16``)."""
-    bf16 = _section(ds_config, "bf16", a).get("enabled") is True or \
-        _section(ds_config, "bfloat16", a).get("enabled") is True
-    accum = _section(ds_config, "data_types", a).get("grad_accum_dtype")
-    return bf16 and accum in (None, "fp32", "float32", "float")
+def deepspeed_optimizer_notes(training: dict, plan: dict) -> list[str]:
+    """What DeepSpeed's engine holds for the optimizer it picks (planner.frameworks.deepspeed.wrapper_for), as
+    ``plan3d check`` notes."""
+    from planner.frameworks.deepspeed import wrapper_for
+
+    ds = training.get("deepspeed", {})
+    accum, pipe, zero = ds.get("grad_accum_dtype"), ds.get("pipeline_engine"), plan["zero_stage"]
+    wrapper = wrapper_for(training["precision"], training["fp16"], accum, plan["pp"] > 1 if pipe is None else pipe,
+                          zero)
+    notes = []
+    model_dtype = "fp16" if training["fp16"] else "bf16"
+    if zero == 0 and accum not in (None, model_dtype) and training["precision"] != "fp32":
+        notes.append(f"DeepSpeed 0.19.8 refuses ZeRO stage 0 with {model_dtype} weights and data_types.grad_accum_dtype "
+                     f"{accum} (engine.py _do_optimizer_sanity_check: NotImplementedError)"
+                     + ("; earlier releases ran BF16_Optimizer, counted here" if accum == "fp32" else ""))
+    if wrapper == "bf16_optimizer":
+        notes.append(f"DeepSpeed at ZeRO stage {zero} runs BF16_Optimizer here: the fp32 master weights and optimizer "
+                     "states sharded over the data-parallel ranks, a full-size gradient accumulation buffer next to "
+                     "the bf16 gradients (bf16_optimizer.py): 2 + 2 + 4 + 12/dp B per parameter"
+                     + ("" if accum == "bf16" else ", the buffer counted in fp32 (the dtype DeepSpeed used before "
+                        "deepspeedai/DeepSpeed#7790 when the config names none)"))
+    elif wrapper == "fp16_optimizer" and not training["fp16"]:
+        notes.append("DeepSpeed bf16 at ZeRO stage 0 without its pipeline engine runs FP16_Optimizer in bf16 "
+                     "(0.19.8 engine.py: DDP_BFLOAT16; deepspeedai/DeepSpeed#7790): whole fp32 master weights and "
+                     "optimizer states, 2 + 2 + 4 + 12 B per parameter; releases before it ran BF16_Optimizer, "
+                     "which holds less")
+    return notes
 
 
 def grads_16bit(a: Args) -> bool:
@@ -389,6 +405,51 @@ def grads_16bit(a: Args) -> bool:
     if a.has("--fp16") and not a.has("--bf16"):
         return not a.has("--accumulate-allreduce-grads-in-fp32")
     return a.has("--bf16") and (a.has("--grad-reduce-in-bf16") or a.get("--main-grads-dtype") == "bf16")
+
+
+#: DeepSpeed's names for each dtype (0.19.8 runtime/config.py DtypeEnum), as plan3d's DeepSpeedZero spells them
+DEEPSPEED_DTYPES = {**dict.fromkeys(("torch.float16", "fp16", "float16", "half"), "fp16"),
+                    **dict.fromkeys(("torch.float32", "fp32", "float32", "float"), "fp32"),
+                    **dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16"), "bf16")}
+
+
+def deepspeed_zero_settings(a: Args, ds_config: dict) -> tuple[dict, bool]:
+    """(``TrainingSpec.deepspeed``, ``overlap_comm``) from a DeepSpeed config, read as DeepSpeed's pydantic config
+    classes read it (0.19.8 ``runtime/zero/config.py`` ``DeepSpeedZeroConfig``, ``runtime/config_utils.py``
+    ``DeepSpeedConfigModel``): a key set to ``"auto"`` is dropped (the default stands), booleans and integers are
+    pydantic's lax ones (``"yes"``, ``0``; ``5e8``), and the defaults are ``contiguous_gradients`` true,
+    ``reduce_bucket_size`` 5e8 (> 0), ``stage3_prefetch_bucket_size`` 5e7 (>= 0), ``overlap_comm`` true at stage 3
+    only; ``data_types.grad_accum_dtype`` takes ``DtypeEnum``'s names. What DeepSpeed refuses is a one-line error
+    (tests/test_deepspeed_engine.py parses the same sections with DeepSpeed's class)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    zero = {k: v for k, v in _section(ds_config, "zero_optimization", a).items() if v != "auto"}
+
+    def lax(key: str, kind: type, default, minimum: int | None = None, alias: str | None = None):
+        value = zero.get(key, zero.get(alias, default) if alias else default)
+        if value is None:
+            return default
+        try:
+            value = TypeAdapter(kind).validate_python(value)
+        except ValidationError:
+            value = None
+        if value is None or (minimum is not None and value < minimum):
+            want = f"an integer >= {minimum}" if minimum is not None else "true or false"
+            raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.{key}: "
+                            f"{zero.get(key, zero.get(alias) if alias else None)!r} is not {want} (DeepSpeed refuses it)")
+        return value
+
+    stage = zero.get("stage", 0)
+    accum = _section(ds_config, "data_types", a).get("grad_accum_dtype")
+    if accum is not None and (not isinstance(accum, str) or accum not in DEEPSPEED_DTYPES):
+        raise SpecError(f"{a.path}: DeepSpeed config data_types.grad_accum_dtype: {accum!r} is not one of fp32, "
+                        "fp16, bf16")
+    settings = {"grad_accum_dtype": DEEPSPEED_DTYPES[accum] if accum is not None else None,
+                "contiguous_gradients": lax("contiguous_gradients", bool, True),
+                "reduce_bucket_elements": lax("reduce_bucket_size", int, 500_000_000, 1),
+                "prefetch_bucket_elements": lax("stage3_prefetch_bucket_size", int, 50_000_000, 0,
+                                                "prefetch_bucket_size")}
+    return settings, lax("overlap_comm", bool, stage == 3)
 
 
 def deepspeed_comm_16bit(a: Args, ds_config: dict) -> bool:
@@ -672,21 +733,29 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     elif _layout(a, pp) is not None:
         vpp = _layout(a, pp)[1]
         per_chunk_layers = max(1, per_chunk_layers // vpp)
-    if a.has("--deepspeed") and pp > 1 and zero_stage(a, ds_config) >= 2:
+    if a.has("--deepspeed") and (pp > 1 or not a.has("--no-pipeline-parallel")) and zero_stage(a, ds_config) >= 2:
+        # without --no-pipeline-parallel Megatron-DeepSpeed builds a PipelineModule even on one stage
         raise SpecError(f"{a.path}:{a.line('--deepspeed')}: DeepSpeed's pipeline engine refuses ZeRO stage 2 or 3 "
-                        "with pipeline parallelism (deepspeed/runtime/pipe/engine.py); use stage 0/1 or "
-                        "--no-pipeline-parallel")
+                        "(deepspeed/runtime/pipe/engine.py), and Megatron-DeepSpeed runs it unless "
+                        "--no-pipeline-parallel; use stage 0/1, or pp 1 with --no-pipeline-parallel")
     flash_flags = ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton")
     if a.has("--deepspeed"):  # Megatron-DeepSpeed's attention is unfused unless a flash flag is given
         attention = "flash" if any(a.has(f) for f in flash_flags) else "materialized"
     else:
         attention = "materialized" if a.get("--attention-backend") in ("unfused", "local") else "flash"
+    ds_settings = deepspeed_zero_settings(a, ds_config) if a.has("--deepspeed") and ds_config is not None else None
+    if ds_settings is not None:
+        # Megatron-DeepSpeed's pretrain_gpt.py builds GPTModelPipe (a PipelineModule, so DeepSpeed's PipelineEngine)
+        # unless --no-pipeline-parallel, whatever the stage count
+        ds_settings[0]["pipeline_engine"] = not a.has("--no-pipeline-parallel")
     training = {"num_gpus": gpus, "global_batch_size": gbs, "seq_len": a.int("--seq-length"),
                 "precision": precision, "attention": attention,
                 # a Megatron-DeepSpeed launch runs DeepSpeed's engine: its ZeRO stages, BF16_Optimizer, buckets and
                 # pipeline partitions (planner/frameworks/deepspeed.py)
                 "framework": "deepspeed" if a.has("--deepspeed") else "megatron",
-                "overlap_grad_reduce": a.has("--overlap-grad-reduce"), "fp16": fp16,
+                # under --deepspeed the engine overlaps as its config's overlap_comm says (deepspeed_zero_settings)
+                "overlap_grad_reduce": a.has("--overlap-grad-reduce") if ds_settings is None else ds_settings[1],
+                "fp16": fp16, **({"deepspeed": ds_settings[0]} if ds_settings is not None else {}),
                 "grad_reduce_in_bf16": deepspeed_comm_16bit(a, ds_config) if a.has("--deepspeed") and ds_config is not None
                 else grads_16bit(a),
                 # each full-recompute checkpoint keeps 1/tp of its input (memory.saved_bytes_per_layer_kind); under
@@ -733,15 +802,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
             "microbatch_group_size": (a.count("--microbatch-group-size-per-virtual-pipeline-stage")
                                       if a.has("--microbatch-group-size-per-virtual-pipeline-stage") and vpp > 1
                                       else None)}
-    if a.has("--deepspeed") and ds_config is not None and plan["zero_stage"] == 0 and not fp16:
-        if deepspeed_bf16_optimizer(a, ds_config):
-            notes.append("DeepSpeed bf16 with ZeRO stage 0: BF16_Optimizer shards the fp32 master weights and "
-                         "optimizer states over the data-parallel ranks and keeps full fp32 gradients next to the bf16 "
-                         "ones, which it zeroes but keeps (bf16_optimizer.py clear_lp_grads): 2 + 2 + 4 + 12/dp B per "
-                         "parameter")
-        else:
-            notes.append("DeepSpeed bf16 with ZeRO stage 0 and no fp32 gradient accumulation: counted as "
-                         "BF16_Optimizer's 2 + 2 + 4 + 12/dp B per parameter, more than this config holds")
+    if ds_settings is not None:
+        notes += deepspeed_optimizer_notes(training, plan)
     if plan["recompute"] == "selective" and not a.has("--deepspeed"):  # Megatron-Core checks them only then
         training["recompute_modules"] = recompute_modules(a)
     return model, training, plan, notes

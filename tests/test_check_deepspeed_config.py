@@ -1,0 +1,130 @@
+"""``plan3d check`` reads what a Megatron-DeepSpeed launch's DeepSpeed config sets for the engine's own buffers and
+optimizer (planner/readers/megatron.py deepspeed_zero_settings, planner/frameworks/deepspeed.py): the reduce buckets
+(``reduce_bucket_size``, ``contiguous_gradients``, ``overlap_comm``), ``data_types.grad_accum_dtype``, and whether
+the model is a ``PipelineModule`` (no ``--no-pipeline-parallel``). The engine's side of each rule is asked of
+DeepSpeed itself in tests/test_deepspeed_engine.py; here the figures are hand-computed from the model's parameter
+count."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from planner.check import check_file_branches
+from planner.estimate import estimate
+from planner.memory import GIB, stage_params_per_rank
+from planner.presets import load_hardware
+
+H100 = load_hardware("h100-sxm-80gb")
+LAUNCH = Path(__file__).parent / "data" / "launch"
+
+
+def _check(tmp_path, zero: dict, bf16: bool = True, data_types: dict | None = None, script_edit=None):
+    script = (LAUNCH / "megatron_deepspeed_gpt_1.3B.sh").read_text()
+    if bf16:
+        script = script.replace("--fp16\"", "--bf16\"")
+    if script_edit:
+        script = script_edit(script)
+    (tmp_path / "run.sh").write_text(script)
+    config = json.loads((LAUNCH / "ds_config_gpt_1.3B.json").read_text())
+    config["zero_optimization"] = zero
+    if bf16:
+        config.pop("fp16")
+        config["bf16"] = {"enabled": True}
+    if data_types:
+        config["data_types"] = data_types
+    (tmp_path / "ds_config_gpt_1.3B.json").write_text(json.dumps(config))
+    (r,) = check_file_branches(tmp_path / "run.sh", H100, None, None)
+    return r
+
+
+def _stage0(r):
+    return estimate(r.scenario).memory.stages[0]
+
+
+def test_reduce_bucket_size_and_overlap_comm_size_the_buckets(tmp_path):
+    """ZeRO 2 with overlap_comm holds two buffers of reduce_bucket_size bf16 elements: 2e9 elements is 8e9 B against
+    the 5e8 default's 2e9; without contiguous_gradients, none (0.19.8 stage_1_and_2.py setup_buckets)."""
+    base = _check(tmp_path, {"stage": 2, "overlap_comm": True})
+    big = _check(tmp_path, {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 2e9})
+    none = _check(tmp_path, {"stage": 2, "overlap_comm": True, "contiguous_gradients": False})
+    one = _check(tmp_path, {"stage": 2})  # overlap_comm's default at stage 2 is false: one buffer
+    for r in (base, big, none, one):
+        assert not r.errors, r.errors
+    assert big.scenario.training.deepspeed.reduce_bucket_elements == 2_000_000_000
+    assert _stage0(big).grads_bytes - _stage0(base).grads_bytes == pytest.approx(2 * (2e9 - 5e8) * 2)
+    assert _stage0(base).grads_bytes - _stage0(none).grads_bytes == pytest.approx(2 * 5e8 * 2)
+    assert _stage0(base).grads_bytes - _stage0(one).grads_bytes == pytest.approx(5e8 * 2)
+    assert one.scenario.training.overlap_grad_reduce is False and base.scenario.training.overlap_grad_reduce is True
+
+
+def test_bf16_zero0_without_a_pipeline_holds_the_whole_optimizer(tmp_path):
+    """bf16 at ZeRO 0 with --no-pipeline-parallel runs FP16_Optimizer in bf16 (deepspeedai/DeepSpeed#7790): the fp32
+    master and Adam states whole, 12 B per parameter on every rank, where the BF16_Optimizer plan3d used to assume
+    held 12/dp. The same launch as a one-stage PipelineModule (no --no-pipeline-parallel) runs BF16_Optimizer."""
+    plain = _check(tmp_path, {"stage": 0})
+    piped = _check(tmp_path, {"stage": 0}, script_edit=lambda s: s.replace("    --no-pipeline-parallel \\\n", ""))
+    for r in (plain, piped):
+        assert not r.errors, r.errors
+    plan = plain.scenario.resolved_plan()
+    p = stage_params_per_rank(plain.scenario.model, plan, 0, 24)
+    assert _stage0(plain).optimizer_bytes == pytest.approx(12 * p)
+    assert _stage0(piped).optimizer_bytes == pytest.approx(12 * p / plan.dp)
+    assert any("FP16_Optimizer" in n for n in plain.notes) and any("BF16_Optimizer" in n for n in piped.notes)
+    assert _stage0(plain).total_bytes - _stage0(piped).total_bytes > 1.0 * GIB
+
+
+def test_zero1_with_fp32_accumulation_is_bf16_optimizer(tmp_path):
+    """ZeRO 1 in bf16 with data_types.grad_accum_dtype fp32 runs BF16_Optimizer, not the ZeRO optimizer: the
+    full-size fp32 accumulation buffer instead of a 1/dp fp32 partition, and no reduce buckets."""
+    zero = _check(tmp_path, {"stage": 1})
+    bf16opt = _check(tmp_path, {"stage": 1}, data_types={"grad_accum_dtype": "float32"})
+    for r in (zero, bf16opt):
+        assert not r.errors, r.errors
+    assert bf16opt.scenario.training.deepspeed.grad_accum_dtype == "fp32"
+    plan = zero.scenario.resolved_plan()
+    p = stage_params_per_rank(zero.scenario.model, plan, 0, 24)
+    assert _stage0(zero).grads_bytes == pytest.approx(2 * p + 4 * p / plan.dp + 5e8 * 2)
+    assert _stage0(bf16opt).grads_bytes == pytest.approx(6 * p)
+    assert any("BF16_Optimizer" in n for n in bf16opt.notes)
+
+
+def test_zero2_needs_no_pipeline_parallel(tmp_path):
+    """Without --no-pipeline-parallel Megatron-DeepSpeed builds a PipelineModule even on one stage, and DeepSpeed's
+    PipelineEngine asserts ZeRO < 2: refused with the flag named."""
+    r = _check(tmp_path, {"stage": 2}, script_edit=lambda s: s.replace("    --no-pipeline-parallel \\\n", ""))
+    assert r.errors and "--no-pipeline-parallel" in r.errors[0]
+
+
+def test_zero0_with_fp32_accumulation_is_noted(tmp_path):
+    """DeepSpeed 0.19.8 refuses ZeRO 0 with bf16 weights and fp32 accumulation; earlier releases ran BF16_Optimizer,
+    which check counts and says so."""
+    r = _check(tmp_path, {"stage": 0}, data_types={"grad_accum_dtype": "fp32"})
+    assert not r.errors, r.errors
+    assert any("refuses ZeRO stage 0" in n for n in r.notes)
+
+
+def test_emitted_config_round_trips_its_bucket_settings(tmp_path):
+    """A plan's DeepSpeed settings are written by ``emit deepspeed``; ``check`` on the written config (with its plan
+    file) reads them back and judges the same memory, and refuses the pair once the config is edited away from the
+    plan."""
+    from planner.emit import render_all
+    from planner.io import write_all
+
+    r = _check(tmp_path, {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 123456789,
+                          "contiguous_gradients": True})
+    out = tmp_path / "out"
+    files = write_all(out, render_all(r.scenario, ["deepspeed", "plan"]))
+    (config,) = [f for f in files if f.name.endswith(".deepspeed.json")]
+    assert json.loads(config.read_text())["zero_optimization"] == {
+        "stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 123456789}
+    (back,) = check_file_branches(config, H100, None, None)
+    assert not back.errors, back.errors
+    assert back.scenario.training.deepspeed == r.scenario.training.deepspeed
+    assert estimate(back.scenario).memory.peak_gib == pytest.approx(estimate(r.scenario).memory.peak_gib)
+    edited = json.loads(config.read_text())
+    edited["zero_optimization"]["reduce_bucket_size"] = 5e8
+    config.write_text(json.dumps(edited))
+    (bad,) = check_file_branches(config, H100, None, None)
+    assert bad.errors and "reduce_bucket_size" in bad.errors[0]
