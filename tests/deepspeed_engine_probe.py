@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
 BUCKET = 1000  # reduce_bucket_size in the bucket cases (elements)
 #: zero_optimization sections DeepSpeedZeroConfig parses, for the reader's own parse to match
 ZERO_SECTIONS = [{}, {"stage": 3}, {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 2e8},
@@ -101,13 +96,9 @@ def _worker(port: int) -> dict:
 
 def run_probe(timeout_s: float = 900) -> dict:
     """Runs the probe in a fresh process and returns its JSON."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = os.environ | {"PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, __file__, str(port)], capture_output=True, text=True, timeout=timeout_s,
-                         cwd=REPO, env=env, check=True)
-    return json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
+    from tests.subprocess_probe import run_json_probe
+
+    return run_json_probe(__file__, timeout_s)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _worker(port: int) -> dict:
@@ -58,14 +53,9 @@ def _worker(port: int) -> dict:
 
 def run_probe(timeout_s: float = 600) -> dict:
     """Runs the probe in a fresh process; returns ``{stage: [[is_boundary, reductions], ...]}``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = os.environ | {"PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, __file__, str(port)], capture_output=True, text=True, timeout=timeout_s,
-                         cwd=REPO, env=env, check=True)
-    line = [x for x in res.stdout.splitlines() if x.startswith("{")][-1]
-    return {int(k): v for k, v in json.loads(line).items()}
+    from tests.subprocess_probe import run_json_probe
+
+    return {int(k): v for k, v in run_json_probe(__file__, timeout_s).items()}
 
 
 if __name__ == "__main__":
