@@ -1251,6 +1251,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.pipeline_kept_outputs != "none" and training.framework not in ("torchtitan", "torch"):
         errors.append(f"pipeline_kept_outputs: {training.framework} does not run torch.distributed.pipelining, whose "
                       "schedules keep the stage outputs; use framework torchtitan or torch, or drop it")
+    if training.deepspeed != DeepSpeedZero() and training.framework != "deepspeed":
+        errors.append(f"deepspeed: DeepSpeed's engine settings are read for framework deepspeed only, and "
+                      f"{training.framework} would ignore them; use framework deepspeed, or drop the deepspeed section")
     if training.compile and training.framework not in ("torchtitan", "torch"):  # torch: torchtitan's code, as read
         errors.append(f"compile: torch.compile of the blocks and the loss is modelled for torchtitan only "
                       f"(--compile.enable); {training.framework} runs eager here, drop compile")

@@ -128,3 +128,17 @@ def test_emitted_config_round_trips_its_bucket_settings(tmp_path):
     config.write_text(json.dumps(edited))
     (bad,) = check_file_branches(config, H100, None, None)
     assert bad.errors and "reduce_bucket_size" in bad.errors[0]
+
+
+def test_deepspeed_settings_on_another_framework_are_refused():
+    """A plan file with a ``deepspeed:`` section under another framework would have it ignored: a one-line problem
+    naming the field."""
+    from planner.specs import DeepSpeedZero, TrainingSpec, job_problems
+    from planner.presets import load_model
+
+    model = load_model("llama3-8b")
+    odd = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, deepspeed=DeepSpeedZero(reduce_bucket_elements=5))
+    (line,) = [p for p in job_problems(model, H100, odd) if p.startswith("deepspeed:")]
+    assert "framework deepspeed" in line
+    assert not [p for p in job_problems(model, H100, odd.model_copy(update={"framework": "deepspeed"}))
+                if p.startswith("deepspeed:")]
