@@ -1316,6 +1316,10 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     errors += cuda_graph_problems(model, training, plan)
     from planner.frameworks import get as framework_profile
 
+    if training.framework == "deepspeed" and training.deepspeed.pipeline_engine and plan.zero_stage >= 2:
+        errors.append(f"zero_stage: DeepSpeed's pipeline engine (training.deepspeed.pipeline_engine) refuses ZeRO stage "
+                      f"{plan.zero_stage} (deepspeed/runtime/pipe/engine.py); use stage 0/1, or a plain model "
+                      "(Megatron-DeepSpeed --no-pipeline-parallel)")
     errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
     return errors + job_problems(model, hardware, training)
 

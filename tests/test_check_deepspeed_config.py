@@ -142,3 +142,18 @@ def test_deepspeed_settings_on_another_framework_are_refused():
     assert "framework deepspeed" in line
     assert not [p for p in job_problems(model, H100, odd.model_copy(update={"framework": "deepspeed"}))
                 if p.startswith("deepspeed:")]
+
+
+def test_a_pipeline_engine_plan_at_zero2_is_a_plan_problem():
+    """A plan file that says the model is a PipelineModule (pipeline_engine) cannot take ZeRO 2-3, as the engine
+    asserts, even on one stage."""
+    from planner.presets import load_model
+    from planner.specs import DeepSpeedZero, Plan, TrainingSpec, plan_problems
+
+    model = load_model("llama3-8b")
+    training = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, framework="deepspeed",
+                            deepspeed=DeepSpeedZero(pipeline_engine=True))
+    for zero, refused in ((1, False), (2, True), (3, True)):
+        plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=1, zero_stage=zero)
+        lines = [p for p in plan_problems(model, H100, training, plan) if "pipeline engine" in p]
+        assert bool(lines) is refused, (zero, lines)
