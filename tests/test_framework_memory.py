@@ -630,3 +630,28 @@ def test_search_tables_hold_the_precision_aware_optimizer():
     assert len(keys) > 20 and {tables.plan(k).zero_stage for k in keys} == {1}
     for k in keys[:: max(1, len(keys) // 25)]:
         assert_entry_is_estimate(LLAMA, H100, tr, tables, k)
+
+
+@pytest.mark.parametrize("pp, stage, module_elements", [
+    (1, 0, 128256 * 4096),   # both untied embeddings on the one stage, gathered one at a time
+    (2, 0, 128256 * 4096),   # the input embedding
+    (2, 1, 128256 * 4096),   # the output layer
+])
+def test_deepspeed_zero3_gathers_the_largest_module_on_the_stage(pp, stage, module_elements):
+    """DeepSpeed ZeRO-3 gathers a whole module for its forward and backward (partitioned_param_coordinator.py
+    fetch_sub_module): on Llama-3-8B's first and last stages that is a 128,256 x 4096 embedding (525e6 elements),
+    more than a layer (218,112,000). Weights and gradients each hold it in bf16 beside their 1/N shards."""
+    plan = Plan(tp=1, pp=pp, dp=8, micro_batch_size=1, zero_stage=3)
+    layers = 32 // pp
+    tr = _training("deepspeed")
+    st = stage_state_bytes(LLAMA, tr, plan, stage, layers)
+    p = stage_params_per_rank(LLAMA, plan, stage, layers)
+    assert LLAMA.vocab_size == 128256 and LLAMA.hidden_size == 4096
+    norm_b = 2 * 4096  # the final norm, which plan3d does not tell apart from the embedding it sits beside
+    assert st.weights_bytes == pytest.approx(2 * p / 8 + 2 * module_elements + 2 * 5e7, abs=norm_b)
+    assert st.grads_bytes == pytest.approx(6 * p / 8 + 2 * module_elements + 2 * 5e8, abs=norm_b)
+    # a middle stage gathers a layer
+    if pp == 4 or stage == 0:
+        mid = stage_state_bytes(LLAMA, tr, Plan(tp=1, pp=4, dp=8, micro_batch_size=1, zero_stage=3), 1, 8)
+        pm = stage_params_per_rank(LLAMA, Plan(tp=1, pp=4, dp=8, micro_batch_size=1, zero_stage=3), 1, 8)
+        assert mid.weights_bytes == pytest.approx(2 * pm / 8 + 2 * 218_112_000 + 2 * 5e7)

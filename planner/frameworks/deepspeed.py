@@ -11,7 +11,8 @@ Code paths (deepspeedai/DeepSpeed ``deepspeed/runtime``):
   ``reduce_bucket_size`` elements (default 5e8) in the 16-bit dtype, and a second with ``overlap_comm``
   (``setup_buckets``): 2 GB with both at the defaults; none without ``contiguous_gradients``.
 * **ZeRO-3** (``zero/stage3.py``): everything partitioned; ``estimate_zero3_model_states_mem_needs``
-  adds ``4 x largest_layer_params`` (the gathered bf16 layer and its bf16 gradient), plus the
+  adds ``4 x largest_layer_params`` (the gathered bf16 module and its bf16 gradient: a transformer layer, or the
+  embedding or output layer on the stages that hold them), plus the
   prefetch bucket ``stage3_prefetch_bucket_size`` (5e7 elements) and, with ``contiguous_gradients``, one reduce
   bucket whatever ``overlap_comm`` says (``stage3.py``: one ``bucket.buffer`` of ``reduce_bucket_size``).
 * **Which optimizer wrapper** (:func:`optimizer_wrapper`): the engine picks it in
@@ -122,7 +123,15 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     if z == 2:
         return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + FP32) * P / n + buckets,
                           optimizer_bytes=MASTER_AND_ADAM * P / n)
-    working = BF16 * min(P, Pl)  # one gathered layer (and, in grads, its bf16 gradient)
+    # one gathered module (and, in grads, its bf16 gradient): DeepSpeed gathers a whole module for its forward and
+    # backward (partitioned_param_coordinator.py fetch_sub_module), and on the stages that hold them the input
+    # embedding or the output layer (V x h / tp each) outweighs a transformer layer (Llama-3-8B: 525e6 elements
+    # against 218e6); with pp 1 and untied embeddings both sit on the one stage and are gathered one at a time.
+    # What the coordinator keeps gathered beyond that (reuse distance, prefetch marks) is not counted:
+    # benchmarks/deepspeed_zero3_gathered.py, docs/memory.md Known limits
+    rest = max(P - layers * Pl, 0.0)
+    largest_module = rest / 2 if plan.pp == 1 and not model.tied_embeddings else rest
+    working = BF16 * min(P, max(Pl, largest_module))
     return StateBytes(weights_bytes=BF16 * P / n + working + training.deepspeed.prefetch_bucket_elements * BF16,
                       grads_bytes=(BF16 + FP32) * P / n + working + buckets,
                       optimizer_bytes=MASTER_AND_ADAM * P / n)
