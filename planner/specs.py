@@ -1251,6 +1251,10 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.pipeline_kept_outputs != "none" and training.framework not in ("torchtitan", "torch"):
         errors.append(f"pipeline_kept_outputs: {training.framework} does not run torch.distributed.pipelining, whose "
                       "schedules keep the stage outputs; use framework torchtitan or torch, or drop it")
+    if training.grad_reduce_in_bf16 and training.framework in ("torchtitan", "torch"):
+        errors.append(f"grad_reduce_in_bf16: {training.framework} reduces gradients in float32 (torchtitan 0.3.0 "
+                      "config/configs.py: training.mixed_precision_reduce takes only \"float32\"; FSDP2's "
+                      "MixedPrecisionPolicy reduce_dtype float32, as plan3d validate runs it); drop grad_reduce_in_bf16")
     if training.deepspeed != DeepSpeedZero() and training.framework != "deepspeed":
         errors.append(f"deepspeed: DeepSpeed's engine settings are read for framework deepspeed only, and "
                       f"{training.framework} would ignore them; use framework deepspeed, or drop the deepspeed section")

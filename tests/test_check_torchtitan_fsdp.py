@@ -74,3 +74,27 @@ def test_unknown_values_are_one_line_errors(tmp_path, section, line, says):
     path.write_text(_with((LAUNCH / "torchtitan_llama3_8b.toml").read_text(), section, line))
     (r,) = check_file_branches(path, H100, None, 8)
     assert r.errors and says in r.errors[0] and "\n" not in r.errors[0], r.errors
+
+
+def test_torchtitan_reduces_gradients_in_fp32_only(tmp_path):
+    """torchtitan 0.3.0 declares ``training.mixed_precision_reduce: Literal["float32"]`` (its own config class,
+    asked here): a TOML asking for another reduce dtype is refused as torchtitan's config manager refuses it, and a
+    torchtitan or torch (plan3d validate's FSDP2) job with bf16 gradient reduction is a one-line problem, where
+    before it was costed at half the reduce-scatter bytes and emitted as a launch that reduces in fp32."""
+    import typing
+
+    configs = pytest.importorskip("torchtitan.config.configs")
+    hint = typing.get_type_hints(configs.TrainingConfig)["mixed_precision_reduce"]
+    assert typing.get_args(hint) == ("float32",)
+    path = tmp_path / "job.toml"
+    path.write_text(_with((LAUNCH / "torchtitan_llama3_8b.toml").read_text(), "training",
+                          'mixed_precision_reduce = "bfloat16"'))
+    (r,) = check_file_branches(path, H100, None, 8)
+    assert r.errors and "mixed_precision_reduce" in r.errors[0]
+    from planner.specs import job_problems
+
+    model = load_model("llama3-8b")
+    for fw, refused in (("torchtitan", True), ("torch", True), ("megatron", False), ("deepspeed", False)):
+        training = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, framework=fw, grad_reduce_in_bf16=True)
+        lines = [p for p in job_problems(model, H100, training) if p.startswith("grad_reduce_in_bf16")]
+        assert bool(lines) is refused, (fw, lines)

@@ -273,6 +273,9 @@ def _precision(tr: dict, fp8: bool, where: str, notes: list[str]) -> str:
     the compute and the saved activations, in fp32 (FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, and no
     autocast without FSDP: torchtitan ``distributed/utils.py`` ``maybe_enable_amp``): plan3d's fp32 training."""
     param = str(tr.get("mixed_precision_param", "bfloat16"))
+    reduce = str(tr.get("mixed_precision_reduce", "float32"))
+    if reduce != "float32":  # 0.3.0 config/configs.py: mixed_precision_reduce: Literal["float32"]
+        raise SpecError(f"{where}: training.mixed_precision_reduce = {reduce!r}: torchtitan takes float32 only")
     if param not in PARAM_DTYPES:
         raise SpecError(f"{where}: training.mixed_precision_param = {param!r}: torchtitan takes "
                         f"{', '.join(PARAM_DTYPES)}")
