@@ -53,7 +53,9 @@ def _job(run: dict, framework: str) -> tuple:
     compiled = "compile" in run["techniques"]
     training = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * dp, seq_len=run["seq"],
                             precision=precision, framework=framework, compile=compiled,
-                            compile_components=("model",) if compiled else ("model", "loss"), attention=ATTENTION)
+                            compile_components=("model",) if compiled else ("model", "loss"), attention=ATTENTION,
+                            # 9dec370 ran eager steps: no whole-step CUDA graph (pytorch/torchtitan#3559, 2026)
+                            step_cuda_graph=False if framework == "torchtitan" else None)
     return model, training, dp
 
 

@@ -446,7 +446,7 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
                  reshard_after_forward: bool = True, recompute: str = "none", microbatches: int = 1,
                  pipeline_nosync: bool = False, last_stage: bool = False, first_stage_in_flight: int = 0,
                  steps: int = 2, recompute_interval: int | None = None,
-                 capacity_gib: float | None = None) -> FakeRankResult:
+                 capacity_gib: float | None = None, zero_grad_set_to_none: bool = True) -> FakeRankResult:
     """Peak memory of rank 0 of a ``dp`` x ``tp`` job training ``spec`` with ``layers`` layers.
 
     FSDP2 over ``dp`` (torchtitan's ``apply_fsdp``: each block, then the root; bf16 params, fp32
@@ -463,7 +463,9 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
     stage 0): k forwards, then one backward (with the gradient the next stage would send, received into
     that micro-batch's own kept buffer as ``PipelineStage`` receives it) per forward, as ``Schedule1F1B`` orders them. ``steps`` optimizer steps (2: the second has
     Adam's states). The trace of every allocation is replayed through :class:`CachingAllocator`
-    (device of ``capacity_gib``) for the peak reserved memory.
+    (device of ``capacity_gib``) for the peak reserved memory. ``zero_grad_set_to_none`` False zeroes the gradients
+    in place between steps, as torchtitan does under its whole-step CUDA graph
+    (``optimizers.zero_grad(set_to_none=disable_cuda_graphs)``; the graph itself needs a GPU and is not run).
     """
     import time
 
@@ -484,7 +486,7 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
         try:
             result = _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp,
                         reshard_after_forward, recompute, microbatches, pipeline_nosync or first_stage_in_flight > 0,
-                        last_stage, first_stage_in_flight, steps, t0, recompute_interval)
+                        last_stage, first_stage_in_flight, steps, t0, recompute_interval, zero_grad_set_to_none)
         finally:
             fake.__exit__(None, None, None)
     reserved = replay_reserved(events, capacity_gib * 2**30 if capacity_gib else None).peak_reserved
@@ -493,7 +495,7 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
 
 def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp, reshard_after_forward,
          recompute, microbatches, pipeline_nosync, last_stage, first_stage_in_flight, steps, t0,
-         recompute_interval=None):
+         recompute_interval=None, zero_grad_set_to_none=True):
     import time
 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -563,7 +565,7 @@ def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, t
                 from torch.distributed.pipelining.stage import _PipelineStageBase
                 _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=model), 1)
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=zero_grad_set_to_none)
         snap = tracker.get_tracker_snapshot("peak")
     per_device = next(iter(snap.values()))
     cats = {str(getattr(k, "value", k)): v for k, v in per_device.items()}

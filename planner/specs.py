@@ -795,6 +795,14 @@ class TrainingSpec(_Spec):
                     "Apex DistributedFusedAdam, optim.name distributed_fused_adam with optim.dtype bf16 (NeMo "
                     "launcher YAMLs; m and v in bf16, a bf16 master copy only with fp8_params; "
                     "planner/frameworks/nemo.py). Other frameworks: fp32 only.")
+    step_cuda_graph: bool | None = Field(
+        default=None,
+        description="torchtitan captures each forward+backward in one CUDA graph (its trainer's wrap_with_cuda_graph, "
+                    "pytorch/torchtitan#3559, August 2026; off with --training.disable_cuda_graphs, and its trainer "
+                    "refuses it with PP or with EP's standard token dispatcher) and then zeroes the gradients without "
+                    "freeing them (optimizers.zero_grad(set_to_none=disable_cuda_graphs)). None: torchtitan's default, "
+                    "on where it runs (pp 1, no EP); TOML-era torchtitan (before its config registry) had none. "
+                    "torchtitan only (planner/frameworks/torchtitan.py).")
     deepspeed: DeepSpeedZero = Field(
         default_factory=DeepSpeedZero,
         description="DeepSpeed's gradient-accumulation dtype and ZeRO bucket settings (DeepSpeedZero); the deepspeed "
@@ -1255,6 +1263,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         errors.append(f"grad_reduce_in_bf16: {training.framework} reduces gradients in float32 (torchtitan 0.3.0 "
                       "config/configs.py: training.mixed_precision_reduce takes only \"float32\"; FSDP2's "
                       "MixedPrecisionPolicy reduce_dtype float32, as plan3d validate runs it); drop grad_reduce_in_bf16")
+    if training.step_cuda_graph and training.framework != "torchtitan":
+        errors.append(f"step_cuda_graph: the whole-step CUDA graph is torchtitan's (--training.disable_cuda_graphs "
+                      f"off); {training.framework} does not capture one here; use framework torchtitan or drop it")
     if training.deepspeed != DeepSpeedZero() and training.framework != "deepspeed":
         errors.append(f"deepspeed: DeepSpeed's engine settings are read for framework deepspeed only, and "
                       f"{training.framework} would ignore them; use framework deepspeed, or drop the deepspeed section")
@@ -1320,6 +1331,10 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     errors += cuda_graph_problems(model, training, plan)
     from planner.frameworks import get as framework_profile
 
+    if training.step_cuda_graph and (plan.pp > 1 or plan.ep > 1):
+        errors.append("step_cuda_graph: torchtitan's trainer refuses its CUDA graph with pipeline parallelism or "
+                      "expert parallelism's standard token dispatcher (trainer.py _validate_cuda_graphs); set it "
+                      "false (--training.disable_cuda_graphs)")
     if training.framework == "deepspeed" and training.deepspeed.pipeline_engine and plan.zero_stage >= 2:
         errors.append(f"zero_stage: DeepSpeed's pipeline engine (training.deepspeed.pipeline_engine) refuses ZeRO stage "
                       f"{plan.zero_stage} (deepspeed/runtime/pipe/engine.py); use stage 0/1, or a plain model "

@@ -405,7 +405,8 @@ def _torchtitan_scenario(run):
     lps = torchtitan.published_layers_per_stage(model.num_layers, run["pp"], vpp)
     tr = TrainingSpec(num_gpus=run["gpus"], global_batch_size=run["local_batch"] * run["dp"], seq_len=run["seq_len"],
                       framework="torchtitan", compile="torch.compile" in run["techniques"],
-                      compile_components=PUBLISHED_COMPILE_COMPONENTS, pipeline_kept_outputs=PUBLISHED_KEPT_OUTPUTS)
+                      compile_components=PUBLISHED_COMPILE_COMPONENTS, pipeline_kept_outputs=PUBLISHED_KEPT_OUTPUTS,
+                      step_cuda_graph=False)  # 9dec370 predates the whole-step CUDA graph (pytorch/torchtitan#3559)
     plan = Plan(tp=run["tp"], pp=run["pp"], dp=run["dp"], cp=run["cp"], vpp=vpp, micro_batch_size=run["micro_batch"],
                 recompute=run["ac"], sequence_parallel=run["tp"] > 1, zero_stage=3, layers_per_stage=lps)
     return model, TT_DEVICE, tr, plan

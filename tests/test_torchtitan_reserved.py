@@ -58,7 +58,9 @@ def _policy(rc):
 
 def _scenario(layers, dp, tp, pp, zero, rc, mb):
     model = LLAMA3_8B.model_copy(update={"num_layers": layers * pp})
-    training = TrainingSpec(num_gpus=dp * tp * pp, global_batch_size=MBS * dp * mb, seq_len=SEQ, framework="torchtitan")
+    # torch's trace is of an eager step (no whole-step CUDA graph: it needs a GPU), zero_grad(set_to_none=True)
+    training = TrainingSpec(num_gpus=dp * tp * pp, global_batch_size=MBS * dp * mb, seq_len=SEQ, framework="torchtitan",
+                            step_cuda_graph=False)
     rc, every = _policy(rc)
     plan = Plan(tp=tp, pp=pp, dp=dp, micro_batch_size=MBS, zero_stage=zero, recompute=rc, recompute_interval=every,
                 sequence_parallel=tp > 1)
@@ -174,7 +176,8 @@ def test_fits_means_no_oom_at_the_usable_memory():
     (release_cached_blocks) and the step still fits, with a lower reserved peak; just over the allocated
     peak, the blocks it cannot release (fragmentation) make it fail."""
     model = LLAMA3_8B
-    training = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=SEQ, framework="torchtitan")
+    training = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=SEQ, framework="torchtitan",
+                            step_cuda_graph=False)  # torchtitan 9dec370 (Dec 2024) ran eager
     plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=MBS, recompute="selective", zero_stage=3)
 
     def on(usable_gib):

@@ -161,7 +161,9 @@ def args(sc: Scenario) -> list[str]:
                 "--parallelism.pipeline_parallel_last_stage_less_layers", str(last_less)]
     # trainer.py _validate_cuda_graphs: "CUDA graphs do not support pipeline parallelism yet", nor EP with the
     # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use
-    if p.pp > 1 or (sc.model.is_moe and p.ep > 1):
+    # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use; and
+    # where the plan was costed without the graph (TrainingSpec.step_cuda_graph false)
+    if p.pp > 1 or (sc.model.is_moe and p.ep > 1) or sc.training.step_cuda_graph is False:
         out.append("--training.disable_cuda_graphs")
     out += compile_args(config, tr)
     out.append(f"activation_checkpoint:{p.recompute}")

@@ -135,13 +135,25 @@ def reshard_after_forward(plan) -> bool:
     return plan.zero_stage >= 3 and plan.pp == 1
 
 
+def step_cuda_graph(training, plan) -> bool:
+    """Whether torchtitan runs the step's forward+backward as one CUDA graph (``TrainingSpec.step_cuda_graph``):
+    as set, else its trainer's default, on unless pp > 1 or ep > 1, where ``_validate_cuda_graphs`` refuses it
+    and plan3d's launches pass ``--training.disable_cuda_graphs`` (planner/emit/torchtitan.py)."""
+    if training.framework != "torchtitan":
+        return False
+    if training.step_cuda_graph is not None:
+        return training.step_cuda_graph
+    return plan.pp == 1 and plan.ep == 1
+
+
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
                 expert_params: float = 0.0, linear_params: float | None = None, hardware=None) -> StateBytes:
     """Weights, gradients and AdamW states of one GPU of a stage (module docstring).
 
     Persistent at the peak: the fp32 shards (parameters, gradients, Adam; the gradient shards only
-    with gradient accumulation or PP: with one micro-batch, ``optimizer.zero_grad()`` (set_to_none)
-    freed them and they are rebuilt in backward, after the loss); with PP also the
+    with gradient accumulation, PP or the whole-step CUDA graph (:func:`step_cuda_graph`): with one micro-batch
+    and no graph, ``optimizer.zero_grad()`` (set_to_none) freed them and they are rebuilt in backward, after the
+    loss); with PP also the
     unsharded bf16 parameters and fp32 gradients of the whole stage; with ``reshard_after_forward``
     off, the unsharded bf16 parameters. Working set (``StateBytes.working_*``): the gathered layer
     and the next one, or the root module, with their bf16 gradient and its fp32 cast.
@@ -164,7 +176,9 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     weights, grads = FP32 * sharded, FP32 * sharded
     work_w = work_g = released = 0.0
     m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
-    if m == 1 and plan.pp == 1:  # zero_grad(set_to_none) freed them: the shards appear during backward only
+    # zero_grad(set_to_none) freed them: the shards appear during backward only; under the whole-step CUDA graph
+    # torchtitan zeroes them in place instead (trainer.py: set_to_none=disable_cuda_graphs), so they stay
+    if m == 1 and plan.pp == 1 and not step_cuda_graph(training, plan):
         grads, work_shards = 0.0, FP32 * sharded
     else:
         work_shards = 0.0

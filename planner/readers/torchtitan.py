@@ -227,6 +227,17 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
             "ep": ep, "etp": 1 if ep > 1 and tp > 1 else None}
     if pipeline_schedule is not None:
         plan["pipeline_schedule"] = pipeline_schedule
+    # torchtitan's whole-step CUDA graph (pytorch/torchtitan#3559): absent from TOML-era torchtitan (before its
+    # config registry); else on unless --training.disable_cuda_graphs (TrainingSpec.step_cuda_graph, None: the default)
+    disable = tr.get("disable_cuda_graphs", False)
+    if not isinstance(disable, bool):
+        raise SpecError(f"{where}: training.disable_cuda_graphs = {disable!r}: torchtitan takes true or false")
+    if not doc.get("_registry") or disable:
+        training["step_cuda_graph"] = False
+    elif pp == 1 and ep == 1:
+        notes.append("CUDA graph of each forward+backward (torchtitan's default; --training.disable_cuda_graphs turns "
+                     "it off): the gradient shards are zeroed, not freed, so they are counted at the peak; the graph's "
+                     "private memory pool is taken as the eager peak")
     if pp > 1 and not doc.get("_registry"):
         # a TOML config is torchtitan from before its config registry (0.3.0, whose trainer calls
         # step(..., return_outputs=False)); its schedules kept the stage outputs: every stage's on torch before
