@@ -160,7 +160,6 @@ def args(sc: Scenario) -> list[str]:
                 "--parallelism.pipeline_parallel_first_stage_less_layers", str(first_less),
                 "--parallelism.pipeline_parallel_last_stage_less_layers", str(last_less)]
     # trainer.py _validate_cuda_graphs: "CUDA graphs do not support pipeline parallelism yet", nor EP with the
-    # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use
     # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use; and
     # where the plan was costed without the graph (TrainingSpec.step_cuda_graph false)
     if p.pp > 1 or (sc.model.is_moe and p.ep > 1) or sc.training.step_cuda_graph is False:
