@@ -56,8 +56,7 @@ The event order, one rank of one stage (each source cited where used below):
   backward; after the gradient reduction ``step()`` concatenates the held logits (``_merge_outputs``, one
   transient of their sum), and ``clear_runtime_states`` frees them when the next step starts.
 * **optimizer**: AdamW allocates ``exp_avg`` and ``exp_avg_sq`` (8 B / N) at its first step;
-  ``zero_grad(set_to_none=True)`` frees the sharded gradients, unless torchtitan runs its whole-step CUDA graph
-  (``frameworks.torchtitan.step_cuda_graph``), which zeroes them in place.
+  ``zero_grad(set_to_none=True)`` frees the sharded gradients.
 
 Pipeline stages run their micro-batches in 1F1B order (``Schedule1F1B``: ``min(m, p - r)`` warm-up
 forwards, then one backward and one forward, then the cool-down backwards; :func:`traced_microbatches`).
@@ -178,15 +177,12 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     """The allocation events of ``steps`` training steps of one GPU of stage ``stage`` (module docstring);
     ``num_microbatches`` written, of ``step_microbatches`` (default: as many) in the step, which sets the
     pipeline's receive buffers."""
-    from planner.frameworks.torchtitan import reshard_after_forward, step_cuda_graph
+    from planner.frameworks.torchtitan import reshard_after_forward
     from planner.memory import act_bytes, kept_under, layer_activation_terms, param_bytes, stage_param_split
     from planner.specs import padded_vocab_size, pipeline_kept_mode
 
     tr = _Trace()
     p, m, t = plan.pp, num_microbatches, plan.tp
-    # torchtitan's whole-step CUDA graph zeroes the gradients in place: zero_grad(set_to_none=disable_cuda_graphs)
-    keep_grads = step_cuda_graph(training, plan)
-    live_grads: set = set()
     n = max(plan.dp * plan.cp, 1) if plan.zero_stage >= 1 else 1
     fsdp = plan.zero_stage >= 1
     raf = reshard_after_forward(plan)
@@ -263,12 +259,8 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             tr.free_all(("full", g, j) for j in range(len(groups[g])))
 
     def reduce_grads(g, grads, mb_first):
-        """FSDP2 post_backward (pp = 1) or the PP accumulator (module docstring). Gradients zeroed in place by the
-        last step (``keep_grads``) are accumulated into: the first micro-batch's result is a temporary too."""
+        """FSDP2 post_backward (pp = 1) or the PP accumulator (module docstring)."""
         total = sum(groups[g])
-        mb_first = mb_first and g not in live_grads
-        if mb_first:
-            live_grads.add(g)
         if p > 1 and fsdp:
             for j, x in enumerate(groups[g]):
                 if mb_first:
@@ -446,10 +438,8 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                     tr.new(FP32 * x / n, ("v", g, j))
             tmp = tr.new(FP32 * sum(blocks) / n)
             tr.free(tmp)
-        if not keep_grads:
-            for g in range(len(groups)):  # zero_grad(set_to_none=True)
-                tr.free(("grad", g))
-            live_grads.clear()
+        for g in range(len(groups)):  # zero_grad(set_to_none=True)
+            tr.free(("grad", g))
 
     for k in range(steps):
         step(k)

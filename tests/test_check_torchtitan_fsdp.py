@@ -98,3 +98,29 @@ def test_torchtitan_reduces_gradients_in_fp32_only(tmp_path):
         training = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, framework=fw, grad_reduce_in_bf16=True)
         lines = [p for p in job_problems(model, H100, training) if p.startswith("grad_reduce_in_bf16")]
         assert bool(lines) is refused, (fw, lines)
+
+
+@pytest.mark.parametrize("graph", [None, False])
+def test_whole_step_cuda_graph_round_trips(tmp_path, graph):
+    """A pp 1 dense plan runs torchtitan's whole-step CUDA graph unless it says otherwise: `emit torchtitan` writes
+    ``--training.disable_cuda_graphs`` only for ``step_cuda_graph`` false, `check` reads the same setting back, and the
+    fp32 gradient shards (4 B x the parameters / 8) are persistent under the graph, backward-only in an eager step."""
+    model = load_model("llama3-8b")
+    sc = Scenario(model=model, hardware=H100,
+                  training=TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, framework="torchtitan",
+                                        step_cuda_graph=graph),
+                  plan=Plan(tp=1, pp=1, dp=8, micro_batch_size=1, zero_stage=3, recompute="none"))
+    (script,) = [p for p in write_all(tmp_path, render_all(sc, ["torchtitan"])) if p.name.endswith(".sh")]
+    assert ("--training.disable_cuda_graphs" in script.read_text()) is (graph is False)
+    (r,) = check_file_branches(script, H100, None, None)
+    assert not r.errors, r.errors
+    assert r.scenario.training.step_cuda_graph == graph
+    assert estimate_scenario_memory(r.scenario).peak_gib == pytest.approx(estimate_scenario_memory(sc).peak_gib)
+    if graph is None:
+        from planner.memory import stage_params_per_rank, stage_state_bytes
+
+        eager = sc.training.model_copy(update={"step_cuda_graph": False})
+        kept, freed = (stage_state_bytes(model, t, sc.plan, 0, 32) for t in (sc.training, eager))
+        shard = 4 * stage_params_per_rank(model, sc.plan, 0, 32) / 8  # the fp32 gradient shard
+        assert kept.grads_bytes - freed.grads_bytes == pytest.approx(shard)  # persistent: held through the forward
+        assert freed.working_grads_bytes - kept.working_grads_bytes == pytest.approx(shard)  # eager: backward only
