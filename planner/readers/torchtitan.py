@@ -236,8 +236,8 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         training["step_cuda_graph"] = False
     elif pp == 1 and ep == 1:
         notes.append("CUDA graph of each forward+backward (torchtitan's default; --training.disable_cuda_graphs turns "
-                     "it off): the gradient shards are zeroed, not freed, so they are counted at the peak; the graph's "
-                     "private memory pool is taken as the eager peak")
+                     "it off): the gradient shards are zeroed, not freed, so the allocated figure holds them through "
+                     "the forward; the graph's private memory pool is taken as the eager peak")
     if pp > 1 and not doc.get("_registry"):
         # a TOML config is torchtitan from before its config registry (0.3.0, whose trainer calls
         # step(..., return_outputs=False)); its schedules kept the stage outputs: every stage's on torch before
