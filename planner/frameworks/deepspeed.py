@@ -53,12 +53,17 @@ from planner.frameworks.megatron import logits_bytes_per_element
 BF16, FP32, MASTER_AND_ADAM = 2, 4, 12
 
 
+def runs_pipeline_engine(pipeline_engine: bool | None, pp: int) -> bool:
+    """Whether DeepSpeed's PipelineEngine runs the job: as ``DeepSpeedZero.pipeline_engine`` says, or, where it says
+    nothing, when pp > 1."""
+    return pp > 1 if pipeline_engine is None else pipeline_engine
+
+
 def optimizer_wrapper(training, zero_stage: int, pp: int) -> str:
-    """The optimizer DeepSpeed's engine wraps Adam in for this job (:func:`wrapper_for`); the pipeline engine runs
-    when ``training.deepspeed.pipeline_engine`` says so, or, where it says nothing, when pp > 1."""
-    pipe = training.deepspeed.pipeline_engine
+    """The optimizer DeepSpeed's engine wraps Adam in for this job (:func:`wrapper_for`,
+    :func:`runs_pipeline_engine`)."""
     return wrapper_for(training.precision, training.fp16, training.deepspeed.grad_accum_dtype,
-                       pp > 1 if pipe is None else pipe, zero_stage)
+                       runs_pipeline_engine(training.deepspeed.pipeline_engine, pp), zero_stage)
 
 
 def wrapper_for(precision: str, fp16: bool, grad_accum_dtype: str | None, pipeline_engine: bool,

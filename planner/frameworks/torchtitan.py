@@ -135,15 +135,20 @@ def reshard_after_forward(plan) -> bool:
     return plan.zero_stage >= 3 and plan.pp == 1
 
 
+def step_cuda_graph_by_default(pp: int, ep: int) -> bool:
+    """torchtitan's trainer captures the step in a CUDA graph unless pp > 1 or ep > 1, where ``_validate_cuda_graphs``
+    refuses it and plan3d's launches pass ``--training.disable_cuda_graphs`` (planner/emit/torchtitan.py)."""
+    return pp == 1 and ep == 1
+
+
 def step_cuda_graph(training, plan) -> bool:
     """Whether torchtitan runs the step's forward+backward as one CUDA graph (``TrainingSpec.step_cuda_graph``):
-    as set, else its trainer's default, on unless pp > 1 or ep > 1, where ``_validate_cuda_graphs`` refuses it
-    and plan3d's launches pass ``--training.disable_cuda_graphs`` (planner/emit/torchtitan.py)."""
+    as set, else its trainer's default (:func:`step_cuda_graph_by_default`)."""
     if training.framework != "torchtitan":
         return False
     if training.step_cuda_graph is not None:
         return training.step_cuda_graph
-    return plan.pp == 1 and plan.ep == 1
+    return step_cuda_graph_by_default(plan.pp, plan.ep)
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,

@@ -368,12 +368,12 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
 def deepspeed_optimizer_notes(training: dict, plan: dict) -> list[str]:
     """What DeepSpeed's engine holds for the optimizer it picks (planner.frameworks.deepspeed.wrapper_for), as
     ``plan3d check`` notes."""
-    from planner.frameworks.deepspeed import wrapper_for
+    from planner.frameworks.deepspeed import runs_pipeline_engine, wrapper_for
 
     ds = training.get("deepspeed", {})
-    accum, pipe, zero = ds.get("grad_accum_dtype"), ds.get("pipeline_engine"), plan["zero_stage"]
-    wrapper = wrapper_for(training["precision"], training["fp16"], accum, plan["pp"] > 1 if pipe is None else pipe,
-                          zero)
+    accum, zero = ds.get("grad_accum_dtype"), plan["zero_stage"]
+    wrapper = wrapper_for(training["precision"], training["fp16"], accum,
+                          runs_pipeline_engine(ds.get("pipeline_engine"), plan["pp"]), zero)
     notes = []
     model_dtype = "fp16" if training["fp16"] else "bf16"
     if zero == 0 and accum not in (None, model_dtype) and training["precision"] != "fp32":
@@ -426,17 +426,17 @@ def deepspeed_zero_settings(a: Args, ds_config: dict) -> tuple[dict, bool]:
     zero = {k: v for k, v in _section(ds_config, "zero_optimization", a).items() if v != "auto"}
 
     def lax(key: str, kind: type, default, minimum: int | None = None, alias: str | None = None):
-        value = zero.get(key, zero.get(alias, default) if alias else default)
-        if value is None:
+        raw = zero.get(key, zero.get(alias, default) if alias else default)
+        if raw is None:
             return default
         try:
-            value = TypeAdapter(kind).validate_python(value)
+            value = TypeAdapter(kind).validate_python(raw)
         except ValidationError:
             value = None
         if value is None or (minimum is not None and value < minimum):
             want = f"an integer >= {minimum}" if minimum is not None else "true or false"
-            raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.{key}: "
-                            f"{zero.get(key, zero.get(alias) if alias else None)!r} is not {want} (DeepSpeed refuses it)")
+            raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.{key}: {raw!r} is not {want} "
+                            "(DeepSpeed refuses it)")
         return value
 
     stage = zero.get("stage", 0)

@@ -15,6 +15,7 @@ import re
 import tomllib
 from pathlib import Path
 
+from planner.frameworks.torchtitan import step_cuda_graph_by_default
 from planner.presets import SpecError, load_model
 from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
 
@@ -234,7 +235,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         raise SpecError(f"{where}: training.disable_cuda_graphs = {disable!r}: torchtitan takes true or false")
     if not doc.get("_registry") or disable:
         training["step_cuda_graph"] = False
-    elif pp == 1 and ep == 1:
+    elif step_cuda_graph_by_default(pp, ep):
         notes.append("CUDA graph of each forward+backward (torchtitan's default; --training.disable_cuda_graphs turns "
                      "it off): the gradient shards are zeroed, not freed, so the allocated figure holds them through "
                      "the forward; the graph's private memory pool is taken as the eager peak")
