@@ -13,13 +13,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_json_probe(script: str | Path, timeout_s: float = 600):
-    """Runs ``python script PORT`` (a free local port for its rendezvous) from the repository root and returns the
-    last line of its stdout that starts with ``{``, parsed."""
+def run_json_probe(script: str | Path, timeout_s: float = 600, extra_args: list[str] = ()):
+    """Runs ``python script PORT *extra_args`` (a free local port for its rendezvous) from the repository root and
+    returns the last line of its stdout that starts with ``{``, parsed."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = os.environ | {"PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=timeout_s,
+    res = subprocess.run([sys.executable, str(script), str(port), *extra_args], capture_output=True, text=True, timeout=timeout_s,
                          cwd=REPO, env=env, check=True)
     return json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
