@@ -1,20 +1,16 @@
-"""How many layers DeepSpeed ZeRO-3 keeps gathered, asked of its own parameter coordinator on this CPU.
+"""How many parameter elements DeepSpeed ZeRO-3 keeps gathered: plan3d's port of its coordinator against the real one.
 
 Run: python benchmarks/deepspeed_zero3_gathered.py   (deepspeed 0.19.8 and torch, as the Makefile installs them)
 
-plan3d counts a ZeRO-3 DeepSpeed stage's gathered weights as one layer plus ``stage3_prefetch_bucket_size``
-(planner/frameworks/deepspeed.py). DeepSpeed's coordinator (``runtime/zero/partitioned_param_coordinator.py``)
-keeps a parameter that is used again within ``stage3_max_reuse_distance`` elements of the trace
-(``__params_to_release``), and one the prefetcher scanned past while it was gathered (``__most_recent_step_id_
-param_fetched_for``). This script runs the real coordinator on one rank (``DS_ACCELERATOR=cpu``, gloo) over a toy
-model shaped as Llama-3-8B in element counts, scaled down: an input embedding, 32 equal ``Linear`` layers and an
-output layer, the two embeddings each 525.3e6 / 218.1e6 of a layer (Llama-3-8B's 128,256 x 4096 against its
-layer's 218,112,000 elements), in bf16, with ``stage3_param_persistence_threshold`` 0. It prints the most layers'
-worth of parameters gathered at any module's forward or backward hook of the third step (the first records the
-trace). The coordinator decides in element counts only, so scaling every module, the reuse distance, the prefetch
-bucket and the live-parameter limit by one factor keeps its decisions: the last rows put the model against
-DeepSpeed's defaults (1e9, 5e7, 1e9). The hooks run after DeepSpeed's own, so the module being computed may already
-be released when counted. It asserts nothing (docs/memory.md, Known limits).
+plan3d counts a ZeRO-3 DeepSpeed GPU's gathered weights by replaying DeepSpeed's parameter coordinator
+(planner/frameworks/deepspeed_zero3.py) over Megatron-DeepSpeed's module tree of the model
+(planner/frameworks/deepspeed.py ``zero3_tree``). This script prints, for Llama-3-8B and Llama-3-70B at DeepSpeed's
+defaults and two leaner configs, the port's figure on the full-size tree, and then checks it on the real coordinator
+(one CPU rank, gloo, tests/deepspeed_zero3_probe.py) over the same tree with every element count and every limit
+divided by ``SCALE`` (the coordinator decides in element counts only; rounding to whole elements moves the
+scaled figure slightly, so the full-size and the scaled-back figures agree to about a percent, while the port and
+the real coordinator on the scaled tree must agree exactly). The figure plan3d counted before the port (the largest
+module plus ``stage3_prefetch_bucket_size``) is printed beside it.
 """
 
 from __future__ import annotations
@@ -22,78 +18,73 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
-LAYERS, WIDTH = 32, 64
-PER_LAYER = WIDTH * WIDTH + WIDTH
-LLAMA3_8B_LAYER = 218_112_000  # 4096 x (4096 + 2 x 1024 + 4096) attention + 3 x 4096 x 14336 MLP + 2 norms
-LLAMA3_8B_EMBEDDING = 128_256 * 4096  # each of the untied input and output embeddings
-EMBEDDING = round(LLAMA3_8B_EMBEDDING / LLAMA3_8B_LAYER * PER_LAYER)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from planner.frameworks.deepspeed import zero3_shape, zero3_tree  # noqa: E402
+from planner.frameworks.deepspeed_zero3 import Module, Settings, gathered_elements  # noqa: E402
+from planner.presets import load_model  # noqa: E402
+
+SCALE = 20_000
+CONFIGS = {"DeepSpeed's defaults": Settings(),
+           "reuse distance 0": Settings(max_reuse=0),
+           "reuse 0, prefetch 0": Settings(max_reuse=0, prefetch_bucket=0)}
 
 
-def _peak(live: int, reuse: int, prefetch: int) -> float:
-    import deepspeed
-    import torch
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+def scaled(m: Module) -> Module:
+    return Module(tuple((pid, max(1, round(n / SCALE))) for pid, n in m.params), tuple(scaled(c) for c in m.children))
 
-    class Embedding(torch.nn.Module):  # a module holding `numel` elements, used once per pass
-        def __init__(self, numel: int):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(numel) * 0.01)
 
-        def forward(self, x):
-            return x + self.weight[:WIDTH]
+def scaled_settings(s: Settings) -> Settings:
+    return Settings(prefetch_bucket=round(s.prefetch_bucket / SCALE), max_live=round(s.max_live / SCALE),
+                    max_reuse=round(s.max_reuse / SCALE), persistence_threshold=round(s.persistence_threshold / SCALE))
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(Embedding(EMBEDDING), *[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)],
-                                Embedding(EMBEDDING))
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": 3, "stage3_max_live_parameters": live,
-                                    "stage3_max_reuse_distance": reuse, "stage3_prefetch_bucket_size": prefetch,
-                                    "stage3_param_persistence_threshold": 0}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-    params = list(engine.module.parameters())
-    seen = [0]
 
-    def hook(*_):
-        seen[0] = max(seen[0], sum(p.ds_numel for p in params if p.ds_status != ZeroParamStatus.NOT_AVAILABLE))
-    for layer in engine.module:
-        layer.register_forward_hook(hook)
-        layer.register_full_backward_hook(hook)
-    for _ in range(3):
-        seen[0] = 0
-        engine.backward(engine(torch.randn(2, WIDTH, dtype=torch.bfloat16)).float().sum())
-        engine.step()
-    return seen[0] / PER_LAYER
+def as_json(m: Module) -> dict:
+    return {"params": [list(p) for p in m.params], "children": [as_json(c) for c in m.children]}
 
 
 def main() -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    import deepspeed
+    from tests.subprocess_probe import run_json_probe
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    scale = PER_LAYER / LLAMA3_8B_LAYER
-    rows = [("reuse 0, prefetch 0", 10**9, 0, 0),
-            ("reuse 4 layers, prefetch 0", 10**9, 4 * PER_LAYER, 0),
-            ("reuse 0, prefetch 1 layer", 10**9, 0, PER_LAYER),
-            ("DeepSpeed's reuse default, prefetch 0", 10**9, int(1e9 * scale), 0),
-            ("DeepSpeed's defaults", int(1e9 * scale), int(1e9 * scale), int(5e7 * scale))]
-    out = []
-    for name, live, reuse, prefetch in rows:
-        out.append({"case": name, "max_live": live, "reuse": reuse, "prefetch": prefetch,
-                    "gathered_layers": round(_peak(live, reuse, prefetch), 2)})
-    if "--json" in sys.argv:
-        print(json.dumps(out))
-        return
-    print(f"embedding {EMBEDDING}, {LAYERS} layers of {PER_LAYER}, output layer {EMBEDDING} elements (Llama-3-8B x "
-          f"{scale:.2e}); most layers' worth gathered at a hook (third step):")
-    for r in out:
-        print(f"  {r['case']:42s} live {r['max_live']:>10}  reuse {r['reuse']:>10}  prefetch {r['prefetch']:>8}:"
-              f" {r['gathered_layers']:5.2f} layers")
-    print("plan3d counts one layer plus the prefetch bucket (planner/frameworks/deepspeed.py state_bytes)")
+    rows, cases = [], []
+    for name, tp in (("llama3-8b", 1), ("llama3-70b", 8)):
+        model = load_model(name)
+        tree = zero3_tree(zero3_shape(model, tp))
+        largest = max(n for mod in _modules(tree) for n in [sum(x for _, x in mod.params)])
+        for label, s in CONFIGS.items():
+            small = scaled(tree)
+            rows.append((name, tp, label, gathered_elements(tree, s), largest + s.prefetch_bucket,
+                         gathered_elements(small, scaled_settings(s))))
+            ss = scaled_settings(s)
+            cases.append({"tree": as_json(small), "config": {
+                "stage3_prefetch_bucket_size": ss.prefetch_bucket, "stage3_max_live_parameters": ss.max_live,
+                "stage3_max_reuse_distance": ss.max_reuse, "stage3_param_persistence_threshold":
+                    ss.persistence_threshold}})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cases.json"
+        path.write_text(json.dumps(cases))
+        real = run_json_probe(Path(__file__).resolve().parent.parent / "tests" / "deepspeed_zero3_probe.py",
+                              extra_args=[str(path)])["cases"]
+    print(f"elements gathered at once (millions); scaled: every count and limit / {SCALE}, real = DeepSpeed 0.19.8's "
+          "coordinator on CPU")
+    print(f"{'model':12s} {'tp':>2s} {'config':22s} {'port':>8s} {'before':>8s} {'scaled port':>12s} "
+          f"{'scaled real':>12s}")
+    for (name, tp, label, full, before, small_port), r in zip(rows, real):
+        small_real = max(e[3] for step in r["steps"][1:] for e in step if e[0] == "fetch")
+        print(f"{name:12s} {tp:2d} {label:22s} {full / 1e6:8.0f} {before / 1e6:8.0f} "
+              f"{small_port * SCALE / 1e6:12.0f} {small_real * SCALE / 1e6:12.0f}"
+              + ("" if small_port == small_real else "   MISMATCH"))
+
+
+def _modules(m: Module):
+    yield m
+    for c in m.children:
+        yield from _modules(c)
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     main()

@@ -376,7 +376,10 @@ def _agrees_with_deepspeed(result: CheckResult, doc: dict, path: Path) -> None:
              "zero_optimization.reduce_bucket_size": ds.reduce_bucket_elements,
              "data_types.grad_accum_dtype": ds.grad_accum_dtype}
     if p.zero_stage >= 3:
-        pairs["zero_optimization.stage3_prefetch_bucket_size"] = ds.prefetch_bucket_elements
+        pairs |= {"zero_optimization.stage3_prefetch_bucket_size": ds.prefetch_bucket_elements,
+                  "zero_optimization.stage3_max_live_parameters": ds.max_live_elements,
+                  "zero_optimization.stage3_max_reuse_distance": ds.max_reuse_elements,
+                  "zero_optimization.stage3_param_persistence_threshold": ds.persistence_threshold_elements}
     for key, want in pairs.items():
         got = doc
         for part in key.split("."):

@@ -700,6 +700,18 @@ class DeepSpeedZero(_Spec):
         default=50_000_000, ge=0, le=10**13,
         description="zero_optimization.stage3_prefetch_bucket_size, in elements (DeepSpeed's default 5e7); ZeRO-3 "
                     "only.")
+    max_live_elements: int = Field(
+        default=1_000_000_000, ge=0, le=10**13,
+        description="zero_optimization.stage3_max_live_parameters, in elements (DeepSpeed's default 1e9): the "
+                    "ZeRO-3 prefetcher stops while this many are gathered. ZeRO-3 only.")
+    max_reuse_elements: int = Field(
+        default=1_000_000_000, ge=0, le=10**13,
+        description="zero_optimization.stage3_max_reuse_distance, in elements (DeepSpeed's default 1e9): ZeRO-3 "
+                    "keeps a parameter gathered when the trace uses it again within this many. ZeRO-3 only.")
+    persistence_threshold_elements: int = Field(
+        default=100_000, ge=0, le=10**13,
+        description="zero_optimization.stage3_param_persistence_threshold, in elements (DeepSpeed's default 1e5): "
+                    "ZeRO-3 never partitions a parameter this small. ZeRO-3 only.")
     pipeline_engine: bool | None = Field(
         default=None,
         description="The model is a DeepSpeed PipelineModule, so the engine is its PipelineEngine even on one stage "

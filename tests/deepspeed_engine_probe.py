@@ -24,7 +24,12 @@ ZERO_SECTIONS = [{}, {"stage": 3}, {"stage": 2, "overlap_comm": True, "reduce_bu
                  # the Hugging Face Trainer's "auto" placeholders left in, and pydantic's lax booleans and integers
                  {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": "auto", "contiguous_gradients": "yes"},
                  {"stage": 3, "stage3_prefetch_bucket_size": "auto", "overlap_comm": 0, "reduce_bucket_size": "20000"},
-                 {"stage": 2, "contiguous_gradients": "false", "overlap_comm": None}]
+                 {"stage": 2, "contiguous_gradients": "false", "overlap_comm": None},
+                 # the ZeRO-3 coordinator's limits (planner/frameworks/deepspeed_zero3.py), also by their field names
+                 {"stage": 3, "stage3_max_live_parameters": 3e8, "stage3_max_reuse_distance": 0,
+                  "stage3_param_persistence_threshold": "auto"},
+                 {"stage": 3, "max_live_parameters": "20000", "max_reuse_distance": 5e5,
+                  "param_persistence_threshold": 0}]
 
 
 def _worker(port: int) -> dict:
@@ -90,7 +95,10 @@ def _worker(port: int) -> dict:
         c = DeepSpeedZeroConfig(**section)
         zero_config.append([section, {"contiguous_gradients": c.contiguous_gradients, "overlap_comm": c.overlap_comm,
                                       "reduce_bucket_size": int(c.reduce_bucket_size),
-                                      "prefetch_bucket_size": int(c.prefetch_bucket_size)}])
+                                      "prefetch_bucket_size": int(c.prefetch_bucket_size),
+                                      "max_live_parameters": int(c.max_live_parameters),
+                                      "max_reuse_distance": int(c.max_reuse_distance),
+                                      "param_persistence_threshold": int(c.param_persistence_threshold)}])
     return {"wrappers": wrappers, "buckets": buckets, "zero_config": zero_config}
 
 

@@ -157,3 +157,42 @@ def test_a_pipeline_engine_plan_at_zero2_is_a_plan_problem():
         plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=1, zero_stage=zero)
         lines = [p for p in plan_problems(model, H100, training, plan) if "pipeline engine" in p]
         assert bool(lines) is refused, (zero, lines)
+
+
+def test_zero3_coordinator_limits_are_read_and_round_trip(tmp_path):
+    """ZeRO 3: the config's stage3_max_live_parameters, stage3_max_reuse_distance, stage3_param_persistence_threshold
+    and stage3_prefetch_bucket_size reach the plan, and the weights gathered move with them. With no prefetch, no
+    reuse distance and nothing persisted DeepSpeed's coordinator holds one module's parameters at a time, the largest:
+    GPT-1.3B's tied 50,304-word x 2,048 embedding (Megatron pads 50,257 to 50,304) = 103,022,592 elements, by hand.
+    The emitted config carries the four keys and checks back to the same memory."""
+    from planner.emit import render_all
+    from planner.io import write_all
+
+    lean = {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0,
+            "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 10**9}
+    r = _check(tmp_path, lean)
+    base = _check(tmp_path, {"stage": 3})
+    assert not r.errors and not base.errors, (r.errors, base.errors)
+    ds = r.scenario.training.deepspeed
+    assert (ds.prefetch_bucket_elements, ds.max_reuse_elements, ds.persistence_threshold_elements,
+            ds.max_live_elements) == (0, 0, 0, 10**9)
+    model, plan = r.scenario.model, r.scenario.resolved_plan()
+    assert plan.pp == 1 and plan.tp == 1 and model.tied_embeddings
+    p = stage_params_per_rank(model, plan, 0, model.num_layers)
+    n = plan.dp * plan.cp
+    assert _stage0(r).weights_bytes == pytest.approx(2 * p / n + 2 * 50304 * 2048)
+    # DeepSpeed's defaults keep more gathered (the reuse distance and the prefetcher)
+    assert _stage0(base).weights_bytes > _stage0(r).weights_bytes + 2 * 5e7
+    out = tmp_path / "out"
+    files = write_all(out, render_all(r.scenario, ["deepspeed", "plan"]))
+    (config,) = [f for f in files if f.name.endswith(".deepspeed.json")]
+    zero = json.loads(config.read_text())["zero_optimization"]
+    assert {k: zero[k] for k in lean} == lean
+    (back,) = check_file_branches(config, H100, None, None)
+    assert not back.errors, back.errors
+    assert back.scenario.training.deepspeed == ds
+    assert estimate(back.scenario).memory.peak_gib == pytest.approx(estimate(r.scenario).memory.peak_gib)
+    zero["stage3_max_reuse_distance"] = 10**9
+    config.write_text(json.dumps({**json.loads(config.read_text()), "zero_optimization": zero}))
+    (bad,) = check_file_branches(config, H100, None, None)
+    assert bad.errors and "stage3_max_reuse_distance" in bad.errors[0]

@@ -71,15 +71,18 @@ def test_reduce_buffers_are_the_ones_the_engine_holds(engine):
 
 def test_the_reader_reads_zero_sections_as_deepspeeds_config_class(engine):
     """deepspeed_zero_settings against DeepSpeedZeroConfig on the same sections: contiguous_gradients,
-    reduce_bucket_size, stage3_prefetch_bucket_size and overlap_comm's stage-dependent default."""
+    reduce_bucket_size, stage3_prefetch_bucket_size, overlap_comm's stage-dependent default and the ZeRO-3
+    coordinator's stage3_max_live_parameters, stage3_max_reuse_distance and stage3_param_persistence_threshold."""
     a = Args(path=Path("run.sh"))
     assert [s for s, _ in engine["zero_config"]] == ZERO_SECTIONS
     for section, want in engine["zero_config"]:
         settings, overlap = deepspeed_zero_settings(a, {"zero_optimization": section})
         assert (settings["contiguous_gradients"], settings["reduce_bucket_elements"],
-                settings["prefetch_bucket_elements"], overlap) == \
+                settings["prefetch_bucket_elements"], overlap, settings["max_live_elements"],
+                settings["max_reuse_elements"], settings["persistence_threshold_elements"]) == \
             (want["contiguous_gradients"], want["reduce_bucket_size"], want["prefetch_bucket_size"],
-             want["overlap_comm"]), section
+             want["overlap_comm"], want["max_live_parameters"], want["max_reuse_distance"],
+             want["param_persistence_threshold"]), section
 
 
 @pytest.mark.parametrize("section, field", [({"reduce_bucket_size": "5e8"}, "reduce_bucket_size"),
@@ -87,7 +90,9 @@ def test_the_reader_reads_zero_sections_as_deepspeeds_config_class(engine):
                                              ({"reduce_bucket_size": 1.5}, "reduce_bucket_size"),
                                              ({"contiguous_gradients": "maybe"}, "contiguous_gradients"),
                                              ({"overlap_comm": 2}, "overlap_comm"),
-                                             ({"stage3_prefetch_bucket_size": -1}, "stage3_prefetch_bucket_size")])
+                                             ({"stage3_prefetch_bucket_size": -1}, "stage3_prefetch_bucket_size"),
+                                             ({"stage3_max_live_parameters": -5}, "stage3_max_live_parameters"),
+                                             ({"stage3_max_reuse_distance": "far"}, "stage3_max_reuse_distance")])
 def test_values_deepspeed_refuses_are_one_line_errors(section, field):
     """What DeepSpeedZeroConfig rejects is refused with the key named."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

@@ -3,7 +3,8 @@
 Keys are DeepSpeed's (``deepspeed/runtime/config.py``): ``train_batch_size`` =
 ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x data-parallel size,
 ``zero_optimization.stage``, its bucket keys (``overlap_comm``, ``contiguous_gradients``, ``reduce_bucket_size``,
-``stage3_prefetch_bucket_size``: ``TrainingSpec.deepspeed``), ``data_types.grad_accum_dtype`` where the plan names
+and at stage 3 ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``,
+``stage3_param_persistence_threshold``: ``TrainingSpec.deepspeed``), ``data_types.grad_accum_dtype`` where the plan names
 one, ``bf16.enabled`` / ``fp16.enabled``, ``communication_data_type`` (the gradient reduction dtype plan3d costed). Expert parallelism is not a config key
 (DeepSpeed-MoE takes ``ep_size`` in ``deepspeed.moe.layer.MoE``, in model code): MoE plans with ep > 1
 or an expert TP other than tp are refused. DeepSpeed's pipeline engine
@@ -32,7 +33,9 @@ def config(sc: Scenario) -> dict:
     zero = {"stage": p.zero_stage, "overlap_comm": sc.training.overlap_grad_reduce,
             "contiguous_gradients": ds.contiguous_gradients, "reduce_bucket_size": ds.reduce_bucket_elements}
     if p.zero_stage >= 3:
-        zero["stage3_prefetch_bucket_size"] = ds.prefetch_bucket_elements
+        zero.update(stage3_prefetch_bucket_size=ds.prefetch_bucket_elements,
+                    stage3_max_live_parameters=ds.max_live_elements, stage3_max_reuse_distance=ds.max_reuse_elements,
+                    stage3_param_persistence_threshold=ds.persistence_threshold_elements)
     out = {
         "train_batch_size": sc.training.global_batch_size,
         "train_micro_batch_size_per_gpu": p.micro_batch_size,

@@ -128,18 +128,115 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     if z == 2:
         return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + FP32) * P / n + buckets,
                           optimizer_bytes=MASTER_AND_ADAM * P / n)
-    # one gathered module (and, in grads, its bf16 gradient): DeepSpeed gathers a whole module for its forward and
-    # backward (partitioned_param_coordinator.py fetch_sub_module), and on the stages that hold them the input
-    # embedding or the output layer (V x h / tp each) outweighs a transformer layer (Llama-3-8B: 525e6 elements
-    # against 218e6); with pp 1 and untied embeddings both sit on the one stage and are gathered one at a time.
-    # What the coordinator keeps gathered beyond that (reuse distance, prefetch marks) is not counted:
-    # benchmarks/deepspeed_zero3_gathered.py, docs/memory.md Known limits
+    # the bf16 gradient of one gathered module (a layer, or the embedding or output layer where the stage holds one:
+    # V x h / tp each, Llama-3-8B 525e6 elements against a 218e6 layer) until its reduce-scatter; with pp 1 and
+    # untied embeddings both sit on the one stage and are computed one at a time
     rest = max(P - layers * Pl, 0.0)
     largest_module = rest / 2 if plan.pp == 1 and not model.tied_embeddings else rest
     working = BF16 * min(P, max(Pl, largest_module))
-    return StateBytes(weights_bytes=BF16 * P / n + working + training.deepspeed.prefetch_bucket_elements * BF16,
+    if plan.pp == 1:
+        # the parameters DeepSpeed's coordinator holds gathered at once (prefetched, kept for reuse, persisted),
+        # replayed over the model's module tree (planner/frameworks/deepspeed_zero3.py)
+        gathered = BF16 * zero3_gathered_elements(model, plan.tp, training.deepspeed)
+    else:  # ZeRO-3 runs without DeepSpeed's pipeline engine only (PROFILE.max_zero_with_pp): not reached by a plan
+        gathered = working + training.deepspeed.prefetch_bucket_elements * BF16
+    return StateBytes(weights_bytes=BF16 * P / n + gathered,
                       grads_bytes=(BF16 + FP32) * P / n + working + buckets,
                       optimizer_bytes=MASTER_AND_ADAM * P / n)
+
+
+def zero3_shape(model, tp: int) -> tuple:
+    """The element counts of one GPU's modules, in the order Megatron-DeepSpeed's ``GPTModel`` calls them
+    (``megatron/model/language_model.py``, ``transformer.py``), as :func:`zero3_tree` takes them: the embedding
+    (word, learned positions, embedding norm), per layer kind the norms, the attention's input and output
+    projections (weight, bias), the MLP's two linears (weight, bias) or a MoE layer's router and experts (DeepSpeed-MoE
+    ``TopKGate.wg`` and ``Experts``, all experts local: ``PROFILE.allows_ep`` is False) and shared experts, the final
+    norm and the output layer (0 when tied: the embedding's weight again). TP splits as Megatron (column-parallel
+    inputs and output layer, row-parallel outputs with whole biases, norms whole; :func:`layer_params_per_rank`'s rule).
+    """
+    from planner.specs import padded_vocab_size
+
+    h, t = model.hidden_size, tp
+    norm = (h, h) if model.norm == "layernorm" else (h,)
+    attention = model.attention_params() - (model.qk_norm_params() if not model.is_mla else 0)
+    out_w = (model.num_attention_heads * model.v_dim if model.is_mla else model.q_size) * h
+    out_b = h if model.has_out_proj_bias else 0
+    in_b = (model.q_size + 2 * model.kv_heads * model.kv_channels) if model.has_qkv_bias and not model.is_mla else 0
+    in_w = attention - out_w - out_b - in_b
+
+    def linear(w, b, split_bias=True):
+        return (round(w / t),) + ((round(b / t) if split_bias else b,) if b else ())
+
+    def mlp(ffn):
+        mlp_in = 2 * ffn if model.gated_mlp else ffn
+        bias = model.has_mlp_bias
+        return (linear(h * mlp_in, mlp_in if bias else 0), linear(ffn * h, h if bias else 0, split_bias=False))
+
+    attn = (linear(in_w, in_b), linear(out_w, out_b, split_bias=False))
+    dense = ("dense", norm, attn, mlp(model.ffn_size))
+    moe = None
+    if model.is_moe:
+        shared = mlp(model.shared_expert_ffn_hidden_size) if model.shared_expert_ffn_hidden_size else None
+        moe = ("moe", norm, attn, (model.router_params(),), model.num_experts, mlp(model.moe_ffn_size), shared)
+    kinds = "".join("M" if model.is_moe_layer(i) else "D" for i in range(model.num_layers))
+    v_pad = padded_vocab_size(model.vocab_size, t)
+    embedding = (round(v_pad * h / t),) + ((model.max_seq_len * h,) if model.position_embedding == "learned" else ()) \
+        + (norm if model.embedding_norm else ())
+    output = 0 if model.tied_embeddings else round(v_pad * h / t)
+    return embedding, dense, moe, kinds, norm, output
+
+
+def zero3_tree(shape: tuple):
+    """The module tree of :func:`zero3_shape`, with Megatron-DeepSpeed's modules that hold no parameter of their own
+    (the containers, the embedding dropout, the core attention), which DeepSpeed's hooks visit all the same."""
+    from planner.frameworks.deepspeed_zero3 import Module
+
+    embedding, dense, moe, kinds, final_norm, output = shape
+    ids = iter(range(1, 1 << 62))
+
+    def params(sizes):
+        return tuple((next(ids), n) for n in sizes)
+
+    def mlp_module(linears):
+        fc1, fc2 = linears
+        return Module((), (Module(params(fc1)), Module(params(fc2))))
+
+    def layer(spec):
+        kind, norm, (qkv, proj) = spec[0], spec[1], spec[2]
+        attention = Module((), (Module(params(qkv)), Module(()), Module(params(proj))))
+        if kind == "dense":
+            ffn = mlp_module(spec[3])
+        else:
+            router, experts, expert, shared = spec[3], spec[4], spec[5], spec[6]
+            moe_layer = Module((), (Module(params(router)),
+                                    Module((), tuple(mlp_module(expert) for _ in range(experts)))))
+            ffn = Module((), (moe_layer,) + ((mlp_module(shared),) if shared else ()))
+        return Module((), (Module(params(norm)), attention, Module(params(norm)), ffn))
+
+    word = params(embedding[:1])
+    embed = Module((), (Module(word), *(Module(params((n,))) for n in embedding[1:]), Module(())))
+    body = tuple(layer(dense if k == "D" else moe) for k in kinds)
+    head = Module(word if output == 0 else params((output,)))
+    language_model = Module((), (embed, Module((), body + (Module(params(final_norm)),)), head))
+    return Module((), (language_model,))
+
+
+@functools.lru_cache(maxsize=64)
+def _zero3_gathered(shape: tuple, prefetch: int, max_live: int, max_reuse: int, persistence: int) -> int:
+    from planner.frameworks.deepspeed_zero3 import Settings, gathered_elements
+
+    return gathered_elements(zero3_tree(shape), Settings(prefetch_bucket=prefetch, max_live=max_live,
+                                                         max_reuse=max_reuse, persistence_threshold=persistence))
+
+
+def zero3_gathered_elements(model, tp: int, ds) -> int:
+    """Parameter elements DeepSpeed ZeRO-3 holds gathered at once on one GPU (pp 1): its coordinator
+    (planner/frameworks/deepspeed_zero3.py) replayed over :func:`zero3_tree` with the config's
+    ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` and
+    ``stage3_param_persistence_threshold`` (``DeepSpeedZero``). At DeepSpeed's defaults the reuse distance keeps the
+    last layers gathered from their forward to their backward and the prefetcher runs up to the live limit."""
+    return _zero3_gathered(zero3_shape(model, tp), ds.prefetch_bucket_elements, ds.max_live_elements,
+                           ds.max_reuse_elements, ds.persistence_threshold_elements)
 
 
 def partition_balanced(weights: list[float], num_parts: int) -> list[int]:

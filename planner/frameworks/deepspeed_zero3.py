@@ -24,8 +24,10 @@ module trace alone:
 The forward runs the module tree's hooks in call order (pre-forward, the children, post-forward); the backward runs
 them mirrored (``parameter_offload.py``: a module's pre-backward function wraps its outputs, its post-backward
 function its inputs, so the gradient meets them in reverse nesting). The first forward records the trace; from
-the second on the trace is complete. :func:`gathered_elements` replays steps 2 and 3 and returns the most elements
-gathered (in flight or available) right after any fetch. ``tests/test_deepspeed_zero3.py`` replays the real
+the second on the trace is complete. The recording step releases every partitioned parameter after its module and
+ends with only the persisted ones gathered, and so does every complete step (a parameter's last use in the backward
+releases it), so each complete step starts alike and repeats the one before: :func:`gathered_elements` replays one
+and returns the most elements gathered (in flight or available) right after any fetch. ``tests/test_deepspeed_zero3.py`` replays the real
 coordinator on CPU (``tests/deepspeed_zero3_probe.py``) over the same module trees and compares every fetch.
 
 Pure Python, no torch: ``plan3d search`` imports it.
@@ -123,10 +125,10 @@ def _flatten(root: Module) -> list[Module]:
     return out
 
 
-def replay(root: Module, settings: Settings, steps: int = 3) -> list[int]:
-    """Elements gathered (available or in flight, persisted ones included) right after each fetch of steps 2 ..
-    ``steps`` (the first records the trace, releasing every module's partitioned parameters after it), as the
-    coordinator (module docstring) leaves them. Persisted parameters are held gathered throughout."""
+def replay(root: Module, settings: Settings, steps: int = 1) -> list[int]:
+    """Elements gathered (available or in flight, persisted ones included) right after each fetch of ``steps``
+    complete steps (steps 2, 3, ... of a run: the first records the trace and leaves only the persisted parameters
+    gathered), as the coordinator (module docstring) leaves them."""
     modules = _flatten(root)
     events = hook_events(root)
     numel: dict[int, int] = {}
@@ -147,44 +149,46 @@ def replay(root: Module, settings: Settings, steps: int = 3) -> list[int]:
         cum.append(cum[-1] + sum(numel[pid] for pid in own[i]))
 
     gathered: set[int] = set(persisted)  # gathered once and never released
+    held = [sum(numel[pid] for pid in persisted)]  # elements of ``gathered``
     active: dict[int, set[int]] = collections.defaultdict(set)
     cache: dict[tuple[int, int], frozenset[int]] = {}
     seen: list[int] = []
 
-    for step_no in range(1, steps + 1):
-        complete = step_no >= 2
-        queue = collections.deque(param_order)
+    def gather(pids) -> int:
+        added = 0
+        for pid in pids:
+            if pid not in gathered:
+                gathered.add(pid)
+                added += numel[pid]
+        held[0] += added
+        return added
+
+    def release_param(pid: int) -> int:
+        if pid in gathered and not active[pid]:
+            gathered.discard(pid)
+            held[0] -= numel[pid]
+            return numel[pid]
+        return 0
+
+    for _ in range(steps):
+        queue = collections.deque(param_order)  # reset_step
         fetched_for: dict[int, int] = collections.defaultdict(lambda: int(-1e10))
         n_available = 0
         step_id = 0
         active_backward: dict[int, bool] = {}
 
-        def gather(pids) -> int:
-            added = 0
-            for pid in pids:
-                if pid not in gathered:
-                    gathered.add(pid)
-                    added += numel[pid]
-            return added
-
-        def release_param(pid: int) -> int:
-            if pid in gathered and not active[pid]:
-                gathered.discard(pid)
-                return numel[pid]
-            return 0
-
         def to_release(i: int, at: int) -> frozenset[int]:
-            # __params_to_release: a parameter used again at trace step j >= at is kept when the elements of the
-            # modules at .. j-1 stay under max_reuse (the loop's check before each module); the first such use decides
-            if (i, at) in cache:
-                return cache[(i, at)]
-            out = {pid for pid in own[i] if pid not in persisted and fetched_for[pid] <= at}
-            for pid in list(out):
-                uses = used_at[pid]
-                k = bisect.bisect_left(uses, at)
-                if k < len(uses) and cum[uses[k]] - cum[at] < settings.max_reuse:
-                    out.discard(pid)
-            cache[(i, at)] = frozenset(out)
+            # __params_to_release (cached per module and step, as DeepSpeed's lru_cache does): a parameter marked
+            # for a later step is kept, and so is one used again at trace step j >= at while the elements of the
+            # modules at .. j-1 stay under max_reuse (the loop's check before each module; the first use decides)
+            if (i, at) not in cache:
+                out = {pid for pid in own[i] if pid not in persisted and fetched_for[pid] <= at}
+                for pid in list(out):
+                    uses = used_at[pid]
+                    k = bisect.bisect_left(uses, at)
+                    if k < len(uses) and cum[uses[k]] - cum[at] < settings.max_reuse:
+                        out.discard(pid)
+                cache[(i, at)] = frozenset(out)
             return cache[(i, at)]
 
         for kind, i, fwd in events:
@@ -194,32 +198,31 @@ def replay(root: Module, settings: Settings, steps: int = 3) -> list[int]:
                 n_available += gather(own[i])
                 for pid in own[i]:
                     active[pid].add(i)
-                if complete:
-                    not_fetched = {pid for pid in own[i] if fetched_for[pid] < step_id}
-                    discarded: set[int] = set()
-                    while queue and len(discarded) < len(not_fetched):
+                # pop the module's own parameters off the queue unless a prefetch already did
+                not_fetched = {pid for pid in own[i] if fetched_for[pid] < step_id}
+                discarded: set[int] = set()
+                while queue and len(discarded) < len(not_fetched):
+                    pid, at = queue.popleft()
+                    fetched_for[pid] = at
+                    discarded.add(pid)
+                if discarded != not_fetched:
+                    raise AssertionError(f"trace out of order at step {step_id}")
+                if settings.prefetch_bucket > 0:
+                    limit = min(settings.max_live - n_available, settings.prefetch_bucket)
+                    picked: list[int] = []
+                    count = 0
+                    while queue and count < limit:
                         pid, at = queue.popleft()
-                        fetched_for[pid] = at
-                        discarded.add(pid)
-                    if discarded != not_fetched:
-                        raise AssertionError(f"trace out of order at step {step_id}")
-                    if settings.prefetch_bucket > 0:
-                        limit = min(settings.max_live - n_available, settings.prefetch_bucket)
-                        picked: list[int] = []
-                        count = 0
-                        while queue and count < limit:
-                            pid, at = queue.popleft()
-                            do = pid not in gathered and pid not in picked
-                            fetched_for[pid] = max(fetched_for[pid], at)
-                            if do:
-                                picked.append(pid)
-                                count += numel[pid]
-                        if count > 0:
-                            n_available += gather(picked)
-                    seen.append(sum(numel[p] for p in gathered))
+                        fetched_for[pid] = max(fetched_for[pid], at)
+                        if pid not in gathered and pid not in picked:
+                            picked.append(pid)
+                            count += numel[pid]
+                    if count > 0:
+                        n_available += gather(picked)
+                seen.append(held[0])
                 step_id += 1
             elif kind == "release":
-                rel = to_release(i, step_id) if complete else frozenset(p for p in own[i] if p not in persisted)
+                rel = to_release(i, step_id)
                 if not fwd:
                     active_backward.pop(i, None)
                 for pid in own[i]:

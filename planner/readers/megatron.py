@@ -418,8 +418,9 @@ def deepspeed_zero_settings(a: Args, ds_config: dict) -> tuple[dict, bool]:
     classes read it (0.19.8 ``runtime/zero/config.py`` ``DeepSpeedZeroConfig``, ``runtime/config_utils.py``
     ``DeepSpeedConfigModel``): a key set to ``"auto"`` is dropped (the default stands), booleans and integers are
     pydantic's lax ones (``"yes"``, ``0``; ``5e8``), and the defaults are ``contiguous_gradients`` true,
-    ``reduce_bucket_size`` 5e8 (> 0), ``stage3_prefetch_bucket_size`` 5e7 (>= 0), ``overlap_comm`` true at stage 3
-    only; ``data_types.grad_accum_dtype`` takes ``DtypeEnum``'s names. What DeepSpeed refuses is a one-line error
+    ``reduce_bucket_size`` 5e8 (> 0), ``stage3_prefetch_bucket_size`` 5e7, ``stage3_max_live_parameters`` and
+    ``stage3_max_reuse_distance`` 1e9, ``stage3_param_persistence_threshold`` 1e5 (each >= 0; also under the field names
+    without ``stage3_``), ``overlap_comm`` true at stage 3 only; ``data_types.grad_accum_dtype`` takes ``DtypeEnum``'s names. What DeepSpeed refuses is a one-line error
     (tests/test_deepspeed_engine.py parses the same sections with DeepSpeed's class)."""
     from pydantic import TypeAdapter, ValidationError
 
@@ -448,7 +449,11 @@ def deepspeed_zero_settings(a: Args, ds_config: dict) -> tuple[dict, bool]:
                 "contiguous_gradients": lax("contiguous_gradients", bool, True),
                 "reduce_bucket_elements": lax("reduce_bucket_size", int, 500_000_000, 1),
                 "prefetch_bucket_elements": lax("stage3_prefetch_bucket_size", int, 50_000_000, 0,
-                                                "prefetch_bucket_size")}
+                                                "prefetch_bucket_size"),
+                "max_live_elements": lax("stage3_max_live_parameters", int, 1_000_000_000, 0, "max_live_parameters"),
+                "max_reuse_elements": lax("stage3_max_reuse_distance", int, 1_000_000_000, 0, "max_reuse_distance"),
+                "persistence_threshold_elements": lax("stage3_param_persistence_threshold", int, 100_000, 0,
+                                                      "param_persistence_threshold")}
     return settings, lax("overlap_comm", bool, stage == 3)
 
 
