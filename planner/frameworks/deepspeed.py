@@ -11,10 +11,13 @@ Code paths (deepspeedai/DeepSpeed ``deepspeed/runtime``):
   ``reduce_bucket_size`` elements (default 5e8) in the 16-bit dtype, and a second with ``overlap_comm``
   (``setup_buckets``): 2 GB with both at the defaults; none without ``contiguous_gradients``.
 * **ZeRO-3** (``zero/stage3.py``): everything partitioned; ``estimate_zero3_model_states_mem_needs``
-  adds ``4 x largest_layer_params`` (the gathered bf16 module and its bf16 gradient: a transformer layer, or the
-  embedding or output layer on the stages that hold them), plus the
-  prefetch bucket ``stage3_prefetch_bucket_size`` (5e7 elements) and, with ``contiguous_gradients``, one reduce
-  bucket whatever ``overlap_comm`` says (``stage3.py``: one ``bucket.buffer`` of ``reduce_bucket_size``).
+  adds ``4 x largest_layer_params`` (a gathered bf16 module and its bf16 gradient). plan3d counts the gradient of
+  the largest module (a transformer layer, or the embedding or output layer on the stages that hold them) and, for
+  the weights, what DeepSpeed's parameter coordinator holds gathered at once: its code ported
+  (planner/frameworks/deepspeed_zero3.py, checked against the real one on CPU) and replayed over the model's module
+  tree (:func:`zero3_tree`) with the config's prefetch bucket, live limit, reuse distance and persistence threshold
+  (:func:`zero3_gathered_elements`); with ``contiguous_gradients``, one reduce bucket whatever ``overlap_comm`` says
+  (``stage3.py``: one ``bucket.buffer`` of ``reduce_bucket_size``).
 * **Which optimizer wrapper** (:func:`optimizer_wrapper`): the engine picks it in
   ``engine.py::_do_optimizer_sanity_check`` from the ZeRO stage, the model dtype, ``data_types.grad_accum_dtype``
   (default: the model dtype, ``get_data_types``) and whether the model is a ``PipelineModule``. Checked on the
