@@ -236,8 +236,9 @@ def zero3_gathered_elements(model, tp: int, ds) -> int:
     """Parameter elements DeepSpeed ZeRO-3 holds gathered at once on one GPU (pp 1): its coordinator
     (planner/frameworks/deepspeed_zero3.py) replayed over :func:`zero3_tree` with the config's
     ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` and
-    ``stage3_param_persistence_threshold`` (``DeepSpeedZero``). At DeepSpeed's defaults the reuse distance keeps the
-    last layers gathered from their forward to their backward and the prefetcher runs up to the live limit."""
+    ``stage3_param_persistence_threshold`` (``DeepSpeedZero``). At DeepSpeed's defaults the prefetcher runs ahead up to
+    the live limit, since the hooks of the modules without parameters of their own prefetch too
+    (benchmarks/deepspeed_zero3_gathered.py)."""
     return _zero3_gathered(zero3_shape(model, tp), ds.prefetch_bucket_elements, ds.max_live_elements,
                            ds.max_reuse_elements, ds.persistence_threshold_elements)
 
