@@ -3,7 +3,8 @@ module trees of tests/test_deepspeed_zero3.py, for planner/frameworks/deepspeed_
 
 Reads a JSON list of cases from the file named by its second argument; each case is ``{"tree": <module>,
 "config": <zero_optimization keys>}`` with a module as ``{"params": [[id, elements], ...], "children": [...]}``
-(the same shape as ``deepspeed_zero3.Module``; an id seen before is the same ``Parameter`` object, a tied weight).
+(the same shape as ``deepspeed_zero3.Module``; an id seen before is the same ``Parameter`` object, a tied weight;
+``"checkpointed": true`` has its parent call it through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``).
 For each case it builds those modules (each adds the means of its own parameters to its input, then calls its
 children in order), runs three forward/backward/step iterations, and reports, per iteration, every coordinator call
 (``fetch_sub_module``, ``release_sub_module``, ``release_backward_leftovers``) with the module's ``ds_id`` and, after
@@ -40,12 +41,13 @@ def _worker(port: int, cases: list) -> dict:
                 self.register_parameter(name, shared[pid])
                 self.names.append(name)
             self.kids = torch.nn.ModuleList(Node(c, shared) for c in spec["children"])
+            self.checkpointed = spec.get("checkpointed", False)
 
         def forward(self, x):
             for name in self.names:
                 x = x + getattr(self, name).mean()
             for kid in self.kids:
-                x = kid(x)
+                x = torch.utils.checkpoint.checkpoint(kid, x, use_reentrant=True) if kid.checkpointed else kid(x)
             return x * 1.0
 
     out = []

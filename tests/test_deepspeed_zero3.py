@@ -18,7 +18,7 @@ class Ids:
         return (self.n, elements)
 
 
-def transformer(layers=6, embedding=300, tied=False, experts=0):
+def transformer(layers=6, embedding=300, tied=False, experts=0, checkpointed=False):
     """Embedding (+ a parameterless dropout), layers of norm / attention (qkv, parameterless core, out) / norm / MLP
     or experts, final norm, output layer (tied: the embedding's weight again)."""
     p = Ids()
@@ -30,7 +30,7 @@ def transformer(layers=6, embedding=300, tied=False, experts=0):
     def layer():
         ffn = Module((p(8),), tuple(mlp(30) for _ in range(experts))) if experts else mlp(120)
         return Module((), (Module((p(4),)), Module((), (Module((p(90), p(6))), Module(()), Module((p(40), p(2))))),
-                           Module((p(4),)), ffn))
+                           Module((p(4),)), ffn), checkpointed=checkpointed)
     body = tuple(layer() for _ in range(layers))
     out = Module((word,)) if tied else Module((p(embedding),))
     return Module((), (Module((), (Module((word,)), Module(()))), *body, Module((p(4),)), out))
@@ -42,7 +42,7 @@ def flat():
 
 
 TREES = {"transformer": transformer(), "tied": transformer(tied=True), "flat": flat(),
-         "experts": transformer(layers=3, experts=5)}
+         "experts": transformer(layers=3, experts=5), "checkpointed": transformer(checkpointed=True)}
 CONFIGS = [
     {"stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 0,
      "stage3_param_persistence_threshold": 0},
@@ -62,7 +62,8 @@ def settings(config):
 
 
 def as_json(m: Module) -> dict:
-    return {"params": [list(p) for p in m.params], "children": [as_json(c) for c in m.children]}
+    return {"params": [list(p) for p in m.params], "children": [as_json(c) for c in m.children],
+            "checkpointed": m.checkpointed}
 
 
 @pytest.fixture(scope="module")

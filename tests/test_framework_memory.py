@@ -654,7 +654,7 @@ def test_deepspeed_zero3_gathers_the_largest_module_on_the_stage(pp, stage, modu
         # one stage: the weights gathered are what DeepSpeed's coordinator holds (the port, tests/
         # test_deepspeed_zero3.py), at the defaults more than the module and the prefetch bucket (its reuse distance
         # keeps the last layers gathered over the turn to the backward)
-        gathered = ds_profile.zero3_gathered_elements(LLAMA, 1, tr.deepspeed)
+        gathered = ds_profile.zero3_gathered_elements(LLAMA, plan, tr.deepspeed)
         assert gathered > module_elements + 5e7
         assert st.weights_bytes == pytest.approx(2 * p / 8 + 2 * gathered)
     else:  # not a plan DeepSpeed runs (ZeRO-3 has no pipeline engine): the module and the prefetch bucket

@@ -140,7 +140,7 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     if plan.pp == 1:
         # the parameters DeepSpeed's coordinator holds gathered at once (prefetched, kept for reuse, persisted),
         # replayed over the model's module tree (planner/frameworks/deepspeed_zero3.py)
-        gathered = BF16 * zero3_gathered_elements(model, plan.tp, training.deepspeed)
+        gathered = BF16 * zero3_gathered_elements(model, plan, training.deepspeed)
     else:  # ZeRO-3 runs without DeepSpeed's pipeline engine only (PROFILE.max_zero_with_pp): not reached by a plan
         gathered = working + training.deepspeed.prefetch_bucket_elements * BF16
     return StateBytes(weights_bytes=BF16 * P / n + gathered,
@@ -148,7 +148,7 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
                       optimizer_bytes=MASTER_AND_ADAM * P / n)
 
 
-def zero3_shape(model, tp: int) -> tuple:
+def zero3_shape(model, tp: int, recompute: tuple[bool, ...] | str = "none") -> tuple:
     """The element counts of one GPU's modules, in the order Megatron-DeepSpeed's ``GPTModel`` calls them
     (``megatron/model/language_model.py``, ``transformer.py``), as :func:`zero3_tree` takes them: the embedding
     (word, learned positions, embedding norm), per layer kind the norms, the attention's input and output
@@ -156,6 +156,9 @@ def zero3_shape(model, tp: int) -> tuple:
     ``TopKGate.wg`` and ``Experts``, all experts local: ``PROFILE.allows_ep`` is False) and shared experts, the final
     norm and the output layer (0 when tied: the embedding's weight again). TP splits as Megatron (column-parallel
     inputs and output layer, row-parallel outputs with whole biases, norms whole; :func:`layer_params_per_rank`'s rule).
+    ``recompute``: per layer whether Megatron-DeepSpeed checkpoints it whole (``--checkpoint-activations``,
+    ``_checkpointed_forward`` through ``deepspeed.checkpointing.checkpoint``, reentrant), or "selective" (its
+    ``CoreAttention`` checkpointed, ``--recompute-granularity selective``).
     """
     from planner.specs import padded_vocab_size
 
@@ -181,12 +184,14 @@ def zero3_shape(model, tp: int) -> tuple:
     if model.is_moe:
         shared = mlp(model.shared_expert_ffn_hidden_size) if model.shared_expert_ffn_hidden_size else None
         moe = ("moe", norm, attn, (model.router_params(),), model.num_experts, mlp(model.moe_ffn_size), shared)
-    kinds = "".join("M" if model.is_moe_layer(i) else "D" for i in range(model.num_layers))
+    whole = recompute if isinstance(recompute, tuple) else (False,) * model.num_layers
+    kinds = "".join(("m" if whole[i] else "M") if model.is_moe_layer(i) else ("d" if whole[i] else "D")
+                    for i in range(model.num_layers))
     v_pad = padded_vocab_size(model.vocab_size, t)
     embedding = (round(v_pad * h / t),) + ((model.max_seq_len * h,) if model.position_embedding == "learned" else ()) \
         + (norm if model.embedding_norm else ())
     output = 0 if model.tied_embeddings else round(v_pad * h / t)
-    return embedding, dense, moe, kinds, norm, output
+    return embedding, dense, moe, kinds, norm, output, recompute == "selective"
 
 
 def zero3_tree(shape: tuple):
@@ -194,7 +199,7 @@ def zero3_tree(shape: tuple):
     (the containers, the embedding dropout, the core attention), which DeepSpeed's hooks visit all the same."""
     from planner.frameworks.deepspeed_zero3 import Module
 
-    embedding, dense, moe, kinds, final_norm, output = shape
+    embedding, dense, moe, kinds, final_norm, output, core_checkpointed = shape
     ids = iter(range(1, 1 << 62))
 
     def params(sizes):
@@ -204,9 +209,9 @@ def zero3_tree(shape: tuple):
         fc1, fc2 = linears
         return Module((), (Module(params(fc1)), Module(params(fc2))))
 
-    def layer(spec):
+    def layer(spec, checkpointed):
         kind, norm, (qkv, proj) = spec[0], spec[1], spec[2]
-        attention = Module((), (Module(params(qkv)), Module(()), Module(params(proj))))
+        attention = Module((), (Module(params(qkv)), Module((), checkpointed=core_checkpointed), Module(params(proj))))
         if kind == "dense":
             ffn = mlp_module(spec[3])
         else:
@@ -214,11 +219,11 @@ def zero3_tree(shape: tuple):
             moe_layer = Module((), (Module(params(router)),
                                     Module((), tuple(mlp_module(expert) for _ in range(experts)))))
             ffn = Module((), (moe_layer,) + ((mlp_module(shared),) if shared else ()))
-        return Module((), (Module(params(norm)), attention, Module(params(norm)), ffn))
+        return Module((), (Module(params(norm)), attention, Module(params(norm)), ffn), checkpointed=checkpointed)
 
     word = params(embedding[:1])
     embed = Module((), (Module(word), *(Module(params((n,))) for n in embedding[1:]), Module(())))
-    body = tuple(layer(dense if k == "D" else moe) for k in kinds)
+    body = tuple(layer(dense if k in "Dd" else moe, k.islower()) for k in kinds)
     head = Module(word if output == 0 else params((output,)))
     language_model = Module((), (embed, Module((), body + (Module(params(final_norm)),)), head))
     return Module((), (language_model,))
@@ -232,14 +237,21 @@ def _zero3_gathered(shape: tuple, prefetch: int, max_live: int, max_reuse: int, 
                                                          max_reuse=max_reuse, persistence_threshold=persistence))
 
 
-def zero3_gathered_elements(model, tp: int, ds) -> int:
-    """Parameter elements DeepSpeed ZeRO-3 holds gathered at once on one GPU (pp 1): its coordinator
-    (planner/frameworks/deepspeed_zero3.py) replayed over :func:`zero3_tree` with the config's
+def zero3_gathered_elements(model, plan, ds) -> int:
+    """Parameter elements DeepSpeed ZeRO-3 holds gathered at once on one GPU of ``plan`` (pp 1): its coordinator
+    (planner/frameworks/deepspeed_zero3.py) replayed over :func:`zero3_tree` (the plan's TP and recompute) with the
+    config's
     ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance`` and
     ``stage3_param_persistence_threshold`` (``DeepSpeedZero``). At DeepSpeed's defaults the prefetcher runs ahead up to
     the live limit, since the hooks of the modules without parameters of their own prefetch too
     (benchmarks/deepspeed_zero3_gathered.py)."""
-    return _zero3_gathered(zero3_shape(model, tp), ds.prefetch_bucket_elements, ds.max_live_elements,
+    from planner.specs import checkpointed_layers
+
+    if plan.recompute == "selective":
+        recompute: tuple[bool, ...] | str = "selective"
+    else:
+        recompute = checkpointed_layers(model.num_layers, 1, True, plan.recompute, plan.recompute_num_layers)
+    return _zero3_gathered(zero3_shape(model, plan.tp, recompute), ds.prefetch_bucket_elements, ds.max_live_elements,
                            ds.max_reuse_elements, ds.persistence_threshold_elements)
 
 

@@ -55,6 +55,10 @@ class Module:
 
     params: tuple[tuple[int, int], ...] = ()
     children: tuple["Module", ...] = ()
+    #: called by its parent through reentrant activation checkpointing (``torch.utils.checkpoint`` with
+    #: ``use_reentrant=True``, DeepSpeed's ``checkpointing.checkpoint``): its first forward runs without autograd, and
+    #: the backward runs its forward again before its backward
+    checkpointed: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,19 +93,24 @@ def hook_events(root: Module) -> list[tuple[str, int, bool]]:
     grad_seen = [False]
     no_post_backward: set[int] = set()
 
-    def forward(m: Module) -> None:
+    def forward(m: Module, mark: bool = True) -> None:
         i = index[id(m)]
-        if not grad_seen[0]:
+        if mark and not grad_seen[0]:
             no_post_backward.add(i)
         events.append(("fetch", i, True))
-        if m.params:
+        if m.params and mark:
             grad_seen[0] = True
         for c in m.children:
-            forward(c)
+            forward(c, mark)
         events.append(("release", i, True))
 
     def backward(m: Module) -> None:
+        # a module's pre-backward function wraps its outputs and its post-backward function its inputs
+        # (parameter_offload.py), so the gradient meets them in reverse nesting; a checkpointed module's
+        # backward starts with its forward again (CheckpointFunction.backward), whose hooks count as forward ones
         i = index[id(m)]
+        if m.checkpointed:
+            forward(m, mark=False)
         events.append(("fetch", i, False))
         for c in reversed(m.children):
             backward(c)
