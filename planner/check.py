@@ -115,9 +115,27 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
                 if headroom is not None:
                     hw = hw.model_copy(update={"fragmentation_headroom": headroom})
                 r.scenario = r.scenario.model_copy(update={"hardware": hw})
+                r.notes = r.notes + deepspeed_zero3_notes(r.scenario)
         return results
     except SpecError as err:
         return [CheckResult(path=path, line=_error_line(err), errors=err.lines)]
+
+
+def deepspeed_zero3_notes(sc) -> list[str]:
+    """For a DeepSpeed ZeRO-3 job: how much of the weights its parameter coordinator holds gathered at once, and the
+    keys that set it (planner/frameworks/deepspeed.py zero3_gathered_elements)."""
+    if sc.training.framework != "deepspeed" or sc.plan.zero_stage != 3 or sc.plan.pp != 1:
+        return []
+    plan = sc.resolved_plan()
+    from planner.frameworks.deepspeed import zero3_gathered_elements
+    from planner.memory import GIB
+
+    ds = sc.training.deepspeed
+    gathered = zero3_gathered_elements(sc.model, plan, ds)
+    return [f"DeepSpeed ZeRO-3 holds {gathered / 1e6:,.0f}M parameters ({2 * gathered / GIB:.2f} GiB in bf16) gathered "
+            f"at once, its coordinator replayed over the model's modules (stage3_max_live_parameters "
+            f"{ds.max_live_elements:.3g}, stage3_prefetch_bucket_size {ds.prefetch_bucket_elements:.3g}, "
+            f"stage3_max_reuse_distance {ds.max_reuse_elements:.3g}); lower the first two to hold less"]
 
 
 def _launch_file_results(path: Path, hardware: HardwareSpec | None, gpus: int | None,
