@@ -4,11 +4,12 @@ module trees of tests/test_deepspeed_zero3.py, for planner/frameworks/deepspeed_
 Reads a JSON list of cases from the file named by its second argument; each case is ``{"tree": <module>,
 "config": <zero_optimization keys>}`` with a module as ``{"params": [[id, elements], ...], "children": [...]}``
 (the same shape as ``deepspeed_zero3.Module``; an id seen before is the same ``Parameter`` object, a tied weight;
-``"checkpointed": true`` has its parent call it through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``).
-For each case it builds those modules (each adds the means of its own parameters to its input, then calls its
-children in order), runs three forward/backward/step iterations, and reports, per iteration, every coordinator call
-(``fetch_sub_module``, ``release_sub_module``, ``release_backward_leftovers``) with the module's ``ds_id`` and, after
-each fetch, the elements of all parameters not ``NOT_AVAILABLE``; modules are numbered in the tree's pre-order. Prints one JSON line.
+``"checkpointed": true`` has its parent call it through ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=True)``). For each case it builds those modules (each adds the means of its own parameters to its
+input, then calls its children in order), runs three forward/backward/step iterations, and reports, per iteration,
+every coordinator call (``fetch_sub_module``, ``release_sub_module``, ``release_backward_leftovers``) with the
+module's number in the tree's pre-order and, after each fetch, the elements of all parameters not
+``NOT_AVAILABLE``. Prints one JSON line.
 
 Run as ``python tests/deepspeed_zero3_probe.py PORT CASES.json``."""
 

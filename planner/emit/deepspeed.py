@@ -4,8 +4,9 @@ Keys are DeepSpeed's (``deepspeed/runtime/config.py``): ``train_batch_size`` =
 ``train_micro_batch_size_per_gpu`` x ``gradient_accumulation_steps`` x data-parallel size,
 ``zero_optimization.stage``, its bucket keys (``overlap_comm``, ``contiguous_gradients``, ``reduce_bucket_size``,
 and at stage 3 ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``,
-``stage3_param_persistence_threshold``: ``TrainingSpec.deepspeed``), ``data_types.grad_accum_dtype`` where the plan names
-one, ``bf16.enabled`` / ``fp16.enabled``, ``communication_data_type`` (the gradient reduction dtype plan3d costed). Expert parallelism is not a config key
+``stage3_param_persistence_threshold``: ``TrainingSpec.deepspeed``), ``data_types.grad_accum_dtype`` where the
+plan names one, ``bf16.enabled`` / ``fp16.enabled``, ``communication_data_type`` (the gradient reduction dtype plan3d
+costed). Expert parallelism is not a config key
 (DeepSpeed-MoE takes ``ep_size`` in ``deepspeed.moe.layer.MoE``, in model code): MoE plans with ep > 1
 or an expert TP other than tp are refused. DeepSpeed's pipeline engine
 (``deepspeed/runtime/pipe/engine.py``) takes ZeRO stage 0 or 1 only; the config has no context

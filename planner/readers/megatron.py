@@ -419,9 +419,10 @@ def deepspeed_zero_settings(a: Args, ds_config: dict) -> tuple[dict, bool]:
     ``DeepSpeedConfigModel``): a key set to ``"auto"`` is dropped (the default stands), booleans and integers are
     pydantic's lax ones (``"yes"``, ``0``; ``5e8``), and the defaults are ``contiguous_gradients`` true,
     ``reduce_bucket_size`` 5e8 (> 0), ``stage3_prefetch_bucket_size`` 5e7, ``stage3_max_live_parameters`` and
-    ``stage3_max_reuse_distance`` 1e9, ``stage3_param_persistence_threshold`` 1e5 (each >= 0; also under the field names
-    without ``stage3_``), ``overlap_comm`` true at stage 3 only; ``data_types.grad_accum_dtype`` takes ``DtypeEnum``'s names. What DeepSpeed refuses is a one-line error
-    (tests/test_deepspeed_engine.py parses the same sections with DeepSpeed's class)."""
+    ``stage3_max_reuse_distance`` 1e9, ``stage3_param_persistence_threshold`` 1e5 (each >= 0; also under the field
+    names without ``stage3_``), ``overlap_comm`` true at stage 3 only; ``data_types.grad_accum_dtype`` takes
+    ``DtypeEnum``'s names. What DeepSpeed refuses is a one-line error (tests/test_deepspeed_engine.py parses the
+    same sections with DeepSpeed's class)."""
     from pydantic import TypeAdapter, ValidationError
 
     zero = {k: v for k, v in _section(ds_config, "zero_optimization", a).items() if v != "auto"}
