@@ -3,10 +3,10 @@ hold, for tests/test_deepspeed_states.py to compare with planner/frameworks/deep
 
 A model of ``LAYERS`` bias-free ``Linear(WIDTH, WIDTH)`` in bf16, Adam (``torch.optim.Adam``, the CPU stand-in for
 FusedAdam, which holds the same two states), ``gradient_accumulation_steps`` 2, ``contiguous_gradients`` false (no
-reduce buckets). For ZeRO stages 1, 2 and 3 it reports, in bytes per parameter on rank 0, the storages of the tensors
+reduce buckets). For ZeRO stages 0 (``FP16_Optimizer`` in bf16), 1, 2 and 3 it reports, in bytes per parameter on rank 0, the storages of the tensors
 the optimizer holds under each name: the 16-bit weights, the fp32 master partition, Adam's states, the 16-bit
-gradients held after a micro-batch that is not the last of the step (stage 1: the parameters' ``.grad``; stages
-2-3: the gradient partitions), and the fp32 gradient partition the wrapped optimizer steps on.
+gradients held after a micro-batch that is not the last of the step (stages 0-1: the parameters' ``.grad``;
+stages 2-3: the gradient partitions), and the fp32 gradient partition the wrapped optimizer steps on.
 
 Run as ``python tests/deepspeed_states_probe.py PORT``; prints one JSON line."""
 
@@ -52,7 +52,7 @@ def _rank(rank: int, port: int, stage: int, queue) -> None:
     for i in range(2 * ACCUMULATION):
         engine.backward(engine(torch.randn(1, WIDTH, dtype=torch.bfloat16)).float().sum())
         if i == ACCUMULATION:  # a micro-batch that is not the step's last
-            if stage == 1:
+            if stage in (0, 1):
                 seen["bf16_grads"] = _storages(p.grad for p in engine.module.parameters() if p.grad is not None)
             elif stage == 2:  # stage_1_and_2.py: the partition's gradients, reduced every micro-batch
                 seen["bf16_grads"] = _storages(t for ts in opt.all_grad_tensors.values() if ts for t in ts
@@ -60,7 +60,12 @@ def _rank(rank: int, port: int, stage: int, queue) -> None:
             else:
                 seen["bf16_grads"] = _storages([opt.grad_partitions_flat_buffer])
         engine.step()
-    if stage == 3:
+    if stage == 0:  # FP16_Optimizer in bf16 (engine.py DDP_BFLOAT16), fused or unfused
+        weights = _storages(opt.fp16_groups_flat) if hasattr(opt, "fp16_groups_flat") else \
+            _storages(p for g in opt.fp16_groups for p in g)
+        master = _storages(opt.fp32_groups_flat) if hasattr(opt, "fp32_groups_flat") else \
+            _storages(p for g in opt.fp32_groups for p in g)
+    elif stage == 3:
         weights = _storages(opt.fp16_partitioned_groups_flat)
         master = _storages(opt.fp32_partitioned_groups_flat)
     else:
@@ -77,7 +82,7 @@ def main(port: int) -> dict:
     import torch.multiprocessing as mp
 
     out = []
-    for stage in (1, 2, 3):
+    for stage in (0, 1, 2, 3):
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         procs = [ctx.Process(target=_rank, args=(r, port + stage, stage, queue)) for r in range(RANKS)]
