@@ -1319,10 +1319,19 @@ def layer_phase_bytes(st: frameworks.StateBytes, recompute_bytes: float, output_
     return st.working_weights_bytes * keep, st.working_grads_bytes * keep, recompute_bytes * keep
 
 
+def step_excess_bytes(step_extra_bytes, backward_transient_bytes):
+    """What the optimizer step holds beyond the model states (``StateBytes.step_extra_bytes``) and the backward's
+    peak does not already cover: the step runs after the last backward, when the saved activations and the layer
+    working set (``backward_transient_bytes``) are gone, so the stage's peak is the larger of the two moments.
+    Elementwise on arrays (the search)."""
+    return np.maximum(np.asarray(step_extra_bytes, dtype=float) - backward_transient_bytes, 0.0)
+
+
 def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                  stage: int, layers: int, hardware: HardwareSpec | None = None) -> StageMemory:
     """Every component of one GPU of stage ``stage``: the framework's states, the saved activations,
-    the inputs / outputs, and the larger of the layer phase and the loss spike (:func:`layer_phase_bytes`)."""
+    the inputs / outputs, the larger of the layer phase and the loss spike (:func:`layer_phase_bytes`), and what the
+    optimizer step holds beyond all that (:func:`step_excess_bytes`, in the gradients)."""
     st = stage_state_bytes(model, training, plan, stage, layers, hardware)
     spike = output_bytes(model, training, plan) if stage == plan.loss_stage else 0.0
     recompute = layer_recompute_working_bytes(model, training, plan)
@@ -1330,10 +1339,11 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
     saved = stage_saved_bytes(model, training, plan, num_microbatches, stage, layers)
     kept = pipeline_kept_output_bytes(model, training, plan, num_microbatches, stage,
                                       saved + spike + st.released_at_last_backward_bytes)
+    step = float(step_excess_bytes(st.step_extra_bytes, saved + w_work + g_work + a_work))
     return StageMemory(
         stage=stage, layers=layers,
         weights_bytes=st.weights_bytes + w_work,
-        grads_bytes=st.grads_bytes + g_work,
+        grads_bytes=st.grads_bytes + g_work + step,
         optimizer_bytes=st.optimizer_bytes,
         activations_bytes=saved + a_work,
         other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)) + kept,

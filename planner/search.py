@@ -51,7 +51,7 @@ from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_by
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
-                            stage_state_bytes_of, tp_comm_overlap_bytes_per_element)
+                            stage_state_bytes_of, step_excess_bytes, tp_comm_overlap_bytes_per_element)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
@@ -310,7 +310,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         # that may hold a dense layer, and the first one after them, is computed, and the middle kind is
         # their maximum (a stage the three kinds miss could not fit while the table says it does)
         mrows = _memory_rows(model, base, rows)
-        static, work, released = _state_rows(model, hw, training, base, mrows, zeros)
+        static, work, released, step_extra = _state_rows(model, hw, training, base, mrows, zeros)
         if not model.is_moe:  # a MoE model's DP terms are composed over every stage (_moe_step)
             dpg_s, dpp_s, z3_s, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         nm = np.array([x[1] for x in mrows], dtype=float)
@@ -345,7 +345,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         kept = kept_outputs_bytes_of(training.pipeline_kept_outputs, base, m[:, None, None], rows_r[None, None, :],
                                      f["kept_output_bytes"][:, None, None], boundary_u[:, None, None],
                                      (act + out_spike)[:, None, :] + released[None])
-        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak + kept) / KIB)
+        step_excess = step_excess_bytes(step_extra[None], act[:, None, :] + work_peak)  # memory.stage_memory
+        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak + kept + step_excess) / KIB)
         if len(mrows) > len(rows):  # back to the three kinds: first, the worst middle, last
             mem = np.stack([mem[..., 0], mem[..., 1:-1].max(axis=-1), mem[..., -1]], axis=-1)
         # the zero-bubble schedules' bubble is simulated (cost.schedule_bubble_s): only for the combinations
@@ -504,12 +505,13 @@ def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> l
     return [rows[0], *middles, rows[-1]]
 
 
-def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Static memory (weights + gradients + optimizer), its transient working set and what the last backward
-    releases of it (``StateBytes.released_at_last_backward_bytes``) [Z, R] of each (stage, layers) row
+def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, ...]:
+    """Static memory (weights + gradients + optimizer), its transient working set, what the last backward
+    releases of it (``StateBytes.released_at_last_backward_bytes``) and what the optimizer step holds beyond it
+    (``StateBytes.step_extra_bytes``) [Z, R] of each (stage, layers) row
     (memory.stage_state_bytes): the three kinds of :func:`_stage_rows`, more rows for a MoE model's middle stages
     (:func:`_memory_rows`)."""
-    static, work, released = [], [], []
+    static, work, released, step = [], [], [], []
     inputs = [stage_param_inputs(model, plan, r, n) for r, n in rows]  # the same for every ZeRO stage
     for z in zeros:
         zp = plan.model_copy(update={"zero_stage": z})
@@ -517,7 +519,8 @@ def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarra
         static.append([st.weights_bytes + st.grads_bytes + st.optimizer_bytes for st in states])
         work.append([st.working_weights_bytes + st.working_grads_bytes for st in states])
         released.append([st.released_at_last_backward_bytes for st in states])
-    return np.array(static), np.array(work), np.array(released)
+        step.append([st.step_extra_bytes for st in states])
+    return np.array(static), np.array(work), np.array(released), np.array(step)
 
 
 def _stage_counts(p: int) -> tuple[int, int, int]:

@@ -665,3 +665,41 @@ def test_deepspeed_zero3_gathers_the_largest_module_on_the_stage(pp, stage, modu
         mid = stage_state_bytes(LLAMA, tr, Plan(tp=1, pp=4, dp=8, micro_batch_size=1, zero_stage=3), 1, 8)
         pm = stage_params_per_rank(LLAMA, Plan(tp=1, pp=4, dp=8, micro_batch_size=1, zero_stage=3), 1, 8)
         assert mid.weights_bytes == pytest.approx(2 * pm / 8 + 2 * 218_112_000 + 2 * 5e7)
+
+
+@pytest.mark.parametrize("name, mbs, recompute, step_wins", [("llama3-8b", 1, "full", True),
+                                                            ("megatron-gpt-1.7b", 8, "none", False)])
+def test_deepspeed_fp16_optimizer_step_peak(name, mbs, recompute, step_wins):
+    """DeepSpeed's FP16_Optimizer (bf16 at ZeRO 0 without a pipeline) builds fp32 copies of every gradient and then
+    their flat concatenation in its step (fp16/fused_optimizer.py step) while the 16-bit gradients are still held:
+    2 (weights) + 2 (16-bit gradients) + 4 + 4 (the fp32 copies and the flat fp32 gradient) + 4 (master) + 8 (Adam)
+    = 24 B per parameter, by hand, after the activations are gone. The backward's peak is 20 B per parameter plus the
+    activations. The stage holds the larger: the step's on Llama-3-8B with full recompute at micro-batch 1, the
+    backward's on the 1.7B GPT at micro-batch 8 without recompute."""
+    from planner.memory import stage_memory
+
+    model = load_model(name)
+    plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=mbs, zero_stage=0, recompute=recompute)
+    tr = TrainingSpec(num_gpus=8, global_batch_size=8 * mbs, seq_len=2048, framework="deepspeed")
+    assert ds_profile.optimizer_wrapper(tr, 0, 1) == "fp16_optimizer"
+    p = stage_params_per_rank(model, plan, 0, model.num_layers)
+    mem = stage_memory(model, tr, plan, 1, 0, model.num_layers)
+    held = mem.weights_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes
+    assert held == pytest.approx(max(20 * p + mem.activations_bytes, 24 * p))
+    assert (24 * p > 20 * p + mem.activations_bytes) == step_wins
+
+
+def test_search_tables_hold_deepspeeds_step_peak():
+    """The search tables hold what the estimate holds for DeepSpeed plans whose optimizer step outgrows the backward
+    (ZeRO 0's FP16_Optimizer under full recompute) and for the rest (tests/table_checks.py)."""
+    from planner.search import build_tables
+    from tests.table_checks import assert_entry_is_estimate, legal_keys
+
+    small = load_model("megatron-gpt-1.7b")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=2048, framework="deepspeed")
+    tables = build_tables(small, H100, tr, SearchSpace(max_micro_batch_size=2))
+    keys = legal_keys(tables)
+    picked = [k for k in keys if tables.plan(k).zero_stage == 0 and tables.plan(k).recompute == "full"]
+    assert picked, "no ZeRO-0 full-recompute entry"
+    for k in picked[:5] + keys[:: max(1, len(keys) // 20)]:
+        assert_entry_is_estimate(small, H100, tr, tables, k)

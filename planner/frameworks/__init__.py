@@ -45,6 +45,10 @@ class StateBytes:
     # returns (torchtitan under PP: FSDP2's post_backward reshards the unsharded parameters and reduce-scatters and
     # frees the unsharded fp32 gradient accumulators); planner.memory.pipeline_kept_output_bytes
     released_at_last_backward_bytes: float = 0.0
+    # held beyond weights + grads + optimizer only inside the optimizer step, when no activation is held (DeepSpeed's
+    # FP16_Optimizer flattens fp32 copies of the gradients); planner.memory.step_excess_bytes counts what of it the
+    # backward's activations and working set do not already cover
+    step_extra_bytes: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -121,16 +121,24 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         # accumulation buffer is fp32 unless the config says bf16 (module docstring)
         accum = BF16 if training.deepspeed.grad_accum_dtype in ("bf16", "fp16") and wrapper == "bf16_optimizer" \
             else FP32
+        # FP16_Optimizer.step (fp16/fused_optimizer.py) builds fp32 copies of every gradient and then their flat
+        # concatenation, the fp32 gradient counted above, while the 16-bit gradients are still held: 4 B per
+        # parameter more than counted, inside the step
+        step_extra = FP32 * P if wrapper == "fp16_optimizer" else 0.0
         return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + accum) * P,
-                          optimizer_bytes=MASTER_AND_ADAM * P / (n if wrapper == "bf16_optimizer" else 1))
+                          optimizer_bytes=MASTER_AND_ADAM * P / (n if wrapper == "bf16_optimizer" else 1),
+                          step_extra_bytes=step_extra)
     bucket_elements = training.deepspeed.reduce_bucket_elements
     buckets = reduce_buffer_count(training, z) * bucket_elements * BF16
     if z == 1:
         return StateBytes(weights_bytes=BF16 * P, grads_bytes=BF16 * P + FP32 * P / n + buckets,
                           optimizer_bytes=MASTER_AND_ADAM * P / n)
     if z == 2:
+        # DeepSpeedZeroOptimizer.step flattens the 16-bit gradient partition before casting it to fp32, while the
+        # partition is still held: 2 B / N more than counted, inside the step (at stage 1 the whole 16-bit gradients
+        # counted above are gone by then)
         return StateBytes(weights_bytes=BF16 * P, grads_bytes=(BF16 + FP32) * P / n + buckets,
-                          optimizer_bytes=MASTER_AND_ADAM * P / n)
+                          optimizer_bytes=MASTER_AND_ADAM * P / n, step_extra_bytes=BF16 * P / n)
     # the bf16 gradient of one gathered module (a layer, or the embedding or output layer where the stage holds one:
     # V x h / tp each, Llama-3-8B 525e6 elements against a 218e6 layer) until its reduce-scatter; with pp 1 and
     # untied embeddings both sit on the one stage and are computed one at a time
