@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from planner.frameworks.deepspeed import zero3_shape, zero3_tree  # noqa: E402
-from planner.frameworks.deepspeed_zero3 import Module, Settings, gathered_elements  # noqa: E402
+from planner.frameworks.deepspeed_zero3 import Module, Settings, flatten, gathered_elements  # noqa: E402
 from planner.presets import load_model  # noqa: E402
 
 SCALE = 20_000
@@ -53,7 +53,7 @@ def main() -> None:
     for name, tp in (("llama3-8b", 1), ("llama3-70b", 8)):
         model = load_model(name)
         tree = zero3_tree(zero3_shape(model, tp))
-        largest = max(n for mod in _modules(tree) for n in [sum(x for _, x in mod.params)])
+        largest = max(sum(n for _, n in mod.params) for mod in flatten(tree))
         for label, s in CONFIGS.items():
             small = scaled(tree)
             rows.append((name, tp, label, gathered_elements(tree, s), largest + s.prefetch_bucket,
@@ -77,12 +77,6 @@ def main() -> None:
         print(f"{name:12s} {tp:2d} {label:22s} {full / 1e6:8.0f} {before / 1e6:8.0f} "
               f"{small_port * SCALE / 1e6:12.0f} {small_real * SCALE / 1e6:12.0f}"
               + ("" if small_port == small_real else "   MISMATCH"))
-
-
-def _modules(m: Module):
-    yield m
-    for c in m.children:
-        yield from _modules(c)
 
 
 if __name__ == "__main__":

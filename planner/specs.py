@@ -1342,8 +1342,9 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     errors += a2a_overlap_problems(model, training, plan)
     errors += cuda_graph_problems(model, training, plan)
     from planner.frameworks import get as framework_profile
+    from planner.frameworks.torchtitan import step_cuda_graph_by_default
 
-    if training.step_cuda_graph and (plan.pp > 1 or plan.ep > 1):
+    if training.step_cuda_graph and not step_cuda_graph_by_default(plan.pp, plan.ep):
         errors.append("step_cuda_graph: torchtitan's trainer refuses its CUDA graph with pipeline parallelism or "
                       "expert parallelism's standard token dispatcher (trainer.py _validate_cuda_graphs); set it "
                       "false (--training.disable_cuda_graphs)")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from planner.frameworks.deepspeed_zero3 import Module, Settings, gathered_elements, hook_events, replay
+from planner.frameworks.deepspeed_zero3 import Module, Settings, flatten, gathered_elements, hook_events, replay
 
 
 class Ids:
@@ -129,13 +129,6 @@ def test_the_module_tree_holds_the_gpus_parameters(name, tp):
     from planner.specs import Plan
 
     model = load_model(name)
-    tree = zero3_tree(zero3_shape(model, tp))
-    held: dict[int, int] = {}
-
-    def walk(m):
-        held.update(m.params)
-        for c in m.children:
-            walk(c)
-    walk(tree)
+    held = {pid: n for m in flatten(zero3_tree(zero3_shape(model, tp))) for pid, n in m.params}
     want = stage_params_per_rank(model, Plan(tp=tp, pp=1, dp=1, micro_batch_size=1), 0, model.num_layers)
     assert sum(held.values()) == pytest.approx(want, rel=1e-3)

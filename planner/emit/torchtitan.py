@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from planner.emit import megatron, torchrun
+from planner.frameworks.torchtitan import step_cuda_graph_by_default
 from planner.names import slug
 from planner.presets import SpecError
 from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
@@ -160,9 +161,9 @@ def args(sc: Scenario) -> list[str]:
                 "--parallelism.pipeline_parallel_first_stage_less_layers", str(first_less),
                 "--parallelism.pipeline_parallel_last_stage_less_layers", str(last_less)]
     # trainer.py _validate_cuda_graphs: "CUDA graphs do not support pipeline parallelism yet", nor EP with the
-    # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use; and
-    # where the plan was costed without the graph (TrainingSpec.step_cuda_graph false)
-    if p.pp > 1 or (sc.model.is_moe and p.ep > 1) or sc.training.step_cuda_graph is False:
+    # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use
+    # (step_cuda_graph_by_default); and where the plan was costed without the graph (TrainingSpec.step_cuda_graph false)
+    if not step_cuda_graph_by_default(p.pp, p.ep) or sc.training.step_cuda_graph is False:
         out.append("--training.disable_cuda_graphs")
     out += compile_args(config, tr)
     out.append(f"activation_checkpoint:{p.recompute}")

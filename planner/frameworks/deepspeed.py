@@ -49,6 +49,7 @@ Code paths (deepspeedai/DeepSpeed ``deepspeed/runtime``):
 from __future__ import annotations
 
 import functools
+import itertools
 
 from planner.frameworks import FrameworkProfile, StateBytes
 from planner.frameworks.megatron import logits_bytes_per_element
@@ -208,7 +209,7 @@ def zero3_tree(shape: tuple):
     from planner.frameworks.deepspeed_zero3 import Module
 
     embedding, dense, moe, kinds, final_norm, output, core_checkpointed = shape
-    ids = iter(range(1, 1 << 62))
+    ids = itertools.count(1)
 
     def params(sizes):
         return tuple((next(ids), n) for n in sizes)

@@ -76,18 +76,8 @@ def hook_events(root: Module) -> list[tuple[str, int, bool]]:
     "fetch", "release" or "leftovers" (the last, once, for ``release_backward_leftovers``). Module indices number
     the tree in pre-order. The root and the modules on the path to the first one called with parameters (whose
     input needs no gradient) never run their post-backward hook."""
-    modules: list[Module] = []
     events: list[tuple[str, int, bool]] = []
-    order: list[tuple[int, Module]] = []
-
-    def number(m: Module) -> None:
-        modules.append(m)
-        idx = len(modules) - 1
-        order.append((idx, m))
-        for c in m.children:
-            number(c)
-    number(root)
-    index = {id(m): i for i, m in order}
+    index = {id(m): i for i, m in enumerate(flatten(root))}
 
     # the forward, and which modules see an input that needs a gradient: none before the first parameter is used
     grad_seen = [False]
@@ -123,7 +113,8 @@ def hook_events(root: Module) -> list[tuple[str, int, bool]]:
     return events
 
 
-def _flatten(root: Module) -> list[Module]:
+def flatten(root: Module) -> list[Module]:
+    """The tree's modules in pre-order (the numbering of :func:`hook_events`)."""
     out: list[Module] = []
 
     def walk(m: Module) -> None:
@@ -138,7 +129,7 @@ def replay(root: Module, settings: Settings, steps: int = 1) -> list[int]:
     """Elements gathered (available or in flight, persisted ones included) right after each fetch of ``steps``
     complete steps (steps 2, 3, ... of a run: the first records the trace and leaves only the persisted parameters
     gathered), as the coordinator (module docstring) leaves them."""
-    modules = _flatten(root)
+    modules = flatten(root)
     events = hook_events(root)
     numel: dict[int, int] = {}
     for m in modules:
