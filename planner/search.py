@@ -707,8 +707,14 @@ def reference_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
 #: Job switches the search may choose (``SearchSpace`` fields of the same name). Each makes no plan slower and
 #: none larger when True (bf16 gradients: a smaller gradient buffer and fewer bytes to reduce; fp8 weights: no
 #: bf16 copy or fp8 cache and fewer bytes to gather), and changes no plan's legality; tests/test_search_grad_dtype.py
-#: checks it on the tables. False is the framework's default (Megatron-LM's).
+#: checks it on the tables. False is the framework's default (Megatron-LM's). One exception, listed in
+#: ``LARGER_AT_STEP_WHEN_TRUE``: Megatron's optimizer step makes fp32 copies of a bf16 gradient buffer
+#: (``frameworks.megatron.step_grad_copy_bytes``: 4 B per parameter without the distributed optimizer, 4 / (dp x cp)
+#: with it), so where a stage's activations are smaller than what the bf16 buffer saves (2 B per parameter), bf16
+#: gradients need more memory at the step. :func:`search` then searches again with the default where the bf16
+#: search finds no plan.
 LIGHTER_WHEN_TRUE = ("grad_reduce_in_bf16", "fp8_params")
+LARGER_AT_STEP_WHEN_TRUE = ("grad_reduce_in_bf16",)
 
 
 def switch_values(space: SearchSpace, training: TrainingSpec) -> dict[str, tuple[bool, ...]]:
@@ -733,6 +739,11 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     t0 = time.perf_counter()
     light = training.model_copy(update=dict.fromkeys(searched, True))
     result = _search(model, hw, light, replace(space, **dict.fromkeys(searched, None)), top_k, order)
+    heavier = [f for f in searched if f in LARGER_AT_STEP_WHEN_TRUE]
+    if result.best is None and heavier:  # those switches' default may fit where True does not (LARGER_AT_STEP_...)
+        light = light.model_copy(update=dict.fromkeys(heavier, False))
+        searched = [f for f in searched if f not in heavier]
+        result = _search(model, hw, light, replace(space, **dict.fromkeys(searched + heavier, None)), top_k, order)
     if result.best is not None:
         result.training = _prefer_defaults(model, hw, light, result.best, searched, order)
         result.alternative_trainings = [_prefer_defaults(model, hw, light, p, searched, order)

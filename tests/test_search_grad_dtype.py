@@ -9,6 +9,7 @@ and mxfp8 recipes: ``fp8_param_gather = True``). `plan3d search` searches both v
 
 import json
 
+import numpy as np
 import pytest
 
 from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options, switch_options
@@ -101,8 +102,10 @@ def test_search_takes_fp8_params_only_where_they_help():
 @pytest.mark.parametrize("pp", [1, 2])
 def test_bf16_grads_are_never_slower_nor_larger(pp):
     """What planner.search.search relies on to build its tables under bf16 gradients only: every combination is
-    no slower and needs no more memory on any stage with bf16 gradients than with fp32 ones; and the bf16 tables
-    are estimate_time / stage_memory of their plans."""
+    no slower and needs no more memory on any stage with bf16 gradients than with fp32 ones, except at the optimizer
+    step without the distributed optimizer (search.LARGER_AT_STEP_WHEN_TRUE: Megatron's fp32 copies of the bf16
+    gradients, 4 B per parameter, against the 2 B the bf16 buffer saves, where the stage's activations are smaller);
+    and the bf16 tables are estimate_time / stage_memory of their plans."""
     model = load_model("llama3-8b")
     hw = H100.model_copy(update={"inter_node_bandwidth_gbps": 5.0})  # slow DP: the dtypes' times differ
     fp32 = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096)
@@ -112,7 +115,13 @@ def test_bf16_grads_are_never_slower_nor_larger(pp):
     legal = t32.legal
     assert (legal == t16.legal).all()
     assert (t16.time_ns[legal] <= t32.time_ns[legal]).all()
-    assert (t16.mem_kib[legal] <= t32.mem_kib[legal]).all()
+    # the step's fp32 copies bind only where nothing shards them: ZeRO 0, or one data-parallel rank (dp x cp = 1)
+    zero = np.broadcast_to(np.array(t16.zeros)[None, None, :], legal.shape)
+    shards = np.broadcast_to(np.array([dp * cp for _, cp, dp, *_ in t16.shapes])[:, None, None], legal.shape)
+    unsharded = (zero == 0) | (shards == 1)
+    larger = legal & (t16.mem_kib > t32.mem_kib).any(axis=-1)
+    assert larger.any() and unsharded[larger].all()
+    assert (t16.mem_kib[legal & ~unsharded] <= t32.mem_kib[legal & ~unsharded]).all()
     assert (t16.time_ns[legal] < t32.time_ns[legal]).any() and (t16.mem_kib[legal] < t32.mem_kib[legal]).any()
     keys = legal_keys(t16)
     for k in keys[:: max(1, len(keys) // 15)]:
@@ -201,3 +210,26 @@ def test_emitted_megatron_launch_carries_the_picked_dtype(runner, tmp_path):
     assert plan["training"]["grad_reduce_in_bf16"] is True
     text = "".join(p.read_text() for p in tmp_path.glob("*.megatron.args"))
     assert "--grad-reduce-in-bf16" in text
+
+
+def test_fp32_gradients_are_searched_where_only_they_fit():
+    """One GPU, full recompute: Megatron's optimizer step copies a bf16 gradient buffer to fp32 (4 B per parameter,
+    frameworks.megatron.step_grad_copy_bytes) while fp32 gradients are stepped on in place, so on a GPU between the
+    two peaks only fp32 gradients fit. The search, which builds its tables with bf16 gradients, searches again with
+    fp32 ones (search.LARGER_AT_STEP_WHEN_TRUE) and names them; without that it found no plan."""
+    model = load_model("llama2-7b")
+    tr = TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=2048)
+    plan = Plan(tp=1, pp=1, dp=1, micro_batch_size=1, recompute="full", zero_stage=1)
+    peak = {bf: estimate_memory(model, H100, tr.model_copy(update={"grad_reduce_in_bf16": bf}), plan).peak_gib
+            for bf in (False, True)}
+    assert peak[True] - peak[False] == pytest.approx(2 * model.num_params / 2**30 - 0.9, abs=0.5)  # 4 B - 2 B - acts
+    usable = (peak[False] + peak[True]) / 2
+    hw = H100.model_copy(update={"gpu_memory_gib": (usable + H100.cuda_context_gib + H100.nccl_buffers_gib)
+                                 / (1 - H100.fragmentation_headroom)})
+    pins = Pins(tp=1, pp=1, micro_batch_size=1, recompute="full")
+    space = SearchSpace(pins=pins, zero_stages=(0, 1), grad_reduce_in_bf16=BOTH)  # Megatron's own optimizer
+    res = search(model, hw, tr, space)
+    assert res.best is not None and res.training.grad_reduce_in_bf16 is False
+    assert estimate_memory(model, hw, res.training, res.best).fits
+    bf16 = tr.model_copy(update={"grad_reduce_in_bf16": True})
+    assert search(model, hw, bf16, SearchSpace(pins=pins, zero_stages=(0, 1))).best is None

@@ -121,6 +121,8 @@ PRECISION_AWARE_MOMENTS_BYTES = 2 + 2
 #: the fp32 master itself where Megatron, not TE, keeps it (module docstring)
 PARAM_REMAINDER_BYTES = 2
 FP32_MASTER_BYTES = 4
+#: The optimizer's fp32 copy of a 16-bit gradient, made inside ``optimizer.step()`` (:func:`step_grad_copy_bytes`)
+FP32_GRAD_COPY_BYTES = 4
 LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
 TE_FUSED_LOGITS_BYTES_PER_ELEMENT = 2  # bf16 logits, the gradient written in place (module docstring)
 
@@ -132,6 +134,31 @@ def precision_aware_optimizer_bytes(training) -> float:
     te_master = (training.precision == "bf16" or (training.precision == "fp8" and training.fp8_recipe == "delayed")) \
         and not training.fp8_params
     return PRECISION_AWARE_MOMENTS_BYTES + (PARAM_REMAINDER_BYTES if te_master else FP32_MASTER_BYTES)
+
+
+def step_grad_copy_bytes(training, plan, dense_params: float, expert_params: float = 0.0) -> float:
+    """Bytes the optimizer step holds beyond the model states (``StateBytes.step_extra_bytes``): fp32 copies of a
+    16-bit gradient buffer (``--grad-reduce-in-bf16``). core_v0.16.1 ``optimizer/optimizer.py``
+    (``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``, no distributed optimizer:
+    ``main_param.grad = model_param.main_grad.float()`` for every parameter) and ``optimizer/distrib_optimizer.py``
+    (``DistributedOptimizer._copy_model_grads_to_main_grads``: ``shard_main_param.grad = shard_model_grad.float()``
+    for the rank's shard, over dp x cp, or the expert-data-parallel group for routed experts). ``.float()`` of an
+    fp32 buffer is the buffer itself, so fp32 gradients cost nothing here. The copies live until the next step's
+    ``optimizer.zero_grad()`` (megatron/training/training.py ``train_step``), when no activation is held. None under
+    the precision-aware optimizer where it steps on the 16-bit buffer itself (``decoupled_grad``, when
+    ``use_precision_aware_optimizer_no_fp8_or_ds_fp8``: bf16, or fp8 with delayed scaling;
+    ``optimizer_config.py``) or under Megatron-FSDP (ZeRO 2/3: ``_copy_model_grads_to_main_grads`` returns at once).
+    Measured on Megatron-Core's own DDP and optimizers on four CPU ranks (tests/test_megatron_states.py)."""
+    from planner.memory import grad_bytes
+
+    if grad_bytes(training) >= FP32_GRAD_COPY_BYTES or plan.zero_stage >= 2:
+        return 0.0
+    if training.optimizer_dtype == "bf16" and (training.precision == "bf16" or (
+            training.precision == "fp8" and training.fp8_recipe == "delayed")):
+        return 0.0
+    if plan.zero_stage == 0:
+        return FP32_GRAD_COPY_BYTES * (dense_params + expert_params)
+    return FP32_GRAD_COPY_BYTES * (dense_params / max(plan.dp * plan.cp, 1) + expert_params / max(plan.expert_dp, 1))
 
 
 def linear_params_per_rank(model, tp: int, layers: int) -> float:
@@ -191,9 +218,12 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         optimizer_bytes_per_param = precision_aware_optimizer_bytes(training)
     if optimizer_bytes_per_param is not None and per_param[2]:  # another optimizer's bytes, sharded alike
         optimizer *= optimizer_bytes_per_param / per_param[2]
+    # Megatron's own optimizers (NeMo 1's Apex optimizer, optimizer_dtype bf16-apex, steps on its own buckets)
+    step_extra = 0.0 if training.optimizer_dtype == "bf16-apex" else \
+        step_grad_copy_bytes(training, plan, dense, expert_params)
     return StateBytes(weights_bytes=weights,
                       grads_bytes=min(dense * g + expert_params * ge + g_work, stage_params * per_param[1]),
-                      optimizer_bytes=optimizer)
+                      optimizer_bytes=optimizer, step_extra_bytes=step_extra)
 
 
 def logits_bytes_per_element(training, plan) -> float:
