@@ -1,0 +1,84 @@
+"""The parameters one GPU of each pipeline stage holds, as plan3d counts them (planner.memory ``stage_param_split``:
+dense and routed-expert parts), against what Megatron-Core core_v0.16.1 itself builds on that pipeline rank from the
+arguments ``plan3d emit megatron`` writes for the plan (tests/megatron_params_probe.py: Megatron's parse_args,
+validate_args, config build, parallel_state and GPTModel with its local layer specs on the meta device, under a fake
+process group; its stand-ins are named there). Every count that feeds the states, the ZeRO shards and the DP
+traffic comes from these two functions, so they must be Megatron's to the parameter. Covers tensor, pipeline
+(uneven, interleaved), expert (with expert TP) parallelism, GQA, learned positions with tied embeddings and biases,
+QK norms, shared experts, dense-first layers, multi-latent attention and the MTP module. Skips, with the reason,
+where ../shared is absent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.emit import render_all
+from planner.memory import stage_param_split
+from planner.presets import load_hardware, load_model
+from planner.specs import Plan, Scenario, TrainingSpec
+
+pytest.importorskip("torch", reason="Megatron-Core runs on torch")
+
+#: compute capability major per profile (tests/test_emit_consumers.py ARCH)
+ARCH = {"h100-sxm-80gb": 9, "gb200-nvl72": 10}
+
+
+def _scenario(model: str, gpus: int, layers: int | None = None, hardware: str = "h100-sxm-80gb", **plan) -> Scenario:
+    """``model`` with ``layers`` layers (fewer than the preset's keeps the build quick on 2 cores; the widths are the
+    preset's), on ``gpus`` GPUs, with ``plan``."""
+    m = load_model(model)
+    if layers is not None:
+        m = m.model_copy(update={"num_layers": layers})
+    p = Plan(**({"micro_batch_size": 1} | plan))
+    return Scenario(model=m, hardware=load_hardware(hardware),
+                    training=TrainingSpec(num_gpus=gpus, global_batch_size=16 * p.dp, seq_len=2048),
+                    plan=p)
+
+
+CASES = {
+    "llama3-8b tp2 pp2 vpp2": _scenario("llama3-8b", 8, 8, tp=2, pp=2, dp=2, vpp=2, sequence_parallel=True),
+    "llama3-70b tp8 pp4 uneven": _scenario("llama3-70b", 32, 10, tp=8, pp=4, dp=1, sequence_parallel=True,
+                                           layers_per_stage=(2, 3, 3, 2)),
+    # Meta's Llama 3 405B layout (benchmarks/data/llama3_405b_meta.json): interleaved, the first and last stage a layer
+    # short, so their first / last chunk holds only the embedding / the output layer (Megatron's pipeline layout)
+    "llama3-405b tp8 pp16 vpp8 (Meta's layout)": _scenario("llama3-405b", 128, None, tp=8, pp=16, dp=1, vpp=8,
+                                                           sequence_parallel=True,
+                                                           layers_per_stage=(7,) + (8,) * 14 + (7,)),
+    "gpt3-175b tp4 pp2 (tied, learned positions, biases)": _scenario("gpt3-175b", 8, 4, tp=4, pp=2, dp=1,
+                                                                     sequence_parallel=True),
+    "mixtral-8x7b tp2 pp2 ep4": _scenario("mixtral-8x7b", 16, 4, tp=2, pp=2, dp=4, ep=4, etp=1,
+                                          sequence_parallel=True),
+    "mixtral-8x7b tp2 ep2 etp2": _scenario("mixtral-8x7b", 8, 2, tp=2, pp=1, dp=4, ep=2, etp=2,
+                                           sequence_parallel=True),
+    "qwen3-30b-a3b pp2 ep8 (QK norm)": _scenario("qwen3-30b-a3b", 16, 4, tp=1, pp=2, dp=8, ep=8),
+    "deepseek-v3 pp2 ep8 (MLA, shared experts, dense first, MTP)": _scenario(
+        "deepseek-v3", 16, 5, tp=1, pp=2, dp=8, ep=8, layers_per_stage=(3, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_core(megatron_lm_root, tmp_path_factory):
+    from tests.subprocess_probe import REPO, run_json_probe
+
+    cases = []
+    for name, sc in CASES.items():
+        (args_text,) = [t for f, t in render_all(sc, ["megatron"]).items() if f.endswith(".megatron.args")]
+        words = " ".join(ln for ln in args_text.splitlines() if not ln.startswith("#")).split()
+        cases.append({"name": name, "words": words, "world": sc.training.num_gpus, "arch": ARCH[sc.hardware.name],
+                      "fsdp": sc.plan.zero_stage >= 2, "vocab_size": sc.model.vocab_size})
+    path = tmp_path_factory.mktemp("megatron-params") / "cases.json"
+    path.write_text(json.dumps(cases))
+    out = run_json_probe(REPO / "tests/megatron_params_probe.py", timeout_s=900,
+                         extra_args=[str(megatron_lm_root), str(path)])
+    return {c["name"]: c for c in out["cases"]}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_stage_parameters_are_the_ones_megatron_builds(megatron_core, name):
+    sc = CASES[name]
+    plan = sc.resolved_plan()
+    got = megatron_core[name]
+    want = [stage_param_split(sc.model, plan, s, n) for s, n in enumerate(plan.stage_layers(sc.model.num_layers))]
+    assert [tuple(r) for r in got["ranks"]] == [(dense + expert, expert) for dense, expert in want], name
