@@ -1976,9 +1976,11 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
         breakdown["ep_comm"] = m * sp_.ep_comm
     step = float(out["step"][0])
     tokens = training.global_batch_size * training.seq_len
-    mf = flops.model_flops_per_step(model, training.global_batch_size, training.seq_len)  # activated FLOPs (MoE)
+    # activated FLOPs (MoE), the output layer at Megatron's padded vocabulary: the count Megatron logs
+    vocab = padded_vocab_size(model.vocab_size, plan.tp)
+    mf = flops.model_flops_per_step(model, training.global_batch_size, training.seq_len, vocab_size=vocab)
     hf = flops.hardware_flops_per_step(model, training.global_batch_size, training.seq_len, plan.recompute,
-                                       recomputed_layers_share(model, plan))
+                                       recomputed_layers_share(model, plan), vocab_size=vocab)
     peak = hw.peak_flops(training.precision)
     n = training.num_gpus
     return TimeEstimate(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=mf / step / n / 1e12,

@@ -26,31 +26,32 @@ PASSES_TRAIN = 3  # forward + backward (data grad + weight grad), Narayanan et a
 def attention_gemm_params(model: ModelSpec) -> float:
     """Weights of one layer's attention projections (no biases, no norms): ``h*(q + 2*g*d_h) + q*h``; under
     MLA the five projections of DeepSeek-V2 (arXiv:2405.04434 section 2.1): ``h*r_q + r_q*a*d_qk`` (or
-    ``h*a*d_qk``), ``h*(r_kv + d_rope) + r_kv*a*(d_nope + d_v)`` and ``a*d_v*h`` (Megatron-LM
-    ``training.py::num_floating_point_operations``, multi-latent-attention branch)."""
+    ``h*a*d_qk``), ``h*(r_kv + d_rope) + r_kv*a*(d_nope + d_v)`` and ``a*d_v*h``, plus ``r_q + r_kv`` for the q and
+    kv norms, as Megatron-LM counts them (core_v0.16.1 ``training.py::num_floating_point_operations``,
+    multi-latent-attention branch: ``q_lora_rank * (... + 1)``, ``kv_lora_rank * (... + 1)``)."""
     h, a = model.hidden_size, model.num_attention_heads
     if model.is_mla:
         rq, rkv, dqk = model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim
-        q = h * rq + rq * a * dqk if rq else h * a * dqk
-        kv = h * (rkv + model.qk_rope_head_dim) + rkv * a * (model.qk_nope_head_dim + model.v_head_dim)
+        q = h * rq + rq * a * dqk + rq if rq else h * a * dqk
+        kv = h * (rkv + model.qk_rope_head_dim) + rkv * a * (model.qk_nope_head_dim + model.v_head_dim) + rkv
         return float(q + kv + a * model.v_head_dim * h)
     q, kv = model.q_size, 2 * model.kv_heads * model.kv_channels
     return float(h * (q + kv) + q * h)
 
 
 def mlp_gemm_params(model: ModelSpec, moe: bool | None = None, active: bool = True) -> float:
-    """Weights of one layer's MLP GEMMs one token runs through: ``(3 if gated else 2) * h * f`` for a
-    dense layer; for a MoE layer ``top_k`` routed experts (all ``E`` with ``active=False``), the shared
-    experts, the ``h x E`` router and the shared-expert gate (Megatron-LM ``num_floating_point_operations``
-    counts ``moe_ffn_hidden_size * moe_router_topk + shared_expert_ffn_hidden_size``; the router GEMM is
-    added here, 2*h*E FLOPs per token, under 0.5 % of a layer for every preset)."""
+    """Weights of one layer's MLP GEMMs one token runs through, as Megatron-LM counts them
+    (``num_floating_point_operations``: ``moe_ffn_hidden_size * moe_router_topk + shared_expert_ffn_hidden_size``):
+    ``(3 if gated else 2) * h * f`` for a dense layer; for a MoE layer ``top_k`` routed experts (all ``E`` with
+    ``active=False``) and the shared experts. The ``h x E`` router and Qwen2-MoE's ``h -> 1`` shared-expert gate are
+    not counted, as Megatron does not (2*h*E FLOPs per token, under 0.5 % of a layer for every preset), so plan3d's
+    model FLOPs are the ones Megatron logs (tests/test_megatron_params.py runs Megatron's own function)."""
     h, m = model.hidden_size, (3 if model.gated_mlp else 2)
     moe = model.is_moe if moe is None else moe
     if not moe:
         return float(m * h * model.ffn_size)
     experts = (model.top_k if active else model.num_experts) * m * h * model.moe_ffn_size
-    shared = m * h * (model.shared_expert_ffn_hidden_size or 0) + (h if model.shared_expert_gate else 0)
-    return float(experts + shared + h * model.num_experts)
+    return float(experts + m * h * (model.shared_expert_ffn_hidden_size or 0))
 
 
 def gemm_flops_per_token_per_layer(model: ModelSpec, moe: bool | None = None) -> float:
@@ -105,12 +106,14 @@ def mean_attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, cau
     return (n_w * windowed + (L - n_w) * full) / L
 
 
-def logits_flops_per_token(model: ModelSpec) -> float:
-    """Forward FLOPs per token of the output layer: ``2 * h * V``."""
-    return 2.0 * model.hidden_size * model.vocab_size
+def logits_flops_per_token(model: ModelSpec, vocab_size: int | None = None) -> float:
+    """Forward FLOPs per token of the output layer: ``2 * h * V``, with ``vocab_size`` the vocabulary the output
+    layer has (default the model's; Megatron counts ``args.padded_vocab_size``, the vocabulary padded to a multiple
+    of 128 x tp, ``specs.padded_vocab_size``)."""
+    return 2.0 * model.hidden_size * (model.vocab_size if vocab_size is None else vocab_size)
 
 
-def mtp_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True) -> float:
+def mtp_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True, vocab_size: int | None = None) -> float:
     """Forward FLOPs per token of the multi-token-prediction modules (``ModelSpec.mtp_num_layers``): each is a
     layer of the last layer's kind, the ``2h -> h`` projection of the concatenated embedding and hidden state,
     its three norms and one more pass of the output layer. As Megatron-LM counts them
@@ -123,7 +126,7 @@ def mtp_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True) -> 
     h = model.hidden_size
     layer = (gemm_flops_per_token_per_layer(model, model.mtp_is_moe())
              + mean_attention_flops_per_token_per_layer(model, seq_len, causal))
-    return n * (layer + 2.0 * (3 * h + 2 * h * h) + logits_flops_per_token(model))
+    return n * (layer + 2.0 * (3 * h + 2 * h * h) + logits_flops_per_token(model, vocab_size))
 
 
 def recompute_flops_per_token_per_layer(model: ModelSpec, seq_len: int, recompute: str, causal: bool = True,
@@ -149,30 +152,36 @@ def moe_share(model: ModelSpec, num_layers: float, moe_layers: float | None) -> 
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = True, num_layers: int | None = None,
-                          logits: bool = True, moe_layers: float | None = None) -> float:
+                          logits: bool = True, moe_layers: float | None = None, vocab_size: int | None = None) -> float:
     """Training model FLOPs per token (no recompute), for ``num_layers`` layers (default: all) of which
-    ``moe_layers`` have experts (default: :func:`moe_share`); MoE layers count the activated experts."""
+    ``moe_layers`` have experts (default: :func:`moe_share`); MoE layers count the activated experts; the output
+    layer has ``vocab_size`` rows (default the model's vocabulary; :func:`logits_flops_per_token`)."""
     L = model.num_layers if num_layers is None else num_layers
     n_moe = moe_share(model, L, moe_layers)
     attn = mean_attention_flops_per_token_per_layer(model, seq_len, causal)  # sliding windows counted, as
     # Megatron-Bridge counts GPT-OSS's (attended_pairs)
     layers = ((L - n_moe) * gemm_flops_per_token_per_layer(model, False)
               + n_moe * (gemm_flops_per_token_per_layer(model, True) if model.is_moe else 0.0) + L * attn)
-    head = logits_flops_per_token(model) + mtp_flops_per_token(model, seq_len, causal) if logits else 0.0
+    head = logits_flops_per_token(model, vocab_size) + mtp_flops_per_token(model, seq_len, causal, vocab_size) \
+        if logits else 0.0
     return PASSES_TRAIN * (layers + head)
 
 
-def model_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int, causal: bool = True) -> float:
-    """Model FLOPs of one optimizer step: ``B * s * model_flops_per_token`` (Megatron HEAD)."""
-    return global_batch_size * seq_len * model_flops_per_token(model, seq_len, causal)
+def model_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int, causal: bool = True,
+                         vocab_size: int | None = None) -> float:
+    """Model FLOPs of one optimizer step: ``B * s * model_flops_per_token`` (Megatron HEAD). With the plan's
+    padded ``vocab_size`` it is Megatron-LM's own ``num_floating_point_operations`` (core_v0.16.1
+    ``training/training.py``; tests/test_megatron_params.py runs it on emitted arguments)."""
+    return global_batch_size * seq_len * model_flops_per_token(model, seq_len, causal, vocab_size=vocab_size)
 
 
 def hardware_flops_per_step(model: ModelSpec, global_batch_size: int, seq_len: int, recompute: str,
-                            recomputed_share: float = 1.0, causal: bool = True) -> float:
+                            recomputed_share: float = 1.0, causal: bool = True, vocab_size: int | None = None) -> float:
     """Executed FLOPs of one step: model FLOPs plus the recomputed forward work (PaLM appendix B HFU);
     ``recomputed_share`` of the layers recomputed (Megatron's block method, ``Plan.recompute_num_layers``)."""
     extra = recomputed_share * _recompute_layers(model, model.num_layers, None, seq_len, recompute, causal)
-    return model_flops_per_step(model, global_batch_size, seq_len, causal) + global_batch_size * seq_len * extra
+    return model_flops_per_step(model, global_batch_size, seq_len, causal, vocab_size) \
+        + global_batch_size * seq_len * extra
 
 
 def _recompute_layers(model: ModelSpec, layers: float, moe_layers: float | None, seq_len: int, recompute: str,

@@ -12,7 +12,8 @@ rank of (tp, cp, ep, dp) = 0 on that pipeline rank (Megatron's default order tp-
 (``get_gpt_decoder_block_spec``, the MTP block spec from the last layer's spec), ``GPTModel`` with
 ``padded_vocab_size`` from Megatron's ``_vocab_size_with_padding`` of the model's vocabulary, pre/post-process per
 virtual stage. It reports per rank the parameters (``nelement``, as get_model prints them) and those of the routed
-experts (``allreduce`` False, which DDP puts in the expert-parallel buffers).
+experts (``allreduce`` False, which DDP puts in the expert-parallel buffers), and the model FLOPs of a step as
+Megatron logs them (``megatron/training/training.py::num_floating_point_operations`` on the same arguments).
 
 Stand-ins, beyond ``megatron_validate``'s: the model is built with Megatron's local (non-Transformer-Engine) layer
 specs, since TE needs CUDA; they hold the same parameters (TE fuses the norm into the next linear layer, with the
@@ -163,7 +164,10 @@ def main(megatron_root: str, cases_path: str) -> dict:
         config.perform_initialization = False  # meta tensors: nothing to initialise (no CUDA RNG tracker here)
         with MetaForCuda():
             ranks = [_rank_params(torch, ps, args, config, r) for r in range(args.pipeline_model_parallel_size)]
-        out.append({"name": case["name"], "ranks": ranks, "padded_vocab_size": args.padded_vocab_size})
+        from megatron.training.training import num_floating_point_operations
+
+        out.append({"name": case["name"], "ranks": ranks, "padded_vocab_size": args.padded_vocab_size,
+                    "flops_per_step": num_floating_point_operations(args, args.global_batch_size)})
     return {"cases": out}
 
 

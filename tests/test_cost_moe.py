@@ -124,11 +124,12 @@ def test_a2a_overlap_hides_the_dispatch_under_compute():
 
 
 def test_mla_linear_shapes_carry_the_attention_weights():
-    # the five MLA projections on one rank hold exactly the GEMM weights flops.attention_gemm_params counts
+    # the five MLA projections on one rank hold exactly the GEMM weights flops.attention_gemm_params counts, which
+    # adds the q and kv norms as Megatron-LM's num_floating_point_operations does (q_lora_rank + kv_lora_rank)
     plan = Plan(tp=1, pp=1, dp=1, micro_batch_size=1)
     shapes = cost._linear_shapes(DSV3, plan, moe=True)
     att = sum(k * n for name, (k, n, _) in shapes.items() if name not in ("fc1", "fc2"))
-    assert att == flops.attention_gemm_params(DSV3)
+    assert att + DSV3.q_lora_rank + DSV3.kv_lora_rank == flops.attention_gemm_params(DSV3)
     # the shared expert is the MoE layer's only ordinary MLP: 2048 wide, gated
     assert shapes["fc1"][:2] == (7168, 2 * 2048) and shapes["fc2"][:2] == (2048, 7168)
     # one TP region opens at the q down-projection, one at the shared expert

@@ -15,6 +15,7 @@ import json
 import pytest
 
 from planner.emit import render_all
+from planner.estimate import estimate
 from planner.memory import stage_param_split
 from planner.presets import load_hardware, load_model
 from planner.specs import Plan, Scenario, TrainingSpec
@@ -82,3 +83,14 @@ def test_stage_parameters_are_the_ones_megatron_builds(megatron_core, name):
     got = megatron_core[name]
     want = [stage_param_split(sc.model, plan, s, n) for s, n in enumerate(plan.stage_layers(sc.model.num_layers))]
     assert [tuple(r) for r in got["ranks"]] == [(dense + expert, expert) for dense, expert in want], name
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_model_flops_are_the_ones_megatron_logs(megatron_core, name):
+    """plan3d's model FLOPs (MFU, TFLOP/s per GPU) are Megatron-LM's own ``num_floating_point_operations`` on the
+    emitted arguments, so a prediction and Megatron's logged throughput count the same work."""
+    sc = CASES[name]
+    est = estimate(sc)
+    want = megatron_core[name]["flops_per_step"]
+    assert est.model_flops_per_step == pytest.approx(want, rel=1e-12), name
+    assert est.time.tflops_per_gpu * est.time.step_time_s * sc.training.num_gpus * 1e12 == pytest.approx(want)
