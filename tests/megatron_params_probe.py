@@ -10,8 +10,8 @@ rank of (tp, cp, ep, dp) = 0 on that pipeline rank (Megatron's default order tp-
 ``parallel_state`` as ``megatron/training/initialize.py`` does, and builds every model chunk of that rank as
 ``megatron/training/training.py::get_model`` and Megatron-LM's ``gpt_builders.py::gpt_builder`` do: the block spec
 (``get_gpt_decoder_block_spec``, the MTP block spec from the last layer's spec), ``GPTModel`` with
-``padded_vocab_size`` from Megatron's ``_vocab_size_with_padding`` of the model's vocabulary, pre/post-process per
-virtual stage. It reports per rank the parameters (``nelement``, as get_model prints them) and those of the routed
+``padded_vocab_size`` as Megatron's ``build_tokenizer`` sets it from the emitted tokenizer arguments, pre/post-process
+per virtual stage. It reports per rank the parameters (``nelement``, as get_model prints them) and those of the routed
 experts (``allreduce`` False, which DDP puts in the expert-parallel buffers), and the model FLOPs of a step as
 Megatron logs them (``megatron/training/training.py::num_floating_point_operations`` on the same arguments).
 
@@ -127,7 +127,7 @@ def main(megatron_root: str, cases_path: str) -> dict:
     import megatron.training.arguments as arguments
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings import rope_utils
-    from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
 
     torch.cuda.current_device = lambda: "meta"
     torch.cuda.Stream = lambda *a, **k: None  # MoEAlltoAllTokenDispatcher makes a side stream (used in forward only)
@@ -154,7 +154,7 @@ def main(megatron_root: str, cases_path: str) -> dict:
     out = []
     for case in json.loads(open(cases_path).read()):
         args, config = _megatron_args(arguments, rope_utils, case["words"], case["world"], case["arch"], case["fsdp"])
-        args.padded_vocab_size = _vocab_size_with_padding(case["vocab_size"], args, logging_enabled=False)
+        build_tokenizer(args)  # Megatron's own: the emitted NullTokenizer and --vocab-size set padded_vocab_size
         # the local spec's torch norm refuses these; none changes a parameter (module docstring)
         config.sequence_parallel = config.persist_layer_norm = config.memory_efficient_layer_norm = False
         config.layernorm_zero_centered_gamma = False

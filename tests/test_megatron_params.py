@@ -68,7 +68,7 @@ def megatron_core(megatron_lm_root, tmp_path_factory):
         (args_text,) = [t for f, t in render_all(sc, ["megatron"]).items() if f.endswith(".megatron.args")]
         words = " ".join(ln for ln in args_text.splitlines() if not ln.startswith("#")).split()
         cases.append({"name": name, "words": words, "world": sc.training.num_gpus, "arch": ARCH[sc.hardware.name],
-                      "fsdp": sc.plan.zero_stage >= 2, "vocab_size": sc.model.vocab_size})
+                      "fsdp": sc.plan.zero_stage >= 2})
     path = tmp_path_factory.mktemp("megatron-params") / "cases.json"
     path.write_text(json.dumps(cases))
     out = run_json_probe(REPO / "tests/megatron_params_probe.py", timeout_s=900,
