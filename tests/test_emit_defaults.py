@@ -58,3 +58,21 @@ def test_framework_notes():
     assert default_formats("megatron") == default_formats("nemo") == default_formats("torch") == \
         "megatron,torchrun,slurm"
     assert default_formats("torchtitan") == "torchtitan" and default_formats("deepspeed") == "deepspeed"
+
+
+def test_megatron_args_always_name_max_position_embeddings():
+    """Megatron-LM's validate_args requires --max-position-embeddings (core_v0.16.1 arguments.py ``required_args``;
+    "max_position_embeddings argument is None") and at least --seq-length. A Hugging Face config that states no
+    limit (tests/data/hf/deepseek-v2-lite.json has no max_position_embeddings) gets the job's sequence length; one
+    that does, its own. tests/test_megatron_params.py runs Megatron's own validation on such a launch."""
+    from planner.emit import render_all
+    from planner.specs import Plan, Scenario, TrainingSpec
+
+    hw = load_hardware("h100-sxm-80gb")
+    for name, want in (("deepseek-v2-lite.json", "4096"), ("deepseek-v2.json", "163840")):
+        model = load_model(str(Path(__file__).parent / "data" / "hf" / name))
+        sc = Scenario(model=model, hardware=hw, training=TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=4096),
+                      plan=Plan(tp=1, pp=1, dp=64, ep=8, micro_batch_size=1))
+        (args,) = [t for f, t in render_all(sc, ["megatron"]).items() if f.endswith(".megatron.args")]
+        words = " ".join(ln for ln in args.splitlines() if not ln.startswith("#")).split()
+        assert words[words.index("--max-position-embeddings") + 1] == want, name

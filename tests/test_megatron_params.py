@@ -5,12 +5,15 @@ validate_args, config build, parallel_state and GPTModel with its local layer sp
 process group; its stand-ins are named there). Every count that feeds the states, the ZeRO shards and the DP
 traffic comes from these two functions, so they must be Megatron's to the parameter. Covers tensor, pipeline
 (uneven, interleaved), expert (with expert TP) parallelism, GQA, learned positions with tied embeddings and biases,
-QK norms, shared experts, dense-first layers, multi-latent attention and the MTP module. Skips, with the reason,
-where ../shared is absent."""
+QK norms, shared experts, dense-first layers, multi-latent attention and the MTP module, on presets and on published
+Hugging Face configs read by planner.hf. It found that a config with no ``max_position_embeddings`` was emitted
+without ``--max-position-embeddings``, which Megatron's validate_args refuses. Skips, with the reason, where
+../shared is absent."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +25,7 @@ from planner.specs import Plan, Scenario, TrainingSpec
 
 pytest.importorskip("torch", reason="Megatron-Core runs on torch")
 
+HF = Path(__file__).resolve().parent / "data" / "hf"  # published Hugging Face configs (tests/data/README.md)
 #: compute capability major per profile (tests/test_emit_consumers.py ARCH)
 ARCH = {"h100-sxm-80gb": 9, "gb200-nvl72": 10}
 
@@ -29,12 +33,12 @@ ARCH = {"h100-sxm-80gb": 9, "gb200-nvl72": 10}
 def _scenario(model: str, gpus: int, layers: int | None = None, hardware: str = "h100-sxm-80gb", **plan) -> Scenario:
     """``model`` with ``layers`` layers (fewer than the preset's keeps the build quick on 2 cores; the widths are the
     preset's), on ``gpus`` GPUs, with ``plan``."""
-    m = load_model(model)
+    m = load_model(str(HF / model) if model.endswith(".json") else model)
     if layers is not None:
         m = m.model_copy(update={"num_layers": layers})
     p = Plan(**({"micro_batch_size": 1} | plan))
     return Scenario(model=m, hardware=load_hardware(hardware),
-                    training=TrainingSpec(num_gpus=gpus, global_batch_size=16 * p.dp, seq_len=2048),
+                    training=TrainingSpec(num_gpus=gpus, global_batch_size=16 * p.dp, seq_len=1024),
                     plan=p)
 
 
@@ -54,6 +58,18 @@ CASES = {
     "mixtral-8x7b tp2 ep2 etp2": _scenario("mixtral-8x7b", 8, 2, tp=2, pp=1, dp=4, ep=2, etp=2,
                                            sequence_parallel=True),
     "qwen3-30b-a3b pp2 ep8 (QK norm)": _scenario("qwen3-30b-a3b", 16, 4, tp=1, pp=2, dp=8, ep=8),
+    # read from published Hugging Face configs (planner.hf): biases on q/k/v, tied embeddings, a gated shared
+    # expert, MLA without a q down-projection
+    "HF qwen2.5-7b tp2 pp2 (qkv bias)": _scenario("qwen2.5-7b.json", 8, 4, tp=2, pp=2, dp=2, sequence_parallel=True),
+    "HF qwen2.5-0.5b tp2 pp2 (tied)": _scenario("qwen2.5-0.5b.json", 8, 4, tp=2, pp=2, dp=2, sequence_parallel=True),
+    "HF phi-3-mini tp2 pp2": _scenario("phi-3-mini-4k-instruct.json", 8, 4, tp=2, pp=2, dp=2, sequence_parallel=True),
+    "HF gpt2 tp2 pp2 (learned positions, biases, tied)": _scenario("gpt2.json", 8, 4, tp=2, pp=2, dp=2,
+                                                                   sequence_parallel=True),
+    "HF qwen3-8b tp2 (QK norm)": _scenario("qwen3-8b.json", 8, 2, tp=2, pp=1, dp=4, sequence_parallel=True),
+    "HF qwen1.5-moe-a2.7b pp2 ep4 (gated shared expert)": _scenario("qwen1.5-moe-a2.7b.json", 8, 4, tp=1, pp=2, dp=4,
+                                                                   ep=4),
+    "HF deepseek-v2-lite pp2 ep8 (MLA without q LoRA)": _scenario("deepseek-v2-lite.json", 16, 4, tp=1, pp=2, dp=8,
+                                                                  ep=8),
     "deepseek-v3 pp2 ep8 (MLA, shared experts, dense first, MTP)": _scenario(
         "deepseek-v3", 16, 5, tp=1, pp=2, dp=8, ep=8, layers_per_stage=(3, 2)),
 }

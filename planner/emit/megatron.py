@@ -40,8 +40,9 @@ def model_flags(sc: Scenario) -> list[Flag]:
     # builds the model's V rows before padding.
     flags += [("--vocab-size", str(m.vocab_size - 1)), ("--make-vocab-size-divisible-by", "128"),
               ("--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm")]
-    if m.max_seq_len is not None:
-        flags.append(("--max-position-embeddings", str(m.max_seq_len)))
+    # validate_args requires --max-position-embeddings (required_args) and at least --seq-length; a model with no
+    # stated limit (a RoPE model whose config names none) gets the job's sequence length
+    flags.append(("--max-position-embeddings", str(m.max_seq_len if m.max_seq_len is not None else sc.training.seq_len)))
     flags.append(("--position-embedding-type",
                   {"learned": "learned_absolute", "rope": "rope", "alibi": "none"}[m.position_embedding]))
     if m.activation == "swiglu":
