@@ -1455,7 +1455,8 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
                  overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch",
                  grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd=True,
-                 grad_trail_s=0.0, bubble_of=None, param_gather_overlapped: bool = True) -> dict:
+                 grad_trail_s=0.0, bubble_of=None, param_gather_overlapped: bool = True,
+                 first_stage_buckets_only: bool = False) -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
     ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
@@ -1488,6 +1489,9 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     ``grad_trail_s`` (:func:`grad_reduce_trail_s`): how long a per-micro-batch reduction may run on past its own
     backward, under the forward that follows (Megatron-FSDP's reduce-scatter queue); 0 where the compute stream
     waits for it at the end of the backward.
+    ``first_stage_buckets_only`` (:func:`first_stage_buckets_only`): only the first row (the first stage in every
+    caller) starts its once-per-step reduction during its own last backward; the others, one bucket each, only
+    after it, under the drain of the stages before them.
     """
     z3_exposed = overlapped_s_array(z3, terms["compute"], c)
     every = np.asarray(grad_every_mb, dtype=float)
@@ -1510,6 +1514,8 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     if overlap_grad_reduce:
         before = np.asarray(before, dtype=float).T
         own = terms["bwd"] * np.asarray(grad_under_own_bwd, dtype=float)
+        if first_stage_buckets_only:
+            own = own * (np.arange(own.shape[-1]) == 0)
         gather = overlapped_s_array(dp_param, terms["fwd"] + terms["fwd"] @ before, c) if param_gather_overlapped \
             else dp_param + 0.0 * terms["fwd"]
         exposed = overlapped_s_array(dp_grad, own + terms["bwd"] @ before, c) + gather
@@ -1775,6 +1781,18 @@ def param_gather_overlapped(training: TrainingSpec) -> bool:
     return training.framework != "deepspeed"
 
 
+def first_stage_buckets_only(framework: str, pp: int) -> bool:
+    """Whether only the first pipeline stage reduces its gradients bucket by bucket during its last backward.
+    Megatron-Core's ``DistributedDataParallel`` turns bucketing off on every other pipeline rank (core_v0.16.1
+    ``distributed/distributed_data_parallel.py``: ``if disable_bucketing or pp_rank > 0: self.bucket_size = None``,
+    "since data-parallel communication on these stages is not on the critical path"; counted on Megatron's own DDP
+    by tests/test_megatron_states.py), so there all its parameters form one bucket, whose reduction starts when the last
+    gradient is ready: after the stage's last backward. It hides only under the backward the stages before it still
+    run, while ``finalize_model_grads`` waits for it (``finish_grad_sync``). Megatron and NeMo (its DDP) at ZeRO 0-1;
+    Megatron-FSDP (ZeRO 2-3) reduces in every micro-batch instead (:func:`grad_reduced_every_microbatch`)."""
+    return framework in ("megatron", "nemo") and pp > 1
+
+
 def grad_reduce_overlapped(training: TrainingSpec) -> bool:
     """Whether a per-micro-batch gradient reduction (:func:`grad_reduced_every_microbatch`) runs beside that
     micro-batch's backward. Megatron-FSDP forces ``overlap_grad_reduce`` for ``optim_grads[_params]`` (core_v0.16.1
@@ -1826,7 +1844,8 @@ def grad_reduction_args(training: TrainingSpec, pp: int, zero_stages, trail_s: f
         under = np.array([grad_reduce_overlaps_last_backward(fw, pp, hooked(z)) for z in zero_stages])[:, None]
     return {"grad_every_mb": every, "grad_mb_overlap": grad_reduce_overlapped(training),
             "grad_under_own_bwd": under, "grad_trail_s": trail_s,
-            "param_gather_overlapped": param_gather_overlapped(training)}
+            "param_gather_overlapped": param_gather_overlapped(training),
+            "first_stage_buckets_only": first_stage_buckets_only(fw, pp)}
 
 
 def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: TrainingSpec, zero_stage: int, pp: int):

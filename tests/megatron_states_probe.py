@@ -11,6 +11,8 @@ Megatron's MoE layers mark them, ``allreduce = False``) it reports, in bytes on 
 parameters (the bf16 weights, in DDP's param buffer under the distributed optimizer), of their ``main_grad`` (the
 gradient buffer), of the optimizer's fp32 master weights, of Adam's states, and of the gradients the inner Adam
 steps on that are not views of the gradient buffer (``_copy_model_grads_to_main_grads``: ``main_grad.float()``).
+Then, on a PP 2 x DP 2 layout with ``overlap_grad_reduce`` and buckets of two layers, how many gradient buckets each
+pipeline rank's DDP makes.
 
 Stand-ins for what needs a GPU (../shared/consumers/README.md allows exactly these, named): ``torch.cuda.current_device``
 returns ``"cpu"``; a ``TorchFunctionMode`` puts every tensor Megatron creates with ``device="cuda"`` on the CPU,
@@ -115,6 +117,28 @@ def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int
             "step_grads": seen.get("step_grads", 0)}
 
 
+def _buckets(torch, dist) -> list:
+    """(pipeline rank, gradient buckets) of every rank of a PP 2 x DP 2 job whose DDP asks for buckets of two layers
+    (``bucket_size``) with ``overlap_grad_reduce``: Megatron buckets only the first pipeline rank's gradients."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False, dtype=torch.bfloat16)
+                                  for _ in range(LAYERS)])
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, bf16=True,
+                               params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                               pipeline_model_parallel_size=2)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=2 * WIDTH * WIDTH), model)
+    mine = (ps.get_pipeline_model_parallel_rank(), sum(len(b.buckets) for b in ddp.buffers))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def _rank(rank: int, port: int, megatron_root: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, megatron_root)
@@ -127,8 +151,9 @@ def _rank(rank: int, port: int, megatron_root: str, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
     _cpu_for_cuda(torch)
     out = [_job(torch, *job) for job in JOBS]
+    buckets = _buckets(torch, dist)
     if rank == 0:
-        queue.put(out)
+        queue.put({"jobs": out, "buckets": buckets})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -141,10 +166,10 @@ def main(port: int, megatron_root: str) -> dict:
     procs = [ctx.Process(target=_rank, args=(r, port, megatron_root, queue)) for r in range(RANKS)]
     for p in procs:
         p.start()
-    jobs = queue.get(timeout=600)
+    got = queue.get(timeout=600)
     for p in procs:
         p.join()
-    return {"ranks": RANKS, "params": PARAMS, "width": WIDTH, "layers": LAYERS, "jobs": jobs}
+    return {"ranks": RANKS, "params": PARAMS, "width": WIDTH, "layers": LAYERS, **got}
 
 
 if __name__ == "__main__":

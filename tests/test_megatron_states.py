@@ -58,3 +58,15 @@ def test_megatron_core_holds_the_hand_count(megatron_core):
                    "zero1-cp2": (2, 4, 1, 2, 0),
                    "zero1-ep2-bf16-grads": (2, 2, half * 4 / 4 + half * 4 / 2, half * 8 / 4 + half * 8 / 2,
                                             half * 4 / 4 + half * 4 / 2)}
+
+
+def test_only_the_first_pipeline_rank_buckets_its_gradients(megatron_core):
+    """Megatron's DDP with --overlap-grad-reduce and buckets of two layers: the first pipeline rank's 8 layers make 4
+    buckets, reduced as the backward makes them; every later rank holds one bucket, reduced only after its last
+    backward (cost.first_stage_buckets_only, which the time model composes by)."""
+    from planner.cost import first_stage_buckets_only
+
+    got = {tuple(r) for r in megatron_core["buckets"]}
+    assert got == {(0, megatron_core["layers"] // 2), (1, 1)}
+    assert first_stage_buckets_only("megatron", 2) and first_stage_buckets_only("nemo", 2)
+    assert not first_stage_buckets_only("megatron", 1)
