@@ -26,7 +26,7 @@ MLA's ``k_channels`` and ``v_channels``, which only TE's takes in core_v0.16.1, 
 set False (its import of Megatron's TE extension succeeds without TE installed and leaves ``TELinear`` None, which its
 ``isinstance`` check then refuses); none changes a parameter. Weight initialisation is off (``perform_initialization``; it needs CUDA's RNG
 tracker, and meta tensors hold no values). ``torch.cuda.Stream`` makes nothing (the
-MoE dispatcher's side stream, used only in forward), ``torch.cuda.current_device`` returns ``"meta"`` and tensors Megatron creates on
+MoE dispatcher's side stream, used only in forward), ``torch.cuda.current_device`` returns ``"meta"`` (tests/megatron_stand_ins.py) and tensors Megatron creates on
 ``"cuda"`` are made on the meta device, so full-width layers cost no memory. Nothing else is changed.
 
 Run as ``python tests/megatron_params_probe.py PORT MEGATRON_ROOT CASES.json`` (PORT, which
@@ -122,24 +122,15 @@ def main(megatron_root: str, cases_path: str) -> dict:
 
     warnings.simplefilter("ignore")
     import torch
-    from torch.overrides import TorchFunctionMode
-
     import megatron.training.arguments as arguments
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.training.tokenizer.tokenizer import build_tokenizer
 
-    torch.cuda.current_device = lambda: "meta"
-    torch.cuda.Stream = lambda *a, **k: None  # MoEAlltoAllTokenDispatcher makes a side stream (used in forward only)
+    from tests.megatron_stand_ins import device_for_cuda
 
-    class MetaForCuda(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if "cuda" in str(kwargs.get("device", "")):
-                kwargs["device"] = "meta"
-            if func is torch.Tensor.cuda:
-                return args[0]
-            return func(*args, **kwargs)
+    meta_for_cuda = device_for_cuda(torch, "meta")
+    torch.cuda.Stream = lambda *a, **k: None  # MoEAlltoAllTokenDispatcher makes a side stream (used in forward only)
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -162,7 +153,7 @@ def main(megatron_root: str, cases_path: str) -> dict:
         # the local spec's grouped experts need the grouped_gemm package; its SequentialMLP holds the same weights
         args.moe_grouped_gemm = config.moe_grouped_gemm = False
         config.perform_initialization = False  # meta tensors: nothing to initialise (no CUDA RNG tracker here)
-        with MetaForCuda():
+        with meta_for_cuda:
             ranks = [_rank_params(torch, ps, args, config, r) for r in range(args.pipeline_model_parallel_size)]
         from megatron.training.training import num_floating_point_operations
 

@@ -14,7 +14,7 @@ steps on that are not views of the gradient buffer (``_copy_model_grads_to_main_
 Then, on a PP 2 x DP 2 layout with ``overlap_grad_reduce`` and buckets of two layers, how many gradient buckets each
 pipeline rank's DDP makes.
 
-Stand-ins for what needs a GPU (../shared/consumers/README.md allows exactly these, named): ``torch.cuda.current_device``
+Stand-ins for what needs a GPU (../shared/consumers/README.md allows exactly these, named; tests/megatron_stand_ins.py): ``torch.cuda.current_device``
 returns ``"cpu"``; a ``TorchFunctionMode`` puts every tensor Megatron creates with ``device="cuda"`` on the CPU,
 makes ``Tensor.cuda()`` the identity, and answers ``Tensor.type()`` with the CUDA type name
 (``distrib_optimizer.py`` and ``optimizer.py`` accept only ``torch.cuda.*Tensor`` parameters). Nothing else is
@@ -39,26 +39,6 @@ JOBS = (("zero0-fp32-grads", False, True, 1, 1), ("zero0-bf16-grads", False, Fal
 
 def _storages(tensors) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-
-
-def _cpu_for_cuda(torch):
-    """The stand-ins of the module docstring."""
-    from torch.overrides import TorchFunctionMode
-
-    torch.cuda.current_device = lambda: "cpu"
-
-    class CpuForCuda(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if "cuda" in str(kwargs.get("device", "")):
-                kwargs["device"] = "cpu"
-            if func is torch.Tensor.cuda:
-                return args[0]
-            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-                return func(*args).replace("torch.", "torch.cuda.", 1)
-            return func(*args, **kwargs)
-
-    CpuForCuda().__enter__()
 
 
 def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int) -> dict:
@@ -149,7 +129,9 @@ def _rank(rank: int, port: int, megatron_root: str, queue) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-    _cpu_for_cuda(torch)
+    from tests.megatron_stand_ins import device_for_cuda
+
+    device_for_cuda(torch, "cpu").__enter__()  # the stand-ins of the module docstring
     out = [_job(torch, *job) for job in JOBS]
     buckets = _buckets(torch, dist)
     if rank == 0:
