@@ -333,6 +333,12 @@ class ModelSpec(_Spec):
         return self.linear_bias if self.mlp_bias is None else self.mlp_bias
 
     @property
+    def all_linear_biases(self) -> bool:
+        """Q/K/V, output projection and MLP all carry biases: Megatron-LM's ``--add-bias-linear`` (its default), which
+        also gives a MoE router its bias (core_v0.16.1 ``moe/router.py``)."""
+        return self.has_qkv_bias and self.has_out_proj_bias and self.has_mlp_bias
+
+    @property
     def gated_mlp(self) -> bool:
         """FC1 is two matrices (gate and up), as in SwiGLU and GeGLU (Shazeer 2020, arXiv:2002.05202)."""
         return self.activation in ("swiglu", "geglu")
@@ -486,6 +492,16 @@ class ModelSpec(_Spec):
                         "or on none (--disable-bias-linear, optionally --add-qkv-bias)")
         if self.position_embedding == "alibi":
             gaps.append("position_embedding: alibi is not a Megatron-LM --position-embedding-type")
+        if self.rope_scaling == "yarn" and not self.is_mla:
+            # GPTModel takes position_embedding_type 'yarn' only from code (Megatron-Bridge's GPT-OSS provider)
+            gaps.append("rope_scaling: yarn is not a Megatron-LM --position-embedding-type (core_v0.16.1 choices: "
+                        "learned_absolute, rope, mrope, relative, none; --rope-type yarn is MLA's)")
+        if self.sliding_window is not None:
+            gaps.append("sliding_window: plan3d does not write Megatron-LM's --window-size / --window-attn-skip-freq; "
+                        "the launch would attend to every key")
+        if self.swiglu_limit is not None:
+            gaps.append("swiglu_limit: plan3d writes --swiglu, not GPT-OSS's clamped activation (Megatron-LM "
+                        "--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value)")
         if self.mtp_num_layers and self.position_embedding == "learned":  # arguments.py validate_args
             gaps.append("mtp_num_layers: Megatron-LM's multi-token prediction needs rope position embeddings, "
                         "not learned")
@@ -497,10 +513,10 @@ class ModelSpec(_Spec):
         take ``--add-bias-linear`` but the spec's MLA has no biases; MLA's only Q/K norms are its latent
         norms (``--qk-layernorm``, ``gpt_layer_specs.py``)."""
         gaps = []
-        if self.is_moe and self.router_bias != self.linear_bias:
+        if self.is_moe and self.router_bias != self.all_linear_biases:
             gaps.append("router_bias: Megatron-LM's router has a bias exactly when every linear layer has one "
                         "(--add-bias-linear)")
-        if self.is_mla and self.linear_bias:
+        if self.is_mla and self.all_linear_biases:
             gaps.append("linear_bias: plan3d's MLA attention has no biases; Megatron-LM would add them (--add-bias-linear)")
         if self.is_mla and self.qk_norm != "none":
             gaps.append("qk_norm: Megatron-LM's MLA has only its latent norms (--qk-layernorm), no Q/K head norms")

@@ -76,3 +76,28 @@ def test_megatron_args_always_name_max_position_embeddings():
         (args,) = [t for f, t in render_all(sc, ["megatron"]).items() if f.endswith(".megatron.args")]
         words = " ".join(ln for ln in args.splitlines() if not ln.startswith("#")).split()
         assert words[words.index("--max-position-embeddings") + 1] == want, name
+
+
+def test_biases_on_every_linear_layer_are_megatrons_default_and_the_validate_block_has_them():
+    """A spec whose Q/K/V, output projection and MLP each carry a bias (GPT-OSS's fields: linear_bias false, the three
+    flags true) has biases on every linear layer: Megatron's --add-bias-linear default, so no --disable-bias-linear
+    (which would drop the output and MLP biases); and plan3d validate's block builds the same biases the estimator
+    counts (memory.layer_params_per_rank)."""
+    torch = pytest.importorskip("torch")
+    from planner.emit import render_all
+    from planner.memory import layer_params_per_rank
+    from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec
+    from planner.validate.model import Block
+
+    model = ModelSpec(name="all-biases", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=128, vocab_size=1000, activation="swiglu", norm="rmsnorm", linear_bias=False,
+                      qkv_bias=True, out_proj_bias=True, mlp_bias=True)
+    assert model.all_linear_biases and not model.megatron_gaps()
+    sc = Scenario(model=model, hardware=load_hardware("h100-sxm-80gb"),
+                  training=TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=128),
+                  plan=Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
+    (args,) = [t for f, t in render_all(sc, ["megatron"]).items() if f.endswith(".megatron.args")]
+    assert "--disable-bias-linear" not in args and "--add-qkv-bias" not in args
+    with torch.device("meta"):
+        block = Block(model)
+    assert sum(p.numel() for p in block.parameters()) == layer_params_per_rank(model, 1)

@@ -420,8 +420,12 @@ def test_stage_counts_add_up_to_num_params_for_every_structure():
 @pytest.mark.parametrize("name,fields", [
     ("llama-3.1-405b.json", []), ("qwen2.5-7b.json", []), ("mistral-7b.json", []),
     ("phi-3-mini-4k-instruct.json", []), ("gpt2.json", []),
-    ("gemma-2-9b.json", ["activation", "norm_placement", "attn_logit_softcap", "final_logit_softcap"]),
-    ("gemma-3-1b-pt.json", ["activation", "norm_placement"]),
+    ("gemma-2-9b.json", ["activation", "norm_placement", "attn_logit_softcap", "final_logit_softcap",
+                         "sliding_window"]),
+    ("gemma-3-1b-pt.json", ["activation", "norm_placement", "sliding_window"]),
+    # GPT-OSS: biases on every linear layer and the router (Megatron's --add-bias-linear, no gap), but YaRN has no
+    # Megatron-LM flag outside MLA, and plan3d writes neither its windows nor its clamped activation
+    ("gpt-oss-20b.json", ["rope_scaling", "sliding_window", "swiglu_limit"]),
     ("olmo-2-1124-7b.json", ["norm_placement", "qk_norm"]),
     ("falcon-40b.json", ["parallel_attention"]), ("pythia-160m.json", ["parallel_attention"]),
 ])

@@ -49,7 +49,7 @@ def model_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--swiglu", None))
     if not m.tied_embeddings:
         flags.append(("--untie-embeddings-and-output-weights", None))
-    if not m.linear_bias:
+    if not m.all_linear_biases:  # --add-bias-linear is Megatron's default: biases on every linear layer
         flags.append(("--disable-bias-linear", None))
         if m.has_qkv_bias:
             flags.append(("--add-qkv-bias", None))
@@ -166,7 +166,7 @@ def moe_plan_refusals(sc: Scenario) -> list[str]:
     if p.tp > 1 and not p.sequence_parallel:
         errors.append(f"--emit megatron: Megatron-LM's MoE layer refuses tp({p.tp}) > 1 without sequence parallelism "
                       "in training (core/transformer/moe/moe_layer.py); use a plan with sequence_parallel")
-    if m.linear_bias and p.expert_tp > 1:
+    if m.all_linear_biases and p.expert_tp > 1:
         errors.append(f"--emit megatron: Megatron-LM supports biases in MoE layers only with expert tensor parallelism "
                       f"1 (transformer_config.py), the plan has etp({p.expert_tp}); set etp 1")
     # TransformerConfig.__post_init__ (core_v0.16.1), overlap_moe_expert_parallel_comm's asserts

@@ -46,7 +46,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(h, self.heads * d, bias=model.has_qkv_bias)
         self.wk = nn.Linear(h, self.kv_heads * d, bias=model.has_qkv_bias)
         self.wv = nn.Linear(h, self.kv_heads * d, bias=model.has_qkv_bias)
-        self.wo = nn.Linear(self.heads * d, h, bias=model.linear_bias)
+        self.wo = nn.Linear(self.heads * d, h, bias=model.has_out_proj_bias)
         self.recompute_core = False
         self.cp_group = None  # context parallelism (set by the worker): ring attention over these ranks
         self.positions = None  # with cp: the global positions of this rank's tokens (planner.validate.ring)
@@ -84,9 +84,9 @@ class MLP(nn.Module):
         super().__init__()
         h, f = model.hidden_size, ffn or model.ffn_size
         self.swiglu = model.activation == "swiglu"
-        self.w1 = nn.Linear(h, f, bias=model.linear_bias)
-        self.w3 = nn.Linear(h, f, bias=model.linear_bias) if self.swiglu else None
-        self.w2 = nn.Linear(f, h, bias=model.linear_bias)
+        self.w1 = nn.Linear(h, f, bias=model.has_mlp_bias)
+        self.w3 = nn.Linear(h, f, bias=model.has_mlp_bias) if self.swiglu else None
+        self.w2 = nn.Linear(f, h, bias=model.has_mlp_bias)
 
     def forward(self, x):
         if self.swiglu:
