@@ -30,10 +30,11 @@ HF = Path(__file__).resolve().parent / "data" / "hf"  # published Hugging Face c
 ARCH = {"h100-sxm-80gb": 9, "gb200-nvl72": 10}
 
 
-def _scenario(model: str, gpus: int, layers: int | None = None, hardware: str = "h100-sxm-80gb", **plan) -> Scenario:
-    """``model`` with ``layers`` layers (fewer than the preset's keeps the build quick on 2 cores; the widths are the
-    preset's), on ``gpus`` GPUs, with ``plan``."""
-    m = load_model(str(HF / model) if model.endswith(".json") else model)
+def _scenario(model: str, gpus: int, layers: int | None = None, hardware: str = "h100-sxm-80gb",
+              model_update: dict | None = None, **plan) -> Scenario:
+    """``model`` (with ``model_update``) with ``layers`` layers (fewer than the preset's keeps the build quick on 2
+    cores; the widths are the preset's), on ``gpus`` GPUs, with ``plan``."""
+    m = load_model(str(HF / model) if model.endswith(".json") else model).model_copy(update=model_update or {})
     if layers is not None:
         m = m.model_copy(update={"num_layers": layers})
     p = Plan(**({"micro_batch_size": 1} | plan))
@@ -70,6 +71,12 @@ CASES = {
                                                                    ep=4),
     "HF deepseek-v2-lite pp2 ep8 (MLA without q LoRA)": _scenario("deepseek-v2-lite.json", 16, 4, tp=1, pp=2, dp=8,
                                                                   ep=8),
+    # GPT-OSS's parameters (attention sinks, biases on every linear layer, router and experts) without what the
+    # Megatron formats refuse of it (YaRN, sliding windows, the clamped activation: ModelSpec.megatron_gaps)
+    "gpt-oss-20b shape tp2 pp2 ep4 (sinks, all biases)": _scenario(
+        "gpt-oss-20b", 16, 4, tp=2, pp=2, dp=4, ep=4, etp=1, sequence_parallel=True,
+        model_update={"rope_scaling": None, "sliding_window": None, "sliding_window_layers": None,
+                      "swiglu_limit": None}),
     "deepseek-v3 pp2 ep8 (MLA, shared experts, dense first, MTP)": _scenario(
         "deepseek-v3", 16, 5, tp=1, pp=2, dp=8, ep=8, layers_per_stage=(3, 2)),
 }
