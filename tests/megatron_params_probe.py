@@ -17,12 +17,15 @@ Megatron logs them (``megatron/training/training.py::num_floating_point_operatio
 
 Stand-ins, beyond ``megatron_validate``'s: the model is built with Megatron's local (non-Transformer-Engine) layer
 specs, since TE needs CUDA; they hold the same parameters (TE fuses the norm into the next linear layer, with the
-same weight). Sequence parallelism, ``persist_layer_norm``, ``memory_efficient_layer_norm`` and
+same weight), except MLA's two down-projections, which the TE spec replicates on every TP rank (``TELinear``,
+``parallel_mode="duplicated"``) and the local spec splits over TP (``ColumnParallelLinear``; core_v0.16.1
+``gpt_layer_specs.py``): tests/test_megatron_params.py takes that difference out by its formula. Sequence parallelism, ``persist_layer_norm``, ``memory_efficient_layer_norm`` and
 ``layernorm_zero_centered_gamma`` are switched off in the config for the build, because the local spec's torch norm
 refuses them, and ``gradient_accumulation_fusion`` (a kernel of Apex's CUDA extension); ``moe_grouped_gemm`` is off, so the routed
 experts are the local ``SequentialMLP`` (one MLP per local expert) rather than one grouped module (TE's
 ``TEGroupedMLP`` keeps one weight per expert too); the local ``DotProductAttention`` (no parameters) is given
-MLA's ``k_channels`` and ``v_channels``, which only TE's takes in core_v0.16.1, and drops them; ``multi_latent_attention.HAVE_TE`` is
+MLA's ``k_channels`` and ``v_channels``, which only TE's takes in core_v0.16.1, and drops them, and is built as if
+without context parallelism, which it refuses (TE's kernel runs CP; no parameter depends on it); ``multi_latent_attention.HAVE_TE`` is
 set False (its import of Megatron's TE extension succeeds without TE installed and leaves ``TELinear`` None, which its
 ``isinstance`` check then refuses); none changes a parameter. Weight initialisation is off (``perform_initialization``; it needs CUDA's RNG
 tracker, and meta tensors hold no values). ``torch.cuda.Stream`` makes nothing (the
@@ -40,6 +43,8 @@ import sys
 
 
 def _megatron_args(arguments, rope_utils, words: list[str], world: int, arch: int, fsdp: bool):
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # validate_args sets them per case
+        os.environ.pop(var, None)
     os.environ.update(WORLD_SIZE=str(world), RANK="0")
     if fsdp:
         os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
@@ -136,8 +141,12 @@ def main(megatron_root: str, cases_path: str) -> dict:
 
     local_init = DotProductAttention.__init__
 
-    def init(self, *a, k_channels=None, v_channels=None, **k):  # MLA's head widths, which TE's kernel takes
-        local_init(self, *a, **k)
+    def init(self, config, *a, k_channels=None, v_channels=None, **k):  # MLA's head widths, which TE's kernel takes
+        cp, config.context_parallel_size = config.context_parallel_size, 1  # only TE's kernel runs CP
+        try:
+            local_init(self, config, *a, **k)
+        finally:
+            config.context_parallel_size = cp
     DotProductAttention.__init__ = init
     import megatron.core.transformer.multi_latent_attention as mla
 

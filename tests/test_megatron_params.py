@@ -82,8 +82,42 @@ CASES = {
 }
 
 
+#: Megatron-LM launch files `plan3d check` reads (tests/test_check_megatron.py: its reader against Megatron's
+#: validate_args), here built by Megatron on every pipeline rank from the arguments `check` found
+LAUNCH = Path(__file__).resolve().parent / "data" / "launch"
+TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-size", "--vocab-file", "--merge-file")
+
+
+def _launch_cases() -> dict:
+    """{name: (the scenario `check` reads, the launch's own arguments)} for every launch file and branch of
+    tests/test_check_megatron.py. Megatron cannot build the files' tokenizers here (their files are not read), so the
+    tokenizer flags are replaced by the NullTokenizer of the vocabulary `check` found; tests/test_check_megatron.py
+    checks that vocabulary against Megatron's own padding."""
+    from planner.check import check_file_branches, read_flags
+    from tests.test_check_megatron import DROPPED, MEGATRON_LM_FILES, _branch_args
+
+    out = {}
+    for name in MEGATRON_LM_FILES:
+        path = LAUNCH / name
+        for r in check_file_branches(path, load_hardware("h200-141gb"), None, None):
+            args = read_flags(path) if r.branch is None else _branch_args(path, r.branch)
+            words = []
+            for flag, value in args.values.items():
+                if flag in DROPPED or flag in TOKENIZER_FLAGS:
+                    continue
+                words += [flag] + (value if isinstance(value, list) else [] if value is None else [value])
+            words += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(r.scenario.model.vocab_size - 1)]
+            out[f"check {name}" + (f" [{r.branch}]" if r.branch else "")] = (r.scenario, words)
+    return out
+
+
 @pytest.fixture(scope="module")
-def megatron_core(megatron_lm_root, tmp_path_factory):
+def launches(megatron_lm_root):
+    return _launch_cases()
+
+
+@pytest.fixture(scope="module")
+def megatron_core(megatron_lm_root, launches, tmp_path_factory):
     from tests.subprocess_probe import REPO, run_json_probe
 
     cases = []
@@ -91,6 +125,9 @@ def megatron_core(megatron_lm_root, tmp_path_factory):
         (args_text,) = [t for f, t in render_all(sc, ["megatron"]).items() if f.endswith(".megatron.args")]
         words = " ".join(ln for ln in args_text.splitlines() if not ln.startswith("#")).split()
         cases.append({"name": name, "words": words, "world": sc.training.num_gpus, "arch": ARCH[sc.hardware.name],
+                      "fsdp": sc.plan.zero_stage >= 2})
+    for name, (sc, words) in launches.items():
+        cases.append({"name": name, "words": words, "world": sc.training.num_gpus, "arch": 9,  # H200
                       "fsdp": sc.plan.zero_stage >= 2})
     path = tmp_path_factory.mktemp("megatron-params") / "cases.json"
     path.write_text(json.dumps(cases))
@@ -104,8 +141,11 @@ def test_stage_parameters_are_the_ones_megatron_builds(megatron_core, name):
     sc = CASES[name]
     plan = sc.resolved_plan()
     got = megatron_core[name]
-    want = [stage_param_split(sc.model, plan, s, n) for s, n in enumerate(plan.stage_layers(sc.model.num_layers))]
-    assert [tuple(r) for r in got["ranks"]] == [(dense + expert, expert) for dense, expert in want], name
+    layers = plan.stage_layers(sc.model.num_layers)
+    want = [stage_param_split(sc.model, plan, s, n) for s, n in enumerate(layers)]
+    local = local_spec_mla_split(sc.model, plan.tp)  # 0 here: the MLA cases run at TP 1
+    assert [tuple(r) for r in got["ranks"]] == [(dense + expert - n * local, expert)
+                                                for (dense, expert), n in zip(want, layers)], name
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -117,3 +157,43 @@ def test_model_flops_are_the_ones_megatron_logs(megatron_core, name):
     want = megatron_core[name]["flops_per_step"]
     assert est.model_flops_per_step == pytest.approx(want, rel=1e-12), name
     assert est.time.tflops_per_gpu * est.time.step_time_s * sc.training.num_gpus * 1e12 == pytest.approx(want)
+
+
+def local_spec_mla_split(model, tp: int) -> float:
+    """Parameters per layer and TP rank that the probe's local layer spec splits over TP and the Transformer Engine
+    spec (what runs on GPUs, and what plan3d counts) replicates: MLA's ``h x r_q`` and ``h x (r_kv + rope)``
+    down-projections (tests/megatron_params_probe.py)."""
+    if not model.is_mla:
+        return 0.0
+    h = model.hidden_size
+    return (h * (model.q_lora_rank or 0) + h * (model.kv_lora_rank + model.qk_rope_head_dim)) * (1 - 1 / tp)
+
+
+def test_check_counts_the_parameters_megatron_builds_from_real_launches(megatron_core, launches):
+    """`plan3d check`'s CI gate on real Megatron-LM launch files: the parameters of every pipeline rank of the
+    scenario it reads are the ones Megatron builds from that launch's own arguments. One known difference, stated
+    exactly: with fewer KV groups than TP ranks (megatron_gqa_default.sh: one group, TP 4) Megatron splits the fused
+    QKV weight evenly and all-gathers its output in every layer (core_v0.16.1 ``attention.py``,
+    ``get_query_key_value_tensors``: "When tp_size > num_kv_heads, we split 'q1 q2 k1 v1' over multiple ranks"),
+    where plan3d counts a whole KV head on every rank (``memory.kv_heads_per_rank``): ``h x 2 d (1 - g / t)`` more
+    per layer (docs/memory.md, Known limits). And the probe's local spec splits MLA's down-projections, which the
+    TE spec replicates (:func:`local_spec_mla_split`)."""
+    from tests.test_check_megatron import MEGATRON_LM_FILES
+
+    assert len(launches) >= len(MEGATRON_LM_FILES)
+    replicated = 0
+    for name, (sc, _) in launches.items():
+        plan, m = sc.resolved_plan(), sc.model
+        layers = plan.stage_layers(m.num_layers)
+        want = [stage_param_split(m, plan, s, n) for s, n in enumerate(layers)]
+        extra = 0.0
+        if m.kv_heads < plan.tp and not m.is_mla:
+            extra = m.hidden_size * 2 * m.kv_channels * (1 - m.kv_heads / plan.tp)
+            replicated += 1
+        extra += local_spec_mla_split(m, plan.tp)
+        # without expert parallelism Megatron keeps the experts' allreduce attribute True (tensor_parallel/layers.py:
+        # ``not (is_expert and expert_parallel)``), so its DDP holds them with the dense parameters: shard groups of the
+        # same size when etp = tp (Plan.expert_dp = dp x cp), so only their sum is compared
+        assert [tuple(r) for r in megatron_core[name]["ranks"]] == [(d + e - n * extra, e if plan.ep > 1 else 0)
+                                                                    for (d, e), n in zip(want, layers)], name
+    assert replicated == 1  # megatron_gqa_default.sh
