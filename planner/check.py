@@ -115,10 +115,35 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
                 if headroom is not None:
                     hw = hw.model_copy(update={"fragmentation_headroom": headroom})
                 r.scenario = r.scenario.model_copy(update={"hardware": hw})
-                r.notes = r.notes + deepspeed_zero3_notes(r.scenario)
+                r.notes = r.notes + deepspeed_zero3_notes(r.scenario) + optimizer_step_notes(r.scenario)
         return results
     except SpecError as err:
         return [CheckResult(path=path, line=_error_line(err), errors=err.lines)]
+
+
+#: Why a framework's optimizer step can hold more than its backward, and what lowers it (StateBytes.step_extra_bytes)
+STEP_PEAK_CAUSES = {
+    "megatron": "the optimizer's fp32 copies of the bf16 gradient buffer (--grad-reduce-in-bf16; "
+                "frameworks.megatron.step_grad_copy_bytes); --use-distributed-optimizer shards them over dp x cp",
+    "nemo": "the optimizer's fp32 copies of the bf16 gradient buffer (grad_reduce_in_fp32 off; "
+            "frameworks.megatron.step_grad_copy_bytes); the distributed optimizer shards them over dp x cp",
+    "deepspeed": "the fp32 gradient copies DeepSpeed's optimizer step builds (frameworks.deepspeed: FP16_Optimizer's "
+                 "flat fp32 gradients at ZeRO 0, the flattened 16-bit partition at ZeRO 2); ZeRO 1 or 2 shards them",
+}
+
+
+def optimizer_step_notes(sc) -> list[str]:
+    """Where the optimizer step, not the backward, sets a stage's peak (``StageMemory.step_excess_bytes`` on the peak
+    stage): what holds the extra and what lowers it."""
+    from planner.memory import GIB, estimate_memory
+
+    est = estimate_memory(sc.model, sc.hardware, sc.training, sc.resolved_plan())
+    worst = max(est.stages, key=lambda st: st.peak_bytes)
+    cause = STEP_PEAK_CAUSES.get(sc.training.framework)
+    if not worst.step_excess_bytes or cause is None:
+        return []
+    return [f"stage {worst.stage}'s peak is its optimizer step, {worst.step_excess_bytes / GIB:.2f} GiB above its "
+            f"backward: {cause}"]
 
 
 def deepspeed_zero3_notes(sc) -> list[str]:

@@ -58,6 +58,9 @@ class StageMemory:
     # the caching allocator's peak reserved, where the framework models it (torchtitan:
     # planner.allocator_trace, never below total_bytes); None: the peak is the allocated total
     reserved_bytes: float | None = None
+    # part of grads_bytes: what the optimizer step holds beyond the backward's peak (step_excess_bytes); > 0 where the
+    # step's moment, not the backward's, sets the stage's peak
+    step_excess_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -1347,6 +1350,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
         optimizer_bytes=st.optimizer_bytes,
         activations_bytes=saved + a_work,
         other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)) + kept,
+        step_excess_bytes=step,
     )
 
 

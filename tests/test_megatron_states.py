@@ -70,3 +70,29 @@ def test_only_the_first_pipeline_rank_buckets_its_gradients(megatron_core):
     assert got == {(0, megatron_core["layers"] // 2), (1, 1)}
     assert first_stage_buckets_only("megatron", 2) and first_stage_buckets_only("nemo", 2)
     assert not first_stage_buckets_only("megatron", 1)
+
+
+def test_check_names_the_optimizer_step_where_it_sets_the_peak(tmp_path):
+    """`plan3d check` on a plan whose peak is Megatron's optimizer step (one GPU, full recompute, bf16 gradients, no
+    distributed optimizer): the note says so, by how much, and what shards the copies; with fp32 gradients, none."""
+    import json
+
+    from planner.check import check_file_branches
+    from planner.memory import GIB, estimate_memory
+    from planner.presets import load_hardware
+    from planner.specs import Scenario
+
+    model, hw = load_model("llama2-7b"), load_hardware("b200-180gb")
+    plan = Plan(tp=1, pp=1, dp=1, micro_batch_size=1, recompute="full", zero_stage=0)
+    notes, excess = {}, {}
+    for bf16 in (True, False):
+        tr = TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=2048, grad_reduce_in_bf16=bf16)
+        path = tmp_path / f"bf16-{bf16}.plan.json"
+        path.write_text(json.dumps(Scenario(model=model, hardware=hw, training=tr, plan=plan).model_dump(mode="json")))
+        (result,) = check_file_branches(path, None, None, None)
+        notes[bf16] = [n for n in result.notes if "optimizer step" in n]
+        excess[bf16] = estimate_memory(model, hw, tr, plan).stages[0].step_excess_bytes / GIB
+    assert excess[True] > 0 and excess[False] == 0 and notes[False] == []
+    (note,) = notes[True]
+    assert note.startswith(f"stage 0's peak is its optimizer step, {excess[True]:.2f} GiB above its backward")
+    assert "--use-distributed-optimizer" in note
