@@ -137,10 +137,12 @@ def optimizer_step_notes(sc) -> list[str]:
     stage): what holds the extra and what lowers it."""
     from planner.memory import GIB, estimate_memory
 
+    cause = STEP_PEAK_CAUSES.get(sc.training.framework)
+    if cause is None:
+        return []
     est = estimate_memory(sc.model, sc.hardware, sc.training, sc.resolved_plan())
     worst = max(est.stages, key=lambda st: st.peak_bytes)
-    cause = STEP_PEAK_CAUSES.get(sc.training.framework)
-    if not worst.step_excess_bytes or cause is None:
+    if not worst.step_excess_bytes:
         return []
     return [f"stage {worst.stage}'s peak is its optimizer step, {worst.step_excess_bytes / GIB:.2f} GiB above its "
             f"backward: {cause}"]
