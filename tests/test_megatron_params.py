@@ -6,7 +6,8 @@ process group; its stand-ins are named there). Every count that feeds the states
 traffic comes from these two functions, so they must be Megatron's to the parameter. Covers tensor, pipeline
 (uneven, interleaved), expert (with expert TP) parallelism, GQA, learned positions with tied embeddings and biases,
 QK norms, shared experts, dense-first layers, multi-latent attention and the MTP module, on presets and on published
-Hugging Face configs read by planner.hf. It found that a config with no ``max_position_embeddings`` was emitted
+Hugging Face configs read by planner.hf; and the scenarios `plan3d check` reads from Megatron-LM launch files against
+Megatron's build from each file's own arguments. It found that a config with no ``max_position_embeddings`` was emitted
 without ``--max-position-embeddings``, which Megatron's validate_args refuses. Skips, with the reason, where
 ../shared is absent."""
 
