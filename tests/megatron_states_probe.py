@@ -7,7 +7,7 @@ The model is ``LAYERS`` bias-free ``Linear(WIDTH, WIDTH)`` in bf16 wrapped in Me
 Transformer Engine or Apex here, so its Adam is ``torch.optim.AdamW``, which holds the same two fp32 states as
 their FusedAdam). Two micro-batches a step, then ``optimizer.step()``. Per job (distributed optimizer or not, fp32 or
 bf16 gradient buffer, context parallelism 2, expert parallelism 2 with half the layers marked as experts as
-Megatron's MoE layers mark them, ``allreduce = False``) it reports, in bytes on rank 0: the storages of the
+Megatron's MoE layers mark them, ``allreduce = False``; and fp16 with the grad scaler's optimizers) it reports, in bytes on rank 0: the storages of the
 parameters (the bf16 weights, in DDP's param buffer under the distributed optimizer), of their ``main_grad`` (the
 gradient buffer), of the optimizer's fp32 master weights, of Adam's states, and of the gradients the inner Adam
 steps on that are not views of the gradient buffer (``_copy_model_grads_to_main_grads``: ``main_grad.float()``).
@@ -31,17 +31,20 @@ import sys
 WIDTH, LAYERS, RANKS, MICRO_BATCHES = 256, 8, 4, 2
 PARAMS = WIDTH * WIDTH * LAYERS
 
-#: (name, distributed optimizer, fp32 gradient buffer, context parallel, expert parallel)
+#: (name, distributed optimizer, fp32 gradient buffer, context parallel, expert parallel[, fp16])
 JOBS = (("zero0-fp32-grads", False, True, 1, 1), ("zero0-bf16-grads", False, False, 1, 1),
         ("zero1-fp32-grads", True, True, 1, 1), ("zero1-bf16-grads", True, False, 1, 1),
-        ("zero1-cp2", True, True, 2, 1), ("zero1-ep2-bf16-grads", True, False, 1, 2))
+        ("zero1-cp2", True, True, 2, 1), ("zero1-ep2-bf16-grads", True, False, 1, 2),
+        # --fp16: fp16 weights, the grad scaler, fp16 gradients unless --accumulate-allreduce-grads-in-fp32
+        ("zero0-fp16-grads", False, False, 1, 1, True), ("zero1-fp16-grads", True, False, 1, 1, True),
+        ("zero1-fp16-fp32-grads", True, True, 1, 1, True))
 
 
 def _storages(tensors) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
-def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int) -> dict:
+def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int, fp16: bool = False) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -50,17 +53,17 @@ def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=cp, expert_model_parallel_size=ep)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False, dtype=torch.bfloat16)
-                                  for _ in range(LAYERS)])
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False, dtype=dtype) for _ in range(LAYERS)])
     experts = list(model)[LAYERS // 2:] if ep > 1 else []
     for layer in experts:  # as Megatron's expert layers mark their weights (moe/experts.py)
         layer.weight.allreduce = False
-    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True,
-                               params_dtype=torch.bfloat16, context_parallel_size=cp,
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=not fp16, fp16=fp16,
+                               params_dtype=dtype, context_parallel_size=cp,
                                expert_model_parallel_size=ep, num_moe_experts=2 if ep > 1 else None)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=fp32_grads, use_distributed_optimizer=distributed), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=not fp16, fp16=fp16,
                                                  use_distributed_optimizer=distributed), [ddp])
     inner = [o for o in getattr(opt, "chained_optimizers", [opt])]
     params = list(model.parameters())
@@ -78,7 +81,7 @@ def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int
             seen["step_grads"] = seen.get("step_grads", 0) + sum(v for k, v in grads.items() if k not in buffer)
             return _step(*args, **kwargs)
         o.optimizer.step = stepped
-    x = torch.randn(4, WIDTH, dtype=torch.bfloat16)
+    x = torch.randn(4, WIDTH, dtype=dtype)
     for _ in range(MICRO_BATCHES):
         ddp(x).float().sum().backward()
     ddp.finish_grad_sync()
@@ -91,6 +94,7 @@ def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int
             if isinstance(t, torch.Tensor) and t.numel() > 1]
     expert_ids = {id(layer.weight) for layer in experts}
     return {"job": name, "distributed_optimizer": distributed, "fp32_grads": fp32_grads, "cp": cp, "ep": ep,
+            "fp16": fp16,
             "expert_params": sum(p.numel() for p in params if id(p) in expert_ids),
             "weights": sum(_storages(params).values()), "grads": sum(grad_storages().values()),
             "master": sum(_storages(masters).values()), "adam": sum(_storages(adam).values()),
