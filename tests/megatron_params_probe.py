@@ -15,22 +15,27 @@ per virtual stage. It reports per rank the parameters (``nelement``, as get_mode
 experts (``allreduce`` False, which DDP puts in the expert-parallel buffers), and the model FLOPs of a step as
 Megatron logs them (``megatron/training/training.py::num_floating_point_operations`` on the same arguments).
 
-Stand-ins, beyond ``megatron_validate``'s: the model is built with Megatron's local (non-Transformer-Engine) layer
-specs, since TE needs CUDA; they hold the same parameters (TE fuses the norm into the next linear layer, with the
-same weight), except MLA's two down-projections, which the TE spec replicates on every TP rank (``TELinear``,
-``parallel_mode="duplicated"``) and the local spec splits over TP (``ColumnParallelLinear``; core_v0.16.1
-``gpt_layer_specs.py``): tests/test_megatron_params.py takes that difference out by its formula. Sequence parallelism, ``persist_layer_norm``, ``memory_efficient_layer_norm`` and
-``layernorm_zero_centered_gamma`` are switched off in the config for the build, because the local spec's torch norm
-refuses them, and ``gradient_accumulation_fusion`` (a kernel of Apex's CUDA extension); ``moe_grouped_gemm`` is off, so the routed
-experts are the local ``SequentialMLP`` (one MLP per local expert) rather than one grouped module (TE's
-``TEGroupedMLP`` keeps one weight per expert too); the local ``DotProductAttention`` (no parameters) is given
-MLA's ``k_channels`` and ``v_channels``, which only TE's takes in core_v0.16.1, and drops them, and is built as if
-without context parallelism, which it refuses (TE's kernel runs CP; no parameter depends on it); ``multi_latent_attention.HAVE_TE`` is
-set False (its import of Megatron's TE extension succeeds without TE installed and leaves ``TELinear`` None, which its
-``isinstance`` check then refuses); none changes a parameter. Weight initialisation is off (``perform_initialization``; it needs CUDA's RNG
-tracker, and meta tensors hold no values). ``torch.cuda.Stream`` makes nothing (the
-MoE dispatcher's side stream, used only in forward), ``torch.cuda.current_device`` returns ``"meta"`` (tests/megatron_stand_ins.py) and tensors Megatron creates on
-``"cuda"`` are made on the meta device, so full-width layers cost no memory. Nothing else is changed.
+Stand-ins, beyond ``megatron_validate``'s; none changes a parameter except the first, whose difference the test
+takes out by its formula:
+
+* the model is built with Megatron's local (non-Transformer-Engine) layer specs, since TE needs CUDA. They hold TE's
+  parameters (TE fuses the norm into the next linear layer, with the same weight), except MLA's two
+  down-projections, which the TE spec replicates on every TP rank (``TELinear``, ``parallel_mode="duplicated"``) and
+  the local spec splits over TP (``ColumnParallelLinear``; core_v0.16.1 ``gpt_layer_specs.py``);
+* the config is built with sequence parallelism, ``persist_layer_norm``, ``memory_efficient_layer_norm`` and
+  ``layernorm_zero_centered_gamma`` off (the local spec's torch norm refuses them), ``gradient_accumulation_fusion``
+  off (a kernel of Apex's CUDA extension), ``moe_grouped_gemm`` off (the routed experts are then the local
+  ``SequentialMLP``, one MLP per local expert, as TE's ``TEGroupedMLP`` keeps one weight per expert) and
+  ``perform_initialization`` off (it needs CUDA's RNG tracker, and meta tensors hold no values);
+* the local ``DotProductAttention`` (no parameters) is given MLA's ``k_channels`` and ``v_channels``, which only
+  TE's takes in core_v0.16.1, and drops them, and is built as if without context parallelism, which it refuses
+  (TE's kernel runs CP); ``multi_latent_attention.HAVE_TE`` is set False (its import of Megatron's TE extension
+  succeeds without TE installed and leaves ``TELinear`` None, which its ``isinstance`` check then refuses);
+* ``torch.cuda.Stream`` makes nothing (the MoE dispatcher's side stream, used only in forward), and
+  tests/megatron_stand_ins.py puts what Megatron makes on ``"cuda"`` on the meta device (full-width layers cost no
+  memory) and answers ``Tensor.type()`` with the CUDA type name.
+
+Nothing else is changed.
 
 Run as ``python tests/megatron_params_probe.py PORT MEGATRON_ROOT CASES.json`` (PORT, which
 tests/subprocess_probe.py passes to every probe, is not used: the process group is fake); prints one JSON line."""
