@@ -14,11 +14,11 @@ steps on that are not views of the gradient buffer (``_copy_model_grads_to_main_
 Then, on a PP 2 x DP 2 layout with ``overlap_grad_reduce`` and buckets of two layers, how many gradient buckets each
 pipeline rank's DDP makes.
 
-Stand-ins for what needs a GPU (../shared/consumers/README.md allows exactly these, named; tests/megatron_stand_ins.py): ``torch.cuda.current_device``
-returns ``"cpu"``; a ``TorchFunctionMode`` puts every tensor Megatron creates with ``device="cuda"`` on the CPU,
-makes ``Tensor.cuda()`` the identity, and answers ``Tensor.type()`` with the CUDA type name
-(``distrib_optimizer.py`` and ``optimizer.py`` accept only ``torch.cuda.*Tensor`` parameters). Nothing else is
-changed.
+Stand-ins for what needs a GPU (../shared/consumers/README.md allows exactly these, named;
+tests/megatron_stand_ins.py): ``torch.cuda.current_device`` returns ``"cpu"``; a ``TorchFunctionMode`` puts every
+tensor Megatron creates with ``device="cuda"`` on the CPU, makes ``Tensor.cuda()`` the identity, and answers
+``Tensor.type()`` with the CUDA type name (``distrib_optimizer.py`` and ``optimizer.py`` accept only
+``torch.cuda.*Tensor`` parameters). Nothing else is changed.
 
 Run as ``python tests/megatron_states_probe.py PORT MEGATRON_ROOT``; prints one JSON line."""
 
