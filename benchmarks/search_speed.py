@@ -14,7 +14,8 @@ either (the reference estimate simulates every plan's schedule alone: over 10 mi
 
 - "search" is planner.search.search: table building + CP-SAT, no alternatives (median of N runs), with the
   tables built over ``planner.search.table_workers`` processes (printed as "workers"; this machine's CPUs
-  from ``PARALLEL_MIN_SHAPES`` shapes on).
+  from ``PARALLEL_MIN_SHAPES`` shapes on) and the zero-bubble simulations over
+  ``planner.search.simulation_workers`` (this machine's CPUs from ``PARALLEL_MIN_STEPS`` program steps on).
 - "CP-SAT" is the solver call alone, inside that.
 - "exhaustive" is planner.search.exhaustive: every legal plan through the reference estimate_time
   and estimate_memory (median of 1 run by default; it is slow).

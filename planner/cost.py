@@ -1605,20 +1605,47 @@ class ZeroBubbleBatch:
         """The bubbles owed to the last :meth:`__call__` (None if it needed no simulation); :meth:`run` fills them."""
         return self._pending.pop() if self._pending else None
 
-    def run(self) -> None:
-        """One simulation per action program over every option that asked for it; a micro-batch count the
-        schedule refuses (``schedules.schedule_problems`` says why) leaves inf, as in :func:`schedule_bubble_s`."""
-        for key, asks in self._asked.items():
-            f, i, w = (np.concatenate([a[k] for a in asks]) for k in (2, 3, 4))
-            try:
-                got = simulated_bubble_s(*key[:4], f, i, w, key[4])
-            except ValueError:  # a micro-batch count the schedule refuses (schedule_problems says why)
-                got = np.full(f.shape, np.inf)
+    def tasks(self) -> list[tuple]:
+        """The simulations :meth:`run` will run, one per action program: (program key, f, i, w of every option
+        that asked for it), the largest program first (``size``)."""
+        out = [(key, *(np.concatenate([a[k] for a in asks]) for k in (2, 3, 4))) for key, asks in self._asked.items()]
+        return sorted(out, key=lambda t: -self.size(t[0]))
+
+    @staticmethod
+    def size(key: tuple) -> int:
+        """A program's length in (rank, chunk, micro-batch) steps, ``pp x vpp x m``: what its simulation's time
+        grows with (``schedules.action_program``)."""
+        return key[1] * (key[2] or 1) * key[3]
+
+    def run(self, map_fn=map) -> None:
+        """One simulation per action program over every option that asked for it (:func:`simulate_task`, mapped
+        over :meth:`tasks` by ``map_fn``: the search passes its worker pool's; each program is simulated alone, so
+        the results are the same whichever process runs it); a micro-batch count the schedule refuses
+        (``schedules.schedule_problems`` says why) leaves inf, as in :func:`schedule_bubble_s`."""
+        tasks = self.tasks()
+        for (key, *_), got in zip(tasks, map_fn(simulate_task, tasks)):
             at = 0
-            for owed, sel, fa, _, _ in asks:
+            for owed, sel, fa, _, _ in self._asked[key]:
                 owed[sel] = got[at:at + fa.shape[0]]
                 at += fa.shape[0]
         self._asked.clear()
+
+
+def simulate_task(task: tuple) -> np.ndarray:
+    """One :meth:`ZeroBubbleBatch.tasks` entry simulated (:func:`simulated_bubble_s`); inf for a micro-batch count
+    the schedule refuses (``schedules.schedule_problems`` says why). Module-level, so a worker pool can run it.
+
+    Each distinct (f, i, w) is simulated once: the search asks with every (micro-batch option, ZeRO stage), and
+    the ZeRO stage does not change a chunk's times, so about half the options repeat another (Mixtral-8x7B and
+    Llama-3-8B under torchtitan, 2026-12-04); :func:`simulated_bubble_s` is elementwise over its options, so an
+    option's bubble is the same computed alone or with others."""
+    key, f, i, w = task
+    distinct, inverse = np.unique(np.stack([f, i, w], axis=1), axis=0, return_inverse=True)
+    try:
+        got = simulated_bubble_s(*key[:4], distinct[:, 0], distinct[:, 1], distinct[:, 2], key[4])
+    except ValueError:
+        return np.full(f.shape, np.inf)
+    return got[inverse.reshape(-1)]
 
 
 @functools.lru_cache(maxsize=256)

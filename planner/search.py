@@ -121,8 +121,10 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
 
     The shapes are independent, so with many of them (``PARALLEL_MIN_SHAPES``) they are split over ``workers``
     processes (default :func:`table_workers`), each shape group sharing its per-micro-batch factors kept in
-    one process (:func:`_shape_chunks`); every shape is computed by the same code either way, so the tables
-    are the same (``tests/test_search_parallel.py``)."""
+    one process (:func:`_shape_chunks`); the zero-bubble schedules' simulations the shapes ask for then run once
+    per action program, over workers too where there are many (``PARALLEL_MIN_STEPS``, :func:`simulation_workers`;
+    ``workers`` for both where given). Every shape and every program is computed by the same code either way, so
+    the tables are the same (``tests/test_search_parallel.py``)."""
     t0 = time.perf_counter()
     shape_list = table_shapes(model, hw, training, space)
     micros = _micros(model, hw, training, space, {sh[2] for sh in shape_list})
@@ -136,13 +138,18 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     chunks = _shape_chunks(shape_list, 2 * n) if n > 1 and S else [list(range(S))]
     jobs = [(model, hw, training, space, order, micros, zeros, [(si, shape_list[si]) for si in chunk])
             for chunk in chunks]
-    parts = _parallel_parts(jobs, n) if len(jobs) > 1 else None
+    parts = _parallel_map(_fill_tables_job, jobs, n) if len(jobs) > 1 else None
     if parts is None:
         parts = [_fill_tables_job(job) for job in jobs]
     zb = ZeroBubbleBatch()  # the zero-bubble schedules' simulations, one per action program for all shapes
     for part in parts:
         zb.merge(part[4])
-    zb.run()
+    tasks = zb.tasks()
+    n_sim = simulation_workers(sum(zb.size(t[0]) for t in tasks)) if workers is None else n
+    if n_sim > 1 and len(tasks) > 1:  # each program alone, largest first, over forked workers
+        zb.run(lambda fn, items: _parallel_map(fn, items, n_sim) or [fn(x) for x in items])
+    else:
+        zb.run()
     for idx, t_part, m_part, l_part, _, owed_steps in parts:
         for si, ok, step, owed in owed_steps:
             _set_times(t_part, si, ok, step + owed)
@@ -159,18 +166,19 @@ def table_shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     return [sh for sh in shapes(model, hw, training, space) if training.global_batch_size % sh[2] == 0]
 
 
-def _parallel_parts(jobs: list, n: int) -> list | None:
-    """:func:`_fill_tables_job` of every job over ``n`` forked workers; None if the pool broke (a worker killed,
-    by the kernel's OOM killer say), so that the caller builds the tables in this process instead. Fork: a worker
-    starts as a copy of this process, with nothing to import or re-run (spawn and forkserver re-run the caller's
-    main script, which a script without a ``__main__`` guard cannot survive)."""
+def _parallel_map(fn, items: list, n: int) -> list | None:
+    """``fn`` of every item over ``n`` forked workers, in order (each worker takes the next item when it is free,
+    so items listed largest first balance); None if the pool broke (a worker killed, by the kernel's OOM killer
+    say), so that the caller runs them in this process instead. Fork: a worker starts as a copy of this process,
+    with nothing to import or re-run (spawn and forkserver re-run the caller's main script, which a script without
+    a ``__main__`` guard cannot survive)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     try:
-        with ProcessPoolExecutor(min(n, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_fill_tables_job, jobs))
+        with ProcessPoolExecutor(min(n, len(items)), mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(fn, items))
     except BrokenProcessPool:
         return None
 
@@ -184,9 +192,29 @@ PARALLEL_MIN_SHAPES = 1500
 MAX_WORKERS = 16
 
 
+#: Zero-bubble simulations of fewer (rank, chunk, micro-batch) steps than this in all (``ZeroBubbleBatch.size``)
+#: run in this process. A step takes about 10 us (benchmarks/search_speed.py's Mixtral-8x7B under torchtitan,
+#: 136 programs, 2026-12-04: p 16, vpp 2, m 1,024 in 0.37 s), so this is about 0.2 s of simulation, a few times
+#: what starting the workers costs.
+PARALLEL_MIN_STEPS = 20_000
+
+
 def table_workers(n_shapes: int) -> int:
     """Processes to build the tables with: ``PLAN3D_WORKERS`` if set (1: no workers), else the CPUs this
     process may run on (at most ``MAX_WORKERS``) when there are at least ``PARALLEL_MIN_SHAPES`` shapes, else 1."""
+    return _workers(n_shapes >= PARALLEL_MIN_SHAPES)
+
+
+def simulation_workers(steps: int) -> int:
+    """Processes to run the zero-bubble schedules' simulations with (``ZeroBubbleBatch.run``, after the tables):
+    ``PLAN3D_WORKERS`` if set (1: no workers), else the CPUs this process may run on (at most ``MAX_WORKERS``)
+    when the programs have at least ``PARALLEL_MIN_STEPS`` steps in all, else 1."""
+    return _workers(steps >= PARALLEL_MIN_STEPS)
+
+
+def _workers(enough: bool) -> int:
+    """``PLAN3D_WORKERS`` if set, else the CPUs (at most ``MAX_WORKERS``) where there is ``enough`` work, else 1;
+    1 wherever :func:`can_fork_workers` says no."""
     import os
 
     env = os.environ.get("PLAN3D_WORKERS", "").strip()
@@ -199,7 +227,7 @@ def table_workers(n_shapes: int) -> int:
             raise SpecError(f"PLAN3D_WORKERS: '{env}' is not a process count; set a whole number from 1 (1: no "
                             "workers)")
         return asked if can_fork_workers() else 1
-    if n_shapes < PARALLEL_MIN_SHAPES or not can_fork_workers():
+    if not enough or not can_fork_workers():
         return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cpus, MAX_WORKERS))

@@ -14,12 +14,13 @@ import pytest
 from planner.candidates import SearchSpace
 from planner.errors import SpecError
 from planner.presets import load_hardware, load_model
-from planner.search import (PARALLEL_MIN_SHAPES, _shape_chunks, build_tables, can_fork_workers, search,
-                            table_shapes, table_workers)
+from planner.search import (PARALLEL_MIN_SHAPES, PARALLEL_MIN_STEPS, _shape_chunks, build_tables, can_fork_workers,
+                            search, simulation_workers, table_shapes, table_workers)
 from planner.specs import TrainingSpec
 
 JOBS = [  # (model, GPUs, global batch, seq, framework): a MoE model's expert shapes; torchtitan's zero-bubble
-    ("tiny-moe", 64, 256, 1024, "megatron"),  # schedules, whose bubbles are simulated after the shapes (owed)
+    ("tiny-moe", 64, 256, 1024, "megatron"),  # schedules, whose bubbles are simulated after the shapes (owed),
+    # over the workers too (build_tables's workers)
     ("llama3-8b", 32, 256, 4096, "torchtitan"),
 ]
 
@@ -81,10 +82,14 @@ def test_worker_count_rules(monkeypatch):
     assert table_workers(PARALLEL_MIN_SHAPES - 1) == 1
     assert table_workers(PARALLEL_MIN_SHAPES) == (min(len(__import__("os").sched_getaffinity(0)), 16)
                                                   if can_fork_workers() else 1)
+    # the zero-bubble simulations: by the length of their programs
+    assert simulation_workers(PARALLEL_MIN_STEPS - 1) == 1
+    assert simulation_workers(PARALLEL_MIN_STEPS) == table_workers(PARALLEL_MIN_SHAPES)
     monkeypatch.setenv("PLAN3D_WORKERS", "1")
-    assert table_workers(10**6) == 1
+    assert table_workers(10**6) == 1 and simulation_workers(10**9) == 1
     monkeypatch.setenv("PLAN3D_WORKERS", "3")
     assert table_workers(5) == (3 if can_fork_workers() else 1)
+    assert simulation_workers(5) == (3 if can_fork_workers() else 1)
     for bad in ("many", "0", "-2", "1.5"):
         monkeypatch.setenv("PLAN3D_WORKERS", bad)
         with pytest.raises(SpecError, match=f"PLAN3D_WORKERS: '{bad}' is not a process count"):
@@ -145,6 +150,37 @@ print(json.dumps({"forked": S.can_fork_workers(), "same": bool(np.array_equal(on
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the table workers are forked on Linux only")
 def test_a_killed_worker_leaves_the_tables_to_this_process():
     res = subprocess.run([sys.executable, "-c", BROKEN_POOL], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"forked": True, "same": True}
+
+
+BROKEN_SIMULATION = """
+import json, os
+import numpy as np
+import planner.cost as C
+import planner.search as S
+from planner.candidates import SearchSpace
+from planner.presets import load_hardware, load_model
+from planner.specs import TrainingSpec
+parent, original = os.getpid(), C.simulate_task
+def dying(task):  # a simulation worker killed (the OOM killer, say); the parent's own call runs as usual
+    if os.getpid() != parent:
+        os._exit(9)
+    return original(task)
+C.simulate_task = dying
+model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb").for_job(32)
+training = TrainingSpec(num_gpus=32, global_batch_size=256, seq_len=4096, precision="bf16", framework="torchtitan")
+one = S.build_tables(model, hw, training, SearchSpace(), workers=1)
+broken = S.build_tables(model, hw, training, SearchSpace(), workers=2)
+print(json.dumps({"forked": S.can_fork_workers(), "same": bool(np.array_equal(one.time_ns, broken.time_ns)
+                  and np.array_equal(one.mem_kib, broken.mem_kib) and np.array_equal(one.legal, broken.legal))}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers are forked on Linux only")
+def test_a_killed_simulation_worker_leaves_the_simulations_to_this_process():
+    res = subprocess.run([sys.executable, "-c", BROKEN_SIMULATION], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parent.parent)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"forked": True, "same": True}
