@@ -47,6 +47,16 @@ class CheckResult:
     branch: str | None = None          # which if/case branch of a script this result is for
     notes: list[str] = field(default_factory=list)
     branches: list[str] = field(default_factory=list, repr=False)  # every branch decision taken
+    _memory: tuple | None = field(default=None, repr=False, compare=False)  # (scenario, its memory estimate)
+
+    def memory(self):
+        """``memory.estimate_scenario_memory`` of the scenario, computed once per scenario (the notes, the verdict,
+        the table and the exit code all judge by it; a result's scenario is replaced when its hardware is)."""
+        if self._memory is None or self._memory[0] is not self.scenario:
+            from planner.memory import estimate_scenario_memory
+
+            self._memory = (self.scenario, estimate_scenario_memory(self.scenario))
+        return self._memory[1]
 
     @property
     def label(self) -> str:
@@ -115,7 +125,7 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
                 if headroom is not None:
                     hw = hw.model_copy(update={"fragmentation_headroom": headroom})
                 r.scenario = r.scenario.model_copy(update={"hardware": hw})
-                r.notes = r.notes + deepspeed_zero3_notes(r.scenario) + optimizer_step_notes(r.scenario)
+                r.notes = r.notes + deepspeed_zero3_notes(r.scenario) + optimizer_step_notes(r.scenario, r.memory())
         return results
     except SpecError as err:
         return [CheckResult(path=path, line=_error_line(err), errors=err.lines)]
@@ -132,15 +142,14 @@ STEP_PEAK_CAUSES = {
 }
 
 
-def optimizer_step_notes(sc) -> list[str]:
+def optimizer_step_notes(sc, est) -> list[str]:
     """Where the optimizer step, not the backward, sets a stage's peak (``StageMemory.step_excess_bytes`` on the peak
-    stage): what holds the extra and what lowers it."""
-    from planner.memory import GIB, estimate_memory
+    stage of ``est``, the scenario's memory estimate): what holds the extra and what lowers it."""
+    from planner.memory import GIB
 
     cause = STEP_PEAK_CAUSES.get(sc.training.framework)
     if cause is None:
         return []
-    est = estimate_memory(sc.model, sc.hardware, sc.training, sc.resolved_plan())
     worst = max(est.stages, key=lambda st: st.peak_bytes)
     if not worst.step_excess_bytes:
         return []
@@ -215,9 +224,7 @@ def check_file(path: Path, hardware: HardwareSpec | None, headroom: float | None
 def _badness(r: CheckResult) -> float:
     if r.errors:
         return float("inf")
-    from planner.memory import estimate_scenario_memory
-
-    mem = estimate_scenario_memory(r.scenario)
+    mem = r.memory()
     return mem.peak_gib - mem.usable_gib
 
 
@@ -478,15 +485,13 @@ def _error_line(err: SpecError) -> int:
 
 
 def to_json(results: list[CheckResult]) -> str:
-    from planner.memory import estimate_scenario_memory
-
     out = []
     for r in results:
         entry = {"file": str(r.path), "line": r.line, "branch": r.branch, "notes": r.notes}
         if r.errors:
             out.append(entry | {"valid": False, "errors": r.errors})
             continue
-        mem = estimate_scenario_memory(r.scenario)
+        mem = r.memory()
         out.append(entry | {"valid": True, "fits": mem.fits, "plan": r.scenario.resolved_plan().model_dump(),
                             "memory": mem.to_dict()})
     return json.dumps(out, indent=2)
@@ -515,11 +520,9 @@ def read_flags(path: Path):
 def exit_code(results: list[CheckResult]) -> int:
     """The gate's verdict: 2 when a file is unreadable, unsupported or invalid, else 1 when some
     configuration does not fit, else 0."""
-    from planner.memory import estimate_scenario_memory
-
     if any(r.errors for r in results):
         return 2
-    return 0 if all(estimate_scenario_memory(r.scenario).fits for r in results) else 1
+    return 0 if all(r.memory().fits for r in results) else 1
 
 
 def check_paths(files: list[str], hardware: HardwareSpec | None, headroom: float | None, gpus: int | None,

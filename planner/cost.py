@@ -1299,6 +1299,10 @@ class TimeEstimate:
     breakdown: dict
     stages: tuple[StageTime, ...]
     dp_comm_s: float
+    #: the FLOPs the rates above are of: Megatron's count at its padded vocabulary (flops.model_flops_per_step),
+    #: and with the recompute (flops.hardware_flops_per_step); estimate.Estimate reports these
+    model_flops_per_step: float = 0.0
+    hardware_flops_per_step: float = 0.0
 
     def to_dict(self) -> dict:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -2031,7 +2035,8 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     n = training.num_gpus
     return TimeEstimate(step_time_s=step, tokens_per_s=tokens / step, tflops_per_gpu=mf / step / n / 1e12,
                         mfu=flops.mfu(mf, step, n, peak), hfu=flops.hfu(hf, step, n, peak), breakdown=breakdown,
-                        stages=stages, dp_comm_s=float((dp_grad * (m if grad["grad_every_mb"] else 1) + dp_param).max()))
+                        stages=stages, dp_comm_s=float((dp_grad * (m if grad["grad_every_mb"] else 1) + dp_param).max()),
+                        model_flops_per_step=mf, hardware_flops_per_step=hf)
 
 
 def recomputed_layers_share(model: ModelSpec, plan: Plan) -> float:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner import flops
-from planner.cost import TimeEstimate, estimate_time, recomputed_layers_share
+from planner.cost import TimeEstimate, estimate_time
 from planner.memory import MemoryEstimate, estimate_memory
-from planner.specs import Scenario, padded_vocab_size
+from planner.specs import Scenario
 
 PLAN_KEYS = ("tp", "pp", "dp", "cp", "vpp", "micro_batch_size", "num_microbatches", "recompute", "recompute_num_layers",
              "recompute_interval", "recompute_group_layers", "sequence_parallel", "zero_stage", "layers_per_stage", "microbatch_group_size", "ep",
@@ -48,15 +47,13 @@ class Estimate:
 
 
 def estimate(sc: Scenario) -> Estimate:
-    """Memory, FLOPs and step time of a scenario (pure)."""
-    tr, plan = sc.training, sc.plan
-    vocab = padded_vocab_size(sc.model.vocab_size, plan.tp)  # as cost.estimate_time counts the output layer
+    """Memory, FLOPs and step time of a scenario (pure); the FLOPs are the ones the step time's rates are of
+    (``cost.TimeEstimate``: Megatron's count at its padded vocabulary, with and without the recompute)."""
+    time = estimate_time(sc.model, sc.hardware, sc.training, sc.plan)
     return Estimate(
         scenario=sc,
-        memory=estimate_memory(sc.model, sc.hardware, tr, plan),
-        model_flops_per_step=flops.model_flops_per_step(sc.model, tr.global_batch_size, tr.seq_len, vocab_size=vocab),
-        hardware_flops_per_step=flops.hardware_flops_per_step(sc.model, tr.global_batch_size, tr.seq_len,
-                                                              plan.recompute, recomputed_layers_share(sc.model, plan),
-                                                              vocab_size=vocab),
-        time=estimate_time(sc.model, sc.hardware, tr, plan),
+        memory=estimate_memory(sc.model, sc.hardware, sc.training, sc.plan),
+        model_flops_per_step=time.model_flops_per_step,
+        hardware_flops_per_step=time.hardware_flops_per_step,
+        time=time,
     )

@@ -322,10 +322,9 @@ def stage_where(plan, stage: int) -> str:
     return f"stage {stage} (global ranks {layout.ranges_text(layout.stage_ranks(plan, stage))})"
 
 
-def _verdict(sc) -> tuple:
-    from planner.memory import estimate_scenario_memory
-
-    mem = estimate_scenario_memory(sc)
+def _verdict(r) -> tuple:
+    """(memory estimate, peak stage, GiB short) of a check result (``CheckResult.memory``: computed once)."""
+    mem = r.memory()
     return mem, mem.peak, mem.peak_gib - mem.usable_gib
 
 
@@ -344,7 +343,7 @@ def print_check(con, results) -> None:
         if r.errors:
             t.add_row(escape(r.label), "-", "-", "-", *(() if narrow else ("-",)), "[red]invalid[/red]")
             continue
-        mem, peak, short = _verdict(r.scenario)
+        mem, peak, short = _verdict(r)
         verdict = "[green]fits[/green]" if mem.fits else f"[red]short by {short:.2f} GiB[/red]"
         t.add_row(escape(r.label), escape(f"{r.scenario.model.name} {r.scenario.plan.label()}"), str(peak.stage),
                   f"{mem.peak_gib:.2f}", *(() if narrow else (f"{mem.usable_gib:.2f}",)), verdict)
@@ -355,7 +354,7 @@ def print_check(con, results) -> None:
         for note in r.notes:
             con.print(f"note: {r.label}: {note}", markup=False, highlight=False)
         if not r.errors:
-            mem, peak, short = _verdict(r.scenario)
+            mem, peak, short = _verdict(r)
             con.print(memory_table(mem.to_dict(), title=escape(f"{r.label}: memory per GPU of each stage (GiB)"),
                                    narrow=narrow))
             if not mem.fits:
@@ -370,7 +369,7 @@ def print_github(results) -> None:
             for line in r.errors:
                 sys.stdout.write(f"::error file={r.path},line={r.line}::{line}\n")
             continue
-        mem, peak, short = _verdict(r.scenario)
+        mem, peak, short = _verdict(r)
         label = f"{r.scenario.model.name} {r.scenario.plan.label()}" + (f" [{r.branch}]" if r.branch else "")
         if mem.fits:
             sys.stdout.write(f"::notice file={r.path},line={r.line}::{label} fits: peak {mem.peak_gib:.2f} GiB "
