@@ -43,9 +43,9 @@ def _block_class(torch):
                 torch.view_as_real(xk_ * fc).flatten(3).type_as(xk))
 
     class Block(nn.Module):
-        def __init__(self, h, heads, kv_heads, f, seq):
+        def __init__(self, h, heads, kv_heads, f, seq, head_dim=None):
             super().__init__()
-            d = h // heads
+            d = head_dim or h // heads
             self.heads, self.kv_heads, self.d = heads, kv_heads, d
             self.attention_norm, self.ffn_norm = nn.RMSNorm(h, eps=1e-5), nn.RMSNorm(h, eps=1e-5)
             self.wq = nn.Linear(h, heads * d, bias=False)
@@ -124,17 +124,28 @@ def _saved_bytes(torch, run, exclude) -> int:
 
 
 def block_saved_bytes(recompute: str, compile: str | None, b: int = 1, s: int = 256, h: int = 256,
-                      heads: int = 8, kv_heads: int = 2, f: int = 768) -> int:
+                      heads: int = 8, kv_heads: int = 2, f: int = 768, head_dim: int | None = None,
+                      float8: str | None = None) -> int:
     """Bytes one block saves for backward for a ``b x s`` bf16 input (module docstring).
 
     ``compile``: None (eager), or a ``torch.compile`` backend ("aot_eager", "inductor"). ``recompute``:
-    "none", "selective" (torchtitan's op SAC) or "full". Runs forward and backward once each (the backward
-    checks the graph is whole)."""
+    "none", "selective" (torchtitan's op SAC) or "full". ``head_dim``: the attention heads' width (default
+    ``h / heads``). ``float8``: a torchao float8 recipe ("rowwise", torchtitan 0.3.0's
+    ``Float8LinearConverter`` default, or "tensorwise"): every linear converted by torchao's
+    ``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name``, as torchtitan's converter swaps
+    them in (with ``emulate_precision_casts`` for rowwise under compile, as the converter sets it). Runs forward
+    and backward once each (the backward checks the graph is whole)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
-    block = _block_class(torch)(h, heads, kv_heads, f, s).to(torch.bfloat16)
+    block = _block_class(torch)(h, heads, kv_heads, f, s, head_dim).to(torch.bfloat16)
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(block, config=Float8LinearConfig.from_recipe_name(float8))
+        if float8 == "rowwise":  # pytorch/pytorch#150859, as torchtitan's Float8LinearConverter sets it
+            torch._inductor.config.emulate_precision_casts = True
     if recompute == "none":
         fn = block
     else:

@@ -377,6 +377,27 @@ def apply_recompute_modules(terms: list[ActTerm], training: TrainingSpec) -> lis
 LINEAR_INPUT_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 
+def linear_input_bytes(training: TrainingSpec) -> float:
+    """Bytes per element of a GEMM input saved for the weight gradient: the quantised copy where the framework's
+    low-precision GEMMs keep it (Transformer Engine, ``LINEAR_INPUT_BYTES``), else the 16-bit input
+    (``FrameworkProfile.saves_quantized_gemm_inputs`` False: torchao's float8 and MX modules under torchtitan save
+    ``input_hp``, torchao 0.18.0 ``float8/float8_linear.py`` ``matmul_with_hp_or_float8_args``), and in 16-bit
+    training ``act_bytes``."""
+    e = act_bytes(training)
+    if not frameworks.get(training.framework).saves_quantized_gemm_inputs:
+        return e
+    return LINEAR_INPUT_BYTES.get(training.precision, e)
+
+
+def torchao_fp8_recomputes_inputs(training: TrainingSpec) -> bool:
+    """A compiled torchtitan block under torchao float8 (``saves_quantized_gemm_inputs`` False, fp8, compiled
+    blocks): inductor's min-cut partitioner recomputes the two norm outputs (the QKV and FC1 inputs) and the SwiGLU
+    product (the FC2 input) from what it saves anyway, where the bf16 block saves them; measured with torchao's
+    rowwise and tensorwise recipes on torch 2.13 (planner/compile_probe.py, tests/test_torchtitan_float8.py)."""
+    return (training.precision == "fp8" and training.compiled_blocks
+            and not frameworks.get(training.framework).saves_quantized_gemm_inputs)
+
+
 def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, moe: bool | None = None
                            ) -> list[ActTerm]:
     """Tensors one transformer layer saves for backward, per GPU and micro-batch (:func:`_layer_activation_terms`,
@@ -431,7 +452,8 @@ def _layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan
     sp = t if plan.sequence_parallel else 1
     profile = frameworks.get(training.framework)
     gathered = 1 if profile.sp_gathers_inputs else sp  # DTensor SP keeps them gathered
-    lin = LINEAR_INPUT_BYTES.get(training.precision, e)
+    lin = linear_input_bytes(training)
+    recomputed_inputs = torchao_fp8_recomputes_inputs(training)  # compiled torchao float8: not saved, recomputed
     s, b, h, f = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size, model.ffn_size
     a_r, q_r = model.num_attention_heads / t, model.q_size / t
     kv_r = kv_heads_per_rank(model, t) * model.kv_channels
@@ -446,7 +468,7 @@ def _layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan
         terms += mla_attention_terms(model, training, plan)
     else:
         terms += [
-            ActTerm("QKV input", sb * h * lin / gathered),
+            ActTerm("QKV input", sb * h * lin / gathered, autograd=not recomputed_inputs),
             ActTerm("Q", sb * q_r * e),
             ActTerm("K, V", 2 * sb * kv_r * e),
             ActTerm("out-proj input", sb * q_r * lin),
@@ -465,10 +487,10 @@ def _layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan
         terms += moe_activation_terms(model, training, plan)
     else:
         if not (model.shared_input_norm and lin == e and gathered == sp):  # else the QKV input tensor itself
-            terms.append(ActTerm("FC1 input", sb * h * lin / gathered, modules=mlp))
+            terms.append(ActTerm("FC1 input", sb * h * lin / gathered, modules=mlp, autograd=not recomputed_inputs))
         terms += [
             ActTerm("activation input (FC1 output)", fc1_out * e, modules=mlp),
-            ActTerm("FC2 input", sb * f / t * lin, modules=mlp),
+            ActTerm("FC2 input", sb * f / t * lin, modules=mlp, autograd=not recomputed_inputs),
         ]
         # torch.compile (torchtitan --compile.enable): the partitioner recomputes the SiLU in backward and
         # saves W1's and W3's outputs and the product only (planner/compile_probe.py, docs/memory.md)
@@ -481,7 +503,8 @@ def _layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan
             terms += [ActTerm(f"post-{where} norm input", sb * h * e / sp),
                       ActTerm(f"post-{where} norm statistics", stats / sp)]
     if profile.op_sac:
-        return op_sac_terms(terms, model, plan, e, compiled=training.compiled_blocks)
+        return op_sac_terms(terms, model, plan, e, compiled=training.compiled_blocks,
+                            float8_scales=recomputed_inputs)
     return apply_recompute_modules(terms, training)
 
 
@@ -492,7 +515,7 @@ def _core_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, 
     softmax (+ GQA-expanded K/V, soft-cap and dropout tensors). ``q_r``/``kv_r``/``out_r``: Q, K/V and
     output widths on this rank."""
     t, e = plan.tp, act_bytes(training)
-    lin = LINEAR_INPUT_BYTES.get(training.precision, e)
+    lin = linear_input_bytes(training)
     s, b = training.seq_len // plan.cp, plan.micro_batch_size
     sb, a_r = s * b, model.num_attention_heads / t
     if training.attention in FLASH_ATTENTION:
@@ -535,7 +558,7 @@ def mla_attention_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     t, e = plan.tp, act_bytes(training)
     sp = t if plan.sequence_parallel else 1
     gathered = 1 if frameworks.get(training.framework).sp_gathers_inputs else sp
-    lin = LINEAR_INPUT_BYTES.get(training.precision, e)
+    lin = linear_input_bytes(training)
     sb = training.seq_len // plan.cp * plan.micro_batch_size
     h, a_r = model.hidden_size, model.num_attention_heads / t
     rq, rkv, rope = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
@@ -644,7 +667,7 @@ def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -
     tokens, rows = moe_tokens_per_rank(model, training, plan)
     t, e = plan.tp, act_bytes(training)
     profile = frameworks.get(training.framework)
-    lin = LINEAR_INPUT_BYTES.get(training.precision, e)
+    lin = linear_input_bytes(training)
     sb = training.seq_len // plan.cp * plan.micro_batch_size
     h, k, n_exp = model.hidden_size, model.top_k, model.num_experts
     f_r = model.moe_ffn_size / plan.expert_tp
@@ -710,8 +733,8 @@ def _qk_norm_terms(model: ModelSpec, sb: int, q_r: float, kv_r: float, a_r: floa
             ActTerm("Q/K-norm statistics", sb * (q_stats + k_stats) * per_stat)]
 
 
-def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int, compiled: bool = False
-                 ) -> list[ActTerm]:
+def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int, compiled: bool = False,
+                 float8_scales: bool = False) -> list[ActTerm]:
     """The terms as torchtitan's selective op-level AC keeps them (``selective_ac_option = "op"``,
     torchtitan ``distributed/activation_checkpoint.py::_get_custom_policy``): inside each block's
     checkpoint it saves the outputs of the ops of ``_save_list`` (``aten.mm``, the SDPA kernels,
@@ -728,6 +751,10 @@ def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int, com
     its input, Q, V, the attention output and log-sum-exp and W1's output, nothing else;
     tests/test_torchtitan_compile.py). With TP, W2's reduce-scatter output is dropped for the same
     reason and O's is kept (the recompute of the norm2 input reads it; not measured: the probe has no TP).
+
+    ``float8_scales`` (compiled, torchao float8: :func:`torchao_fp8_recomputes_inputs`): the compiled graph also
+    keeps two fp32 rowwise scales per token (measured, planner/compile_probe.py; counted over every token of the
+    rank, not divided by TP: the probe has no TP).
     """
     t = plan.tp
     by_name = {x.name: x for x in terms}
@@ -740,9 +767,12 @@ def op_sac_terms(terms: list[ActTerm], model: ModelSpec, plan: Plan, e: int, com
             out += [ActTerm("W1 output", x.bytes / 2, selective=True),
                     ActTerm("W3 output", x.bytes / 2, selective=False)]
         else:
-            out.append(ActTerm(x.name, x.bytes, core=x.core, layer_input=x.layer_input,
-                               selective=(x.name in keep) if x.selective is None else x.selective))
+            out.append(replace(x, selective=(x.name in keep) if x.selective is None else x.selective))
     sbh = by_name["norm1 input"].bytes * (plan.tp if plan.sequence_parallel else 1)  # s b h e, ungathered
+    if float8_scales:
+        sb = sbh / model.hidden_size / e
+        out.append(ActTerm("float8 rowwise scales (kept by the compiled op AC)", 2 * sb * FP32_BYTES, selective=True,
+                           autograd=False))
     if "FC2 input" in by_name and not compiled:  # a dense MLP (a MoE layer's terms say what they keep themselves)
         out.append(ActTerm("W2 output (aten.mm kept by op AC)", sbh, selective=True, autograd=False))
     if t > 1 and compiled:

@@ -65,6 +65,10 @@ class FrameworkProfile:
     # else 16-bit
     quantized_sp_gather: bool = False
     swiglu_unfused: bool = False  # eager ``w2(silu(w1 x) * w3 x)``: also saves the SiLU output (torchtitan)
+    # fp8/fp4 GEMMs keep their quantised input for the weight gradient (Transformer Engine: 1 B under fp8); False:
+    # the 16-bit input (torchao's Float8Linear, MX linear and grouped MMs save ``input_hp``: torchtitan's
+    # converters; planner.memory.linear_input_bytes)
+    saves_quantized_gemm_inputs: bool = True
     op_sac: bool = False  # "selective" recompute is torchtitan's op-level policy (planner.memory.op_sac_terms)
     # a YaRN model's RoPE (ModelSpec.rope_scaling) runs Megatron-Core's eager _apply_rotary_pos_emb_bshd, not TE's
     # fused kernel: Megatron-Bridge's GPTModelProvider.provide sets apply_rope_fusion False when

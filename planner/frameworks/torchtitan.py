@@ -52,8 +52,16 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
   one fused kernel writing the bf16 gradient (inductor's generated code allocates nothing else per
   logit): 4 B per logit instead of 12. loss_parallel (TP) under compile is not measured and keeps its
   eager 22 B.
-* float8 (torchao) is not modelled: its weights are cast per GEMM and, with
-  ``enable_fsdp_float8_all_gather``, gathered in fp8 (1 B instead of 2 unsharded).
+* **float8** (torchao, torchtitan's ``Float8LinearConverter``, rowwise by default in 0.3.0): the weights stay
+  16-bit and are cast per GEMM; the GEMM inputs are saved in 16 bits, not in fp8 as Transformer Engine saves
+  them: torchao's ``matmul_with_hp_or_float8_args.forward`` (and its MX linear and grouped MMs) does
+  ``ctx.save_for_backward(input_hp, weight_hp_t)`` and casts again in backward (torchao 0.18.0
+  ``float8/float8_linear.py``). Measured on torchao's own modules on this CPU (``planner/compile_probe.py``,
+  ``tests/test_torchtitan_float8.py``): eager, a float8 block saves exactly what the bf16 block saves; compiled
+  (inductor) without AC, the partitioner recomputes the two norm outputs and the SwiGLU product instead of saving
+  them (``planner.memory.layer_activation_terms``); compiled under op SAC it keeps two fp32 rowwise scales per
+  token more (:func:`planner.memory.op_sac_terms`). ``enable_fsdp_float8_all_gather`` (fp8 all-gathers, 1 B
+  instead of 2 unsharded) is not modelled.
 """
 
 from __future__ import annotations
@@ -219,6 +227,7 @@ def logits_bytes_per_element(training, plan) -> float:
 
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=True, swiglu_unfused=True, op_sac=True,
+                           saves_quantized_gemm_inputs=False,  # torchao float8 (module docstring)
                            allows_heavier_ends=False,  # pipeline_parallel_first/last_stage_less_layers
                            # its automatic split shortens only the first and last *virtual* stage, and
                            # module_fqns_per_model_part cannot be passed on the command line (planner/emit/torchtitan.py)
