@@ -476,15 +476,16 @@ def action_program(schedule: str, p: int, m: int, v: int | None = None, family: 
     stage, rank, the action it waits for (-1: none) and the one before it on its rank (-1: none); and
     each rank's last action. The order and the dependencies do not depend on the durations, so one
     program times any durations (:func:`simulate`, and ``cost.simulated_bubble_s`` on arrays)."""
-    n_stages = p * chunks_per_rank(schedule, v)
+    nv = chunks_per_rank(schedule, v)
+    n_stages = p * nv
     acts = [schedule_actions(schedule, p, m, r, v, family, group) for r in range(p)]
     # each action as (kind 0-3, its stage, the key it waits for or -1, the key(s) it completes), a key being
-    # (kind F 0 / I 1 / W 2) * stride + stage * m + micro-batch, so the lookups below are on plain ints
+    # (kind F 0 / I 1 / W 2) * stride + stage * m + micro-batch, so the lookups below index a list
     stride = n_stages * m
     code = {"F": 0, "I": 1, "W": 2, "B": 3}
     coded = []
     for r in range(p):
-        at = [stage_index(schedule, p, r, c) for c in range(chunks_per_rank(schedule, v))]
+        at = [stage_index(schedule, p, r, c) for c in range(nv)]
         rank_coded = []
         for kind, mb, c in acts[r]:
             s = at[c]
@@ -499,34 +500,39 @@ def action_program(schedule: str, p: int, m: int, v: int | None = None, family: 
             rank_coded.append((k, s, dep, own))
         coded.append(rank_coded)
     ptr, last = [0] * p, [-1] * p
-    done: dict[int, int] = {}  # key -> action index
+    done = [-1] * (3 * stride)  # key -> action index (-1: not yet listed)
     kinds, stages, ranks, deps, prevs = [], [], [], [], []
+    add_kind, add_stage, add_rank, add_dep, add_prev = (kinds.append, stages.append, ranks.append, deps.append,
+                                                       prevs.append)
+    idx = 0
     remaining = sum(len(a) for a in acts)
     while remaining:
         progressed = False
         for r in range(p):
-            rank_coded, i, n_r = coded[r], ptr[r], len(coded[r])
+            rank_coded, i, n_r, q = coded[r], ptr[r], len(coded[r]), last[r]
+            first = i
             while i < n_r:
                 k, s, dep, own = rank_coded[i]
                 if dep >= 0:
-                    waited = done.get(dep)
-                    if waited is None:
+                    waited = done[dep]
+                    if waited < 0:
                         break
                 else:
                     waited = -1
-                idx = len(kinds)
-                kinds.append(k)
-                stages.append(s)
-                ranks.append(r)
-                deps.append(waited)
-                prevs.append(last[r])
-                last[r] = idx
+                add_kind(k)
+                add_stage(s)
+                add_rank(r)
+                add_dep(waited)
+                add_prev(q)
+                q = idx
                 done[own] = idx
                 if k == 3:  # a full backward is both I and W
                     done[own + stride] = idx
+                idx += 1
                 i += 1
-            if i > ptr[r]:
-                remaining -= i - ptr[r]
+            if i > first:
+                last[r] = q
+                remaining -= i - first
                 ptr[r] = i
                 progressed = True
         if not progressed:
