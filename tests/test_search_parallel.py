@@ -125,37 +125,9 @@ def test_bad_worker_count_is_a_one_line_cli_error(monkeypatch):
     assert "PLAN3D_WORKERS" in r.output and "Traceback" not in r.output
 
 
-BROKEN_POOL = """
-import json, os
-import numpy as np
-import planner.search as S
-from planner.candidates import SearchSpace
-from planner.presets import load_hardware, load_model
-from planner.specs import TrainingSpec
-parent, original = os.getpid(), S._fill_tables_job
-def dying(job):  # a worker killed mid-table (the OOM killer, say); the parent's own call runs as usual
-    if os.getpid() != parent:
-        os._exit(9)
-    return original(job)
-S._fill_tables_job = dying
-model, hw = load_model("tiny-moe"), load_hardware("h100-sxm-80gb").for_job(64)
-training = TrainingSpec(num_gpus=64, global_batch_size=256, seq_len=1024, precision="bf16")
-one = S.build_tables(model, hw, training, SearchSpace(), workers=1)
-broken = S.build_tables(model, hw, training, SearchSpace(), workers=2)
-print(json.dumps({"forked": S.can_fork_workers(), "same": bool(np.array_equal(one.time_ns, broken.time_ns)
-                  and np.array_equal(one.mem_kib, broken.mem_kib) and np.array_equal(one.legal, broken.legal))}))
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the table workers are forked on Linux only")
-def test_a_killed_worker_leaves_the_tables_to_this_process():
-    res = subprocess.run([sys.executable, "-c", BROKEN_POOL], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).resolve().parent.parent)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"forked": True, "same": True}
-
-
-BROKEN_SIMULATION = """
+# A worker killed (the OOM killer, say) in the table phase or in the simulations: the parent's own calls run as usual,
+# and the tables must come out as one process builds them. {module}.{name} is the function each worker runs.
+BROKEN = """
 import json, os
 import numpy as np
 import planner.cost as C
@@ -163,24 +135,29 @@ import planner.search as S
 from planner.candidates import SearchSpace
 from planner.presets import load_hardware, load_model
 from planner.specs import TrainingSpec
-parent, original = os.getpid(), C.simulate_task
-def dying(task):  # a simulation worker killed (the OOM killer, say); the parent's own call runs as usual
+parent, original = os.getpid(), {module}.{name}
+def dying(arg):
     if os.getpid() != parent:
         os._exit(9)
-    return original(task)
-C.simulate_task = dying
-model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb").for_job(32)
-training = TrainingSpec(num_gpus=32, global_batch_size=256, seq_len=4096, precision="bf16", framework="torchtitan")
+    return original(arg)
+{module}.{name} = dying
+model, hw = load_model("{model}"), load_hardware("h100-sxm-80gb").for_job({gpus})
+training = TrainingSpec(num_gpus={gpus}, global_batch_size=256, seq_len={seq}, precision="bf16", framework="{framework}")
 one = S.build_tables(model, hw, training, SearchSpace(), workers=1)
 broken = S.build_tables(model, hw, training, SearchSpace(), workers=2)
-print(json.dumps({"forked": S.can_fork_workers(), "same": bool(np.array_equal(one.time_ns, broken.time_ns)
-                  and np.array_equal(one.mem_kib, broken.mem_kib) and np.array_equal(one.legal, broken.legal))}))
+print(json.dumps({{"forked": S.can_fork_workers(), "same": bool(np.array_equal(one.time_ns, broken.time_ns)
+                  and np.array_equal(one.mem_kib, broken.mem_kib) and np.array_equal(one.legal, broken.legal))}}))
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers are forked on Linux only")
-def test_a_killed_simulation_worker_leaves_the_simulations_to_this_process():
-    res = subprocess.run([sys.executable, "-c", BROKEN_SIMULATION], capture_output=True, text=True, timeout=600,
+@pytest.mark.parametrize("module,name,model,gpus,seq,framework", [
+    ("S", "_fill_tables_job", "tiny-moe", 64, 1024, "megatron"),  # the table workers
+    ("C", "simulate_task", "llama3-8b", 32, 4096, "torchtitan"),  # the zero-bubble simulations' workers
+], ids=["tables", "simulations"])
+def test_a_killed_worker_leaves_its_work_to_this_process(module, name, model, gpus, seq, framework):
+    script = BROKEN.format(module=module, name=name, model=model, gpus=gpus, seq=seq, framework=framework)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parent.parent)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"forked": True, "same": True}
