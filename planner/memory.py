@@ -453,7 +453,9 @@ def _layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan
     profile = frameworks.get(training.framework)
     gathered = 1 if profile.sp_gathers_inputs else sp  # DTensor SP keeps them gathered
     lin = linear_input_bytes(training)
-    recomputed_inputs = torchao_fp8_recomputes_inputs(training)  # compiled torchao float8: not saved, recomputed
+    # compiled torchao float8: not saved, recomputed (measured on a dense block with its own two norms; a MoE layer
+    # or a shared input norm keeps them counted)
+    recomputed_inputs = torchao_fp8_recomputes_inputs(training) and not moe and not model.shared_input_norm
     s, b, h, f = training.seq_len // plan.cp, plan.micro_batch_size, model.hidden_size, model.ffn_size
     a_r, q_r = model.num_attention_heads / t, model.q_size / t
     kv_r = kv_heads_per_rank(model, t) * model.kv_channels
@@ -504,7 +506,7 @@ def _layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan
                       ActTerm(f"post-{where} norm statistics", stats / sp)]
     if profile.op_sac:
         return op_sac_terms(terms, model, plan, e, compiled=training.compiled_blocks,
-                            float8_scales=recomputed_inputs)
+                            float8_scales=torchao_fp8_recomputes_inputs(training))
     return apply_recompute_modules(terms, training)
 
 
