@@ -577,7 +577,12 @@ def measure_loss_bytes(tokens: int, vocab: int, tp: int = 1) -> float:
     """Peak bytes of torchtitan's loss on one rank: the output layer's bf16 logits for ``tokens``
     tokens and ``vocab`` entries, ``cross_entropy(logits.float(), labels)`` and its backward;
     with ``tp > 1`` the logits are vocabulary-sharded and the loss runs under ``loss_parallel``.
-    The hidden states, weights and labels are tracked apart and left out of the figure."""
+    The hidden states, weights and labels are tracked apart and left out of the figure.
+
+    Under fake tensors ``loss_parallel`` counts 22, 38 and 70 B per local logit at tp 2, 4 and 8 (on torch 2.13):
+    beyond tp 2 a tensor as wide as the whole vocabulary appears that real ranks do not make (16 B per local
+    logit at tp 1, 2 and 8 on real tensors, tests/test_loss_parallel_gloo.py). Use it at tp <= 2, as
+    tests/test_fake_rank.py does; :func:`measure_step` runs the same loss and over-counts likewise at tp > 2."""
     import torch
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
