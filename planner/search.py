@@ -290,6 +290,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         return in_flight_chunks(plan, m, r, w_fraction, family)
     factors: dict = {}
     hops: dict = {}
+    sync_cache: dict = {}  # a MoE stage kind's DP terms, shared by shapes of the same degrees (_moe_step)
     zb = ZeroBubbleBatch()  # collects this chunk's zero-bubble simulations; build_tables runs them
     owed_steps = []  # (shape, legal options, step without its simulated bubble, that bubble once zb has run)
     usable_kib = int(hw.usable_memory_gib * GIB // KIB)
@@ -384,7 +385,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         # step time of each (micro, zero) [U, Z], by the one composition cost.estimate_time uses,
         # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
         if model.is_moe:  # every stage: dense-first layers make the middle stages differ
-            step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p, zb)
+            step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p, zb,
+                             sync_cache)
         else:
             empty = np.array([empty_chunks(x, v, first=r == 0) for r, x in rows], dtype=float)
             t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c, empty=empty)
@@ -412,13 +414,19 @@ def _set_times(time_ns: np.ndarray, si: int, ok: np.ndarray, step: np.ndarray) -
 
 
 def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, overlap_p2p,
-              bubble_of=None) -> np.ndarray:
+              bubble_of=None, sync_cache: dict | None = None) -> np.ndarray:
     """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it
     (``m``: micro-batches per step, [U, 1] or [U, Z]; ``bubble_of``: compose_step's).
 
     The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
     of a MoE model need not be alike and the three stage kinds of the dense path do not suffice; every
     stage is a row here (its distinct kinds computed once).
+
+    ``sync_cache``: a dict kept across the shapes of one table build. A stage kind's DP terms (gradient
+    reduction, parameter all-gather, ZeRO-3 gather) depend only on the degrees, whether the pipeline is a V and
+    the kind itself (its layers, MoE layers, and whether it holds the embedding, the loss or the last layer):
+    ``cost.dp_sync_parts_s`` and ``cost.zero3_gather_s`` read no other field of the plan (``stage_param_split``,
+    ``expert_span``). Shapes that differ only in their virtual stages or schedule share them.
     """
     p, v = base.pp, base.vpp
     layers = base.stage_layers(model.num_layers)
@@ -434,13 +442,19 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         first_of.setdefault(key, r)
     split = {key: stage_param_split(model, base, r, layers[r]) for key, r in first_of.items()}
     by_zero: dict = {}  # ZeRO 1 and 2 sync alike (reduce-scatter + all-gather)
+    cache = {} if sync_cache is None else sync_cache
+    degrees = (base.tp, base.cp, base.dp, p, base.ep, base.etp, base.v_shaped)
     for z in zeros:
         zp = base.model_copy(update={"zero_stage": z})
         zk = min(z, 1) if z < 3 else 3
         if zk not in by_zero:
-            by_zero[zk] = {key: (*dp_sync_parts_s(model, hw, training, zp, r, layers[r], order),
+            by_zero[zk] = {}
+            for key, r in first_of.items():
+                ck = (degrees, zk, key)
+                if ck not in cache:
+                    cache[ck] = (*dp_sync_parts_s(model, hw, training, zp, r, layers[r], order),
                                  zero3_gather_s(model, hw, zp, r, layers[r], order, gb[0]) if z == 3 else 0.0)
-                           for key, r in first_of.items()}
+                by_zero[zk][key] = cache[ck]
         rows = [(*by_zero[zk][key], *split[key]) for key in kinds]
         dpg.append([x[0] for x in rows])
         dpp.append([x[1] for x in rows])
