@@ -1621,12 +1621,13 @@ class ZeroBubbleBatch:
         grows with (``schedules.action_program``)."""
         return key[1] * (key[2] or 1) * key[3]
 
-    def run(self, map_fn=map) -> None:
+    def run(self, map_fn=map, tasks: list | None = None) -> None:
         """One simulation per action program over every option that asked for it (:func:`simulate_task`, mapped
         over :meth:`tasks` by ``map_fn``: the search passes its worker pool's; each program is simulated alone, so
         the results are the same whichever process runs it); a micro-batch count the schedule refuses
-        (``schedules.schedule_problems`` says why) leaves inf, as in :func:`schedule_bubble_s`."""
-        tasks = self.tasks()
+        (``schedules.schedule_problems`` says why) leaves inf, as in :func:`schedule_bubble_s`. ``tasks``: what
+        :meth:`tasks` returned, where the caller already has it (nothing may be asked in between)."""
+        tasks = self.tasks() if tasks is None else tasks
         for (key, *_), got in zip(tasks, map_fn(simulate_task, tasks)):
             at = 0
             for owed, sel, fa, _, _ in self._asked[key]:

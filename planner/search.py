@@ -147,9 +147,9 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     tasks = zb.tasks()
     n_sim = simulation_workers(sum(zb.size(t[0]) for t in tasks)) if workers is None else n
     if n_sim > 1 and len(tasks) > 1:  # each program alone, largest first, over forked workers
-        zb.run(lambda fn, items: _parallel_map(fn, items, n_sim) or [fn(x) for x in items])
+        zb.run(lambda fn, items: _parallel_map(fn, items, n_sim) or [fn(x) for x in items], tasks)
     else:
-        zb.run()
+        zb.run(tasks=tasks)
     for idx, t_part, m_part, l_part, _, owed_steps in parts:
         for si, ok, step, owed in owed_steps:
             _set_times(t_part, si, ok, step + owed)
