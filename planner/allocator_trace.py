@@ -102,21 +102,24 @@ def _param_blocks(model, plan) -> tuple[list[float], list[float]]:
 
 #: DTensor's ``loss_parallel`` cross entropy on vocabulary-sharded logits, as torch 2.13 issues its
 #: allocations (``torch/distributed/tensor/parallel/loss.py``: ``_log_softmax`` and ``_nll_loss_forward``
-#: / ``_nll_loss_and_log_softmax_backward`` on the local shard), recorded from torch's own step by
-#: ``planner.fake_rank.measure_step`` (tp = 2, FakeTensorMode, the second run in the process: the first
-#: also records DTensor's one-time sharding propagation): (event, tensor id, bytes in units of the bf16
-#: local logits ``2 B x s b V / t``). Forward: the first ``LOSS_PARALLEL_FORWARD`` events, ending with
-#: ``del pred`` (id 0, the bf16 logits); at its peak 11 units are live (22 B per local logit,
-#: ``planner.frameworks.torchtitan.LOSS_PARALLEL_BYTES_PER_ELEMENT``). Backward: the rest; id 14 is the
-#: bf16 gradient of the logits, live through the output layer's backward.
+#: / ``_nll_loss_and_log_softmax_backward`` on the local shard), recorded from torch's own loss by
+#: ``planner.fake_rank``'s harness (the output layer's ``Shard(-1)`` logits, ``cross_entropy(pred.flatten(0,
+#: 1).float(), labels.flatten(0, 1))``, FakeTensorMode with DTensor's sharding propagation in a fake mode of its
+#: own, ``fake_rank._dtensor_propagation_apart``; the same sequence at tp 2 and 8): (event, tensor id, bytes in
+#: units of the bf16 local logits ``2 B x s b V / t``). Forward: the first ``LOSS_PARALLEL_FORWARD`` events,
+#: ending with ``del pred`` (id 0, the bf16 logits; id 1 its fp32 copy; id 4 the saved log-softmax), 7 units at
+#: most. Backward: the rest, 8 units at its peak (16 B per local logit,
+#: ``planner.frameworks.torchtitan.LOSS_PARALLEL_BYTES_PER_ELEMENT``, what real gloo ranks allocate too:
+#: tests/test_loss_parallel_gloo.py); id 9 is the bf16 gradient of the logits, live through the output layer's
+#: backward (its free is the trace's, not recorded here). Before 2026-12-04 the sequence was recorded with the
+#: propagation's global-shape tensors counted as the rank's (22 B per local logit at tp 2, more at larger tp).
 LOSS_PARALLEL_EVENTS = (
-    ("A", 0, 1.0), ("A", 1, 2.0), ("A", 2, 4.0), ("A", 3, 4.0), ("D", 2, 4.0), ("D", 3, 4.0), ("A", 4, 2.0),
-    ("A", 5, 2.0), ("D", 5, 2.0), ("A", 6, 2.0), ("D", 4, 2.0), ("A", 7, 4.0), ("D", 7, 4.0), ("D", 1, 2.0),
-    ("D", 0, 1.0),
-    ("A", 8, 4.0), ("A", 9, 4.0), ("D", 8, 4.0), ("D", 9, 4.0), ("A", 10, 2.0), ("A", 11, 2.0), ("A", 12, 2.0),
-    ("D", 11, 2.0), ("A", 13, 2.0), ("D", 12, 2.0), ("D", 10, 2.0), ("D", 6, 2.0), ("A", 14, 1.0), ("D", 13, 2.0))
-LOSS_PARALLEL_FORWARD = 15
-LOSS_PARALLEL_GRAD_ID = 14
+    ("A", 0, 1.0), ("A", 1, 2.0), ("A", 2, 2.0), ("A", 3, 2.0), ("D", 3, 2.0), ("A", 4, 2.0), ("D", 2, 2.0),
+    ("D", 1, 2.0), ("D", 0, 1.0),
+    ("A", 5, 2.0), ("A", 6, 2.0), ("A", 7, 2.0), ("D", 6, 2.0), ("A", 8, 2.0), ("D", 7, 2.0), ("D", 5, 2.0),
+    ("D", 4, 2.0), ("A", 9, 1.0), ("D", 8, 2.0))
+LOSS_PARALLEL_FORWARD = 9
+LOSS_PARALLEL_GRAD_ID = 9
 
 
 def _play(tr, events, unit_bytes, live=None, after=None) -> dict:

@@ -255,6 +255,28 @@ def _real_device_meshes():
 
 
 @contextlib.contextmanager
+def _dtensor_propagation_apart():
+    """Run DTensor's sharding propagation in a fake mode of its own, as it runs on a real rank.
+
+    DTensor computes each op's output metadata by running the op on fake tensors of the *global* shape
+    (torch 2.13 ``distributed/tensor/_sharding_prop.py``, ``_propagate_tensor_meta_non_cached``: ``fake_mode =
+    detect_fake_mode() or FakeTensorMode()``). On a real rank there is no fake mode, so it makes a new one, and
+    ``MemTracker`` skips what runs there (``mem_tracker.py`` ``__torch_dispatch__``: only ops under the fake mode
+    active at the tracker's entry are counted). Under this harness's FakeTensorMode the propagation found and reused
+    that mode, so the tracker counted its global-shape outputs as allocations of the rank: under ``loss_parallel``
+    (DTensors throughout) 22, 38 and 70 B per local logit at tp 2, 4 and 8 where real ranks allocate 16 at any tp
+    (tests/test_loss_parallel_gloo.py). Here the propagation gets a fresh fake mode, as on a real rank."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
 def fake_world(world: int, rank: int = 0):
     """The fake process group: this process is ``rank`` of ``world`` (collectives are no-ops)."""
     import torch.distributed as dist
@@ -478,7 +500,8 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
     Transformer = _modules(torch)
     world = dp * tp
     events: list = []
-    with fake_world(world), _allocator_rounding(), _real_device_meshes(), _allocation_trace(events):
+    with fake_world(world), _allocator_rounding(), _real_device_meshes(), _dtensor_propagation_apart(), \
+            _allocation_trace(events):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))  # outside fake mode: real rank ids
         mesh = {"dp": mesh["dp"], "tp": mesh["tp"]}
         fake = FakeTensorMode(allow_non_fake_inputs=True)  # DeviceMesh keeps real int tensors of rank ids
@@ -577,12 +600,9 @@ def measure_loss_bytes(tokens: int, vocab: int, tp: int = 1) -> float:
     """Peak bytes of torchtitan's loss on one rank: the output layer's bf16 logits for ``tokens``
     tokens and ``vocab`` entries, ``cross_entropy(logits.float(), labels)`` and its backward;
     with ``tp > 1`` the logits are vocabulary-sharded and the loss runs under ``loss_parallel``.
-    The hidden states, weights and labels are tracked apart and left out of the figure.
-
-    Under fake tensors ``loss_parallel`` counts 22, 38 and 70 B per local logit at tp 2, 4 and 8 (on torch 2.13):
-    beyond tp 2 a tensor as wide as the whole vocabulary appears that real ranks do not make (16 B per local
-    logit at tp 1, 2 and 8 on real tensors, tests/test_loss_parallel_gloo.py). Use it at tp <= 2, as
-    tests/test_fake_rank.py does; :func:`measure_step` runs the same loss and over-counts likewise at tp > 2."""
+    The hidden states, weights and labels are tracked apart and left out of the figure. DTensor's sharding
+    propagation runs apart (:func:`_dtensor_propagation_apart`), so the figure is what real ranks allocate
+    (tests/test_loss_parallel_gloo.py)."""
     import torch
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -592,7 +612,7 @@ def measure_loss_bytes(tokens: int, vocab: int, tp: int = 1) -> float:
     from torch.distributed.tensor.parallel import loss_parallel
 
     hidden = 64
-    with fake_world(tp), _allocator_rounding(), _real_device_meshes():
+    with fake_world(tp), _allocator_rounding(), _real_device_meshes(), _dtensor_propagation_apart():
         mesh = init_device_mesh("cpu", (tp,))
         with FakeTensorMode(allow_non_fake_inputs=True):
             weight = torch.nn.Parameter(torch.empty(vocab, hidden, dtype=torch.bfloat16))

@@ -130,10 +130,10 @@ def test_harness_builds_the_full_size_model(full_depth):
     assert m.category("OptState") == pytest.approx(8 * LLAMA3_8B.num_params / 8, rel=0.001)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 8])
 def test_loss_bytes_per_logit(tp):
     """The bytes per logit the torchtitan profile uses, re-measured: ``cross_entropy(pred.float())``
-    (12 B) and under ``loss_parallel`` (22 B per local logit)."""
+    (12 B) and under ``loss_parallel`` (16 B per local logit, whatever the TP degree)."""
     n, v = 4096, 8192
     per_logit = fake_rank.measure_loss_bytes(n, v, tp) / (n * v / tp)
     train = TrainingSpec(num_gpus=tp, global_batch_size=1, seq_len=n, framework="torchtitan", step_cuda_graph=False)

@@ -30,13 +30,12 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
   fp32 output, the fp32 gradient from ``nll_loss`` and the fp32 gradient of the log-softmax input:
   12 B per logit. With TP, ``loss_parallel`` (the default, ``parallelism.disable_loss_parallel``)
   keeps the vocabulary sharded (V / t per rank) but runs DTensor's decomposed log-softmax
-  (``torch/distributed/tensor/parallel/loss.py::_log_softmax``: the bf16 logits, their fp32 copy,
-  ``shifted``, ``exp(shifted)`` and the result live together): 22 B per local logit. Both are
-  measured on torch 2.13 with ``MemTracker`` under fake tensors and re-measured in CI
-  (``tests/test_fake_rank.py::test_loss_bytes_per_logit``). On real tensors (gloo ranks,
-  tests/test_loss_parallel_gloo.py) the loss-parallel peak is 16 B per local logit at tp 1, 2 and 8; the 22 B
-  are kept as the upper of the two (the published TP 8 reading, Table 4 of torchtitan's 2024-12 benchmark,
-  gives no reason to go lower), and that test fails if the real library ever allocates more.
+  (``torch/distributed/tensor/parallel/loss.py::_log_softmax``; peak in backward: the saved fp32
+  log-softmax and three fp32 gradient tensors): 16 B per local logit at any tp. Both are measured on torch
+  2.13 with ``MemTracker`` under fake tensors and re-measured in CI (``tests/test_fake_rank.py::
+  test_loss_bytes_per_logit``); the loss-parallel figure also on real tensors, gloo ranks at tp 1, 2 and 8
+  (tests/test_loss_parallel_gloo.py). It was 22 B until 2026-12-04: the fake harness counted DTensor's
+  global-shape sharding-propagation tensors as the rank's (``planner.fake_rank._dtensor_propagation_apart``).
 * **SwiGLU** runs eager and unfused (``FeedForward.forward``: ``w2(F.silu(w1(x)) * w3(x))``):
   the multiply also saves the SiLU output, one more ``s b f`` tensor per layer.
 * **Selective AC** is torchtitan's op-level policy (``activation_checkpoint.mode = "selective"``,
@@ -54,7 +53,7 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
   ``cross_entropy(pred.float())`` saves the bf16 logits and one fp32 value per token, and its backward is
   one fused kernel writing the bf16 gradient (inductor's generated code allocates nothing else per
   logit): 4 B per logit instead of 12. loss_parallel (TP) under compile is not measured and keeps its
-  eager 22 B.
+  eager 16 B.
 * **float8** (torchao, torchtitan's ``Float8LinearConverter``, rowwise by default in 0.3.0): the weights stay
   16-bit and are cast per GEMM; the GEMM inputs are saved in 16 bits, not in fp8 as Transformer Engine saves
   them: torchao's ``matmul_with_hp_or_float8_args.forward`` (and its MX linear and grouped MMs) does
@@ -82,7 +81,7 @@ SHARD_BYTES_PER_PARAM = (FP32, FP32, ADAM_STATE_BYTES)
 cast to ``orig_dtype`` before it becomes the sharded gradient). :func:`state_bytes` adds the unsharded
 (gathered) copies on top; ``plan3d validate`` measures these sharded ones (``launch.predicted_rank_memory``)."""
 LOGITS_BYTES_PER_ELEMENT = 12  # cross_entropy(pred.float()) peak in backward (module docstring)
-LOSS_PARALLEL_BYTES_PER_ELEMENT = 22  # loss_parallel's decomposed log-softmax, per local logit (module docstring)
+LOSS_PARALLEL_BYTES_PER_ELEMENT = 16  # loss_parallel's decomposed log-softmax, per local logit (module docstring)
 # torch.compile'd cross entropy (--compile.enable, "loss" in --compile.components): the bf16 logits saved and
 # their bf16 gradient, nothing per logit in fp32 (module docstring, planner/compile_probe.py)
 COMPILED_LOGITS_BYTES_PER_ELEMENT = 2 * BF16
