@@ -11,6 +11,9 @@ printed for reference only). Plans as tests/test_framework_memory.py builds them
 predicted with ``TrainingSpec.compile`` and the blocks compiled, as torchtitan 9dec370 ran them (its loss compile
 was commented out; docs/memory.md "torch.compile (torchtitan)").
 
+Then the held-out June 2025 runs on 32 and 64 H200 (``torchtitan_h200_202506``: Llama 3.1 8B, compile + float8,
+op SAC, FSDP; nothing in the profile was set from them), their reading against the allocated and reserved estimate.
+
 ``--torch`` also replays torch's own trace of the full-size step (``planner.fake_rank.measure_step``,
 FakeTensorMode) for the modelled runs and for the reduced-depth cases of tests/test_torchtitan_reserved.py,
 next to the synthetic trace's figure (needs torch; about a minute on 2 cores).
@@ -61,7 +64,22 @@ def against_torch() -> None:
               f"{reserved / m.reserved_bytes - 1:+7.1%}")
 
 
+def held_out_h200() -> None:
+    """The June 2025 H200 runs (published_memory.json ``torchtitan_h200_202506``), compile + float8, held out."""
+    from planner.memory import estimate_memory
+    from tests.test_framework_memory import TT_H200, _torchtitan_h200_scenario
+
+    print(f"\nheld out: {TT_H200['source'][:100]}")
+    for run in TT_H200["runs"]:
+        est = estimate_memory(*_torchtitan_h200_scenario(run))
+        alloc = max(s.total_bytes for s in est.stages) / GIB
+        read = run["reading_gib"]
+        print(f"  {run['gpus']:3d} H200, FSDP {run['dp']}, local batch {run['local_batch']}: read {read:5.1f} GiB, allocated "
+              f"{alloc:5.1f} ({alloc / read - 1:+.1%}), reserved {est.peak_gib:5.1f} ({est.peak_gib / read - 1:+.1%})")
+
+
 if __name__ == "__main__":
     published()
+    held_out_h200()
     if "--torch" in sys.argv:
         against_torch()
