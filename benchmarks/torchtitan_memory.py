@@ -12,7 +12,8 @@ predicted with ``TrainingSpec.compile`` and the blocks compiled, as torchtitan 9
 was commented out; docs/memory.md "torch.compile (torchtitan)").
 
 Then the held-out June 2025 runs on 32 and 64 H200 (``torchtitan_h200_202506``: Llama 3.1 8B, compile + float8,
-op SAC, FSDP; nothing in the profile was set from them), their reading against the allocated and reserved estimate.
+op SAC, FSDP; nothing in the profile was set from them), their reading against the allocated and reserved estimate,
+and their throughput (tests/test_torchtitan_held_out.py: FlashAttention-2, torch 2.8's SDPA on Hopper).
 
 ``--torch`` also replays torch's own trace of the full-size step (``planner.fake_rank.measure_step``,
 FakeTensorMode) for the modelled runs and for the reduced-depth cases of tests/test_torchtitan_reserved.py,
@@ -66,16 +67,20 @@ def against_torch() -> None:
 
 def held_out_h200() -> None:
     """The June 2025 H200 runs (published_memory.json ``torchtitan_h200_202506``), compile + float8, held out."""
+    from planner.cost import estimate_time
     from planner.memory import estimate_memory
-    from tests.test_framework_memory import TT_H200, _torchtitan_h200_scenario
+    from tests.test_torchtitan_held_out import TT_H200, torchtitan_h200_scenario
 
     print(f"\nheld out: {TT_H200['source'][:100]}")
     for run in TT_H200["runs"]:
-        est = estimate_memory(*_torchtitan_h200_scenario(run))
+        sc = torchtitan_h200_scenario(run)
+        est = estimate_memory(*sc)
         alloc = max(s.total_bytes for s in est.stages) / GIB
         read = run["reading_gib"]
+        tps = estimate_time(*sc).tokens_per_s / run["gpus"]
         print(f"  {run['gpus']:3d} H200, FSDP {run['dp']}, local batch {run['local_batch']}: read {read:5.1f} GiB, allocated "
-              f"{alloc:5.1f} ({alloc / read - 1:+.1%}), reserved {est.peak_gib:5.1f} ({est.peak_gib / read - 1:+.1%})")
+              f"{alloc:5.1f} ({alloc / read - 1:+.1%}), reserved {est.peak_gib:5.1f} ({est.peak_gib / read - 1:+.1%}); "
+              f"{tps:,.0f} tokens/s per GPU against {run['tokens_per_s_per_gpu']:,} ({tps / run['tokens_per_s_per_gpu'] - 1:+.1%})")
 
 
 if __name__ == "__main__":
