@@ -596,20 +596,45 @@ def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, t
     return FakeRankResult(peak_bytes=float(total), by_category_bytes=cats, wall_s=time.perf_counter() - t0)
 
 
-def measure_loss_bytes(tokens: int, vocab: int, tp: int = 1) -> float:
-    """Peak bytes of torchtitan's loss on one rank: the output layer's bf16 logits for ``tokens``
-    tokens and ``vocab`` entries, ``cross_entropy(logits.float(), labels)`` and its backward;
-    with ``tp > 1`` the logits are vocabulary-sharded and the loss runs under ``loss_parallel``.
-    The hidden states, weights and labels are tracked apart and left out of the figure. DTensor's sharding
-    propagation runs apart (:func:`_dtensor_propagation_apart`), so the figure is what real ranks allocate
-    (tests/test_loss_parallel_gloo.py)."""
-    import torch
+def loss_created_bytes(weight, h, labels, mesh=None) -> float:
+    """Peak bytes torchtitan's loss creates on this rank, by torch's ``MemTracker``: the output layer's bf16
+    logits ``h @ weight.t()`` (``h``: [..., hidden]), ``cross_entropy(pred.flatten(0, -2).float(), labels.flatten())``
+    (torchtitan ``components/loss.py``) and its backward; with a ``mesh`` the output layer is vocabulary-parallel
+    over it (``ColwiseParallel`` with ``Shard(-1)`` output, ``apply_tp``) and the loss runs under ``loss_parallel``.
+    What it counts: activations and temporaries, not the tracked inputs, weights and labels. Real or fake tensors
+    alike: :func:`measure_loss_bytes` runs it under fake tensors, tests/loss_parallel_probe.py on real gloo ranks."""
     import torch.nn.functional as F
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
+
+    tracker = MemTracker()
+    tracker.track_external(weight, h, labels)
+    with tracker:
+        if mesh is not None:
+            w = distribute_tensor(weight.detach(), mesh, [Shard(0)]).requires_grad_()
+            pred = F.linear(DTensor.from_local(h, mesh, [Replicate()]), w)  # Shard(-1): vocab-parallel
+            ctx = loss_parallel()
+        else:
+            pred = h @ weight.t()
+            ctx = contextlib.nullcontext()
+        with ctx:
+            loss = F.cross_entropy(pred.flatten(0, -2).float(), labels.flatten())
+            del pred
+            loss.backward()
+        snap = tracker.get_tracker_snapshot("peak")
+    per_device = next(iter(snap.values()))
+    return float(sum(v for k, v in per_device.items() if str(getattr(k, "value", k)) in ("Activation", "Temp")))
+
+
+def measure_loss_bytes(tokens: int, vocab: int, tp: int = 1) -> float:
+    """Peak bytes of torchtitan's loss on one rank (:func:`loss_created_bytes`) for ``tokens`` tokens and
+    ``vocab`` entries, under fake tensors: one rank of ``tp``; with ``tp > 1`` the logits are vocabulary-sharded
+    and the loss runs under ``loss_parallel``. DTensor's sharding propagation runs apart
+    (:func:`_dtensor_propagation_apart`), so the figure is what real ranks allocate (tests/test_loss_parallel_gloo.py)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
 
     hidden = 64
     with fake_world(tp), _allocator_rounding(), _real_device_meshes(), _dtensor_propagation_apart():
@@ -618,22 +643,4 @@ def measure_loss_bytes(tokens: int, vocab: int, tp: int = 1) -> float:
             weight = torch.nn.Parameter(torch.empty(vocab, hidden, dtype=torch.bfloat16))
             h = torch.empty(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
             labels = torch.randint(0, vocab, (tokens,))
-            tracker = MemTracker()
-            tracker.track_external(weight, h, labels)
-            with tracker:
-                if tp > 1:
-                    w = distribute_tensor(weight.detach(), mesh, [Shard(0)]).requires_grad_()
-                    pred = F.linear(DTensor.from_local(h, mesh, [Replicate()]), w)  # Shard(-1): vocab-parallel
-                    with loss_parallel():
-                        loss = F.cross_entropy(pred.float(), labels)
-                        del pred
-                        loss.backward()
-                else:
-                    pred = h @ weight.t()
-                    loss = F.cross_entropy(pred.float(), labels)
-                    del pred
-                    loss.backward()
-                snap = tracker.get_tracker_snapshot("peak")
-    per_device = next(iter(snap.values()))
-    # what the loss creates: activations and temporaries (not the tracked inputs, weights, labels)
-    return float(sum(v for k, v in per_device.items() if str(getattr(k, "value", k)) in ("Activation", "Temp")))
+            return loss_created_bytes(weight, h, labels, mesh if tp > 1 else None)
