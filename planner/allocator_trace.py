@@ -18,7 +18,10 @@ The event order, one rank of one stage (each source cited where used below):
 * **FSDP2 unshard** of a group (``_fsdp_param_group.py::FSDPParamGroup.unshard`` ->
   ``_fsdp_collectives.py::foreach_all_gather``: the bf16 all-gather input (the shard cast, 2 B / N),
   the all-gather output (2 B x group), then ``foreach_all_gather_copy_out`` into each parameter's
-  unsharded storage (``FSDPParam.alloc_all_gather_outputs``: one block per parameter), output freed).
+  unsharded storage (``FSDPParam.alloc_all_gather_outputs``: one block per parameter), output freed:
+  in forward only once the next group's copy-out is done, or at the root's post_forward
+  (``wait_for_unshard``: ``comm_ctx.all_gather_state``, "defer free to allow for overlap of this copy-out with
+  next all-gather"; ``FSDPState._post_forward``), in backward at once).
   Reshard frees the per-parameter storages (``FSDPParam.free_unsharded_param``, storage resized to 0).
   With ``reshard_after_forward`` (ZeRO-3 without PP, ``planner.frameworks.torchtitan``) each block
   is gathered in its forward and again in its backward, where the backward of block ``i`` prefetches
@@ -27,7 +30,23 @@ The event order, one rank of one stage (each source cited where used below):
 * **forward of a block**: the tensors of ``planner.memory.layer_activation_terms`` in the block's
   order (norm, Q/K/V, attention, out-projection, norm, W1/W3, SiLU, W2); a tensor the recompute
   policy does not keep lives until the next one is made (autograd frees it when its consumer has
-  run); the block's output (the next block's input) ends it.
+  run), except the attention's and the MLP's input argument and the attention's own locals (Q, K, V, its
+  output), which live until the module returns (torchtitan ``Attention.forward`` / ``FeedForward.forward``);
+  the block's output (the next block's input) ends it.
+* **TP's collectives on the activations** (torchtitan ``apply_tp``: ``SequenceParallel`` norms,
+  ``PrepareModuleInput`` ``Shard(1)`` -> ``Replicate`` before the attention and the MLP, ``RowwiseParallel``
+  ``wo``/``w2`` back to ``Shard(1)``; torch 2.13 ``_functional_collectives.py``): each sequence-parallel
+  all-gather keeps the norm's own output (this rank's tokens) until the module returns, and
+  ``all_gather_single`` gathers on dim 0, so ``_maybe_view_chunk_cat`` re-concatenates on the sequence dim with
+  a copy when the micro-batch holds more than one sequence (a view only when every dimension before it has size
+  1): the all-gather output is one more full (s x b x h) transient then; each row-parallel output (full, partial
+  sums) is copied into rank-major order by ``reduce_scatter_single`` (``_chunk_or_narrow_cat``: ``torch.cat``,
+  a copy at any micro-batch) before the reduce-scatter writes this rank's tokens; both are freed once the
+  reduced tensor exists, which lives until the residual sum is made. The backward mirrors them: each
+  row-parallel output's gradient is all-gathered (its copy with more than one sequence), each gathered input's
+  gradient (partial sums) reduce-scattered through the same copy. Without SP a functional all-reduce
+  writes a new full tensor. The output layer (``ColwiseParallel``) saves its input gathered, and its input's
+  gradient is reduce-scattered before the final norm's backward.
 * **loss** (torchtitan ``train.py::forward_backward_step``: ``pred = model(inputs)``, ``loss =
   loss_fn(pred, labels)``, ``del pred``, ``loss.backward()``; ``components/loss.py``:
   ``cross_entropy(pred.flatten(0, 1).float(), labels)``): the bf16 logits, their fp32 copy, the
@@ -44,12 +63,19 @@ The event order, one rank of one stage (each source cited where used below):
   terms, re-made in forward order), then the gradients, in reverse order: one activation gradient
   per saved tensor (each lives until the next), each MLP / attention weight's bf16 gradient, the
   saved tensors freed as their backward ends; then FSDP2's ``post_backward``
-  (``_fsdp_collectives.py::foreach_reduce``): the fp32 reduce-scatter input (4 B x group, the bf16
+  (``_fsdp_collectives.py::foreach_reduce``), after the group's reshard (``post_backward`` reshards before it
+  reduces): the fp32 reduce-scatter input (4 B x group, the bf16
   gradients cast to ``reduce_dtype``), the bf16 gradients freed, the fp32 reduce-scatter output
-  (4 B / N: the sharded gradient, or added into it with gradient accumulation), the input freed.
+  (4 B / N: the sharded gradient, or added into it with gradient accumulation); the input is kept until the
+  next group's post_backward, or the backward's final callback (``comm_ctx.reduce_scatter_states``,
+  ``reduce_scatter_max_input_buffers`` 1).
   Under PP (``PipelineStage.backward_maybe_with_nosync``: no gradient sync) the bf16 gradient is
   added into an fp32 unsharded accumulator kept for the step (``FSDPParam.to_accumulated_grad_if_needed``),
   reduce-scattered in ``perform_reduce_grad`` after the last micro-batch.
+* **the word embedding's gradient** with TP (``frameworks.torchtitan.embedding_grad_bytes``): the embedding's
+  backward makes the gradient of every row of the vocabulary, t times this rank's; FSDP2 copies out this rank's
+  rows in its post_backward, or under PP upcasts the whole of it into the accumulator and takes the rows at
+  ``perform_reduce_grad``.
 * **kept stage outputs** (``training.pipeline_kept_outputs``; torch ``pipelining/stage.py`` ``output_chunks``,
   ``memory.pipeline_kept_output_bytes``): the loss stage's fp32 logits, made by the model (torchtitan's 2024
   Llama: ``self.output(h).float()``) and held past their loss, and with ``all`` every other stage's output past its
@@ -66,7 +92,8 @@ Two steps are replayed: the first has no Adam states, the second finds the first
 What is left out: the all-gather / reduce-scatter streams' own pools (one stream here, as
 :class:`~planner.fake_rank.CachingAllocator` says), the small per-op temporaries (rstd, RNG), the
 foreach AdamW's temporaries (torchtitan's default; they come after the activations are freed, into
-the cache they leave), torch.compile and Float8. Interleaved and zero-bubble schedules and MoE are
+the cache they leave), torch.compile and Float8, and async TP (its fused all-gather-matmul writes no chunk
+copies: the eager collectives are written). Interleaved and zero-bubble schedules and MoE are
 not written (``planner.frameworks.torchtitan.reserved_modelled``). ``tests/test_torchtitan_reserved.py``
 compares the replay with the replay of torch's own trace (``planner.fake_rank.measure_step``).
 """
@@ -78,6 +105,10 @@ import functools
 
 BF16, FP32 = 2, 4
 TOKEN_ID_BYTES = 8  # int64 token ids and labels
+#: the block's tensors that TP gathers (``planner.memory.layer_activation_terms`` names): the column-parallel
+#: inputs, and the first tensor after the attention's row-parallel output (the residual sum)
+GATHERED_INPUTS = ("QKV input", "FC1 input")
+ATTENTION_END = "norm2 input"
 
 
 def _param_blocks(model, plan) -> tuple[list[float], list[float]]:
@@ -203,17 +234,50 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     out_p = v_local * h if last and root_p - emb_p > v_local * h / 2 else 0.0
     root_blocks = [x for x in (emb_p, root_p - emb_p - out_p, out_p) if x > 0]
     groups = [root_blocks] + [attn_p + mlp_p] * layers  # group 0: the root module
+    # the word embedding's gradient is one of the whole vocabulary with TP (frameworks.torchtitan.embedding_grad_bytes):
+    # (group, block) of the embedding, or none
+    partial_embedding = (0, 0) if first and emb_p and t > 1 else (None, None)
     terms = layer_activation_terms(model, training, plan)
     split = next((i for i, x in enumerate(terms) if x.name.startswith("norm2")), len(terms))
     # per layer, the policy it runs under: torchtitan's per-layer AC (plan.recompute_interval) checkpoints every
     # N-th block of the rank and leaves the others alone (Plan.checkpointed_layers)
     policies = [plan.recompute] * layers if not plan.partial_recompute else \
         ["full" if c else "none" for c in plan.checkpointed_layers(stage, layers)]
-    forward_by = {rc: [(x.bytes, kept_under(x, rc)) for x in terms if not x.layer_input] for rc in set(policies)}
-    recompute_by = {rc: [x.bytes for x in terms if x.autograd and not kept_under(x, rc) and not x.layer_input]
+    forward_by = {rc: [(x.name, x.bytes, kept_under(x, rc), j < split) for j, x in enumerate(terms)
+                       if not x.layer_input] for rc in set(policies)}
+    recompute_by = {rc: [(x.name, x.bytes) for x in terms if x.autograd and not kept_under(x, rc) and not x.layer_input]
                     for rc in set(policies)}
-    backward_halves = [([x.bytes for x in reversed(half) if x.autograd], blocks)
+    backward_halves = [([(x.name, x.bytes) for x in reversed(half) if x.autograd], blocks)
                        for half, blocks in ((terms[split:], mlp_p), (terms[:split], attn_p))]
+    # TP's collectives on the activations (DTensor, torchtitan apply_tp; module docstring): their outputs and the
+    # copies torch's functional collectives make, written where the block's dense layout has them
+    full = sb * h * e  # one (s x b x h) activation on this rank: a gathered input, a partial sum
+    tp_collectives = t > 1 and not (model.is_mla or model.parallel_attention or model.shared_input_norm)
+    gather_copy = tp_collectives and sp > 1 and b > 1  # _maybe_view_chunk_cat: a view only when b = 1
+
+    def gather():
+        """Sequence-parallel all-gather of a norm's output (``PrepareModuleInput``/``ColwiseParallel``,
+        ``Shard(1)`` -> ``Replicate``): ``all_gather_single`` gathers on dim 0 and ``_maybe_view_chunk_cat``
+        re-concatenates on the sequence dim, a view when the micro-batch is one sequence and a copy otherwise.
+        Returns the transient to free once the gathered tensor (the next one written) exists."""
+        if not gather_copy:  # one sequence (or no SP): the gathered input is the all-gather's output itself
+            return None
+        return tr.new(full)  # all_gather_into_tensor's output; the copy is the next tensor written
+
+    def reduce_partial(partial):
+        """The partial sums ``partial`` (a row-parallel output, or a column-parallel input's gradient) reduced:
+        with SP ``reduce_scatter_single`` copies them into rank-major order first (``_chunk_or_narrow_cat``:
+        ``torch.cat`` of the sequence chunks, a copy at any micro-batch), then the reduce-scatter's output
+        (this rank's tokens); without SP a functional all-reduce's full output. Returns the reduced tensor."""
+        if sp > 1:
+            cat = tr.new(full)
+            out = tr.new(full / sp)
+            tr.free(partial)
+            tr.free(cat)
+            return out
+        out = tr.new(full)
+        tr.free(partial)
+        return out
 
     # --- states: fp32 shards (or, without FSDP, fp32 parameters), tokens and labels
     for g, blocks in enumerate(groups):
@@ -239,7 +303,14 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     # torch.distributed.pipelining's kept stage outputs (memory.pipeline_kept_output_bytes); none without PP
     kept_mode = pipeline_kept_mode(training, plan)
 
-    def unshard(g):
+    # FSDP2's deferred frees (torch 2.13 fsdp/_fully_shard/_fsdp_param_group.py): in forward the all-gather's
+    # output is kept past its copy-out until the next group's copy-out, or the root's post_forward
+    # (``comm_ctx.all_gather_state``, "defer free to allow for overlap of this copy-out with next all-gather"); a
+    # reduce-scatter's fp32 input is kept until the next group's post_backward, or the backward's final callback
+    # (``comm_ctx.reduce_scatter_states``, ``reduce_scatter_max_input_buffers`` = 1)
+    deferred = {"all_gather": None, "reduce_scatter": None}
+
+    def unshard(g, in_forward=False):
         if g in gathered or not groups[g]:
             return
         gathered.add(g)
@@ -254,7 +325,12 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         tr.free(ag_in)
         for j, x in enumerate(groups[g]):
             tr.new(wb * x, ("full", g, j))
-        tr.free(ag_out)
+        tr.free(deferred["all_gather"])  # the previous group's, once this copy-out is done
+        deferred["all_gather"] = None
+        if in_forward:
+            deferred["all_gather"] = ag_out
+        else:
+            tr.free(ag_out)
 
     def reshard(g):
         if g in gathered:
@@ -267,14 +343,15 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         if p > 1 and fsdp:
             for j, x in enumerate(groups[g]):
                 if mb_first:
-                    tr.new(FP32 * x, ("acc", g, j))
+                    tr.new(FP32 * x * (t if (g, j) == partial_embedding else 1), ("acc", g, j))
             tr.free_all(grads)
             return
         if fsdp and n > 1:
+            tr.free(deferred["reduce_scatter"])
             rs_in = tr.new(FP32 * total)
             tr.free_all(grads)
             out = tr.new(FP32 * total / n, ("grad", g) if mb_first else None)
-            tr.free(rs_in)
+            deferred["reduce_scatter"] = rs_in
             if not mb_first:
                 tr.free(out)
             return
@@ -283,53 +360,96 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             tr.new(FP32 * total, ("grad", g))
         tr.free_all(grads)
 
+    def root_forward_done():
+        """The root module's post_forward frees the deferred all-gather output."""
+        tr.free(deferred["all_gather"])
+        deferred["all_gather"] = None
+
     # --- one micro-batch, forward and backward
     saved: dict = {}
 
     def forward(mb):
         keep = []
         if first:
-            unshard(0)
+            unshard(0, in_forward=True)
         x = recv_x[mb] if recv_x else tr.new(boundary)  # block 0's input: the received one, or the embedding's
         for i in range(layers):
             g = i + 1
-            unshard(g)
+            unshard(g, in_forward=True)
             layer = [x]
             prev = None
-            for nbytes, kept in forward_by[policies[i]]:
+            norm_out = reduced = module_input = None
+            scope = []  # the attention's own tensors it does not save: alive until it returns
+            for name, nbytes, kept, attention in forward_by[policies[i]]:
+                transient = None
+                if tp_collectives and name in GATHERED_INPUTS:
+                    if sp > 1:
+                        norm_out = tr.new(full / sp)  # the norm's output on this rank's tokens, until the half ends
+                    transient = gather()
+                elif name == ATTENTION_END:  # the attention's row-parallel output, reduced
+                    if tp_collectives:
+                        reduced = reduce_partial(tr.new(full))
+                    tr.free(norm_out)
+                    tr.free(module_input)
+                    tr.free_all(scope)
+                    norm_out = module_input = None
                 k = tr.new(nbytes)
                 tr.free(prev)
+                tr.free(transient)
+                if name == ATTENTION_END:
+                    tr.free(reduced)  # the residual sum exists
+                    reduced = None
                 prev = None
                 if kept:
                     layer.append(k)
+                elif name in GATHERED_INPUTS:  # the attention's / MLP's input argument: alive until it returns
+                    module_input = k
+                elif attention:  # Attention.forward's locals (xq, xk, xv, output)
+                    scope.append(k)
                 else:
                     prev = k
+            if tp_collectives:  # the MLP's row-parallel output, reduced
+                reduced = reduce_partial(tr.new(full))
+                tr.free(norm_out)
+            tr.free(module_input)
+            tr.free_all(scope)  # (a layer without ATTENTION_END: parallel attention)
             x = tr.new(sb * h * e / sp)  # the block's output: the next block's input
             tr.free(prev)
+            tr.free(reduced)
             keep.append(layer)
             if raf:
                 reshard(g)
         loss = None
         if last:
-            unshard(0)
-            normed = tr.new(sb * h * e / sp)
+            unshard(0, in_forward=True)
+            normed = tr.new(sb * h * e / sp)  # the final norm's output
+            saved_input = normed  # what the output layer saves: with SP its input gathered (ColwiseParallel)
+            if tp_collectives and sp > 1:
+                transient = gather()
+                saved_input = tr.new(full)
+                tr.free(transient)
             logits = sb * v_local
+
+            def logits_made():  # the norm's own output goes once the output layer has run
+                if saved_input != normed:
+                    tr.free(normed)
+                if raf:
+                    reshard(0)  # the root module's forward ends with the output layer (FSDP2 post_forward)
+                root_forward_done()
             if t > 1 and training.precision != "fp32":  # loss_parallel: torch's own op sequence
                 events = LOSS_PARALLEL_EVENTS[:LOSS_PARALLEL_FORWARD]
                 if kept_mode:  # the stage output the schedule keeps: the fp32 logits (memory.kept_output_bytes),
                     out = tr.new(FP32 * logits)  # made by the model (2024: self.output(h).float()), so the loss's
                     tr.hold(out, FP32 * logits)  # bf16 logits (id 0) and its .float() copy (id 1) are not written
-                    if raf:
-                        reshard(0)
+                    logits_made()
                     events = tuple(ev for ev in events if ev[1] not in (0, 1))
-                live = _play(tr, events, BF16 * logits, after={0: (lambda: reshard(0)) if raf else None})
+                live = _play(tr, events, BF16 * logits, after={0: logits_made})
                 loss = ("lp", live)
             else:
                 pred = tr.new((FP32 if kept_mode else e) * logits)  # kept: the model's fp32 logits, as above
                 if kept_mode:
                     tr.hold(pred, FP32 * logits)
-                if raf:
-                    reshard(0)  # the root module's forward ends with the output layer (FSDP2 post_forward)
+                logits_made()
                 if training.compiled_loss and e != FP32:  # the compiled loss saves the bf16 logits themselves
                     loss = [pred]
                 else:
@@ -338,11 +458,12 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                     tr.free(f32)
                     tr.free(pred)  # train.py: del pred
                     loss = [lsm]
-            keep.append([x, normed])
+            keep.append([x, saved_input])
         else:
             keep.append([x])  # the stage's output, held until its gradient comes back
             if kept_mode == "all":  # and past it: every stage's output_chunks (before pytorch#153383)
                 tr.hold(x, sb * h * e / sp)
+        root_forward_done()  # (the loss stage's was at its logits: the loss runs outside the model)
         saved[mb] = (keep, loss)
 
     def backward(mb, mb_first):
@@ -374,7 +495,10 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             # in FSDP2's final callback (FSDPState._root_post_backward_final_callback), so they live
             # until the end of the backward
             root_grads += [tr.new(wb * x) for x in groups[0][1 if first else 0:]]
+            # the gradient of the output layer's input: TP's partial sums, reduced, then the final norm's backward
+            reduced = reduce_partial(tr.new(full)) if tp_collectives else None
             grad = tr.new(sb * h * e / sp)
+            tr.free(reduced)
             tr.free(gb if gb is not None else g2)
             tr.free_all(tail)
         else:
@@ -387,29 +511,66 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 unshard(g - 1)  # FSDP2's backward prefetch of the block before
             layer = keep.pop()
             # recompute: what the policy dropped, re-made in forward order
-            recomputed = [tr.new(x) for x in recompute_by[policies[i]]]
+            recomputed = []
+            for name, x in recompute_by[policies[i]]:
+                transient = reduced = None
+                if tp_collectives and name in GATHERED_INPUTS:
+                    transient = gather()
+                elif tp_collectives and name == ATTENTION_END:  # full AC re-runs the attention's reduction
+                    reduced = reduce_partial(tr.new(full))
+                recomputed.append(tr.new(x))
+                tr.free(transient)
+                tr.free(reduced)
             held = layer + recomputed
             wgrads = []
             prev = grad
             for half, blocks in backward_halves:
-                for x in half:
+                pending = None
+                if tp_collectives and sp > 1:  # the gradient of the row-parallel output, all-gathered
+                    pending = tr.new(full)
+                    if gather_copy:
+                        copy = tr.new(full)
+                        tr.free(pending)
+                        pending = copy
+                for name, x in half:
                     k = tr.new(x)
                     tr.free(prev)
+                    tr.free(pending)
+                    pending = None
+                    if tp_collectives and name in GATHERED_INPUTS:  # the gathered input's gradient, reduced
+                        k = reduce_partial(k)
                     prev = k
+                tr.free(pending)
                 wgrads += [tr.new(wb * y) for y in blocks]
             grad = tr.new(sb * h * e / sp)  # the gradient of the block's input
             tr.free(prev)
             tr.free_all(held)
-            reduce_grads(g, wgrads, mb_first)
-            if raf or (plan.zero_stage < 3 and p == 1 and fsdp):  # reshard after backward (not under PP)
+            # FSDP2 post_backward: reshard (after backward; not under PP), then reduce (_fsdp_param_group.py)
+            if raf or (plan.zero_stage < 3 and p == 1 and fsdp):
                 reshard(g)
+            reduce_grads(g, wgrads, mb_first)
         if first and emb_p:
-            root_grads.append(tr.new(wb * emb_p))
+            if t > 1:  # the vocabulary-parallel embedding's weight gradient (torchtitan.embedding_grad_bytes)
+                gathered_grad = tr.new(full) if sp > 1 else None  # Shard(1) -> Replicate: its output's gradient
+                tr.free(grad)
+                grad = gathered_grad
+                whole = tr.new(wb * emb_p * t)  # every row of the vocabulary, on every rank
+                tr.free(grad)
+                grad = None
+                if p > 1 and fsdp:  # no gradient sync: the whole gradient itself goes into the accumulator
+                    root_grads.append(whole)
+                else:  # post_backward takes this rank's rows of it (_get_grad_inner_tensor's redistribute: a copy)
+                    root_grads.append(tr.new(wb * emb_p))
+                    tr.free(whole)
+            else:
+                root_grads.append(tr.new(wb * emb_p))
         tr.free(grad)
         if groups[0]:
-            reduce_grads(0, root_grads, mb_first)
             if p == 1 and (raf or plan.zero_stage < 3):
                 reshard(0)
+            reduce_grads(0, root_grads, mb_first)
+        tr.free(deferred["reduce_scatter"])  # the final callback (is_last_backward: every backward without PP)
+        deferred["reduce_scatter"] = None
 
     def step(k):
         tr.release_held()  # the schedule's clear_runtime_states: the previous step's kept outputs
@@ -422,15 +583,25 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 continue
             backward(bwd, bwd == 0)
             bwd += 1
-        if p > 1 and fsdp:  # perform_reduce_grad: reshard, reduce-scatter the accumulators
+        if p > 1 and fsdp:  # perform_reduce_grad: each group's post_backward: reshard, reduce the accumulators
             for g, blocks in enumerate(groups):
                 if not blocks:
                     continue
                 reshard(g)
-                rs_in = tr.new(FP32 * sum(blocks)) if n > 1 else None
+                local = None
+                if g == partial_embedding[0]:  # the whole accumulator redistributed to this rank's rows
+                    local = tr.new(FP32 * emb_p)  # (FSDPParam._get_grad_inner_tensor), the accumulator dropped
+                    tr.free(("acc", *partial_embedding))
+                rs_in = None
+                if n > 1:
+                    tr.free(deferred["reduce_scatter"])
+                    rs_in = tr.new(FP32 * sum(blocks))
+                tr.free_all(("acc", g, j) for j in range(len(blocks)))  # copied in: unsharded_grads.clear()
+                tr.free(local)
                 tr.new(FP32 * sum(blocks) / n, ("grad", g))
-                tr.free(rs_in)
-                tr.free_all(("acc", g, j) for j in range(len(blocks)))
+                deferred["reduce_scatter"] = rs_in
+            tr.free(deferred["reduce_scatter"])
+            deferred["reduce_scatter"] = None
         if kept_mode and last:  # step() returns merge_chunks(output_chunks): one torch.cat of the kept logits
             merged = tr.new(sum(tr.held.values()))
             tr.free(merged)

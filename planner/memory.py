@@ -1300,25 +1300,27 @@ def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stag
 
 def stage_param_inputs(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple:
     """What :func:`stage_state_bytes` hands the framework profile about stage ``stage``'s parameters on one GPU:
-    (all of them, the largest layer, the routed experts' share, the GEMM weights; the last None for a dense model,
-    whose profile takes its default). None of them depends on the ZeRO stage, so the search computes them once
-    per stage for every ZeRO option (:func:`stage_state_bytes_of`)."""
+    (all of them, the largest layer, the routed experts' share, the GEMM weights, the word embedding's rows; the
+    fourth None for a dense model, whose profile takes its default). None of them depends on the ZeRO stage, so
+    the search computes them once per stage for every ZeRO option (:func:`stage_state_bytes_of`)."""
     dense, expert = stage_param_split(model, plan, stage, layers)
+    embedding = padded_vocab_size(model.vocab_size, plan.tp) * model.hidden_size / plan.tp if stage == 0 else 0.0
     if not model.is_moe:
-        return dense, layer_params_per_rank(model, plan.tp), 0.0, None
+        return dense, layer_params_per_rank(model, plan.tp), 0.0, None, embedding
     return (dense + expert, stage_max_layer_params(model, plan, stage, layers), expert,
-            stage_linear_params_per_rank(model, plan, stage, layers))
+            stage_linear_params_per_rank(model, plan, stage, layers), embedding)
 
 
 def stage_state_bytes_of(model: ModelSpec, training: TrainingSpec, plan: Plan, layers: int, inputs: tuple,
                          hardware: HardwareSpec | None = None) -> frameworks.StateBytes:
     """:func:`stage_state_bytes` from the stage's :func:`stage_param_inputs`."""
     profile = frameworks.get(training.framework)
-    params, largest, expert, linear = inputs
+    params, largest, expert, linear, embedding = inputs
     if not model.is_moe:  # the dense path, unchanged
-        return profile.state_bytes(model, training, plan, params, largest, layers, hardware=hardware)
+        return profile.state_bytes(model, training, plan, params, largest, layers, hardware=hardware,
+                                   embedding_params=embedding)
     return profile.state_bytes(model, training, plan, params, largest, layers, expert_params=expert,
-                               linear_params=linear, hardware=hardware)
+                               linear_params=linear, hardware=hardware, embedding_params=embedding)
 
 
 def stage_linear_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:

@@ -13,8 +13,6 @@
 A few seconds per job on a 2-core machine.
 """
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ pytest.importorskip("torch")
 from planner import fake_rank  # noqa: E402
 from planner.frameworks.torchtitan import LOSS_PARALLEL_BYTES_PER_ELEMENT  # noqa: E402
 from tests.loss_parallel_probe import BATCH, SEQ, VOCAB  # noqa: E402
-from tests.torchrun_jobs import error_lines, run_torchrun  # noqa: E402
+from tests.torchrun_jobs import probe_json  # noqa: E402
 
 PROBE = Path(__file__).parent / "loss_parallel_probe.py"
 LIMIT_S = 300
@@ -35,11 +33,7 @@ TPS = (1, 2, 8)
 def measured() -> dict:
     out = {}
     for tp in TPS:
-        res = run_torchrun([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
-                            str(PROBE)], timeout=LIMIT_S)
-        assert res.returncode == 0, error_lines(res.stderr)
-        line = next(ln for ln in res.stdout.splitlines() if ln.startswith("{"))
-        first, second = json.loads(line)["bytes_per_local_logit"]
+        first, second = probe_json(PROBE, tp, LIMIT_S)["bytes_per_local_logit"]
         assert first == pytest.approx(second, rel=1e-6)  # nothing cached by the first pass changes the second
         out[tp] = second
     return out

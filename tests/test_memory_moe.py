@@ -287,7 +287,8 @@ def test_search_tables_equal_stage_memory_for_a_moe_model():
     """Every legal table entry of a MoE model (dense-first + MoE layers on different stages) is
     memory.stage_memory of its plan, stage kind by stage kind, in KiB."""
     from planner.candidates import SearchSpace
-    from planner.search import KIB, _stage_rows, build_tables
+    from planner.search import _stage_rows, build_tables
+    from tests.table_checks import assert_same_kib
 
     tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=256)
     tables = build_tables(TINY, H100, tr, SearchSpace(max_micro_batch_size=2, max_cp=1))
@@ -300,7 +301,7 @@ def test_search_tables_equal_stage_memory_for_a_moe_model():
         split = tables.shapes[s][3]
         for kind, (r, n) in enumerate(_stage_rows(split)):
             expect = stage_memory(TINY, tr, plan, m, r, n, H100).total_bytes
-            assert tables.mem_kib[s, u, z, kind] == np.ceil(expect / KIB), (plan, r)
+            assert_same_kib(tables.mem_kib[s, u, z, kind], expect, (plan, r))
 
 
 # --- acceptance ---------------------------------------------------------------------------------

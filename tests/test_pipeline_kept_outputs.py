@@ -118,7 +118,10 @@ def test_published_pipeline_runs_within_13_percent():
     """torchtitan's published Llama 3.1 405B runs (Tables 5 and 6 of benchmarks/llama3_h100_202412_torchtitan.md,
     max_memory_reserved, the maximum over GPUs) ran on torch of Dec 2024, which kept every stage's outputs: with them
     (``pipeline_kept_outputs="all"``) every reading is predicted within 13.5 %, none under by more than 10 %. They run
-    Float8, which the profile leaves out; without the kept outputs the six were under by 9-19 %."""
+    Float8, which the profile leaves out. Without the kept outputs the six were under by 9-19 % until the first stage
+    was charged the word embedding's whole-vocabulary fp32 accumulator (frameworks.torchtitan
+    ``embedding_accumulator_extra_bytes``, measured on torch 2.13, 2026-12-04): since then the first stage is the peak
+    without them and reads within 10 % as well (-5.7 .. +6.4 %), so these readings no longer tell the two apart."""
     from tests.test_framework_memory import _torchtitan_estimate, _torchtitan_scenario
 
     runs = [r for r in PUBLISHED["runs"] if r["pp"] > 1]
@@ -129,7 +132,7 @@ def test_published_pipeline_runs_within_13_percent():
         err = _torchtitan_estimate(run).peak_gib / run["reading_gib"] - 1
         assert -0.10 <= err <= 0.135, (run["techniques"], run["schedule"], err)
         without = memory.estimate_memory(model, hw, tr.model_copy(update={"pipeline_kept_outputs": "none"}), plan)
-        assert without.peak_gib / run["reading_gib"] - 1 < -0.08
+        assert without.peak.stage == 0 and abs(without.peak_gib / run["reading_gib"] - 1) <= 0.10
 
 
 def test_refused_outside_torch_pipelining():

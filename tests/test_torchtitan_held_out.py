@@ -3,7 +3,8 @@ benchmarks/llama3_8b_h200_2025-06_torchtitan.md; tests/data/published_memory.jso
 the command, the preset's settings and the assumptions). FSDP over every GPU, local batch 2, seq 8192, compile +
 float8 (tensorwise, fp8 FSDP all-gather), op SAC.
 
-Memory: the reported reserved peak within 10 % of the reading (-7.3 and -6.4 % on 2026-12-04). Time: tokens/s per GPU
+Memory: the reported reserved peak within 10 % of the reading (-7.3 and -6.4 % when added, 2026-12-04; -6.4 and
+-5.5 % once the allocator trace wrote FSDP2's deferred frees, later that day, nothing set from this run). Time: tokens/s per GPU
 within 10 % of the published TPS, with the attention kernel those runs had: torch 2.8.0a0 (NGC 25.05), whose SDPA ran
 FlashAttention-2 on Hopper; cuDNN attention became SDPA's default on SM90 with torch 2.9 (pytorch/pytorch#162073,
 as benchmarks/torchtitan_published.py notes), so ``attention="flash2"``, and no whole-step CUDA graph (torchtitan's

@@ -39,3 +39,14 @@ def run_torchrun(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
                       + error_lines(res.stderr))
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return res
+
+
+def probe_json(probe, nproc: int, timeout: float) -> dict:
+    """Run ``probe`` (a script that prints one JSON line on rank 0) on ``nproc`` gloo ranks; its line, parsed."""
+    import json
+    import sys
+
+    res = run_torchrun([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        str(probe)], timeout=timeout)
+    assert res.returncode == 0, error_lines(res.stderr)
+    return json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("{")))

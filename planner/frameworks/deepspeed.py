@@ -109,10 +109,12 @@ def reduce_buffer_count(training, zero_stage: int) -> int:
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
-                expert_params: float = 0.0, linear_params: float | None = None, hardware=None) -> StateBytes:
+                expert_params: float = 0.0, linear_params: float | None = None, hardware=None,
+                embedding_params: float = 0.0) -> StateBytes:
     """Weights, gradients and optimizer of one GPU of a stage (module docstring). MoE models run here
     without expert parallelism (``PROFILE.allows_ep`` is False), so the experts are ordinary
-    parameters, sharded over dp x cp like the rest: ``expert_params`` changes nothing."""
+    parameters, sharded over dp x cp like the rest: ``expert_params`` changes nothing. Nor does ``embedding_params``:
+    Megatron-DeepSpeed's ``VocabParallelEmbedding`` makes its gradient on this rank's rows only."""
     P, Pl, n, z = stage_params, layer_params, plan.dp * plan.cp, plan.zero_stage
     wrapper = optimizer_wrapper(training, z, plan.pp)
     if wrapper == "fp32":

@@ -172,6 +172,7 @@ def linear_params_per_rank(model, tp: int, layers: int) -> float:
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
                 expert_params: float = 0.0, linear_params: float | None = None, hardware=None,
+                embedding_params: float = 0.0,
                 optimizer_bytes_per_param: float | None = None) -> StateBytes:
     """Weights, gradients and optimizer of one GPU of a stage under Megatron-Core (module docstring):
     ZeRO sharding as ``planner.memory.state_bytes_per_param`` with the ZeRO-2/3 working set of
@@ -183,7 +184,9 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     ``intra_expt_dp_group``), the rest over dp x cp. ``linear_params``: the stage's GEMM weights for
     the fp8 cache (default: ``layers`` dense layers, :func:`linear_params_per_rank`). ``optimizer_bytes_per_param``:
     another optimizer's state bytes per parameter, sharded as Megatron's (NeMo's Apex optimizer); default Megatron's
-    own (12, or the precision-aware optimizer's with ``optimizer_dtype`` bf16)."""
+    own (12, or the precision-aware optimizer's with ``optimizer_dtype`` bf16). ``embedding_params`` is not used:
+    ``VocabParallelEmbedding`` computes its weight gradient on this rank's rows only (core_v0.16.1
+    ``tensor_parallel/layers.py``: the input masked to the local range, ``F.embedding`` on the local weight)."""
     from planner.memory import param_bytes, state_bytes_per_param, zero_working_set_bytes
 
     per_param = param_bytes(training)

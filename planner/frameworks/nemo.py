@@ -55,7 +55,8 @@ BF16_ADAM_MASTER_BYTES = 2
 
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
-                expert_params: float = 0.0, linear_params: float | None = None, hardware=None):
+                expert_params: float = 0.0, linear_params: float | None = None, hardware=None,
+                embedding_params: float = 0.0):
     """Megatron-Core's states (``planner.frameworks.megatron.state_bytes``, which also counts ``optimizer_dtype``
     bf16, the precision-aware optimizer); with ``optimizer_dtype="bf16-apex"`` the optimizer shards are Apex
     DistributedFusedAdam's bf16 states (module docstring), sharded over the same data-parallel groups as Megatron's."""

@@ -161,8 +161,47 @@ def step_cuda_graph(training, plan) -> bool:
     return step_cuda_graph_by_default(plan.pp, plan.ep)
 
 
+def embedding_grad_bytes(training, plan, embedding_params: float) -> float:
+    """Bytes of the word embedding's weight gradient while it is made, on a rank that holds ``embedding_params`` of
+    it (this rank's vocabulary rows; 0 off the first stage): the compute-dtype gradient, and with TP first a
+    gradient of the whole vocabulary.
+
+    torchtitan shards the embedding's rows over TP (``parallelize.py``: ``"tok_embeddings": RowwiseParallel(
+    input_layouts=Replicate(), output_layouts=Shard(1))``). DTensor has no backward strategy that makes a
+    row-sharded weight gradient (torch 2.13 ``distributed/tensor/_ops/_embedding_ops.py``,
+    ``embedding_dense_backward_strategy``: ``Shard(1)`` for column sharding, ``Partial`` for sharded batches), so
+    from the gathered output gradient and the replicated token ids each rank computes the gradient of every row
+    (a ``Replicate`` DTensor), t times its shard. FSDP2 redistributes it to the rank's rows when it reduces
+    (``_fsdp_param.py`` ``_get_grad_inner_tensor``): without PP in the same post_backward, a copy of the rows made
+    before the whole gradient goes; under PP only at the step, so the whole bf16 gradient is what each
+    micro-batch's backward makes (and :func:`embedding_accumulator_extra_bytes` the fp32 accumulator it goes into).
+    Measured on real gloo ranks (tests/test_embedding_grad_gloo.py: the gradient's local shape is the whole
+    vocabulary's at tp 2 and 4) and in torch's own trace of the FSDP2 + TP step (tests/test_torchtitan_reserved.py,
+    the first pipeline stage at tp 8)."""
+    if not embedding_params:
+        return 0.0
+    wb = FP32 if training.precision == "fp32" else BF16
+    if plan.tp == 1:
+        return wb * embedding_params
+    if plan.pp > 1:  # no gradient sync: the whole gradient goes into the fp32 accumulator as it is
+        return wb * plan.tp * embedding_params
+    return wb * (plan.tp + 1) * embedding_params  # post_backward: the whole gradient and this rank's rows
+
+
+def embedding_accumulator_extra_bytes(training, plan, embedding_params: float) -> float:
+    """Under PP, the fp32 accumulator of the embedding's gradient beyond this rank's rows: FSDP2 upcasts the whole
+    gradient as it is (torch 2.13 ``_fsdp_param.py`` ``to_accumulated_grad_if_needed``: ``unsharded_grad.to(
+    reduce_dtype)``) and redistributes it to the rows only when it reduces (``_get_grad_inner_tensor`` in
+    ``perform_reduce_grad``'s post_backward), so it holds t x the rows until the step (:func:`embedding_grad_bytes`;
+    tests/test_torchtitan_reserved.py, the first stage at tp 8)."""
+    if plan.pp == 1 or plan.tp == 1 or not embedding_params or plan.zero_stage == 0:
+        return 0.0
+    return FP32 * (plan.tp - 1) * embedding_params
+
+
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
-                expert_params: float = 0.0, linear_params: float | None = None, hardware=None) -> StateBytes:
+                expert_params: float = 0.0, linear_params: float | None = None, hardware=None,
+                embedding_params: float = 0.0) -> StateBytes:
     """Weights, gradients and AdamW states of one GPU of a stage (module docstring).
 
     Persistent at the peak: the fp32 shards (parameters, gradients, Adam; the gradient shards only
@@ -172,6 +211,11 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     unsharded bf16 parameters and fp32 gradients of the whole stage; with ``reshard_after_forward``
     off, the unsharded bf16 parameters. Working set (``StateBytes.working_*``): the gathered layer
     and the next one, or the root module, with their bf16 gradient and its fp32 cast.
+
+    On the first stage the embedding's gradient is made as :func:`embedding_grad_bytes` says (with TP, a gradient of
+    the whole vocabulary first): with the other root gradients it is the root's working set when it is larger
+    than the reduction's (the bf16 gradients and their fp32 cast); under PP its fp32 accumulator is the whole
+    vocabulary's too (:func:`embedding_accumulator_extra_bytes`).
 
     MoE (``expert_params`` of ``stage_params``): torchtitan 0.3.0 ``distributed/fsdp.py`` shards the
     routed experts of each MoE block over ``edp_mesh`` = ``efsdp`` (``dp_shard*cp*tp/ep``,
@@ -199,20 +243,25 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         work_shards = 0.0
     if plan.pp > 1:  # PipelineStage: no reshard after backward, no gradient sync until perform_reduce_grad
         weights += wb * P
-        grads += FP32 * P
+        partial = embedding_accumulator_extra_bytes(training, plan, embedding_params)
+        grads += FP32 * P + partial
         # freed at the last backward (torch pipelining stage.py backward_maybe_with_nosync, last_backward: FSDP2
         # post_backward with reshard_after_backward and gradient sync on), before the schedule returns
-        released = (wb + FP32) * P
+        released = (wb + FP32) * P + partial
         # each group's bf16 gradient lives until it is added into the fp32 accumulator
         # (FSDPParam.to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed)
-        work_g = grad_cast and wb * max(Pl, root)
-    elif reshard_after_forward(plan):  # one layer gathered + the next prefetched, or the root module
-        layer_set = (wb * min(2, layers) * Pl, (wb + grad_cast) * Pl)
-        root_set = (wb * root, (wb + grad_cast) * root)
-        work_w, work_g = max(layer_set, root_set, key=sum)
-    else:  # reshard_after_forward=False: every layer stays gathered from its forward to its backward
-        weights += wb * P
-        work_g = (wb + grad_cast) * max(Pl, root)
+        work_g = max(grad_cast and wb * max(Pl, root), embedding_grad_bytes(training, plan, embedding_params))
+    else:
+        # the root's gradients: cast for the reduction, or at the embedding's backward (the other root gradients,
+        # the output layer's and the final norm's, live until FSDP2's final callback)
+        made = embedding_grad_bytes(training, plan, embedding_params)
+        root_g = max((wb + grad_cast) * root, wb * (root - embedding_params) + made if made else 0.0)
+        if reshard_after_forward(plan):  # one layer gathered + the next prefetched, or the root module
+            layer_set = (wb * min(2, layers) * Pl, (wb + grad_cast) * Pl)
+            work_w, work_g = max(layer_set, (wb * root, root_g), key=sum)
+        else:  # reshard_after_forward=False: every layer stays gathered from its forward to its backward
+            weights += wb * P
+            work_g = max((wb + grad_cast) * Pl, root_g)
     return StateBytes(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=ADAM_STATE_BYTES * sharded,
                       working_weights_bytes=work_w, working_grads_bytes=work_g + work_shards,
                       released_at_last_backward_bytes=released)
