@@ -16,8 +16,8 @@ op SAC, FSDP; nothing in the profile was set from them), their reading against t
 and their throughput (tests/test_torchtitan_held_out.py: FlashAttention-2, torch 2.8's SDPA on Hopper).
 
 ``--torch`` also replays torch's own trace of the full-size step (``planner.fake_rank.measure_step``,
-FakeTensorMode) for the modelled runs and for the reduced-depth cases of tests/test_torchtitan_reserved.py,
-next to the synthetic trace's figure (needs torch; about a minute on 2 cores).
+FakeTensorMode) for the modelled runs and for the reduced-depth cases of tests/test_torchtitan_reserved.py (its TP 4
+and 8 ``WIDE_CASES`` included), next to the synthetic trace's figure (needs torch; about two minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from planner.presets import load_model  # noqa: E402
 from planner.specs import GIB  # noqa: E402
 from tests.test_framework_memory import _torchtitan_estimate  # noqa: E402
 
@@ -58,9 +59,10 @@ def against_torch() -> None:
         run = next(r for r in PUBLISHED["runs"] if r["table"] == table and r["techniques"] == "FSDP")
         cases[f"table{table}-fsdp{run['dp']}-32-layers"] = (32, run["dp"], 1, 1, 3, run["ac"], 1, "only")
     print(f"\n{'case':34s} {'torch alloc':>11s} {'torch reserved':>14s} {'synthetic reserved':>18s} {'err':>7s}")
-    for name, case in cases.items():
-        m = t._torch_trace(*case)
-        reserved, _, _ = t._synthetic(*case)
+    wide = {name: (case, {"spec": load_model(spec), "mbs": mbs}) for name, (case, spec, mbs) in t.WIDE_CASES.items()}
+    for name, (case, kw) in {**{n: (c, {}) for n, c in cases.items()}, **wide}.items():
+        m = t._torch_trace(*case, **kw)
+        reserved, _, _ = t._synthetic(*case, **kw)
         print(f"{name:34s} {m.peak_bytes / GIB:11.2f} {m.reserved_bytes / GIB:14.2f} {reserved / GIB:18.2f} "
               f"{reserved / m.reserved_bytes - 1:+7.1%}")
 
