@@ -63,6 +63,7 @@ WIDE_CASES = {
     "70b-fsdp16-tp4-selective": ((2, 16, 4, 1, 3, "selective", 1, "only"), "llama3-70b", 2),
     "70b-pp2-first-stage-fsdp8-tp8": ((2, 8, 8, 2, 3, "none", 4, "first"), "llama3-70b", 1),
     "405b-pp2-last-stage-fsdp8-tp8": ((2, 8, 8, 2, 3, "none", 2, "last"), "llama3-405b", 1),
+    "8b-fsdp8-tp8-mbs4-full-ac": ((2, 8, 8, 1, 3, "full", 1, "only"), "llama3-8b", 4),
 }
 
 
