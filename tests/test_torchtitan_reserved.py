@@ -50,11 +50,11 @@ CASES = {
 }
 
 
-# Llama-3-70B width at TP 4 and 8 (name: (case as above, model, micro-batch size)): TP's collectives on the
-# activations (the all-gathers and reduce-scatters of sequence parallelism, their chunk copies), the output layer's
-# gathered input, the embedding's whole-vocabulary gradient and FSDP2's deferred frees, which the 8B cases at TP 2
-# did not show. Before 2026-12-04 the synthetic trace read 10-19 % below torch's here, and the first pipeline stage
-# at TP 8 52 % below (allocated 45 %).
+# TP 4 and 8 at Llama-3 70B and 405B width, and 8B at TP 8 (name: (case as above, model, micro-batch size)): TP's
+# collectives on the activations (the all-gathers and reduce-scatters of sequence parallelism, their chunk copies),
+# the output layer's gathered input, the embedding's whole-vocabulary gradient and FSDP2's deferred frees, which the
+# 8B cases at TP 2 did not show. Until the evening of 2026-12-04 the synthetic trace read 4-19 % below torch's on the
+# 70B cases here, and the first pipeline stage at TP 8 52 % below (allocated 45 %).
 WIDE_CASES = {
     "70b-fsdp16-tp4-mbs1": ((2, 16, 4, 1, 3, "none", 1, "only"), "llama3-70b", 1),
     "70b-fsdp16-tp4-mbs2": ((2, 16, 4, 1, 3, "none", 1, "only"), "llama3-70b", 2),
