@@ -264,6 +264,15 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             return None
         return tr.new(full)  # all_gather_into_tensor's output; the copy is the next tensor written
 
+    def all_gathered():
+        """A sequence-parallel all-gather whose result is written here (not a term of the block): the all-gather's
+        output, and with more than one sequence per micro-batch the copy :func:`gather` describes, which is kept.
+        Returns the gathered tensor."""
+        transient = gather()
+        out = tr.new(full)
+        tr.free(transient)
+        return out
+
     def reduce_partial(partial):
         """The partial sums ``partial`` (a row-parallel output, or a column-parallel input's gradient) reduced:
         with SP ``reduce_scatter_single`` copies them into rank-major order first (``_chunk_or_narrow_cat``:
@@ -310,6 +319,11 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     # (``comm_ctx.reduce_scatter_states``, ``reduce_scatter_max_input_buffers`` = 1)
     deferred = {"all_gather": None, "reduce_scatter": None}
 
+    def settle(kind):
+        """Free the deferred ``kind`` ("all_gather" or "reduce_scatter"), if one is held."""
+        tr.free(deferred[kind])
+        deferred[kind] = None
+
     def unshard(g, in_forward=False):
         if g in gathered or not groups[g]:
             return
@@ -325,8 +339,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         tr.free(ag_in)
         for j, x in enumerate(groups[g]):
             tr.new(wb * x, ("full", g, j))
-        tr.free(deferred["all_gather"])  # the previous group's, once this copy-out is done
-        deferred["all_gather"] = None
+        settle("all_gather")  # the previous group's, once this copy-out is done
         if in_forward:
             deferred["all_gather"] = ag_out
         else:
@@ -347,7 +360,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             tr.free_all(grads)
             return
         if fsdp and n > 1:
-            tr.free(deferred["reduce_scatter"])
+            settle("reduce_scatter")
             rs_in = tr.new(FP32 * total)
             tr.free_all(grads)
             out = tr.new(FP32 * total / n, ("grad", g) if mb_first else None)
@@ -362,8 +375,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
 
     def root_forward_done():
         """The root module's post_forward frees the deferred all-gather output."""
-        tr.free(deferred["all_gather"])
-        deferred["all_gather"] = None
+        settle("all_gather")
 
     # --- one micro-batch, forward and backward
     saved: dict = {}
@@ -425,9 +437,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             normed = tr.new(sb * h * e / sp)  # the final norm's output
             saved_input = normed  # what the output layer saves: with SP its input gathered (ColwiseParallel)
             if tp_collectives and sp > 1:
-                transient = gather()
-                saved_input = tr.new(full)
-                tr.free(transient)
+                saved_input = all_gathered()
             logits = sb * v_local
 
             def logits_made():  # the norm's own output goes once the output layer has run
@@ -527,11 +537,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             for half, blocks in backward_halves:
                 pending = None
                 if tp_collectives and sp > 1:  # the gradient of the row-parallel output, all-gathered
-                    pending = tr.new(full)
-                    if gather_copy:
-                        copy = tr.new(full)
-                        tr.free(pending)
-                        pending = copy
+                    pending = all_gathered()
                 for name, x in half:
                     k = tr.new(x)
                     tr.free(prev)
@@ -551,11 +557,10 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             reduce_grads(g, wgrads, mb_first)
         if first and emb_p:
             if t > 1:  # the vocabulary-parallel embedding's weight gradient (torchtitan.embedding_grad_bytes)
-                gathered_grad = tr.new(full) if sp > 1 else None  # Shard(1) -> Replicate: its output's gradient
+                output_grad = tr.new(full) if sp > 1 else None  # Shard(1) -> Replicate: its output's gradient
                 tr.free(grad)
-                grad = gathered_grad
                 whole = tr.new(wb * emb_p * t)  # every row of the vocabulary, on every rank
-                tr.free(grad)
+                tr.free(output_grad)
                 grad = None
                 if p > 1 and fsdp:  # no gradient sync: the whole gradient itself goes into the accumulator
                     root_grads.append(whole)
@@ -569,8 +574,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             if p == 1 and (raf or plan.zero_stage < 3):
                 reshard(0)
             reduce_grads(0, root_grads, mb_first)
-        tr.free(deferred["reduce_scatter"])  # the final callback (is_last_backward: every backward without PP)
-        deferred["reduce_scatter"] = None
+        settle("reduce_scatter")  # the final callback (is_last_backward: every backward without PP)
 
     def step(k):
         tr.release_held()  # the schedule's clear_runtime_states: the previous step's kept outputs
@@ -594,14 +598,13 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                     tr.free(("acc", *partial_embedding))
                 rs_in = None
                 if n > 1:
-                    tr.free(deferred["reduce_scatter"])
+                    settle("reduce_scatter")
                     rs_in = tr.new(FP32 * sum(blocks))
                 tr.free_all(("acc", g, j) for j in range(len(blocks)))  # copied in: unsharded_grads.clear()
                 tr.free(local)
                 tr.new(FP32 * sum(blocks) / n, ("grad", g))
                 deferred["reduce_scatter"] = rs_in
-            tr.free(deferred["reduce_scatter"])
-            deferred["reduce_scatter"] = None
+            settle("reduce_scatter")
         if kept_mode and last:  # step() returns merge_chunks(output_chunks): one torch.cat of the kept logits
             merged = tr.new(sum(tr.held.values()))
             tr.free(merged)
