@@ -155,7 +155,7 @@ def test_inside_torchrun_validate_runs_the_plan_itself(tmp_path):
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
            "-m", "planner.cli", "validate", str(plan), "--backend", "gloo", "--out", str(report)]
-    res = run_torchrun(cmd, RUN_LIMIT_S)  # one retry after gloo's native abort (tests/torchrun_jobs.py)
+    res = run_torchrun(cmd, RUN_LIMIT_S)  # retried after gloo's native abort (tests/torchrun_jobs.py)
     assert res.returncode == 0, error_lines(res.stderr) + res.stdout[-2000:] + res.stderr[-2000:]
     data = json.loads(report.read_text())
     assert data["memory_max_abs_error"] <= MEMORY_TOLERANCE and len(data["memory"]) == 32

@@ -141,7 +141,7 @@ def test_inside_torchrun_an_fp8_plan_runs_bf16_at_full_size(tmp_path):
     report = tmp_path / "report.json"
     res = run_torchrun([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "planner.cli", "validate", str(plan), "--backend", "gloo", "--steps", "1",
-                        "--out", str(report)], LIMIT_S)  # one retry after gloo's native abort (tests/torchrun_jobs.py)
+                        "--out", str(report)], LIMIT_S)  # retried after gloo's native abort (tests/torchrun_jobs.py)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     data = json.loads(report.read_text())
     assert any(c.startswith("precision fp8 -> bf16") for c in data["changed"]), data["changed"]
