@@ -557,7 +557,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             reduce_grads(g, wgrads, mb_first)
         if first and emb_p:
             if t > 1:  # the vocabulary-parallel embedding's weight gradient (torchtitan.embedding_grad_bytes)
-                output_grad = tr.new(full) if sp > 1 else None  # Shard(1) -> Replicate: its output's gradient
+                output_grad = all_gathered() if sp > 1 else None  # Shard(1) -> Replicate: its output's gradient
                 tr.free(grad)
                 whole = tr.new(wb * emb_p * t)  # every row of the vocabulary, on every rank
                 tr.free(output_grad)
