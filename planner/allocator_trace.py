@@ -212,7 +212,8 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     ``num_microbatches`` written, of ``step_microbatches`` (default: as many) in the step, which sets the
     pipeline's receive buffers."""
     from planner.frameworks.torchtitan import reshard_after_forward
-    from planner.memory import act_bytes, kept_under, layer_activation_terms, param_bytes, stage_param_split
+    from planner.memory import (act_bytes, kept_under, layer_activation_terms, param_bytes, stage_param_split,
+                                vocab_rows_params)
     from planner.specs import padded_vocab_size, pipeline_kept_mode
 
     tr = _Trace()
@@ -229,9 +230,10 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     layer_p = sum(attn_p) + sum(mlp_p)
     dense, expert = stage_param_split(model, plan, stage, layers)
     root_p = max(dense + expert - layers * layer_p, 0.0)
-    v_local = padded_vocab_size(model.vocab_size, t) / t
-    emb_p = v_local * h if first else 0.0
-    out_p = v_local * h if last and root_p - emb_p > v_local * h / 2 else 0.0
+    v_local = padded_vocab_size(model.vocab_size, t) / t  # this rank's logits per token
+    rows_p = vocab_rows_params(model, t)
+    emb_p = rows_p if first else 0.0
+    out_p = rows_p if last and root_p - emb_p > rows_p / 2 else 0.0
     root_blocks = [x for x in (emb_p, root_p - emb_p - out_p, out_p) if x > 0]
     groups = [root_blocks] + [attn_p + mlp_p] * layers  # group 0: the root module
     # the word embedding's gradient is one of the whole vocabulary with TP (frameworks.torchtitan.embedding_grad_bytes):

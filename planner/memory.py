@@ -210,6 +210,13 @@ def stage_moe_layer_count(model: ModelSpec, plan: Plan, stage: int, layers: int)
     return max(0, min(layers, layers - dense_here))
 
 
+def vocab_rows_params(model: ModelSpec, tp: int) -> float:
+    """Parameters of one GPU's rows of the word embedding or of the (untied) output layer: the vocabulary padded as
+    Megatron pads it (:func:`padded_vocab_size`, ``--make-vocab-size-divisible-by`` x tp), split over TP
+    (``VocabParallelEmbedding``, ``ColumnParallelLinear``; torchtitan's embedding is row-sharded the same way)."""
+    return padded_vocab_size(model.vocab_size, tp) * model.hidden_size / tp
+
+
 def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one GPU of pipeline stage ``stage`` (see :func:`stage_params_per_rank`)."""
     t, p = plan.tp, plan.pp
@@ -217,15 +224,14 @@ def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> 
     dense_l, _ = layer_param_split(model, t, False)
     moe_dense, moe_expert = layer_param_split(model, t, True, plan.ep, plan.expert_tp) if moe_layers else (0.0, 0.0)
     dense = (layers - moe_layers) * dense_l + moe_layers * moe_dense
-    v_pad = padded_vocab_size(model.vocab_size, t)
-    h = model.hidden_size
+    rows = vocab_rows_params(model, t)
     if stage == 0:
-        dense += v_pad * h / t + model.embedding_params() - model.vocab_size * h
+        dense += rows + model.embedding_params() - model.vocab_size * model.hidden_size
     expert = moe_layers * moe_expert
     if stage == plan.loss_stage:  # rank p - 1, or rank 0 in a V (zbv, dualpipev)
         dense += model.norm_params
         if not model.tied_embeddings or (p > 1 and not plan.v_shaped):  # V: tied copy on the same rank
-            dense += v_pad * h / t
+            dense += rows
         mtp_dense, mtp_expert = mtp_param_split(model, plan, stage)
         dense, expert = dense + mtp_dense, expert + mtp_expert
     return dense, expert
@@ -247,7 +253,7 @@ def mtp_param_split(model: ModelSpec, plan: Plan, stage: int) -> tuple[float, fl
     layer_dense, layer_expert = layer_param_split(model, t, moe, plan.ep, plan.expert_tp)
     dense = n * (layer_dense + 3 * model.norm_params + 2 * h * h / t)
     if stage != 0 and not model.tied_embeddings:
-        dense += padded_vocab_size(model.vocab_size, t) * h / t
+        dense += vocab_rows_params(model, t)
     return dense, n * layer_expert
 
 
@@ -1304,7 +1310,7 @@ def stage_param_inputs(model: ModelSpec, plan: Plan, stage: int, layers: int) ->
     fourth None for a dense model, whose profile takes its default). None of them depends on the ZeRO stage, so
     the search computes them once per stage for every ZeRO option (:func:`stage_state_bytes_of`)."""
     dense, expert = stage_param_split(model, plan, stage, layers)
-    embedding = padded_vocab_size(model.vocab_size, plan.tp) * model.hidden_size / plan.tp if stage == 0 else 0.0
+    embedding = vocab_rows_params(model, plan.tp) if stage == 0 else 0.0
     if not model.is_moe:
         return dense, layer_params_per_rank(model, plan.tp), 0.0, None, embedding
     return (dense + expert, stage_max_layer_params(model, plan, stage, layers), expert,
