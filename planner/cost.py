@@ -887,6 +887,44 @@ def activation_sync_split(model: ModelSpec, hw: HardwareSpec, plan: Plan, extra:
 MOE_HOST_OPS = {"fwd_base": 36, "fwd_per_expert": 6, "bwd_base": 27, "bwd_per_expert": 13,
                 "router_fwd": 23, "router_bwd": 15, "fwd_after_sync_base": 6, "fwd_after_sync_per_expert": 6}
 
+#: The same counts for torchtitan 0.3.0's own MoE layer (``FrameworkProfile.moe_dispatch`` "torchtitan"), measured on
+#: the CPU by ``benchmarks/torchtitan_host_ops.py`` (``tests/test_host_overhead.py`` re-measures them): its routed
+#: experts are three ``torch._grouped_mm`` calls over all local experts (``models/common/moe.py`` ``GroupedExperts``),
+#: so nothing grows with the local experts. ``ep``: the all-to-all token dispatcher of an ep > 1 run
+#: (``AllToAllTokenDispatcher``), which waits for the token counts on the host once per layer
+#: (``_sync_token_count_exchange``: ``output_splits.to("cpu", non_blocking=False)``); ``local``: ep 1
+#: (``LocalTokenDispatcher``), which copies nothing to the host. The router is a plain module there (Megatron's
+#: ``moe_router`` CUDA-graph scope does not apply).
+TORCHTITAN_MOE_HOST_OPS = {
+    "ep": {"fwd_base": 57, "fwd_per_expert": 0, "bwd_base": 52, "bwd_per_expert": 0, "router_fwd": 0,
+           "router_bwd": 0, "fwd_after_sync_base": 35, "fwd_after_sync_per_expert": 0},
+    "local": {"fwd_base": 32, "fwd_per_expert": 0, "bwd_base": 45, "bwd_per_expert": 0, "router_fwd": 0,
+              "router_bwd": 0, "fwd_after_sync_base": 0, "fwd_after_sync_per_expert": 0},
+}
+
+
+def moe_host_ops(training: TrainingSpec, plan: Plan) -> dict[str, int]:
+    """The operator counts of the framework's own MoE layer (``MOE_HOST_OPS``: Megatron-Core's, also charged to
+    DeepSpeed, whose MoE layer is not measured; ``TORCHTITAN_MOE_HOST_OPS``)."""
+    if frameworks.get(training.framework).moe_dispatch == "torchtitan":
+        return TORCHTITAN_MOE_HOST_OPS["ep" if plan.ep > 1 else "local"]
+    return MOE_HOST_OPS
+
+
+def moe_host_syncs(training: TrainingSpec, plan: Plan) -> bool:
+    """Whether the framework's dropless MoE layer waits on the host for the token counts every layer: Megatron-Core's
+    dispatchers always (:func:`moe_host_s`); torchtitan's only with expert parallelism (``TORCHTITAN_MOE_HOST_OPS``)."""
+    if frameworks.get(training.framework).moe_dispatch == "torchtitan":
+        return plan.ep > 1
+    return True
+
+
+def _experts_issued_one_by_one(training: TrainingSpec) -> bool:
+    """Whether the framework issues the experts' eager kernels (clamped activation, biases) once per local expert
+    (Megatron-Core's per-expert loops, ``expert_eager_ops``) rather than once over all of them (torchtitan's grouped
+    experts)."""
+    return frameworks.get(training.framework).moe_dispatch != "torchtitan"
+
 
 def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
     """(forward, backward) host seconds to issue one MoE layer's kernels for one micro-batch.
@@ -901,9 +939,10 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     Kernels: the attention block's fused Transformer Engine kernels as :func:`layer_time` counts them (each
     linear's GEMM and, in low precision, its cast; the attention kernel, 1 forward and 3 backward; the
     norms, residual adds and RoPE of :func:`_elementwise_kernels`, or the eager RoPE's of :func:`unfused_rope`), plus
-    Megatron's own MoE layer as
-    measured (``MOE_HOST_OPS``), plus the eager kernels of a clamped activation and of expert biases, which the
-    measured layer does not have (:func:`expert_eager_ops`). Each costs ``host_launch_us``. A part captured in a
+    the framework's own MoE layer as measured (:func:`moe_host_ops`: Megatron-Core's ``MOE_HOST_OPS``, torchtitan's
+    ``TORCHTITAN_MOE_HOST_OPS``), plus the eager kernels of a clamped activation and of expert biases, which the
+    measured layers do not have (:func:`expert_eager_ops`; once per local expert under Megatron, once under
+    torchtitan's grouped experts). torchtitan syncs only with expert parallelism (:func:`moe_host_syncs`). Each costs ``host_launch_us``. A part captured in a
     CUDA graph (``cuda_graph_modules``: attn, moe_router) costs one launch instead. ``moe_preprocess`` is not
     separated in the measurement and is left at full cost. Megatron's selective recompute of ``moe_act`` issues
     the activation (and a clamped activation's clamps) once more in the backward.
@@ -919,8 +958,9 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     if "attn" in graphs:
         attn_f = attn_b = 1
     local = model.num_experts / plan.ep
-    o = MOE_HOST_OPS
-    _, (eager_f, eager_b) = expert_eager_ops(model, local)  # not in the measured layer (no biases, no clamp)
+    o = moe_host_ops(training, plan)
+    # not in the measured layer (no biases, no clamp); torchtitan's grouped experts issue each once
+    _, (eager_f, eager_b) = expert_eager_ops(model, local if _experts_issued_one_by_one(training) else 1)
     moe_f = o["fwd_base"] + o["fwd_per_expert"] * local + eager_f
     moe_b = o["bwd_base"] + o["bwd_per_expert"] * local + eager_b
     if "moe_router" in graphs:
@@ -934,15 +974,16 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     return (attn_f + moe_f) * launch_s, (attn_b + moe_b) * launch_s
 
 
-def moe_host_after_sync_s(model: ModelSpec, hw: HardwareSpec, plan: Plan) -> float:
+def moe_host_after_sync_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan) -> float:
     """Host seconds, in one MoE layer's forward, to issue what follows the dispatcher's host sync: the all-to-all,
-    the experts and the combine (``MOE_HOST_OPS`` ``fwd_after_sync_*``, measured on core_v0.16.1's MoE layer, plus
+    the experts and the combine (``fwd_after_sync_*`` of :func:`moe_host_ops`, measured on the framework's own MoE
+    layer, plus
     the eager kernels of a clamped activation and of expert biases, :func:`expert_eager_ops`, which run inside the
     experts). Each costs ``host_launch_us``; CUDA-graph scopes do not reach them (Megatron's ``moe_router`` and
     ``moe_preprocess`` scopes end before the dispatch). Used by :func:`layer_time` for the sync chain."""
     local = model.num_experts / plan.ep
-    o = MOE_HOST_OPS
-    _, (eager_f, _) = expert_eager_ops(model, local)
+    o = moe_host_ops(training, plan)
+    _, (eager_f, _) = expert_eager_ops(model, local if _experts_issued_one_by_one(training) else 1)
     return (o["fwd_after_sync_base"] + o["fwd_after_sync_per_expert"] * local + eager_f) * hw.host_launch_us * 1e-6
 
 
@@ -1175,7 +1216,8 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     if moe:  # the per-layer host sync exposes the host's issue time where it exceeds the GPU's (moe_host_s)
         host_f, host_b = moe_host_s(model, hw, training, plan)
         gpu_f = fwd + tp_fwd + cp_fwd + ep_fwd
-        if model.capacity_factor is None and not a2a_overlap_active(model, training, plan):
+        if model.capacity_factor is None and moe_host_syncs(training, plan) and not a2a_overlap_active(model, training,
+                                                                                                     plan):
             # The sync chain. Dropless, the dispatcher waits for the token counts on the host before the dispatch
             # (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize at before_ep_alltoall; the flex dispatcher's
             # HybridEP/DeepEP dispatch and TEGroupedMLP's tokens_per_expert.tolist() likewise, core_v0.16.1
@@ -1186,8 +1228,10 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
             # and all-to-alls: a lower bound). Not with drop-and-pad routing (no sync) nor under the 1F1B
             # all-to-all overlap (another micro-batch's backward fills the GPU).
             pre_dispatch_s = gpu_f - x.fwd_compute - x.comm_fwd
-            host_f = max(host_f, moe_host_after_sync_s(model, hw, plan) + pre_dispatch_s)
-        split = activation_sync_split(model, hw, plan, x)
+            host_f = max(host_f, moe_host_after_sync_s(model, hw, training, plan) + pre_dispatch_s)
+        # Megatron-Core's clamped activation copies to the device and syncs (activation_sync_split); torchtitan's
+        # grouped experts do not run that function
+        split = activation_sync_split(model, hw, plan, x) if _experts_issued_one_by_one(training) else None
         if split is None:
             fwd += max(0.0, host_f - gpu_f)
         else:  # a second host sync in the forward: each part exposes its own host time

@@ -106,10 +106,10 @@ def test_host_after_sync_by_hand():
     6 + 6 x 32 = 198 launches; Qwen3-30B-A3B at EP8 128 / 8 = 16: 6 + 96 = 102."""
     from planner.cost import moe_host_after_sync_s
 
-    model, hw, _, plan = _deepseek_b200()
-    assert moe_host_after_sync_s(model, hw, plan) == pytest.approx(198 * hw.host_launch_us * 1e-6)
-    model, hw, _, plan = _setup(1)
-    assert moe_host_after_sync_s(model, hw, plan) == pytest.approx(102 * hw.host_launch_us * 1e-6)
+    model, hw, tr, plan = _deepseek_b200()
+    assert moe_host_after_sync_s(model, hw, tr, plan) == pytest.approx(198 * hw.host_launch_us * 1e-6)
+    model, hw, tr, plan = _setup(1)
+    assert moe_host_after_sync_s(model, hw, tr, plan) == pytest.approx(102 * hw.host_launch_us * 1e-6)
 
 
 def test_sync_chain_sets_the_forward_where_experts_are_host_heavy():
@@ -124,7 +124,7 @@ def test_sync_chain_sets_the_forward_where_experts_are_host_heavy():
     gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
     x = moe_layer_extra(model, hw, tr, plan, plan.micro_batch_size * tr.seq_len)
     gpu_f = gpu.fwd_compute + gpu.tp_fwd + gpu.cp_fwd + gpu.ep_fwd
-    chain = moe_host_after_sync_s(model, hw, plan) + gpu_f - x.fwd_compute - x.comm_fwd
+    chain = moe_host_after_sync_s(model, hw, tr, plan) + gpu_f - x.fwd_compute - x.comm_fwd
     host_f, host_b = moe_host_s(model, hw, tr, plan)
     assert chain > max(gpu_f, host_f)
     assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(chain)
@@ -146,3 +146,71 @@ def test_no_sync_chain_without_the_sync(why):
     gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
     host_f, _ = moe_host_s(model, hw, tr, plan)
     assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(max(host_f, gpu.fwd_compute + gpu.ep_fwd))
+
+
+def test_torchtitan_operator_counts_are_torchtitans_own():
+    """TORCHTITAN_MOE_HOST_OPS equals what benchmarks/torchtitan_host_ops.py measures on torchtitan's own MoE layer
+    (grouped experts: nothing per local expert), with and without expert parallelism."""
+    pytest.importorskip("torchtitan")
+    from planner.cost import TORCHTITAN_MOE_HOST_OPS
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/torchtitan_host_ops.py"), "--json"],
+                         capture_output=True, text=True, timeout=600, check=True)
+    got = json.loads(out.stdout)
+    for path in ("ep", "local"):
+        want = TORCHTITAN_MOE_HOST_OPS[path]
+        assert (got[f"{path}_fwd_kernel_base"], got[f"{path}_fwd_kernel_per_expert"], got[f"{path}_bwd_kernel_base"],
+                got[f"{path}_bwd_kernel_per_expert"]) == (want["fwd_base"], want["fwd_per_expert"], want["bwd_base"],
+                                                          want["bwd_per_expert"])
+    assert (got["ep_fwd_after_sync_kernel_base"], got["ep_fwd_after_sync_kernel_per_expert"]) == (
+        TORCHTITAN_MOE_HOST_OPS["ep"]["fwd_after_sync_base"], TORCHTITAN_MOE_HOST_OPS["ep"]["fwd_after_sync_per_expert"])
+
+
+def _torchtitan_qwen(ep: int, mbs: int = 1):
+    model, hw = load_model("qwen3-30b-a3b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096, framework="torchtitan")
+    return model, hw, tr, Plan(tp=1, pp=1, dp=8, ep=ep, micro_batch_size=mbs, zero_stage=3)
+
+
+def test_torchtitan_host_time_by_hand():
+    """torchtitan's Qwen3-30B-A3B layer at TP1, bf16: attention block 2 linears + 1 attention kernel + 6 elementwise
+    = 9 forward, 2x2 GEMMs + 3 attention kernels + 8 elementwise = 15 backward, as under Megatron; its MoE layer
+    57 forward and 52 backward operators with EP (whatever the local experts: 16 at EP 8, 128 at EP 1 would not
+    change it), 32 and 45 without. Megatron's layer at EP 8 would issue 36 + 6 x 16 = 132 and 27 + 13 x 16 = 235."""
+    for ep, (f_ops, b_ops) in ((8, (9 + 57, 15 + 52)), (1, (9 + 32, 15 + 45))):
+        model, hw, tr, plan = _torchtitan_qwen(ep)
+        f, b = moe_host_s(model, hw, tr, plan)
+        launch_s = hw.host_launch_us * 1e-6
+        assert (f, b) == pytest.approx((f_ops * launch_s, b_ops * launch_s))
+    model, hw, tr, plan = _torchtitan_qwen(8)
+    from planner.cost import moe_host_after_sync_s
+
+    assert moe_host_after_sync_s(model, hw, tr, plan) == pytest.approx(35 * hw.host_launch_us * 1e-6)
+
+
+def test_torchtitan_without_ep_has_no_sync_chain():
+    """Without expert parallelism torchtitan's MoE layer copies nothing to the host, so no sync chain: the forward is
+    the larger of the GPU's and the host's whole issue, as for a layer without a sync. With EP the chain applies."""
+    from planner.cost import moe_host_after_sync_s, moe_layer_extra
+
+    model, hw, tr, plan = _torchtitan_qwen(1)
+    with_host = layer_time(model, hw, tr, plan, moe=True)
+    gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
+    host_f, _ = moe_host_s(model, hw, tr, plan)
+    assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(max(host_f, gpu.fwd_compute + gpu.ep_fwd))
+    model, hw, tr, plan = _torchtitan_qwen(8)
+    with_host = layer_time(model, hw, tr, plan, moe=True)
+    gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
+    x = moe_layer_extra(model, hw, tr, plan, plan.micro_batch_size * tr.seq_len)
+    gpu_f = gpu.fwd_compute + gpu.tp_fwd + gpu.cp_fwd + gpu.ep_fwd
+    chain = moe_host_after_sync_s(model, hw, tr, plan) + gpu_f - x.fwd_compute - x.comm_fwd
+    host_f, _ = moe_host_s(model, hw, tr, plan)
+    assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(max(host_f, gpu_f, chain))
+
+
+def test_torchtitan_moe_layer_is_not_charged_megatrons_per_expert_launches():
+    """The defect this fixes: at EP 1 (128 local experts) the layer was charged Megatron's 6 + 13 launches per expert,
+    about 2,400 launches, 49 ms at H100's host_launch_us, where torchtitan issues 101 operators in all."""
+    model, hw, tr, plan = _torchtitan_qwen(1)
+    f, b = moe_host_s(model, hw, tr, plan)
+    assert (f + b) / (hw.host_launch_us * 1e-6) == pytest.approx(9 + 32 + 15 + 45)
