@@ -242,7 +242,8 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     max_cp = max(space.max_cp, pins.cp or 1) if fw.allows_cp else 1
     # uneven splits where the framework runs them, or builds some itself (FrameworkProfile.allows_stage_split)
     uneven = space.allow_uneven and (fw.allows_uneven or fw.pipeline_partitions is not None)
-    tps = valid_tp(model, hw, N, space.cross_node_tp or (pins.tp or 0) > hw.nvlink_domain)
+    tps = [t for t in valid_tp(model, hw, N, space.cross_node_tp or (pins.tp or 0) > hw.nvlink_domain)
+           if fw.allows_tp(t, model)]  # KV heads split or replicated as the framework does (FrameworkProfile)
     for tp in tps:
         for cp in valid_cp(training, max_cp):
             if (N // tp) % cp:

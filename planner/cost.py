@@ -1181,6 +1181,8 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         ar = comm.collective_time_s("all_reduce", buf, tp_group, hw)
         tp_fwd = regions * ar
         tp_bwd = sum(overlapped_s(ar, wg, c) for _, wg in col)
+    gathered_qkv = replicated_kv_gather_s(model, hw, training, plan, tokens, tp_group)
+    tp_fwd, tp_bwd = tp_fwd + gathered_qkv[0], tp_bwd + gathered_qkv[1]
     ep_fwd = ep_bwd = 0.0
     x = None
     if moe:
@@ -1247,6 +1249,28 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         fwd, bwd = fwd + offload_exposed_s(copy_s, fwd, L, n) / L, bwd + offload_exposed_s(copy_s, bwd, L, n) / L
     return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
                      cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd, wgrad=wgrad)
+
+
+def replicated_kv_gather_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, tokens: float,
+                           tp_group) -> tuple[float, float]:
+    """(forward, backward) seconds per layer and micro-batch of Megatron-Core's QKV gather when the TP ranks outnumber
+    the KV heads (MQA, or GQA with tp > num_query_groups): the fused QKV weight is split evenly over TP, so no rank
+    holds whole heads, and ``get_query_key_value_tensors`` all-gathers the QKV output along its last dim before
+    slicing this rank's heads out of it (core_v0.16.1 ``transformer/attention.py``:
+    ``all_gather_last_dim_from_tensor_parallel_region(mixed_qkv)`` when ``num_query_groups < world_size``); its
+    backward is a reduce-scatter along that dim (``tensor_parallel/mappings.py``
+    ``_AllGatherFromTensorParallelRegion.backward``). The gathered tensor is the whole layer's ``(q + 2 g d)`` per
+    token, 16-bit. Neither is overlapped (TE's userbuffers overlap the linears' own collectives, not this one).
+    Zero elsewhere: frameworks that split the KV heads refuse such a tp (``FrameworkProfile.replicates_kv_heads``),
+    plan3d validate's miniature builds a KV head per rank, and MLA has no KV heads."""
+    from planner.schedules import framework_family
+
+    g = model.kv_heads
+    if plan.tp <= g or model.is_mla or framework_family(training.framework) != "megatron":
+        return 0.0, 0.0
+    gathered = tokens * (model.q_size + 2 * g * model.kv_channels) * act_bytes(training)
+    return (comm.collective_time_s("all_gather", gathered, tp_group, hw),
+            comm.collective_time_s("reduce_scatter", gathered, tp_group, hw))
 
 
 def distributed_checkpoint_gather_s(training: TrainingSpec, plan: Plan, input_bytes: float, tp_group,

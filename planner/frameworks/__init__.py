@@ -114,6 +114,11 @@ class FrameworkProfile:
     # --grad-reduce-in-bf16); `plan3d search` then offers both gradient dtypes when the user set neither
     # (candidates.grad_dtype_options)
     allows_grad_reduce_in_bf16: bool = False
+    # tp larger than the KV heads, each KV head replicated on tp / kv_heads ranks: Megatron-Core does it
+    # (core_v0.16.1 attention.py: num_query_groups < world_size, the QKV output all-gathered); torchtitan 0.3.0 refuses
+    # it (models/common/decoder.py: "tensor_parallel_degree ... must divide n_kv_heads"), as does Megatron-DeepSpeed
+    # (megatron/model/transformer.py ParallelAttention: core.utils.divide(num_key_value_heads, world_size))
+    replicates_kv_heads: bool = True
     # --- mixture of experts (planner.memory, docs/moe.md) ---
     allows_ep: bool = True  # expert parallelism (ep > 1) as plan3d emits this framework
     # which expert-TP degrees the framework builds: "free" (Megatron's --expert-tensor-parallel-size),
@@ -198,10 +203,22 @@ class FrameworkProfile:
                     f"{precision}; set precision fp8 or drop fp8_params"]
         return []
 
+    def allows_tp(self, tp: int, model) -> bool:
+        """Whether this framework splits ``model``'s attention ``tp`` ways: the KV heads divided among the ranks, or,
+        where it replicates them (``replicates_kv_heads``), also ``tp`` a multiple of them. MLA has no KV heads to
+        split (its latent is replicated)."""
+        g = model.kv_heads
+        return model.is_mla or g % tp == 0 or (self.replicates_kv_heads and tp % g == 0)
+
     def plan_problems(self, plan, model=None, optimizer_dtype: str = "fp32") -> list[str]:
         """What of ``plan`` this framework cannot run, one line each naming the field (``model``, when
-        given, adds the rules that depend on it: MoE; ``optimizer_dtype``, the job's optimizer states)."""
+        given, adds the rules that depend on it: MoE, KV heads; ``optimizer_dtype``, the job's optimizer states)."""
         errors = self._moe_problems(plan, model)
+        if model is not None and plan.tp > 1 and not self.allows_tp(plan.tp, model) and plan.tp % model.kv_heads == 0:
+            fits = [t for t in (1, 2, 4, 8, 16) if model.kv_heads % t == 0 and model.num_attention_heads % t == 0]
+            errors.append(f"tp: {self.name} divides the {model.kv_heads} KV heads among the TP ranks and does not "
+                          f"replicate them (Megatron-LM does): tp({plan.tp}) must divide num_kv_heads; use tp "
+                          f"{' or '.join(map(str, fits))}")
         if not self.allows_zero(plan.zero_stage, plan.pp):
             allowed = [z for z in self.zero_stages if self.allows_zero(z, plan.pp)]
             errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")

@@ -318,4 +318,5 @@ PROFILE = FrameworkProfile(name="deepspeed", state_bytes=state_bytes, logits_byt
                            sp_gathers_inputs=False, max_zero_with_pp=1, allows_cp=False, allows_vpp=False,
                            allows_uneven=False, pipeline_partitions=pipeline_partitions, allows_fp8=False,
                            # plan3d's DeepSpeed launch files write no MoE/expert-parallel configuration
-                           allows_ep=False, expert_tp_rule="tp")
+                           allows_ep=False, expert_tp_rule="tp",
+                           replicates_kv_heads=False)  # ParallelAttention: divide(num_key_value_heads, tp)

@@ -285,6 +285,7 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            uneven_virtual_ends_only=True, pipeline_recv_buffers=True,
                            allows_layer_interval_recompute=True,  # selective_ac_option N (Plan.recompute_interval)
                            expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan",
+                           replicates_kv_heads=False,  # models/common/decoder.py: tp must divide n_kv_heads
                            eager_block_bytes=EAGER_BLOCK_BYTES,
                            eager_block_kernels=EAGER_BLOCK_KERNELS, eager_loss_bytes_per_logit=EAGER_LOSS_BYTES_PER_LOGIT)
 
@@ -294,6 +295,7 @@ TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=Fals
                         # (and every N-th layer of a rank, Plan.recompute_interval, as torchtitan does)
                         uneven_virtual_ends_only=False,  # plan3d validate's miniature splits any stage
                         moe_ep_needs_fsdp=False,  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
+                        replicates_kv_heads=True,  # its miniature keeps max(kv_heads // tp, 1) (planner/validate/model.py)
                         # plan3d validate's miniature runs fused SwiGLU and RoPE of its own, not torchtitan's block
                         eager_block_bytes=None, eager_block_kernels=None, eager_loss_bytes_per_logit=None)
 
