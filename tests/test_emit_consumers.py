@@ -9,9 +9,10 @@
   ``parse_args``, ``validate_args`` (with ``pretrain_gpt.py``'s ``args_defaults``), the model-config
   build ``core_transformer_config_from_args`` and the micro-batch calculator; the layers Megatron
   builds on each (pipeline rank, virtual stage) must be the plan's.
-* torchtitan 0.3.0: ``ConfigManager`` (which runs ``Trainer.Config.__post_init__``), ``ParallelDims``
-  validation, and the batch and pipeline-split checks of ``Trainer.__init__``/``pipeline_llm`` that
-  need no GPU.
+* torchtitan 0.3.0: ``ConfigManager`` (which runs ``Trainer.Config.__post_init__``), the model config's
+  ``update_from_config`` (tp against the heads and KV heads, weight tying under PP, sequence length),
+  ``ParallelDims`` validation, and the batch and pipeline-split checks of ``Trainer.__init__``/``pipeline_llm``
+  that need no GPU.
 * DeepSpeed: ``DeepSpeedConfig`` and the pipeline engine's ZeRO constraint.
 """
 
@@ -489,7 +490,10 @@ def test_megatron_refuses_what_plan3d_refuses_for_distributed_checkpoints(megatr
 
 # --- torchtitan 0.3.0 --------------------------------------------------------------------------------
 L8 = dict(model="llama3-8b", gpus=16, global_batch=32, seq_len=4096)
+Q30 = dict(model="qwen3-30b-a3b", gpus=16, global_batch=32, seq_len=4096)  # 4 KV heads: tp at most 4 here
 TORCHTITAN_PLANS = {
+    "qwen3-moe-tp4-ep4": (Q30, dict(tp=4, pp=1, dp=4, micro_batch_size=1, zero_stage=3, ep=4, etp=1,
+                                    sequence_parallel=True)),
     "pp1-zero0": (L8, dict(tp=8, pp=1, dp=2, micro_batch_size=1)),
     "pp1-zero3-mbs2": (L8, dict(tp=2, pp=1, dp=8, micro_batch_size=2, zero_stage=3)),
     "pp4-stored-even-vpp2": (L70, dict(tp=8, pp=4, dp=2, vpp=2, layers_per_stage=(20, 20, 20, 20),
@@ -534,6 +538,9 @@ def test_torchtitan_accepts_emitted_launch(torchtitan, tmp_path, case):
     world, argv = _torchtitan_argv(script, tmp_path / "run")
     assert world == sc.training.num_gpus
     cfg = ConfigManager().parse_args(argv)  # tyro parse + Trainer.Config.__post_init__
+    # Trainer.__init__'s model-config check (torchtitan/trainer.py: model_spec.model.update_from_config): tp divides
+    # the heads and the KV heads, no weight tying under PP, seq_len within the model's RoPE length
+    cfg.model_spec.model.update_from_config(config=cfg)
     par = cfg.parallelism
     dims = ParallelDims.from_config(par, world)  # checks the degrees multiply to WORLD_SIZE
     # Trainer.__init__ (torchtitan/trainer.py), the checks that need no device: sequence divisibility,
