@@ -887,8 +887,9 @@ def activation_sync_split(model: ModelSpec, hw: HardwareSpec, plan: Plan, extra:
 MOE_HOST_OPS = {"fwd_base": 36, "fwd_per_expert": 6, "bwd_base": 27, "bwd_per_expert": 13,
                 "router_fwd": 23, "router_bwd": 15, "fwd_after_sync_base": 6, "fwd_after_sync_per_expert": 6}
 
-#: The same counts for torchtitan 0.3.0's own MoE layer (``FrameworkProfile.moe_dispatch`` "torchtitan"), measured on
-#: the CPU by ``benchmarks/torchtitan_host_ops.py`` (``tests/test_host_overhead.py`` re-measures them): its routed
+#: The same counts for torchtitan 0.3.0's own MoE layer, measured on
+#: the CPU by ``benchmarks/torchtitan_host_ops.py`` (``tests/test_host_overhead.py`` re-measures them; a profile's
+#: ``FrameworkProfile.moe_host_issue`` "torchtitan"): its routed
 #: experts are three ``torch._grouped_mm`` calls over all local experts (``models/common/moe.py`` ``GroupedExperts``),
 #: so nothing grows with the local experts. ``ep``: the all-to-all token dispatcher of an ep > 1 run
 #: (``AllToAllTokenDispatcher``), which waits for the token counts on the host once per layer
@@ -904,9 +905,10 @@ TORCHTITAN_MOE_HOST_OPS = {
 
 
 def moe_host_ops(training: TrainingSpec, plan: Plan) -> dict[str, int]:
-    """The operator counts of the framework's own MoE layer (``MOE_HOST_OPS``: Megatron-Core's, also charged to
-    DeepSpeed, whose MoE layer is not measured; ``TORCHTITAN_MOE_HOST_OPS``)."""
-    if frameworks.get(training.framework).moe_dispatch == "torchtitan":
+    """The operator counts of the framework's own MoE layer (``FrameworkProfile.moe_host_issue``): ``MOE_HOST_OPS``,
+    Megatron-Core's, also charged to DeepSpeed, whose MoE layer is not measured, and to plan3d validate's miniature,
+    which runs its experts one by one as Megatron's ``SequentialMLP`` does; ``TORCHTITAN_MOE_HOST_OPS``."""
+    if frameworks.get(training.framework).moe_host_issue == "torchtitan":
         return TORCHTITAN_MOE_HOST_OPS["ep" if plan.ep > 1 else "local"]
     return MOE_HOST_OPS
 
@@ -914,7 +916,7 @@ def moe_host_ops(training: TrainingSpec, plan: Plan) -> dict[str, int]:
 def moe_host_syncs(training: TrainingSpec, plan: Plan) -> bool:
     """Whether the framework's dropless MoE layer waits on the host for the token counts every layer: Megatron-Core's
     dispatchers always (:func:`moe_host_s`); torchtitan's only with expert parallelism (``TORCHTITAN_MOE_HOST_OPS``)."""
-    if frameworks.get(training.framework).moe_dispatch == "torchtitan":
+    if frameworks.get(training.framework).moe_host_issue == "torchtitan":
         return plan.ep > 1
     return True
 
@@ -923,7 +925,7 @@ def _experts_issued_one_by_one(training: TrainingSpec) -> bool:
     """Whether the framework issues the experts' eager kernels (clamped activation, biases) once per local expert
     (Megatron-Core's per-expert loops, ``expert_eager_ops``) rather than once over all of them (torchtitan's grouped
     experts)."""
-    return frameworks.get(training.framework).moe_dispatch != "torchtitan"
+    return frameworks.get(training.framework).moe_host_issue != "torchtitan"
 
 
 def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:

@@ -214,3 +214,12 @@ def test_torchtitan_moe_layer_is_not_charged_megatrons_per_expert_launches():
     model, hw, tr, plan = _torchtitan_qwen(1)
     f, b = moe_host_s(model, hw, tr, plan)
     assert (f + b) / (hw.host_launch_us * 1e-6) == pytest.approx(9 + 32 + 15 + 45)
+
+
+def test_validates_miniature_keeps_megatrons_counts():
+    """plan3d validate's MoE miniature (framework torch) loops over its experts and syncs every layer, as Megatron's
+    SequentialMLP does: it keeps MOE_HOST_OPS though its memory profile derives from torchtitan's."""
+    model, hw, _, plan = _torchtitan_qwen(8)
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096, framework="torch")
+    f, b = moe_host_s(model, hw, tr, plan)
+    assert (f, b) == pytest.approx(((9 + 36 + 6 * 16) * hw.host_launch_us * 1e-6, (15 + 27 + 13 * 16) * hw.host_launch_us * 1e-6))

@@ -128,6 +128,9 @@ class FrameworkProfile:
     moe_ep_needs_fsdp: bool = False  # ep > 1 lives inside the FSDP mesh: ZeRO >= 1 (torchtitan's efsdp)
     # how a MoE layer holds its tokens and saves them (planner.memory.moe_activation_terms)
     moe_dispatch: str = "megatron"
+    # whose MoE layer the host issues (planner.cost.moe_host_ops): "megatron", experts one by one and a host sync
+    # every layer (Megatron-Core's measured counts); "torchtitan", grouped experts, a host sync only with EP
+    moe_host_issue: str = "megatron"
     # how the routed experts' GEMMs run (planner.cost.grouped_gemm_time_s): 0, one grouped kernel over the local
     # experts (torch._grouped_mm); n > 0, one cuBLAS GEMM per local expert, issued round-robin to n CUDA streams
     # (Transformer Engine's GroupedLinear under Megatron-Core's TEGroupedMLP, planner.cost.TE_GROUPED_GEMM_STREAMS)

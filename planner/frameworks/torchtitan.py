@@ -286,6 +286,7 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            allows_layer_interval_recompute=True,  # selective_ac_option N (Plan.recompute_interval)
                            expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan",
                            replicates_kv_heads=False,  # models/common/decoder.py: tp must divide n_kv_heads
+                           moe_host_issue="torchtitan",  # grouped experts (planner.cost.TORCHTITAN_MOE_HOST_OPS)
                            eager_block_bytes=EAGER_BLOCK_BYTES,
                            eager_block_kernels=EAGER_BLOCK_KERNELS, eager_loss_bytes_per_logit=EAGER_LOSS_BYTES_PER_LOGIT)
 
@@ -296,6 +297,9 @@ TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=Fals
                         uneven_virtual_ends_only=False,  # plan3d validate's miniature splits any stage
                         moe_ep_needs_fsdp=False,  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
                         replicates_kv_heads=True,  # its miniature keeps max(kv_heads // tp, 1) (planner/validate/model.py)
+                        # its MoE miniature runs its experts one by one and copies the counts to the host every layer
+                        # (planner/validate/moe_layer.py: recv.tolist()), as Megatron's SequentialMLP does
+                        moe_host_issue="megatron",
                         # plan3d validate's miniature runs fused SwiGLU and RoPE of its own, not torchtitan's block
                         eager_block_bytes=None, eager_block_kernels=None, eager_loss_bytes_per_logit=None)
 
