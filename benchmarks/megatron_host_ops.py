@@ -149,6 +149,20 @@ def count(local_experts: int, top_k: int = 2) -> dict[str, int]:
     return out
 
 
+def linear_in_experts(counts: dict[int, dict[str, int]], prefix: str = "") -> dict[str, int]:
+    """Each count of ``counts`` (measured at 4, 8 and 16 local experts) as ``<prefix><key>_base`` and
+    ``_per_expert``: the slope from 4 to 8 experts, checked at 16 (a count not linear in the experts stops)."""
+    a, b, c = counts[4], counts[8], counts[16]
+    out = {}
+    for key in a:
+        slope = (b[key] - a[key]) / 4
+        base = a[key] - 4 * slope
+        if base + 16 * slope != c[key]:
+            raise SystemExit(f"{prefix}{key}: not linear in the expert count ({a[key]}, {b[key]}, {c[key]})")
+        out[f"{prefix}{key}_base"], out[f"{prefix}{key}_per_expert"] = int(base), int(slope)
+    return out
+
+
 def host_us_per_op(local_experts: int = 16, repeats: int = 50) -> tuple[float, float]:
     """(forward, backward) wall-clock microseconds per kernel-launching operator of one MoE layer on this CPU,
     with tensors so small that the time is the host's: Python, Megatron's own code, the aten dispatcher and
@@ -186,14 +200,7 @@ def measure() -> dict:
     if not hasattr(moe_utils, "te_general_gemm"):  # core_v0.16.1 names it only when TE imports
         moe_utils.te_general_gemm = None
     parallel_state.initialize_model_parallel(1, 1)
-    a, b, c = count(4), count(8), count(16)
-    out = {}
-    for key in a:
-        slope = (b[key] - a[key]) / 4
-        base = a[key] - 4 * slope
-        if base + 16 * slope != c[key]:
-            raise SystemExit(f"{key}: not linear in the expert count ({a[key]}, {b[key]}, {c[key]})")
-        out[key + "_base"], out[key + "_per_expert"] = int(base), int(slope)
+    out = linear_in_experts({e: count(e) for e in (4, 8, 16)})
     out["megatron"] = "core_v0.16.1 MoELayer, alltoall dispatcher, SequentialMLP, aux-loss router, top-2"
     fwd_us, bwd_us = host_us_per_op()
     out["host_us_per_kernel_op_this_cpu"] = {"fwd": round(fwd_us, 1), "bwd": round(bwd_us, 1)}

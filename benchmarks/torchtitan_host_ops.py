@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from megatron_host_ops import _Count  # noqa: E402  (the same operator classification)
+from megatron_host_ops import _Count, linear_in_experts  # noqa: E402  (the same operator classification)
 
 DIM, HIDDEN, TOP_K, TOKENS = 128, 64, 2, (2, 64)  # 16-byte aligned rows for torch._grouped_mm on the CPU
 
@@ -114,18 +114,6 @@ def count(local_experts: int, ep_mesh=None) -> dict[str, int]:
     return out
 
 
-def _linear(counts: dict[int, dict[str, int]], prefix: str) -> dict[str, int]:
-    a, b, c = counts[4], counts[8], counts[16]
-    out = {}
-    for key in a:
-        slope = (b[key] - a[key]) / 4
-        base = a[key] - 4 * slope
-        if base + 16 * slope != c[key]:
-            raise SystemExit(f"{prefix}{key}: not linear in the expert count ({a[key]}, {b[key]}, {c[key]})")
-        out[f"{prefix}{key}_base"], out[f"{prefix}{key}_per_expert"] = int(base), int(slope)
-    return out
-
-
 def measure() -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -139,8 +127,8 @@ def measure() -> dict:
     _mark_sync()
     tt_dist.set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    out = _linear({e: count(e) for e in (4, 8, 16)}, "local_")
-    out |= _linear({e: count(e, mesh) for e in (4, 8, 16)}, "ep_")
+    out = linear_in_experts({e: count(e) for e in (4, 8, 16)}, "local_")
+    out |= linear_in_experts({e: count(e, mesh) for e in (4, 8, 16)}, "ep_")
     out["torchtitan"] = (f"torchtitan {getattr(torchtitan, '__version__', '?')} MoE (make_moe_config), standard "
                          "dispatcher, softmax router with route_norm, top-2, no shared experts; torch "
                          f"{torch.__version__}")

@@ -112,19 +112,26 @@ def test_host_after_sync_by_hand():
     assert moe_host_after_sync_s(model, hw, tr, plan) == pytest.approx(102 * hw.host_launch_us * 1e-6)
 
 
-def test_sync_chain_sets_the_forward_where_experts_are_host_heavy():
-    """From one sync to the next the host issues the experts and the combine, and only then the next layer's attention:
-    the forward takes at least that host time plus the GPU time of the pre-dispatch work. DeepSeek-V3 EP8 on B200
-    (32 local experts): this chain exceeds both the GPU's forward and the host's whole forward issue, so it sets the
-    forward; the backward, which has no sync, keeps its own floor."""
+def _forward_parts(model, hw, tr, plan):
+    """(the layer with host time, the same without, the GPU forward, the sync chain: the host's issue after the
+    sync plus the GPU's pre-dispatch work) of one MoE layer."""
     from planner.cost import moe_host_after_sync_s, moe_layer_extra
 
-    model, hw, tr, plan = _deepseek_b200()
     with_host = layer_time(model, hw, tr, plan, moe=True)
     gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
     x = moe_layer_extra(model, hw, tr, plan, plan.micro_batch_size * tr.seq_len)
     gpu_f = gpu.fwd_compute + gpu.tp_fwd + gpu.cp_fwd + gpu.ep_fwd
     chain = moe_host_after_sync_s(model, hw, tr, plan) + gpu_f - x.fwd_compute - x.comm_fwd
+    return with_host, gpu, gpu_f, chain
+
+
+def test_sync_chain_sets_the_forward_where_experts_are_host_heavy():
+    """From one sync to the next the host issues the experts and the combine, and only then the next layer's attention:
+    the forward takes at least that host time plus the GPU time of the pre-dispatch work. DeepSeek-V3 EP8 on B200
+    (32 local experts): this chain exceeds both the GPU's forward and the host's whole forward issue, so it sets the
+    forward; the backward, which has no sync, keeps its own floor."""
+    model, hw, tr, plan = _deepseek_b200()
+    with_host, gpu, gpu_f, chain = _forward_parts(model, hw, tr, plan)
     host_f, host_b = moe_host_s(model, hw, tr, plan)
     assert chain > max(gpu_f, host_f)
     assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(chain)
@@ -191,19 +198,13 @@ def test_torchtitan_host_time_by_hand():
 def test_torchtitan_without_ep_has_no_sync_chain():
     """Without expert parallelism torchtitan's MoE layer copies nothing to the host, so no sync chain: the forward is
     the larger of the GPU's and the host's whole issue, as for a layer without a sync. With EP the chain applies."""
-    from planner.cost import moe_host_after_sync_s, moe_layer_extra
-
     model, hw, tr, plan = _torchtitan_qwen(1)
     with_host = layer_time(model, hw, tr, plan, moe=True)
     gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
     host_f, _ = moe_host_s(model, hw, tr, plan)
     assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(max(host_f, gpu.fwd_compute + gpu.ep_fwd))
     model, hw, tr, plan = _torchtitan_qwen(8)
-    with_host = layer_time(model, hw, tr, plan, moe=True)
-    gpu = layer_time(model, hw.model_copy(update={"host_launch_us": 0.0}), tr, plan, moe=True)
-    x = moe_layer_extra(model, hw, tr, plan, plan.micro_batch_size * tr.seq_len)
-    gpu_f = gpu.fwd_compute + gpu.tp_fwd + gpu.cp_fwd + gpu.ep_fwd
-    chain = moe_host_after_sync_s(model, hw, tr, plan) + gpu_f - x.fwd_compute - x.comm_fwd
+    with_host, _, gpu_f, chain = _forward_parts(model, hw, tr, plan)
     host_f, _ = moe_host_s(model, hw, tr, plan)
     assert with_host.fwd_compute + with_host.ep_fwd == pytest.approx(max(host_f, gpu_f, chain))
 
