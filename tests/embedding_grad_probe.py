@@ -8,30 +8,24 @@ weight's gradient after one forward and backward, and the largest tensor torch's
 the backward. Used by tests/test_embedding_grad_gloo.py.
 """
 
-import json
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's planner, as torchrun starts us
 
 from planner.fake_rank import _allocation_trace  # noqa: E402
+from torchrun_jobs import run_tp_probe  # noqa: E402  (tests/, this script's folder, is on the path)
 
 BATCH, SEQ, VOCAB, HIDDEN = 2, 256, 32000, 256
 
 
-def main() -> None:
+def measure(mesh, tp: int) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    dist.init_process_group("gloo")
-    tp = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (tp,))
-    torch.manual_seed(0)
     emb = torch.nn.Embedding(VOCAB, HIDDEN, dtype=torch.bfloat16)
     parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
@@ -42,14 +36,10 @@ def main() -> None:
     with _allocation_trace(events), MemTracker():
         out.backward()
     grad = emb.weight.grad
-    if dist.get_rank() == 0:
-        print(json.dumps({
-            "tp": tp, "rows": emb.weight.to_local().shape[0], "grad_local_shape": list(grad.to_local().shape),
+    return {"rows": emb.weight.to_local().shape[0], "grad_local_shape": list(grad.to_local().shape),
             "grad_placements": [str(p) for p in grad.placements], "grad_element_bytes": grad.element_size(),
-            "largest_backward_tensor_bytes": max((b for kind, _, b in events if kind == "ADD"), default=0),
-        }), flush=True)
-    dist.destroy_process_group()
+            "largest_backward_tensor_bytes": max((b for kind, _, b in events if kind == "ADD"), default=0)}
 
 
 if __name__ == "__main__":
-    main()
+    run_tp_probe(measure)

@@ -58,3 +58,22 @@ def probe_json(probe, nproc: int, timeout: float) -> dict:
                         str(probe)], timeout=timeout)
     assert res.returncode == 0, error_lines(res.stderr)
     return json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("{")))
+
+
+def run_tp_probe(measure) -> None:
+    """The rank side of :func:`probe_json`: a gloo process group, a TP mesh over every rank, seed 0, then
+    ``measure(mesh, tp)``; rank 0 prints its dict, with ``tp``, as one JSON line."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    tp = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (tp,))
+    torch.manual_seed(0)
+    result = measure(mesh, tp)
+    if dist.get_rank() == 0:
+        print(json.dumps({"tp": tp, **result}), flush=True)
+    dist.destroy_process_group()
