@@ -928,6 +928,13 @@ def _experts_issued_one_by_one(training: TrainingSpec) -> bool:
     return frameworks.get(training.framework).moe_host_issue != "torchtitan"
 
 
+def _expert_eager_launches(model: ModelSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
+    """(forward, backward) host launches of the experts' eager kernels (``expert_eager_ops``), as the framework
+    issues them: once per local expert, or once over all of them (:func:`_experts_issued_one_by_one`)."""
+    local = model.num_experts / plan.ep if _experts_issued_one_by_one(training) else 1
+    return expert_eager_ops(model, local)[1]
+
+
 def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
     """(forward, backward) host seconds to issue one MoE layer's kernels for one micro-batch.
 
@@ -961,8 +968,7 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         attn_f = attn_b = 1
     local = model.num_experts / plan.ep
     o = moe_host_ops(training, plan)
-    # not in the measured layer (no biases, no clamp); torchtitan's grouped experts issue each once
-    _, (eager_f, eager_b) = expert_eager_ops(model, local if _experts_issued_one_by_one(training) else 1)
+    eager_f, eager_b = _expert_eager_launches(model, training, plan)  # not in the measured layers
     moe_f = o["fwd_base"] + o["fwd_per_expert"] * local + eager_f
     moe_b = o["bwd_base"] + o["bwd_per_expert"] * local + eager_b
     if "moe_router" in graphs:
@@ -985,7 +991,7 @@ def moe_host_after_sync_s(model: ModelSpec, hw: HardwareSpec, training: Training
     ``moe_preprocess`` scopes end before the dispatch). Used by :func:`layer_time` for the sync chain."""
     local = model.num_experts / plan.ep
     o = moe_host_ops(training, plan)
-    _, (eager_f, _) = expert_eager_ops(model, local if _experts_issued_one_by_one(training) else 1)
+    eager_f, _ = _expert_eager_launches(model, training, plan)
     return (o["fwd_after_sync_base"] + o["fwd_after_sync_per_expert"] * local + eager_f) * hw.host_launch_us * 1e-6
 
 
