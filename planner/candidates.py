@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from planner import frameworks
-from planner.specs import HardwareSpec, ModelSpec, Plan, TrainingSpec, offload_problems, plan_problems
+from planner.specs import (HardwareSpec, ModelSpec, Plan, TrainingSpec, deepep_group_problem, offload_problems,
+                           plan_problems)
 
 RECOMPUTE = ("none", "selective", "full")
 MAX_UNEVEN_VPP = 4  # unpinned, uneven splits are searched with vpp up to this (a pinned vpp is searched at any value)
@@ -253,7 +254,8 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                 if not pins.ok(tp=tp, cp=cp, pp=pp, dp=dp):
                     continue
                 experts = [(ep, etp) for ep, etp in valid_expert(model, hw, tp, cp, dp, pins)
-                           if fw.allows_expert(ep, etp or tp, tp)]  # what the framework runs
+                           if fw.allows_expert(ep, etp or tp, tp)  # what the framework runs
+                           and not deepep_group_problem(model, training, ep, etp or tp)]  # and DeepEP, if asked
                 for plain in valid_splits(model, pp, uneven, max(MAX_UNEVEN_VPP, pins.vpp or 0)):
                     if pins.ok(vpp=plain.vpp) and (plain.vpp == 1 or fw.allows_vpp) and \
                             fw.allows_stage_split(plain.pp, plain.vpp, plain.first, plain.middle, plain.last):

@@ -1271,14 +1271,69 @@ def tp_comm_overlap_buffer_bytes(training: TrainingSpec, plan: Plan, hidden_size
     return float(training.seq_len * plan.micro_batch_size // plan.cp * hidden_size * per)
 
 
+#: DeepEP's recommended configs (``deep_ep/buffer.py`` ``Buffer.get_dispatch_config`` / ``get_combine_config``): the
+#: NVLink receive tokens per channel by group size, the larger of the two configs (they agree in every stored version);
+#: the RDMA receive tokens are 128 at every size. Megatron-Core sizes its buffer from both configs
+#: (core_v0.16.1 ``moe/fused_a2a.py::get_buffer``: the max of the two hints).
+DEEPEP_NVL_RECV_TOKENS = {2: 256, 4: 256, 8: 256, 16: 288, 24: 288, 32: 288, 64: 288, 128: 560, 144: 720, 160: 720}
+DEEPEP_RDMA_RECV_TOKENS = 128
+#: SMs DeepEP's normal kernels use under Megatron (``TransformerConfig.moe_deepep_num_sms``, core_v0.16.1, passed to
+#: ``Buffer.set_num_sms``); a channel is two SMs (``config.hpp``: ``num_channels = num_sms / 2``).
+DEEPEP_NUM_SMS = 20
+DEEPEP_NVL_PEERS = 8  # NUM_MAX_NVL_PEERS (csrc/kernels/configs.cuh)
+DEEPEP_WORKSPACE_BYTES = 32 * 2**20  # NUM_WORKSPACE_BYTES, cudaMalloc'd by every Buffer (csrc/deep_ep.cpp)
+#: NVSHMEM backs its symmetric heap in granules of this size, which DeepEP sets (buffer.py:
+#: ``NVSHMEM_CUMEM_GRANULARITY = 2**29``, "NVSHMEM initialization requires at least 256 MiB")
+NVSHMEM_GRANULE_BYTES = 2**29
+
+
+def deepep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """Device memory of DeepEP's communication buffer on one GPU, allocated outside PyTorch's caching allocator the
+    first time a MoE layer dispatches (so on every stage that holds one), where the job runs DeepEP.
+
+    Megatron-Core (core_v0.16.1 ``moe/fused_a2a.py``) builds ``Buffer(group, num_nvl_bytes, num_rdma_bytes)`` over the
+    ``etp x ep`` group with ``hidden_bytes = hidden * max(element size, 2)`` and the larger of the dispatch and
+    combine configs' hints. DeepEP's ``csrc/config.hpp`` (``Config::get_nvl_buffer_size_hint``,
+    ``get_rdma_buffer_size_hint``), with ``c = num_sms / 2`` channels, ``n = min(ranks, 8)`` NVLink peers and
+    ``r = max(ranks / 8, 1)`` RDMA ranks, ``K = 128`` top-k slots and scales, an 8-byte source meta:
+
+    * NVLink (``cudaMalloc``): ``c n (2r + 3) 4 + c n T_nvl (hidden_bytes + 8 + K 8 + K 4 + K 4)``, 128-byte aligned;
+    * RDMA (NVSHMEM, only when the group spans nodes, ranks > 8): ``c r (2 x 8 + 2) 2 x 4 + 2 c r T_rdma
+      (hidden_bytes + 8 + K 8 + K 4 + K 4 + 16) + 1 MiB``, backed in whole NVSHMEM granules;
+    * the 32 MiB workspace.
+
+    DeepSeek-V3 (hidden 7,168) over 64 ranks: 377.7 MB NVLink, 337.1 MB RDMA (one 512 MiB granule), so 0.88 GiB per
+    GPU; over 8 ranks 0.34 GiB. NVSHMEM's own state (queue pairs, proxy) is not counted. Sizes DeepEP has no config for
+    are refused (``specs.deepep_group_problems``)."""
+    ranks = plan.ep * plan.expert_tp
+    if training.moe_token_dispatcher != "deepep" or not model.is_moe or ranks not in DEEPEP_NVL_RECV_TOKENS:
+        return 0.0
+    hidden_bytes = model.hidden_size * max(act_bytes(training), 2)
+    c = DEEPEP_NUM_SMS // 2
+    k = 128
+    per_token = 8 + k * 8 + k * 4 + k * 4  # source meta, top-k indices (int64), weights and scales (fp32)
+    n, r = min(ranks, DEEPEP_NVL_PEERS), max(ranks // DEEPEP_NVL_PEERS, 1)
+    nvl = c * n * (2 * r + 3) * 4 + c * n * DEEPEP_NVL_RECV_TOKENS[ranks] * (hidden_bytes + per_token)
+    nvl = -(-nvl // 128) * 128
+    rdma = 0
+    if ranks > DEEPEP_NVL_PEERS:
+        rdma = (c * r * (DEEPEP_NVL_PEERS * 2 + 2) * 2 * 4
+                + 2 * c * r * DEEPEP_RDMA_RECV_TOKENS * (hidden_bytes + per_token + 16) + 2**20)
+        rdma = -(-rdma // NVSHMEM_GRANULE_BYTES) * NVSHMEM_GRANULE_BYTES
+    return float(nvl + rdma + DEEPEP_WORKSPACE_BYTES)
+
+
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
                       stage: int):
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the
     first stage, the output layer's on the last, the pipeline's receive buffers
-    (:func:`pipeline_buffer_bytes`); and Transformer Engine's TP-overlap userbuffers on every stage
-    (:func:`tp_comm_overlap_buffer_bytes`)."""
+    (:func:`pipeline_buffer_bytes`); Transformer Engine's TP-overlap userbuffers on every stage
+    (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer on every stage with a MoE layer
+    (:func:`deepep_buffer_bytes`)."""
     other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + \
         tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
+    if plan.stage_moe_layers(model)[stage]:  # DeepEP's buffer, where a MoE layer of this stage dispatches
+        other = other + deepep_buffer_bytes(model, training, plan)
     if stage == 0:
         mbs_in_flight = np.ceil(stage_in_flight_chunks(training, plan, num_microbatches, 0) / plan.vpp)
         other = other + mbs_in_flight * input_bytes_per_microbatch(model, training, plan)

@@ -47,7 +47,7 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, chunk_peak_layers,
-                            in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
+                            deepep_buffer_bytes, in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
@@ -367,6 +367,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             other = other + (sp_u * (training.seq_len * mbs_u // cp) * model.hidden_size * ub_per_element)[:, None]
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
+        other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
         out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
         layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)

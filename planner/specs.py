@@ -1338,6 +1338,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors.append(f"cpu_offload_layers: {plan.cpu_offload_layers} must be less than num_layers({L}); "
                       f"give at most {L - 1}")
     errors += moe_plan_problems(model, hardware, plan)
+    errors += deepep_group_problems(model, training, plan)
     if c > 1 and s % (2 * c):
         errors.append(f"cp: seq_len({s}) is not divisible by 2 * cp({c}) = {2 * c} (load-balanced causal split)")
     if plan.pipeline_schedule is not None and B % (b * d) == 0:
@@ -1490,6 +1491,38 @@ def moe_plan_problems(model: ModelSpec, hardware: HardwareSpec, plan: Plan) -> l
     if straddle and plan.etp is not None:
         errors.append(f"etp: etp({et}) {straddle}")
     return errors
+
+
+#: Expert groups (etp x ep ranks) DeepEP sizes its buffers for: the keys of ``Buffer.get_dispatch_config`` and
+#: ``get_combine_config`` (deepseek-ai/DeepEP ``deep_ep/buffer.py``; every stored version has these, some also 48
+#: and 96, which are left out). Megatron-Core sizes its DeepEP buffer from them (core_v0.16.1
+#: ``moe/fused_a2a.py::get_buffer``), and DeepEP asserts "Unsupported number of EP ranks" for any other size.
+DEEPEP_GROUP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
+
+
+def deepep_group_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[str]:
+    """The DeepEP dispatcher's own limits on the expert group it runs over (``etp x ep`` ranks: Megatron-Core's flex
+    dispatcher communicates over ``tp_ep_group``, core_v0.16.1 ``moe/token_dispatcher.py::MoEFlexTokenDispatcher``):
+    more than one rank (its assertion "Flex token dispatcher requires TPxEP > 1") and a size DeepEP has a config for
+    (:data:`DEEPEP_GROUP_SIZES`). Only where the job asks for DeepEP on a MoE model."""
+    problem = deepep_group_problem(model, training, plan.ep, plan.expert_tp)
+    return [problem] if problem else []
+
+
+def deepep_group_problem(model: ModelSpec, training: TrainingSpec, ep: int, etp: int) -> str | None:
+    """:func:`deepep_group_problems` for ``ep`` and the expert TP degree ``etp`` (the search's shapes ask it before
+    they build a plan, ``candidates.shapes``)."""
+    if training.moe_token_dispatcher != "deepep" or not model.is_moe:
+        return None
+    n = ep * etp
+    if n == 1:
+        return ("moe_token_dispatcher: deepep needs an expert group of more than one rank (etp x ep = 1; Megatron's "
+                "flex dispatcher requires TPxEP > 1); use --moe-dispatcher alltoall or ep > 1")
+    if n not in DEEPEP_GROUP_SIZES:
+        sizes = ", ".join(map(str, DEEPEP_GROUP_SIZES))
+        return (f"moe_token_dispatcher: DeepEP has no buffer config for an expert group of {n} ranks (etp({etp}) x "
+                f"ep({ep})); it supports {sizes}; use --moe-dispatcher alltoall or another ep")
+    return None
 
 
 class Scenario(_Spec):
