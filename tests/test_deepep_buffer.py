@@ -113,3 +113,25 @@ def test_search_keeps_to_what_deepep_runs_and_its_tables_are_the_estimate():
     assert 1 not in groups and groups <= {2, 4, 8, 16}
     checked = [assert_entry_is_estimate(model, H100, tr, tables, k) for k in keys[:: max(1, len(keys) // 20)]]
     assert any(p.pp > 1 for p in checked) and any(deepep_buffer_bytes(model, tr, p) for p in checked)
+
+
+def test_check_reads_the_flex_dispatcher_back(tmp_path):
+    """An emitted DeepEP launch reads back as DeepEP (tests/test_round_trip_sweep.py checks its verdict); the same
+    file with HybridEP, which plan3d does not model, reads as the all-to-all and says so."""
+    from planner.check import check_file_branches
+    from planner.emit import render_all
+    from planner.io import write_all
+    from planner.specs import Scenario
+
+    tr = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, moe_token_dispatcher="deepep")
+    sc = Scenario(model=load_model("mixtral-8x7b"), hardware=H100, training=tr,
+                  plan=Plan(tp=1, pp=2, dp=8, vpp=2, ep=8, zero_stage=1, micro_batch_size=1))
+    (path,) = [p for p in write_all(tmp_path, render_all(sc, ["megatron"]), force=True) if p.name.endswith(".args")]
+    text = path.read_text()
+    assert "--moe-flex-dispatcher-backend deepep" in text
+    (r,) = check_file_branches(path, None, None, None)
+    assert r.scenario.training.moe_token_dispatcher == "deepep"
+    path.write_text(text.replace("--moe-flex-dispatcher-backend deepep", "--moe-flex-dispatcher-backend hybridep"))
+    (r,) = check_file_branches(path, None, None, None)
+    assert r.scenario.training.moe_token_dispatcher == "alltoall"
+    assert any("hybridep: not modelled" in n for n in r.notes), r.notes

@@ -529,6 +529,20 @@ def _megatron_core_recompute_rules(a: Args, granularity: str | None) -> None:
                         "recompute: Megatron-Core refuses it (recompute_num_layers must be None); drop it")
 
 
+def dispatcher(a, notes: list[str]) -> str:
+    """The MoE token dispatcher plan3d costs for a Megatron launch: ``deepep`` for ``--moe-token-dispatcher-type
+    flex`` with DeepEP (``--moe-flex-dispatcher-backend deepep``, Megatron's default backend, or the older
+    ``--moe-enable-deepep``), else the all-to-all. HybridEP (``--moe-flex-dispatcher-backend hybridep``) is not
+    modelled: it is costed as the all-to-all and its buffers are not sized, which the notes say."""
+    if a.has("--deepspeed") or a.get("--moe-token-dispatcher-type") != "flex":
+        return "alltoall"
+    if a.get("--moe-flex-dispatcher-backend") == "hybridep":
+        notes.append("--moe-flex-dispatcher-backend hybridep: not modelled; costed as the all-to-all dispatcher, "
+                     "without HybridEP's buffers")
+        return "alltoall"
+    return "deepep"
+
+
 def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, int | None, int | None]:
     """(``Plan.recompute``, ``Plan.recompute_num_layers``, ``Plan.recompute_group_layers``) of the launch.
     ``--recompute-method block --recompute-num-layers K`` recomputes the first K layers of each model chunk
@@ -787,6 +801,9 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # the MoE all-to-all overlap: one more warm-up forward and a merged step's layer in memory
                 # (memory.a2a_overlap_extra_layers), where Megatron runs it (memory.a2a_overlap_active)
                 "moe_a2a_overlap": not a.has("--deepspeed") and a.has("--overlap-moe-expert-parallel-comm"),
+                # DeepEP: the flex dispatcher with its default backend (TransformerConfig core_v0.16.1:
+                # moe_flex_dispatcher_backend "deepep"), as plan3d emits it; its buffer and group rules follow
+                "moe_token_dispatcher": dispatcher(a, notes),
                 # the captured parts whose launches plan3d costs as one (cuda_graphs; their memory is noted, not counted)
                 "cuda_graph_modules": () if a.has("--deepspeed") else cuda_graphs(a, notes)}
     comm_types = a.get("--cp-comm-type", ["p2p"])
