@@ -1268,6 +1268,12 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.cross_entropy_fusion != "none" and training.framework not in ("megatron", "nemo"):
         errors.append(f"cross_entropy_fusion: {training.framework} has no Megatron loss fusion "
                       "(--cross-entropy-loss-fusion); use framework megatron or nemo, or none")
+    if training.moe_token_dispatcher == "deepep" and training.framework not in ("megatron", "nemo"):
+        # plan3d's DeepEP (cost.deepep_time_s, memory.deepep_buffer_bytes) is Megatron-Core's flex dispatcher; torchtitan
+        # builds DeepEP v2's ElasticBuffer (torchtitan 0.3.0 models/common/config_utils.py), DeepSpeed has none, and
+        # neither emitter writes it
+        errors.append(f"moe_token_dispatcher: deepep is modelled as Megatron-Core's flex dispatcher, which "
+                      f"{training.framework} does not run; use framework megatron or nemo, or --moe-dispatcher alltoall")
     mods = training.recompute_modules
     if mods != ("core_attn",):
         if training.framework not in ("megatron", "nemo"):

@@ -135,3 +135,34 @@ def test_check_reads_the_flex_dispatcher_back(tmp_path):
     (r,) = check_file_branches(path, None, None, None)
     assert r.scenario.training.moe_token_dispatcher == "alltoall"
     assert any("hybridep: not modelled" in n for n in r.notes), r.notes
+
+
+@pytest.mark.parametrize("framework", ["torchtitan", "deepspeed", "torch"])
+def test_deepep_outside_megatron_is_refused(framework):
+    """plan3d's DeepEP is Megatron-Core's flex dispatcher; the torchtitan and DeepSpeed launch files never ran it (their
+    emitters write the all-to-all), so a job asking for it there is refused before any plan."""
+    from planner.specs import job_problems
+
+    tr = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, framework=framework, moe_token_dispatcher="deepep")
+    problems = job_problems(load_model("mixtral-8x7b"), H100, tr)
+    assert any(p.startswith("moe_token_dispatcher: deepep is modelled as Megatron-Core's flex dispatcher") for p in problems)
+    assert not job_problems(load_model("mixtral-8x7b"), H100, tr.model_copy(update={"moe_token_dispatcher": "alltoall"}))
+
+
+def test_validate_runs_deepep_plans_with_the_all_to_all():
+    """The validate run (torch's all-to-all) and a torchtitan run of a Megatron DeepEP plan are predicted with the
+    dispatcher they run, and say so; the job check then accepts them."""
+    from planner.specs import Scenario, job_problems
+    from planner.validate import framework_run
+    from planner.validate.launch import changes, run_scenario
+
+    tr = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, moe_token_dispatcher="deepep")
+    sc = Scenario(model=load_model("mixtral-8x7b"), hardware=H100, training=tr,
+                  plan=Plan(tp=1, pp=2, dp=8, vpp=2, ep=8, zero_stage=1, micro_batch_size=1))
+    run = run_scenario(sc)
+    assert run.training.moe_token_dispatcher == "alltoall" and not job_problems(run.model, run.hardware, run.training)
+    assert "token dispatch deepep -> alltoall (torch's all-to-all)" in changes(sc, run)
+    pred = framework_run.predicted_scenario(sc, "torchtitan")
+    assert pred.training.moe_token_dispatcher == "alltoall"
+    assert "token dispatch deepep -> alltoall" in framework_run.changes(sc, pred)
+    assert framework_run.predicted_scenario(sc, "nemo").training.moe_token_dispatcher == "deepep"

@@ -190,7 +190,10 @@ def skip_reason(sc: Scenario, framework: str, megatron_lm: str | None = None) ->
 def predicted_scenario(sc: Scenario, framework: str, hardware: HardwareSpec | None = None) -> Scenario:
     """The plan as ``framework`` runs it: its framework profile (planner/frameworks) and, when given,
     the hardware profile of this machine."""
-    training = sc.training.model_copy(update={"framework": framework})
+    update = {"framework": framework}
+    if framework not in ("megatron", "nemo"):  # its launch file dispatches with the all-to-all (specs.job_problems)
+        update["moe_token_dispatcher"] = "alltoall"
+    training = sc.training.model_copy(update=update)
     return sc.model_copy(update={"training": training, "hardware": hardware or sc.hardware})
 
 
@@ -198,6 +201,8 @@ def changes(sc: Scenario, pred: Scenario) -> list[str]:
     out = []
     if pred.training.framework != sc.training.framework:
         out.append(f"framework {sc.training.framework} -> {pred.training.framework} (predicted as it runs)")
+    if pred.training.moe_token_dispatcher != sc.training.moe_token_dispatcher:
+        out.append(f"token dispatch {sc.training.moe_token_dispatcher} -> {pred.training.moe_token_dispatcher}")
     if pred.hardware.name != sc.hardware.name:
         out.append(f"hardware {sc.hardware.name} -> {pred.hardware.name}")
     return out

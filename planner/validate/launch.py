@@ -279,6 +279,9 @@ def changes(sc: Scenario, run: Scenario) -> list[str]:
             ("dense-first layers", m.first_k_dense, n.first_k_dense), ("ep", p.ep, q.ep)) if a != b]
         if moe:
             out.append("mixture of experts: " + ", ".join(moe))
+        if run.training.moe_token_dispatcher != sc.training.moe_token_dispatcher:
+            out.append(f"token dispatch {sc.training.moe_token_dispatcher} -> {run.training.moe_token_dispatcher} "
+                       "(torch's all-to-all)")
     return out
 
 
@@ -920,6 +923,8 @@ def run_scenario(sc: Scenario, precision: str | None = None) -> Scenario:
         raise SpecError(f"--precision: '{precision}' is not one of fp32, bf16 (what the validate run can run)")
     run = precision or run_precision(sc.training.precision)
     # (Megatron's loss kernel is Megatron's: the torch run has its own loss, counted by the torch profile)
-    training = sc.training.model_copy(update={"precision": run, "framework": "torch", "cross_entropy_fusion": "none"})
+    # (nor is DeepEP: the run dispatches with torch's all-to-all, planner.validate.moe)
+    training = sc.training.model_copy(update={"precision": run, "framework": "torch", "cross_entropy_fusion": "none",
+                                              "moe_token_dispatcher": "alltoall"})
     plan = sc.plan.model_copy(update={"zero_stage": 2 if sc.plan.zero_stage == 1 else sc.plan.zero_stage})
     return sc.model_copy(update={"training": training, "plan": plan})
