@@ -32,9 +32,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner import frameworks
-from planner.specs import (FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec,
-                           a2a_overlap_problems, distributed_checkpoint_problems, padded_vocab_size, stage_chunks,
-                           uneven_chunks)
+from planner.specs import (DEEPEP_NVL_RECV_TOKENS, FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario,
+                           TrainingSpec, a2a_overlap_problems, distributed_checkpoint_problems, padded_vocab_size,
+                           stage_chunks, uneven_chunks)
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
 GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
@@ -1271,11 +1271,8 @@ def tp_comm_overlap_buffer_bytes(training: TrainingSpec, plan: Plan, hidden_size
     return float(training.seq_len * plan.micro_batch_size // plan.cp * hidden_size * per)
 
 
-#: DeepEP's recommended configs (``deep_ep/buffer.py`` ``Buffer.get_dispatch_config`` / ``get_combine_config``): the
-#: NVLink receive tokens per channel by group size, the larger of the two configs (they agree in every stored version);
-#: the RDMA receive tokens are 128 at every size. Megatron-Core sizes its buffer from both configs
-#: (core_v0.16.1 ``moe/fused_a2a.py::get_buffer``: the max of the two hints).
-DEEPEP_NVL_RECV_TOKENS = {2: 256, 4: 256, 8: 256, 16: 288, 24: 288, 32: 288, 64: 288, 128: 560, 144: 720, 160: 720}
+#: RDMA receive tokens per channel of DeepEP's recommended configs, 128 at every group size (``deep_ep/buffer.py``; the
+#: NVLink ones by size: ``specs.DEEPEP_NVL_RECV_TOKENS``)
 DEEPEP_RDMA_RECV_TOKENS = 128
 #: SMs DeepEP's normal kernels use under Megatron (``TransformerConfig.moe_deepep_num_sms``, core_v0.16.1, passed to
 #: ``Buffer.set_num_sms``); a channel is two SMs (``config.hpp``: ``num_channels = num_sms / 2``).

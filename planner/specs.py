@@ -1499,11 +1499,14 @@ def moe_plan_problems(model: ModelSpec, hardware: HardwareSpec, plan: Plan) -> l
     return errors
 
 
-#: Expert groups (etp x ep ranks) DeepEP sizes its buffers for: the keys of ``Buffer.get_dispatch_config`` and
-#: ``get_combine_config`` (deepseek-ai/DeepEP ``deep_ep/buffer.py``; every stored version has these, some also 48
-#: and 96, which are left out). Megatron-Core sizes its DeepEP buffer from them (core_v0.16.1
-#: ``moe/fused_a2a.py::get_buffer``), and DeepEP asserts "Unsupported number of EP ranks" for any other size.
-DEEPEP_GROUP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
+#: DeepEP's recommended configs (deepseek-ai/DeepEP ``deep_ep/buffer.py``, ``Buffer.get_dispatch_config`` and
+#: ``get_combine_config``) by expert-group size (etp x ep ranks): the NVLink receive tokens per channel, the same in
+#: both configs and in every stored version (the RDMA ones are 128 at every size; some versions also have 48 and 96
+#: ranks, left out). Megatron-Core sizes its DeepEP buffer from these configs (core_v0.16.1
+#: ``moe/fused_a2a.py::get_buffer``; ``memory.deepep_buffer_bytes``), and DeepEP asserts "Unsupported number of EP
+#: ranks" for a size it has none for (:func:`deepep_group_problems`).
+DEEPEP_NVL_RECV_TOKENS = {2: 256, 4: 256, 8: 256, 16: 288, 24: 288, 32: 288, 64: 288, 128: 560, 144: 720, 160: 720}
+DEEPEP_GROUP_SIZES = tuple(DEEPEP_NVL_RECV_TOKENS)
 
 
 def deepep_group_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[str]:
