@@ -839,7 +839,7 @@ class TrainingSpec(_Spec):
         default="alltoall",
         description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, the default) or "
                     "deepep (--moe-token-dispatcher-type flex with DeepEP: one copy per destination node across "
-                    "the network, FP8 dispatch in fp8 training).")
+                    "the network; its buffer in memory, memory.deepep_buffer_bytes; Megatron and NeMo only).")
     cuda_graph_modules: tuple[Literal["attn", "moe_router", "moe_preprocess"], ...] = Field(
         default=(),
         description="Per-layer parts captured in CUDA graphs (Megatron --cuda-graph-impl transformer_engine "
