@@ -534,7 +534,12 @@ def dispatcher(a, notes: list[str]) -> str:
     flex`` with DeepEP (``--moe-flex-dispatcher-backend deepep``, Megatron's default backend, or the older
     ``--moe-enable-deepep``), else the all-to-all. HybridEP (``--moe-flex-dispatcher-backend hybridep``) is not
     modelled: it is costed as the all-to-all and its buffers are not sized, which the notes say."""
-    if a.has("--deepspeed") or a.get("--moe-token-dispatcher-type") != "flex":
+    kind = a.get("--moe-token-dispatcher-type")
+    if not a.has("--deepspeed") and a.int("--num-experts") and kind in (None, "allgather"):
+        # TransformerConfig.moe_token_dispatcher_type defaults to "allgather" (core_v0.16.1)
+        notes.append(f"{'--moe-token-dispatcher-type allgather' if kind else 'no --moe-token-dispatcher-type'}: "
+                     "Megatron's allgather dispatcher (its default) is not modelled; costed and sized as the all-to-all")
+    if a.has("--deepspeed") or kind != "flex":
         return "alltoall"
     if a.get("--moe-flex-dispatcher-backend") == "hybridep":
         notes.append("--moe-flex-dispatcher-backend hybridep: not modelled; costed as the all-to-all dispatcher, "
