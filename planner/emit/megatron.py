@@ -13,7 +13,7 @@ import shlex
 
 from planner.names import slug
 from planner.presets import SpecError
-from planner.specs import FLASH_ATTENTION, Scenario, a2a_overlap_problems, chunk_split
+from planner.specs import Scenario, a2a_overlap_problems, chunk_split
 
 Flag = tuple[str, "str | tuple[str, ...] | None"]  # a tuple: one flag with several values (argparse nargs)
 
@@ -312,7 +312,7 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     flags += PRECISION_FLAGS.get(tr.precision, [])
     if tr.precision == "fp8" and tr.fp8_recipe == "tensorwise":
         flags.append(("--fp8-recipe", "tensorwise"))
-    flags.append(("--attention-backend", "flash" if tr.attention in FLASH_ATTENTION else "unfused"))
+    flags.append(("--attention-backend", ATTENTION_BACKENDS[tr.attention]))
     if tr.cross_entropy_fusion != "none":  # the loss kernel the memory estimate assumed (frameworks/megatron.py)
         flags.append(("--cross-entropy-loss-fusion", None))
         if tr.cross_entropy_fusion == "te":
@@ -364,6 +364,15 @@ def overlap_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--no-overlap-p2p-communication", None))
     return flags
 
+
+#: ``TrainingSpec.attention`` as Megatron-LM core_v0.16.1's ``--attention-backend`` (``AttnBackend``; the backend sets
+#: Transformer Engine's NVTE_FLASH_ATTN / NVTE_FUSED_ATTN, ``language_module.py``): plan3d's "flash", the GPU's
+#: fastest fused kernel, is ``auto``, Transformer Engine's own choice, which on Hopper and later prefers cuDNN's
+#: FusedAttention "for performance reasons" (``get_attention_backend``) and elsewhere flash-attn; "flash2" is
+#: ``flash``, the flash-attn package (FlashAttention-2; FlashAttention-3 where installed); materialised scores are
+#: ``unfused``. Before 2026-12-05 both flash kinds were written ``flash``, which on an H100 forced FlashAttention-2
+#: under a plan costed at cuDNN's speed.
+ATTENTION_BACKENDS = {"flash": "auto", "flash2": "flash", "materialized": "unfused"}
 
 #: Transformer Engine recipes as Megatron-LM core_v0.16.1 names them (``TransformerConfig.fp8``/``fp8_recipe``,
 #: ``fp4``/``fp4_recipe``): fp8 per-tensor "hybrid" (E4M3 forward, E5M2 gradients) with the default

@@ -548,6 +548,20 @@ def dispatcher(a, notes: list[str]) -> str:
     return "deepep"
 
 
+def fp8_recipe(a: Args, precision: str, notes: list[str]) -> str:
+    """``TrainingSpec.fp8_recipe`` of a per-tensor fp8 launch: ``--fp8-recipe tensorwise`` (Transformer Engine's
+    Float8CurrentScaling) or delayed scaling (``--fp8-recipe delayed``, Megatron-LM core_v0.16.1's default). Megatron's
+    ``blockwise`` and ``custom`` recipes are not modelled: read as delayed scaling, with a note."""
+    recipe = a.get("--fp8-recipe")
+    if precision != "fp8" or a.has("--deepspeed"):
+        return "delayed"
+    if recipe == "tensorwise":
+        return "tensorwise"
+    if recipe not in (None, "delayed"):
+        notes.append(f"--fp8-recipe {recipe}: not modelled; its casts are costed as delayed scaling's")
+    return "delayed"
+
+
 def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, int | None, int | None]:
     """(``Plan.recompute``, ``Plan.recompute_num_layers``, ``Plan.recompute_group_layers``) of the launch.
     ``--recompute-method block --recompute-num-layers K`` recomputes the first K layers of each model chunk
@@ -765,16 +779,20 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                         "--no-pipeline-parallel; use stage 0/1, or pp 1 with --no-pipeline-parallel")
     flash_flags = ("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton")
     if a.has("--deepspeed"):  # Megatron-DeepSpeed's attention is unfused unless a flash flag is given
-        attention = "flash" if any(a.has(f) for f in flash_flags) else "materialized"
+        # (the flash-attn package, or its Triton kernel: FlashAttention-2's speed at best)
+        attention = "flash2" if any(a.has(f) for f in flash_flags) else "materialized"
     else:
-        attention = "materialized" if a.get("--attention-backend") in ("unfused", "local") else "flash"
+        # --attention-backend (emit.megatron.ATTENTION_BACKENDS): flash forces the flash-attn package (FlashAttention-2's
+        # speed), fused and auto (the default) Transformer Engine's fastest, cuDNN on Hopper and later
+        backend = a.get("--attention-backend")
+        attention = "materialized" if backend in ("unfused", "local") else "flash2" if backend == "flash" else "flash"
     ds_settings = deepspeed_zero_settings(a, ds_config) if a.has("--deepspeed") and ds_config is not None else None
     if ds_settings is not None:
         # Megatron-DeepSpeed's pretrain_gpt.py builds GPTModelPipe (a PipelineModule, so DeepSpeed's PipelineEngine)
         # unless --no-pipeline-parallel, whatever the stage count
         ds_settings[0]["pipeline_engine"] = not a.has("--no-pipeline-parallel")
     training = {"num_gpus": gpus, "global_batch_size": gbs, "seq_len": a.int("--seq-length"),
-                "precision": precision, "attention": attention,
+                "precision": precision, "attention": attention, "fp8_recipe": fp8_recipe(a, precision, notes),
                 # a Megatron-DeepSpeed launch runs DeepSpeed's engine: its ZeRO stages, BF16_Optimizer, buckets and
                 # pipeline partitions (planner/frameworks/deepspeed.py)
                 "framework": "deepspeed" if a.has("--deepspeed") else "megatron",
