@@ -1912,6 +1912,15 @@ def grad_reduce_overlapped(training: TrainingSpec) -> bool:
     return training.overlap_grad_reduce if training.framework == "deepspeed" else True
 
 
+def overlap_grad_reduce_of(training: TrainingSpec) -> bool:
+    """Whether the step's once-per-step gradient reduction hides under the backward (``compose_step``): the job's
+    ``overlap_grad_reduce`` (Megatron ``--overlap-grad-reduce``, DeepSpeed ``overlap_comm``), except under FSDP2
+    (torchtitan, and the torch run of ``plan3d validate``), which always reduce-scatters on its own stream after each
+    FSDP module's backward (torch ``fully_shard``: ``FSDPParamGroup.post_backward`` on the ``reduce_scatter_stream``)
+    and has no switch to do otherwise, so the flag cannot change what it runs."""
+    return True if training.framework in ("torchtitan", "torch") else training.overlap_grad_reduce
+
+
 def grad_reduce_trail_s(hw: HardwareSpec, training: TrainingSpec, plan: Plan, order: str = DEFAULT_ORDER) -> float:
     """Seconds a per-micro-batch gradient reduction (:func:`grad_reduced_every_microbatch`) may run on past the end of
     its own backward before the compute stream has to wait for it; 0 where the framework waits at the end of every
@@ -2090,7 +2099,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
                             [x[1] for x in split] if model.is_moe else None)
     grad = grad_reduction_args(training, plan.pp, plan.zero_stage, grad_reduce_trail_s(hw, training, plan, order))
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
-                       training.overlap_grad_reduce, c, plan.pipeline_schedule, schedule_family(training), **grad)
+                       overlap_grad_reduce_of(training), c, plan.pipeline_schedule, schedule_family(training), **grad)
     pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {

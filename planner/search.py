@@ -42,8 +42,9 @@ import numpy as np
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options,
                                 offload_options, shapes, valid_micro_batch_sizes)
 from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, grad_reduce_trail_s,
-                          grad_reduction_args, micro_factors, optimizer_s, p2p_hop_s, resolved_overlap, schedule_family,
-                          stage_moe_counts, stage_param_split, stage_terms, zero3_gather_s, ZeroBubbleBatch)
+                          grad_reduction_args, micro_factors, optimizer_s, overlap_grad_reduce_of, p2p_hop_s,
+                          resolved_overlap, schedule_family, stage_moe_counts, stage_param_split, stage_terms,
+                          zero3_gather_s, ZeroBubbleBatch)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, chunk_peak_layers,
@@ -395,7 +396,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             terms = {k: val[:, None, :] for k, val in t.items()}
             counts, before = _stage_counts(p), _stage_before(p)
             step = compose_step(terms, z3_s[None], dpg_s[None], dpp_s[None], opt_s[None], m_step, p, v, counts,
-                                before, training.overlap_grad_reduce, c, split.schedule, family,
+                                before, overlap_grad_reduce_of(training), c, split.schedule, family,
                                 **grad_reduction_args(training, p, zeros,
                                                       grad_reduce_trail_s(hw, training, base, order)),
                                 bubble_of=zb)["step"]
@@ -463,7 +464,7 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         z3.append([x[2] for x in rows])
         opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
-                        m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), training.overlap_grad_reduce,
+                        m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), overlap_grad_reduce_of(training),
                         c, base.pipeline_schedule, schedule_family(training),
                         **grad_reduction_args(training, p, zeros, grad_reduce_trail_s(hw, training, base, order)),
                         bubble_of=bubble_of)["step"]

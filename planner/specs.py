@@ -773,7 +773,9 @@ class TrainingSpec(_Spec):
     overlap_grad_reduce: bool = Field(
         default=True,
         description="Overlap the data-parallel gradient reduction with the last micro-batch's backward "
-                    "(Megatron --overlap-grad-reduce, since 2023; Megatron-LM 2021 did not).")
+                    "(Megatron --overlap-grad-reduce, since 2023; Megatron-LM 2021 did not; DeepSpeed overlap_comm). "
+                    "FSDP2 (torchtitan, torch) always overlaps it, so there it changes nothing "
+                    "(planner.cost.overlap_grad_reduce_of).")
     tp_comm_overlap: bool | None = Field(
         default=None,
         description="Overlap the TP all-gathers/reduce-scatters with the GEMMs next to them (Megatron "

@@ -229,3 +229,20 @@ def test_cached_dp_sync_is_the_stage_param_split(name):
         for stage in range(pp):
             want = _dp_sync_split(*stage_param_split(model, plan, stage, layers[stage]), hw, tr, plan, DEFAULT_ORDER)
             assert dp_sync_parts_s(model, hw, tr, plan, stage, layers[stage]) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("framework", ["torchtitan", "torch"])
+def test_fsdp2_overlaps_whatever_the_flag_says(framework):
+    """FSDP2 reduce-scatters on its own stream after each module's backward and has no switch to do otherwise, so a
+    job's overlap_grad_reduce False changes nothing there (cost.overlap_grad_reduce_of), with a pipeline too (where
+    the reduction runs once after the last backward); under Megatron it exposes the reduction."""
+    model = load_model("llama3-8b")
+    slow = H100.model_copy(update={"inter_node_bandwidth_gbps": 2.0})
+    plan = Plan(tp=1, pp=2, dp=8, micro_batch_size=1, zero_stage=2)
+    on = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, framework=framework)
+    off = on.model_copy(update={"overlap_grad_reduce": False})
+    assert estimate_time(model, slow, off, plan).step_time_s == estimate_time(model, slow, on, plan).step_time_s
+    mega = Plan(tp=1, pp=2, dp=8, micro_batch_size=1, zero_stage=1)
+    m_on = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096)
+    m_off = m_on.model_copy(update={"overlap_grad_reduce": False})
+    assert estimate_time(model, slow, m_off, mega).step_time_s > estimate_time(model, slow, m_on, mega).step_time_s
