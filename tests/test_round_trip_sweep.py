@@ -119,3 +119,15 @@ def test_an_fp8_recipe_plan3d_does_not_model_is_read_as_delayed_with_a_note(tmp_
     (r,) = check_file_branches(path, None, None, None)
     assert r.scenario.training.fp8_recipe == "delayed"
     assert any(n.startswith("--fp8-recipe blockwise: not modelled") for n in r.notes), r.notes
+
+
+@pytest.mark.parametrize("attention", ["flash2", "materialized"])
+def test_torchtitan_launch_refuses_an_attention_kernel_it_does_not_run(attention):
+    """torchtitan 0.3.0 pins SDPA to cuDNN attention first (models/common/attention.py), so a torchtitan launch
+    cannot run the plan's FlashAttention-2 or materialised scores: refused in one line, not written as cuDNN."""
+    sc = _scenario(load_model("llama3-8b"), dict(num_gpus=8, global_batch_size=16, seq_len=4096, framework="torchtitan",
+                                                 attention=attention),
+                   dict(tp=1, pp=1, dp=8, zero_stage=3, recompute="selective"))
+    assert sc is not None
+    with pytest.raises(SpecError, match=f"not attention={attention}; use attention flash"):
+        render_all(sc, ["torchtitan"])

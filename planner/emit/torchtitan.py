@@ -129,6 +129,12 @@ def args(sc: Scenario) -> list[str]:
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 keeps no stage outputs (trainer.py: step(..., "
                         f"return_outputs=False)), not pipeline_kept_outputs={sc.training.pipeline_kept_outputs}; "
                         "drop it")
+    if sc.training.attention != "flash":
+        # torchtitan 0.3.0's ScaledDotProductAttention runs under sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION, MATH],
+        # set_priority=True) (models/common/attention.py): the fastest fused kernel, plan3d's "flash", whatever torch
+        raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 runs torch SDPA with cuDNN attention first "
+                        f"(models/common/attention.py), not attention={sc.training.attention}; use attention flash, or "
+                        "--format megatron")
     if sc.plan.recompute_interval is not None:  # _apply_layer_sac went with the TOML configs
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0's selective AC is per-op only; its per-layer AC (one layer in "
                         f"every {sc.plan.recompute_interval}, selective_ac_option) is gone since the TOML "
