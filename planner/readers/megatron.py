@@ -529,7 +529,7 @@ def _megatron_core_recompute_rules(a: Args, granularity: str | None) -> None:
                         "recompute: Megatron-Core refuses it (recompute_num_layers must be None); drop it")
 
 
-def dispatcher(a, notes: list[str]) -> str:
+def dispatcher(a: Args, notes: list[str]) -> str:
     """The MoE token dispatcher plan3d costs for a Megatron launch: ``deepep`` for ``--moe-token-dispatcher-type
     flex`` with DeepEP (``--moe-flex-dispatcher-backend deepep``, Megatron's default backend, or the older
     ``--moe-enable-deepep``), else the all-to-all. HybridEP (``--moe-flex-dispatcher-backend hybridep``) is not
