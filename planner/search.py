@@ -50,8 +50,7 @@ from planner import frameworks
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, chunk_peak_layers,
                             deepep_buffer_bytes, in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes,
                             kept_outputs_bytes_of, layer_recompute_working_bytes, offload_resident_layers, output_bytes,
-                            param_bytes,
-                            pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
+                            param_bytes, pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
                             stage_state_bytes_of, step_excess_bytes, tp_comm_overlap_bytes_per_element)
 from planner.schedules import schedule_problems
