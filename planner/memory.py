@@ -603,8 +603,10 @@ def moe_tokens_per_rank(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     (``moe_expert_capacity_factor`` None), the balanced share per GPU is
     ``tokens * k * etp`` rows (the EP group's ``ep * tokens * k`` rows over ``ep`` GPUs, times the
     ``etp`` gathered shards); routing is data-dependent, so a GPU may receive more: at most all
-    ``ep * tokens * min(k, E/ep)`` of its group (docs/moe.md, Memory states the risk; the estimate
-    uses the balanced share). With a capacity factor, each source keeps at most
+    ``ep * tokens * min(k, E/ep)`` of its group (docs/moe.md, Memory states the risk). The estimate holds the
+    busiest GPU's rows, the balanced share times ``TrainingSpec.moe_load_imbalance`` (1.0: balanced, NVIDIA's
+    benchmarks force it), at most that worst case: the rows the cost model charges the same GPU
+    (``cost.moe_layer_extra``). With a capacity factor, each source keeps at most
     ``ceil(tokens*k/E * cf)`` tokens per expert (``moe_utils.py::apply_router_token_dropping`` /
     ``get_capacity`` on the local tokens), so a GPU computes at most ``cf`` times the balanced share,
     exactly that with ``moe_pad_expert_input_to_capacity``.
@@ -623,9 +625,9 @@ def moe_tokens_per_rank(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
         tokens = sb / (t if plan.sequence_parallel else 1)
         gather = et
     balanced = tokens * k * gather
-    if model.capacity_factor is None:
-        return tokens, balanced
     worst = ep * tokens * min(k, n_exp / ep) * gather
+    if model.capacity_factor is None:
+        return tokens, min(balanced * training.moe_load_imbalance, worst)
     return tokens, min(balanced * model.capacity_factor, worst)
 
 

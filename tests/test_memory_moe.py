@@ -477,3 +477,33 @@ def test_memoised_activation_terms_are_the_uncached_ones(model_name, framework):
             got = layer_activation_terms(model, tr, plan, moe=moe)
             assert got == memory._layer_activation_terms(model, tr, plan, moe and model.is_moe)
             assert got is not layer_activation_terms(model, tr, plan, moe=moe)  # a fresh list each call
+
+
+def test_the_busiest_rank_holds_the_imbalanced_rows():
+    """moe_load_imbalance (tokens on the busiest EP rank over the mean) scales the rows that rank saves, as the cost
+    model charges that rank's GEMMs and dispatch; at most every copy of the group's tokens a rank can receive. Qwen3-
+    30B-A3B, EP 8, 4,096 tokens, top-8: balanced 4,096 x 8 = 32,768 rows; x 1.25 = 40,960; the cap is
+    8 x 4,096 x min(8, 128 / 8) = 262,144. A capacity factor bounds the rows whatever the imbalance."""
+    qwen, plan = load_model("qwen3-30b-a3b"), Plan(tp=1, pp=2, dp=8, ep=8, zero_stage=1, micro_batch_size=1)
+    tr = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096)
+    assert moe_tokens_per_rank(qwen, tr, plan) == (4096, 32768)
+    skewed = tr.model_copy(update={"moe_load_imbalance": 1.25})
+    assert moe_tokens_per_rank(qwen, skewed, plan) == (4096, 40960)
+    assert moe_tokens_per_rank(qwen, tr.model_copy(update={"moe_load_imbalance": 20.0}), plan) == (4096, 262144)
+    capped = qwen.model_copy(update={"capacity_factor": 1.0})
+    assert moe_tokens_per_rank(capped, skewed, plan) == moe_tokens_per_rank(capped, tr, plan) == (4096, 32768)
+    hw = load_hardware("h100-sxm-80gb")
+    assert estimate_memory(qwen, hw, skewed, plan).peak_gib > estimate_memory(qwen, hw, tr, plan).peak_gib
+
+
+def test_search_tables_hold_the_imbalanced_rows():
+    from planner.candidates import Pins, SearchSpace
+    from planner.search import build_tables
+    from tests.table_checks import assert_entry_is_estimate, legal_keys
+
+    tr = TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=512, moe_load_imbalance=1.5)
+    hw = load_hardware("h100-sxm-80gb")
+    tables = build_tables(TINY, hw, tr, SearchSpace(max_micro_batch_size=2, pins=Pins(tp=1)))
+    keys = legal_keys(tables)
+    checked = [assert_entry_is_estimate(TINY, hw, tr, tables, k) for k in keys[:: max(1, len(keys) // 15)]]
+    assert any(p.ep > 1 for p in checked)
