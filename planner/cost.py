@@ -64,7 +64,7 @@ from planner import comm, flops, frameworks
 from planner.frameworks import deepspeed as deepspeed_framework
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
 from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
-                            stage_param_split)
+                            moe_row_scale, stage_param_split)
 from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 ACT_BYTES = 2
@@ -783,7 +783,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     t, h, e = plan.tp, model.hidden_size, act_bytes(training)
     E, k, f = model.num_experts, model.top_k, model.moe_ffn_size
     ep, etp = plan.ep, plan.expert_tp
-    imb = training.moe_load_imbalance
+    imb = moe_row_scale(model, training, plan)  # the busiest rank's rows over the balanced share, as memory holds
     t_r = tokens / t
     local = E / ep
     copies = imb * etp * t_r * k  # routed token copies on this rank (the busiest)
@@ -1076,7 +1076,7 @@ def module_recompute_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rat
         tp += tp_region_s if shared else 0.0
         return s, tp, ep
     if "moe_act" in mods:
-        rows = training.moe_load_imbalance * plan.expert_tp * tokens / plan.tp * model.top_k
+        rows = moe_row_scale(model, training, plan) * plan.expert_tp * tokens / plan.tp * model.top_k
         f_r = model.moe_ffn_size / plan.expert_tp
         act_bytes_ = rows * (gate + 1) * f_r * e
         kernels = 1
@@ -1121,7 +1121,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     rates = Rates.of(hw, training.precision, training.attention)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     overlap = resolved_overlap(training)
-    imbalance = training.moe_load_imbalance
+    imbalance = moe_row_scale(model, training, plan) if moe else 1.0
     fwd = bwd = wgrad = 0.0
     gemms = []  # (fwd, dgrad, wgrad, kind) of each linear, in forward order
     shapes = _linear_shapes(model, plan, moe)

@@ -604,8 +604,8 @@ def moe_tokens_per_rank(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     ``tokens * k * etp`` rows (the EP group's ``ep * tokens * k`` rows over ``ep`` GPUs, times the
     ``etp`` gathered shards); routing is data-dependent, so a GPU may receive more: at most all
     ``ep * tokens * min(k, E/ep)`` of its group (docs/moe.md, Memory states the risk). The estimate holds the
-    busiest GPU's rows, the balanced share times ``TrainingSpec.moe_load_imbalance`` (1.0: balanced, NVIDIA's
-    benchmarks force it), at most that worst case: the rows the cost model charges the same GPU
+    busiest GPU's rows (:func:`moe_row_scale`), the balanced share times ``TrainingSpec.moe_load_imbalance`` (1.0:
+    balanced, NVIDIA's benchmarks force it), at most that worst case: the rows the cost model charges the same GPU
     (``cost.moe_layer_extra``). With a capacity factor, each source keeps at most
     ``ceil(tokens*k/E * cf)`` tokens per expert (``moe_utils.py::apply_router_token_dropping`` /
     ``get_capacity`` on the local tokens), so a GPU computes at most ``cf`` times the balanced share,
@@ -617,18 +617,26 @@ def moe_tokens_per_rank(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     every expert is TP-split. Rows per GPU ``tokens * k`` in both (dropless).
     """
     sb = training.seq_len // plan.cp * plan.micro_batch_size
-    t, ep, et, k, n_exp = plan.tp, plan.ep, plan.expert_tp, model.top_k, model.num_experts
+    t, ep, et, k = plan.tp, plan.ep, plan.expert_tp, model.top_k
     if frameworks.get(training.framework).moe_dispatch == "torchtitan":
         tokens = sb / t if ep > 1 else sb
         gather = 1
     else:
         tokens = sb / (t if plan.sequence_parallel else 1)
         gather = et
-    balanced = tokens * k * gather
-    worst = ep * tokens * min(k, n_exp / ep) * gather
-    if model.capacity_factor is None:
-        return tokens, min(balanced * training.moe_load_imbalance, worst)
-    return tokens, min(balanced * model.capacity_factor, worst)
+    return tokens, tokens * k * gather * moe_row_scale(model, training, plan)
+
+
+def moe_row_scale(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """The busiest expert-parallel rank's routed rows over the balanced share (:func:`moe_tokens_per_rank`), which
+    the memory estimate and the cost model (``cost.moe_layer_extra``) both use: the capacity factor where the model
+    has one (each expert's input padded to its capacity: Megatron ``--moe-pad-expert-input-to-capacity``, as plan3d
+    emits it), else ``TrainingSpec.moe_load_imbalance``; never more than every copy of its EP group's tokens,
+    ``ep min(k, E / ep) / k`` times the balanced share."""
+    k = model.top_k
+    worst = plan.ep * min(k, model.num_experts / plan.ep) / k
+    scale = model.capacity_factor if model.capacity_factor is not None else training.moe_load_imbalance
+    return min(scale, worst)
 
 
 def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:

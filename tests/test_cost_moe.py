@@ -96,6 +96,22 @@ def test_load_imbalance_scales_expert_compute_and_dispatch():
     assert 1.3 * a.fwd_compute < b.fwd_compute < 1.55 * a.fwd_compute
 
 
+def test_a_capacity_factor_pads_every_expert_to_its_capacity():
+    """plan3d emits a capacity factor with --moe-pad-expert-input-to-capacity, so each expert computes and receives
+    exactly its capacity, cf times the balanced rows, whatever the imbalance (memory.moe_row_scale, the rows the memory
+    estimate holds too); an imbalance past every copy the group can send a rank stops there (Mixtral, ep 8, top-2:
+    8 x min(2, 1) / 2 = 4 times the balanced rows)."""
+    plan = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
+    padded = MIXTRAL.model_copy(update={"capacity_factor": 1.5})
+    a = moe_layer_extra(MIXTRAL, H100, _tr(), plan, 4096)
+    b = moe_layer_extra(padded, H100, _tr(), plan, 4096)
+    assert b.comm_fwd == pytest.approx(1.5 * a.comm_fwd, rel=0.01)
+    assert moe_layer_extra(padded, H100, _tr(moe_load_imbalance=3.0), plan, 4096) == b
+    capped = moe_layer_extra(MIXTRAL, H100, _tr(moe_load_imbalance=50.0), plan, 4096)
+    assert capped == moe_layer_extra(MIXTRAL, H100, _tr(moe_load_imbalance=4.0), plan, 4096)
+    assert capped.comm_fwd == pytest.approx(4 * a.comm_fwd, rel=0.01)
+
+
 def test_deepep_sends_a_token_once_per_destination_node():
     # EP 64 over 16 nodes (etp 2 stride): alltoall sends k = 8 copies, DeepEP one per remote node:
     # 16 * (1 - (15/16)^8) * 15/16 = 6.03 of them
