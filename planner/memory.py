@@ -633,6 +633,8 @@ def moe_row_scale(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float
     has one (each expert's input padded to its capacity: Megatron ``--moe-pad-expert-input-to-capacity``, as plan3d
     emits it), else ``TrainingSpec.moe_load_imbalance``; never more than every copy of its EP group's tokens,
     ``ep min(k, E / ep) / k`` times the balanced share."""
+    if not model.is_moe:
+        return 1.0
     k = model.top_k
     worst = plan.ep * min(k, model.num_experts / plan.ep) / k
     scale = model.capacity_factor if model.capacity_factor is not None else training.moe_load_imbalance
