@@ -47,6 +47,11 @@ CASES = {
     # CHECKPOINT_PATH=${EXP_DIR}/checkpoints/llama/z${ZERO_STAGE}/$DTYPE/tp${TP}...)
     "$NAME after ${NAME} in one word": ("Z=z\nD=d\nC=${Z}/$D/x\nrun $C ${Z}/$D/y '${Z}/$D'", ["z/d/x", "z/d/y", "${Z}/$D"]),
     "backslash-newline at the end of the file": ("run a \\\n    b \\\n", ["a", "b"]),
+    # "$@" with no arguments and "${A[@]}" of an empty array are no word at all, "$*" is one empty word: plan3d's own
+    # torchrun script ends `"${MEGATRON_ARGS[@]}" "$@"`, and an empty word there was read as a value of the last flag
+    # (its --cuda-graph-scope, nargs '+', then refused)
+    "empty \"$@\" and \"${A[@]}\" vanish": ('B=()\nrun a "$@" "${@}" "${B[@]}" "$*" "x$@" "${B[*]}" z',
+                                         ["a", "", "x", "", "z"]),
 }
 
 

@@ -93,7 +93,8 @@ def test_megatron_moe_switches(tmp_path, extra):
                    dict(tp=2, pp=1, dp=8, ep=8, etp=1, zero_stage=1, recompute="selective", sequence_parallel=True)):
         sc = _scenario(model, dict(num_gpus=16, global_batch_size=64, seq_len=4096, **extra), layout)
         assert sc is not None, (extra, layout)
-        _round_trip(tmp_path, sc, "megatron")
+        for fmt in ("megatron", "torchrun", "slurm"):  # the scripts' "$@" after --cuda-graph-scope: read as nothing
+            _round_trip(tmp_path, sc, fmt)
 
 
 @pytest.mark.parametrize("extra", [{"precision": "fp8", "fp8_recipe": "tensorwise"}, {"attention": "flash2"},

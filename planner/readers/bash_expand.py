@@ -76,7 +76,9 @@ class Expander:
         elif t == "ansi_c_string":
             f.lit(self.raw(node)[2:-1].encode("utf-8").decode("unicode_escape", errors="replace"))
         elif t == "string":
-            f.lit("", self.line(node))
+            if self.empty_at_list(node, w):  # "$@", "${A[@]}" of nothing: no word at all (bash manual, "Special
+                return                       # Parameters": "When there are no positional parameters, "$@" ...
+            f.lit("", self.line(node))       # expand to nothing"; "Arrays": likewise "${name[@]}")
             self.pieces(node, w, skip=('"',), fields=f)
         elif t == "concatenation":
             for child in node.children:
@@ -95,6 +97,32 @@ class Expander:
                 self.expand(el, w, f, quoted)
         else:
             f.lit(self.raw(node))
+
+    def empty_at_list(self, node, w: World) -> bool:
+        """Whether a double-quoted string is exactly ``"$@"``, ``"${@}"`` or ``"${name[@]}"`` and that list is empty."""
+        kids = [c for c in node.children if c.type != '"']
+        if len(kids) != 1 or self.raw(node)[1:-1] != self.raw(kids[0]):
+            return False
+        kid = kids[0]
+        if kid.type == "simple_expansion":
+            name = self.raw(kid)[1:]
+        elif kid.type == "expansion":
+            inner = [c for c in kid.children if c.type not in ("${", "}")]
+            if len(inner) != 1:
+                return False
+            target = inner[0]
+            if target.type == "subscript":
+                if self.raw(target.child_by_field_name("index")) != "@":
+                    return False
+                name = self.raw(target.child_by_field_name("name"))
+            else:
+                name = self.raw(target)
+        else:
+            return False
+        if name not in ("@",) and kid.type == "simple_expansion":
+            return False
+        value = self.lookup(name, w)
+        return isinstance(value, list) and not value
 
     def pieces(self, node, w: World, skip=(), fields: _Fields | None = None):
         """Text of a double-quoted string or here-document: literal gaps plus expanded children."""
