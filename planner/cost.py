@@ -64,7 +64,7 @@ from planner import comm, flops, frameworks
 from planner.frameworks import deepspeed as deepspeed_framework
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
 from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
-                            moe_row_scale, stage_param_split)
+                            moe_routed_shares, moe_row_scale, stage_param_split)
 from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 ACT_BYTES = 2
@@ -761,7 +761,8 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     ``MoEAlltoAllTokenDispatcher`` (the default ``--moe-token-dispatcher-type alltoall``) runs them.
 
     Each rank routes its ``T_r = tokens/tp`` tokens (Megatron requires sequence parallelism with
-    MoE and tp > 1, ``moe_layer.py``), ``k`` copies each. The copies go through one all-to-all over
+    MoE and tp > 1, ``moe_layer.py``; torchtitan without EP routes all ``tokens`` of its TP group), ``k`` copies each:
+    the shares the memory estimate holds (``memory.moe_routed_shares``). The copies go through one all-to-all over
     the EP group (``ep`` ranks ``etp`` apart, :func:`planner.layout.expert_span`), then an all-gather
     over the expert-TP group; each rank then holds ``etp*T_r*k`` copies for its ``E/ep`` local experts,
     ``m = etp*T_r*k*ep/E`` per expert (times the load imbalance), and runs the expert MLP as one grouped
@@ -780,13 +781,14 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     activation and expert biases add Megatron's eager kernels around the grouped GEMMs (:func:`expert_eager_ops`).
     """
     rates = Rates.of(hw, training.precision)
-    t, h, e = plan.tp, model.hidden_size, act_bytes(training)
+    h, e = model.hidden_size, act_bytes(training)
     E, k, f = model.num_experts, model.top_k, model.moe_ffn_size
     ep, etp = plan.ep, plan.expert_tp
     imb = moe_row_scale(model, training, plan)  # the busiest rank's rows over the balanced share, as memory holds
-    t_r = tokens / t
+    routed, rows = moe_routed_shares(model, training, plan)
+    t_r = tokens * routed  # tokens this rank routes
     local = E / ep
-    copies = imb * etp * t_r * k  # routed token copies on this rank (the busiest)
+    copies = tokens * rows  # routed token copies on this rank (the busiest), the rows memory holds
     m = copies / local
     gate = 2 if model.gated_mlp else 1
     fwd = bwd = wgrad = 0.0

@@ -617,14 +617,22 @@ def moe_tokens_per_rank(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     every expert is TP-split. Rows per GPU ``tokens * k`` in both (dropless).
     """
     sb = training.seq_len // plan.cp * plan.micro_batch_size
+    routed, rows = moe_routed_shares(model, training, plan)
+    return sb * routed, sb * rows
+
+
+def moe_routed_shares(model: ModelSpec, training: TrainingSpec, plan: Plan) -> tuple[float, float]:
+    """:func:`moe_tokens_per_rank` per token of the micro-batch's ``s b / cp`` on one GPU: (the share of them the GPU
+    routes, the expert rows it computes per such token). One figure for the memory estimate and the cost model
+    (``cost.moe_layer_extra``, which takes the tokens of its own call)."""
     t, ep, et, k = plan.tp, plan.ep, plan.expert_tp, model.top_k
     if frameworks.get(training.framework).moe_dispatch == "torchtitan":
-        tokens = sb / t if ep > 1 else sb
+        routed = 1 / t if ep > 1 else 1.0
         gather = 1
     else:
-        tokens = sb / (t if plan.sequence_parallel else 1)
+        routed = 1 / (t if plan.sequence_parallel else 1)
         gather = et
-    return tokens, tokens * k * gather * moe_row_scale(model, training, plan)
+    return routed, routed * k * gather * moe_row_scale(model, training, plan)
 
 
 def moe_row_scale(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:

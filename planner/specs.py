@@ -1270,7 +1270,7 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.cross_entropy_fusion != "none" and training.framework not in ("megatron", "nemo"):
         errors.append(f"cross_entropy_fusion: {training.framework} has no Megatron loss fusion "
                       "(--cross-entropy-loss-fusion); use framework megatron or nemo, or none")
-    if training.moe_token_dispatcher == "deepep" and training.framework not in ("megatron", "nemo"):
+    if training.moe_token_dispatcher == "deepep" and not framework_profile(training.framework).runs_deepep:
         # plan3d's DeepEP (cost.deepep_time_s, memory.deepep_buffer_bytes) is Megatron-Core's flex dispatcher; torchtitan
         # builds DeepEP v2's ElasticBuffer (torchtitan 0.3.0 models/common/config_utils.py), DeepSpeed has none, and
         # neither emitter writes it

@@ -250,5 +250,7 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            allows_cpu_offload=True, allows_block_recompute=True, allows_recompute_groups=True,
                            # --moe-grouped-gemm (planner/emit/megatron.py): TEGroupedMLP, TE's multi-stream GroupedLinear
                            expert_gemm_streams=4,
+                           # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep
+                           runs_deepep=True,
                            # Megatron-FSDP's reduce-scatter queue (optim_grads[_params], cost.grad_reduce_trail_s)
                            grad_reduce_queue_elements=MEGATRON_FSDP_RS_QUEUE_ELEMENTS)

@@ -77,5 +77,7 @@ PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_pe
                            unfused_yarn_rope=True,  # Megatron-Bridge's provider (FrameworkProfile.unfused_yarn_rope)
                            # the recipes' moe_grouped_gemm=True: TEGroupedMLP, TE's multi-stream GroupedLinear
                            expert_gemm_streams=4,
+                           # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep
+                           runs_deepep=True,
                            # Megatron-FSDP's reduce-scatter queue (optim_grads[_params], cost.grad_reduce_trail_s)
                            grad_reduce_queue_elements=MEGATRON_FSDP_RS_QUEUE_ELEMENTS)

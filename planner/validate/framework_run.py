@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planner import frameworks
 from planner.presets import SpecError
 from planner.readers import logs
 from planner.specs import HardwareSpec, Scenario
@@ -191,7 +192,7 @@ def predicted_scenario(sc: Scenario, framework: str, hardware: HardwareSpec | No
     """The plan as ``framework`` runs it: its framework profile (planner/frameworks) and, when given,
     the hardware profile of this machine."""
     update = {"framework": framework}
-    if framework not in ("megatron", "nemo"):  # its launch file dispatches with the all-to-all (specs.job_problems)
+    if not frameworks.get(framework).runs_deepep:  # its launch file dispatches with the all-to-all (specs.job_problems)
         update["moe_token_dispatcher"] = "alltoall"
     training = sc.training.model_copy(update=update)
     return sc.model_copy(update={"training": training, "hardware": hardware or sc.hardware})
