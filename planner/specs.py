@@ -1305,6 +1305,10 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.deepspeed != DeepSpeedZero() and training.framework != "deepspeed":
         errors.append(f"deepspeed: DeepSpeed's engine settings are read for framework deepspeed only, and "
                       f"{training.framework} would ignore them; use framework deepspeed, or drop the deepspeed section")
+    if training.tp_comm_overlap and training.framework == "torchtitan" and not training.compiled_blocks:
+        errors.append("tp_comm_overlap: torchtitan's async TP is a torch.compile pass over the blocks (0.3.0 "
+                      "CompileConfig: \"Async TP requires 'model' in --compile.components and --compile.enable\"); "
+                      "add --compile or drop --tp-comm-overlap")
     if training.compile and training.framework not in ("torchtitan", "torch"):  # torch: torchtitan's code, as read
         errors.append(f"compile: torch.compile of the blocks and the loss is modelled for torchtitan only "
                       f"(--compile.enable); {training.framework} runs eager here, drop compile")

@@ -106,10 +106,49 @@ def test_emitted_compile_flags():
     assert on[on.index("--compile.enable"):][:3] == ["--compile.enable", "--compile.components", "model,loss"]
     assert "--compile.no-enable" in emit.args(_sc(False))
     assert "--compile.enable" not in emit.args(_sc(False))
-    assert emit.compile_args("llama3_405b", _sc(False).training) == [
+    assert emit.compile_args("llama3_405b", _sc(False).training, 8) == [
         "--compile.no-enable", "--compile.no-enable-async-tensor-parallel"]
-    assert emit.compile_args("llama3_405b", _sc(True).training) == ["--compile.enable", "--compile.components",
-                                                                     "model,loss"]
+    # llama3_405b's config turns async TP on; a plan costed without the TP overlap turns it off (until 2026-12-05 the
+    # compiled launch kept it: the run overlapped what the plan charged in full)
+    assert emit.compile_args("llama3_405b", _sc(True).training, 8) == [
+        "--compile.enable", "--compile.components", "model,loss", "--compile.no-enable-async-tensor-parallel"]
+    overlap = _sc(True).training.model_copy(update={"tp_comm_overlap": True})
+    assert emit.compile_args("llama3_8b", overlap, 8)[-1] == "--compile.enable-async-tensor-parallel"
+    assert "--compile.enable-async-tensor-parallel" not in emit.compile_args("llama3_8b", overlap, 1)  # no TP mesh
+
+
+def test_async_tp_round_trip_and_refusal(tmp_path):
+    """A torchtitan plan costed with the TP overlap (``tp_comm_overlap``: async TP) is emitted with
+    ``--compile.enable-async-tensor-parallel`` and read back with it (dropped on both sides until 2026-12-05: the launch
+    ran without the overlap it was costed with); async TP without compiled blocks is refused, as torchtitan refuses it."""
+    from planner.check import check_file_branches
+    from planner.cost import estimate_time
+    from planner.emit import render_all
+    from planner.io import write_all
+
+    tr = TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=8192, framework="torchtitan", compile=True,
+                      tp_comm_overlap=True)
+    sc = Scenario(model=LLAMA, hardware=H100, training=tr, plan=Plan(tp=4, pp=1, dp=2, micro_batch_size=1,
+                                                                     zero_stage=3, recompute="selective",
+                                                                     sequence_parallel=True))
+    (path,) = [p for p in write_all(tmp_path, render_all(sc, ["torchtitan"]), force=True) if p.suffix == ".sh"]
+    assert "--compile.enable-async-tensor-parallel" in path.read_text()
+    (r,) = check_file_branches(path, H100, None, None)
+    assert not r.errors and r.scenario.training.tp_comm_overlap is True
+    t = estimate_time(LLAMA, H100, tr, sc.plan).step_time_s
+    assert t < estimate_time(LLAMA, H100, tr.model_copy(update={"tp_comm_overlap": None}), sc.plan).step_time_s
+    assert estimate_time(LLAMA, H100, r.scenario.training, r.scenario.plan).step_time_s == pytest.approx(t, rel=1e-12)
+    eager = tr.model_copy(update={"compile": False})
+    assert any(p.startswith("tp_comm_overlap: torchtitan's async TP") for p in job_problems(LLAMA, H100, eager))
+    toml = tmp_path / "async.toml"
+    toml.write_text('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 2\nseq_len = 8192\n'
+                    '[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 4\n'
+                    '[experimental]\nenable_async_tensor_parallel = true\n')
+    (r,) = check_file_branches(toml, H100, None, None)
+    assert "enable_async_tensor_parallel without the blocks compiled" in r.errors[0]
+    toml.write_text(toml.read_text() + '[compile]\nenable = true\n')
+    (r,) = check_file_branches(toml, H100, None, None)
+    assert r.scenario.training.tp_comm_overlap is True
 
 
 @pytest.mark.parametrize("compile,components", [(True, ("model", "loss")), (True, ("model",)), (False, ("model", "loss"))])
@@ -164,3 +203,15 @@ def test_cli_compile_option(runner):
     assert json.loads(compiled.stdout)["memory"]["peak_gib"] < eager["memory"]["peak_gib"]
     res = runner.invoke(app, job[:-3] + ["--framework", "megatron", "--compile"])
     assert res.exit_code == 2 and "compile: torch.compile" in res.output, res.output
+
+
+def test_torchtitan_parses_the_emitted_async_tp_flag():
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (requirements-consumers.txt)")
+    pytest.importorskip("triton", reason="torchtitan's models import triton")
+    from torchtitan.config.manager import ConfigManager
+
+    for flags, want in ((["--compile.enable-async-tensor-parallel"], True),
+                        (["--compile.no-enable-async-tensor-parallel"], False)):
+        cfg = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_8b", "--compile.enable",
+                                          "--compile.components", "model,loss", *flags])
+        assert cfg.compile.enable_async_tensor_parallel is want

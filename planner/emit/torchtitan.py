@@ -171,7 +171,7 @@ def args(sc: Scenario) -> list[str]:
     # (step_cuda_graph_by_default); and where the plan was costed without the graph (TrainingSpec.step_cuda_graph false)
     if not step_cuda_graph_by_default(p.pp, p.ep) or sc.training.step_cuda_graph is False:
         out.append("--training.disable_cuda_graphs")
-    out += compile_args(config, tr)
+    out += compile_args(config, tr, p.tp)
     out.append(f"activation_checkpoint:{p.recompute}")
     return out
 
@@ -183,15 +183,25 @@ def args(sc: Scenario) -> list[str]:
 ASYNC_TP_CONFIGS = ("llama3_405b",)
 
 
-def compile_args(config: str, training) -> list[str]:
+def compile_args(config: str, training, tp: int) -> list[str]:
     """``--compile.*`` so that torchtitan compiles what the plan assumed (``TrainingSpec.compile``,
     ``compile_components``), whatever the registry function sets: the switch is always written. torchtitan
-    0.3.0 reads ``--compile.components`` comma-separated (``config/manager.py``) and refuses async TP without
-    the model compiled (``CompileConfig.__post_init__``), so a config that enables it gets
-    ``--compile.no-enable-async-tensor-parallel`` when the blocks are not compiled."""
+    0.3.0 reads ``--compile.components`` comma-separated (``config/manager.py``).
+
+    Async TP (``CompileConfig.enable_async_tensor_parallel``, applied only with a TP mesh, ``distributed/compile.py``)
+    runs where the cost model overlapped the TP collectives (``TrainingSpec.tp_comm_overlap``, resolved: torchtitan's
+    default is off) and tp > 1: ``--compile.enable-async-tensor-parallel``. Elsewhere a registry function that turns
+    it on (``ASYNC_TP_CONFIGS``) gets ``--compile.no-enable-async-tensor-parallel``, so the launch does not overlap
+    what the plan charged in full. torchtitan refuses async TP without the model compiled
+    (``CompileConfig.__post_init__``: "Async TP requires 'model' in --compile.components and --compile.enable"), and
+    so does ``specs.job_problems``."""
+    from planner.cost import resolved_overlap
+
     out = ["--compile.enable", "--compile.components", ",".join(training.compile_components)] \
         if training.compile else ["--compile.no-enable"]
-    if config in ASYNC_TP_CONFIGS and not training.compiled_blocks:
+    if resolved_overlap(training).tp_comm_overlap and tp > 1:
+        out.append("--compile.enable-async-tensor-parallel")
+    elif config in ASYNC_TP_CONFIGS:
         out.append("--compile.no-enable-async-tensor-parallel")
     return out
 

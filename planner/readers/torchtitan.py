@@ -216,9 +216,10 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         raise SpecError(f"{where}: expert_parallel_degree {ep} does not divide data_parallel_shard_degree({shard}) x "
                         f"cp({cp}) x tp({tp}) = {shard * cp * tp}, the ranks torchtitan draws EP from")
     zero = _fsdp_zero_stage(par, shard, pp, where, notes)
+    compiled = _compile(doc, tr, notes)
     training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
                 "precision": _precision(tr, fp8, where, notes), "attention": "flash", "framework": "torchtitan",
-                **_compile(doc, tr, notes)}
+                **compiled, **_async_tp(doc, tp, compiled, where)}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"), "recompute_interval": interval,
             "sequence_parallel": tp > 1 and bool(par.get("enable_sequence_parallel", True)),
@@ -324,6 +325,35 @@ def _compile(doc: dict, tr: dict, notes: list[str]) -> dict:
                      "9dec370)")
         return {"compile": True, "compile_components": ("model",)}
     return {}
+
+
+# torchtitan 0.3.0 config-registry functions that turn async TP on (planner/emit/torchtitan.py ASYNC_TP_CONFIGS)
+REGISTRY_ASYNC_TP = ("llama3_405b",)
+
+
+def _async_tp(doc: dict, tp: int, compiled: dict, where: str) -> dict:
+    """``tp_comm_overlap`` of the training spec: torchtitan's async TP, from ``[compile] enable_async_tensor_parallel``
+    (0.3.0 ``CompileConfig``), ``[parallelism]`` (2025 JobConfig) or ``[experimental]`` (2024 TOMLs, the torchtitan
+    paper's AsyncTP runs), else the ``--config`` function's own setting; it applies only with a TP mesh
+    (``distributed/compile.py``: "if not compile_config.enable_async_tensor_parallel or tp_mesh is None: return").
+    Async TP without the blocks compiled is refused, as torchtitan refuses it at startup."""
+    registry = str(doc.get("_registry", {}).get("config", "")).lower()
+    on = registry in REGISTRY_ASYNC_TP
+    for section in ("experimental", "parallelism", "compile"):  # the newest layout last: it wins
+        value = doc.get(section, {}).get("enable_async_tensor_parallel")
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise SpecError(f"{where}: {section}.enable_async_tensor_parallel = {value!r}: torchtitan takes true or "
+                            "false")
+        on = value
+    if not on or tp <= 1:
+        return {}
+    if not (compiled.get("compile") and "model" in compiled.get("compile_components", ())):
+        raise SpecError(f"{where}: enable_async_tensor_parallel without the blocks compiled: torchtitan refuses it "
+                        "(\"Async TP requires 'model' in --compile.components and --compile.enable\"); compile the "
+                        "model or turn async TP off")
+    return {"tp_comm_overlap": True}
 
 
 def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num):
