@@ -340,7 +340,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         # that may hold a dense layer, and the first one after them, is computed, and the middle kind is
         # their maximum (a stage the three kinds miss could not fit while the table says it does)
         mrows = _memory_rows(model, base, rows)
-        static, work, released, step_extra = _state_rows(model, hw, training, base, mrows, zeros)
+        static, work, released, step_extra = _state_rows_by_micro(model, hw, training, base, mrows, zeros, mbs_u, B)
         if not model.is_moe:  # a MoE model's DP terms are composed over every stage (_moe_step)
             dpg_s, dpp_s, z3_s, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         nm = np.array([x[1] for x in mrows], dtype=float)
@@ -370,14 +370,14 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
         out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
-        layer_phase = work[None] + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
+        layer_phase = work + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
         # torch.distributed.pipelining's kept stage outputs [U, Z, R] (memory.pipeline_kept_output_bytes)
         kept = kept_outputs_bytes_of(training.pipeline_kept_outputs, base, m[:, None, None], rows_r[None, None, :],
                                      f["kept_output_bytes"][:, None, None], boundary_u[:, None, None],
-                                     (act + out_spike)[:, None, :] + released[None])
-        step_excess = step_excess_bytes(step_extra[None], act[:, None, :] + work_peak)  # memory.stage_memory
-        mem = np.ceil((static[None] + (act + other)[:, None, :] + work_peak + kept + step_excess) / KIB)
+                                     (act + out_spike)[:, None, :] + released)
+        step_excess = step_excess_bytes(step_extra, act[:, None, :] + work_peak)  # memory.stage_memory
+        mem = np.ceil((static + (act + other)[:, None, :] + work_peak + kept + step_excess) / KIB)
         if len(mrows) > len(rows):  # back to the three kinds: first, the worst middle, last
             mem = np.stack([mem[..., 0], mem[..., 1:-1].max(axis=-1), mem[..., -1]], axis=-1)
         # the zero-bubble schedules' bubble is simulated (cost.schedule_bubble_s): only for the combinations
@@ -565,6 +565,23 @@ def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarra
         released.append([st.released_at_last_backward_bytes for st in states])
         step.append([st.step_extra_bytes for st in states])
     return np.array(static), np.array(work), np.array(released), np.array(step)
+
+
+def _state_rows_by_micro(model, hw, training, base: Plan, rows, zeros, mbs_u: np.ndarray, B: int
+                         ) -> tuple[np.ndarray, ...]:
+    """:func:`_state_rows` [U, Z, R] for each micro-batch size of the tables. The states depend on the micro-batch
+    size only through whether the step has one micro-batch (torchtitan: ``optimizer.zero_grad`` frees the gradient
+    shards between steps, so with one micro-batch they exist during backward only, ``frameworks.torchtitan
+    .state_bytes``): the shape's base plan gives every size, and the size of a one-micro-batch step (``B / dp``) its
+    own. Until 2026-12-05 the tables took the base plan's states for every size, above the estimate there."""
+    states = _state_rows(model, hw, training, base, rows, zeros)
+    out = [np.broadcast_to(x[None], (len(mbs_u),) + x.shape) for x in states]
+    one = B // base.dp if B % base.dp == 0 else 0
+    single = mbs_u == one
+    if one and one != base.micro_batch_size and single.any():
+        other = _state_rows(model, hw, training, base.model_copy(update={"micro_batch_size": one}), rows, zeros)
+        out = [np.where(single[:, None, None], y[None], x) for x, y in zip(out, other)]
+    return tuple(out)
 
 
 def _stage_counts(p: int) -> tuple[int, int, int]:
