@@ -1087,13 +1087,15 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
         return share * stage_saved_bytes(model, training, whole, num_microbatches, stage, layers) + \
             (1 - share) * stage_saved_bytes(model, training, kept, num_microbatches, stage, layers)
     dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
-    if plan.cpu_offload_layers:
-        dense_n, moe_n = offload_resident_layers(model, plan, layers)
-        return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * (dense_n * dense_b + moe_n * moe_b))
     moe_layers = stage_moe_layer_count(model, plan, stage, layers)
-    # the MoE all-to-all overlap's extra layers, at the heavier layer kind of the stage
+    # the MoE all-to-all overlap's extra layers, at the heavier layer kind of the stage; with activation offloading
+    # too (Megatron-Core allows both; the merged step's extra forward layer is on the GPU either way)
     overlap = float(a2a_overlap_extra_layers(model, training, plan, num_microbatches, stage, layers)) * \
         (max(dense_b, moe_b) if moe_layers else dense_b)
+    if plan.cpu_offload_layers:
+        dense_n, moe_n = offload_resident_layers(model, plan, layers)
+        return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * (dense_n * dense_b + moe_n * moe_b)
+                     ) + overlap
     peak_layers = chunk_peak_layers(training, plan, num_microbatches, stage, layers)
     if peak_layers is not None:
         per_layer = ((layers - moe_layers) * dense_b + moe_layers * moe_b) / layers
