@@ -322,8 +322,10 @@ def pinned_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -
     # an etp rule reads tp and ep too (etp = tp, or 1 under EP): it counts only when all three are pinned
     pinned = {"cp": pins.cp, "vpp": pins.vpp, "cpu_offload_layers": pins.cpu_offload_layers, "ep": pins.ep,
               "etp": pins.etp if None not in (pins.tp, pins.ep) else None, "zero_stage": pins.zero_stage}
+    # the rule on ZeRO 0 with cp > 1 (FrameworkProfile.fsdp_with_cp) reads cp too: it counts only when cp is pinned
     lines = [f"--framework {framework}: {line}" for line in fw.plan_problems(probe, None, optimizer_dtype)
-             if pinned.get(line.split(":", 1)[0]) is not None]
+             if pinned.get(line.split(":", 1)[0]) is not None
+             and (pins.cp is not None or "over the context-parallel ranks" not in line)]
     # the offload rules of every framework (Plan's own), where offload and pp or recompute are pinned
     return lines + offload_problems(pins.cpu_offload_layers or 0, pp, pins.recompute or "none")
 
@@ -415,7 +417,7 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
                 for off in offload_options(model, hw, training, space, rc, split.pp):
                     for z in space.zero_stages:
                         if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp, training.optimizer_dtype,
-                                                                                 ep, cp * tp):
+                                                                                 ep, cp * tp, cp):
                             continue
                         plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,
                                     recompute=rc, sequence_parallel=sp, zero_stage=z, layers_per_stage=split.layers(),

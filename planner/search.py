@@ -331,7 +331,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             sched_ok = np.array([B % (b * dp) == 0 and not schedule_problems(split.schedule, training.framework, p, v,
                                                                               B // (b * dp)) for b in mbs_u], dtype=bool)
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
-        ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_dtype, ep, cp * tp)
+        ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_dtype, ep, cp * tp, cp)
                                      for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue

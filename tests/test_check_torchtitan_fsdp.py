@@ -124,3 +124,28 @@ def test_whole_step_cuda_graph_round_trips(tmp_path, graph):
         shard = 4 * stage_params_per_rank(model, sc.plan, 0, 32) / 8  # the fp32 gradient shard
         assert kept.grads_bytes - freed.grads_bytes == pytest.approx(shard)  # persistent: held through the forward
         assert freed.working_grads_bytes - kept.working_grads_bytes == pytest.approx(shard)  # eager: backward only
+
+
+@pytest.mark.parametrize("zero", (2, 3))
+def test_context_parallelism_alone_shards_the_parameters(tmp_path, zero):
+    """torchtitan 0.3.0 turns FSDP on with cp > 1 even at data_parallel_shard_degree 1 (``ParallelDims.fsdp_enabled``:
+    dp_shard > 1 or cp > 1), sharding over dp_shard x cp. An emitted dp 1 x cp 2 launch was read back as ZeRO 0
+    (unsharded fp32 states: Llama-3-70B on 8 A100 at 302 GiB against the plan's 172) until 2026-12-05; and ZeRO 0
+    with cp > 1, which torchtitan does not run, is refused."""
+    from planner.specs import plan_problems
+
+    model, hw = load_model("llama3-8b"), H100
+    tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=8192, framework="torchtitan")
+    sc = Scenario(model=model, hardware=hw, training=tr,
+                  plan=Plan(tp=4, pp=1, dp=1, cp=2, micro_batch_size=1, zero_stage=zero, recompute="full",
+                            sequence_parallel=True))
+    (script,) = [p for p in write_all(tmp_path, render_all(sc, ["torchtitan"])) if p.name.endswith(".sh")]
+    (r,) = check_file_branches(script, hw, None, None)
+    assert not r.errors, r.errors
+    assert r.scenario.plan.zero_stage == zero
+    assert estimate_scenario_memory(r.scenario).peak_gib == pytest.approx(estimate_scenario_memory(sc).peak_gib)
+    replicated = sc.plan.model_copy(update={"zero_stage": 0})
+    assert any(p.startswith("zero_stage: torchtitan shards the parameters over the context-parallel ranks")
+               for p in plan_problems(model, hw, tr, replicated))
+    assert not any("context-parallel" in p for p in plan_problems(model, hw, tr.model_copy(
+        update={"framework": "torch"}), replicated))  # plan3d validate's run replicates over dp x cp

@@ -120,6 +120,8 @@ PIN_CASES = [  # (framework, model, pins, refused): each refusal is one the sear
     ("megatron", "tiny-gpt", {"cpu_offload_layers": 2}, None),
     ("torchtitan", "tiny-moe", {"tp": 2, "ep": 2, "etp": 2}, "etp: torchtitan runs experts with etp=1 when ep=2"),
     ("torchtitan", "tiny-moe", {"tp": 2, "etp": 1}, None),  # legal with the ep the search picks (> 1)
+    ("torchtitan", "tiny-gpt", {"cp": 2, "zero_stage": 0}, "shards the parameters over the context-parallel ranks"),
+    ("torchtitan", "tiny-gpt", {"zero_stage": 0}, None),  # cp 1 is the search's to pick
 ]
 
 

@@ -126,6 +126,9 @@ class FrameworkProfile:
     expert_tp_rule: str = "free"
     moe_needs_sp: bool = False  # a MoE layer with tp > 1 trains only with sequence parallelism (Megatron)
     moe_ep_needs_fsdp: bool = False  # ep > 1 lives inside the FSDP mesh: ZeRO >= 1 (torchtitan's efsdp)
+    # with cp > 1 the parameters are always sharded over the dp_shard x cp mesh, so ZeRO 0 does not run there (torchtitan
+    # 0.3.0 distributed/parallel_dims.py: fsdp_enabled = dp_shard_enabled or cp_enabled)
+    fsdp_with_cp: bool = False
     # how a MoE layer holds its tokens and saves them (planner.memory.moe_activation_terms)
     moe_dispatch: str = "megatron"
     # whose MoE layer the host issues (planner.cost.moe_host_ops): "megatron", experts one by one and a host sync
@@ -152,13 +155,19 @@ class FrameworkProfile:
     eager_block_kernels: tuple[int, int] | None = None
     eager_loss_bytes_per_logit: tuple[int, int] | None = None
 
-    def allows_zero(self, zero_stage: int, pp: int, optimizer_dtype: str = "fp32", ep: int = 1, cp_tp: int = 1
-                    ) -> bool:
+    def allows_zero(self, zero_stage: int, pp: int, optimizer_dtype: str = "fp32", ep: int = 1, cp_tp: int = 1,
+                    cp: int = 1) -> bool:
         """Whether this framework runs ZeRO stage ``zero_stage`` with ``pp`` pipeline stages, optimizer states of
-        ``optimizer_dtype`` (``TrainingSpec.optimizer_dtype``) and ``ep``-way expert parallelism over ``cp x tp``
-        context- and tensor-parallel ranks (:meth:`_ep_allows_zero`)."""
+        ``optimizer_dtype`` (``TrainingSpec.optimizer_dtype``), ``ep``-way expert parallelism over ``cp x tp``
+        context- and tensor-parallel ranks (:meth:`_ep_allows_zero`) and ``cp``-way context parallelism
+        (:meth:`_cp_allows_zero`)."""
         return zero_stage in self.zero_stages and (pp == 1 or zero_stage <= self.max_zero_with_pp) \
-            and self._optimizer_allows_zero(zero_stage, optimizer_dtype) and self._ep_allows_zero(zero_stage, ep, cp_tp)
+            and self._optimizer_allows_zero(zero_stage, optimizer_dtype) and self._ep_allows_zero(zero_stage, ep, cp_tp) \
+            and self._cp_allows_zero(zero_stage, cp)
+
+    def _cp_allows_zero(self, zero_stage: int, cp: int) -> bool:
+        """``fsdp_with_cp``: no unsharded (ZeRO 0) parameters with context parallelism."""
+        return not (self.fsdp_with_cp and cp > 1 and zero_stage == 0)
 
     def _ep_allows_zero(self, zero_stage: int, ep: int, cp_tp: int) -> bool:
         """torchtitan 0.3.0 ``parallel_dims.py`` draws EP from dp_shard x cp x tp: without FSDP (dp_shard 1) only
@@ -299,6 +308,10 @@ class FrameworkProfile:
                 errors.append(f"etp: {self.name} runs experts with etp={want} when ep={ep} "
                               f"(torchtitan 0.3.0: EP replaces expert TP; without EP experts are split over tp); "
                               f"set etp {want}")
+        if not self._cp_allows_zero(plan.zero_stage, plan.cp):
+            errors.append(f"zero_stage: {self.name} shards the parameters over the context-parallel ranks whenever cp > 1 "
+                          f"(torchtitan 0.3.0 ParallelDims.fsdp_enabled: dp_shard > 1 or cp > 1), so ZeRO 0 does not "
+                          f"run with cp={plan.cp}; use zero_stage 2 or 3, or cp 1")
         if not self._ep_allows_zero(plan.zero_stage, ep, plan.cp * tp):
             errors.append(f"zero_stage: {self.name}'s expert parallelism lives inside its FSDP mesh (efsdp); "
                           f"use zero_stage >= 1 with ep={ep}, or an ep that divides cp x tp = {plan.cp * tp}")

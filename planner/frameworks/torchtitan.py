@@ -285,6 +285,7 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            uneven_virtual_ends_only=True, pipeline_recv_buffers=True,
                            allows_layer_interval_recompute=True,  # selective_ac_option N (Plan.recompute_interval)
                            expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan",
+                           fsdp_with_cp=True,  # ParallelDims.fsdp_enabled (FrameworkProfile.fsdp_with_cp)
                            replicates_kv_heads=False,  # models/common/decoder.py: tp must divide n_kv_heads
                            moe_host_issue="torchtitan",  # grouped experts (planner.cost.TORCHTITAN_MOE_HOST_OPS)
                            eager_block_bytes=EAGER_BLOCK_BYTES,
@@ -296,6 +297,7 @@ TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=Fals
                         # (and every N-th layer of a rank, Plan.recompute_interval, as torchtitan does)
                         uneven_virtual_ends_only=False,  # plan3d validate's miniature splits any stage
                         moe_ep_needs_fsdp=False,  # its expert mesh stands apart from FSDP (planner/validate/moe_layer.py)
+                        fsdp_with_cp=False,  # its ZeRO-0 replicates over dp x cp (planner/validate/worker.py)
                         replicates_kv_heads=True,  # its miniature keeps max(kv_heads // tp, 1) (planner/validate/model.py)
                         # its MoE miniature runs its experts one by one and copies the counts to the host every layer
                         # (planner/validate/moe_layer.py: recv.tolist()), as Megatron's SequentialMLP does

@@ -215,7 +215,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     if (shard * cp * tp) % ep:
         raise SpecError(f"{where}: expert_parallel_degree {ep} does not divide data_parallel_shard_degree({shard}) x "
                         f"cp({cp}) x tp({tp}) = {shard * cp * tp}, the ranks torchtitan draws EP from")
-    zero = _fsdp_zero_stage(par, shard, pp, where, notes)
+    zero = _fsdp_zero_stage(par, shard, pp, where, notes, cp)
     compiled = _compile(doc, tr, notes)
     training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
                 "precision": _precision(tr, fp8, where, notes), "attention": "flash", "framework": "torchtitan",
@@ -257,8 +257,10 @@ RESHARD_POLICIES = ("default", "always", "never")
 PARAM_DTYPES = ("bfloat16", "float32")
 
 
-def _fsdp_zero_stage(par: dict, shard: int, pp: int, where: str, notes: list[str]) -> int:
-    """plan3d's ZeRO stage of a torchtitan job: none without FSDP (``data_parallel_shard_degree`` 1); with it, by
+def _fsdp_zero_stage(par: dict, shard: int, pp: int, where: str, notes: list[str], cp: int = 1) -> int:
+    """plan3d's ZeRO stage of a torchtitan job: none without FSDP (``data_parallel_shard_degree`` 1 and no context
+    parallelism: ``ParallelDims.fsdp_enabled`` is ``dp_shard > 1 or cp > 1``, the parameters sharded over the
+    dp_shard x cp mesh); with it, by
     ``fsdp_reshard_after_forward`` as ``parallelize.py::apply_fsdp`` applies it: "default" reshards after forward
     unless PP, "always" does, "never" keeps every block's gathered parameters from its forward to its backward, which
     is plan3d's ZeRO 2 under this framework (planner/frameworks/torchtitan.py ``reshard_after_forward``; ``plan3d emit
@@ -268,13 +270,13 @@ def _fsdp_zero_stage(par: dict, shard: int, pp: int, where: str, notes: list[str
     if policy not in RESHARD_POLICIES:
         raise SpecError(f"{where}: parallelism.fsdp_reshard_after_forward = {policy!r}: torchtitan takes "
                         f"{', '.join(RESHARD_POLICIES)}")
-    if shard == 1:
+    if shard == 1 and cp == 1:
         return 0
     if policy == "never":
         notes.append("FSDP2 with fsdp_reshard_after_forward never: each block keeps its gathered parameters from "
                      "forward to backward, modelled as ZeRO-2")
         return 2
-    notes.append("FSDP2 (data_parallel_shard_degree > 1): modelled as ZeRO-3")
+    notes.append("FSDP2 (over data_parallel_shard_degree x context_parallel_degree): modelled as ZeRO-3")
     if policy == "always" and pp > 1:
         notes.append("fsdp_reshard_after_forward always with PP: the stage's gathered parameters are counted as "
                      "kept (torchtitan's default under PP), more than this job holds")
