@@ -50,8 +50,8 @@ CASES = {
     # "$@" with no arguments and "${A[@]}" of an empty array are no word at all, "$*" is one empty word: plan3d's own
     # torchrun script ends `"${MEGATRON_ARGS[@]}" "$@"`, and an empty word there was read as a value of the last flag
     # (its --cuda-graph-scope, nargs '+', then refused)
-    "empty \"$@\" and \"${A[@]}\" vanish": ('B=()\nrun a "$@" "${@}" "${B[@]}" "$*" "x$@" "${B[*]}" z',
-                                         ["a", "", "x", "", "z"]),
+    "empty \"$@\" and \"${A[@]}\" vanish": ('B=()\nrun a "$@" "${@}" "${B[@]}" "$*" "x$@" "${B[*]}" "${B}" "$B" z',
+                                         ["a", "", "x", "", "", "", "z"]),
 }
 
 

@@ -115,11 +115,13 @@ class Expander:
                 if self.raw(target.child_by_field_name("index")) != "@":
                     return False
                 name = self.raw(target.child_by_field_name("name"))
-            else:
+            else:  # "${@}"; "${A}" of an empty array is one empty word, as "$A" is
                 name = self.raw(target)
+                if name != "@":
+                    return False
         else:
             return False
-        if name not in ("@",) and kid.type == "simple_expansion":
+        if name != "@" and kid.type == "simple_expansion":
             return False
         value = self.lookup(name, w)
         return isinstance(value, list) and not value
