@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from planner.emit import megatron, torchrun
-from planner.frameworks.torchtitan import step_cuda_graph_by_default
+from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, step_cuda_graph_by_default
 from planner.names import slug
 from planner.presets import SpecError
 from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
@@ -180,9 +180,6 @@ def args(sc: Scenario) -> list[str]:
 # components ["model", "loss"]): models/llama3/config_registry.py llama3_405b CompileConfig(enable=True,
 # enable_async_tensor_parallel=True); models/deepseek_v3/config_registry.py deepseek_v3_671b (and _float8, which
 # starts from it) CompileConfig(enable=True, components=["loss"]). llama3_8b, llama3_70b and qwen3_30b_a3b leave it off.
-ASYNC_TP_CONFIGS = ("llama3_405b",)
-
-
 def compile_args(config: str, training, tp: int) -> list[str]:
     """``--compile.*`` so that torchtitan compiles what the plan assumed (``TrainingSpec.compile``,
     ``compile_components``), whatever the registry function sets: the switch is always written. torchtitan

@@ -145,6 +145,12 @@ def reshard_after_forward(plan) -> bool:
     return plan.zero_stage >= 3 and plan.pp == 1
 
 
+#: torchtitan 0.3.0 config-registry functions that turn async TP on (models/llama3/config_registry.py llama3_405b:
+#: CompileConfig(enable=True, enable_async_tensor_parallel=True)); planner/emit/torchtitan.py turns it off where the plan
+#: was costed without it, planner/readers/torchtitan.py reads it as the default of such a launch
+ASYNC_TP_CONFIGS = ("llama3_405b",)
+
+
 def step_cuda_graph_by_default(pp: int, ep: int) -> bool:
     """torchtitan's trainer captures the step in a CUDA graph unless pp > 1 or ep > 1, where ``_validate_cuda_graphs``
     refuses it and plan3d's launches pass ``--training.disable_cuda_graphs`` (planner/emit/torchtitan.py)."""

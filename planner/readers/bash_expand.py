@@ -106,6 +106,8 @@ class Expander:
         kid = kids[0]
         if kid.type == "simple_expansion":
             name = self.raw(kid)[1:]
+            if name != "@":
+                return False
         elif kid.type == "expansion":
             inner = [c for c in kid.children if c.type not in ("${", "}")]
             if len(inner) != 1:
@@ -120,8 +122,6 @@ class Expander:
                 if name != "@":
                     return False
         else:
-            return False
-        if name != "@" and kid.type == "simple_expansion":
             return False
         value = self.lookup(name, w)
         return isinstance(value, list) and not value

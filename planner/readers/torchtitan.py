@@ -15,7 +15,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from planner.frameworks.torchtitan import step_cuda_graph_by_default
+from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, step_cuda_graph_by_default
 from planner.presets import SpecError, load_model
 from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
 
@@ -329,10 +329,6 @@ def _compile(doc: dict, tr: dict, notes: list[str]) -> dict:
     return {}
 
 
-# torchtitan 0.3.0 config-registry functions that turn async TP on (planner/emit/torchtitan.py ASYNC_TP_CONFIGS)
-REGISTRY_ASYNC_TP = ("llama3_405b",)
-
-
 def _async_tp(doc: dict, tp: int, compiled: dict, where: str) -> dict:
     """``tp_comm_overlap`` of the training spec: torchtitan's async TP, from ``[compile] enable_async_tensor_parallel``
     (0.3.0 ``CompileConfig``), ``[parallelism]`` (2025 JobConfig) or ``[experimental]`` (2024 TOMLs, the torchtitan
@@ -340,7 +336,7 @@ def _async_tp(doc: dict, tp: int, compiled: dict, where: str) -> dict:
     (``distributed/compile.py``: "if not compile_config.enable_async_tensor_parallel or tp_mesh is None: return").
     Async TP without the blocks compiled is refused, as torchtitan refuses it at startup."""
     registry = str(doc.get("_registry", {}).get("config", "")).lower()
-    on = registry in REGISTRY_ASYNC_TP
+    on = registry in ASYNC_TP_CONFIGS
     for section in ("experimental", "parallelism", "compile"):  # the newest layout last: it wins
         value = doc.get(section, {}).get("enable_async_tensor_parallel")
         if value is None:
