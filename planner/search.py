@@ -117,7 +117,7 @@ def _stage_rows(split: StageSplit) -> list[tuple[int, int]]:
 
 
 def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace,
-                 order: str = DEFAULT_ORDER, workers: int | None = None) -> Tables:
+                 order: str = DEFAULT_ORDER, workers: int | None = None, memory_only: bool = False) -> Tables:
     """Every (shape, micro, zero) combination's step time and stage memory (module docstring, step 2).
 
     The shapes are independent, so with many of them (``PARALLEL_MIN_SHAPES``) they are split over ``workers``
@@ -125,7 +125,8 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     one process (:func:`_shape_chunks`); the zero-bubble schedules' simulations the shapes ask for then run once
     per action program, over workers too where there are many (``PARALLEL_MIN_STEPS``, :func:`simulation_workers`;
     ``workers`` for both where given). Every shape and every program is computed by the same code either way, so
-    the tables are the same (``tests/test_search_parallel.py``)."""
+    the tables are the same (``tests/test_search_parallel.py``). ``memory_only``: the legality and stage memory
+    alone, every step time left INFEASIBLE (what :func:`any_plan_fits` needs: the same memory, sooner)."""
     t0 = time.perf_counter()
     shape_list = table_shapes(model, hw, training, space)
     micros = _micros(model, hw, training, space, {sh[2] for sh in shape_list})
@@ -137,7 +138,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     usable_kib = int(hw.usable_memory_gib * GIB // KIB)
     n = table_workers(S) if workers is None else (workers if can_fork_workers() else 1)
     chunks = _shape_chunks(shape_list, 2 * n) if n > 1 and S else [list(range(S))]
-    jobs = [(model, hw, training, space, order, micros, zeros, [(si, shape_list[si]) for si in chunk])
+    jobs = [(model, hw, training, space, order, micros, zeros, [(si, shape_list[si]) for si in chunk], memory_only)
             for chunk in chunks]
     parts = _parallel_map(_fill_tables_job, jobs, n) if len(jobs) > 1 else None
     if parts is None:
@@ -263,7 +264,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     :func:`build_tables`, run in this process or a worker. The simulations are left to the caller, which runs
     each action program once for every chunk (a worker's asks and its owed steps travel in one pickle, so they
     still share their arrays)."""
-    model, hw, training, space, order, micros, zeros, indexed = job
+    model, hw, training, space, order, micros, zeros, indexed, memory_only = job
     B = training.global_batch_size
     K, U, Z = len(indexed), len(micros), len(zeros)
     time_ns = np.full((K, U, Z), INFEASIBLE, dtype=np.int64)
@@ -318,12 +319,11 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             factors[key] = _micro_factors(model, hw, training, micros, base, order, space.pins)
         f = factors[key]
         crosses = pp_hop_crosses_nodes(base, hw.nvlink_domain, order)
-        if (tp, cp, crosses) not in hops:
+        if (tp, cp, crosses) not in hops and not memory_only:
             tp_group = axis_span(base, "tp", hw.nvlink_domain, order)
             hops[(tp, cp, crosses)] = np.array([
                 p2p_hop_s(model, hw, training, base.model_copy(update={"micro_batch_size": mbs, "sequence_parallel": sp}),
                           crosses, tp_group) for mbs, _, sp, _ in micros])
-        hop = hops[(tp, cp, crosses)]
         m = B // (mbs_u * dp)
         if split.schedule is None:  # Megatron's interleaved rule (specs.plan_problems)
             sched_ok = (v == 1) | (m % p == 0)
@@ -341,7 +341,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         # their maximum (a stage the three kinds miss could not fit while the table says it does)
         mrows = _memory_rows(model, base, rows)
         static, work, released, step_extra = _state_rows_by_micro(model, hw, training, base, mrows, zeros, mbs_u, B)
-        if not model.is_moe:  # a MoE model's DP terms are composed over every stage (_moe_step)
+        if not model.is_moe and not memory_only:  # a MoE model's DP terms are composed over every stage (_moe_step)
             dpg_s, dpp_s, z3_s, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
         nm = np.array([x[1] for x in mrows], dtype=float)
         inflight = np.stack([in_flight(base, m, r) for r, _ in mrows], axis=1)  # [U, R]
@@ -380,6 +380,11 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         mem = np.ceil((static + (act + other)[:, None, :] + work_peak + kept + step_excess) / KIB)
         if len(mrows) > len(rows):  # back to the three kinds: first, the worst middle, last
             mem = np.stack([mem[..., 0], mem[..., 1:-1].max(axis=-1), mem[..., -1]], axis=-1)
+        if memory_only:
+            mem_kib[si, ok] = mem[ok].astype(np.int64)
+            legal[si, ok] = True
+            continue
+        hop = hops[(tp, cp, crosses)]
         # the zero-bubble schedules' bubble is simulated (cost.schedule_bubble_s): only for the combinations
         # that are legal and fit (m = 0 elsewhere: no simulation, no time; they cannot be chosen)
         m_step = m[:, None] if split.schedule is None else \
@@ -894,16 +899,83 @@ def exhaustive_with_training(model: ModelSpec, hw: HardwareSpec, training: Train
     return best, best_t, n, best_tr
 
 
+def any_plan_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
+                  order: str = DEFAULT_ORDER) -> bool:
+    """Whether :func:`search` would find a plan that fits, without costing any: the same tables (memory only,
+    ``build_tables(memory_only=True)``), the same job switches (``LIGHTER_WHEN_TRUE`` on, then the
+    ``LARGER_AT_STEP_WHEN_TRUE`` ones back off), the same pins (the tables hold only what the pins allow: the
+    shapes, micro-batch options and ZeRO stages are built from them) and the same reference memory check
+    (:func:`reference_fits`) of up to ``MAX_REFERENCE_REJECTIONS`` fitting entries, the smallest peaks first.
+    ``tests/test_search_smallest.py`` checks it against :func:`search`."""
+    space = space or SearchSpace()
+    offered = {f: set(v) for f, v in switch_values(space, training).items()}
+    searched = [f for f, v in offered.items() if len(v) > 1]
+    light = training.model_copy(update={f: True if f in searched else next(iter(v)) for f, v in offered.items()})
+    jobs = [light]
+    heavier = [f for f in searched if f in LARGER_AT_STEP_WHEN_TRUE]
+    if heavier:
+        jobs.append(light.model_copy(update=dict.fromkeys(heavier, False)))
+    space = replace(space, **dict.fromkeys(searched, None))
+    for tr in jobs:
+        tables = build_tables(model, hw.for_job(tr.num_gpus), tr, space, order, memory_only=True)
+        peak = tables.mem_kib.max(axis=-1).ravel()
+        candidates = np.flatnonzero(tables.legal.ravel() & (peak <= tables.usable_kib))
+        smallest_first = candidates[np.argsort(peak[candidates], kind="stable")][:MAX_REFERENCE_REJECTIONS]
+        if any(reference_fits(model, hw.for_job(tr.num_gpus), tr, tables.plan(int(k))) for k in smallest_first):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class ClusterSize:
+    """The answer of :func:`smallest_fitting_gpus`: ``gpus``, the smallest count tried that fits; the counts tried
+    were ``start * 2**k`` up to the first that fits (``start`` itself does not), then, where that doubling left a
+    gap, the counts ``low + step``, ``low + 2 step``, ... below ``gpus`` (``low``: the last doubling that does not
+    fit), halved as a bisection would (fitting is taken to grow with the count there)."""
+    gpus: int
+    start: int
+    low: int
+    step: int
+
+    def describe(self) -> str:
+        tried = f"{self.start} x 2^k"
+        if self.step and self.low + self.step < 2 * self.low:
+            tried += f", then steps of {self.step} between {self.low} and {2 * self.low}"
+        return f"the smallest GPU count that fits is {self.gpus} (tried {tried})"
+
+
 def smallest_fitting_gpus(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
-                          max_doublings: int = 12) -> int | None:
-    """The smallest of ``num_gpus * 2**k`` (k = 1, 2, ...; at most ``MAX_GPUS``) for which some plan fits, or None."""
+                          max_doublings: int = 12) -> ClusterSize | None:
+    """The smallest GPU count found for which some plan fits, or None (:class:`ClusterSize` says which counts were
+    tried). First ``num_gpus * 2**k`` (k = 1, 2, ...; at most ``MAX_GPUS``) up to the first that fits; then the gap
+    below it, from the last count that does not fit, in steps of an eighth of the gap (whole nodes of
+    ``gpus_per_node`` once the counts reach a node), by bisection. Each count is judged by :func:`any_plan_fits`:
+    what the search would find, without costing any plan."""
+    def fits(n: int) -> bool:
+        return any_plan_fits(model, hw, training.model_copy(update={"num_gpus": n}), space)
+
+    low, high = training.num_gpus, None
     for k in range(1, max_doublings + 1):
-        if training.num_gpus * 2**k > MAX_GPUS:
+        n = training.num_gpus * 2**k
+        if n > MAX_GPUS:
             break
-        bigger = training.model_copy(update={"num_gpus": training.num_gpus * 2**k})
-        if search(model, hw, bigger, space).best is not None:
-            return bigger.num_gpus
-    return None
+        if fits(n):
+            high = n
+            break
+        low = n
+    if high is None:
+        return None
+    unit = hw.gpus_per_node if low >= hw.gpus_per_node else 1
+    step = max(unit, (high - low) // 8 // unit * unit)
+    between = list(range(low + step, high, step))
+    best, a, b = high, 0, len(between) - 1
+    while a <= b:
+        mid = (a + b) // 2
+        if fits(between[mid]):
+            best, b = between[mid], mid - 1
+        else:
+            a = mid + 1
+    return ClusterSize(gpus=best, start=training.num_gpus, low=low, step=step if between else 0)
 
 
 def parse_gpu_counts(text: str, max_gpus: int = MAX_GPUS) -> list[int]:

@@ -57,7 +57,12 @@ def test_infeasible_exit_3_names_binding_constraint_and_smallest_cluster(runner)
                               "--global-batch", "8", "--seq-len", "2048"])
     assert res.exit_code == 3
     assert "needing" in res.output and "GiB usable" in res.output
-    assert "the smallest GPU count that fits is 64" in res.output
+    # 8 x 2^k first (64 fits, 32 does not), then whole nodes between 32 and 64: 40 is the first that fits
+    assert "the smallest GPU count that fits is 40 (tried 8 x 2^k, then steps of 8 between 32 and 64)" in res.output
+    for gpus, code in ((40, 0), (32, 3)):  # what the search itself says at those counts
+        res = runner.invoke(app, ["search", "--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", str(gpus),
+                                  "--global-batch", "8", "--seq-len", "2048", "--quiet"])
+        assert res.exit_code == code, res.output
 
 
 def test_sweep_list_and_range(runner):

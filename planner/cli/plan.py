@@ -246,7 +246,7 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                        f"{training.framework} runs; check --gpus and --global-batch (docs/search.md)"]
             smallest = S.smallest_fitting_gpus(model, hw, training, space)
             limit = min(training.num_gpus * 4096, MAX_GPUS)
-            msg.append(f"the smallest GPU count that fits is {smallest}" if smallest else
+            msg.append(smallest.describe() if smallest else
                        f"no GPU count of the form {training.num_gpus} x 2^k up to {limit:,} has a legal plan that fits")
             out["message"] = msg
     return out
