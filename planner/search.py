@@ -293,6 +293,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     factors: dict = {}
     hops: dict = {}
     sync_cache: dict = {}  # a MoE stage kind's DP terms, shared by shapes of the same degrees (_moe_step)
+    row_cache: dict = {}  # a dense stage kind's state and DP terms, shared likewise (_row_key)
     zb = ZeroBubbleBatch()  # collects this chunk's zero-bubble simulations; build_tables runs them
     owed_steps = []  # (shape, legal options, step without its simulated bubble, that bubble once zb has run)
     usable_kib = int(hw.usable_memory_gib * GIB // KIB)
@@ -340,9 +341,10 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         # that may hold a dense layer, and the first one after them, is computed, and the middle kind is
         # their maximum (a stage the three kinds miss could not fit while the table says it does)
         mrows = _memory_rows(model, base, rows)
-        static, work, released, step_extra = _state_rows_by_micro(model, hw, training, base, mrows, zeros, mbs_u, B)
+        static, work, released, step_extra = _state_rows_by_micro(model, hw, training, base, mrows, zeros, mbs_u, B,
+                                                                  row_cache)
         if not model.is_moe and not memory_only:  # a MoE model's DP terms are composed over every stage (_moe_step)
-            dpg_s, dpp_s, z3_s, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order)
+            dpg_s, dpp_s, z3_s, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order, row_cache)
         nm = np.array([x[1] for x in mrows], dtype=float)
         inflight = np.stack([in_flight(base, m, r) for r, _ in mrows], axis=1)  # [U, R]
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
@@ -516,26 +518,37 @@ def _stage_before(p: int) -> np.ndarray:
     return np.array([[0, 0, 0], [1, 0, 0], [1, max(p - 2, 0), 0]], dtype=float)
 
 
-def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order):
+def _row_key(plan: Plan, stage: int, layers: int) -> tuple:
+    """What a dense model's stage state and DP terms depend on (:func:`_state_rows`, :func:`_zero_terms`): the
+    degrees, the micro-batch size (torchtitan's one-micro-batch steps), whether the pipeline is a V, whether the
+    stage holds the embedding or the loss, and its layers; not the virtual stages nor the other stages' split.
+    ``tests/test_search_tables_sweep.py`` checks the tables built with and without these keys are the same."""
+    return (plan.tp, plan.cp, plan.dp, plan.pp, plan.ep, plan.etp, plan.micro_batch_size, plan.v_shaped, stage == 0,
+            stage == plan.loss_stage, layers)
+
+
+def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order, cache: dict | None = None):
     """Per ZeRO stage and stage kind of a dense model: gradient reduction, parameter all-gather and ZeRO-3
     gather [Z, 3]; optimizer time [Z]. Each distinct communication is computed once (the static memory is
-    :func:`_state_rows`)."""
-    params = [stage_params_per_rank(model, plan, r, n) for r, n in rows]
-    sync = {}
-    for key in sorted({min(z, 1) if z < 3 else 3 for z in zeros}):
-        zp = plan.model_copy(update={"zero_stage": key})
-        sync[key] = [dp_sync_parts_s(model, hw, training, zp, r, n, order) for r, n in rows]
-    z3p = plan.model_copy(update={"zero_stage": 3})
-    gather = [zero3_gather_s(model, hw, z3p, r, n, order, gb[0]) for r, n in rows] if 3 in zeros else [0.0] * 3
-    dpg_s, dpp_s, z3_s, opt_s = [], [], [], []
-    for z in zeros:
-        zp = plan.model_copy(update={"zero_stage": z})
-        parts = sync[min(z, 1) if z < 3 else 3]
-        dpg_s.append([x[0] for x in parts])
-        dpp_s.append([x[1] for x in parts])
-        z3_s.append(gather if z == 3 else [0.0] * 3)
-        opt_s.append(optimizer_s(model, hw, training, zp, params))
-    return np.array(dpg_s), np.array(dpp_s), np.array(z3_s), np.array(opt_s)
+    :func:`_state_rows`); with ``cache``, once per :func:`_row_key` for all the shapes of a table build."""
+    cols = []
+    for r, n in rows:
+        key = ("zero", *_row_key(plan, r, n)) if cache is not None else None
+        col = cache.get(key) if key else None
+        if col is None:
+            params = stage_params_per_rank(model, plan, r, n)
+            sync = {k: dp_sync_parts_s(model, hw, training, plan.model_copy(update={"zero_stage": k}), r, n, order)
+                    for k in sorted({min(z, 1) if z < 3 else 3 for z in zeros})}
+            gather = zero3_gather_s(model, hw, plan.model_copy(update={"zero_stage": 3}), r, n, order, gb[0]) \
+                if 3 in zeros else 0.0
+            col = (params, [sync[min(z, 1) if z < 3 else 3] + (gather if z == 3 else 0.0,) for z in zeros])
+            if key:
+                cache[key] = col
+        cols.append(col)
+    params = [c[0] for c in cols]
+    terms = np.array([c[1] for c in cols], dtype=float)  # [R, Z, 3]: reduction, all-gather, ZeRO-3 gather
+    opt_s = [optimizer_s(model, hw, training, plan.model_copy(update={"zero_stage": z}), params) for z in zeros]
+    return terms[..., 0].T, terms[..., 1].T, terms[..., 2].T, np.array(opt_s)
 
 
 def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -554,37 +567,45 @@ def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> l
     return [rows[0], *middles, rows[-1]]
 
 
-def _state_rows(model, hw, training, plan: Plan, rows, zeros) -> tuple[np.ndarray, ...]:
+def _state_rows(model, hw, training, plan: Plan, rows, zeros, cache: dict | None = None) -> tuple[np.ndarray, ...]:
     """Static memory (weights + gradients + optimizer), its transient working set, what the last backward
     releases of it (``StateBytes.released_at_last_backward_bytes``) and what the optimizer step holds beyond it
     (``StateBytes.step_extra_bytes``) [Z, R] of each (stage, layers) row
     (memory.stage_state_bytes): the three kinds of :func:`_stage_rows`, more rows for a MoE model's middle stages
-    (:func:`_memory_rows`)."""
-    static, work, released, step = [], [], [], []
-    inputs = [stage_param_inputs(model, plan, r, n) for r, n in rows]  # the same for every ZeRO stage
-    for z in zeros:
-        zp = plan.model_copy(update={"zero_stage": z})
-        states = [stage_state_bytes_of(model, training, zp, n, x, hw) for (_, n), x in zip(rows, inputs)]
-        static.append([st.weights_bytes + st.grads_bytes + st.optimizer_bytes for st in states])
-        work.append([st.working_weights_bytes + st.working_grads_bytes for st in states])
-        released.append([st.released_at_last_backward_bytes for st in states])
-        step.append([st.step_extra_bytes for st in states])
-    return np.array(static), np.array(work), np.array(released), np.array(step)
+    (:func:`_memory_rows`). With ``cache``, a dense model's row is computed once per :func:`_row_key` for all the
+    shapes of a table build (a MoE stage's layers depend on the whole split: never cached)."""
+    cols = []
+    for r, n in rows:
+        key = ("state", *_row_key(plan, r, n)) if cache is not None and not model.is_moe else None
+        col = cache.get(key) if key else None
+        if col is None:
+            inputs = stage_param_inputs(model, plan, r, n)  # the same for every ZeRO stage
+            col = []
+            for z in zeros:
+                st = stage_state_bytes_of(model, training, plan.model_copy(update={"zero_stage": z}), n, inputs, hw)
+                col.append((st.weights_bytes + st.grads_bytes + st.optimizer_bytes,
+                            st.working_weights_bytes + st.working_grads_bytes, st.released_at_last_backward_bytes,
+                            st.step_extra_bytes))
+            if key:
+                cache[key] = col
+        cols.append(col)
+    out = np.array(cols, dtype=float).reshape(len(rows), len(zeros), 4)  # [R, Z, 4]
+    return tuple(out[..., i].T for i in range(4))
 
 
-def _state_rows_by_micro(model, hw, training, base: Plan, rows, zeros, mbs_u: np.ndarray, B: int
-                         ) -> tuple[np.ndarray, ...]:
+def _state_rows_by_micro(model, hw, training, base: Plan, rows, zeros, mbs_u: np.ndarray, B: int,
+                         cache: dict | None = None) -> tuple[np.ndarray, ...]:
     """:func:`_state_rows` [U, Z, R] for each micro-batch size of the tables. The states depend on the micro-batch
     size only through whether the step has one micro-batch (torchtitan: ``optimizer.zero_grad`` frees the gradient
     shards between steps, so with one micro-batch they exist during backward only, ``frameworks.torchtitan
     .state_bytes``): the shape's base plan gives every size, and the size of a one-micro-batch step (``B / dp``) its
     own. Until 2026-12-05 the tables took the base plan's states for every size, above the estimate there."""
-    states = _state_rows(model, hw, training, base, rows, zeros)
+    states = _state_rows(model, hw, training, base, rows, zeros, cache)
     out = [np.broadcast_to(x[None], (len(mbs_u),) + x.shape) for x in states]
     one = B // base.dp if B % base.dp == 0 else 0
     single = mbs_u == one
     if one and one != base.micro_batch_size and single.any():
-        other = _state_rows(model, hw, training, base.model_copy(update={"micro_batch_size": one}), rows, zeros)
+        other = _state_rows(model, hw, training, base.model_copy(update={"micro_batch_size": one}), rows, zeros, cache)
         out = [np.where(single[:, None, None], y[None], x) for x, y in zip(out, other)]
     return tuple(out)
 

@@ -56,3 +56,27 @@ def test_tables_are_the_estimate(i):
             assert plan.pipeline_schedule is not None and tables.mem_kib[s, u, z].max() > tables.usable_kib, plan
         peak = max(st.total_bytes for st in estimate_memory(model, hw, tr, plan).stages)
         assert abs(int(tables.mem_kib[s, u, z].max()) * KIB - peak) <= 2 * KIB, plan
+
+
+SHARED_ROWS = JOBS + [  # a dense job with many splits and virtual stages sharing their stage kinds
+    ("llama3-70b", "h100-sxm-80gb", dict(num_gpus=64, global_batch_size=128, seq_len=4096), Pins(), 2, 2),
+    ("llama3-8b", "h100-sxm-80gb", dict(num_gpus=8, global_batch_size=16, seq_len=1024, framework="torchtitan"),
+     Pins(tp=1), 2, 1),  # one-micro-batch steps at micro-batch 2 (test_search_single_microbatch): it is in the key
+]
+
+
+@pytest.mark.parametrize("i", range(len(SHARED_ROWS)))
+def test_shared_stage_rows_change_nothing(i, monkeypatch):
+    """search._row_key lets the shapes of a table build share a dense stage kind's state and DP terms; the tables
+    with every row computed anew (each key unique) are the same, bit for bit."""
+    from planner import search as S
+
+    name, hw_name, job, pins, mbs, cp = SHARED_ROWS[i]
+    model, hw, tr = load_model(name), load_hardware(hw_name), TrainingSpec(**job)
+    space = SearchSpace(pins=pins, max_micro_batch_size=mbs, max_cp=cp)
+    shared = build_tables(model, hw, tr, space, workers=1)
+    monkeypatch.setattr(S, "_row_key", lambda *a: (object(),))
+    alone = build_tables(model, hw, tr, space, workers=1)
+    assert shared.shapes == alone.shapes and shared.legal.any()
+    for field in ("time_ns", "mem_kib", "legal"):
+        assert np.array_equal(getattr(shared, field), getattr(alone, field)), field
