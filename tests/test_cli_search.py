@@ -59,6 +59,13 @@ def test_infeasible_exit_3_names_binding_constraint_and_smallest_cluster(runner)
     assert "needing" in res.output and "GiB usable" in res.output
     # 8 x 2^k first (64 fits, 32 does not), then whole nodes between 32 and 64: 40 is the first that fits
     assert "the smallest GPU count that fits is 40 (tried 8 x 2^k, then steps of 8 between 32 and 64)" in res.output
+    res = runner.invoke(app, ["search", "--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", "8",
+                              "--global-batch", "8", "--seq-len", "2048", "--json"])
+    assert res.exit_code == 3
+    d = json.loads(res.stdout)  # the same answer as data on stdout
+    assert d["plan"] is None and d["smallest_fitting_gpus"] == 40 and d["solver"]["status"] == "INFEASIBLE"
+    assert d["closest"]["peak_gib"] > d["closest"]["usable_gib"] and d["closest"]["plan"]["tp"] >= 1
+    assert len(d["message"]) == 2 and d["message"][0].startswith("no plan fits gpt3-175b on 8 x a100-80gb")
     for gpus, code in ((40, 0), (32, 3)):  # what the search itself says at those counts
         res = runner.invoke(app, ["search", "--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", str(gpus),
                                   "--global-batch", "8", "--seq-len", "2048", "--quiet"])

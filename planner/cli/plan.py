@@ -174,6 +174,10 @@ def search(
         return
     result = _run_search(spec_model, spec_hw, training, space, top, exhaustive, spin_quiet)
     if result["best"] is None:
+        if json_out:  # the answer as data too: stdout is JSON whatever the outcome
+            render.print_json({"plan": None, "solver": result["solver"], "closest": result.get("closest"),
+                               "smallest_fitting_gpus": result.get("smallest_fitting_gpus"),
+                               "message": result["message"]})
         for line in result["message"]:
             typer.echo(f"error: {line}", err=True)
         raise typer.Exit(EXIT_INFEASIBLE)
@@ -232,6 +236,8 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                 msg = [f"no plan fits {model.name} on {training.num_gpus} x {hw.name}: the closest, "
                        f"{res.closest.label()} (recompute {res.closest.recompute}, ZeRO-{res.closest.zero_stage}), "
                        f"has stage {peak.stage} needing {mem.peak_gib:.1f} GiB of {mem.usable_gib:.1f} GiB usable"]
+                out["closest"] = {"plan": res.closest.model_dump(mode="json"), "stage": peak.stage,
+                                  "peak_gib": mem.peak_gib, "usable_gib": mem.usable_gib}
             elif res.candidates == 0:
                 from planner.candidates import pinned_layout_problems
 
@@ -245,6 +251,7 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                        f"split of the GPUs suits {model.name}'s heads and layers, the global batch and what "
                        f"{training.framework} runs; check --gpus and --global-batch (docs/search.md)"]
             smallest = S.smallest_fitting_gpus(model, hw, training, space)
+            out["smallest_fitting_gpus"] = smallest.gpus if smallest else None
             limit = min(training.num_gpus * 4096, MAX_GPUS)
             msg.append(smallest.describe() if smallest else
                        f"no GPU count of the form {training.num_gpus} x 2^k up to {limit:,} has a legal plan that fits")
