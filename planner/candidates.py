@@ -314,18 +314,24 @@ def pinned_problems(framework: str, pins: Pins, optimizer_dtype: str = "fp32") -
         zero = next((z for z in fw.zero_stages if fw.allows_zero(z, pp, optimizer_dtype)), fw.zero_stages[0])
     # an unpinned tp or cp stands at ep, so a rule on cp x tp (torchtitan's EP inside FSDP) fires only when both are set
     tp = pins.tp if pins.tp is not None else (pins.ep or 1)
-    cp = pins.cp if pins.cp is not None else (pins.ep or 1)
-    # model_construct gives every field not named its default (Plan's), as the probes below rely on
-    probe = Plan.model_construct(tp=tp, pp=pp, dp=1, cp=cp, vpp=pins.vpp or 1, micro_batch_size=1, recompute="none",
-                                 sequence_parallel=bool(pins.sequence_parallel) and tp > 1, zero_stage=zero,
-                                 ep=pins.ep or 1, etp=pins.etp, cpu_offload_layers=pins.cpu_offload_layers or 0)
     # an etp rule reads tp and ep too (etp = tp, or 1 under EP): it counts only when all three are pinned
     pinned = {"cp": pins.cp, "vpp": pins.vpp, "cpu_offload_layers": pins.cpu_offload_layers, "ep": pins.ep,
               "etp": pins.etp if None not in (pins.tp, pins.ep) else None, "zero_stage": pins.zero_stage}
-    # the rule on ZeRO 0 with cp > 1 (FrameworkProfile.fsdp_with_cp) reads cp too: it counts only when cp is pinned
-    lines = [f"--framework {framework}: {line}" for line in fw.plan_problems(probe, None, optimizer_dtype)
-             if pinned.get(line.split(":", 1)[0]) is not None
-             and (pins.cp is not None or "over the context-parallel ranks" not in line)]
+
+    def problems(cp: int) -> list[str]:
+        # model_construct gives every field not named its default (Plan's), as the probes below rely on
+        probe = Plan.model_construct(tp=tp, pp=pp, dp=1, cp=cp, vpp=pins.vpp or 1, micro_batch_size=1,
+                                     recompute="none", sequence_parallel=bool(pins.sequence_parallel) and tp > 1,
+                                     zero_stage=zero, ep=pins.ep or 1, etp=pins.etp,
+                                     cpu_offload_layers=pins.cpu_offload_layers or 0)
+        return [f"--framework {framework}: {line}" for line in fw.plan_problems(probe, None, optimizer_dtype)
+                if pinned.get(line.split(":", 1)[0]) is not None]
+    # an unpinned cp is a placeholder too: a line counts only where it holds at each value the search may take, at ep
+    # (as tp) and at 1 (a rule on ZeRO 0 with cp > 1, FrameworkProfile.fsdp_with_cp, does not hold at cp 1)
+    lines = problems(pins.cp if pins.cp is not None else (pins.ep or 1))
+    if pins.cp is None and (pins.ep or 1) > 1:
+        at_one = set(problems(1))
+        lines = [line for line in lines if line in at_one]
     # the offload rules of every framework (Plan's own), where offload and pp or recompute are pinned
     return lines + offload_problems(pins.cpu_offload_layers or 0, pp, pins.recompute or "none")
 
