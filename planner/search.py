@@ -572,11 +572,14 @@ def _state_rows(model, hw, training, plan: Plan, rows, zeros, cache: dict | None
     releases of it (``StateBytes.released_at_last_backward_bytes``) and what the optimizer step holds beyond it
     (``StateBytes.step_extra_bytes``) [Z, R] of each (stage, layers) row
     (memory.stage_state_bytes): the three kinds of :func:`_stage_rows`, more rows for a MoE model's middle stages
-    (:func:`_memory_rows`). With ``cache``, a dense model's row is computed once per :func:`_row_key` for all the
-    shapes of a table build (a MoE stage's layers depend on the whole split: never cached)."""
+    (:func:`_memory_rows`). With ``cache``, a row is computed once per :func:`_row_key` for all the shapes of a
+    table build; a MoE stage's key adds its MoE layers (``memory.stage_moe_layer_count``: which of its layers are
+    dense-first depends on the whole split), all that ``memory.stage_param_inputs`` reads of the split."""
     cols = []
     for r, n in rows:
-        key = ("state", *_row_key(plan, r, n)) if cache is not None and not model.is_moe else None
+        key = None
+        if cache is not None:
+            key = ("state", *_row_key(plan, r, n)) + ((stage_moe_layer_count(model, plan, r, n),) if model.is_moe else ())
         col = cache.get(key) if key else None
         if col is None:
             inputs = stage_param_inputs(model, plan, r, n)  # the same for every ZeRO stage

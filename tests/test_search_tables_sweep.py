@@ -62,12 +62,14 @@ SHARED_ROWS = JOBS + [  # a dense job with many splits and virtual stages sharin
     ("llama3-70b", "h100-sxm-80gb", dict(num_gpus=64, global_batch_size=128, seq_len=4096), Pins(), 2, 2),
     ("llama3-8b", "h100-sxm-80gb", dict(num_gpus=8, global_batch_size=16, seq_len=1024, framework="torchtitan"),
      Pins(tp=1), 2, 1),  # one-micro-batch steps at micro-batch 2 (test_search_single_microbatch): it is in the key
+    ("deepseek-v3", "h100-sxm-80gb", dict(num_gpus=128, global_batch_size=128, seq_len=2048), Pins(tp=2, pp=8), 1, 1),
+    # splits that spill the dense-first layers onto rank 1 or not: a MoE stage's MoE layers are in the key
 ]
 
 
 @pytest.mark.parametrize("i", range(len(SHARED_ROWS)))
 def test_shared_stage_rows_change_nothing(i, monkeypatch):
-    """search._row_key lets the shapes of a table build share a dense stage kind's state and DP terms; the tables
+    """search._row_key lets the shapes of a table build share a stage kind's state and DP terms; the tables
     with every row computed anew (each key unique) are the same, bit for bit."""
     from planner import search as S
 
