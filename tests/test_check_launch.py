@@ -337,3 +337,63 @@ def test_gradient_dtype_is_read_as_megatron_sets_it(tmp_path, flags, fp16, grads
     (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
     assert not r.errors, r.errors
     assert (r.scenario.training.fp16, r.scenario.training.grad_reduce_in_bf16) == (fp16, grads_16bit)
+
+
+@pytest.mark.parametrize("flags, refused", [
+    # core_v0.16.1 parallel_state.py: shards over dp x cp / N (intra_partial_data_parallel_size)
+    ("--num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances"),
+    ("--optimizer muon", "Muon"),  # core_v0.16.1 optimizer/muon.py: layer-wise sharding
+    ("--optimizer dist_muon", "Muon"),
+    ("--fp32-residual-connection", "fp32 residual"),  # TransformerConfig.fp32_residual_connection
+    ("--heterogeneous-layers-config-path blocks.json", "heterogeneous"),  # per-layer blocks from a file
+    ("--transformer-impl local --fp8-format hybrid", "no FP8"),  # fp8 needs TE's modules (gpt_layer_specs.py)
+])
+def test_settings_read_as_plan3d_defaults_are_refused(tmp_path, flags, refused):
+    """Flags whose memory plan3d does not model and which it would otherwise read as its own (smaller) default: the
+    gate refuses the file with the reason (exit 2) rather than pass it on an under-count. Each one, left out or at
+    its default, is accepted."""
+    text = (LAUNCH / "megatron_gqa_default.sh").read_text()
+    script = tmp_path / "train.sh"
+    script.write_text(text.replace("--bf16 ", f"--bf16 {flags} "))
+    (r,) = check_paths([str(script)], load_hardware("h100-sxm-80gb"), None, None)
+    assert exit_code([r]) == 2 and refused in r.errors[0], r.errors
+    assert "\n" not in r.errors[0]
+    for harmless in ("--num-distributed-optimizer-instances 1", "--optimizer adam", "--transformer-impl local"):
+        script.write_text(text.replace("--bf16 ", f"--bf16 {harmless} "))
+        (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
+        assert not r.errors, (harmless, r.errors)
+
+
+@pytest.mark.parametrize("flags, attention", [
+    ("", "flash"),  # Transformer Engine's attention (the default --transformer-impl transformer_engine)
+    ("--transformer-impl transformer_engine", "flash"),
+    # Megatron-Core's local spec: LocalSpecProvider.core_attention is DotProductAttention (core_v0.16.1
+    # models/backends.py), the s x s scores materialised, whatever --attention-backend says
+    ("--transformer-impl local", "materialized"),
+    ("--transformer-impl local --attention-backend flash", "materialized"),
+    # the legacy model's ParallelAttention: CoreAttention, or FlashAttention-2 under --use-flash-attn
+    ("--transformer-impl local --use-legacy-models", "materialized"),
+    ("--transformer-impl local --use-legacy-models --use-flash-attn", "flash2"),
+])
+def test_local_transformer_implementation_materialises_attention(tmp_path, flags, attention):
+    text = (LAUNCH / "megatron_gqa_default.sh").read_text()
+    script = tmp_path / "train.sh"
+    script.write_text(text.replace("--bf16 ", f"--bf16 {flags} "))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
+    assert not r.errors and r.scenario.training.attention == attention
+    if attention == "materialized":  # the scores count: more memory than the same file under TE
+        script.write_text(text)
+        (te,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
+        assert estimate_scenario_memory(r.scenario).peak_gib > estimate_scenario_memory(te.scenario).peak_gib
+
+
+@pytest.mark.parametrize("flags, note", [("--optimizer sgd", "--optimizer sgd"),
+                                         ("--optimizer-cpu-offload", "--optimizer-cpu-offload")])
+def test_optimizer_settings_counted_as_adam_on_the_gpu_say_so(tmp_path, flags, note):
+    """SGD (one momentum) and optimizer offloading hold less on the GPU than the Adam states plan3d counts: an
+    upper bound, said in a note, not a refusal."""
+    text = (LAUNCH / "megatron_gqa_default.sh").read_text()
+    script = tmp_path / "train.sh"
+    script.write_text(text.replace("--bf16 ", f"--bf16 {flags} "))
+    (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
+    assert not r.errors and any(n.startswith(note) and "upper bound" in n for n in r.notes), r.notes

@@ -62,7 +62,30 @@ UNMODELLED_FLAGS = {
     "--hybrid-mlp-ratio": "a hybrid Mamba-Transformer model (--hybrid-mlp-ratio)",
     "--is-hybrid-model": "a hybrid Mamba-Transformer model (--is-hybrid-model)",
     "--ds-sequence-parallel-size": "DeepSpeed-Ulysses sequence parallelism (--ds-sequence-parallel-size)",
+    # Nemotron-NAS style blocks: each layer's attention and FFN from a JSON file (core_v0.16.1
+    # transformer/heterogeneous/heterogeneous_config.py), not the uniform layer the flags describe
+    "--heterogeneous-layers-config-path": "heterogeneous per-layer blocks (--heterogeneous-layers-config-path)",
+    "--heterogeneous-layers-config-encoded-json": "heterogeneous per-layer blocks "
+                                                  "(--heterogeneous-layers-config-encoded-json)",
 }
+# (flag, values it is refused at, what, why, Megatron-DeepSpeed too) for settings of a model plan3d does model, which
+# it would otherwise read as its own default.
+UNMODELLED_VALUES = (
+    # TransformerConfig.fp32_residual_connection (legacy and Megatron-DeepSpeed the same): the residual stream, and
+    # so every layer's normalisation inputs, kept in fp32 where plan3d counts 16-bit values
+    ("--fp32-residual-connection", lambda v: True, "an fp32 residual stream (--fp32-residual-connection)",
+     "plan3d counts 16-bit activations and would under-count them", True),
+    # core_v0.16.1 parallel_state.py: the distributed optimizer's shards span dp x cp / N ranks
+    # (intra_partial_data_parallel_size), N times plan3d's per-rank states
+    ("--num-distributed-optimizer-instances", lambda v: str(v).isdigit() and int(str(v)) > 1,
+     "the partial distributed optimizer (--num-distributed-optimizer-instances > 1: its states sharded over "
+     "dp x cp / N ranks)", "plan3d shards them over dp x cp and would under-count them", False),
+    # core_v0.16.1 optimizer/muon.py: TensorParallelMuon under LayerWiseDistributedOptimizer, whole layers per
+    # DP rank, not Adam's flat shards
+    ("--optimizer", lambda v: str(v) in ("muon", "dist_muon"),
+     "the Muon optimizer (--optimizer muon/dist_muon: its states and layer-wise sharding)",
+     "plan3d counts Adam's flat shards, not what Muon holds per rank", False),
+)
 
 
 def _refuse_unmodelled(a: Args) -> None:
@@ -85,6 +108,9 @@ def _refuse_unmodelled(a: Args) -> None:
                 pass
         raise SpecError(f"{a.path}:{a.line(flag)}: {what} is not modelled by plan3d; it would be read as a dense "
                         "GPT and under-count memory, so the file is refused")
+    for flag, refused, what, why, deepspeed_too in UNMODELLED_VALUES:
+        if a.has(flag) and refused(a.get(flag)) and (deepspeed_too or not a.has("--deepspeed")):
+            raise SpecError(f"{a.path}:{a.line(flag)}: {what} is not modelled: {why}, so the file is refused")
 
 
 def swiglu_ffn_default(h: int) -> int:
@@ -786,6 +812,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         # speed), fused and auto (the default) Transformer Engine's fastest, cuDNN on Hopper and later
         backend = a.get("--attention-backend")
         attention = "materialized" if backend in ("unfused", "local") else "flash2" if backend == "flash" else "flash"
+        if a.get("--transformer-impl") == "local":
+            attention = local_impl_attention(a, precision, notes)
     ds_settings = deepspeed_zero_settings(a, ds_config) if a.has("--deepspeed") and ds_config is not None else None
     if ds_settings is not None:
         # Megatron-DeepSpeed's pretrain_gpt.py builds GPTModelPipe (a PipelineModule, so DeepSpeed's PipelineEngine)
@@ -836,6 +864,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         # (planner.cost.ring_attention, memory.cp_ring_transient_bytes)
         notes.append(f"--cp-comm-type {' '.join(map(str, comm_types))}: context parallelism costed and sized as "
                      "the p2p ring (Megatron's default), the only one plan3d models")
+    if not a.has("--deepspeed"):
+        notes += optimizer_notes(a)
     rc, rc_layers, rc_group = recompute(a, per_chunk_layers, notes)
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             # absent --expert-tensor-parallel-size: tp (validate_args), the plan's None
@@ -853,6 +883,39 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     if plan["recompute"] == "selective" and not a.has("--deepspeed"):  # Megatron-Core checks them only then
         training["recompute_modules"] = recompute_modules(a)
     return model, training, plan, notes
+
+
+def optimizer_notes(a: Args) -> list[str]:
+    """What a Megatron-LM launch's optimizer flags change that plan3d counts as Adam on the GPU, each an upper bound:
+    SGD keeps one fp32 momentum per parameter where Adam keeps two (core_v0.16.1 ``optimizer/__init__.py``: torch's
+    ``SGD`` with ``momentum``), and ``--optimizer-cpu-offload`` keeps (``--optimizer-offload-fraction``, default 1) of
+    the fp32 states in host memory (``optimizer/cpu_offloading``)."""
+    notes = []
+    if a.get("--optimizer") == "sgd":
+        notes.append("--optimizer sgd: its one fp32 momentum counted as Adam's two moments (4 B per parameter more): "
+                     "an upper bound")
+    if a.has("--optimizer-cpu-offload"):
+        notes.append("--optimizer-cpu-offload: the optimizer states counted in GPU memory: an upper bound")
+    return notes
+
+
+def local_impl_attention(a: Args, precision: str, notes: list[str]) -> str:
+    """The attention of a ``--transformer-impl local`` launch (Transformer Engine's modules left out). Megatron-Core's
+    local layer spec takes its core attention from ``LocalSpecProvider.core_attention``: ``DotProductAttention``,
+    which materialises the s x s scores and saves its softmax (core_v0.16.1 ``models/backends.py``,
+    ``transformer/dot_product_attention.py``), whatever ``--attention-backend`` says. The legacy model
+    (``--use-legacy-models``) runs ``CoreAttention``, the same, unless ``--use-flash-attn`` (the flash-attn package,
+    FlashAttention-2; ``legacy/model/transformer.py`` ``ParallelAttention``). FP8 needs Transformer Engine's modules
+    ("required for fp8 training", ``gpt_layer_specs.py``), which the local spec has none of: refused."""
+    if precision in ("fp8", "mxfp8", "nvfp4"):
+        raise SpecError(f"{a.path}:{a.line('--transformer-impl')}: --transformer-impl local with {precision}: the "
+                        "local modules have no FP8/FP4 GEMMs (Transformer Engine's are required, gpt_layer_specs.py); "
+                        "drop the low-precision flags or use --transformer-impl transformer_engine")
+    if a.has("--use-legacy-models") and a.has("--use-flash-attn"):
+        notes.append("--transformer-impl local with --use-legacy-models --use-flash-attn: FlashAttention-2")
+        return "flash2"
+    notes.append("--transformer-impl local: attention materialises its s x s scores (Megatron's DotProductAttention)")
+    return "materialized"
 
 
 def _deepspeed_batch(a: Args, ds: dict, mbs, gbs, dp: int, precision: str):
