@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.check import check_file_branches
+from planner.check import check_file_branches, check_paths, exit_code
 from planner.emit import render_all
 from planner.io import write_all
 from planner.memory import estimate_scenario_memory
@@ -149,3 +149,53 @@ def test_context_parallelism_alone_shards_the_parameters(tmp_path, zero):
                for p in plan_problems(model, hw, tr, replicated))
     assert not any("context-parallel" in p for p in plan_problems(model, hw, tr.model_copy(
         update={"framework": "torch"}), replicated))  # plan3d validate's run replicates over dp x cp
+
+
+def _toml_with(tmp_path, replace: dict[str, str], add: dict[str, str]) -> Path:
+    """tests/data/launch/torchtitan_llama3_8b.toml with lines replaced and keys added under their sections."""
+    text = (Path(__file__).parent / "data" / "launch" / "torchtitan_llama3_8b.toml").read_text()
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    for section, line in add.items():
+        text = text.replace(f"[{section}]\n", f"[{section}]\n{line}\n", 1)
+    path = tmp_path / "train.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("replace, add, message", [
+    # parallelize.py: without loss parallel the output layer gathers the whole vocabulary on every TP rank
+    ({"tensor_parallel_degree = 1": "tensor_parallel_degree = 8"}, {"parallelism": "disable_loss_parallel = true"},
+     "disable_loss_parallel with tp 8"),
+    ({"tensor_parallel_degree = 1": "tensor_parallel_degree = 8"}, {"training": "disable_loss_parallel = true"},
+     "disable_loss_parallel with tp 8"),  # the 2024 TOMLs' [training] key
+    ({"# converters = \"float8\"": "converters = [\"mx\"]"}, {}, "'mx' is not modelled"),
+    ({"# converters = \"float8\"": "converters = [\"quantize.linear.mx\"]"}, {}, "is not modelled"),
+    ({"# converters = \"float8\"": "converters = [\"quantize.grouped_mm.float8\"]"}, {}, "alone"),
+    ({"mode = 'selective'": "mode = 'partial'"}, {}, "activation_checkpoint.mode = 'partial'"),
+    ({}, {"training": "enable_cpu_offload = 1"}, "enable_cpu_offload = 1"),
+])
+def test_toml_settings_plan3d_would_misread_are_refused(tmp_path, replace, add, message):
+    """A key that changes what a rank holds and that plan3d does not model is refused with the reason (exit 2), not
+    read as torchtitan's default: loss parallel off at tp > 1 (the whole vocabulary's logits on each rank, about
+    tp x 12/16 the loss-parallel figure), a converter other than torchao's float8 linears, an AC mode torchtitan
+    does not have."""
+    (r,) = check_paths([str(_toml_with(tmp_path, replace, add))], load_hardware("h100-sxm-80gb"), None, 8)
+    assert exit_code([r]) == 2 and message in r.errors[0], r.errors
+
+
+@pytest.mark.parametrize("replace, add, precision, note", [
+    ({"# converters = \"float8\"": "converters = [\"quantize.linear.float8\"]"}, {}, "fp8", None),
+    ({"# converters = \"float8\"": "converters = [\"quantize.linear.float8\", \"quantize.grouped_mm.float8\"]"}, {},
+     "fp8", None),
+    ({"# converters = \"float8\"": "converters = \"float8\""}, {}, "fp8", None),
+    ({}, {"parallelism": "disable_loss_parallel = true"}, "bf16", "no effect without tensor parallelism"),
+    ({}, {"training": "enable_cpu_offload = true"}, "bf16", "an upper bound"),
+    ({"mode = 'selective'": "mode = 'memory_budget'"}, {}, "bf16", "modelled as no recompute, an upper bound"),
+])
+def test_toml_settings_read_as_they_run(tmp_path, replace, add, precision, note):
+    (r,) = check_file_branches(_toml_with(tmp_path, replace, add), load_hardware("h100-sxm-80gb"), None, 8)
+    assert not r.errors, r.errors
+    assert r.scenario.training.precision == precision
+    assert note is None or any(note in n for n in r.notes), r.notes

@@ -34,6 +34,12 @@ REGISTRY_CONFIGS = {"deepseek_v3_671b": ("deepseek_v3", "671b"), "deepseek_v3_67
 FP8_CONFIGS = ("deepseek_v3_671b_float8",)  # its registry function converts linears and experts to float8
 LLAMA31_MAX_SEQ_LEN = 131072  # torchtitan llama3 RoPE config max_seq_len (Llama 3.1 context)
 MOE_MODELS = ("deepseek", "llama4", "moe", "gpt_oss", "kimi", "mixtral")
+# torchao float8 model converters as torchtitan registers them: "float8" (Float8Converter, 2024-25 TOMLs), then
+# "quantize.linear.float8" and "quantize.grouped_mm.float8" (components/quantization/float8.py,
+# register_model_converter); the MX converters ("mx", "quantize.linear.mx", ...) are not modelled
+FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8", "quantize.grouped_mm.float8")
+# ActivationCheckpoint.mode: "selective", "full", "none", and torch.compile's "memory_budget" (job_config.py)
+AC_MODES = ("selective", "full", "none", "memory_budget")
 
 
 def read_toml(path: Path) -> dict:
@@ -189,6 +195,11 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     ac = doc.get("activation_checkpoint", {})
     mode = str(ac.get("mode", "selective"))
     interval = None
+    if mode not in AC_MODES:
+        raise SpecError(f"{where}: activation_checkpoint.mode = {mode!r}: torchtitan takes {', '.join(AC_MODES)}")
+    if mode == "memory_budget":
+        notes.append("activation_checkpoint memory_budget (torch.compile's min-cut under a budget): modelled as no "
+                     "recompute, an upper bound")
     if mode == "selective":
         option = str(ac.get("selective_ac_option", "2")).strip()
         if option == "op":
@@ -204,8 +215,25 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
                             "or a layer frequency such as '2'")
     converters = doc.get("model", {}).get("converters", [])
     converters = [converters] if isinstance(converters, str) else list(converters)
-    fp8 = "float8" in converters or bool(doc.get("float8", {}).get("enable_float8_linear")) or \
+    converters = [str(c).strip() for c in converters if str(c).strip()]
+    unknown = [c for c in converters if c not in FLOAT8_CONVERTERS]
+    if unknown:
+        raise SpecError(f"{where}: model.converters {unknown[0]!r} is not modelled (plan3d models torchao's float8 "
+                        f"linears: {', '.join(FLOAT8_CONVERTERS[:2])}); drop it or use a float8 converter")
+    if converters and not any(c in FLOAT8_CONVERTERS[:2] for c in converters):
+        raise SpecError(f"{where}: model.converters {converters[0]!r} alone (float8 experts, 16-bit linears elsewhere) "
+                        "is not modelled; add quantize.linear.float8 or drop it")
+    fp8 = bool(converters) or bool(doc.get("float8", {}).get("enable_float8_linear")) or \
         str(doc.get("_registry", {}).get("config", "")).lower() in FP8_CONFIGS
+    if _flag({**tr, **par}, "disable_loss_parallel", where):  # [training] in 2024 TOMLs, [parallelism] since
+        if tp > 1:  # parallelize.py: the output layer then gathers the whole vocabulary on every TP rank
+            raise SpecError(f"{where}: parallelism.disable_loss_parallel with tp {tp}: every TP rank then holds the "
+                            "whole vocabulary's logits and loss, which plan3d does not model (it counts loss_parallel's "
+                            "V / tp); drop it")
+        notes.append("parallelism.disable_loss_parallel: no effect without tensor parallelism")
+    if _flag(tr, "enable_cpu_offload", where):
+        notes.append("training.enable_cpu_offload (FSDP2 CPUOffloadPolicy): the parameters, gradients and optimizer "
+                     "states counted in GPU memory, an upper bound")
     ep = num("expert_parallel_degree", par.get("expert_parallel_degree", 1))
     if ep < 1:
         raise SpecError(f"{where}: parallelism.expert_parallel_degree = {ep}: must be at least 1")
@@ -249,6 +277,15 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         notes.append("pipeline (TOML-era torchtitan): the schedule keeps every stage's outputs until the step ends "
                      "(torch before return_outputs=False), modelled as pipeline_kept_outputs all")
     return model, training, plan, notes
+
+
+def _flag(section: dict, key: str, where: str) -> bool:
+    """A boolean JobConfig field (absent: False); anything but true/false is refused, as torchtitan's config parser
+    refuses it."""
+    value = section.get(key, False)
+    if not isinstance(value, bool):
+        raise SpecError(f"{where}: {key} = {value!r}: torchtitan takes true or false")
+    return value
 
 
 # JobConfig ``parallelism.fsdp_reshard_after_forward`` (default "default") and ``training.mixed_precision_param``
