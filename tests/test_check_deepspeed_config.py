@@ -197,3 +197,58 @@ def test_zero3_coordinator_limits_are_read_and_round_trip(tmp_path):
     config.write_text(json.dumps({**json.loads(config.read_text()), "zero_optimization": zero}))
     (bad,) = check_file_branches(config, H100, None, None)
     assert bad.errors and "stage3_max_reuse_distance" in bad.errors[0]
+
+
+@pytest.mark.parametrize("zero, extra, message", [
+    # ZeRO++ hpZ: a second, node-local partition of the 16-bit weights that plan3d does not count
+    ({"stage": 3, "zero_hpz_partition_size": 8}, {}, "zero_hpz_partition_size 8"),
+    # keys DeepSpeed 0.19.8 itself refuses (runtime/config.py _reject_removed_config_keys)
+    ({"stage": 3, "mics_shard_size": 8}, {}, "zero_optimization.mics_shard_size: removed"),
+    ({"stage": 1}, {"compression_training": {}}, "compression_training: removed"),
+    # an optimizer whose states plan3d does not know: a torch.optim class DeepSpeed would build by name
+    ({"stage": 1}, {"optimizer": {"type": "RMSprop", "params": {"lr": 0.1}}}, "optimizer.type RMSprop"),
+    ({"stage": 1}, {"optimizer": {"type": "muon", "params": {"lr": 0.1}}}, "optimizer.type muon"),
+])
+def test_deepspeed_settings_plan3d_would_misread_are_refused(tmp_path, zero, extra, message):
+    """Refused with the reason (exit 2) rather than read as the ZeRO and Adam plan3d counts; before 2026-12-05 each was
+    ignored (hpZ: a false pass)."""
+    _check(tmp_path, zero)  # writes the script and its config; the top-level keys go on top
+    config = json.loads((tmp_path / "ds_config_gpt_1.3B.json").read_text()) | extra
+    (tmp_path / "ds_config_gpt_1.3B.json").write_text(json.dumps(config))
+    (r,) = check_file_branches(tmp_path / "run.sh", H100, None, None)
+    assert r.errors and message in r.errors[0], r.errors
+
+
+@pytest.mark.parametrize("optimizer, note", [("AdamW", None), ("lamb", None), ("SGD", "upper bound"),
+                                             ("Adagrad", "upper bound"), ("lion", "upper bound")])
+def test_deepspeed_optimizer_states_counted_as_adam(tmp_path, optimizer, note):
+    """Adam-like optimizers (two fp32 moments) are what plan3d counts; one-state optimizers are counted as Adam, an
+    upper bound said in a note."""
+    _check(tmp_path, {"stage": 1})
+    config = json.loads((tmp_path / "ds_config_gpt_1.3B.json").read_text())
+    config["optimizer"] = {"type": optimizer, "params": {"lr": 0.1}}
+    (tmp_path / "ds_config_gpt_1.3B.json").write_text(json.dumps(config))
+    (r,) = check_file_branches(tmp_path / "run.sh", H100, None, None)
+    assert not r.errors, r.errors
+    assert (note is None) == (not any("DeepSpeed optimizer" in n for n in r.notes)), r.notes
+
+
+def test_removed_keys_are_the_ones_deepspeed_refuses():
+    """The keys plan3d refuses as removed are DeepSpeed's own list (0.19.8 runtime/config.py), and DeepSpeed's config
+    check raises on each."""
+    config = pytest.importorskip("deepspeed.runtime.config")
+    from planner.readers.megatron import DEEPSPEED_REMOVED_KEYS, DEEPSPEED_REMOVED_ZERO_KEYS
+
+    assert set(DEEPSPEED_REMOVED_KEYS) == set(config._REMOVED_TOP_LEVEL_CONFIG_KEYS)
+    assert set(DEEPSPEED_REMOVED_ZERO_KEYS) == set(config._REMOVED_ZERO_CONFIG_KEYS)
+    for key in DEEPSPEED_REMOVED_KEYS:
+        with pytest.raises(config.DeepSpeedConfigError):
+            config._reject_removed_config_keys({key: {}})
+    for key in DEEPSPEED_REMOVED_ZERO_KEYS:
+        with pytest.raises(config.DeepSpeedConfigError):
+            config._reject_removed_config_keys({"zero_optimization": {key: 1}})
+    names = {n.lower() for n in config.DEEPSPEED_OPTIMIZERS}
+    from planner.readers.megatron import DEEPSPEED_ADAM_LIKE_OPTIMIZERS, DEEPSPEED_ONE_STATE_OPTIMIZERS
+
+    # every DeepSpeed optimizer is either counted or refused by name (muon: refused), none unknown to plan3d
+    assert names - set(DEEPSPEED_ADAM_LIKE_OPTIMIZERS + DEEPSPEED_ONE_STATE_OPTIMIZERS) == {"muon"}

@@ -864,8 +864,9 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         # (planner.cost.ring_attention, memory.cp_ring_transient_bytes)
         notes.append(f"--cp-comm-type {' '.join(map(str, comm_types))}: context parallelism costed and sized as "
                      "the p2p ring (Megatron's default), the only one plan3d models")
-    if not a.has("--deepspeed"):
-        notes += optimizer_notes(a)
+    if ds_config is not None and a.has("--deepspeed"):
+        deepspeed_refusals(a, ds_config)
+    notes += optimizer_notes(a, ds_config if a.has("--deepspeed") else None)
     rc, rc_layers, rc_group = recompute(a, per_chunk_layers, notes)
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             # absent --expert-tensor-parallel-size: tp (validate_args), the plan's None
@@ -885,18 +886,79 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     return model, training, plan, notes
 
 
-def optimizer_notes(a: Args) -> list[str]:
-    """What a Megatron-LM launch's optimizer flags change that plan3d counts as Adam on the GPU, each an upper bound:
-    SGD keeps one fp32 momentum per parameter where Adam keeps two (core_v0.16.1 ``optimizer/__init__.py``: torch's
-    ``SGD`` with ``momentum``), and ``--optimizer-cpu-offload`` keeps (``--optimizer-offload-fraction``, default 1) of
-    the fp32 states in host memory (``optimizer/cpu_offloading``)."""
+def optimizer_notes(a: Args, ds_config: dict | None = None) -> list[str]:
+    """What a launch's optimizer changes that plan3d counts as Adam on the GPU, each an upper bound: SGD keeps one
+    fp32 momentum per parameter where Adam keeps two (core_v0.16.1 ``optimizer/__init__.py``: torch's ``SGD`` with
+    ``momentum``; Megatron-DeepSpeed's ``--optimizer sgd`` the same), and Megatron's ``--optimizer-cpu-offload`` keeps
+    (``--optimizer-offload-fraction``, default 1) of the fp32 states in host memory (``optimizer/cpu_offloading``).
+    A DeepSpeed config's ``optimizer`` replaces the launch's (0.19.8 ``engine.py`` ``_configure_basic_optimizer``):
+    Adagrad, Lion and SGD keep one state at most; Adam, AdamW, LAMB and muP's Adam keep Adam's two; anything else is
+    refused (:func:`deepspeed_refusals`)."""
+    ds_name = _deepspeed_optimizer(a, ds_config)
+    if ds_name is not None:
+        if ds_name in DEEPSPEED_ONE_STATE_OPTIMIZERS:
+            return [f"DeepSpeed optimizer {ds_name}: at most one fp32 state counted as Adam's two moments (4 B per "
+                    "parameter more): an upper bound"]
+        return []
     notes = []
     if a.get("--optimizer") == "sgd":
         notes.append("--optimizer sgd: its one fp32 momentum counted as Adam's two moments (4 B per parameter more): "
                      "an upper bound")
-    if a.has("--optimizer-cpu-offload"):
+    if a.has("--optimizer-cpu-offload") and not a.has("--deepspeed"):
         notes.append("--optimizer-cpu-offload: the optimizer states counted in GPU memory: an upper bound")
     return notes
+
+
+# DeepSpeed 0.19.8 optimizer names (runtime/config.py DEEPSPEED_OPTIMIZERS, lower-cased; others are torch.optim classes
+# by name, engine.py _configure_basic_optimizer), by the fp32 states each keeps per parameter
+DEEPSPEED_ADAM_LIKE_OPTIMIZERS = ("adam", "adamw", "lamb", "muadam", "muadamw")  # exp_avg and exp_avg_sq
+DEEPSPEED_ONE_STATE_OPTIMIZERS = ("adagrad", "lion", "musgd", "sgd")  # state_sum / exp_avg / momentum_buffer
+# DeepSpeed 0.19.8 runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS and _REMOVED_ZERO_CONFIG_KEYS: the config class
+# raises DeepSpeedConfigError on each (deepspeedai/DeepSpeed#8489), so the engine never starts
+DEEPSPEED_REMOVED_KEYS = ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients",
+                          "eigenvalue", "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning",
+                          "progressive_layer_drop")
+DEEPSPEED_REMOVED_ZERO_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
+
+
+def _deepspeed_optimizer(a: Args, ds_config: dict | None) -> str | None:
+    """The DeepSpeed config's optimizer name as the engine resolves it (lower-cased when it is one of DeepSpeed's
+    own, ``runtime/config.py``; a torch.optim class otherwise, matched here without case), or None without one."""
+    if ds_config is None:
+        return None
+    opt = _section(ds_config, "optimizer", a)
+    name = opt.get("type")
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise SpecError(f"{a.path}: DeepSpeed config optimizer.type: {name!r} is not an optimizer name")
+    return name.lower()
+
+
+def deepspeed_refusals(a: Args, ds_config: dict) -> None:
+    """What keeps plan3d from judging a DeepSpeed config, as one-line errors: the keys DeepSpeed 0.19.8 itself refuses
+    (``DEEPSPEED_REMOVED_KEYS``), ZeRO++'s secondary weight partition (``zero_hpz_partition_size`` > 1 at stage 3:
+    a second copy of the 16-bit weights sharded within the node, ``runtime/zero/partition_parameters.py``, which plan3d
+    does not count) and an optimizer whose states plan3d does not know (Muon, a torch.optim class other than SGD)."""
+    for key in DEEPSPEED_REMOVED_KEYS:
+        if key in ds_config:
+            raise SpecError(f"{a.path}: DeepSpeed config {key}: removed from DeepSpeed (0.19.8 refuses the config, "
+                            "deepspeedai/DeepSpeed#8489); drop it")
+    zero = _section(ds_config, "zero_optimization", a)
+    for key in DEEPSPEED_REMOVED_ZERO_KEYS:
+        if key in zero:
+            raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.{key}: removed from DeepSpeed (0.19.8 "
+                            "refuses the config, deepspeedai/DeepSpeed#8489); drop it")
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if zero.get("stage") == 3 and isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1:
+        raise SpecError(f"{a.path}: DeepSpeed config zero_optimization.zero_hpz_partition_size {hpz}: ZeRO++'s "
+                        "secondary weight partition is not modelled: plan3d would under-count the weights each GPU "
+                        "holds, so the file is refused")
+    name = _deepspeed_optimizer(a, ds_config)
+    if name is not None and name not in DEEPSPEED_ADAM_LIKE_OPTIMIZERS + DEEPSPEED_ONE_STATE_OPTIMIZERS:
+        raise SpecError(f"{a.path}: DeepSpeed config optimizer.type {ds_config['optimizer']['type']}: its states are "
+                        "not modelled (plan3d counts Adam's two, or fewer for Adagrad, Lion and SGD), so the file "
+                        "is refused")
 
 
 def local_impl_attention(a: Args, precision: str, notes: list[str]) -> str:
