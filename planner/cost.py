@@ -62,7 +62,7 @@ import numpy as np
 
 from planner import comm, flops, frameworks
 from planner.frameworks import deepspeed as deepspeed_framework
-from planner.layout import DEFAULT_ORDER, axis_span, expert_span, pp_hop_crosses_nodes
+from planner.layout import DEFAULT_ORDER, axis_span, expert_span, partial_dp_spans, pp_hop_crosses_nodes
 from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             moe_routed_shares, moe_row_scale, stage_param_split)
 from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
@@ -1980,12 +1980,35 @@ def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: Train
         gather = comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw) \
             if wrapper == "bf16_optimizer" else 0.0
         return comm.collective_time_s("all_reduce", g, group, hw), gather
-    # fp8 parameters (--fp8-param-gather) are all-gathered as fp8, 1 B each (Megatron-Core core_v0.16.1
-    # distributed_data_parallel.py keeps them in a uint8 buffer); mxfp8 ones as bf16 into the shared
-    # gradient buffer (param_and_grad_buffer.py, planner/frameworks/megatron.py); else the 16-bit weights
-    weight_b = 1 if training.fp8_params and training.precision == "fp8" else param_bytes(training)[0]
-    gather = 0.0 if zero_stage >= 3 else comm.collective_time_s("all_gather", params * weight_b, group, hw)
+    gather = 0.0 if zero_stage >= 3 else comm.collective_time_s("all_gather", params * _gathered_weight_bytes(training),
+                                                                 group, hw)
     return comm.collective_time_s("reduce_scatter", g, group, hw), gather
+
+
+def _gathered_weight_bytes(training: TrainingSpec) -> float:
+    """Bytes per parameter the distributed optimizer all-gathers after its step: fp8 parameters (--fp8-param-gather)
+    as fp8, 1 B each (Megatron-Core core_v0.16.1 distributed_data_parallel.py keeps them in a uint8 buffer); mxfp8
+    ones as bf16 into the shared gradient buffer (param_and_grad_buffer.py, planner/frameworks/megatron.py); else the
+    16-bit weights."""
+    return 1 if training.fp8_params and training.precision == "fp8" else param_bytes(training)[0]
+
+
+def _partial_sync_s(params: float, shards: int, instances: int, groups, hw: HardwareSpec,
+                    training: TrainingSpec) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) of a distributed optimizer split into ``instances`` copies
+    (``TrainingSpec.dist_optimizer_instances``, ZeRO 1): core_v0.16.1 ``param_and_grad_buffer.py``
+    ``start_grad_sync`` reduce-scatters each bucket within its instance (``groups[0]``, ``shards / instances``
+    ranks), then all-reduces this rank's shard of it across the instances (``groups[1]``); ``start_param_sync``
+    all-gathers the updated weights within the instance."""
+    if params == 0:
+        return 0.0, 0.0
+    intra = shards // instances
+    g = params * grad_bytes(training)
+    rs = comm.collective_time_s("reduce_scatter", g, groups[0], hw) if intra > 1 else 0.0
+    ar = comm.collective_time_s("all_reduce", g / intra, groups[1], hw)
+    gather = comm.collective_time_s("all_gather", params * _gathered_weight_bytes(training), groups[0], hw) \
+        if intra > 1 else 0.0
+    return rs + ar, gather
 
 
 def dp_sync_parts_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int, layers: int,
@@ -2028,6 +2051,14 @@ def _dp_sync_cached(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
 def _dp_sync_split(dense: float, expert: float, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                    order: str) -> tuple[float, float]:
     shards = plan.dp * plan.cp
+    n = training.dist_optimizer_instances
+    if n > 1:  # partial distributed optimizers (plan_problems: ZeRO 1, n divides both groups)
+        rs, ag = _partial_sync_s(dense, shards, n, partial_dp_spans(plan, n, hw.nvlink_domain, order), hw, training)
+        if expert:
+            ers, eag = _partial_sync_s(expert, plan.expert_dp, n, partial_dp_spans(plan, n, hw.nvlink_domain, order,
+                                                                                   expert=True), hw, training)
+            rs, ag = rs + ers, ag + eag
+        return rs, ag
     group = axis_span(plan.model_copy(update={"dp": shards, "cp": 1}), "dp", hw.nvlink_domain, order) \
         if shards > 1 else None
     rs, ag = _sync_s(dense, shards, group, hw, training, plan.zero_stage, plan.pp)
@@ -2064,10 +2095,11 @@ def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                 expert_params_per_stage=None) -> float:
     """Adam on the largest stage's local shard: ``ADAM_BYTES_PER_PARAM`` moved per parameter. MoE: the
     expert parameters (``expert_params_per_stage``) are sharded over the expert-data-parallel group."""
-    shards = plan.dp * plan.cp if plan.zero_stage >= 1 else 1
+    n = training.dist_optimizer_instances  # each instance steps its dp x cp / n shard (planner.frameworks.megatron)
+    shards = plan.dp * plan.cp // n if plan.zero_stage >= 1 else 1
     local = np.asarray(params_per_stage, dtype=float) / shards
     if expert_params_per_stage is not None:
-        expert_shards = plan.expert_dp if plan.zero_stage >= 1 else 1
+        expert_shards = plan.expert_dp // n if plan.zero_stage >= 1 else 1
         local = local + np.asarray(expert_params_per_stage, dtype=float) / expert_shards
         return float(local.max()) * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
     return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s

@@ -149,6 +149,29 @@ def expert_span(plan: Plan, axis: str, gpus_per_node: int) -> GroupSpan:
     return _progression_span(stride, n, plan.world_size // (stride * n), gpus_per_node)
 
 
+def partial_dp_spans(plan: Plan, instances: int, gpus_per_node: int, order: str = DEFAULT_ORDER,
+                     expert: bool = False) -> tuple[GroupSpan, GroupSpan]:
+    """(intra-instance, inter-instance) groups of a distributed optimizer split into ``instances`` copies
+    (``TrainingSpec.dist_optimizer_instances``): Megatron-Core core_v0.16.1 ``parallel_state.py`` cuts each
+    data-parallel group (dp x cp ranks, or the expert-data-parallel group with ``expert``) into ``instances``
+    consecutive slices (``ranks_with_cp[i * intra:(i + 1) * intra]``), the intra groups, and the ranks at the same
+    place in each slice form the inter groups: progressions of stride ``s`` and ``s x intra``, ``s`` the data-parallel
+    group's own stride."""
+    if expert:
+        etp, ep = plan.expert_tp, plan.ep
+        edp = plan.tp * plan.cp * plan.dp // (etp * ep)
+        stride, size = etp * ep, edp
+    else:
+        axes = parse_order(order)
+        merged = plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1})
+        sizes = {"tp": merged.tp, "cp": 1, "dp": merged.dp, "pp": merged.pp}
+        stride, size = math.prod(sizes[a] for a in axes[:axes.index("dp")]), merged.dp
+    intra = size // instances
+    world = plan.world_size
+    return (_progression_span(stride, intra, world // (stride * intra), gpus_per_node),
+            _progression_span(stride * intra, instances, world // (stride * size), gpus_per_node))
+
+
 def pp_hop_crosses_nodes(plan: Plan, gpus_per_node: int, order: str = DEFAULT_ORDER) -> bool:
     """Whether some consecutive pipeline stages sit on different nodes (then P2P uses the network)."""
     # the ranks of a PP group increase along the pipeline, so it crosses a node boundary

@@ -56,7 +56,7 @@ from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_by
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
-                           cuda_graph_problems, distributed_checkpoint_problems,
+                           cuda_graph_problems, dist_optimizer_problems, distributed_checkpoint_problems,
                            empty_chunks, job_problems, uneven_chunks)
 
 NS = 1e9  # time unit of the tables: nanoseconds
@@ -333,6 +333,9 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
                                                                               B // (b * dp)) for b in mbs_u], dtype=bool)
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
         ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_dtype, ep, cp * tp, cp)
+                                     # partial distributed optimizers: ZeRO 1, n dividing both DP groups
+                                     and (training.dist_optimizer_instances == 1 or not dist_optimizer_problems(
+                                         training, probe(tp, cp, dp, split, ep, etp, z=z)))
                                      for z in zeros])[None, :]  # [U, Z]: the framework's ZeRO
         if not ok.any():
             continue

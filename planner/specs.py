@@ -825,6 +825,13 @@ class TrainingSpec(_Spec):
                     "Apex DistributedFusedAdam, optim.name distributed_fused_adam with optim.dtype bf16 (NeMo "
                     "launcher YAMLs; m and v in bf16, a bf16 master copy only with fp8_params; "
                     "planner/frameworks/nemo.py). Other frameworks: fp32 only.")
+    dist_optimizer_instances: int = Field(
+        default=1, ge=1, le=MAX_GPUS,
+        description="Copies of Megatron's distributed optimizer across the data-parallel domain "
+                    "(--num-distributed-optimizer-instances N, megatron and nemo, ZeRO 1 only): each shards its states "
+                    "over dp x cp / N ranks (core_v0.16.1 parallel_state.py intra_partial_data_parallel_size), the "
+                    "gradients are reduce-scattered within an instance and all-reduced across the N "
+                    "(param_and_grad_buffer.py). Default 1: one optimizer over all dp x cp ranks.")
     step_cuda_graph: bool | None = Field(
         default=None,
         description="torchtitan captures each forward+backward in one CUDA graph (its trainer's wrap_with_cuda_graph, "
@@ -1309,6 +1316,13 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         errors.append("tp_comm_overlap: torchtitan's async TP is a torch.compile pass over the blocks (0.3.0 "
                       "CompileConfig: \"Async TP requires 'model' in --compile.components and --compile.enable\"); "
                       "add --compile or drop --tp-comm-overlap")
+    if training.dist_optimizer_instances > 1 and training.framework not in ("megatron", "nemo"):
+        errors.append(f"dist_optimizer_instances: partial distributed optimizers are Megatron-Core's "
+                      f"(--num-distributed-optimizer-instances); {training.framework} has none; use framework megatron "
+                      "or nemo, or 1")
+    elif training.dist_optimizer_instances > 1 and training.optimizer_dtype == "bf16-apex":
+        errors.append("dist_optimizer_instances: NeMo 1's Apex optimizer (optimizer_dtype bf16-apex) shards its own way; "
+                      "partial distributed optimizers are Megatron-Core's, use optimizer_dtype fp32 or bf16, or 1")
     if training.compile and training.framework not in ("torchtitan", "torch"):  # torch: torchtitan's code, as read
         errors.append(f"compile: torch.compile of the blocks and the loss is modelled for torchtitan only "
                       f"(--compile.enable); {training.framework} runs eager here, drop compile")
@@ -1382,7 +1396,32 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
                       f"{plan.zero_stage} (deepspeed/runtime/pipe/engine.py); use stage 0/1, or a plain model "
                       "(Megatron-DeepSpeed --no-pipeline-parallel)")
     errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
+    errors += dist_optimizer_problems(training, plan)
     return errors + job_problems(model, hardware, training)
+
+
+def dist_optimizer_problems(training: TrainingSpec, plan: Plan) -> list[str]:
+    """What Megatron-Core refuses of ``training.dist_optimizer_instances`` N > 1 under ``plan``, one line each:
+    core_v0.16.1 ``parallel_state.py`` asserts that N divides dp x cp ("Data parallel size should be divisible by
+    partial DistOpt shard factor") and the expert-data-parallel size; the instances are copies of the distributed
+    optimizer, so ZeRO 1: core_v0.16.1 ``distributed_data_parallel.py`` refuses them without it ("Partial DistOpt cannot
+    be used without DistOpt"), and plan3d does not model Megatron-FSDP's hybrid sharding, ZeRO 2/3, with them."""
+    n = training.dist_optimizer_instances
+    if n == 1:
+        return []
+    errors = []
+    if plan.zero_stage != 1:
+        errors.append(f"dist_optimizer_instances: {n} copies of the distributed optimizer are modelled with ZeRO 1 "
+                      f"(--use-distributed-optimizer) only, not zero_stage {plan.zero_stage} (ZeRO 0: Megatron-Core "
+                      "refuses it, 'Partial DistOpt cannot be used without DistOpt'; Megatron-FSDP's hybrid sharding, "
+                      "ZeRO 2/3, is not modelled)")
+    if (plan.dp * plan.cp) % n:
+        errors.append(f"dist_optimizer_instances: {n} does not divide dp({plan.dp}) * cp({plan.cp}) (Megatron-Core "
+                      "asserts it, parallel_state.py)")
+    elif plan.ep > 1 and plan.expert_dp % n:
+        errors.append(f"dist_optimizer_instances: {n} does not divide the expert-data-parallel size {plan.expert_dp} "
+                      "(Megatron-Core asserts it, parallel_state.py)")
+    return errors
 
 
 def pipeline_kept_mode(training: TrainingSpec, plan: Plan) -> str | None:

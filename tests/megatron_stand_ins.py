@@ -27,3 +27,17 @@ def device_for_cuda(torch, device: str):
             return func(*args, **kwargs)
 
     return DeviceForCuda()
+
+
+def no_cuda_streams(torch) -> None:
+    """``torch.cuda.Stream`` as a placeholder: Megatron's DDP makes a communication stream for partial distributed
+    optimizers (core_v0.16.1 ``distributed_data_parallel.py``, ``num_distributed_optimizer_instances > 1``) and uses it
+    only with ``overlap_grad_reduce`` (``param_and_grad_buffer.py`` ``start_grad_sync``), which the probes leave off."""
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            raise AssertionError("the probe's stand-in stream was used: overlap_grad_reduce is meant to be off")
+
+    torch.cuda.Stream = Stream

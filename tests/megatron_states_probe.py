@@ -18,7 +18,8 @@ Stand-ins for what needs a GPU (../shared/consumers/README.md allows exactly the
 tests/megatron_stand_ins.py): ``torch.cuda.current_device`` returns ``"cpu"``; a ``TorchFunctionMode`` puts every
 tensor Megatron creates with ``device="cuda"`` on the CPU, makes ``Tensor.cuda()`` the identity, and answers
 ``Tensor.type()`` with the CUDA type name (``distrib_optimizer.py`` and ``optimizer.py`` accept only
-``torch.cuda.*Tensor`` parameters). Nothing else is changed.
+``torch.cuda.*Tensor`` parameters); ``torch.cuda.Stream`` is a placeholder (the partial distributed optimizer's
+communication stream, used only with ``overlap_grad_reduce``, off here). Nothing else is changed.
 
 Run as ``python tests/megatron_states_probe.py PORT MEGATRON_ROOT``; prints one JSON line."""
 
@@ -31,27 +32,32 @@ import sys
 WIDTH, LAYERS, RANKS, MICRO_BATCHES = 256, 8, 4, 2
 PARAMS = WIDTH * WIDTH * LAYERS
 
-#: (name, distributed optimizer, fp32 gradient buffer, context parallel, expert parallel[, fp16])
+#: (name, distributed optimizer, fp32 gradient buffer, context parallel, expert parallel[, fp16[, optimizer instances]])
 JOBS = (("zero0-fp32-grads", False, True, 1, 1), ("zero0-bf16-grads", False, False, 1, 1),
         ("zero1-fp32-grads", True, True, 1, 1), ("zero1-bf16-grads", True, False, 1, 1),
         ("zero1-cp2", True, True, 2, 1), ("zero1-ep2-bf16-grads", True, False, 1, 2),
         # --fp16: fp16 weights, the grad scaler, fp16 gradients unless --accumulate-allreduce-grads-in-fp32
         ("zero0-fp16-grads", False, False, 1, 1, True), ("zero1-fp16-grads", True, False, 1, 1, True),
-        ("zero1-fp16-fp32-grads", True, True, 1, 1, True))
+        ("zero1-fp16-fp32-grads", True, True, 1, 1, True),
+        # --num-distributed-optimizer-instances 2: two copies of the distributed optimizer, each over 2 ranks
+        ("zero1-2-instances", True, True, 1, 1, False, 2), ("zero1-2-instances-bf16-grads", True, False, 1, 1, False, 2),
+        ("zero1-2-instances-ep2", True, False, 1, 2, False, 2))
 
 
 def _storages(tensors) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
-def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int, fp16: bool = False) -> dict:
+def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int, fp16: bool = False,
+         instances: int = 1) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(context_parallel_size=cp, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(context_parallel_size=cp, expert_model_parallel_size=ep,
+                                 num_distributed_optimizer_instances=instances)
     torch.manual_seed(0)
     dtype = torch.float16 if fp16 else torch.bfloat16
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False, dtype=dtype) for _ in range(LAYERS)])
@@ -62,7 +68,8 @@ def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int
                                params_dtype=dtype, context_parallel_size=cp,
                                expert_model_parallel_size=ep, num_moe_experts=2 if ep > 1 else None)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=fp32_grads, use_distributed_optimizer=distributed), model)
+        grad_reduce_in_fp32=fp32_grads, use_distributed_optimizer=distributed,
+        num_distributed_optimizer_instances=instances), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=not fp16, fp16=fp16,
                                                  use_distributed_optimizer=distributed), [ddp])
     inner = [o for o in getattr(opt, "chained_optimizers", [opt])]
@@ -94,7 +101,7 @@ def _job(torch, name: str, distributed: bool, fp32_grads: bool, cp: int, ep: int
             if isinstance(t, torch.Tensor) and t.numel() > 1]
     expert_ids = {id(layer.weight) for layer in experts}
     return {"job": name, "distributed_optimizer": distributed, "fp32_grads": fp32_grads, "cp": cp, "ep": ep,
-            "fp16": fp16,
+            "fp16": fp16, "instances": instances,
             "expert_params": sum(p.numel() for p in params if id(p) in expert_ids),
             "weights": sum(_storages(params).values()), "grads": sum(grad_storages().values()),
             "master": sum(_storages(masters).values()), "adam": sum(_storages(adam).values()),
@@ -133,9 +140,10 @@ def _rank(rank: int, port: int, megatron_root: str, queue) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-    from tests.megatron_stand_ins import device_for_cuda
+    from tests.megatron_stand_ins import device_for_cuda, no_cuda_streams
 
     device_for_cuda(torch, "cpu").__enter__()  # the stand-ins of the module docstring
+    no_cuda_streams(torch)
     out = [_job(torch, *job) for job in JOBS]
     buckets = _buckets(torch, dist)
     if rank == 0:

@@ -340,8 +340,6 @@ def test_gradient_dtype_is_read_as_megatron_sets_it(tmp_path, flags, fp16, grads
 
 
 @pytest.mark.parametrize("flags, refused", [
-    # core_v0.16.1 parallel_state.py: shards over dp x cp / N (intra_partial_data_parallel_size)
-    ("--num-distributed-optimizer-instances 2", "--num-distributed-optimizer-instances"),
     ("--optimizer muon", "Muon"),  # core_v0.16.1 optimizer/muon.py: layer-wise sharding
     ("--optimizer dist_muon", "Muon"),
     ("--fp32-residual-connection", "fp32 residual"),  # TransformerConfig.fp32_residual_connection

@@ -41,7 +41,7 @@ def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: 
              hardware: str = "h100-sxm-80gb", name: str | None = None, tp_comm_overlap: bool | None = None,
              overlap_p2p_comm: bool | None = None, fp8_params: bool = False, cross_entropy_fusion: str = "none",
              optimizer_dtype: str = "fp32", fp16: bool = False, grad_reduce_in_bf16: bool = False,
-             distribute_saved_activations: bool = False, **plan) -> Scenario:
+             distribute_saved_activations: bool = False, dist_optimizer_instances: int = 1, **plan) -> Scenario:
     m = load_model(model)
     if name is not None:
         m = m.model_copy(update={"name": name})
@@ -51,7 +51,8 @@ def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: 
                                           overlap_p2p_comm=overlap_p2p_comm, fp8_params=fp8_params,
                                           cross_entropy_fusion=cross_entropy_fusion, optimizer_dtype=optimizer_dtype,
                                           fp16=fp16, grad_reduce_in_bf16=grad_reduce_in_bf16,
-                                          distribute_saved_activations=distribute_saved_activations),
+                                          distribute_saved_activations=distribute_saved_activations,
+                                          dist_optimizer_instances=dist_optimizer_instances),
                     plan=Plan(**({"micro_batch_size": 1} | plan)))
 
 
@@ -198,6 +199,9 @@ MEGATRON_PLANS = {
     "nvfp4-b300": (L70 | {"precision": "nvfp4", "hardware": "b300-288gb"},
                    dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "cp2": (L70, dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
+    # --num-distributed-optimizer-instances 2: two copies of the distributed optimizer over dp x cp = 4 ranks
+    "partial-distributed-optimizer": (L70 | {"dist_optimizer_instances": 2},
+                                      dict(tp=8, pp=2, cp=2, dp=2, sequence_parallel=True, zero_stage=1)),
     # the gradient dtype: --grad-reduce-in-bf16 under --bf16; under --fp16 Megatron keeps fp16 gradients unless
     # --accumulate-allreduce-grads-in-fp32 (core_v0.16.1 arguments.py validate_args)
     "bf16-grads": (L70 | {"grad_reduce_in_bf16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
@@ -380,6 +384,7 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
                                                                             p.cpu_offload_layers)
         assert (config.cpu_offloading_activations, config.cpu_offloading_weights) == (True, False)
         assert bool(args.use_distributed_optimizer) == (p.zero_stage == 1)
+        assert args.num_distributed_optimizer_instances == sc.training.dist_optimizer_instances
         assert bool(args.use_megatron_fsdp) == fsdp
         if fsdp:
             assert args.data_parallel_sharding_strategy == {2: "optim_grads", 3: "optim_grads_params"}[p.zero_stage]

@@ -4,8 +4,9 @@ Megatron-Core core_v0.16.1's own ``DistributedDataParallel`` and optimizers hold
 buffer, the fp32 master weights and Adam's two states, and the fp32 gradient copies the optimizer makes inside its
 step, without and with the distributed optimizer (ZeRO 0 and 1), with fp32 and bf16 gradient buffers, with context
 parallelism (the distributed optimizer shards over dp x cp) and with expert parallelism (routed experts shard over
-the expert-data-parallel group), and in fp16 (``--fp16``: fp16 weights, the grad scaler's optimizers, fp16
-gradients unless ``--accumulate-allreduce-grads-in-fp32``). Megatron-FSDP (ZeRO 2/3) is not run here (it needs
+the expert-data-parallel group), in fp16 (``--fp16``: fp16 weights, the grad scaler's optimizers, fp16
+gradients unless ``--accumulate-allreduce-grads-in-fp32``), and with two copies of the distributed optimizer
+(``--num-distributed-optimizer-instances 2``: each shards over dp x cp / 2). Megatron-FSDP (ZeRO 2/3) is not run here (it needs
 CUDA streams and its own buffers throughout). Skips, with the reason, where ../shared is absent."""
 
 import pytest
@@ -24,7 +25,8 @@ def megatron_core(megatron_lm_root):
 
 
 JOBS = ("zero0-fp32-grads", "zero0-bf16-grads", "zero1-fp32-grads", "zero1-bf16-grads", "zero1-cp2",
-        "zero1-ep2-bf16-grads", "zero0-fp16-grads", "zero1-fp16-grads", "zero1-fp16-fp32-grads")
+        "zero1-ep2-bf16-grads", "zero0-fp16-grads", "zero1-fp16-grads", "zero1-fp16-fp32-grads",
+        "zero1-2-instances", "zero1-2-instances-bf16-grads", "zero1-2-instances-ep2")
 
 
 @pytest.mark.parametrize("job", JOBS)
@@ -33,7 +35,7 @@ def test_state_bytes_are_what_megatron_core_holds(megatron_core, job):
     n, P = megatron_core["ranks"], megatron_core["params"]
     # --fp16 keeps 16-bit gradients unless --accumulate-allreduce-grads-in-fp32 (plan3d: grad_reduce_in_bf16, 2 B)
     training = TrainingSpec(num_gpus=n, global_batch_size=2 * n, seq_len=8, framework="megatron", fp16=m["fp16"],
-                            grad_reduce_in_bf16=not m["fp32_grads"])
+                            grad_reduce_in_bf16=not m["fp32_grads"], dist_optimizer_instances=m["instances"])
     experts = m["ep"] > 1
     plan = Plan(tp=1, pp=1, dp=n // m["cp"], cp=m["cp"], micro_batch_size=1,
                 zero_stage=1 if m["distributed_optimizer"] else 0, **({"ep": m["ep"], "etp": 1} if experts else {}))
@@ -62,7 +64,12 @@ def test_megatron_core_holds_the_hand_count(megatron_core):
                                             half * 4 / 4 + half * 4 / 2),
                    # --fp16 (the grad scaler's optimizers): as bf16, byte for byte
                    "zero0-fp16-grads": (2, 2, 4, 8, 4), "zero1-fp16-grads": (2, 2, 1, 2, 1),
-                   "zero1-fp16-fp32-grads": (2, 4, 1, 2, 0)}
+                   "zero1-fp16-fp32-grads": (2, 4, 1, 2, 0),
+                   # --num-distributed-optimizer-instances 2: each copy shards over 4 / 2 = 2 ranks, the experts' over
+                   # their expert-data-parallel group of 2 / 2 = 1 (TrainingSpec.dist_optimizer_instances)
+                   "zero1-2-instances": (2, 4, 2, 4, 0), "zero1-2-instances-bf16-grads": (2, 2, 2, 4, 2),
+                   "zero1-2-instances-ep2": (2, 2, half * 4 / 2 + half * 4, half * 8 / 2 + half * 8,
+                                             half * 4 / 2 + half * 4)}
 
 
 def test_only_the_first_pipeline_rank_buckets_its_gradients(megatron_core):

@@ -34,6 +34,10 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
                                      recompute_modules=("moe_act",)), Pins(pp=1), 4, 1),  # offload offered here
     ("qwen3-30b-a3b", "h100-sxm-80gb", dict(num_gpus=32, global_batch_size=16, seq_len=1024, framework="torchtitan"),
      Pins(tp=4), 2, 1),  # steps of one micro-batch
+    ("llama3-8b", "h100-sxm-80gb", dict(num_gpus=16, global_batch_size=32, seq_len=2048, dist_optimizer_instances=2),
+     Pins(), 2, 2),  # two copies of the distributed optimizer: ZeRO 1 only, n dividing dp x cp
+    ("mixtral-8x7b", "h100-sxm-80gb", dict(num_gpus=32, global_batch_size=32, seq_len=2048, dist_optimizer_instances=2),
+     Pins(ep=8), 1, 1),  # and the expert-data-parallel size
 ]
 
 

@@ -131,7 +131,8 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
                   fp8_recipe: Optional[str] = None, recompute_modules: Optional[str] = None,
                   torch_compile: Optional[bool] = None, cross_entropy_fusion: Optional[str] = None,
                   distribute_saved_activations: Optional[bool] = None,
-                  pipeline_kept_outputs: Optional[str] = None) -> dict:
+                  pipeline_kept_outputs: Optional[str] = None,
+                  dist_optimizer_instances: Optional[int] = None) -> dict:
     """How the framework holds gradients, weights and optimizer states (and scales fp8), as TrainingSpec fields
     (unset left out)."""
     if optimizer_dtype is not None and optimizer_dtype not in ("fp32", "bf16", "bf16-apex"):
@@ -150,7 +151,7 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
     return given(grad_reduce_in_bf16=grad_reduce_in_bf16, fp8_params=fp8_params, optimizer_dtype=optimizer_dtype,
                  fp8_recipe=fp8_recipe, recompute_modules=modules, compile=torch_compile,
                  cross_entropy_fusion=cross_entropy_fusion, distribute_saved_activations=distribute_saved_activations,
-                 pipeline_kept_outputs=pipeline_kept_outputs)
+                 pipeline_kept_outputs=pipeline_kept_outputs, dist_optimizer_instances=dist_optimizer_instances)
 
 
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, DistributeSavedOpt, KeptOutputsOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, CrossEntropyFusionOpt, Fp8RecipeOpt, OffloadOpt, RecomputeGroupOpt, RecomputeIntervalOpt, RecomputeLayersOpt, RecomputeModulesOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, DistributeSavedOpt, DistOptInstancesOpt, KeptOutputsOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, CrossEntropyFusionOpt, Fp8RecipeOpt, OffloadOpt, RecomputeGroupOpt, RecomputeIntervalOpt, RecomputeLayersOpt, RecomputeModulesOpt,
     OptimizerDtypeOpt, ScheduleOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
@@ -38,7 +38,7 @@ def estimate(
     fp8_recipe: Fp8RecipeOpt = None, recompute_modules: RecomputeModulesOpt = None, torch_compile: CompileOpt = None,
     cross_entropy_fusion: CrossEntropyFusionOpt = None, pipeline_schedule: ScheduleOpt = None,
     distribute_saved_activations: DistributeSavedOpt = None,
-    pipeline_kept_outputs: KeptOutputsOpt = None,
+    pipeline_kept_outputs: KeptOutputsOpt = None, dist_optimizer_instances: DistOptInstancesOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Memory per pipeline stage, FLOPs and step time of one plan. Exit 0 fits, 1 does not fit, 2 bad input."""
@@ -60,7 +60,7 @@ def estimate(
                                | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
                                                                    torch_compile, cross_entropy_fusion,
                                                                    distribute_saved_activations,
-                                                                   pipeline_kept_outputs))
+                                                                   pipeline_kept_outputs, dist_optimizer_instances))
     est = run_estimate(sc)
     if json_out:
         render.print_json(est.to_dict())
@@ -97,7 +97,7 @@ def search(
     fp8_recipe: Fp8RecipeOpt = None, recompute_modules: RecomputeModulesOpt = None, torch_compile: CompileOpt = None,
     cross_entropy_fusion: CrossEntropyFusionOpt = None, pipeline_schedule: ScheduleOpt = None,
     distribute_saved_activations: DistributeSavedOpt = None,
-    pipeline_kept_outputs: KeptOutputsOpt = None,
+    pipeline_kept_outputs: KeptOutputsOpt = None, dist_optimizer_instances: DistOptInstancesOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, max=50, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
@@ -134,7 +134,7 @@ def search(
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
                                                                    torch_compile, cross_entropy_fusion,
                                                                    distribute_saved_activations,
-                                                                   pipeline_kept_outputs))
+                                                                   pipeline_kept_outputs, dist_optimizer_instances))
     _check_pins(spec_hw, tp, counts)
     # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
     space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params))

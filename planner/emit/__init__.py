@@ -85,8 +85,12 @@ def job_problems(model, training, formats: list[str]) -> list[str]:
     megatron_formats = _megatron_formats(formats)
     apex = [f"--format {megatron_formats[0]}: {APEX_REFUSAL}"] \
         if megatron_formats and training.optimizer_dtype == "bf16-apex" else []
-    return model_problems(model, formats) + apex + (torchtitan.job_problems(model, training) if "torchtitan" in formats
-                                                    else [])
+    # Megatron-Core's partial distributed optimizers (TrainingSpec.dist_optimizer_instances): no other framework has one
+    partial = [f"--format {f}: {f} has no partial distributed optimizer (the job has dist_optimizer_instances="
+               f"{training.dist_optimizer_instances}); use --format megatron or 1" for f in formats
+               if f in ("deepspeed", "torchtitan")] if training.dist_optimizer_instances > 1 else []
+    return model_problems(model, formats) + apex + partial + \
+        (torchtitan.job_problems(model, training) if "torchtitan" in formats else [])
 
 
 def render_all(sc: Scenario, formats: list[str]) -> dict[str, str]:

@@ -60,6 +60,9 @@ def config(sc: Scenario) -> dict:
 
 def check_supported(sc: Scenario) -> None:
     p = sc.plan
+    if sc.training.dist_optimizer_instances > 1:
+        raise SpecError(f"--emit deepspeed: DeepSpeed has no partial distributed optimizer (the job has "
+                        f"dist_optimizer_instances={sc.training.dist_optimizer_instances}); use --format megatron or 1")
     if p.cp > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's config has no context parallelism (plan has cp={p.cp})")
     if p.cpu_offload_layers:

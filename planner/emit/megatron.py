@@ -284,6 +284,8 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         if p.etp is not None:  # absent: Megatron's default, tp (validate_args), as the plan's None means
             flags.append(("--expert-tensor-parallel-size", str(p.etp)))
     flags += pipeline_flags(sc)
+    if tr.dist_optimizer_instances > 1:  # partial distributed optimizers (core_v0.16.1 arguments.py, parallel_state.py)
+        flags.append(("--num-distributed-optimizer-instances", str(tr.dist_optimizer_instances)))
     if p.sequence_parallel:
         flags.append(("--sequence-parallel", None))
     if p.recompute == "selective" and tr.recompute_modules:  # no module: nothing to recompute, no flag

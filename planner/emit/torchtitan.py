@@ -112,6 +112,9 @@ def job_problems(model, training) -> list[str]:
 
 
 def args(sc: Scenario) -> list[str]:
+    if sc.training.dist_optimizer_instances > 1:
+        raise SpecError(f"--emit torchtitan: torchtitan has no partial distributed optimizer (the job has "
+                        f"dist_optimizer_instances={sc.training.dist_optimizer_instances}); use --format megatron or 1")
     if sc.plan.cpu_offload_layers:
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 has no activation offloading to host memory (plan has "
                         f"cpu_offload_layers={sc.plan.cpu_offload_layers}); use --format megatron or cpu_offload_layers 0")

@@ -158,7 +158,17 @@ def step_grad_copy_bytes(training, plan, dense_params: float, expert_params: flo
         return 0.0
     if plan.zero_stage == 0:
         return FP32_GRAD_COPY_BYTES * (dense_params + expert_params)
-    return FP32_GRAD_COPY_BYTES * (dense_params / max(plan.dp * plan.cp, 1) + expert_params / max(plan.expert_dp, 1))
+    dense_shards, expert_shards = optimizer_shards(training, plan)
+    return FP32_GRAD_COPY_BYTES * (dense_params / dense_shards + expert_params / expert_shards)
+
+
+def optimizer_shards(training, plan) -> tuple[int, int]:
+    """(dense, expert) ranks the distributed optimizer shards its states over: dp x cp and the expert-data-parallel
+    size, each divided by ``training.dist_optimizer_instances`` (core_v0.16.1 ``parallel_state.py``:
+    ``intra_partial_data_parallel_size = dp x cp / N``, the expert group likewise; ``distrib_optimizer.py`` shards
+    each buffer over the intra-instance group)."""
+    n = training.dist_optimizer_instances
+    return max(plan.dp * plan.cp // n, 1), max(plan.expert_dp // n, 1)
 
 
 def linear_params_per_rank(model, tp: int, layers: int) -> float:
@@ -191,8 +201,9 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
 
     per_param = param_bytes(training)
     dense = stage_params - expert_params
-    w, g, o = state_bytes_per_param(plan.zero_stage, plan.dp * plan.cp, per_param)
-    we, ge, oe = state_bytes_per_param(plan.zero_stage, plan.expert_dp, per_param) if expert_params else (w, g, o)
+    dense_shards, expert_shards = optimizer_shards(training, plan)  # dp x cp (expert dp) / dist_optimizer_instances
+    w, g, o = state_bytes_per_param(plan.zero_stage, dense_shards, per_param)
+    we, ge, oe = state_bytes_per_param(plan.zero_stage, expert_shards, per_param) if expert_params else (w, g, o)
     w_work, g_work = zero_working_set_bytes(model, plan, layers, per_param, layer_params)
     sharded = dense * w + expert_params * we
     if training.fp8_params and training.precision == "fp8" and plan.zero_stage >= 3 and not expert_params:

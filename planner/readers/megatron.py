@@ -75,11 +75,6 @@ UNMODELLED_VALUES = (
     # so every layer's normalisation inputs, kept in fp32 where plan3d counts 16-bit values
     ("--fp32-residual-connection", lambda v: True, "an fp32 residual stream (--fp32-residual-connection)",
      "plan3d counts 16-bit activations and would under-count them", True),
-    # core_v0.16.1 parallel_state.py: the distributed optimizer's shards span dp x cp / N ranks
-    # (intra_partial_data_parallel_size), N times plan3d's per-rank states
-    ("--num-distributed-optimizer-instances", lambda v: str(v).isdigit() and int(str(v)) > 1,
-     "the partial distributed optimizer (--num-distributed-optimizer-instances > 1: its states sharded over "
-     "dp x cp / N ranks)", "plan3d shards them over dp x cp and would under-count them", False),
     # core_v0.16.1 optimizer/muon.py: TensorParallelMuon under LayerWiseDistributedOptimizer, whole layers per
     # DP rank, not Adam's flat shards
     ("--optimizer", lambda v: str(v) in ("muon", "dist_muon"),
@@ -881,6 +876,20 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                                       else None)}
     if ds_settings is not None:
         notes += deepspeed_optimizer_notes(training, plan)
+    elif a.has("--num-distributed-optimizer-instances"):
+        instances = a.count("--num-distributed-optimizer-instances", 1)
+        if instances > 1 and plan["zero_stage"] == 1:  # TrainingSpec.dist_optimizer_instances; plan_problems checks it
+            training["dist_optimizer_instances"] = instances
+        elif instances > 1 and plan["zero_stage"] == 0:  # core_v0.16.1 distributed_data_parallel.py asserts it
+            raise SpecError(f"{a.path}:{a.line('--num-distributed-optimizer-instances')}: "
+                            f"--num-distributed-optimizer-instances {instances} without --use-distributed-optimizer: "
+                            "Megatron-Core refuses it ('Partial DistOpt cannot be used without DistOpt'); add "
+                            "--use-distributed-optimizer or drop it")
+        elif instances > 1:
+            raise SpecError(f"{a.path}:{a.line('--num-distributed-optimizer-instances')}: "
+                            f"--num-distributed-optimizer-instances {instances} with Megatron-FSDP (hybrid sharding) is "
+                            "not modelled: plan3d would count the states sharded over all dp x cp ranks, so the file is "
+                            "refused")
     if plan["recompute"] == "selective" and not a.has("--deepspeed"):  # Megatron-Core checks them only then
         training["recompute_modules"] = recompute_modules(a)
     return model, training, plan, notes
