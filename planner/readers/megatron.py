@@ -876,7 +876,7 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                                       else None)}
     if ds_settings is not None:
         notes += deepspeed_optimizer_notes(training, plan)
-    elif a.has("--num-distributed-optimizer-instances"):
+    elif a.has("--num-distributed-optimizer-instances") and not a.has("--deepspeed"):  # Megatron-LM's flag only
         instances = a.count("--num-distributed-optimizer-instances", 1)
         if instances > 1 and plan["zero_stage"] == 1:  # TrainingSpec.dist_optimizer_instances; plan_problems checks it
             training["dist_optimizer_instances"] = instances
