@@ -180,6 +180,9 @@ def test_cli_estimate_and_search_take_it(runner):
     res = runner.invoke(app, ["estimate", *base, "--tp", "8", "--pp", "2", "--zero-stage", "0",
                               "--dist-optimizer-instances", "2"])
     assert res.exit_code == 2 and "Traceback" not in res.output
+    # a pinned ZeRO stage the instances cannot run with: said up front, not "no legal plan"
+    res = runner.invoke(app, ["search", *base, "--dist-optimizer-instances", "2", "--zero-stage", "0"])
+    assert res.exit_code == 2 and "--zero-stage 0 with --dist-optimizer-instances 2" in res.output, res.output
 
 
 def test_search_offers_only_what_megatron_runs():

@@ -142,6 +142,10 @@ def search(
     if schedule_problem:
         raise SpecError(schedule_problem)
     pin_problems = pinned_problems(training.framework, pins, training.optimizer_dtype)
+    if training.dist_optimizer_instances > 1 and zero_stage not in (None, 1):  # specs.dist_optimizer_problems
+        pin_problems.append(f"--zero-stage {zero_stage} with --dist-optimizer-instances "
+                            f"{training.dist_optimizer_instances}: copies of the distributed optimizer are ZeRO 1; "
+                            "pin --zero-stage 1 or drop one")
     if pin_problems:
         raise SpecError(pin_problems)
     if not spec_model.is_moe and (ep not in (None, 1) or etp is not None):
