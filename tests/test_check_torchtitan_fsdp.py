@@ -199,3 +199,41 @@ def test_toml_settings_read_as_they_run(tmp_path, replace, add, precision, note)
     assert not r.errors, r.errors
     assert r.scenario.training.precision == precision
     assert note is None or any(note in n for n in r.notes), r.notes
+
+
+def _pp_toml(tmp_path, line: str) -> Path:
+    """tests/data/launch/torchtitan_llama3_70b_pp.toml (80 layers, pp 4, Interleaved1F1B) with ``line`` in
+    [parallelism]."""
+    text = (Path(__file__).parent / "data" / "launch" / "torchtitan_llama3_70b_pp.toml").read_text()
+    text = "\n".join(x + ("\n" + line if x == "[parallelism]" else "") for x in text.splitlines()) + "\n"
+    path = tmp_path / "pp.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("line, layers, vpp, error", [
+    # the stages the config names itself: 2025 TOMLs' split points (first module of each later stage) ...
+    ('pipeline_parallel_split_points = ["layers.10", "layers.20", "layers.30", "layers.40", "layers.50", '
+     '"layers.60", "layers.70"]', (20, 20, 20, 20), 2, None),
+    ('pipeline_parallel_split_points = ["layers.20", "layers.40", "layers.60"]', (20, 20, 20, 20), 1, None),
+    # ... and 0.3.0's module lists; a split the profile does not model is refused, not read as the even one
+    ('module_fqns_per_model_part = [' + ", ".join(
+        "[" + ", ".join(f'"layers.{i}"' for i in range(s * 20, s * 20 + 20)) + "]" for s in range(4)) + "]",
+     (20, 20, 20, 20), 1, None),
+    ('pipeline_parallel_split_points = ["layers.30", "layers.40", "layers.60"]', None, None,
+     "[30, 10, 20, 20] layers"),
+    ('module_fqns_per_model_part = [["tok_embeddings", "layers.0"], ["layers.1"]]', None, None, "once each"),
+    ('pipeline_parallel_split_points = ["layers.20", "layers.40"]', None, None, "3 pipeline stages named for pp 4"),
+    # a schedule from a CSV file: refused (plan3d models the named schedules)
+    ('pipeline_parallel_schedule_csv = "schedule.csv"', None, None, "pipeline_parallel_schedule_csv"),
+])
+def test_pipeline_stages_named_in_the_config(tmp_path, line, layers, vpp, error):
+    """Before 2026-12-05 these keys were ignored and the split read as torchtitan's automatic one: a config whose
+    first stage held 30 layers of 80 was judged with 20 there."""
+    (r,) = check_paths([str(_pp_toml(tmp_path, line))], load_hardware("h100-sxm-80gb"), None, None)
+    if error is not None:
+        assert exit_code([r]) == 2 and error in r.errors[0], r.errors
+        return
+    assert not r.errors, r.errors
+    plan = r.scenario.resolved_plan()
+    assert (plan.stage_layers(80), plan.vpp) == (layers, vpp)

@@ -185,7 +185,16 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
             if per_stage is not None and per_stage < 1:
                 raise SpecError(f"{where}: pipeline_parallel_layers_per_stage = {per_stage}: must be at least 1")
             vpp = max(1, model["num_layers"] // (pp * per_stage)) if per_stage else 2
-    layers_per_stage = _explicit_split(par, model["num_layers"], pp, where, num) if pp > 1 else None
+    if pp > 1 and par.get("pipeline_parallel_schedule_csv"):
+        raise SpecError(f"{where}: parallelism.pipeline_parallel_schedule_csv: a schedule read from a CSV file "
+                        "(torch's _PipelineScheduleRuntime) is not modelled; plan3d models the named schedules "
+                        "(docs/schedules.md)")
+    layers_per_stage = _explicit_split(par, model["num_layers"], pp, where, num, pipeline_schedule) if pp > 1 else None
+    manual = _manual_split(par, model["num_layers"], pp, where, pipeline_schedule) if pp > 1 else None
+    if manual is not None:  # the config's own stages win over torchtitan's automatic split
+        layers_per_stage = manual
+        notes.append(f"pipeline split as the config names its stages: {manual[0]} layers per rank, "
+                     f"{manual[1]} stages per rank")
     if layers_per_stage is not None:
         layers_per_stage, vpp = layers_per_stage
         if pipeline_schedule in ("zbv", "dualpipev") and len(set(layers_per_stage)) == 1:
@@ -391,7 +400,62 @@ def _async_tp(doc: dict, tp: int, compiled: dict, where: str) -> dict:
     return {"tp_comm_overlap": True}
 
 
-def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num):
+def _ranks_of_stages(split: list[int], pp: int, schedule: str | None) -> list[int]:
+    """Layers of each pipeline rank from the layers of each global stage: looped placement (stage ``c x pp + r`` on rank
+    ``r``), or V placement for zbv/dualpipev (stages ``r`` and ``2 pp - 1 - r``; ``schedules.stage_index``)."""
+    from planner.schedules import stage_index
+
+    chunks = len(split) // pp
+    return [sum(split[stage_index(schedule or "interleaved", pp, r, c)] for c in range(chunks)) for r in range(pp)]
+
+
+def _manual_split(par: dict, num_layers: int, pp: int, where: str, schedule: str | None):
+    """(layers per pipeline rank, vpp) where the config names each stage's modules itself: ``module_fqns_per_model_part``
+    (torchtitan 0.3.0 ``ParallelismConfig``: one list of module names per stage; its ``layers.N`` entries are the
+    stage's transformer layers) or ``pipeline_parallel_split_points`` (2025 TOMLs: the first module of every stage
+    after the first, ``layers.N``); None without either. A split that does not cover the layers once each, or whose
+    stage count is not a multiple of pp, is refused (torchtitan refuses it too)."""
+    parts, points = par.get("module_fqns_per_model_part"), par.get("pipeline_parallel_split_points")
+    if not parts and not points:
+        return None
+    layer = re.compile(r"layers\.(\d+)$")
+    if parts:
+        if not isinstance(parts, list) or not all(isinstance(p, list) for p in parts):
+            raise SpecError(f"{where}: parallelism.module_fqns_per_model_part: a list of lists of module names")
+        found = [[int(m.group(1)) for m in (layer.match(str(f)) for f in part) if m] for part in parts]
+        if sorted(i for f in found for i in f) != list(range(num_layers)):
+            raise SpecError(f"{where}: parallelism.module_fqns_per_model_part does not name layers.0 to "
+                            f"layers.{num_layers - 1} once each")
+        split = [len(f) for f in found]
+    else:
+        if not isinstance(points, list):
+            raise SpecError(f"{where}: parallelism.pipeline_parallel_split_points: a list of module names")
+        starts = [layer.match(str(x)) for x in points]
+        if not all(starts):
+            raise SpecError(f"{where}: parallelism.pipeline_parallel_split_points: {points!r}: plan3d reads split "
+                            "points of the form layers.N only")
+        bounds = [0, *(int(m.group(1)) for m in starts), num_layers]
+        if any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise SpecError(f"{where}: parallelism.pipeline_parallel_split_points: {points!r} are not increasing "
+                            f"layer indices below {num_layers}")
+        split = [b - a for a, b in zip(bounds, bounds[1:])]
+    if len(split) % pp or (schedule in ("zbv", "dualpipev") and len(split) != 2 * pp):
+        raise SpecError(f"{where}: {len(split)} pipeline stages named for pp {pp}: torchtitan needs a multiple of pp "
+                        "(two per rank for the V schedules)")
+    ranks, vpp = _ranks_of_stages(split, pp, schedule), len(split) // pp
+    from planner.frameworks import get as framework_profile
+    from planner.specs import Plan
+
+    probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=tuple(ranks),
+                                 pipeline_schedule=schedule, ep=1, etp=None, zero_stage=3)
+    if any(line.startswith("layers_per_stage:") for line in framework_profile("torchtitan").plan_problems(probe)):
+        raise SpecError(f"{where}: the pipeline stages the config names ({split} layers) are a split plan3d's "
+                        "torchtitan profile does not model (torchtitan's automatic split: only the first and last "
+                        "stage lighter); refused rather than read as another split")
+    return ranks, vpp
+
+
+def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num, schedule: str | None = None):
     """(layers per pipeline rank, vpp) when the job names ``pipeline_parallel_first_stage_less_layers`` or
     ``..._last_stage_less_layers`` (as `plan3d emit` writes them): torchtitan 0.3.0's own split
     (``pipeline_parallel.py::_get_pipeline_metadata``: ``ceil((L + first + last) / layers_per_stage)`` virtual
@@ -414,7 +478,7 @@ def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num):
     if stages % pp or split is None:
         raise SpecError(f"{where}: torchtitan cannot split {num_layers} layers into {stages} virtual stages over "
                         f"pp {pp} with first/last stage {first}/{last} layers less")
-    return [sum(split[s] for s in range(r, stages, pp)) for r in range(pp)], stages // pp
+    return _ranks_of_stages(split, pp, schedule), stages // pp
 
 
 def _int(value, key: str, where: str) -> int:
