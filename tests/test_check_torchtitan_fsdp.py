@@ -237,3 +237,43 @@ def test_pipeline_stages_named_in_the_config(tmp_path, line, layers, vpp, error)
     assert not r.errors, r.errors
     plan = r.scenario.resolved_plan()
     assert (plan.stage_layers(80), plan.vpp) == (layers, vpp)
+
+
+@pytest.mark.parametrize("schedule, extra", [
+    ("ZBVZeroBubble", {"pipeline_parallel_first_stage_less_layers": 1, "pipeline_parallel_last_stage_less_layers": 1}),
+    ("Interleaved1F1B", {"pipeline_parallel_first_stage_less_layers": 1, "pipeline_parallel_last_stage_less_layers": 1}),
+    ("Interleaved1F1B", {"pipeline_parallel_first_stage_less_layers": 1, "pipeline_parallel_layers_per_stage": 7}),
+    ("1F1B", {"pipeline_parallel_first_stage_less_layers": 1, "pipeline_parallel_last_stage_less_layers": 1}),
+])
+def test_first_last_less_layers_split_is_torchtitans(schedule, extra):
+    """The layers on each pipeline rank the reader gives an 80-layer, pp-4 config with torchtitan's first/last-stage
+    keys are those torchtitan 0.3.0 itself builds: its virtual-stage count (``_get_pipeline_metadata``: 2 per rank for
+    a multi-stage schedule without layers_per_stage), its split (``_generate_llm_fqn_per_model_part``) and its stage
+    placement (``_get_pp_rank_to_stage_indices_mapping``: V for ZBV). Until 2026-12-05 the reader placed stages looped
+    for the V schedules too and took one stage per rank without layers_per_stage."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (requirements-consumers.txt)")
+    pytest.importorskip("triton", reason="torchtitan's models import triton")
+    from types import SimpleNamespace
+
+    from torchtitan.distributed import pipeline_parallel as pipe
+
+    from planner.readers.torchtitan import scenario_dicts
+
+    par = {"data_parallel_shard_degree": 2, "tensor_parallel_degree": 8, "pipeline_parallel_degree": 4,
+           "pipeline_parallel_schedule": schedule, **extra}
+    doc = {"model": {"name": "llama3", "flavor": "70B"}, "parallelism": par, "training": {"local_batch_size": 8}}
+    _, _, plan, _ = scenario_dicts(doc, 64, "job.toml")
+    config = SimpleNamespace(pipeline_parallel_schedule=schedule,
+                             pipeline_parallel_layers_per_stage=extra.get("pipeline_parallel_layers_per_stage"),
+                             pipeline_parallel_first_stage_less_layers=extra.get(
+                                 "pipeline_parallel_first_stage_less_layers", 1),
+                             pipeline_parallel_last_stage_less_layers=extra.get(
+                                 "pipeline_parallel_last_stage_less_layers", 1))
+    stages, layers, first, last = pipe._get_pipeline_metadata(SimpleNamespace(pp=4), config,
+                                                              SimpleNamespace(layers=[None] * 80))
+    parts = [sum(n.startswith("layers.") for n in part)
+             for part in pipe._generate_llm_fqn_per_model_part(stages, layers, first, last)]
+    theirs = [sum(parts[s] for s in pipe._get_pp_rank_to_stage_indices_mapping(r, 4, schedule, stages))
+              for r in range(4)]
+    ours = list(plan["layers_per_stage"]) if plan["layers_per_stage"] is not None else [80 // 4] * 4
+    assert (ours, plan["vpp"]) == (theirs, stages // 4)

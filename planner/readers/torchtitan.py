@@ -189,7 +189,9 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         raise SpecError(f"{where}: parallelism.pipeline_parallel_schedule_csv: a schedule read from a CSV file "
                         "(torch's _PipelineScheduleRuntime) is not modelled; plan3d models the named schedules "
                         "(docs/schedules.md)")
-    layers_per_stage = _explicit_split(par, model["num_layers"], pp, where, num, pipeline_schedule) if pp > 1 else None
+    # 1F1B is torch's only single-stage schedule plan3d reads; the others run 2 stages per rank by default
+    layers_per_stage = _explicit_split(par, model["num_layers"], pp, where, num, pipeline_schedule,
+                                       multi_stage=schedule.lower() != "1f1b") if pp > 1 else None
     manual = _manual_split(par, model["num_layers"], pp, where, pipeline_schedule) if pp > 1 else None
     if manual is not None:  # the config's own stages win over torchtitan's automatic split
         layers_per_stage = manual
@@ -455,11 +457,13 @@ def _manual_split(par: dict, num_layers: int, pp: int, where: str, schedule: str
     return ranks, vpp
 
 
-def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num, schedule: str | None = None):
+def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num, schedule: str | None = None,
+                    multi_stage: bool = False):
     """(layers per pipeline rank, vpp) when the job names ``pipeline_parallel_first_stage_less_layers`` or
     ``..._last_stage_less_layers`` (as `plan3d emit` writes them): torchtitan 0.3.0's own split
     (``pipeline_parallel.py::_get_pipeline_metadata``: ``ceil((L + first + last) / layers_per_stage)`` virtual
-    stages, virtual stage ``s`` on rank ``s % pp``; ``_generate_llm_fqn_per_model_part``, mirrored by
+    stages, or 2 per rank for a multi-stage schedule without layers_per_stage; placed as the schedule places them,
+    :func:`_ranks_of_stages`; ``_generate_llm_fqn_per_model_part``, mirrored by
     ``planner.emit.torchtitan.split_layers``). None otherwise (the even split is assumed, as before)."""
     keys = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
     if not any(k in par for k in keys):
@@ -473,7 +477,9 @@ def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num, schedu
     per_stage = num("pipeline_parallel_layers_per_stage", per_stage) if per_stage is not None else None
     if first < 0 or last < 0 or (per_stage is not None and per_stage < 1):
         raise SpecError(f"{where}: pipeline_parallel_*_less_layers must be >= 0 and layers_per_stage >= 1")
-    stages = math.ceil((num_layers + first + last) / per_stage) if per_stage else pp
+    # without layers_per_stage: pp x 2 virtual stages for a multi-stage schedule, pp for a single-stage one (0.3.0
+    # _get_pipeline_metadata, "For multi-stage schedules, default is 2 virtual stages per rank")
+    stages = math.ceil((num_layers + first + last) / per_stage) if per_stage else pp * (2 if multi_stage else 1)
     split = split_layers(stages, num_layers, first, last)
     if stages % pp or split is None:
         raise SpecError(f"{where}: torchtitan cannot split {num_layers} layers into {stages} virtual stages over "
