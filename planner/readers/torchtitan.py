@@ -191,7 +191,8 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
                         "(docs/schedules.md)")
     # 1F1B is torch's only single-stage schedule plan3d reads; the others run 2 stages per rank by default
     layers_per_stage = _explicit_split(par, model["num_layers"], pp, where, num, pipeline_schedule,
-                                       multi_stage=schedule.lower() != "1f1b") if pp > 1 else None
+                                       multi_stage=schedule.lower() != "1f1b",
+                                       defaults=bool(doc.get("_registry"))) if pp > 1 else None
     manual = _manual_split(par, model["num_layers"], pp, where, pipeline_schedule) if pp > 1 else None
     if manual is not None:  # the config's own stages win over torchtitan's automatic split
         layers_per_stage = manual
@@ -444,29 +445,39 @@ def _manual_split(par: dict, num_layers: int, pp: int, where: str, schedule: str
     if len(split) % pp or (schedule in ("zbv", "dualpipev") and len(split) != 2 * pp):
         raise SpecError(f"{where}: {len(split)} pipeline stages named for pp {pp}: torchtitan needs a multiple of pp "
                         "(two per rank for the V schedules)")
-    ranks, vpp = _ranks_of_stages(split, pp, schedule), len(split) // pp
+    return _modelled_split(split, pp, schedule, where, "the pipeline stages the config names")
+
+
+def _modelled_split(split: list[int], pp: int, schedule: str | None, where: str, what: str) -> tuple[list[int], int]:
+    """(layers per pipeline rank, vpp) of torchtitan's virtual stages ``split``, refused with the reason where the
+    torchtitan profile does not model that split (``FrameworkProfile.plan_problems``: its stages as torchtitan's
+    automatic split makes them, only the first and last lighter), rather than read as another split."""
     from planner.frameworks import get as framework_profile
     from planner.specs import Plan
 
+    ranks, vpp = _ranks_of_stages(split, pp, schedule), len(split) // pp
     probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=tuple(ranks),
                                  pipeline_schedule=schedule, ep=1, etp=None, zero_stage=3)
     if any(line.startswith("layers_per_stage:") for line in framework_profile("torchtitan").plan_problems(probe)):
-        raise SpecError(f"{where}: the pipeline stages the config names ({split} layers) are a split plan3d's "
-                        "torchtitan profile does not model (torchtitan's automatic split: only the first and last "
-                        "stage lighter); refused rather than read as another split")
+        raise SpecError(f"{where}: {what} ({split} layers per virtual stage, {ranks} per rank) are a split plan3d's "
+                        "torchtitan profile does not model (only the first and last stage lighter); refused rather "
+                        "than read as another split: name pipeline_parallel_first/last_stage_less_layers so that "
+                        "torchtitan builds one it models (plan3d emit torchtitan writes them)")
     return ranks, vpp
 
 
 def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num, schedule: str | None = None,
-                    multi_stage: bool = False):
+                    multi_stage: bool = False, defaults: bool = False):
     """(layers per pipeline rank, vpp) when the job names ``pipeline_parallel_first_stage_less_layers`` or
     ``..._last_stage_less_layers`` (as `plan3d emit` writes them): torchtitan 0.3.0's own split
     (``pipeline_parallel.py::_get_pipeline_metadata``: ``ceil((L + first + last) / layers_per_stage)`` virtual
     stages, or 2 per rank for a multi-stage schedule without layers_per_stage; placed as the schedule places them,
     :func:`_ranks_of_stages`; ``_generate_llm_fqn_per_model_part``, mirrored by
-    ``planner.emit.torchtitan.split_layers``). None otherwise (the even split is assumed, as before)."""
+    ``planner.emit.torchtitan.split_layers``). ``defaults``: the job is torchtitan 0.3.0's (a config-registry
+    command line), which applies the keys' defaults (1 and 1) when they are absent; a TOML-era job without them gets
+    None (the even split is assumed, as the TOML releases split)."""
     keys = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
-    if not any(k in par for k in keys):
+    if not any(k in par for k in keys) and not defaults:
         return None
     import math
 
@@ -484,7 +495,9 @@ def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num, schedu
     if stages % pp or split is None:
         raise SpecError(f"{where}: torchtitan cannot split {num_layers} layers into {stages} virtual stages over "
                         f"pp {pp} with first/last stage {first}/{last} layers less")
-    return _ranks_of_stages(split, pp, schedule), stages // pp
+    named = any(k in par for k in keys)
+    return _modelled_split(split, pp, schedule, where, "torchtitan's split with first/last stage "
+                           f"{first}/{last} layers less" + ("" if named else " (its defaults)"))
 
 
 def _int(value, key: str, where: str) -> int:
