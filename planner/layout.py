@@ -125,11 +125,15 @@ def axis_span(plan: Plan, axis: str, gpus_per_node: int, order: str = DEFAULT_OR
     product of the faster axes' sizes. Its placement depends only on ``r0 mod gpus_per_node``;
     ``r0`` takes every offset below ``stride`` plus the multiples of ``stride * n`` below the world size.
     """
+    stride, n = _axis_progression(plan, axis, order)
+    return _progression_span(stride, n, plan.world_size // (stride * n), gpus_per_node)
+
+
+def _axis_progression(plan: Plan, axis: str, order: str = DEFAULT_ORDER) -> tuple[int, int]:
+    """(stride, size) of the groups of ``axis``: the product of the faster axes' sizes, and the axis's own."""
     axes = parse_order(order)
     sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
-    stride = math.prod(sizes[a] for a in axes[:axes.index(axis)])
-    outer = plan.world_size // (stride * sizes[axis])
-    return _progression_span(stride, sizes[axis], outer, gpus_per_node)
+    return math.prod(sizes[a] for a in axes[:axes.index(axis)]), sizes[axis]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -143,10 +147,15 @@ def expert_span(plan: Plan, axis: str, gpus_per_node: int) -> GroupSpan:
     """The worst-placed group of ``axis`` ("etp", "ep" or "edp") of the expert grid ETP x EP x EDP x PP
     (module docstring; Megatron-Core ``parallel_state.initialize_model_parallel``, expert rank generator
     with order ``tp-cp-ep-dp-pp``): strides 1, ``etp`` and ``etp*ep``."""
+    stride, n = _expert_progression(plan, axis)
+    return _progression_span(stride, n, plan.world_size // (stride * n), gpus_per_node)
+
+
+def _expert_progression(plan: Plan, axis: str) -> tuple[int, int]:
+    """(stride, size) of the groups of ``axis`` ("etp", "ep" or "edp") of the expert grid (:func:`expert_span`)."""
     etp, ep = plan.expert_tp, plan.ep
     edp = plan.tp * plan.cp * plan.dp // (etp * ep)
-    stride, n = {"etp": (1, etp), "ep": (etp, ep), "edp": (etp * ep, edp)}[axis]
-    return _progression_span(stride, n, plan.world_size // (stride * n), gpus_per_node)
+    return {"etp": (1, etp), "ep": (etp, ep), "edp": (etp * ep, edp)}[axis]
 
 
 def partial_dp_spans(plan: Plan, instances: int, gpus_per_node: int, order: str = DEFAULT_ORDER,
@@ -157,15 +166,8 @@ def partial_dp_spans(plan: Plan, instances: int, gpus_per_node: int, order: str 
     consecutive slices (``ranks_with_cp[i * intra:(i + 1) * intra]``), the intra groups, and the ranks at the same
     place in each slice form the inter groups: progressions of stride ``s`` and ``s x intra``, ``s`` the data-parallel
     group's own stride."""
-    if expert:
-        etp, ep = plan.expert_tp, plan.ep
-        edp = plan.tp * plan.cp * plan.dp // (etp * ep)
-        stride, size = etp * ep, edp
-    else:
-        axes = parse_order(order)
-        merged = plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1})
-        sizes = {"tp": merged.tp, "cp": 1, "dp": merged.dp, "pp": merged.pp}
-        stride, size = math.prod(sizes[a] for a in axes[:axes.index("dp")]), merged.dp
+    stride, size = _expert_progression(plan, "edp") if expert else \
+        _axis_progression(plan.model_copy(update={"dp": plan.dp * plan.cp, "cp": 1}), "dp", order)
     intra = size // instances
     world = plan.world_size
     return (_progression_span(stride, intra, world // (stride * intra), gpus_per_node),

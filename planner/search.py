@@ -995,8 +995,8 @@ def smallest_fitting_gpus(model: ModelSpec, hw: HardwareSpec, training: Training
     unit = hw.gpus_per_node if low >= hw.gpus_per_node else 1
     step = max(unit, (high - low) // 8 // unit * unit)
     # low + step, low + 2 step, ... each rounded up to whole nodes (a start that is not one: 12 GPUs -> 16)
-    between = sorted({-(-(low + j * step) // unit) * unit for j in range(1, (high - low) // step + 1)} - {high})
-    between = [c for c in between if low < c < high]
+    between = sorted(c for c in {-(-(low + j * step) // unit) * unit for j in range(1, (high - low) // step + 1)}
+                     if low < c < high)
     best, a, b = high, 0, len(between) - 1
     while a <= b:
         mid = (a + b) // 2

@@ -142,10 +142,13 @@ def search(
     if schedule_problem:
         raise SpecError(schedule_problem)
     pin_problems = pinned_problems(training.framework, pins, training.optimizer_dtype)
-    if training.dist_optimizer_instances > 1 and zero_stage not in (None, 1):  # specs.dist_optimizer_problems
-        pin_problems.append(f"--zero-stage {zero_stage} with --dist-optimizer-instances "
-                            f"{training.dist_optimizer_instances}: copies of the distributed optimizer are ZeRO 1; "
-                            "pin --zero-stage 1 or drop one")
+    if training.dist_optimizer_instances > 1 and zero_stage is not None:  # the ZeRO rule of dist_optimizer_problems
+        from planner.specs import Plan, dist_optimizer_problems
+
+        n = training.dist_optimizer_instances  # dp = n: the divisibility rules hold, the pinned stage alone is asked
+        probe = Plan.model_construct(tp=1, pp=1, dp=n, cp=1, ep=1, etp=None, zero_stage=zero_stage, micro_batch_size=1)
+        pin_problems += [f"--zero-stage {zero_stage} with --dist-optimizer-instances {n}: {line}"
+                         for line in dist_optimizer_problems(training, probe)]
     if pin_problems:
         raise SpecError(pin_problems)
     if not spec_model.is_moe and (ep not in (None, 1) or etp is not None):

@@ -85,12 +85,19 @@ def job_problems(model, training, formats: list[str]) -> list[str]:
     megatron_formats = _megatron_formats(formats)
     apex = [f"--format {megatron_formats[0]}: {APEX_REFUSAL}"] \
         if megatron_formats and training.optimizer_dtype == "bf16-apex" else []
-    # Megatron-Core's partial distributed optimizers (TrainingSpec.dist_optimizer_instances): no other framework has one
-    partial = [f"--format {f}: {f} has no partial distributed optimizer (the job has dist_optimizer_instances="
-               f"{training.dist_optimizer_instances}); use --format megatron or 1" for f in formats
-               if f in ("deepspeed", "torchtitan")] if training.dist_optimizer_instances > 1 else []
+    refusals = {f: partial_optimizer_refusal(f, training) for f in formats}
+    partial = [f"--format {f}: {refusal}" for f, refusal in refusals.items() if refusal]
     return model_problems(model, formats) + apex + partial + \
         (torchtitan.job_problems(model, training) if "torchtitan" in formats else [])
+
+
+def partial_optimizer_refusal(fmt: str, training) -> str | None:
+    """Why ``fmt`` cannot launch a job with Megatron-Core's partial distributed optimizers
+    (``TrainingSpec.dist_optimizer_instances`` > 1): no other framework has one; None where it can."""
+    if training.dist_optimizer_instances == 1 or fmt not in ("deepspeed", "torchtitan"):
+        return None
+    return (f"{fmt} has no partial distributed optimizer (the job has dist_optimizer_instances="
+            f"{training.dist_optimizer_instances}); use --format megatron or 1")
 
 
 def render_all(sc: Scenario, formats: list[str]) -> dict[str, str]:

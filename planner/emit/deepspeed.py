@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 
+from planner.emit import partial_optimizer_refusal
 from planner.presets import SpecError
 from planner.specs import Scenario
 
@@ -60,9 +61,9 @@ def config(sc: Scenario) -> dict:
 
 def check_supported(sc: Scenario) -> None:
     p = sc.plan
-    if sc.training.dist_optimizer_instances > 1:
-        raise SpecError(f"--emit deepspeed: DeepSpeed has no partial distributed optimizer (the job has "
-                        f"dist_optimizer_instances={sc.training.dist_optimizer_instances}); use --format megatron or 1")
+    refusal = partial_optimizer_refusal("deepspeed", sc.training)  # also planner.emit.job_problems, before a search
+    if refusal:
+        raise SpecError(f"--emit deepspeed: {refusal}")
     if p.cp > 1:
         raise SpecError(f"--emit deepspeed: DeepSpeed's config has no context parallelism (plan has cp={p.cp})")
     if p.cpu_offload_layers:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from planner.emit import megatron, torchrun
+from planner.emit import megatron, partial_optimizer_refusal, torchrun
 from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, step_cuda_graph_by_default
 from planner.names import slug
 from planner.presets import SpecError
@@ -112,9 +112,9 @@ def job_problems(model, training) -> list[str]:
 
 
 def args(sc: Scenario) -> list[str]:
-    if sc.training.dist_optimizer_instances > 1:
-        raise SpecError(f"--emit torchtitan: torchtitan has no partial distributed optimizer (the job has "
-                        f"dist_optimizer_instances={sc.training.dist_optimizer_instances}); use --format megatron or 1")
+    refusal = partial_optimizer_refusal("torchtitan", sc.training)
+    if refusal:
+        raise SpecError(f"--emit torchtitan: {refusal}")
     if sc.plan.cpu_offload_layers:
         raise SpecError(f"--emit torchtitan: torchtitan 0.3.0 has no activation offloading to host memory (plan has "
                         f"cpu_offload_layers={sc.plan.cpu_offload_layers}); use --format megatron or cpu_offload_layers 0")

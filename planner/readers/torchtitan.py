@@ -237,13 +237,15 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
                         "is not modelled; add quantize.linear.float8 or drop it")
     fp8 = bool(converters) or bool(doc.get("float8", {}).get("enable_float8_linear")) or \
         str(doc.get("_registry", {}).get("config", "")).lower() in FP8_CONFIGS
-    if _flag({**tr, **par}, "disable_loss_parallel", where):  # [training] in 2024 TOMLs, [parallelism] since
+    # [training] in 2024 TOMLs, [parallelism] since
+    lp_name, lp_section = ("parallelism", par) if "disable_loss_parallel" in par else ("training", tr)
+    if _flag(lp_section, lp_name, "disable_loss_parallel", where):
         if tp > 1:  # parallelize.py: the output layer then gathers the whole vocabulary on every TP rank
             raise SpecError(f"{where}: parallelism.disable_loss_parallel with tp {tp}: every TP rank then holds the "
                             "whole vocabulary's logits and loss, which plan3d does not model (it counts loss_parallel's "
                             "V / tp); drop it")
         notes.append("parallelism.disable_loss_parallel: no effect without tensor parallelism")
-    if _flag(tr, "enable_cpu_offload", where):
+    if _flag(tr, "training", "enable_cpu_offload", where):
         notes.append("training.enable_cpu_offload (FSDP2 CPUOffloadPolicy): the parameters, gradients and optimizer "
                      "states counted in GPU memory, an upper bound")
     ep = num("expert_parallel_degree", par.get("expert_parallel_degree", 1))
@@ -271,9 +273,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         plan["pipeline_schedule"] = pipeline_schedule
     # torchtitan's whole-step CUDA graph (pytorch/torchtitan#3559): absent from TOML-era torchtitan (before its
     # config registry); else on unless --training.disable_cuda_graphs (TrainingSpec.step_cuda_graph, None: the default)
-    disable = tr.get("disable_cuda_graphs", False)
-    if not isinstance(disable, bool):
-        raise SpecError(f"{where}: training.disable_cuda_graphs = {disable!r}: torchtitan takes true or false")
+    disable = _flag(tr, "training", "disable_cuda_graphs", where)
     if not doc.get("_registry") or disable:
         training["step_cuda_graph"] = False
     elif step_cuda_graph_by_default(pp, ep):
@@ -291,12 +291,12 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     return model, training, plan, notes
 
 
-def _flag(section: dict, key: str, where: str) -> bool:
-    """A boolean JobConfig field (absent: False); anything but true/false is refused, as torchtitan's config parser
-    refuses it."""
+def _flag(section: dict, name: str, key: str, where: str) -> bool:
+    """The boolean JobConfig field ``name.key`` of ``section`` (absent: False); anything but true/false is refused,
+    as torchtitan's config parser refuses it."""
     value = section.get(key, False)
     if not isinstance(value, bool):
-        raise SpecError(f"{where}: {key} = {value!r}: torchtitan takes true or false")
+        raise SpecError(f"{where}: {name}.{key} = {value!r}: torchtitan takes true or false")
     return value
 
 
@@ -387,13 +387,9 @@ def _async_tp(doc: dict, tp: int, compiled: dict, where: str) -> dict:
     registry = str(doc.get("_registry", {}).get("config", "")).lower()
     on = registry in ASYNC_TP_CONFIGS
     for section in ("experimental", "parallelism", "compile"):  # the newest layout last: it wins
-        value = doc.get(section, {}).get("enable_async_tensor_parallel")
-        if value is None:
+        if doc.get(section, {}).get("enable_async_tensor_parallel") is None:
             continue
-        if not isinstance(value, bool):
-            raise SpecError(f"{where}: {section}.enable_async_tensor_parallel = {value!r}: torchtitan takes true or "
-                            "false")
-        on = value
+        on = _flag(doc[section], section, "enable_async_tensor_parallel", where)
     if not on or tp <= 1:
         return {}
     if not (compiled.get("compile") and "model" in compiled.get("compile_components", ())):
