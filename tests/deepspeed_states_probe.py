@@ -8,7 +8,8 @@ the optimizer holds under each name: the 16-bit weights, the fp32 master partiti
 gradients held after a micro-batch that is not the last of the step (stages 0-1: the parameters' ``.grad``;
 stages 2-3: the gradient partitions), and the fp32 gradient partition the wrapped optimizer steps on.
 
-Run as ``python tests/deepspeed_states_probe.py PORT``; prints one JSON line."""
+Run as ``python tests/deepspeed_states_probe.py [PORT]`` (the port is ignored: tests/rank_pool.py takes a fresh one
+for each group of ranks); prints one JSON line."""
 
 from __future__ import annotations
 
@@ -78,21 +79,12 @@ def _rank(rank: int, port: int, stage: int, queue) -> None:
                    "master": master / PARAMS, "adam": adam / PARAMS})
 
 
-def main(port: int) -> dict:
-    import torch.multiprocessing as mp
+def main() -> dict:
+    from tests.rank_pool import run_ranks
 
-    out = []
-    for stage in (0, 1, 2, 3):
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, port + stage, stage, queue)) for r in range(RANKS)]
-        for p in procs:
-            p.start()
-        out.append(queue.get(timeout=600))
-        for p in procs:
-            p.join()
+    out = [run_ranks(_rank, RANKS, (stage,), timeout_s=300) for stage in (0, 1, 2, 3)]
     return {"ranks": RANKS, "params": PARAMS, "width": WIDTH, "layers": LAYERS, "stages": out}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]))))
+    print(json.dumps(main()))

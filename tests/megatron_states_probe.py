@@ -21,7 +21,8 @@ tensor Megatron creates with ``device="cuda"`` on the CPU, makes ``Tensor.cuda()
 ``torch.cuda.*Tensor`` parameters); ``torch.cuda.Stream`` is a placeholder (the partial distributed optimizer's
 communication stream, used only with ``overlap_grad_reduce``, off here). Nothing else is changed.
 
-Run as ``python tests/megatron_states_probe.py PORT MEGATRON_ROOT``; prints one JSON line."""
+Run as ``python tests/megatron_states_probe.py PORT MEGATRON_ROOT`` (PORT is ignored: tests/rank_pool.py takes a
+fresh one); prints one JSON line."""
 
 from __future__ import annotations
 
@@ -152,19 +153,12 @@ def _rank(rank: int, port: int, megatron_root: str, queue) -> None:
     dist.destroy_process_group()
 
 
-def main(port: int, megatron_root: str) -> dict:
-    import torch.multiprocessing as mp
+def main(megatron_root: str) -> dict:
+    from tests.rank_pool import run_ranks
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, megatron_root, queue)) for r in range(RANKS)]
-    for p in procs:
-        p.start()
-    got = queue.get(timeout=600)
-    for p in procs:
-        p.join()
+    got = run_ranks(_rank, RANKS, (megatron_root,), timeout_s=420)
     return {"ranks": RANKS, "params": PARAMS, "width": WIDTH, "layers": LAYERS, **got}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), sys.argv[2])))
+    print(json.dumps(main(sys.argv[2])))

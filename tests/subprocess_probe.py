@@ -20,6 +20,17 @@ def run_json_probe(script: str | Path, timeout_s: float = 600, extra_args: list[
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = os.environ | {"PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, str(script), str(port), *extra_args], capture_output=True, text=True, timeout=timeout_s,
-                         cwd=REPO, env=env, check=True)
+    command = [sys.executable, str(script), str(port), *extra_args]
+    try:
+        res = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env)
+    except subprocess.TimeoutExpired as e:  # what the probe said before it was killed, for the CI log
+        raise AssertionError(f"{script} ran past {timeout_s:.0f} s; its stderr ended:\n{_tail(e.stderr)}") from None
+    if res.returncode != 0:
+        raise AssertionError(f"{script} exited {res.returncode}; its stderr ended:\n{_tail(res.stderr)}")
     return json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def _tail(text: str | bytes | None, chars: int = 6000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-chars:]
