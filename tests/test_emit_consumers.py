@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -513,6 +514,12 @@ TORCHTITAN_PLANS = {
     # torchtitan's own first/last_stage_less_layers 1: 32 layers + E + L = 34 stages of one slot, stage 0
     # only the embedding, stage 33 only norm + output (llama3_405b needs torchao's float8 to load here)
     "8b-vpp17-embedding-loss-chunks": (L8, dict(tp=8, pp=2, dp=1, vpp=17, layers_per_stage=(16, 16))),
+    # torchtitan's default keys (first/last 1) on Llama-3-70B: 20/21/20/19, the middle stages unequal (the profile's
+    # split_rule, planner.frameworks.torchtitan.builds_split), at vpp 1 and 2
+    "70b-pp4-default-split": (L70, dict(tp=8, pp=4, dp=2, layers_per_stage=(20, 21, 20, 19))),
+    "70b-pp4-vpp2-default-split": (L70, dict(tp=8, pp=4, dp=2, vpp=2, layers_per_stage=(20, 21, 20, 19))),
+    # 4/5/4/4/4/4/4/3 on 8 virtual stages: no layers_per_stage gives 8 stages (5 makes 7), the default count does
+    "8b-pp4-vpp2-default-count": (L8, dict(tp=4, pp=4, dp=1, vpp=2, layers_per_stage=(8, 9, 8, 7))),
 }
 
 
@@ -666,3 +673,49 @@ def test_megatron_refuses_offloading_where_plan3d_does(megatron, monkeypatch, tm
         megatron_validate(megatron, monkeypatch, argv + ["--recompute-granularity", "selective"], env_value, arch=10)
     with pytest.raises(ValueError, match="no support for Pipeline parallelism with CPU offloading"):
         megatron_validate(megatron, monkeypatch, argv + ["--pipeline-model-parallel-size", "2"], env_value, arch=10)
+
+
+def test_torchtitan_profile_accepts_exactly_the_splits_torchtitans_keys_build(torchtitan):
+    """Every split torchtitan 0.3.0 builds from its first/last_stage_less_layers keys (its own
+    ``_generate_llm_fqn_per_model_part``, looped placement) is legal under the torchtitan profile, and the keys
+    plan3d would write for it (``stage_keys``) make torchtitan build the same split again; a split with the same
+    stage count that no keys build (one layer moved between middle stages) is refused."""
+    from planner.frameworks import get
+    from planner.frameworks.torchtitan import stage_keys
+    from planner.specs import Plan, chunk_split
+
+    _, _, pipe = torchtitan
+    fw = get("torchtitan")
+
+    def their_split(stages, layers, first, last):
+        return [sum(n.startswith("layers.") for n in part)
+                for part in pipe._generate_llm_fqn_per_model_part(stages, layers, first, last)]
+
+    def problems(ranks, pp, vpp):
+        plan = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1,
+                                    layers_per_stage=tuple(ranks), pipeline_schedule=None, ep=1, etp=None,
+                                    zero_stage=3)
+        return [x for x in fw.plan_problems(plan) if x.startswith("layers_per_stage")]
+
+    tried = refused = 0
+    for layers, pp, vpp in [(32, 2, 1), (32, 4, 1), (32, 4, 2), (80, 4, 1), (80, 4, 2), (80, 8, 1), (126, 8, 2)]:
+        stages = pp * vpp
+        for first in range(3):
+            for last in range(3):
+                split = their_split(stages, layers, first, last)
+                ranks = [sum(split[r + c * pp] for c in range(vpp)) for r in range(pp)]
+                chunks = chunk_split(ranks, vpp)
+                if [chunks[s % pp][s // pp] for s in range(stages)] != split:
+                    continue  # per-rank sums a Plan splits into other chunks: not this test's claim
+                tried += 1
+                assert not problems(ranks, pp, vpp), (layers, pp, vpp, first, last, split)
+                per_stage, f, l = stage_keys(layers, pp, vpp, chunks)
+                # without layers_per_stage torchtitan makes pp stages for 1F1B, 2 pp for a multi-stage schedule
+                made = math.ceil((layers + f + l) / per_stage) if per_stage else pp * (2 if vpp > 1 else 1)
+                assert made == stages and their_split(stages, layers, f, l) == split
+                if pp > 2 and vpp == 1 and ranks[1] > 1:  # move a layer from stage 1 to stage 2
+                    moved = ranks[:1] + [ranks[1] - 1, ranks[2] + 1] + ranks[3:]
+                    if all(their_split(stages, layers, a, b) != moved for a in range(6) for b in range(6)):
+                        assert problems(moved, pp, vpp), moved
+                        refused += 1
+    assert tried >= 30 and refused >= 5, (tried, refused)

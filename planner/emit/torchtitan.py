@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from planner.emit import megatron, partial_optimizer_refusal, torchrun
-from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, step_cuda_graph_by_default
+from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, split_layers, stage_keys, step_cuda_graph_by_default
 from planner.names import slug
 from planner.presets import SpecError
 from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
@@ -44,56 +44,18 @@ REGISTRY = {"llama3-8b": ("llama3", {"bf16": "llama3_8b"}), "llama3-70b": ("llam
             "qwen3-30b-a3b": ("qwen3", {"bf16": "qwen3_30b_a3b"})}
 
 
-def split_layers(num_stages: int, num_layers: int, input_weight: int, output_weight: int) -> list[int] | None:
-    """Transformer layers on each virtual stage as torchtitan assigns them, or None where it refuses.
-
-    Source: torchtitan 0.3.0 ``torchtitan/distributed/pipeline_parallel.py::_generate_llm_fqn_per_model_part``:
-    ``num_layers + input_weight + output_weight`` effective layers are spread evenly (the first
-    ``extra`` stages get one more); the first stage gives ``input_weight`` of its share to the
-    embedding, the last ``output_weight`` to the norm and head. tests/test_emit_consumers.py
-    compares this with torchtitan's own function.
-    """
-    if num_stages == 1:
-        return [num_layers]
-    effective = num_layers + input_weight + output_weight
-    if num_stages > effective:
-        return None
-    per_stage, extra = divmod(effective, num_stages)
-    if per_stage == 0 or input_weight > per_stage or output_weight > per_stage:
-        return None
-    out, left = [], num_layers
-    for i in range(num_stages):
-        share = per_stage + (1 if i < extra else 0)
-        share -= input_weight if i == 0 else output_weight if i == num_stages - 1 else 0
-        take = min(share, left)
-        out.append(take)
-        left -= take
-    return out
-
-
-def stage_options(sc: Scenario) -> tuple[int, int, int]:
+def stage_options(sc: Scenario) -> tuple[int | None, int, int]:
     """(``pipeline_parallel_layers_per_stage``, first-stage less layers, last-stage less layers) with which
-    torchtitan puts exactly the plan's layers on every virtual stage.
-
-    torchtitan's "stage" is a virtual stage: ``ceil((L + first_less + last_less) / layers_per_stage)`` of
-    them (``_get_pipeline_metadata``), virtual stage ``s`` on rank ``s % pp`` (looped schedules). The
-    plan puts ``Plan.chunk_layers`` on the chunks (``chunk_split``): Llama 3 405B at pp 16 x vpp 8,
-    7 + 14 x 8 + 7 layers, is torchtitan's default 1 + 126 + 1 split over 128 stages, its first stage
-    only the embedding and its last only the norm and output (``first/last_stage_less_layers`` 1).
-    """
+    torchtitan puts exactly the plan's layers on every virtual stage (:func:`planner.frameworks.torchtitan.stage_keys`),
+    refused where its command-line keys cannot (``module_fqns_per_model_part``, which can, is a list of lists that
+    tyro does not parse from a command line: each value becomes a one-name stage)."""
     p = sc.resolved_plan()
-    layers, num_stages = sc.model.num_layers, p.pp * p.vpp
-    chunks = p.chunk_layers(layers)
-    wanted = [chunks[s % p.pp][s // p.pp] for s in range(num_stages)]
-    for first_less in range(max(wanted) + 1):
-        for last_less in range(max(wanted) + 1):
-            if split_layers(num_stages, layers, first_less, last_less) != wanted:
-                continue
-            per_stage = math.ceil((layers + first_less + last_less) / num_stages)
-            if math.ceil((layers + first_less + last_less) / per_stage) == num_stages:
-                return per_stage, first_less, last_less
-    raise SpecError(f"--emit torchtitan: torchtitan can only shorten the first and last virtual stage, so it cannot "
-                    f"place {list(p.layers_per_stage)} layers on pp={p.pp} x vpp={p.vpp} stages; use --format megatron")
+    keys = stage_keys(sc.model.num_layers, p.pp, p.vpp, p.chunk_layers(sc.model.num_layers))
+    if keys is None:
+        raise SpecError(f"--emit torchtitan: torchtitan's pipeline keys (first/last_stage_less_layers, "
+                        f"layers_per_stage) cannot place {list(p.layers_per_stage)} layers on pp={p.pp} x vpp={p.vpp} "
+                        f"stages; use --format megatron")
+    return keys
 
 
 def job_problems(model, training) -> list[str]:
@@ -166,8 +128,9 @@ def args(sc: Scenario) -> list[str]:
            "--training.seq_len", str(tr.seq_len)]
     if p.pp > 1:
         per_stage, first_less, last_less = stage_options(sc)
-        out += ["--parallelism.pipeline_parallel_layers_per_stage", str(per_stage),
-                "--parallelism.pipeline_parallel_first_stage_less_layers", str(first_less),
+        if per_stage is not None:  # else torchtitan's default stage count (stage_keys)
+            out += ["--parallelism.pipeline_parallel_layers_per_stage", str(per_stage)]
+        out += ["--parallelism.pipeline_parallel_first_stage_less_layers", str(first_less),
                 "--parallelism.pipeline_parallel_last_stage_less_layers", str(last_less)]
     # trainer.py _validate_cuda_graphs: "CUDA graphs do not support pipeline parallelism yet", nor EP with the
     # standard all-to-all token dispatcher (it synchronizes with the CPU), which the MoE configs here use

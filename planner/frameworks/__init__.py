@@ -88,6 +88,10 @@ class FrameworkProfile:
     # with vpp > 1, only the first and the last *virtual* stage may be shorter, every other one holding
     # the same layers (torchtitan's pipeline_parallel_first/last_stage_less_layers, planner/emit/torchtitan.py)
     uneven_virtual_ends_only: bool = False
+    # the framework's own rule for an uneven split, plan -> whether its pipeline builds plan.layers_per_stage
+    # (torchtitan's first/last_stage_less_layers and layers_per_stage keys, planner.frameworks.torchtitan.builds_split):
+    # a split it builds is legal besides the shapes above (the search offers those only, allows_stage_split)
+    split_rule: Callable | None = None
     # torch.distributed.pipelining: every PipelineStage keeps one receive buffer per micro-batch for its input
     # and one for its output's gradient, for the whole run (planner.memory.pipeline_buffer_bytes)
     pipeline_recv_buffers: bool = False
@@ -276,11 +280,13 @@ class FrameworkProfile:
             elif plan.vpp > 1 and not self.allows_uneven_interleaved:
                 errors.append(f"layers_per_stage: {self.name} runs uneven stages only without interleaving "
                               f"(vpp={plan.vpp}); use vpp=1 or an even split")
-            elif not self.allows_split(lps[0], middle, lps[-1], plan.vpp) or (
-                    self.uneven_virtual_ends_only and len(set(lps[1:-1])) > 1):
+            elif (not self.allows_split(lps[0], middle, lps[-1], plan.vpp) or (
+                    self.uneven_virtual_ends_only and len(set(lps[1:-1])) > 1)) and not (
+                    self.split_rule is not None and self.split_rule(plan)):
                 which = "virtual stage (one chunk)" if plan.vpp > 1 and self.uneven_virtual_ends_only else "stages"
+                own = " (or split as its own pipeline keys split)" if self.split_rule is not None else ""
                 errors.append(f"layers_per_stage: {self.name} can only give the first and last {which} fewer "
-                              f"layers, not {list(lps)} at vpp={plan.vpp}")
+                              f"layers{own}, not {list(lps)} at vpp={plan.vpp}")
         return errors
 
     def allows_expert(self, ep: int, etp: int, tp: int) -> bool:

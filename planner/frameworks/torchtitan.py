@@ -68,6 +68,7 @@ Code paths (torchtitan ``models/llama3/infra/parallelize.py::apply_fsdp``; torch
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from planner.frameworks import FrameworkProfile, StateBytes
@@ -109,6 +110,72 @@ EAGER_BLOCK_KERNELS = (15, 17)
 #: backward (8 + 4), the cast back (4 + 2). Counted by planner/eager_probe.loss_traffic on torchtitan 0.3.0's
 #: ``cross_entropy_loss``.
 EAGER_LOSS_BYTES_PER_LOGIT = (14, 22)
+
+
+def split_layers(num_stages: int, num_layers: int, input_weight: int, output_weight: int) -> list[int] | None:
+    """Transformer layers on each virtual stage as torchtitan assigns them, or None where it refuses.
+
+    Source: torchtitan 0.3.0 ``torchtitan/distributed/pipeline_parallel.py::_generate_llm_fqn_per_model_part``:
+    ``num_layers + input_weight + output_weight`` effective layers are spread evenly (the first
+    ``extra`` stages get one more); the first stage gives ``input_weight`` of its share to the
+    embedding, the last ``output_weight`` to the norm and head. tests/test_emit_consumers.py
+    compares this with torchtitan's own function.
+    """
+    if num_stages == 1:
+        return [num_layers]
+    effective = num_layers + input_weight + output_weight
+    if num_stages > effective:
+        return None
+    per_stage, extra = divmod(effective, num_stages)
+    if per_stage == 0 or input_weight > per_stage or output_weight > per_stage:
+        return None
+    out, left = [], num_layers
+    for i in range(num_stages):
+        share = per_stage + (1 if i < extra else 0)
+        share -= input_weight if i == 0 else output_weight if i == num_stages - 1 else 0
+        take = min(share, left)
+        out.append(take)
+        left -= take
+    return out
+
+
+def stage_keys(num_layers: int, pp: int, vpp: int, chunks) -> tuple[int | None, int, int] | None:
+    """(``pipeline_parallel_layers_per_stage``, first-stage less layers, last-stage less layers) with which
+    torchtitan 0.3.0 builds exactly ``chunks`` (``chunks[r][c]``: layers of rank ``r``'s chunk ``c``, stages placed
+    looped, virtual stage ``s`` on rank ``s % pp``), or None where no such keys do; layers_per_stage None (not
+    written) where only its default gives the stage count.
+
+    torchtitan's "stage" is a virtual stage: ``ceil((L + first_less + last_less) / layers_per_stage)`` of them, or
+    without layers_per_stage ``pp`` for a single-stage schedule and ``2 pp`` for a multi-stage one
+    (``pipeline_parallel.py::_get_pipeline_metadata``), split by :func:`split_layers`: 32 layers with the default
+    keys on 4 x 2 stages are 4/5/4/4/4/4/4/3, which no layers_per_stage gives (5 makes 7 stages, 4 makes 9). Llama 3 405B at pp 16 x vpp 8,
+    7 + 14 x 8 + 7 layers, is torchtitan's default 1 + 126 + 1 split over 128 stages, its first stage only the
+    embedding and its last only the norm and output (``first/last_stage_less_layers`` 1); Llama-3-70B's 80 layers on
+    4 stages with the defaults (1 and 1) are 20/21/20/19."""
+    num_stages = pp * vpp
+    wanted = [chunks[s % pp][s // pp] for s in range(num_stages)]
+    for first_less in range(max(wanted) + 1):
+        for last_less in range(max(wanted) + 1):
+            if split_layers(num_stages, num_layers, first_less, last_less) != wanted:
+                continue
+            per_stage = math.ceil((num_layers + first_less + last_less) / num_stages)
+            if math.ceil((num_layers + first_less + last_less) / per_stage) == num_stages:
+                return per_stage, first_less, last_less
+            if vpp <= 2:  # the default stage count: vpp 1 runs a single-stage schedule, vpp > 1 a multi-stage one
+                return None, first_less, last_less
+    return None
+
+
+def builds_split(plan) -> bool:
+    """Whether torchtitan's own pipeline keys build ``plan``'s layers per virtual stage (:func:`stage_keys`; the
+    torchtitan profile's ``split_rule``): its default split (first/last 1) puts 20/21/20/19 of Llama-3-70B's 80
+    layers on 4 stages, which the first/middle/last shapes the search offers do not include."""
+    from planner.specs import chunk_split
+
+    if plan.pipeline_schedule in ("zbv", "dualpipev"):  # V placement; uneven V layouts are refused (specs.Plan)
+        return False
+    lps = plan.layers_per_stage
+    return stage_keys(sum(lps), plan.pp, plan.vpp, chunk_split(lps, plan.vpp)) is not None
 
 
 def published_layers_per_stage(num_layers: int, pp: int, vpp: int = 1) -> tuple[int, ...] | None:
@@ -289,6 +356,7 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            # its automatic split shortens only the first and last *virtual* stage, and
                            # module_fqns_per_model_part cannot be passed on the command line (planner/emit/torchtitan.py)
                            uneven_virtual_ends_only=True, pipeline_recv_buffers=True,
+                           split_rule=builds_split,  # and whatever else its keys build (20/21/20/19)
                            allows_layer_interval_recompute=True,  # selective_ac_option N (Plan.recompute_interval)
                            expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan",
                            fsdp_with_cp=True,  # ParallelDims.fsdp_enabled (FrameworkProfile.fsdp_with_cp)

@@ -446,19 +446,25 @@ def _manual_split(par: dict, num_layers: int, pp: int, where: str, schedule: str
 
 def _modelled_split(split: list[int], pp: int, schedule: str | None, where: str, what: str) -> tuple[list[int], int]:
     """(layers per pipeline rank, vpp) of torchtitan's virtual stages ``split``, refused with the reason where the
-    torchtitan profile does not model that split (``FrameworkProfile.plan_problems``: its stages as torchtitan's
-    automatic split makes them, only the first and last lighter), rather than read as another split."""
+    torchtitan profile does not model that split (``FrameworkProfile.plan_problems``: the splits torchtitan's own
+    pipeline keys build, ``planner.frameworks.torchtitan.builds_split``), rather than read as another split."""
     from planner.frameworks import get as framework_profile
-    from planner.specs import Plan
+    from planner.schedules import stage_index
+    from planner.specs import Plan, chunk_split
 
     ranks, vpp = _ranks_of_stages(split, pp, schedule), len(split) // pp
+    chunks = chunk_split(ranks, vpp)  # the chunks a Plan of these per-rank layers models (Plan.chunk_layers)
+    modelled = [chunks[r][c] for r in range(pp) for c in range(vpp)]
+    placed = [split[stage_index(schedule or "interleaved", pp, r, c)] for r in range(pp) for c in range(vpp)]
     probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=tuple(ranks),
                                  pipeline_schedule=schedule, ep=1, etp=None, zero_stage=3)
-    if any(line.startswith("layers_per_stage:") for line in framework_profile("torchtitan").plan_problems(probe)):
+    if modelled != placed or any(line.startswith("layers_per_stage:")
+                                 for line in framework_profile("torchtitan").plan_problems(probe)):
         raise SpecError(f"{where}: {what} ({split} layers per virtual stage, {ranks} per rank) are a split plan3d's "
-                        "torchtitan profile does not model (only the first and last stage lighter); refused rather "
-                        "than read as another split: name pipeline_parallel_first/last_stage_less_layers so that "
-                        "torchtitan builds one it models (plan3d emit torchtitan writes them)")
+                        "torchtitan profile does not model (those its first/last_stage_less_layers and "
+                        "layers_per_stage keys build); refused rather than read as another split: name "
+                        "pipeline_parallel_first/last_stage_less_layers so that torchtitan builds one it models "
+                        "(plan3d emit torchtitan writes them)")
     return ranks, vpp
 
 
