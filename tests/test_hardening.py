@@ -385,3 +385,21 @@ def test_estimate_notes_an_mfu_above_every_published_run(runner):
     res = runner.invoke(app, EST)
     mfu = json.loads(runner.invoke(app, [*EST, "--json"]).stdout)["time"]["mfu"]
     assert ("above the best published" in res.stdout) == (mfu > 0.47)
+
+
+def test_an_error_quoting_a_multi_line_value_stays_one_line(runner, tmp_path):
+    """A value of the user's file that holds line breaks (a TOML multi-line string) is quoted in the error with the
+    breaks escaped (``errors.one_line``, applied to every SpecError line): before 2026-12-05 only the Megatron
+    argument reader escaped them, and a torchtitan schedule written over two lines gave a two-line error."""
+    from planner.errors import SpecError
+
+    assert SpecError("a\nb\r\x1b[0m\u2028c").lines == ["a\\nb\\r\\x1b[0m\\u2028c"]
+    text = (ROOT / "tests/data/launch/torchtitan_llama3_70b_pp.toml").read_text()
+    lines = text.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("pipeline_parallel_schedule"))
+    lines[at] = 'pipeline_parallel_schedule = """Inter\nleaved"""'
+    path = tmp_path / "job.toml"
+    path.write_text("\n".join(lines) + "\n")
+    res = runner.invoke(app, ["check", str(path), "--hardware", "h100-sxm-80gb"], env={"COLUMNS": "400"})
+    (line,) = _clean_failure(res)
+    assert "Inter\\nleaved" in line and not any(x.startswith("leaved") for x in res.output.splitlines())

@@ -104,9 +104,8 @@ def parse_args(words: list[str], lines: list[int], path: Path, line0: int = 1, u
             continue
         if word.startswith("--") and len(word) > 2:
             flag, eq, value = word.partition("=")
-            if " " in flag or "\n" in flag:  # one line whatever the quoted entry holds
-                shown = word.replace("\n", "\\n")
-                raise SpecError(f"{path}:{line}: '{shown}' is one argument (a quoted entry); Megatron-LM's argparse "
+            if " " in flag or "\n" in flag:  # a quoted entry (SpecError escapes its line breaks)
+                raise SpecError(f"{path}:{line}: '{word}' is one argument (a quoted entry); Megatron-LM's argparse "
                                 f"rejects it as unrecognized: write {flag.split()[0]} and its value as two words")
             flag = flag.replace("_", "-") if underscores else flag
             if eq:
