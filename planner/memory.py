@@ -1119,6 +1119,21 @@ def input_bytes_per_microbatch(model: ModelSpec, training: TrainingSpec, plan: P
     return s * b * TOKEN_ID_BYTES + (s * b * h / sp if model.dropout else 0.0)
 
 
+def dataloader_mask_bytes(training: TrainingSpec, plan: Plan) -> float:
+    """The attention mask Megatron-LM's data path puts on the GPU for the micro-batch in its forward
+    (``TrainingSpec.attention_mask_in_dataloader``), on every TP rank of the first and the last pipeline stage: a
+    bool tensor of ``micro_batch x 1 x s x s`` (core_v0.16.1 training/utils.py ``get_batch_on_this_tp_rank``:
+    ``data["attention_mask"].cuda()`` on TP rank 0, ``torch.empty((micro_batch_size, 1, seq_length, seq_length),
+    dtype=torch.bool)`` on the others, broadcast), its query dimension cut to ``s/cp`` under CP
+    (core/utils.py ``get_batch_on_this_cp_rank``: ``seq_dim = 2`` for the mask). It lives while its micro-batch's
+    forward runs, the loss included (Megatron-Core's GPTModel computes the loss in its forward), so it adds to
+    the last stage's loss spike (:func:`output_bytes`) and to the first stage once. 1 byte per element: 64 MiB at
+    8,192 tokens, 16 GiB at 131,072 without CP."""
+    if not training.attention_mask_in_dataloader:
+        return 0.0
+    return float(plan.micro_batch_size * (training.seq_len // plan.cp) * training.seq_len)
+
+
 def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     """Last stage: the final norm's and the output layer's inputs, the logits and cross-entropy
     spike of one micro-batch and the int64 labels. Bytes per logit are the framework's
@@ -1134,7 +1149,7 @@ def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
         logits += e  # the tanh output of cap * tanh(logits / cap), saved for its backward (Gemma-2)
     head = (2 * s * b * h * e / sp  # final-norm input and output-layer input
             + logits * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
-    return head + mtp_bytes(model, training, plan, head)
+    return head + mtp_bytes(model, training, plan, head) + dataloader_mask_bytes(training, plan)
 
 
 def mtp_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, head_bytes: float) -> float:
@@ -1345,7 +1360,7 @@ def deepep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
                       stage: int):
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the
-    first stage, the output layer's on the last, the pipeline's receive buffers
+    first stage (and Megatron's dataloader mask, :func:`dataloader_mask_bytes`), the output layer's on the last, the pipeline's receive buffers
     (:func:`pipeline_buffer_bytes`); Transformer Engine's TP-overlap userbuffers on every stage
     (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer on every stage with a MoE layer
     (:func:`deepep_buffer_bytes`)."""
@@ -1356,6 +1371,8 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     if stage == 0:
         mbs_in_flight = np.ceil(stage_in_flight_chunks(training, plan, num_microbatches, 0) / plan.vpp)
         other = other + mbs_in_flight * input_bytes_per_microbatch(model, training, plan)
+        if plan.loss_stage != 0:  # the forward's mask (the loss stage holds it in its spike)
+            other = other + dataloader_mask_bytes(training, plan)
     if stage == plan.loss_stage:
         other = other + output_bytes(model, training, plan)
     return other

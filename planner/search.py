@@ -48,8 +48,9 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, chunk_peak_layers,
-                            deepep_buffer_bytes, in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes,
-                            kept_outputs_bytes_of, layer_recompute_working_bytes, offload_resident_layers, output_bytes,
+                            dataloader_mask_bytes, deepep_buffer_bytes, in_flight_chunks, input_bytes_per_microbatch,
+                            kept_output_bytes, kept_outputs_bytes_of, layer_recompute_working_bytes,
+                            offload_resident_layers, output_bytes,
                             param_bytes, pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
                             stage_state_bytes_of, step_excess_bytes, tp_comm_overlap_bytes_per_element)
@@ -369,6 +370,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in mrows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
+        if base.loss_stage != 0:  # the first stage's dataloader mask (memory.stage_other_bytes)
+            other = other + (rows_r == 0) * f["mask_bytes"][:, None]
         if ub_per_element and tp > 1:  # memory.tp_comm_overlap_buffer_bytes: every stage, with SP
             other = other + (sp_u * (training.seq_len * mbs_u // cp) * model.hidden_size * ub_per_element)[:, None]
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
@@ -484,7 +487,7 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
     memory terms), as arrays over the options; ``valid`` False where the plan is illegal or off the pins (SP:
     :meth:`Pins.sp_ok`, which depends on tp)."""
     cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
-                                  "kept_output_bytes", "valid")}
+                                  "mask_bytes", "kept_output_bytes", "valid")}
     fw = frameworks.get(training.framework)
     for mbs, rc, sp, off in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp,
@@ -504,6 +507,7 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
         row |= {"saved": dense_b, "saved_moe": moe_b, "working": layer_recompute_working_bytes(model, training, plan),
                 "input_bytes": input_bytes_per_microbatch(model, training, plan),
                 "output_bytes": output_bytes(model, training, plan),
+                "mask_bytes": dataloader_mask_bytes(training, plan),
                 "kept_output_bytes": kept_output_bytes(model, training, plan), "valid": valid}
         for k, val in row.items():
             cols[k].append(val)

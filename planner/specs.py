@@ -891,6 +891,14 @@ class TrainingSpec(_Spec):
                     "core_v0.16.1 tensor_parallel/random.py CheckpointFunction; DeepSpeed partition_activations, "
                     "which also splits a sequence-parallel shard). Megatron's rules: tp > 1, recompute full, no "
                     "sequence parallelism; DeepSpeed's: recompute full. megatron, nemo and deepspeed.")
+    attention_mask_in_dataloader: bool = Field(
+        default=False,
+        description="Megatron-LM's data path builds a boolean causal mask of micro_batch x 1 x s x s per micro-batch "
+                    "and moves it to every TP rank of the first and the last pipeline stage, sliced to s/cp queries "
+                    "under CP (core_v0.16.1 training/arguments.py: --no-create-attention-mask-in-dataloader, "
+                    "store_false, so on by default; training/utils.py get_batch_on_this_tp_rank; core/utils.py "
+                    "get_batch_on_this_cp_rank; planner.memory.dataloader_mask_bytes). plan3d's Megatron launch "
+                    "files turn it off; plan3d check reads it from a script. megatron and nemo.")
     pipeline_kept_outputs: KeptOutputs = Field(
         default="none",
         description="Which pipeline stages of torch.distributed.pipelining keep every micro-batch's output until the "
@@ -1299,6 +1307,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         errors.append(f"distribute_saved_activations: {training.framework} has no distributed checkpoint (Megatron "
                       "--distribute-saved-activations, DeepSpeed partition_activations); use framework megatron, nemo "
                       "or deepspeed, or drop it")
+    if training.attention_mask_in_dataloader and training.framework not in ("megatron", "nemo"):
+        errors.append(f"attention_mask_in_dataloader: Megatron-LM's dataloader mask; {training.framework} builds "
+                      "none; use framework megatron or nemo, or drop it")
     if training.pipeline_kept_outputs != "none" and training.framework not in ("torchtitan", "torch"):
         errors.append(f"pipeline_kept_outputs: {training.framework} does not run torch.distributed.pipelining, whose "
                       "schedules keep the stage outputs; use framework torchtitan or torch, or drop it")

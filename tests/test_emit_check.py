@@ -264,8 +264,13 @@ def test_check_reads_a_real_looking_launch_script(runner, tmp_path):
     p = r["plan"]
     assert (p["tp"], p["pp"], p["dp"], p["micro_batch_size"], p["num_microbatches"]) == (8, 4, 2, 1, 64)
     assert (p["recompute"], p["sequence_parallel"], p["zero_stage"]) == ("selective", True, 1)
-    expected = estimate_scenario_memory(_llama_scenario())
+    # the script keeps Megatron-LM's dataloader attention mask (no --no-create-attention-mask-in-dataloader):
+    # 1 x 1 x 8192 x 8192 bools on stage 0, the peak stage (memory.dataloader_mask_bytes)
+    sc = _llama_scenario()
+    masked = sc.model_copy(update={"training": sc.training.model_copy(update={"attention_mask_in_dataloader": True})})
+    expected, without = estimate_scenario_memory(masked), estimate_scenario_memory(sc)
     assert r["memory"]["peak_gib"] == pytest.approx(expected.peak_gib, rel=1e-12)
+    assert (expected.peak_gib - without.peak_gib) * 2**30 == pytest.approx(8192 * 8192, rel=1e-9)
 
 
 def test_check_exit_1_names_file_stage_and_shortfall(runner, tmp_path):

@@ -387,9 +387,12 @@ PRECISION_FLAGS: dict[str, list[Flag]] = {
 }
 
 
-def run_flags() -> list[Flag]:
-    """What a benchmark run needs besides the plan: synthetic data, a null tokenizer, a few steps."""
-    return [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), ("--train-iters", "${TRAIN_ITERS:-20}"),
+def run_flags(sc: Scenario) -> list[Flag]:
+    """What a benchmark run needs besides the plan: synthetic data, a null tokenizer, a few steps; and no
+    s x s attention mask from the dataloader unless the job asks for it (``TrainingSpec.attention_mask_in_dataloader``:
+    Megatron-LM builds one per micro-batch by default, which Transformer Engine's causal attention does not read)."""
+    mask = [] if sc.training.attention_mask_in_dataloader else [("--no-create-attention-mask-in-dataloader", None)]
+    return [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), *mask, ("--train-iters", "${TRAIN_ITERS:-20}"),
             ("--lr", "1.0e-4"), ("--lr-decay-style", "constant"), ("--log-interval", "1")]
 
 
@@ -414,7 +417,7 @@ def megatron_flags(sc: Scenario) -> list[Flag]:
                         "or drop recompute_interval")
     if refusals:
         raise SpecError(refusals)
-    return model_flags(sc) + parallel_flags(sc) + run_flags() + cuda_graph_flags(sc)
+    return model_flags(sc) + parallel_flags(sc) + run_flags(sc) + cuda_graph_flags(sc)
 
 
 def cuda_graph_flags(sc: Scenario) -> list[Flag]:

@@ -851,7 +851,18 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # moe_flex_dispatcher_backend "deepep"), as plan3d emits it; its buffer and group rules follow
                 "moe_token_dispatcher": dispatcher(a, notes),
                 # the captured parts whose launches plan3d costs as one (cuda_graphs; their memory is noted, not counted)
-                "cuda_graph_modules": () if a.has("--deepspeed") else cuda_graphs(a, notes)}
+                "cuda_graph_modules": () if a.has("--deepspeed") else cuda_graphs(a, notes),
+                # Megatron-LM's s x s bool mask per micro-batch on the first and last stage, on unless turned off
+                # (TrainingSpec.attention_mask_in_dataloader, memory.dataloader_mask_bytes)
+                "attention_mask_in_dataloader": not a.has("--deepspeed")
+                and not a.has("--no-create-attention-mask-in-dataloader")}
+    if training["attention_mask_in_dataloader"]:
+        seq = training["seq_len"]
+        mask_mib = mbs * (seq // cp) * seq / 2**20
+        notes.append(f"no --no-create-attention-mask-in-dataloader: Megatron-LM puts a {mbs} x 1 x {seq // cp} x "
+                     f"{seq} bool attention mask ({mask_mib:,.0f} MiB) on the first and the last pipeline stage for "
+                     "each micro-batch's forward, counted; TE's causal attention does not read it, and the flag "
+                     "removes it")
     comm_types = a.get("--cp-comm-type", ["p2p"])
     comm_types = comm_types if isinstance(comm_types, list) else [comm_types]
     if cp > 1 and not a.has("--deepspeed") and any(str(x) != "p2p" for x in comm_types):
