@@ -504,6 +504,10 @@ def _layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan
         # saves W1's and W3's outputs and the product only (planner/compile_probe.py, docs/memory.md)
         if model.activation == "swiglu" and profile.swiglu_unfused and not training.compiled_blocks:
             terms.append(ActTerm("SiLU output (unfused SwiGLU: the multiply saves it)", sb * f / t * e, modules=mlp))
+        if model.activation == "swiglu" and training.unfused_swiglu:  # Megatron --no-bias-swiglu-fusion
+            # core_v0.16.1 mlp.py glu(): silu(x_glu) * (x_linear + glu_linear_offset): the multiply saves both factors
+            terms += [ActTerm("SiLU output (Megatron's eager glu)", sb * f / t * e, modules=mlp),
+                      ActTerm("x_linear + glu_linear_offset (Megatron's eager glu)", sb * f / t * e, modules=mlp)]
     if drop:
         terms.append(ActTerm("MLP residual dropout mask", sb * h / sp))
     if model.norm_placement == "sandwich":

@@ -891,6 +891,13 @@ class TrainingSpec(_Spec):
                     "core_v0.16.1 tensor_parallel/random.py CheckpointFunction; DeepSpeed partition_activations, "
                     "which also splits a sequence-parallel shard). Megatron's rules: tp > 1, recompute full, no "
                     "sequence parallelism; DeepSpeed's: recompute full. megatron, nemo and deepspeed.")
+    unfused_swiglu: bool = Field(
+        default=False,
+        description="Megatron-LM --no-bias-swiglu-fusion (TransformerConfig.bias_activation_fusion False, without "
+                    "--use-te-activation-func): the MLP runs core_v0.16.1 mlp.py's eager glu, "
+                    "silu(x_glu) * (x_linear + glu_linear_offset), whose multiply saves the SiLU output and the "
+                    "offset sum, two new f/tp-wide tensors per token, beside the FC1 output the SiLU saves "
+                    "(planner.memory._layer_activation_terms). Dense models, megatron and nemo.")
     attention_mask_in_dataloader: bool = Field(
         default=False,
         description="Megatron-LM's data path builds a boolean causal mask of micro_batch x 1 x s x s per micro-batch "
@@ -1307,6 +1314,10 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         errors.append(f"distribute_saved_activations: {training.framework} has no distributed checkpoint (Megatron "
                       "--distribute-saved-activations, DeepSpeed partition_activations); use framework megatron, nemo "
                       "or deepspeed, or drop it")
+    if training.unfused_swiglu and (training.framework not in ("megatron", "nemo") or model.is_moe
+                                    or model.activation != "swiglu"):
+        errors.append("unfused_swiglu: Megatron's eager SwiGLU (--no-bias-swiglu-fusion) is modelled for the dense "
+                      f"SwiGLU MLP under megatron or nemo, not {model.name} under {training.framework}; drop it")
     if training.attention_mask_in_dataloader and training.framework not in ("megatron", "nemo"):
         errors.append(f"attention_mask_in_dataloader: Megatron-LM's dataloader mask; {training.framework} builds "
                       "none; use framework megatron or nemo, or drop it")

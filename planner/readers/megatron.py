@@ -855,7 +855,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # Megatron-LM's s x s bool mask per micro-batch on the first and last stage, on unless turned off
                 # (TrainingSpec.attention_mask_in_dataloader, memory.dataloader_mask_bytes)
                 "attention_mask_in_dataloader": not a.has("--deepspeed")
-                and not a.has("--no-create-attention-mask-in-dataloader")}
+                and not a.has("--no-create-attention-mask-in-dataloader"),
+                # the eager SwiGLU saves two more f/tp-wide tensors (TrainingSpec.unfused_swiglu); TE's activation
+                # function (--use-te-activation-func) is taken before it (core_v0.16.1 mlp.py)
+                "unfused_swiglu": not a.has("--deepspeed") and a.has("--swiglu") and a.has("--no-bias-swiglu-fusion")
+                and not a.has("--use-te-activation-func")}
     if training["attention_mask_in_dataloader"]:
         seq = training["seq_len"]
         mask_mib = mbs * (seq // cp) * seq / 2**20
