@@ -508,7 +508,10 @@ def zero_stage(a: Args, ds_config: dict | None) -> int:
         return a.int("--zero-stage", 0)
     if a.has("--use-megatron-fsdp") or a.has("--use-torch-fsdp2"):
         if a.has("--use-torch-fsdp2"):
-            return 3
+            # --torch-fsdp2-no-reshard-after-forward (core_v0.16.1 training.py: TorchFullyShardedDataParallelConfig
+            # reshard_after_forward=False): the gathered weights stay whole from the forward through the backward,
+            # as ZeRO 2 holds them (states and gradients sharded), not freed layer by layer as ZeRO 3 frees them
+            return 2 if a.has("--torch-fsdp2-no-reshard-after-forward") else 3
         strategy = a.get("--data-parallel-sharding-strategy", "no_shard")
         return {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}.get(strategy, 0)
     return 1 if a.has("--use-distributed-optimizer") else 0
