@@ -345,6 +345,10 @@ def test_gradient_dtype_is_read_as_megatron_sets_it(tmp_path, flags, fp16, grads
     ("--fp32-residual-connection", "fp32 residual"),  # TransformerConfig.fp32_residual_connection
     ("--heterogeneous-layers-config-path blocks.json", "heterogeneous"),  # per-layer blocks from a file
     ("--transformer-impl local --fp8-format hybrid", "no FP8"),  # fp8 needs TE's modules (gpt_layer_specs.py)
+    # core_v0.16.1 TransformerConfig.experimental_attention_variant: linear (gated delta net) or sparse attention
+    ("--experimental-attention-variant gated_delta_net --linear-attention-freq 4", "gated-delta-net"),
+    ("--experimental-attention-variant dsa", "sparse (DSA)"),
+    ("--te-precision-config-file recipe.yaml", "per-module precision"),  # load_quantization_recipe
 ])
 def test_settings_read_as_plan3d_defaults_are_refused(tmp_path, flags, refused):
     """Flags whose memory plan3d does not model and which it would otherwise read as its own (smaller) default: the

@@ -67,6 +67,10 @@ UNMODELLED_FLAGS = {
     "--heterogeneous-layers-config-path": "heterogeneous per-layer blocks (--heterogeneous-layers-config-path)",
     "--heterogeneous-layers-config-encoded-json": "heterogeneous per-layer blocks "
                                                   "(--heterogeneous-layers-config-encoded-json)",
+    # core_v0.16.1 TransformerConfig.experimental_attention_variant: gated_delta_net (linear-attention layers, every
+    # one but each --linear-attention-freq-th) or dsa (DeepSeek sparse attention with its indexer)
+    "--experimental-attention-variant": "gated-delta-net or sparse (DSA) attention layers "
+                                        "(--experimental-attention-variant)",
 }
 # (flag, values it is refused at, what, why, Megatron-DeepSpeed too) for settings of a model plan3d does model, which
 # it would otherwise read as its own default.
@@ -77,6 +81,10 @@ UNMODELLED_VALUES = (
      "plan3d counts 16-bit activations and would under-count them", True),
     # core_v0.16.1 optimizer/muon.py: TensorParallelMuon under LayerWiseDistributedOptimizer, whole layers per
     # DP rank, not Adam's flat shards
+    # core_v0.16.1 arguments.py core_transformer_config_from_args: load_quantization_recipe(file), per-module
+    # precision overrides of Transformer Engine's GEMMs (what each saves for backward with them)
+    ("--te-precision-config-file", lambda v: True, "per-module precision overrides (--te-precision-config-file)",
+     "plan3d gives every layer's GEMMs, and the inputs they save, the launch's one precision", False),
     ("--optimizer", lambda v: str(v) in ("muon", "dist_muon"),
      "the Muon optimizer (--optimizer muon/dist_muon: its states and layer-wise sharding)",
      "plan3d counts Adam's flat shards, not what Muon holds per rank", False),
