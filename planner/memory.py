@@ -1138,6 +1138,26 @@ def dataloader_mask_bytes(training: TrainingSpec, plan: Plan) -> float:
     return float(plan.micro_batch_size * (training.seq_len // plan.cp) * training.seq_len)
 
 
+def deferred_wgrad_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches):
+    """What the loss stage keeps for the output layer's deferred weight gradients
+    (``TrainingSpec.defer_embedding_wgrad``, Megatron --defer-embedding-wgrad-compute): per deferred micro-batch the
+    logits gradient, ``s/cp x b x V_pad/t`` in the activation dtype (core_v0.16.1 tensor_parallel/layers.py
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward``: ``grad_output_buffer.append(grad_output)`` instead
+    of the wgrad GEMM), and the output layer's input, ``s/cp x b x h / t_SP`` (``ColumnParallelLinear.forward``:
+    ``embedding_activation_buffer.append(input_parallel)``), for ``wgrad_deferral_limit`` micro-batches or, at 0,
+    all of them; both lists are emptied at the pipeline flush. They are counted whole at the stage's peak: the last
+    stage holds one micro-batch's activations in flight under 1F1B when the lists are longest, so this over-counts
+    by at most that stage's in-flight activations. Elementwise on arrays of micro-batch counts (the search)."""
+    if not training.defer_embedding_wgrad:
+        return 0.0
+    m = np.asarray(num_microbatches)
+    n = m if training.wgrad_deferral_limit == 0 else np.minimum(training.wgrad_deferral_limit, m)
+    sp = plan.tp if plan.sequence_parallel else 1
+    sb = training.seq_len // plan.cp * plan.micro_batch_size
+    e = act_bytes(training)
+    return n * (sb * padded_vocab_size(model.vocab_size, plan.tp) / plan.tp * e + sb * model.hidden_size * e / sp)
+
+
 def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     """Last stage: the final norm's and the output layer's inputs, the logits and cross-entropy
     spike of one micro-batch and the int64 labels. Bytes per logit are the framework's
@@ -1378,7 +1398,8 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
         if plan.loss_stage != 0:  # the forward's mask (the loss stage holds it in its spike)
             other = other + dataloader_mask_bytes(training, plan)
     if stage == plan.loss_stage:
-        other = other + output_bytes(model, training, plan)
+        other = other + output_bytes(model, training, plan) + deferred_wgrad_bytes(model, training, plan,
+                                                                                   num_microbatches)
     return other
 
 

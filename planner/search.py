@@ -48,7 +48,7 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, chunk_peak_layers,
-                            dataloader_mask_bytes, deepep_buffer_bytes, in_flight_chunks, input_bytes_per_microbatch,
+                            dataloader_mask_bytes, deepep_buffer_bytes, deferred_wgrad_bytes, in_flight_chunks, input_bytes_per_microbatch,
                             kept_output_bytes, kept_outputs_bytes_of, layer_recompute_working_bytes,
                             offload_resident_layers, output_bytes,
                             param_bytes, pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
@@ -333,6 +333,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             sched_ok = np.array([B % (b * dp) == 0 and not schedule_problems(split.schedule, training.framework, p, v,
                                                                               B // (b * dp)) for b in mbs_u], dtype=bool)
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
+        if training.defer_embedding_wgrad and p == 1:  # Megatron defers the embedding wgrad only under PP (plan_problems)
+            continue
         ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_dtype, ep, cp * tp, cp)
                                      # partial distributed optimizers: ZeRO 1, n dividing both DP groups
                                      and (training.dist_optimizer_instances == 1 or not dist_optimizer_problems(
@@ -372,6 +374,11 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
         if base.loss_stage != 0:  # the first stage's dataloader mask (memory.stage_other_bytes)
             other = other + (rows_r == 0) * f["mask_bytes"][:, None]
+        if training.defer_embedding_wgrad:  # memory.deferred_wgrad_bytes, per row's micro-batch count
+            per_mb = np.array([float(deferred_wgrad_bytes(model, training, base.model_copy(
+                update={"micro_batch_size": int(b), "sequence_parallel": bool(q)}), 1)) for b, q in zip(mbs_u, sp_u)])
+            deferred = m if training.wgrad_deferral_limit == 0 else np.minimum(training.wgrad_deferral_limit, m)
+            other = other + (rows_r == base.loss_stage) * (deferred * per_mb)[:, None]
         if ub_per_element and tp > 1:  # memory.tp_comm_overlap_buffer_bytes: every stage, with SP
             other = other + (sp_u * (training.seq_len * mbs_u // cp) * model.hidden_size * ub_per_element)[:, None]
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes

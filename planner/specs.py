@@ -891,6 +891,17 @@ class TrainingSpec(_Spec):
                     "core_v0.16.1 tensor_parallel/random.py CheckpointFunction; DeepSpeed partition_activations, "
                     "which also splits a sequence-parallel shard). Megatron's rules: tp > 1, recompute full, no "
                     "sequence parallelism; DeepSpeed's: recompute full. megatron, nemo and deepspeed.")
+    defer_embedding_wgrad: bool = Field(
+        default=False,
+        description="Megatron --defer-embedding-wgrad-compute (ModelParallelConfig.defer_embedding_wgrad_compute): "
+                    "the output layer's weight-gradient GEMMs wait for the pipeline flush, so the last stage keeps "
+                    "each deferred micro-batch's logits gradient (s x b x V/tp) and output-layer input "
+                    "(core_v0.16.1 tensor_parallel/layers.py: grad_output_buffer, embedding_activation_buffer; "
+                    "planner.memory.deferred_wgrad_bytes). Megatron refuses it without PP. megatron and nemo.")
+    wgrad_deferral_limit: int = Field(
+        default=0, ge=0,
+        description="Megatron --wgrad-deferral-limit: how many micro-batches defer_embedding_wgrad defers, 0 (its "
+                    "default) for all of them.")
     unfused_swiglu: bool = Field(
         default=False,
         description="Megatron-LM --no-bias-swiglu-fusion (TransformerConfig.bias_activation_fusion False, without "
@@ -1314,6 +1325,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         errors.append(f"distribute_saved_activations: {training.framework} has no distributed checkpoint (Megatron "
                       "--distribute-saved-activations, DeepSpeed partition_activations); use framework megatron, nemo "
                       "or deepspeed, or drop it")
+    if training.defer_embedding_wgrad and training.framework not in ("megatron", "nemo"):
+        errors.append(f"defer_embedding_wgrad: Megatron's deferred output-layer weight gradients; {training.framework} "
+                      "has none; use framework megatron or nemo, or drop it")
     if training.unfused_swiglu and (training.framework not in ("megatron", "nemo") or model.is_moe
                                     or model.activation != "swiglu"):
         errors.append("unfused_swiglu: Megatron's eager SwiGLU (--no-bias-swiglu-fusion) is modelled for the dense "
@@ -1404,6 +1418,9 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         else:
             errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     errors += distributed_checkpoint_problems(training, plan)
+    if training.defer_embedding_wgrad and plan.pp == 1:  # core_v0.16.1 ModelParallelConfig.__post_init__
+        errors.append("pp: Megatron cannot defer the embedding wgrad without pipeline parallelism "
+                      "(defer_embedding_wgrad); use pp > 1 or drop it")
     errors += a2a_overlap_problems(model, training, plan)
     errors += cuda_graph_problems(model, training, plan)
     from planner.frameworks import get as framework_profile

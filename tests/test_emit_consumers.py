@@ -337,6 +337,16 @@ def test_megatron_lm_accepts_the_readme_search(megatron, monkeypatch, tmp_path):
     check_with_megatron(megatron, monkeypatch, tmp_path, Scenario(model=model, hardware=hw, training=tr, plan=best))
 
 
+def test_megatron_accepts_a_deferred_embedding_wgrad_launch(megatron, monkeypatch, tmp_path):
+    """A job that defers the output layer's wgrad (TrainingSpec.defer_embedding_wgrad, NeMo's large-model recipes):
+    Megatron's own startup takes the two flags plan3d writes, with the limit."""
+    model, hw = load_model("llama3-70b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192, defer_embedding_wgrad=True,
+                      wgrad_deferral_limit=22)
+    plan = Plan(tp=8, pp=4, dp=2, micro_batch_size=1, sequence_parallel=True, zero_stage=1)
+    check_with_megatron(megatron, monkeypatch, tmp_path, Scenario(model=model, hardware=hw, training=tr, plan=plan))
+
+
 def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
     p, m = sc.resolved_plan(), sc.model
     case = sc.plan.label()
@@ -408,6 +418,10 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert (args.exp_avg_dtype, args.exp_avg_sq_dtype) == ((torch.bfloat16,) * 2 if bf16_adam else (torch.float32,) * 2)
         assert bool(args.reuse_grad_buf_for_mxfp8_param_ag) == (sc.training.fp8_params
                                                                 and sc.training.precision == "mxfp8")
+        # the dataloader mask and the deferred output-layer wgrad the memory assumed (docs/memory.md "Other")
+        assert args.create_attention_mask_in_dataloader == sc.training.attention_mask_in_dataloader
+        assert (config.defer_embedding_wgrad_compute, config.wgrad_deferral_limit) == \
+            (sc.training.defer_embedding_wgrad, sc.training.wgrad_deferral_limit)
         assert config.fp4 == ("e2m1" if sc.training.precision == "nvfp4" else None)
         if config.fp4:
             assert config.fp4_recipe == "nvfp4"

@@ -388,10 +388,14 @@ PRECISION_FLAGS: dict[str, list[Flag]] = {
 
 
 def run_flags(sc: Scenario) -> list[Flag]:
-    """What a benchmark run needs besides the plan: synthetic data, a null tokenizer, a few steps; and no
-    s x s attention mask from the dataloader unless the job asks for it (``TrainingSpec.attention_mask_in_dataloader``:
-    Megatron-LM builds one per micro-batch by default, which Transformer Engine's causal attention does not read)."""
+    """What a benchmark run needs besides the plan: synthetic data, a null tokenizer, a few steps; no s x s
+    attention mask from the dataloader unless the job asks for it (``TrainingSpec.attention_mask_in_dataloader``:
+    Megatron-LM builds one per micro-batch by default, which Transformer Engine's causal attention does not read);
+    the deferred output-layer weight gradients where the job defers them (``TrainingSpec.defer_embedding_wgrad``)."""
     mask = [] if sc.training.attention_mask_in_dataloader else [("--no-create-attention-mask-in-dataloader", None)]
+    if sc.training.defer_embedding_wgrad:  # TrainingSpec.defer_embedding_wgrad: the job was sized with the lists
+        mask += [("--defer-embedding-wgrad-compute", None)] + (
+            [("--wgrad-deferral-limit", str(sc.training.wgrad_deferral_limit))] if sc.training.wgrad_deferral_limit else [])
     return [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), *mask, ("--train-iters", "${TRAIN_ITERS:-20}"),
             ("--lr", "1.0e-4"), ("--lr-decay-style", "constant"), ("--log-interval", "1")]
 

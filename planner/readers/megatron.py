@@ -870,7 +870,14 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # the eager SwiGLU saves two more f/tp-wide tensors (TrainingSpec.unfused_swiglu); TE's activation
                 # function (--use-te-activation-func) is taken before it (core_v0.16.1 mlp.py)
                 "unfused_swiglu": not a.has("--deepspeed") and a.has("--swiglu") and a.has("--no-bias-swiglu-fusion")
-                and not a.has("--use-te-activation-func")}
+                and not a.has("--use-te-activation-func"),
+                # the output layer's deferred weight gradients (TrainingSpec.defer_embedding_wgrad)
+                "defer_embedding_wgrad": not a.has("--deepspeed") and a.has("--defer-embedding-wgrad-compute"),
+                "wgrad_deferral_limit": max(0, a.int("--wgrad-deferral-limit", 0))}
+    if training["defer_embedding_wgrad"] and a.has("--no-gradient-accumulation-fusion"):
+        raise SpecError(f"{a.path}:{a.line('--defer-embedding-wgrad-compute')}: --defer-embedding-wgrad-compute with "
+                        "--no-gradient-accumulation-fusion: Megatron-Core refuses it ('Cannot defer embedding wgrad "
+                        "compute when gradient accumulation fusion is not used'); drop one of them")
     if training["attention_mask_in_dataloader"]:
         seq = training["seq_len"]
         mask_mib = mbs * (seq // cp) * seq / 2**20
