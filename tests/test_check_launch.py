@@ -349,6 +349,10 @@ def test_gradient_dtype_is_read_as_megatron_sets_it(tmp_path, flags, fp16, grads
     ("--experimental-attention-variant gated_delta_net --linear-attention-freq 4", "gated-delta-net"),
     ("--experimental-attention-variant dsa", "sparse (DSA)"),
     ("--te-precision-config-file recipe.yaml", "per-module precision"),  # load_quantization_recipe
+    ("--attention-output-gate", "gated attention output"),  # TransformerConfig.attention_output_gate
+    ("--yaml-cfg job.yaml", "YAML file"),  # parse_args: load_yaml replaces every argument
+    ("--fp8-format hybrid --first-last-layers-bf16", "first-last-layers-bf16"),  # fp8_utils.get_fp8_context
+    ("--fp8-format hybrid --no-fp8-wgrad", "weight-gradient GEMMs run in bf16"),  # TEDelayedScaling override
 ])
 def test_settings_read_as_plan3d_defaults_are_refused(tmp_path, flags, refused):
     """Flags whose memory plan3d does not model and which it would otherwise read as its own (smaller) default: the
@@ -360,7 +364,9 @@ def test_settings_read_as_plan3d_defaults_are_refused(tmp_path, flags, refused):
     (r,) = check_paths([str(script)], load_hardware("h100-sxm-80gb"), None, None)
     assert exit_code([r]) == 2 and refused in r.errors[0], r.errors
     assert "\n" not in r.errors[0]
-    for harmless in ("--num-distributed-optimizer-instances 1", "--optimizer adam", "--transformer-impl local"):
+    for harmless in ("--num-distributed-optimizer-instances 1", "--optimizer adam", "--transformer-impl local",
+                     "--first-last-layers-bf16", "--no-fp8-wgrad",  # inert without FP8
+                     "--fp8-format hybrid --fp8-recipe tensorwise --no-fp8-wgrad"):  # only the delayed recipe reads it
         script.write_text(text.replace("--bf16 ", f"--bf16 {harmless} "))
         (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
         assert not r.errors, (harmless, r.errors)

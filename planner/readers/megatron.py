@@ -71,6 +71,8 @@ UNMODELLED_FLAGS = {
     # one but each --linear-attention-freq-th) or dsa (DeepSeek sparse attention with its indexer)
     "--experimental-attention-variant": "gated-delta-net or sparse (DSA) attention layers "
                                         "(--experimental-attention-variant)",
+    # TransformerConfig.attention_output_gate: a gate projection on every attention layer's output
+    "--attention-output-gate": "a gated attention output (--attention-output-gate)",
 }
 # (flag, values it is refused at, what, why, Megatron-DeepSpeed too) for settings of a model plan3d does model, which
 # it would otherwise read as its own default.
@@ -85,6 +87,9 @@ UNMODELLED_VALUES = (
     # precision overrides of Transformer Engine's GEMMs (what each saves for backward with them)
     ("--te-precision-config-file", lambda v: True, "per-module precision overrides (--te-precision-config-file)",
      "plan3d gives every layer's GEMMs, and the inputs they save, the launch's one precision", False),
+    # core_v0.16.1 arguments.py parse_args: the whole namespace is replaced by yaml_arguments.load_yaml(file)
+    ("--yaml-cfg", lambda v: True, "arguments from a YAML file (--yaml-cfg)",
+     "Megatron takes every setting from the file, plan3d reads the command line", False),
     ("--optimizer", lambda v: str(v) in ("muon", "dist_muon"),
      "the Muon optimizer (--optimizer muon/dist_muon: its states and layer-wise sharding)",
      "plan3d counts Adam's flat shards, not what Muon holds per rank", False),
@@ -111,6 +116,20 @@ def _refuse_unmodelled(a: Args) -> None:
                 pass
         raise SpecError(f"{a.path}:{a.line(flag)}: {what} is not modelled by plan3d; it would be read as a dense "
                         "GPT and under-count memory, so the file is refused")
+    low_precision = a.has("--fp8-format") or a.has("--fp4-format")
+    if low_precision and a.has("--first-last-layers-bf16") and not a.has("--deepspeed"):
+        # TransformerConfig.first_last_layers_bf16 (core_v0.16.1 fp8_utils.get_fp8_context: no fp8/fp4 context for
+        # the first num_layers_at_start_in_bf16 and last num_layers_at_end_in_bf16 layers)
+        raise SpecError(f"{a.path}:{a.line('--first-last-layers-bf16')}: --first-last-layers-bf16 is not modelled: "
+                        "those layers run and save their GEMM inputs in bf16 where plan3d counts the launch's FP8/FP4 "
+                        "for every layer, so the file is refused")
+    wgrad_flag = next((f for f in ("--no-fp8-wgrad", "--disable-fp8-wgrad") if a.has(f)), None)
+    if (wgrad_flag and a.has("--fp8-format") and a.get("--fp8-recipe", "delayed") == "delayed"
+            and not a.has("--deepspeed")):
+        # fp8_utils.get_fp8_recipe: TEDelayedScaling(override_linear_precision=(False, False, not fp8_wgrad))
+        raise SpecError(f"{a.path}:{a.line(wgrad_flag)}: {wgrad_flag} is not modelled: the weight-gradient GEMMs run "
+                        "in bf16 (Transformer Engine's override_linear_precision) and keep 16-bit inputs where plan3d "
+                        "counts FP8 ones, so the file is refused")
     for flag, refused, what, why, deepspeed_too in UNMODELLED_VALUES:
         if a.has(flag) and refused(a.get(flag)) and (deepspeed_too or not a.has("--deepspeed")):
             raise SpecError(f"{a.path}:{a.line(flag)}: {what} is not modelled: {why}, so the file is refused")
