@@ -301,3 +301,20 @@ def test_config_registry_jobs_split_as_torchtitan_defaults_do():
     assert (list(plan["layers_per_stage"]), plan["vpp"]) == ([20, 21, 20, 19], 1)
     _, _, plan, _ = scenario_dicts(doc("llama3_70b", 4, "Interleaved1F1B"), 8, "run.sh")
     assert (list(plan["layers_per_stage"]), plan["vpp"]) == ([20, 21, 20, 19], 2)
+
+
+@pytest.mark.parametrize("section, refused", [
+    ('[compile]\nenable = true\nbackend = "aot_eager"\n', True),
+    ('[compile]\nenable = false\nbackend = "aot_eager"\n', False),  # no compile, no backend
+    ('[compile]\nenable = true\nbackend = "inductor"\n', False),
+])
+def test_a_compile_backend_other_than_inductor_is_refused(tmp_path, section, refused):
+    """CompileConfig.backend (torchtitan 0.3.0, handed to torch.compile): plan3d sizes a compiled model by inductor's
+    min-cut partition (what it saves and recomputes); another backend keeps other tensors, so it is refused, not
+    read as inductor (until 2026-12-05 the key was ignored)."""
+    text = (Path(__file__).parent / "data" / "launch" / "torchtitan_llama3_8b.toml").read_text()
+    path = tmp_path / "train.toml"
+    path.write_text(text + "\n" + section)
+    (r,) = check_paths([str(path)], load_hardware("h100-sxm-80gb"), None, 8)
+    assert (exit_code([r]) == 2 and "compile.backend = 'aot_eager'" in r.errors[0]) if refused else not r.errors, \
+        r.errors

@@ -258,7 +258,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         raise SpecError(f"{where}: expert_parallel_degree {ep} does not divide data_parallel_shard_degree({shard}) x "
                         f"cp({cp}) x tp({tp}) = {shard * cp * tp}, the ranks torchtitan draws EP from")
     zero = _fsdp_zero_stage(par, shard, pp, where, notes, cp)
-    compiled = _compile(doc, tr, notes)
+    compiled = _compile(doc, tr, notes, where)
     training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
                 "precision": _precision(tr, fp8, where, notes), "attention": "flash", "framework": "torchtitan",
                 **compiled, **_async_tp(doc, tp, compiled, where)}
@@ -357,13 +357,20 @@ def _precision(tr: dict, fp8: bool, where: str, notes: list[str]) -> str:
 REGISTRY_COMPILE = {"llama3_405b": ("model", "loss"), "deepseek_v3_671b": ("loss",), "deepseek_v3_671b_float8": ("loss",)}
 
 
-def _compile(doc: dict, tr: dict, notes: list[str]) -> dict:
+def _compile(doc: dict, tr: dict, notes: list[str], where: str = "") -> dict:
     """``compile`` / ``compile_components`` of the training spec: ``[compile] enable`` and ``components`` (0.3.0
     ``CompileConfig``: enable False, components ["model", "loss"]; a list, or comma-separated on the command
     line), else the ``--config`` function's own setting, else ``[training] compile`` (2024 JobConfig), which
     torchtitan 9dec370 applied to the blocks only (docs/memory.md "torch.compile (torchtitan)")."""
     sec = doc.get("compile", {})
     registry = REGISTRY_COMPILE.get(str(doc.get("_registry", {}).get("config", "")).lower())
+    backend = str(sec.get("backend", "inductor"))
+    if backend != "inductor" and (sec.get("enable", registry is not None) or tr.get("compile")):
+        # CompileConfig.backend (0.3.0 distributed/compile.py hands it to torch.compile): plan3d models inductor's
+        # min-cut partition (what it saves and recomputes, docs/memory.md "torch.compile (torchtitan)")
+        raise SpecError(f"{where}: compile.backend = {backend!r} is not modelled: plan3d sizes a compiled torchtitan model "
+                        "as inductor partitions it, and another backend saves other tensors; use inductor or turn "
+                        "compile off")
     if "enable" in sec or "components" in sec:
         comps = sec.get("components", registry or ("model", "loss"))
         comps = comps.split(",") if isinstance(comps, str) else comps
