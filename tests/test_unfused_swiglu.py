@@ -54,3 +54,17 @@ def test_refused_where_it_is_not_modelled():
         assert any(x.startswith("unfused_swiglu:") for x in job_problems(load_model(model), hw, tr)), (model, fw)
     tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, unfused_swiglu=True)
     assert not job_problems(load_model("llama3-8b"), hw, tr)
+
+
+def test_megatron_deepspeed_swiglu_is_eager():
+    """Megatron-DeepSpeed's ParallelMLP defines SwiGLU as ``F.silu(x[0]) * x[1]`` (microsoft/Megatron-DeepSpeed
+    1e3fc81, megatron/model/transformer.py), so the deepspeed profile keeps the SiLU output too: s x b x f/tp x 2 bytes
+    per layer more than Megatron-LM's fused kernel (until 2026-12-05 it was counted as fused)."""
+    from planner.specs import Plan
+
+    model = load_model("llama3-8b")
+    plan = Plan(tp=2, pp=1, dp=4, micro_batch_size=1)
+    per_layer = {fw: saved_bytes_per_layer_kind(model, TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096,
+                                                                    framework=fw), plan)[0]
+                 for fw in ("megatron", "deepspeed")}
+    assert per_layer["deepspeed"] - per_layer["megatron"] == pytest.approx(4096 * model.ffn_size / 2 * 2)

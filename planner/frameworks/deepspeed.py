@@ -319,4 +319,7 @@ PROFILE = FrameworkProfile(name="deepspeed", state_bytes=state_bytes, logits_byt
                            allows_uneven=False, pipeline_partitions=pipeline_partitions, allows_fp8=False,
                            # plan3d's DeepSpeed launch files write no MoE/expert-parallel configuration
                            allows_ep=False, expert_tp_rule="tp",
-                           replicates_kv_heads=False)  # ParallelAttention: divide(num_key_value_heads, tp)
+                           replicates_kv_heads=False,  # ParallelAttention: divide(num_key_value_heads, tp)
+                           # Megatron-DeepSpeed's SwiGLU is eager, F.silu(x[0]) * x[1] (microsoft/Megatron-DeepSpeed
+                           # 1e3fc81 megatron/model/transformer.py ParallelMLP): the multiply saves the SiLU output
+                           swiglu_unfused=True)
