@@ -1108,6 +1108,36 @@ def stage_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     return float(stage_in_flight_chunks(training, plan, num_microbatches, stage) * per_chunk) + overlap
 
 
+def bf16_layer_delta_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """What one layer that runs outside the FP8/FP4 context (``TrainingSpec.bf16_layers_at_start/end``, Megatron
+    --first-last-layers-bf16) saves per micro-batch beyond the same layer at the job's precision: its GEMM inputs in
+    16 bits (:func:`linear_input_bytes`), the heavier layer kind of a MoE model. Under Megatron's partial recompute
+    (block or interval) the layer is taken as not recomputed, an upper bound; under full recompute it keeps its
+    input only, the same either way."""
+    if not (training.bf16_layers_at_start or training.bf16_layers_at_end) or training.precision == "bf16":
+        return 0.0
+    if plan.partial_recompute:
+        plan = plan.model_copy(update={"recompute": "none", "recompute_num_layers": None, "recompute_interval": None})
+    low = saved_bytes_per_layer_kind(model, training, plan)
+    high = saved_bytes_per_layer_kind(model, training.model_copy(update={"precision": "bf16"}), plan)
+    return max(high[0] - low[0], high[1] - low[1] if model.is_moe else 0.0, 0.0)
+
+
+def bf16_layers_extra_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches, stage: int):
+    """The extra saved bytes of the bf16 layers on ``stage`` at its peak (:func:`bf16_layer_delta_bytes` per layer and
+    micro-batch): the first ``bf16_layers_at_start`` layers are on pipeline rank 0 and the last ``bf16_layers_at_end``
+    on rank pp - 1 (core_v0.16.1 ``is_first_last_bf16_layer`` takes global layer numbers; Megatron keeps each count
+    within num_layers // pp, ``TransformerConfig.__post_init__``), each held by every micro-batch in flight there:
+    exact at vpp 1, and at vpp > 1 the stage's in-flight chunk-micro-batches (at most m), an upper bound for the one
+    chunk that holds them. Elementwise on arrays of micro-batch counts (the search)."""
+    n = (training.bf16_layers_at_start if stage == 0 else 0) + (training.bf16_layers_at_end if stage == plan.pp - 1
+                                                               else 0)
+    if not n:
+        return 0.0
+    inflight = np.minimum(num_microbatches, stage_in_flight_chunks(training, plan, num_microbatches, stage))
+    return n * bf16_layer_delta_bytes(model, training, plan) * inflight
+
+
 def stage_activation_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches: int,
                            stage: int, layers: int) -> float:
     """Saved activations of stage ``stage`` at its peak, plus one layer's recompute working set."""
@@ -1495,7 +1525,8 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
     spike = output_bytes(model, training, plan) if stage == plan.loss_stage else 0.0
     recompute = layer_recompute_working_bytes(model, training, plan)
     w_work, g_work, a_work = layer_phase_bytes(st, recompute, spike)
-    saved = stage_saved_bytes(model, training, plan, num_microbatches, stage, layers)
+    saved = stage_saved_bytes(model, training, plan, num_microbatches, stage, layers) + \
+        float(bf16_layers_extra_bytes(model, training, plan, num_microbatches, stage))
     kept = pipeline_kept_output_bytes(model, training, plan, num_microbatches, stage,
                                       saved + spike + st.released_at_last_backward_bytes)
     step = float(step_excess_bytes(st.step_extra_bytes, saved + w_work + g_work + a_work))

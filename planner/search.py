@@ -47,13 +47,13 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
                           zero3_gather_s, ZeroBubbleBatch)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
-from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, chunk_peak_layers,
-                            dataloader_mask_bytes, deepep_buffer_bytes, deferred_wgrad_bytes, in_flight_chunks, input_bytes_per_microbatch,
-                            kept_output_bytes, kept_outputs_bytes_of, layer_recompute_working_bytes,
-                            offload_resident_layers, output_bytes,
-                            param_bytes, pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
-                            stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
-                            stage_state_bytes_of, step_excess_bytes, tp_comm_overlap_bytes_per_element)
+from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, bf16_layer_delta_bytes,
+                            chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes, deferred_wgrad_bytes,
+                            in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
+                            layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
+                            pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
+                            stage_moe_layer_count, stage_param_inputs, stage_params_per_rank, stage_state_bytes_of,
+                            step_excess_bytes, tp_comm_overlap_bytes_per_element)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
@@ -369,6 +369,10 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
                 extra = a2a_overlap_extra_layers(model, training, base, m, r, x)
                 heavier = np.maximum(f["saved"], f["saved_moe"]) if n_moe[i] else f["saved"]
                 act[:, i] = act[:, i] + np.where(rc_full_u, 0.0, extra * heavier)
+        if training.bf16_layers_at_start or training.bf16_layers_at_end:  # memory.bf16_layers_extra_bytes
+            n_bf16 = np.array([(training.bf16_layers_at_start if r == 0 else 0)
+                               + (training.bf16_layers_at_end if r == p - 1 else 0) for r, _ in mrows])
+            act = act + n_bf16[None, :] * f["bf16_delta"][:, None] * np.minimum(m[:, None], inflight)
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in mrows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
@@ -494,7 +498,7 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
     memory terms), as arrays over the options; ``valid`` False where the plan is illegal or off the pins (SP:
     :meth:`Pins.sp_ok`, which depends on tp)."""
     cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
-                                  "mask_bytes", "kept_output_bytes", "valid")}
+                                  "mask_bytes", "bf16_delta", "kept_output_bytes", "valid")}
     fw = frameworks.get(training.framework)
     for mbs, rc, sp, off in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp,
@@ -515,6 +519,7 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
                 "input_bytes": input_bytes_per_microbatch(model, training, plan),
                 "output_bytes": output_bytes(model, training, plan),
                 "mask_bytes": dataloader_mask_bytes(training, plan),
+                "bf16_delta": bf16_layer_delta_bytes(model, training, plan),
                 "kept_output_bytes": kept_output_bytes(model, training, plan), "valid": valid}
         for k, val in row.items():
             cols[k].append(val)

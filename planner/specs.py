@@ -891,6 +891,15 @@ class TrainingSpec(_Spec):
                     "core_v0.16.1 tensor_parallel/random.py CheckpointFunction; DeepSpeed partition_activations, "
                     "which also splits a sequence-parallel shard). Megatron's rules: tp > 1, recompute full, no "
                     "sequence parallelism; DeepSpeed's: recompute full. megatron, nemo and deepspeed.")
+    bf16_layers_at_start: int = Field(
+        default=0, ge=0,
+        description="Megatron --first-last-layers-bf16 with --num-layers-at-start-in-bf16 N: the first N transformer "
+                    "layers run outside Transformer Engine's FP8/FP4 context (core_v0.16.1 fp8_utils.py "
+                    "is_first_last_bf16_layer, get_fp8_context), so they save 16-bit GEMM inputs "
+                    "(planner.memory.bf16_layers_extra_bytes). Their time is costed at the job's precision. "
+                    "fp8 (tensorwise), mxfp8 or nvfp4; megatron and nemo.")
+    bf16_layers_at_end: int = Field(
+        default=0, ge=0, description="The last N layers likewise (--num-layers-at-end-in-bf16).")
     defer_embedding_wgrad: bool = Field(
         default=False,
         description="Megatron --defer-embedding-wgrad-compute (ModelParallelConfig.defer_embedding_wgrad_compute): "
@@ -1325,6 +1334,20 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         errors.append(f"distribute_saved_activations: {training.framework} has no distributed checkpoint (Megatron "
                       "--distribute-saved-activations, DeepSpeed partition_activations); use framework megatron, nemo "
                       "or deepspeed, or drop it")
+    if training.bf16_layers_at_start or training.bf16_layers_at_end:
+        where = "bf16_layers_at_start/end: Megatron's --first-last-layers-bf16"
+        if training.precision not in ("fp8", "mxfp8", "nvfp4"):
+            errors.append(f"{where} keeps layers out of FP8/FP4; the job is {training.precision}; drop them")
+        elif training.precision == "fp8" and training.fp8_recipe == "delayed":  # TransformerConfig.__post_init__
+            errors.append(f"{where}: Megatron refuses it with delayed scaling ('Delayed scaling does not support "
+                          "first / last layer in BF16'); use fp8_recipe tensorwise")
+        if training.framework not in ("megatron", "nemo"):
+            errors.append(f"{where}; {training.framework} has none; use framework megatron or nemo, or drop them")
+        if training.fp8_params:
+            errors.append(f"{where} with fp8_params: the bf16 layers' 16-bit weights are not modelled; drop one")
+        if training.bf16_layers_at_start + training.bf16_layers_at_end > model.num_layers:
+            errors.append(f"{where}: {training.bf16_layers_at_start} + {training.bf16_layers_at_end} layers of "
+                          f"{model.num_layers}")
     if training.defer_embedding_wgrad and training.framework not in ("megatron", "nemo"):
         errors.append(f"defer_embedding_wgrad: Megatron's deferred output-layer weight gradients; {training.framework} "
                       "has none; use framework megatron or nemo, or drop it")
@@ -1418,6 +1441,10 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         else:
             errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     errors += distributed_checkpoint_problems(training, plan)
+    bf16_most = model.num_layers // plan.pp  # core_v0.16.1 TransformerConfig.__post_init__
+    if max(training.bf16_layers_at_start, training.bf16_layers_at_end) > bf16_most:
+        errors.append(f"pp: Megatron allows at most num_layers // pp = {bf16_most} bf16 layers at each end "
+                      f"(bf16_layers_at_start/end {training.bf16_layers_at_start}/{training.bf16_layers_at_end})")
     if training.defer_embedding_wgrad and plan.pp == 1:  # core_v0.16.1 ModelParallelConfig.__post_init__
         errors.append("pp: Megatron cannot defer the embedding wgrad without pipeline parallelism "
                       "(defer_embedding_wgrad); use pp > 1 or drop it")

@@ -351,7 +351,9 @@ def test_gradient_dtype_is_read_as_megatron_sets_it(tmp_path, flags, fp16, grads
     ("--te-precision-config-file recipe.yaml", "per-module precision"),  # load_quantization_recipe
     ("--attention-output-gate", "gated attention output"),  # TransformerConfig.attention_output_gate
     ("--yaml-cfg job.yaml", "YAML file"),  # parse_args: load_yaml replaces every argument
-    ("--fp8-format hybrid --first-last-layers-bf16", "first-last-layers-bf16"),  # fp8_utils.get_fp8_context
+    # TransformerConfig.__post_init__: 'Delayed scaling does not support first / last layer in BF16' (modelled with
+    # the other recipes: tests/test_bf16_end_layers.py)
+    ("--fp8-format hybrid --first-last-layers-bf16", "delayed scaling"),
     ("--fp8-format hybrid --no-fp8-wgrad", "weight-gradient GEMMs run in bf16"),  # TEDelayedScaling override
 ])
 def test_settings_read_as_plan3d_defaults_are_refused(tmp_path, flags, refused):

@@ -347,6 +347,16 @@ def test_megatron_accepts_a_deferred_embedding_wgrad_launch(megatron, monkeypatc
     check_with_megatron(megatron, monkeypatch, tmp_path, Scenario(model=model, hardware=hw, training=tr, plan=plan))
 
 
+def test_megatron_accepts_bf16_end_layers(megatron, monkeypatch, tmp_path):
+    """MXFP8 on B200 with the first two and the last layer in bf16 (TrainingSpec.bf16_layers_at_start/end): Megatron's
+    own startup takes the three flags plan3d writes (TransformerConfig checks each count against num_layers // pp)."""
+    model, hw = load_model("llama3-70b"), load_hardware("b200-180gb")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=8192, precision="mxfp8", bf16_layers_at_start=2,
+                      bf16_layers_at_end=1)
+    plan = Plan(tp=8, pp=4, dp=2, micro_batch_size=1, sequence_parallel=True, zero_stage=1)
+    check_with_megatron(megatron, monkeypatch, tmp_path, Scenario(model=model, hardware=hw, training=tr, plan=plan))
+
+
 def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
     p, m = sc.resolved_plan(), sc.model
     case = sc.plan.label()
@@ -422,6 +432,10 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert args.create_attention_mask_in_dataloader == sc.training.attention_mask_in_dataloader
         assert (config.defer_embedding_wgrad_compute, config.wgrad_deferral_limit) == \
             (sc.training.defer_embedding_wgrad, sc.training.wgrad_deferral_limit)
+        bf16_ends = (sc.training.bf16_layers_at_start, sc.training.bf16_layers_at_end)
+        assert config.first_last_layers_bf16 == any(bf16_ends)
+        if any(bf16_ends):
+            assert (config.num_layers_at_start_in_bf16, config.num_layers_at_end_in_bf16) == bf16_ends
         assert config.fp4 == ("e2m1" if sc.training.precision == "nvfp4" else None)
         if config.fp4:
             assert config.fp4_recipe == "nvfp4"

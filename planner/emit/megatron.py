@@ -393,6 +393,10 @@ def run_flags(sc: Scenario) -> list[Flag]:
     Megatron-LM builds one per micro-batch by default, which Transformer Engine's causal attention does not read);
     the deferred output-layer weight gradients where the job defers them (``TrainingSpec.defer_embedding_wgrad``)."""
     mask = [] if sc.training.attention_mask_in_dataloader else [("--no-create-attention-mask-in-dataloader", None)]
+    tr = sc.training
+    if tr.bf16_layers_at_start or tr.bf16_layers_at_end:  # TrainingSpec.bf16_layers_at_start/end
+        mask += [("--first-last-layers-bf16", None), ("--num-layers-at-start-in-bf16", str(tr.bf16_layers_at_start)),
+                 ("--num-layers-at-end-in-bf16", str(tr.bf16_layers_at_end))]
     if sc.training.defer_embedding_wgrad:  # TrainingSpec.defer_embedding_wgrad: the job was sized with the lists
         mask += [("--defer-embedding-wgrad-compute", None)] + (
             [("--wgrad-deferral-limit", str(sc.training.wgrad_deferral_limit))] if sc.training.wgrad_deferral_limit else [])

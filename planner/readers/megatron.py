@@ -116,13 +116,6 @@ def _refuse_unmodelled(a: Args) -> None:
                 pass
         raise SpecError(f"{a.path}:{a.line(flag)}: {what} is not modelled by plan3d; it would be read as a dense "
                         "GPT and under-count memory, so the file is refused")
-    low_precision = a.has("--fp8-format") or a.has("--fp4-format")
-    if low_precision and a.has("--first-last-layers-bf16") and not a.has("--deepspeed"):
-        # TransformerConfig.first_last_layers_bf16 (core_v0.16.1 fp8_utils.get_fp8_context: no fp8/fp4 context for
-        # the first num_layers_at_start_in_bf16 and last num_layers_at_end_in_bf16 layers)
-        raise SpecError(f"{a.path}:{a.line('--first-last-layers-bf16')}: --first-last-layers-bf16 is not modelled: "
-                        "those layers run and save their GEMM inputs in bf16 where plan3d counts the launch's FP8/FP4 "
-                        "for every layer, so the file is refused")
     wgrad_flag = next((f for f in ("--no-fp8-wgrad", "--disable-fp8-wgrad") if a.has(f)), None)
     if (wgrad_flag and a.has("--fp8-format") and a.get("--fp8-recipe", "delayed") == "delayed"
             and not a.has("--deepspeed")):
@@ -890,6 +883,12 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # function (--use-te-activation-func) is taken before it (core_v0.16.1 mlp.py)
                 "unfused_swiglu": not a.has("--deepspeed") and a.has("--swiglu") and a.has("--no-bias-swiglu-fusion")
                 and not a.has("--use-te-activation-func"),
+                # layers outside the FP8/FP4 context (TrainingSpec.bf16_layers_at_start/end): core_v0.16.1
+                # TransformerConfig num_layers_at_start_in_bf16 / _at_end_in_bf16, 1 and 1 by default; inert in bf16
+                **({"bf16_layers_at_start": max(0, a.int("--num-layers-at-start-in-bf16", 1)),
+                    "bf16_layers_at_end": max(0, a.int("--num-layers-at-end-in-bf16", 1))}
+                   if a.has("--first-last-layers-bf16") and precision in ("fp8", "mxfp8", "nvfp4")
+                   and not a.has("--deepspeed") else {}),
                 # the output layer's deferred weight gradients (TrainingSpec.defer_embedding_wgrad)
                 "defer_embedding_wgrad": not a.has("--deepspeed") and a.has("--defer-embedding-wgrad-compute"),
                 "wgrad_deferral_limit": max(0, a.int("--wgrad-deferral-limit", 0))}
