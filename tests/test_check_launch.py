@@ -407,3 +407,17 @@ def test_optimizer_settings_counted_as_adam_on_the_gpu_say_so(tmp_path, flags, n
     script.write_text(text.replace("--bf16 ", f"--bf16 {flags} "))
     (r,) = check_file_branches(script, load_hardware("h100-sxm-80gb"), None, None)
     assert not r.errors and any(n.startswith(note) and "upper bound" in n for n in r.notes), r.notes
+
+
+def test_encoder_seq_length_is_the_older_name_of_seq_length(tmp_path):
+    """core_v0.16.1 validate_args: without --seq-length, args.seq_length = args.encoder_seq_length; with both it
+    asserts. The reader refused such a script as having no --seq-length until 2026-12-05."""
+    text = (LAUNCH / "megatron_gqa_default.sh").read_text()
+    assert "--seq-length 4096 " in text
+    script = tmp_path / "train.sh"
+    script.write_text(text.replace("--seq-length 4096 ", "--encoder-seq-length 4096 "))
+    (r,) = check_paths([str(script)], load_hardware("h100-sxm-80gb"), None, None)
+    assert not r.errors and r.scenario.training.seq_len == 4096, r.errors
+    script.write_text(text.replace("--seq-length 4096 ", "--seq-length 4096 --encoder-seq-length 4096 "))
+    (r,) = check_paths([str(script)], load_hardware("h100-sxm-80gb"), None, None)
+    assert exit_code([r]) == 2 and "encoder_seq_length is None" in r.errors[0], r.errors

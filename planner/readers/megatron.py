@@ -760,6 +760,12 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
         raise SpecError(f"{a.path}:{a.line('--rampup-batch-size')}: --rampup-batch-size with --train-iters: Megatron "
                         "asserts 'expected no batch-size rampup for iteration-based training' and does not start; "
                         "train by samples (--train-samples) or drop the ramp-up")
+    if a.has("--encoder-seq-length"):  # core_v0.16.1 validate_args: the older name of --seq-length
+        if a.has("--seq-length"):
+            raise SpecError(f"{a.path}:{a.line('--encoder-seq-length')}: --encoder-seq-length with --seq-length: "
+                            "Megatron asserts encoder_seq_length is None when seq_length is given; keep one")
+        a.values["--seq-length"] = a.values["--encoder-seq-length"]
+        a.lines["--seq-length"] = a.line("--encoder-seq-length")
     for flag in ("--seq-length", "--micro-batch-size"):
         if not a.has(flag) and not (flag == "--micro-batch-size" and ds_config and
                                     "train_micro_batch_size_per_gpu" in ds_config):
