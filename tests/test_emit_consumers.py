@@ -607,7 +607,7 @@ def test_torchtitan_accepts_emitted_launch(torchtitan, tmp_path, case):
 
 
 def test_torchtitan_split_mirror_matches_torchtitan(torchtitan):
-    from planner.emit.torchtitan import split_layers
+    from planner.frameworks.torchtitan import split_layers
 
     _, _, pipe = torchtitan
     for stages, layers, first, last in [(8, 80, 0, 0), (4, 80, 2, 2), (16, 126, 1, 1), (6, 32, 1, 0), (3, 5, 2, 2)]:

@@ -391,16 +391,18 @@ def run_flags(sc: Scenario) -> list[Flag]:
     """What a benchmark run needs besides the plan: synthetic data, a null tokenizer, a few steps; no s x s
     attention mask from the dataloader unless the job asks for it (``TrainingSpec.attention_mask_in_dataloader``:
     Megatron-LM builds one per micro-batch by default, which Transformer Engine's causal attention does not read);
-    the deferred output-layer weight gradients where the job defers them (``TrainingSpec.defer_embedding_wgrad``)."""
-    mask = [] if sc.training.attention_mask_in_dataloader else [("--no-create-attention-mask-in-dataloader", None)]
+    the job's bf16 end layers and deferred output-layer weight gradients (``TrainingSpec.bf16_layers_at_start/end``,
+    ``defer_embedding_wgrad``), as the plan was sized."""
     tr = sc.training
+    job = [] if tr.attention_mask_in_dataloader else [("--no-create-attention-mask-in-dataloader", None)]
     if tr.bf16_layers_at_start or tr.bf16_layers_at_end:  # TrainingSpec.bf16_layers_at_start/end
-        mask += [("--first-last-layers-bf16", None), ("--num-layers-at-start-in-bf16", str(tr.bf16_layers_at_start)),
-                 ("--num-layers-at-end-in-bf16", str(tr.bf16_layers_at_end))]
-    if sc.training.defer_embedding_wgrad:  # TrainingSpec.defer_embedding_wgrad: the job was sized with the lists
-        mask += [("--defer-embedding-wgrad-compute", None)] + (
-            [("--wgrad-deferral-limit", str(sc.training.wgrad_deferral_limit))] if sc.training.wgrad_deferral_limit else [])
-    return [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), *mask, ("--train-iters", "${TRAIN_ITERS:-20}"),
+        job += [("--first-last-layers-bf16", None), ("--num-layers-at-start-in-bf16", str(tr.bf16_layers_at_start)),
+                ("--num-layers-at-end-in-bf16", str(tr.bf16_layers_at_end))]
+    if tr.defer_embedding_wgrad:  # TrainingSpec.defer_embedding_wgrad: the job was sized with the deferred lists
+        job.append(("--defer-embedding-wgrad-compute", None))
+        if tr.wgrad_deferral_limit:
+            job.append(("--wgrad-deferral-limit", str(tr.wgrad_deferral_limit)))
+    return [("--mock-data", None), ("--tokenizer-type", "NullTokenizer"), *job, ("--train-iters", "${TRAIN_ITERS:-20}"),
             ("--lr", "1.0e-4"), ("--lr-decay-style", "constant"), ("--log-interval", "1")]
 
 

@@ -24,10 +24,8 @@ precision differs from its preset's is refused rather than run in the wrong prec
 
 from __future__ import annotations
 
-import math
-
 from planner.emit import megatron, partial_optimizer_refusal, torchrun
-from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, split_layers, stage_keys, step_cuda_graph_by_default
+from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, stage_keys, step_cuda_graph_by_default
 from planner.names import slug
 from planner.presets import SpecError
 from planner.schedules import TORCHTITAN_SCHEDULE_NAMES

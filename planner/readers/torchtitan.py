@@ -482,7 +482,7 @@ def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num, schedu
     (``pipeline_parallel.py::_get_pipeline_metadata``: ``ceil((L + first + last) / layers_per_stage)`` virtual
     stages, or 2 per rank for a multi-stage schedule without layers_per_stage; placed as the schedule places them,
     :func:`_ranks_of_stages`; ``_generate_llm_fqn_per_model_part``, mirrored by
-    ``planner.emit.torchtitan.split_layers``). ``defaults``: the job is torchtitan 0.3.0's (a config-registry
+    ``planner.frameworks.torchtitan.split_layers``). ``defaults``: the job is torchtitan 0.3.0's (a config-registry
     command line), which applies the keys' defaults (1 and 1) when they are absent; a TOML-era job without them gets
     None (the even split is assumed, as the TOML releases split)."""
     keys = ("pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers")
@@ -490,7 +490,7 @@ def _explicit_split(par: dict, num_layers: int, pp: int, where: str, num, schedu
         return None
     import math
 
-    from planner.emit.torchtitan import split_layers
+    from planner.frameworks.torchtitan import split_layers
 
     first, last = (num(k, par.get(k, 1)) for k in keys)  # ParallelismConfig defaults: 1 and 1
     per_stage = par.get("pipeline_parallel_layers_per_stage")
