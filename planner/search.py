@@ -335,6 +335,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
         if training.defer_embedding_wgrad and p == 1:  # Megatron defers the embedding wgrad only under PP (plan_problems)
             continue
+        if max(training.bf16_layers_at_start, training.bf16_layers_at_end) > model.num_layers // p:  # plan_problems
+            continue
         ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_dtype, ep, cp * tp, cp)
                                      # partial distributed optimizers: ZeRO 1, n dividing both DP groups
                                      and (training.dist_optimizer_instances == 1 or not dist_optimizer_problems(

@@ -100,3 +100,17 @@ def test_emitted_launch_carries_the_counts(tmp_path):
         assert not r.errors, r.errors
         assert (r.scenario.training.bf16_layers_at_start, r.scenario.training.bf16_layers_at_end) == (2, 1)
         assert r.memory().stages == memory.estimate_scenario_memory(sc).stages
+
+
+def test_search_keeps_megatrons_per_stage_limit():
+    """Megatron allows at most num_layers // pp bf16 layers at each end (TransformerConfig.__post_init__): with 4 at
+    the start of Llama-3-8B's 32 layers, the search tabulates pp 16 shapes but none of their entries is legal."""
+    from tests.table_checks import legal_keys
+
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
+    tr = TrainingSpec(num_gpus=64, global_batch_size=128, seq_len=4096, precision="fp8", fp8_recipe="tensorwise",
+                      bf16_layers_at_start=4)
+    tables = build_tables(model, hw, tr, SearchSpace(max_micro_batch_size=1))
+    assert any(sh[3].pp == 16 for sh in tables.shapes), "no pp-16 shape: the test cannot fail"
+    legal_pps = {tables.plan(k).pp for k in legal_keys(tables)}
+    assert legal_pps and max(legal_pps) <= 8, legal_pps
