@@ -1123,6 +1123,13 @@ def bf16_layer_delta_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan)
     return max(high[0] - low[0], high[1] - low[1] if model.is_moe else 0.0, 0.0)
 
 
+def bf16_layers_on_stage(training: TrainingSpec, pp: int, stage: int) -> int:
+    """How many of the bf16 end layers (``TrainingSpec.bf16_layers_at_start/end``) pipeline rank ``stage`` holds: the
+    first ones on rank 0, the last ones on rank pp - 1 (both on rank 0 without PP)."""
+    return (training.bf16_layers_at_start if stage == 0 else 0) + (training.bf16_layers_at_end if stage == pp - 1
+                                                                  else 0)
+
+
 def bf16_layers_extra_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches, stage: int):
     """The extra saved bytes of the bf16 layers on ``stage`` at its peak (:func:`bf16_layer_delta_bytes` per layer and
     micro-batch): the first ``bf16_layers_at_start`` layers are on pipeline rank 0 and the last ``bf16_layers_at_end``
@@ -1130,8 +1137,7 @@ def bf16_layers_extra_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan
     within num_layers // pp, ``TransformerConfig.__post_init__``), each held by every micro-batch in flight there:
     exact at vpp 1, and at vpp > 1 the stage's in-flight chunk-micro-batches (at most m), an upper bound for the one
     chunk that holds them. Elementwise on arrays of micro-batch counts (the search)."""
-    n = (training.bf16_layers_at_start if stage == 0 else 0) + (training.bf16_layers_at_end if stage == plan.pp - 1
-                                                               else 0)
+    n = bf16_layers_on_stage(training, plan.pp, stage)
     if not n:
         return 0.0
     inflight = np.minimum(num_microbatches, stage_in_flight_chunks(training, plan, num_microbatches, stage))
@@ -1168,24 +1174,38 @@ def dataloader_mask_bytes(training: TrainingSpec, plan: Plan) -> float:
     return float(plan.micro_batch_size * (training.seq_len // plan.cp) * training.seq_len)
 
 
-def deferred_wgrad_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches):
-    """What the loss stage keeps for the output layer's deferred weight gradients
-    (``TrainingSpec.defer_embedding_wgrad``, Megatron --defer-embedding-wgrad-compute): per deferred micro-batch the
-    logits gradient, ``s/cp x b x V_pad/t`` in the activation dtype (core_v0.16.1 tensor_parallel/layers.py
+def deferred_wgrad_microbatches(training: TrainingSpec, num_microbatches):
+    """How many micro-batches' output-layer weight gradients wait for the flush
+    (``TrainingSpec.defer_embedding_wgrad``): ``wgrad_deferral_limit`` of them, or all at 0 (Megatron's default); none
+    without the switch. Elementwise on arrays of micro-batch counts (the search)."""
+    if not training.defer_embedding_wgrad:
+        return 0
+    m = np.asarray(num_microbatches)
+    return m if training.wgrad_deferral_limit == 0 else np.minimum(training.wgrad_deferral_limit, m)
+
+
+def deferred_wgrad_bytes_per_microbatch(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """What the loss stage keeps per deferred micro-batch for the output layer's deferred weight gradient
+    (``TrainingSpec.defer_embedding_wgrad``, Megatron --defer-embedding-wgrad-compute): the logits gradient,
+    ``s/cp x b x V_pad/t`` in the activation dtype (core_v0.16.1 tensor_parallel/layers.py
     ``LinearWithGradAccumulationAndAsyncCommunication.backward``: ``grad_output_buffer.append(grad_output)`` instead
     of the wgrad GEMM), and the output layer's input, ``s/cp x b x h / t_SP`` (``ColumnParallelLinear.forward``:
-    ``embedding_activation_buffer.append(input_parallel)``), for ``wgrad_deferral_limit`` micro-batches or, at 0,
-    all of them; both lists are emptied at the pipeline flush. They are counted whole at the stage's peak: the last
-    stage holds one micro-batch's activations in flight under 1F1B when the lists are longest, so this over-counts
-    by at most that stage's in-flight activations. Elementwise on arrays of micro-batch counts (the search)."""
+    ``embedding_activation_buffer.append(input_parallel)``); both lists are emptied at the pipeline flush."""
     if not training.defer_embedding_wgrad:
         return 0.0
-    m = np.asarray(num_microbatches)
-    n = m if training.wgrad_deferral_limit == 0 else np.minimum(training.wgrad_deferral_limit, m)
     sp = plan.tp if plan.sequence_parallel else 1
     sb = training.seq_len // plan.cp * plan.micro_batch_size
     e = act_bytes(training)
-    return n * (sb * padded_vocab_size(model.vocab_size, plan.tp) / plan.tp * e + sb * model.hidden_size * e / sp)
+    return sb * padded_vocab_size(model.vocab_size, plan.tp) / plan.tp * e + sb * model.hidden_size * e / sp
+
+
+def deferred_wgrad_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches):
+    """The deferred output-layer weight gradients the loss stage holds (:func:`deferred_wgrad_microbatches` x
+    :func:`deferred_wgrad_bytes_per_microbatch`), counted whole at the stage's peak: the last stage holds one
+    micro-batch's activations in flight under 1F1B when the lists are longest, so this over-counts by at most that
+    stage's in-flight activations."""
+    return deferred_wgrad_microbatches(training, num_microbatches) * \
+        deferred_wgrad_bytes_per_microbatch(model, training, plan)
 
 
 def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
@@ -1413,11 +1433,11 @@ def deepep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
 
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
                       stage: int):
-    """Activations outside the transformer layers: the inputs of every micro-batch in flight on the
-    first stage (and Megatron's dataloader mask, :func:`dataloader_mask_bytes`), the output layer's on the last, the pipeline's receive buffers
-    (:func:`pipeline_buffer_bytes`); Transformer Engine's TP-overlap userbuffers on every stage
-    (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer on every stage with a MoE layer
-    (:func:`deepep_buffer_bytes`)."""
+    """Activations outside the transformer layers: the inputs of every micro-batch in flight on the first stage (and
+    Megatron's dataloader mask, :func:`dataloader_mask_bytes`), the output layer's on the last (and the deferred
+    embedding wgrad, :func:`deferred_wgrad_bytes`), the pipeline's receive buffers (:func:`pipeline_buffer_bytes`);
+    Transformer Engine's TP-overlap userbuffers on every stage (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer
+    on every stage with a MoE layer (:func:`deepep_buffer_bytes`)."""
     other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + \
         tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
     if plan.stage_moe_layers(model)[stage]:  # DeepEP's buffer, where a MoE layer of this stage dispatches

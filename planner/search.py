@@ -48,8 +48,9 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, bf16_layer_delta_bytes,
-                            chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes, deferred_wgrad_bytes,
-                            in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
+                            bf16_layers_on_stage, chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes,
+                            deferred_wgrad_bytes_per_microbatch, deferred_wgrad_microbatches, in_flight_chunks,
+                            input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank, stage_state_bytes_of,
@@ -58,7 +59,7 @@ from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
                            cuda_graph_problems, dist_optimizer_problems, distributed_checkpoint_problems,
-                           empty_chunks, job_problems, uneven_chunks)
+                           empty_chunks, job_problems, pipeline_switch_problems, uneven_chunks)
 
 NS = 1e9  # time unit of the tables: nanoseconds
 KIB = 1024  # memory unit of the tables
@@ -333,9 +334,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             sched_ok = np.array([B % (b * dp) == 0 and not schedule_problems(split.schedule, training.framework, p, v,
                                                                               B // (b * dp)) for b in mbs_u], dtype=bool)
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
-        if training.defer_embedding_wgrad and p == 1:  # Megatron defers the embedding wgrad only under PP (plan_problems)
-            continue
-        if max(training.bf16_layers_at_start, training.bf16_layers_at_end) > model.num_layers // p:  # plan_problems
+        if pipeline_switch_problems(model, training, p):  # the job's switches need another pipeline depth
             continue
         ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_dtype, ep, cp * tp, cp)
                                      # partial distributed optimizers: ZeRO 1, n dividing both DP groups
@@ -372,19 +371,16 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
                 heavier = np.maximum(f["saved"], f["saved_moe"]) if n_moe[i] else f["saved"]
                 act[:, i] = act[:, i] + np.where(rc_full_u, 0.0, extra * heavier)
         if training.bf16_layers_at_start or training.bf16_layers_at_end:  # memory.bf16_layers_extra_bytes
-            n_bf16 = np.array([(training.bf16_layers_at_start if r == 0 else 0)
-                               + (training.bf16_layers_at_end if r == p - 1 else 0) for r, _ in mrows])
+            n_bf16 = np.array([bf16_layers_on_stage(training, p, r) for r, _ in mrows])
             act = act + n_bf16[None, :] * f["bf16_delta"][:, None] * np.minimum(m[:, None], inflight)
         first_inputs = np.ceil(in_flight(base, m, 0) / v) * f["input_bytes"]
         rows_r = np.array([r for r, _ in mrows])
         other = (rows_r == 0) * first_inputs[:, None] + (rows_r == base.loss_stage) * f["output_bytes"][:, None]
         if base.loss_stage != 0:  # the first stage's dataloader mask (memory.stage_other_bytes)
             other = other + (rows_r == 0) * f["mask_bytes"][:, None]
-        if training.defer_embedding_wgrad:  # memory.deferred_wgrad_bytes, per row's micro-batch count
-            per_mb = np.array([float(deferred_wgrad_bytes(model, training, base.model_copy(
-                update={"micro_batch_size": int(b), "sequence_parallel": bool(q)}), 1)) for b, q in zip(mbs_u, sp_u)])
-            deferred = m if training.wgrad_deferral_limit == 0 else np.minimum(training.wgrad_deferral_limit, m)
-            other = other + (rows_r == base.loss_stage) * (deferred * per_mb)[:, None]
+        if training.defer_embedding_wgrad:  # memory.deferred_wgrad_bytes
+            deferred = deferred_wgrad_microbatches(training, m) * f["deferred_per_mb"]
+            other = other + (rows_r == base.loss_stage) * deferred[:, None]
         if ub_per_element and tp > 1:  # memory.tp_comm_overlap_buffer_bytes: every stage, with SP
             other = other + (sp_u * (training.seq_len * mbs_u // cp) * model.hidden_size * ub_per_element)[:, None]
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
@@ -500,7 +496,7 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
     memory terms), as arrays over the options; ``valid`` False where the plan is illegal or off the pins (SP:
     :meth:`Pins.sp_ok`, which depends on tp)."""
     cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
-                                  "mask_bytes", "bf16_delta", "kept_output_bytes", "valid")}
+                                  "mask_bytes", "bf16_delta", "deferred_per_mb", "kept_output_bytes", "valid")}
     fw = frameworks.get(training.framework)
     for mbs, rc, sp, off in micros:
         plan = base.model_copy(update={"micro_batch_size": mbs, "recompute": rc, "sequence_parallel": sp,
@@ -522,6 +518,7 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
                 "output_bytes": output_bytes(model, training, plan),
                 "mask_bytes": dataloader_mask_bytes(training, plan),
                 "bf16_delta": bf16_layer_delta_bytes(model, training, plan),
+                "deferred_per_mb": deferred_wgrad_bytes_per_microbatch(model, training, plan),
                 "kept_output_bytes": kept_output_bytes(model, training, plan), "valid": valid}
         for k, val in row.items():
             cols[k].append(val)

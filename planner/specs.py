@@ -1441,13 +1441,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         else:
             errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
     errors += distributed_checkpoint_problems(training, plan)
-    bf16_most = model.num_layers // plan.pp  # core_v0.16.1 TransformerConfig.__post_init__
-    if max(training.bf16_layers_at_start, training.bf16_layers_at_end) > bf16_most:
-        errors.append(f"pp: Megatron allows at most num_layers // pp = {bf16_most} bf16 layers at each end "
-                      f"(bf16_layers_at_start/end {training.bf16_layers_at_start}/{training.bf16_layers_at_end})")
-    if training.defer_embedding_wgrad and plan.pp == 1:  # core_v0.16.1 ModelParallelConfig.__post_init__
-        errors.append("pp: Megatron cannot defer the embedding wgrad without pipeline parallelism "
-                      "(defer_embedding_wgrad); use pp > 1 or drop it")
+    errors += pipeline_switch_problems(model, training, plan.pp)
     errors += a2a_overlap_problems(model, training, plan)
     errors += cuda_graph_problems(model, training, plan)
     from planner.frameworks import get as framework_profile
@@ -1557,6 +1551,22 @@ def cuda_graph_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
             errors.append("cuda_graph_modules: Megatron refuses attention dropout with a recomputed attention core "
                           "inside a graphed attention; drop core_attn from --recompute-modules, or attn from "
                           "--cuda-graph-modules, or use a model without dropout")
+    return errors
+
+
+def pipeline_switch_problems(model: ModelSpec, training: TrainingSpec, pp: int) -> list[str]:
+    """Megatron's pipeline-depth rules for two job switches (the search's tables keep them too): at most
+    num_layers // pp bf16 layers at each end (``TrainingSpec.bf16_layers_at_start/end``; core_v0.16.1
+    ``TransformerConfig.__post_init__``), and no deferred embedding wgrad without PP (``defer_embedding_wgrad``;
+    ``ModelParallelConfig.__post_init__``)."""
+    errors = []
+    bf16_most = model.num_layers // pp
+    if max(training.bf16_layers_at_start, training.bf16_layers_at_end) > bf16_most:
+        errors.append(f"pp: Megatron allows at most num_layers // pp = {bf16_most} bf16 layers at each end "
+                      f"(bf16_layers_at_start/end {training.bf16_layers_at_start}/{training.bf16_layers_at_end})")
+    if training.defer_embedding_wgrad and pp == 1:
+        errors.append("pp: Megatron cannot defer the embedding wgrad without pipeline parallelism "
+                      "(defer_embedding_wgrad); use pp > 1 or drop it")
     return errors
 
 

@@ -147,11 +147,11 @@ def stage_keys(num_layers: int, pp: int, vpp: int, chunks) -> tuple[int | None, 
 
     torchtitan's "stage" is a virtual stage: ``ceil((L + first_less + last_less) / layers_per_stage)`` of them, or
     without layers_per_stage ``pp`` for a single-stage schedule and ``2 pp`` for a multi-stage one
-    (``pipeline_parallel.py::_get_pipeline_metadata``), split by :func:`split_layers`: 32 layers with the default
-    keys on 4 x 2 stages are 4/5/4/4/4/4/4/3, which no layers_per_stage gives (5 makes 7 stages, 4 makes 9). Llama 3 405B at pp 16 x vpp 8,
-    7 + 14 x 8 + 7 layers, is torchtitan's default 1 + 126 + 1 split over 128 stages, its first stage only the
-    embedding and its last only the norm and output (``first/last_stage_less_layers`` 1); Llama-3-70B's 80 layers on
-    4 stages with the defaults (1 and 1) are 20/21/20/19."""
+    (``pipeline_parallel.py::_get_pipeline_metadata``), split by :func:`split_layers`: 32 layers with the default keys
+    on 4 x 2 stages are 4/5/4/4/4/4/4/3, which no layers_per_stage gives (5 makes 7 stages, 4 makes 9). Llama 3 405B at
+    pp 16 x vpp 8, 7 + 14 x 8 + 7 layers, is torchtitan's default 1 + 126 + 1 split over 128 stages, its first stage
+    only the embedding and its last only the norm and output (``first/last_stage_less_layers`` 1); Llama-3-70B's 80
+    layers on 4 stages with the defaults (1 and 1) are 20/21/20/19."""
     num_stages = pp * vpp
     wanted = [chunks[s % pp][s // pp] for s in range(num_stages)]
     for first_less in range(max(wanted) + 1):

@@ -357,7 +357,7 @@ def _precision(tr: dict, fp8: bool, where: str, notes: list[str]) -> str:
 REGISTRY_COMPILE = {"llama3_405b": ("model", "loss"), "deepseek_v3_671b": ("loss",), "deepseek_v3_671b_float8": ("loss",)}
 
 
-def _compile(doc: dict, tr: dict, notes: list[str], where: str = "") -> dict:
+def _compile(doc: dict, tr: dict, notes: list[str], where: str) -> dict:
     """``compile`` / ``compile_components`` of the training spec: ``[compile] enable`` and ``components`` (0.3.0
     ``CompileConfig``: enable False, components ["model", "loss"]; a list, or comma-separated on the command
     line), else the ``--config`` function's own setting, else ``[training] compile`` (2024 JobConfig), which
@@ -368,9 +368,9 @@ def _compile(doc: dict, tr: dict, notes: list[str], where: str = "") -> dict:
     if backend != "inductor" and (sec.get("enable", registry is not None) or tr.get("compile")):
         # CompileConfig.backend (0.3.0 distributed/compile.py hands it to torch.compile): plan3d models inductor's
         # min-cut partition (what it saves and recomputes, docs/memory.md "torch.compile (torchtitan)")
-        raise SpecError(f"{where}: compile.backend = {backend!r} is not modelled: plan3d sizes a compiled torchtitan model "
-                        "as inductor partitions it, and another backend saves other tensors; use inductor or turn "
-                        "compile off")
+        raise SpecError(f"{where}: compile.backend = {backend!r} is not modelled: plan3d sizes a compiled torchtitan "
+                        "model as inductor partitions it, and another backend saves other tensors; use inductor or "
+                        "turn compile off")
     if "enable" in sec or "components" in sec:
         comps = sec.get("components", registry or ("model", "loss"))
         comps = comps.split(",") if isinstance(comps, str) else comps
