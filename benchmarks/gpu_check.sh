@@ -4,13 +4,15 @@
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]        # from the repository root; OUT_DIR defaults to ./gpu_check_out
 #
+# PLAN3D_PROFILE names the hardware profile the predictions use (default h200-141gb; h100-sxm-80gb on an H100).
+#
 # 1. `plan3d validate` of a small plan on 1 rank (NCCL): measured against predicted per term
 #    (weights, gradients, Adam states, saved activations, torch.cuda.max_memory_allocated/reserved,
 #    step time) and the verdict.
 # 2. One tensor-parallel shard (t = 8) of two Llama-3-70B layers at sequence 8192 in bf16
 #    (tests/test_validate_gpu.py): peak memory and compute time against the estimate.
 # 3. The GEMM microbenchmark of `plan3d calibrate` on this GPU (bf16, the cost model's shapes)
-#    against the peak of the h200-141gb profile.
+#    against the peak of that profile.
 #
 # Needs python3 with torch (CUDA), numpy, pyyaml, rich, typer; pydantic is installed from wheels in
 # $PLAN3D_WHEELS (a folder of .whl files, no index) when python3 lacks it. Every step has its own
@@ -21,6 +23,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-gpu_check_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+PROFILE=${PLAN3D_PROFILE:-h200-141gb}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 if ! "$PY" -c "import pydantic" 2>/dev/null; then
@@ -41,7 +44,7 @@ print(f"== device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, C
 EOF
 
 echo "== 1. validate, 1 rank, NCCL"
-timeout 120 "$PY" - "$OUT" <<'EOF'
+timeout 120 "$PY" - "$OUT" "$PROFILE" <<'EOF'
 import json
 import sys
 
@@ -50,7 +53,7 @@ from planner.specs import Plan, Scenario, TrainingSpec
 from planner.validate import launch
 
 out = sys.argv[1]
-hw = load_hardware("h200-141gb")
+hw = load_hardware(sys.argv[2])
 sc = Scenario(model=load_model("llama3-8b"), hardware=hw,
               training=TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=4096),
               plan=Plan(tp=1, pp=1, dp=8, micro_batch_size=1, recompute="selective"))
@@ -82,16 +85,16 @@ EOF
 echo "== 2. one TP shard of Llama-3-70B (2 layers, seq 8192, bf16)"
 timeout 120 "$PY" -m pytest -q -s -p no:cacheprovider tests/test_validate_gpu.py 2>&1 | tee "$OUT/tp_shard.txt" || true
 
-echo "== 3. GEMM rate (calibrate, 1 rank, bf16) against h200-141gb"
-timeout 120 "$PY" - "$OUT" <<'EOF'
+echo "== 3. GEMM rate (calibrate, 1 rank, bf16) against $PROFILE"
+timeout 120 "$PY" - "$OUT" "$PROFILE" <<'EOF'
 import sys
 
 from planner.presets import load_hardware
 from planner.validate import launch
 
-base = load_hardware("h200-141gb")
+base = load_hardware(sys.argv[2])
 spec, text = launch.calibrate_local(base, backend="nccl", ranks=1, timeout_s=110, quick=False)
-open(f"{sys.argv[1]}/h200-calibrated.yaml", "w").write(text)
+open(f"{sys.argv[1]}/{sys.argv[2]}-calibrated.yaml", "w").write(text)
 print("\n".join(launch.calibration_summary(base, spec)))
 EOF
 echo "== done: $OUT"
