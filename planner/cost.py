@@ -114,20 +114,43 @@ _H200_CAUSAL_D64 = {"fwd": (328.3, 391.5, 430.4, 451.7, 468.9, 457.2), "bwd": (2
 _H200_FA2_CAUSAL = {"fwd": (261.4, 286.7, 307.2, 315.1, 336.8, 350.1), "bwd": (150.8, 201.0, 251.5, 285.8, 307.8, 317.1)}
 _H200_FA2_CAUSAL_D64 = {"fwd": (215.6, 260.8, 281.4, 280.9, 286.0, 310.7),
                         "bwd": (133.3, 180.7, 217.1, 247.2, 271.5, 280.4)}
+# The same measurements on one H100 SXM (NVIDIA H100 80GB HBM3, 132 SMs, 700 W), torch 2.11.0+cu130, 2026-12-05,
+# by the same script: each entry the median of three runs in two leases (benchmarks/data/h100_kernels.json, and the two
+# runs of benchmarks/data/h100_attention_repeat.json; run-to-run spread, max - min over the median: 2 % median,
+# within 5 % for 37 of the 48 entries, 9-15 % for five of them, all cuDNN at 4k-16k).
+# Forward as the H200 within 4 % (the same GH100 die, clocks and SMs); the backward 13-14 % slower at 1k and 8-12 %
+# at 2k in each of the three runs (the H200's HBM3e moves 4.8 against 3.35 TB/s; gpu_kernels.py's 1 GiB copy: 4,222
+# against 3,009 GB/s), and within the run-to-run spread from 4k on.
+_H100_CAUSAL = {"fwd": (469.9, 540.8, 605.5, 640.9, 631.0, 608.0), "bwd": (233.3, 339.3, 421.8, 446.1, 507.7, 525.4)}
+_H100_CAUSAL_D64 = {"fwd": (334.7, 385.8, 429.9, 463.9, 468.3, 446.1), "bwd": (189.2, 273.1, 348.3, 391.0, 403.6, 406.4)}
+_H100_FA2_CAUSAL = {"fwd": (265.2, 288.7, 293.3, 309.7, 332.8, 346.6), "bwd": (141.9, 194.5, 248.6, 290.3, 312.3, 312.9)}
+_H100_FA2_CAUSAL_D64 = {"fwd": (213.1, 262.4, 279.9, 282.7, 296.2, 307.3),
+                        "bwd": (127.5, 175.1, 215.2, 244.7, 272.1, 283.7)}
 #: Head dims of the measured attention tables; between them the speed is interpolated in log2(d), outside them the
 #: nearest table is used (wider heads, e.g. MLA's 192, keep the head-dim-128 speed: nothing wider was measured).
 ATTENTION_HEAD_DIMS = (64, 128)
-ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # (pass, causal, head dim) -> speeds by ATTENTION_SEQ, the fused kernel
-FA2_ATTENTION_TFLOPS_BY_HEAD_DIM = {}  # the same for FlashAttention-2
-for _out, _tables in ((ATTENTION_TFLOPS_BY_HEAD_DIM, ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64))),
-                      (FA2_ATTENTION_TFLOPS_BY_HEAD_DIM, ((128, _H200_FA2_CAUSAL), (64, _H200_FA2_CAUSAL_D64)))):
-    for _d, _table in _tables:
-        for _pass, _row in _table.items():
-            _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
-            _out[(_pass, True, _d)] = _causal
-            _out[(_pass, False, _d)] = tuple(c * n / k for c, n, k in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+#: The measured attention tables by GPU (``HardwareSpec.attention_table`` picks one): for each, the fused kernel's and
+#: FlashAttention-2's speeds by (pass, causal, head dim) over ATTENTION_SEQ. All are read relative to one reference,
+#: the H200's fused causal forward at 16k (ATTENTION_REFERENCE, what attention_efficiency means), so a GPU's own
+#: table carries its measured difference from the H200 cell by cell (not a renormalised shape: the H100's own 16k
+#: forward cell is the noisiest of its table). GPUs without their own measurement use the H200's (the profile says).
+ATTENTION_TABLES: dict[str, dict] = {}
+for _gpu, _fused, _fa2 in (("h200", ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64)),
+                            ((128, _H200_FA2_CAUSAL), (64, _H200_FA2_CAUSAL_D64))),
+                           ("h100", ((128, _H100_CAUSAL), (64, _H100_CAUSAL_D64)),
+                            ((128, _H100_FA2_CAUSAL), (64, _H100_FA2_CAUSAL_D64)))):
+    _entry = ATTENTION_TABLES[_gpu] = {"fused": {}, "fa2": {}}
+    for _kernel, _tables in (("fused", _fused), ("fa2", _fa2)):
+        for _d, _table in _tables:
+            for _pass, _row in _table.items():
+                _causal = (_row[0] * _FA3_CAUSAL_FWD[0] / _FA3_CAUSAL_FWD[1], *_row)
+                _entry[_kernel][(_pass, True, _d)] = _causal
+                _entry[_kernel][(_pass, False, _d)] = tuple(c * n / k for c, n, k
+                                                            in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
+ATTENTION_TFLOPS_BY_HEAD_DIM = ATTENTION_TABLES["h200"]["fused"]  # (pass, causal, head dim) -> speeds, the H200's
+FA2_ATTENTION_TFLOPS_BY_HEAD_DIM = ATTENTION_TABLES["h200"]["fa2"]  # the same for FlashAttention-2
 ATTENTION_TFLOPS = {key[:2]: row for key, row in ATTENTION_TFLOPS_BY_HEAD_DIM.items() if key[2] == 128}  # head dim 128
-ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]  # causal forward at 16k: what attention_efficiency means
+ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]  # the H200's causal forward at 16k: what attention_efficiency means
 
 
 def _attention_row_speed(row: tuple, kv_len: float) -> float:
@@ -137,24 +160,27 @@ def _attention_row_speed(row: tuple, kv_len: float) -> float:
     return lo + (hi - lo) * (x - math.log2(ATTENTION_SEQ[i]))
 
 
-def attention_shape(kv_len: float, causal: bool, pass_: str, head_dim: float = 128, kernel: str = "fused") -> float:
-    """Speed of a fused attention kernel over ``kv_len`` keys relative to the fused (cuDNN) kernel's causal forward at
-    16k, head dim 128. ``kernel``: "fused" (cuDNN, Transformer Engine's default on Hopper, the level each profile's
+def attention_shape(kv_len: float, causal: bool, pass_: str, head_dim: float = 128, kernel: str = "fused",
+                    table: str = "h200") -> float:
+    """Speed of a fused attention kernel over ``kv_len`` keys on the GPU of ``table`` (``ATTENTION_TABLES``: "h200" or
+    "h100", measured on each) relative to the H200's fused (cuDNN) causal forward at 16k, head dim 128
+    (``ATTENTION_REFERENCE``).
+    ``kernel``: "fused" (cuDNN, Transformer Engine's default on Hopper, the level each profile's
     ``attention_efficiency`` states) or "fa2" (FlashAttention-2's own rows, so its speed comes out relative to the
     same cuDNN reference).
 
-    Linear in log2(length) between the rows of ``ATTENTION_TFLOPS`` (H200 measurement and
-    FlashAttention-3 paper, above); outside 512-32k the end row is used (the lookup says so via
-    :func:`attention_in_table`). Short sequences run slower: fewer key blocks per query tile to
+    Linear in log2(length) between the rows of the table (the GPU's measurement, above, and the
+    FlashAttention-3 paper for 512 and the non-causal rows); outside 512-32k the end row is used (the lookup says so
+    via :func:`attention_in_table`). Short sequences run slower: fewer key blocks per query tile to
     hide the softmax and the prologue behind. ``head_dim`` (the query/key head width): the measured
     head-dim-64 and -128 tables (``ATTENTION_HEAD_DIMS``), linear in log2(d) between them, the nearest
     outside them.
     """
     lo_d, hi_d = ATTENTION_HEAD_DIMS
     d = min(max(head_dim, lo_d), hi_d)
-    table = FA2_ATTENTION_TFLOPS_BY_HEAD_DIM if kernel == "fa2" else ATTENTION_TFLOPS_BY_HEAD_DIM
-    hi = _attention_row_speed(table[(pass_, causal, hi_d)], kv_len)
-    lo = _attention_row_speed(table[(pass_, causal, lo_d)], kv_len)
+    rows = ATTENTION_TABLES[table][kernel]
+    hi = _attention_row_speed(rows[(pass_, causal, hi_d)], kv_len)
+    lo = _attention_row_speed(rows[(pass_, causal, lo_d)], kv_len)
     w = math.log2(d / lo_d) / math.log2(hi_d / lo_d)
     return (lo + (hi - lo) * w) / ATTENTION_REFERENCE
 
@@ -193,6 +219,7 @@ class Rates:
     hbm_bytes_per_s: float
     attention_bwd_flops: float = 0.0  # the backward kernels' level; 0: as the forward's
     attention_kernel: str = "fused"  # whose measured table shapes the attention speed (attention_shape)
+    attention_table: str = "h200"  # on which GPU that table was measured (ATTENTION_TABLES)
 
     def attention_rate(self, pass_: str) -> float:
         """FLOP/s level of the fused attention kernel in one pass (``attention_shape`` sets its shape)."""
@@ -221,7 +248,7 @@ class Rates:
                    hbm_bytes_per_s=hw.hbm_bandwidth_gbps * 1e9 * hw.hbm_efficiency,
                    attention_bwd_flops=hw.peak_flops("bf16") * (hw.attention_bwd_efficiency
                                                                  or hw.attention_efficiency) * sustained,
-                   attention_kernel=kernel)
+                   attention_kernel=kernel, attention_table=hw.attention_table)
 
 
 def _waves_flops(m: float, k: float, n: float, batch: float, sm_count: int) -> float:
@@ -433,9 +460,9 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
         def core_s(window: int | None) -> tuple[float, float]:
             fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True, window=window) * s / t
             span = s if window is None else min(s, window)  # keys one query sees: the kernel's speed
-            k = rates.attention_kernel
-            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd", d_qk, k)),
-                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd", d_qk, k)))
+            k, g = rates.attention_kernel, rates.attention_table
+            return (fwd_flops / (rate_f * attention_shape(span, True, "fwd", d_qk, k, g)),
+                    FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd", d_qk, k, g)))
 
         fwd, bwd = core_s(None)
         share = model.windowed_layers / model.num_layers
@@ -505,17 +532,17 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     heads, sm = b * a_r, rates.sm_count
     d_qk = model.qk_head_dim  # the kernel's speed at this head width (attention_shape)
 
-    k = rates.attention_kernel
+    k, g = rates.attention_kernel, rates.attention_table
 
     def speed(pass_: str, causal: bool) -> float:
         if causal:  # step 0: the local chunk against itself
-            return (rates.attention_rate(pass_) * attention_shape(s_c, True, pass_, d_qk, k)
+            return (rates.attention_rate(pass_) * attention_shape(s_c, True, pass_, d_qk, k, g)
                     * attention_wave_factor(s_c, heads, sm))
         # later steps: s_c queries x s_c/2 keys on half the ranks, s_c/2 x s_c on the others; the
         # ring is synchronous, so the slower of the two paces every step
         return rates.attention_rate(pass_) * min(
-            attention_shape(s_c / 2, False, pass_, d_qk, k) * attention_wave_factor(s_c, heads, sm),
-            attention_shape(s_c, False, pass_, d_qk, k) * attention_wave_factor(s_c / 2, heads, sm))
+            attention_shape(s_c / 2, False, pass_, d_qk, k, g) * attention_wave_factor(s_c, heads, sm),
+            attention_shape(s_c, False, pass_, d_qk, k, g) * attention_wave_factor(s_c / 2, heads, sm))
 
     f0 = step_flops / speed("fwd", True) + launch
     b0 = FLASH_BWD_OVER_FWD * step_flops / speed("bwd", True) + 3 * launch

@@ -614,6 +614,12 @@ class HardwareSpec(_Spec):
                     "FlashAttention-2 (TrainingSpec.attention 'flash2') then gets FlashAttention-2's measured speed "
                     "(planner.cost, _H200_FA2_CAUSAL). False: that kernel is the level itself (A100), or it was not "
                     "measured here (Blackwell).")
+    attention_table: Literal["h200", "h100"] = Field(
+        default="h200",
+        description="The GPU whose measured attention kernels (planner.cost.ATTENTION_TABLES: cuDNN and "
+                    "FlashAttention-2, forward and backward, by sequence length and head dim) give the speed's shape "
+                    "by sequence length; attention_efficiency sets its level. h100 and h200 were each measured "
+                    "(benchmarks/data/h100_kernels.json, h200_kernels.json); other GPUs use the H200's shape.")
     hbm_efficiency: float = Field(
         default=0.7, gt=0, le=1, description="Achieved fraction of HBM bandwidth in memory-bound kernels.")
 

@@ -216,7 +216,7 @@ def test_attention_core_of_a_head_dim_64_model_runs_at_the_head_dim_64_speed():
                 num_kv_heads=8)
     narrow = ModelSpec(name="n", num_attention_heads=64, head_dim=64, **base)
     wide = ModelSpec(name="w", num_attention_heads=32, head_dim=128, **base)
-    hw = load_hardware("h100-sxm-80gb")
+    hw = load_hardware("h200-141gb")  # the profile whose attention table holds the ratios above
     tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, precision="bf16")
     plan = Plan(tp=1, pp=1, dp=8, micro_batch_size=1)
     rates = cost.Rates.of(hw, "bf16")
@@ -259,6 +259,88 @@ def test_layer_compute_against_the_measured_h200_blocks():
         lt = cost.layer_time(model, H200, TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=r["seq"]),
                              Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
         assert (lt.fwd_compute + lt.bwd_compute) / (r["fwd_bwd_ms"] * 1e-3) == pytest.approx(1, abs=0.05), r
+
+
+# --- the same kernels measured on one H100 SXM (issue 12 item 1: a table per bundled GPU) ---------------------
+# NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-12-05, two leases of the device tool: benchmarks/gpu_kernels.py
+# (benchmarks/data/h100_kernels.json), its attention part twice more (h100_attention_repeat.json), and
+# benchmarks/gpu_sustained.py (h100_sustained.json, 20 s of back-to-back GEMMs per shape). None of these numbers was
+# used to set a constant of the GEMM or block model: those tests are held out.
+_DATA = Path(__file__).parents[1] / "benchmarks/data"
+H100_KERNELS = json.loads((_DATA / "h100_kernels.json").read_text())
+H100_ATTENTION_RUNS = [H100_KERNELS["rows"], *json.loads((_DATA / "h100_attention_repeat.json").read_text())["runs"]]
+H100_SUSTAINED = json.loads((_DATA / "h100_sustained.json").read_text())
+H100_KERNEL_LOOP = H100.model_copy(update={"sustained_fraction": KERNEL_LOOP_SUSTAINED})
+
+
+def _h100_attention_median(backend, head_dim, seq, pass_):
+    values = [r[f"{pass_}_tflops"] for run in H100_ATTENTION_RUNS for r in run
+              if r["kind"] == "attention" and r.get("backend") == backend and r.get("heads") == 32
+              and r.get("kv_heads") == 8 and r.get("head_dim") == head_dim and r.get("seq") == seq]
+    assert len(values) == 3, (backend, head_dim, seq)
+    return sorted(values)[1]
+
+
+@pytest.mark.parametrize("kernel,backend", [("fused", "cudnn"), ("fa2", "flash")])
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_h100_attention_table_reproduces_the_median_of_its_three_runs(kernel, backend, pass_, head_dim):
+    for seq in (1024, 2048, 4096, 8192, 16384, 32768):  # read against the one reference, the H200's 16k forward
+        got = cost.attention_shape(seq, True, pass_, head_dim, kernel, table="h100") * cost.ATTENTION_REFERENCE
+        assert got == pytest.approx(_h100_attention_median(backend, head_dim, seq, pass_), rel=0.001), seq
+
+
+def test_h100_profile_takes_its_own_attention_table():
+    assert H100.attention_table == "h100" and cost.Rates.of(H100, "bf16").attention_table == "h100"
+    assert load_hardware("a100-80gb").attention_table == "h200"  # not measured here: the H200's shape, as before
+    # the measured difference: the backward is 13-14 % slower at 1k and 8-12 % at 2k on the H100, in each of its runs
+    for seq, below in ((1024, 0.9), (2048, 0.95)):
+        h200 = _h200_rows("attention", backend="cudnn", heads=32, kv_heads=8, head_dim=128, seq=seq)[0]["bwd_tflops"]
+        assert all(r["bwd_tflops"] < below * h200 for run in H100_ATTENTION_RUNS for r in run
+                   if r["kind"] == "attention" and r.get("backend") == "cudnn" and r.get("heads") == 32
+                   and r.get("kv_heads") == 8 and r.get("head_dim") == 128 and r.get("seq") == seq)
+    assert (cost.attention_shape(2048, True, "bwd", table="h100")
+            < 0.95 * cost.attention_shape(2048, True, "bwd", table="h200"))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gemm_model_against_the_measured_h100_gemms_held_out(dtype):
+    """The wave-quantised MAMF model, built on the H200 measurement and the H100 profile's MAMF, against 384 GEMM
+    shapes per dtype measured on an H100 it never saw: measured bias +0.9 % bf16, +2.0 % fp8."""
+    rates = cost.Rates.of(H100_KERNEL_LOOP, dtype)
+    rows = [r for r in H100_KERNELS["rows"] if r["kind"] == "gemm" and r.get("dtype") == dtype]
+    errors = [gemm_time_s(r["m"], r["k"], r["n"], rates) / (r["ms"] * 1e-3) - 1 for r in rows]
+    assert len(errors) == 384
+    assert abs(sum(errors) / len(errors)) <= 0.05
+    assert sum(map(abs, errors)) / len(errors) <= 0.15
+
+
+def test_layer_compute_against_the_measured_h100_blocks_held_out():
+    """One Llama block forward + backward on the H100 (batch 1, no communication), the H100 profile: within 5 %
+    (measured 0.954-1.027 of the block time); the same blocks ran 2-8 % slower than on the H200."""
+    rows = [r for r in H100_KERNELS["rows"] if r["kind"] == "block"]
+    assert len(rows) == 4
+    for r in rows:
+        model = ModelSpec(name="b", num_layers=1, hidden_size=r["hidden"], num_attention_heads=r["heads"],
+                          num_kv_heads=r["kv_heads"], ffn_hidden_size=r["ffn"], vocab_size=1000, activation="swiglu",
+                          norm="rmsnorm")
+        lt = cost.layer_time(model, H100_KERNEL_LOOP, TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=r["seq"]),
+                             Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
+        assert (lt.fwd_compute + lt.bwd_compute) / (r["fwd_bwd_ms"] * 1e-3) == pytest.approx(1, abs=0.05), r
+
+
+def test_kernel_loop_rate_is_the_power_capped_steady_state():
+    """20 s of back-to-back GEMMs on the H100: the board sits at its 700 W limit with the SM clock near 1,350 MHz
+    (of 1,980), and the GEMM model at the kernel-loop fraction (0.87) gives that steady rate within 6 %; a training
+    run's further loss (the profile's 0.82) is not clock throttling, which the loop already has."""
+    rows = H100_SUSTAINED["rows"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["sustained_power_w"] >= 0.97 * r["windows"][-1]["power_limit_w"]
+        assert r["sustained_sm_clock_mhz"] <= 1400
+        rates = cost.Rates.of(H100_KERNEL_LOOP, r["dtype"])
+        model_tflops = 2.0 * r["m"] * r["n"] * r["k"] / gemm_time_s(r["m"], r["k"], r["n"], rates) / 1e12
+        assert model_tflops == pytest.approx(r["sustained_tflops"], rel=0.06), r["shape"]
 
 
 def test_attention_wave_factor_hand_computed():
