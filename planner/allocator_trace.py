@@ -89,8 +89,15 @@ forwards, then one backward and one forward, then the cool-down backwards; :func
 Two steps are replayed: the first has no Adam states, the second finds the first's cached segments
 (the peak is in the first for shallow stages, in the second for deep ones).
 
-What is left out: the all-gather / reduce-scatter streams' own pools (one stream here, as
-:class:`~planner.fake_rank.CachingAllocator` says), the small per-op temporaries (rstd, RNG), the
+* **streams**: FSDP2's all-gather copy-in stream makes the shard casts and the all-gather outputs, its
+  reduce-scatter stream the reduce-scatter outputs (this rank's gradients); each stream has its own pools in the
+  caching allocator (:class:`~planner.fake_rank.CachingAllocator`), so they are written with their stream.
+* **cuBLAS's workspaces**: one per thread that runs a GEMM (``HardwareSpec.blas_workspace_mib``, 32 MiB on
+  Hopper and Blackwell), made at the forward's first GEMM and the backward's first, and kept: small, but a block
+  that never leaves the segment it was cut from (on an H100 they move ``max_memory_reserved`` by up to 9.5 %,
+  benchmarks/data/h100_allocator_check_meta.json).
+
+What is left out: the small per-op temporaries (rstd, RNG), the
 foreach AdamW's temporaries (torchtitan's default; they come after the activations are freed, into
 the cache they leave), torch.compile and Float8, and async TP (its fused all-gather-matmul writes no chunk
 copies: the eager collectives are written). Interleaved and zero-bubble schedules and MoE are
@@ -102,6 +109,7 @@ from __future__ import annotations
 
 import functools
 
+from planner.fake_rank import HOPPER_BLAS_WORKSPACE_BYTES
 
 BF16, FP32 = 2, 4
 TOKEN_ID_BYTES = 8  # int64 token ids and labels
@@ -169,7 +177,7 @@ def _play(tr, events, unit_bytes, live=None, after=None) -> dict:
 
 
 class _Trace:
-    """Allocation events ``(kind, key, bytes)`` as :func:`planner.fake_rank.replay_reserved` reads them."""
+    """Allocation events ``(kind, key, bytes[, stream])`` as :func:`planner.fake_rank.replay_reserved` reads them."""
 
     def __init__(self):
         self.events: list = []
@@ -188,12 +196,13 @@ class _Trace:
             self.events.append(("DEL", k, 0))
 
 
-    def new(self, nbytes: float, key=None):
+    def new(self, nbytes: float, key=None, stream=0):
+        """Allocate ``nbytes`` on ``stream`` (0: the default stream; FSDP2's own streams by name)."""
         if key is None:
             self._n += 1
             key = self._n
         if nbytes > 0:
-            self.events.append(("ADD", key, int(nbytes)))
+            self.events.append(("ADD", key, int(nbytes), stream))
         return key
 
     def free(self, key) -> None:
@@ -207,10 +216,11 @@ class _Trace:
 
 @functools.lru_cache(maxsize=256)
 def stage_events(model, training, plan, stage: int, layers: int, num_microbatches: int, steps: int = 2,
-                 step_microbatches: int = 0) -> tuple:
+                 step_microbatches: int = 0, blas_workspace_bytes: int = HOPPER_BLAS_WORKSPACE_BYTES) -> tuple:
     """The allocation events of ``steps`` training steps of one GPU of stage ``stage`` (module docstring);
     ``num_microbatches`` written, of ``step_microbatches`` (default: as many) in the step, which sets the
-    pipeline's receive buffers."""
+    pipeline's receive buffers. ``blas_workspace_bytes``: cuBLAS's workspace, one per thread that runs a GEMM
+    (``HardwareSpec.blas_workspace_mib``), made at the first GEMM of the forward and of the backward and kept."""
     from planner.frameworks.torchtitan import reshard_after_forward
     from planner.memory import (act_bytes, kept_under, layer_activation_terms, param_bytes, stage_param_split,
                                 vocab_rows_params)
@@ -218,6 +228,15 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
 
     tr = _Trace()
     p, m, t = plan.pp, num_microbatches, plan.tp
+
+    def blas_workspace(thread: str) -> None:
+        """cuBLAS's workspace of the thread that runs this GEMM, made after the GEMM's output, the first time that
+        thread runs one (aten/src/ATen/cuda/CublasHandlePool.cpp: ``getCurrentCUDABlasHandle`` keeps a workspace
+        per handle and stream, handles per thread; the forward runs on the caller's thread, the backward on
+        autograd's device thread), and kept for the process."""
+        if blas_workspace_bytes and ("blas", thread) not in tr.kept:
+            tr.kept.add(("blas", thread))
+            tr.new(blas_workspace_bytes, ("blas", thread))
     n = max(plan.dp * plan.cp, 1) if plan.zero_stage >= 1 else 1
     fsdp = plan.zero_stage >= 1
     raf = reshard_after_forward(plan)
@@ -336,8 +355,11 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                     tr.new(wb * x, ("full", g, j))
             return
         total = sum(groups[g])
-        ag_in = tr.new(wb * total / n)
-        ag_out = tr.new(wb * total)
+        # the shard's bf16 cast and the all-gather's output are made on FSDP2's all-gather copy-in stream
+        # (_fsdp_collectives.py foreach_all_gather: ``with device_handle.stream(all_gather_copy_in_stream)``; the
+        # forward's and the backward prefetch's unshards both take it, FSDPCommContext.get_all_gather_streams)
+        ag_in = tr.new(wb * total / n, stream="all_gather")
+        ag_out = tr.new(wb * total, stream="all_gather")
         tr.free(ag_in)
         for j, x in enumerate(groups[g]):
             tr.new(wb * x, ("full", g, j))
@@ -363,9 +385,11 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             return
         if fsdp and n > 1:
             settle("reduce_scatter")
-            rs_in = tr.new(FP32 * total)
+            rs_in = tr.new(FP32 * total)  # on the default stream (foreach_reduce: reduce_scatter_comm.allocate)
             tr.free_all(grads)
-            out = tr.new(FP32 * total / n, ("grad", g) if mb_first else None)
+            # the output, this rank's gradient, on the reduce-scatter stream (``with device_handle.stream(
+            # reduce_scatter_stream): reduce_output = ...``), where it stays as the sharded gradient
+            out = tr.new(FP32 * total / n, ("grad", g) if mb_first else None, stream="reduce_scatter")
             deferred["reduce_scatter"] = rs_in
             if not mb_first:
                 tr.free(out)
@@ -408,6 +432,8 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                     tr.free_all(scope)
                     norm_out = module_input = None
                 k = tr.new(nbytes)
+                if name == "Q":  # the block's first GEMM (wq) has run
+                    blas_workspace("forward")
                 tr.free(prev)
                 tr.free(transient)
                 if name == ATTENTION_END:
@@ -501,12 +527,13 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                 gb = tr.new(e * logits) if e != FP32 else None
                 tr.free(g2 if gb is not None else None)
             unshard(0)
-            if raf and layers:
-                unshard(layers)  # prefetch of the last block
             # the output layer's and final norm's bf16 gradients: the root group's post_backward runs
             # in FSDP2's final callback (FSDPState._root_post_backward_final_callback), so they live
             # until the end of the backward
             root_grads += [tr.new(wb * x) for x in groups[0][1 if first else 0:]]
+            blas_workspace("backward")  # the output layer's weight gradient: the backward's first GEMM
+            if raf and layers:  # FSDP2's prefetch of the last block: after that GEMM in torch's own trace
+                unshard(layers)
             # the gradient of the output layer's input: TP's partial sums, reduced, then the final norm's backward
             reduced = reduce_partial(tr.new(full)) if tp_collectives else None
             grad = tr.new(sb * h * e / sp)
@@ -542,6 +569,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                     pending = all_gathered()
                 for name, x in half:
                     k = tr.new(x)
+                    blas_workspace("backward")  # (a stage without the loss: FC2's input gradient is its first)
                     tr.free(prev)
                     tr.free(pending)
                     pending = None
@@ -604,7 +632,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
                     rs_in = tr.new(FP32 * sum(blocks))
                 tr.free_all(("acc", g, j) for j in range(len(blocks)))  # copied in: unsharded_grads.clear()
                 tr.free(local)
-                tr.new(FP32 * sum(blocks) / n, ("grad", g))
+                tr.new(FP32 * sum(blocks) / n, ("grad", g), stream="reduce_scatter" if n > 1 else 0)
                 deferred["reduce_scatter"] = rs_in
             settle("reduce_scatter")
         if kept_mode and last:  # step() returns merge_chunks(output_chunks): one torch.cat of the kept logits
@@ -644,16 +672,18 @@ def traced_microbatches(plan, stage: int, num_microbatches: int, training=None) 
 
 @functools.lru_cache(maxsize=256)
 def stage_reserved(model, training, plan, stage: int, layers: int, num_microbatches: int,
-                   capacity_bytes: float | None = None, all_microbatches: bool = False) -> tuple[float, float, bool]:
+                   capacity_bytes: float | None = None, all_microbatches: bool = False,
+                   blas_workspace_bytes: int = HOPPER_BLAS_WORKSPACE_BYTES) -> tuple[float, float, bool]:
     """(peak reserved bytes, peak allocated bytes, out of memory) of the replay of :func:`stage_events`
     through :class:`~planner.fake_rank.CachingAllocator` with ``capacity_bytes`` as the device limit
     (the allocator releases its wholly free cached segments when a new one would pass it; out of
     memory: a segment still does not fit after that, ``CUDACachingAllocator.cpp`` ``malloc`` ->
     ``release_cached_blocks`` -> ``alloc_block`` fails -> OutOfMemoryError). The micro-batches written are
-    :func:`traced_microbatches` (all ``num_microbatches`` with ``all_microbatches``)."""
+    :func:`traced_microbatches` (all ``num_microbatches`` with ``all_microbatches``); ``blas_workspace_bytes`` as
+    :func:`stage_events` takes it."""
     from planner.fake_rank import replay_reserved
 
     m = num_microbatches if all_microbatches else traced_microbatches(plan, stage, num_microbatches, training)
-    alloc = replay_reserved(stage_events(model, training, plan, stage, layers, m, step_microbatches=num_microbatches),
-                            capacity_bytes)
+    alloc = replay_reserved(stage_events(model, training, plan, stage, layers, m, step_microbatches=num_microbatches,
+                                         blas_workspace_bytes=blas_workspace_bytes), capacity_bytes)
     return float(alloc.peak_reserved), float(alloc.peak_allocated), bool(alloc.oom)

@@ -72,10 +72,17 @@ ROUND_LARGE = 2 * MIB  # kRoundLarge: larger segments are rounded up to this
 
 
 class _Block:
-    __slots__ = ("addr", "size", "small", "prev", "next", "free")
+    __slots__ = ("addr", "size", "small", "stream", "prev", "next", "free")
 
-    def __init__(self, addr, size, small):
-        self.addr, self.size, self.small, self.prev, self.next, self.free = addr, size, small, None, None, True
+    def __init__(self, addr, size, small, stream=0):
+        self.addr, self.size, self.small, self.stream = addr, size, small, stream
+        self.prev, self.next, self.free = None, None, True
+
+
+#: Where the replay starts handing out segment addresses: cudaMalloc gives each new large segment a lower address
+#: than the one before (seen in every trace of benchmarks/data/h100_allocator_check*.json, H100, driver 580, torch
+#: 2.11), so a newer segment comes first among equal-sized free blocks (``BlockComparatorSize``: size, then address).
+_TOP_ADDRESS = 1 << 60
 
 
 class CachingAllocator:
@@ -83,25 +90,31 @@ class CachingAllocator:
     ``PYTORCH_CUDA_ALLOC_CONF``), replayed on an allocation trace to predict **reserved** memory.
 
     * requests round up to 512 B (``round_size``); up to 1 MiB they use the small pool, else the large;
-    * a request takes the smallest cached free block of its pool that fits (``get_free_block``:
-      best fit in (size, address) order); none fits: a new segment (``cudaMalloc``) of 2 MiB (small
-      pool), 20 MiB (large request under 10 MiB) or the request rounded up to 2 MiB
-      (``get_allocation_size``), and reserved grows by it;
+    * each CUDA stream has pools of its own: a block cut from a segment made for one stream serves only that stream
+      (``BlockComparatorSize`` orders the free blocks by stream first, and ``get_free_block`` takes only its own
+      stream's); FSDP2 makes its reduce-scatter outputs on its reduce-scatter stream and, with more than one rank,
+      its all-gather inputs and outputs on its all-gather copy-in stream (``_fsdp_collectives.py``), so those
+      gigabytes never reuse the default stream's cache, nor it theirs;
+    * a request takes the smallest cached free block of its stream's pool that fits (``get_free_block``:
+      best fit in (size, address) order; segments come at falling addresses, ``_TOP_ADDRESS``); none fits: a new
+      segment (``cudaMalloc``) of 2 MiB (small pool), 20 MiB (large request under 10 MiB) or the request rounded up
+      to 2 MiB (``get_allocation_size``), and reserved grows by it;
     * the remainder of a block is split off when it is at least 512 B (small pool) or more than
       1 MiB (large pool) (``should_split``); a freed block merges with free neighbours of its
       segment (``try_merge_blocks``); nothing is returned to the device unless a new segment would
       exceed the capacity, when every wholly free segment is released first (``release_cached_blocks``).
 
-    One stream (FSDP2's all-gather and reduce-scatter streams keep their own pools on a GPU; their
-    buffers are small next to a step's activations); no ``expandable_segments``.
+    Checked against the real allocator (``tests/test_gpu_allocator.py``): replayed on the allocation traces torch
+    recorded on an H100 (``torch.cuda.memory._record_memory_history``: ten training steps of FSDP2 on one rank), it
+    gives each step's ``max_memory_reserved`` to the byte. No ``expandable_segments``.
     """
 
     def __init__(self, capacity_bytes: float | None = None):
         self.capacity = capacity_bytes
-        self.free_blocks = {True: [], False: []}  # small pool?, sorted [(size, addr, block)]
+        self.free_blocks: dict = {}  # (stream, small pool?) -> sorted [(size, addr, block)]
         self.live: dict = {}
         self.reserved = self.peak_reserved = self.allocated = self.peak_allocated = 0
-        self._next_addr = 0
+        self._next_addr = _TOP_ADDRESS
         self.oom = False  # a segment did not fit under ``capacity`` even after the release
 
     @staticmethod
@@ -112,12 +125,15 @@ class CachingAllocator:
             return LARGE_BUFFER
         return -(-size // ROUND_LARGE) * ROUND_LARGE
 
+    def _pool(self, b) -> list:
+        return self.free_blocks.setdefault((b.stream, b.small), [])
+
     def _insert(self, b):
         # (size, address) is unique: blocks partition the address space, which is never reused
-        bisect.insort(self.free_blocks[b.small], (b.size, b.addr, b))
+        bisect.insort(self._pool(b), (b.size, b.addr, b))
 
     def _remove(self, b):
-        pool = self.free_blocks[b.small]
+        pool = self._pool(b)
         pool.pop(bisect.bisect_left(pool, (b.size, b.addr)))
 
     @staticmethod
@@ -129,10 +145,11 @@ class CachingAllocator:
             right.next.prev = left
         return left
 
-    def malloc(self, key, nbytes: int) -> None:
+    def malloc(self, key, nbytes: int, stream=0) -> None:
+        """Allocate ``nbytes`` for ``key`` on ``stream`` (any hashable; 0: the default stream)."""
         size = max(ALLOCATOR_BLOCK_BYTES, -(-nbytes // ALLOCATOR_BLOCK_BYTES) * ALLOCATOR_BLOCK_BYTES)
         small = size <= SMALL_SIZE
-        pool = self.free_blocks[small]
+        pool = self.free_blocks.setdefault((stream, small), [])
         i = bisect.bisect_left(pool, (size,))
         if i < len(pool):
             b = pool.pop(i)[2]
@@ -143,13 +160,13 @@ class CachingAllocator:
                 # still over: cudaMalloc fails and torch raises OutOfMemoryError (alloc_block after
                 # release_cached_blocks); the replay records it and goes on
                 self.oom = self.oom or self.reserved + seg > self.capacity
-            b = _Block(self._next_addr, seg, small)
-            self._next_addr += seg
+            self._next_addr -= seg
+            b = _Block(self._next_addr, seg, small, stream)
             self.reserved += seg
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         rest = b.size - size
         if rest >= ALLOCATOR_BLOCK_BYTES if small else rest > SMALL_SIZE:
-            r = _Block(b.addr + size, rest, small)
+            r = _Block(b.addr + size, rest, small, stream)
             r.prev, r.next = b, b.next
             if b.next is not None:
                 b.next.prev = r
@@ -175,45 +192,92 @@ class CachingAllocator:
         self._insert(b)
 
     def _release_cached(self) -> None:
-        for small, pool in self.free_blocks.items():
+        for key, pool in self.free_blocks.items():
             keep = []
             for item in pool:
                 if item[2].prev is None and item[2].next is None:  # a whole segment, unused
                     self.reserved -= item[2].size
                 else:
                     keep.append(item)
-            self.free_blocks[small] = keep
+            self.free_blocks[key] = keep
+
+
+#: cuBLAS's default workspace on Hopper and Blackwell (aten/src/ATen/cuda/CublasHandlePool.cpp,
+#: ``parseChosenWorkspaceSize``: 4096 KiB x 8 on compute capability 9.x/10.x/12.x; ``:4096:2:16:8`` = 8.125 MiB
+#: before); one per thread and stream that runs a GEMM (``HardwareSpec.blas_workspace_mib``).
+HOPPER_BLAS_WORKSPACE_BYTES = 4096 * 8 * 1024
 
 
 @contextlib.contextmanager
-def _allocation_trace(events: list):
-    """Record the tracker's storage events (created, freed, resized) in order, for the replay."""
-    from torch.distributed._tools import mem_tracker
+def _allocation_trace(events: list, blas_workspace_bytes: int = 0):
+    """Record the tracker's storage events (created, freed, resized) in order, with the stream each was made on,
+    for the replay; with ``blas_workspace_bytes``, cuBLAS's workspace of the forward's thread after its first GEMM
+    and of the backward's after its first (``allocator_trace.stage_events`` says why), as a GPU makes them."""
+    import torch
+    from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
 
     original = mem_tracker.MemTracker._update_snap
+
+    default = torch.cpu.current_stream()
+    streams: dict = {}
+
+    pending: list = []  # a workspace whose GEMM's output the tracker has not recorded yet (DTensor's ops)
 
     def record(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
         name = getattr(u_type, "name", str(u_type))
         if name in ("ADD", "DEL", "SIZE"):
-            events.append((name, id(winfo), winfo.mem_consumed))
+            # FSDP2 on the CPU enters its streams as on a GPU (torch.cpu.stream: torch.cpu.current_stream follows)
+            current = torch.cpu.current_stream()
+            stream = 0 if current is default else streams.setdefault(id(current), len(streams) + 1)
+            events.append((name, id(winfo), winfo.mem_consumed, stream))
+            if name == "ADD" and pending:
+                events.append(pending.pop())
         return original(self, u_type, winfo, old_mem_consumed, old_reftype)
 
+    aten = torch.ops.aten
+    gemms = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._scaled_mm.default}
+    dispatch = fsdp2_mem_tracker.FSDPMemTracker.__torch_dispatch__
+    threads: set = set()
+
+    def dispatch_with_workspace(self, func, types, args=(), kwargs=None):
+        before = len(events)
+        out = dispatch(self, func, types, args, kwargs)
+        if blas_workspace_bytes and func in gemms:
+            # autograd's backward (and the recompute inside it) runs on its device thread on a GPU
+            thread = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            if thread not in threads:
+                threads.add(thread)
+                workspace = ("ADD", ("blas", thread), blas_workspace_bytes, 0)
+                # on a GPU the GEMM's output is allocated before cuBLAS takes its workspace (at::mm's structured
+                # output, then getCurrentCUDABlasHandle); a DTensor GEMM's local output reaches the tracker after
+                # this call returns, so its workspace waits for that
+                if any(e[0] == "ADD" for e in events[before:]):
+                    events.append(workspace)
+                else:
+                    pending.append(workspace)
+        return out
+
     mem_tracker.MemTracker._update_snap = record
+    fsdp2_mem_tracker.FSDPMemTracker.__torch_dispatch__ = dispatch_with_workspace
     try:
         yield
     finally:
         mem_tracker.MemTracker._update_snap = original
+        fsdp2_mem_tracker.FSDPMemTracker.__torch_dispatch__ = dispatch
 
 
 def replay_reserved(events: list, capacity_bytes: float | None = None) -> CachingAllocator:
-    """The caching allocator after the trace (``peak_reserved``, ``peak_allocated``)."""
+    """The caching allocator after the trace (``peak_reserved``, ``peak_allocated``). Events: ``(kind, key, bytes)``
+    or ``(kind, key, bytes, stream)``; kind "ADD" (made), "DEL" (freed) or "SIZE" (resized: freed, and made again
+    on the stream current at the resize, as ``resize_`` allocates)."""
     alloc = CachingAllocator(capacity_bytes)
     free, malloc = alloc.free, alloc.malloc
-    for kind, key, nbytes in events:
+    for event in events:
+        kind, key, nbytes = event[:3]
         if kind != "ADD":
             free(key)
         if kind != "DEL" and nbytes:
-            malloc(key, nbytes)
+            malloc(key, nbytes, event[3] if len(event) > 3 else 0)
     return alloc
 
 
@@ -468,7 +532,8 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
                  reshard_after_forward: bool = True, recompute: str = "none", microbatches: int = 1,
                  pipeline_nosync: bool = False, last_stage: bool = False, first_stage_in_flight: int = 0,
                  steps: int = 2, recompute_interval: int | None = None,
-                 capacity_gib: float | None = None, zero_grad_set_to_none: bool = True) -> FakeRankResult:
+                 capacity_gib: float | None = None, zero_grad_set_to_none: bool = True,
+                 blas_workspace_bytes: int = HOPPER_BLAS_WORKSPACE_BYTES) -> FakeRankResult:
     """Peak memory of rank 0 of a ``dp`` x ``tp`` job training ``spec`` with ``layers`` layers.
 
     FSDP2 over ``dp`` (torchtitan's ``apply_fsdp``: each block, then the root; bf16 params, fp32
@@ -488,6 +553,9 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
     (device of ``capacity_gib``) for the peak reserved memory. ``zero_grad_set_to_none`` False zeroes the gradients
     in place between steps, as torchtitan does under its whole-step CUDA graph
     (``optimizers.zero_grad(set_to_none=disable_cuda_graphs)``; the graph itself needs a GPU and is not run).
+    The replay writes each allocation on the stream FSDP2 made it on and cuBLAS's workspaces
+    (``blas_workspace_bytes``, Hopper's by default; 0: none), which makes it give an H100's
+    ``max_memory_reserved`` to within 0.1 % (tests/test_gpu_allocator.py).
     """
     import time
 
@@ -501,7 +569,7 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
     world = dp * tp
     events: list = []
     with fake_world(world), _allocator_rounding(), _real_device_meshes(), _dtensor_propagation_apart(), \
-            _allocation_trace(events):
+            _allocation_trace(events, blas_workspace_bytes):
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))  # outside fake mode: real rank ids
         mesh = {"dp": mesh["dp"], "tp": mesh["tp"]}
         fake = FakeTensorMode(allow_non_fake_inputs=True)  # DeviceMesh keeps real int tensors of rank ids
@@ -518,7 +586,10 @@ def measure_step(spec, layers: int, seq_len: int, micro_batch_size: int, dp: int
 
 def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, tp, reshard_after_forward,
          recompute, microbatches, pipeline_nosync, last_stage, first_stage_in_flight, steps, t0,
-         recompute_interval=None, zero_grad_set_to_none=True):
+         recompute_interval=None, zero_grad_set_to_none=True, after_shard=None):
+    """The training step of :func:`measure_step`, on whatever device the caller makes the default
+    (benchmarks/gpu_allocator_check.py runs it on a GPU). ``after_shard(model)``, when given, runs after
+    ``fully_shard`` and before the optimizer is made: torchtitan's ``to_empty`` of a model built on meta."""
     import time
 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -537,6 +608,8 @@ def _run(torch, F, mesh, Transformer, spec, layers, seq_len, micro_batch_size, t
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if after_shard is not None:
+        after_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # see the module docstring
     tracker = FSDPMemTracker(model, opt)
     tokens = torch.randint(0, spec.vocab_size, (micro_batch_size, seq_len))

@@ -622,6 +622,13 @@ class HardwareSpec(_Spec):
                     "(benchmarks/data/h100_kernels.json, h200_kernels.json); other GPUs use the H200's shape.")
     hbm_efficiency: float = Field(
         default=0.7, gt=0, le=1, description="Achieved fraction of HBM bandwidth in memory-bound kernels.")
+    blas_workspace_mib: float = Field(
+        default=32.0, ge=0,
+        description="cuBLAS's workspace per thread that runs GEMMs, MiB: PyTorch's default is 32 on Hopper and "
+                    "Blackwell and 8.125 before (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize; "
+                    "CUBLAS_WORKSPACE_CONFIG changes it), 32 on ROCm, 128 on MI300 (gfx942). The torchtitan "
+                    "profile's reserved-memory replay makes one for the forward and one for the backward "
+                    "(planner.allocator_trace).")
 
     @model_validator(mode="after")
     def _check(self) -> HardwareSpec:

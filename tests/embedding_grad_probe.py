@@ -38,7 +38,7 @@ def measure(mesh, tp: int) -> dict:
     grad = emb.weight.grad
     return {"rows": emb.weight.to_local().shape[0], "grad_local_shape": list(grad.to_local().shape),
             "grad_placements": [str(p) for p in grad.placements], "grad_element_bytes": grad.element_size(),
-            "largest_backward_tensor_bytes": max((b for kind, _, b in events if kind == "ADD"), default=0)}
+            "largest_backward_tensor_bytes": max((e[2] for e in events if e[0] == "ADD"), default=0)}
 
 
 if __name__ == "__main__":

@@ -403,7 +403,7 @@ def with_reserved(model, hardware, training, plan, num_microbatches: int, stages
     device. A step whose allocations fit but whose free blocks cannot serve a request even after the
     release (fragmentation) does not fit; one that reserves more than the device on a larger GPU but
     fits once the cache is released does. The usable memory keeps the profile's headroom for what the
-    trace leaves out (the collectives' stream pools, NCCL's and the context's memory).
+    trace leaves out (NCCL's and the context's memory; FSDP2's stream pools are in it).
     """
     if not reserved_modelled(model, training, plan):
         return stages
@@ -413,6 +413,7 @@ def with_reserved(model, hardware, training, plan, num_microbatches: int, stages
     capacity = hardware.usable_memory_gib * GIB
     out = []
     for st in stages:
-        reserved, _, _ = stage_reserved(model, training, plan, st.stage, st.layers, num_microbatches, capacity)
+        reserved, _, _ = stage_reserved(model, training, plan, st.stage, st.layers, num_microbatches, capacity,
+                                        blas_workspace_bytes=int(hardware.blas_workspace_mib * 2**20))
         out.append(replace(st, reserved_bytes=max(reserved, st.total_bytes)))
     return tuple(out)
