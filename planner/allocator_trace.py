@@ -410,7 +410,12 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         keep = []
         if first:
             unshard(0, in_forward=True)
-        x = recv_x[mb] if recv_x else tr.new(boundary)  # block 0's input: the received one, or the embedding's
+        if recv_x:  # block 0's input: the received one
+            x = recv_x[mb]
+        elif t > 1:  # the vocabulary-parallel embedding's output (RowwiseParallel): partial sums of every token, reduced
+            x = reduce_partial(tr.new(full))  # to this rank's tokens (Shard(1)) with SP, all-reduced without
+        else:
+            x = tr.new(boundary)
         for i in range(layers):
             g = i + 1
             unshard(g, in_forward=True)
