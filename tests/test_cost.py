@@ -250,15 +250,21 @@ def test_gemm_model_against_the_measured_h200_gemms(dtype, mean_tol):
     assert sum(map(abs, errors)) / len(errors) <= 0.15  # and a bounded spread
 
 
+def _block_time_over_measured(row, hw) -> float:
+    """The cost model's forward + backward time of one measured Llama block (a "block" row of gpu_kernels.py: batch
+    1, one GPU, no communication) over the measured time."""
+    model = ModelSpec(name="b", num_layers=1, hidden_size=row["hidden"], num_attention_heads=row["heads"],
+                      num_kv_heads=row["kv_heads"], ffn_hidden_size=row["ffn"], vocab_size=1000, activation="swiglu",
+                      norm="rmsnorm")
+    lt = cost.layer_time(model, hw, TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=row["seq"]),
+                         Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
+    return (lt.fwd_compute + lt.bwd_compute) / (row["fwd_bwd_ms"] * 1e-3)
+
+
 def test_layer_compute_against_the_measured_h200_blocks():
     """One Llama block forward + backward on one GPU (no communication), batch 1: within 5 %."""
     for r in _h200_rows("block"):
-        model = ModelSpec(name="b", num_layers=1, hidden_size=r["hidden"], num_attention_heads=r["heads"],
-                          num_kv_heads=r["kv_heads"], ffn_hidden_size=r["ffn"], vocab_size=1000, activation="swiglu",
-                          norm="rmsnorm")
-        lt = cost.layer_time(model, H200, TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=r["seq"]),
-                             Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
-        assert (lt.fwd_compute + lt.bwd_compute) / (r["fwd_bwd_ms"] * 1e-3) == pytest.approx(1, abs=0.05), r
+        assert _block_time_over_measured(r, H200) == pytest.approx(1, abs=0.05), r
 
 
 # --- the same kernels measured on one H100 SXM (issue 12 item 1: a table per bundled GPU) ---------------------
@@ -321,12 +327,7 @@ def test_layer_compute_against_the_measured_h100_blocks_held_out():
     rows = [r for r in H100_KERNELS["rows"] if r["kind"] == "block"]
     assert len(rows) == 4
     for r in rows:
-        model = ModelSpec(name="b", num_layers=1, hidden_size=r["hidden"], num_attention_heads=r["heads"],
-                          num_kv_heads=r["kv_heads"], ffn_hidden_size=r["ffn"], vocab_size=1000, activation="swiglu",
-                          norm="rmsnorm")
-        lt = cost.layer_time(model, H100_KERNEL_LOOP, TrainingSpec(num_gpus=1, global_batch_size=1, seq_len=r["seq"]),
-                             Plan(tp=1, pp=1, dp=1, micro_batch_size=1))
-        assert (lt.fwd_compute + lt.bwd_compute) / (r["fwd_bwd_ms"] * 1e-3) == pytest.approx(1, abs=0.05), r
+        assert _block_time_over_measured(r, H100_KERNEL_LOOP) == pytest.approx(1, abs=0.05), r
 
 
 def test_kernel_loop_rate_is_the_power_capped_steady_state():
