@@ -237,6 +237,7 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
         if blas_workspace_bytes and ("blas", thread) not in tr.kept:
             tr.kept.add(("blas", thread))
             tr.new(blas_workspace_bytes, ("blas", thread))
+
     n = max(plan.dp * plan.cp, 1) if plan.zero_stage >= 1 else 1
     fsdp = plan.zero_stage >= 1
     raf = reshard_after_forward(plan)
@@ -412,8 +413,8 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
             unshard(0, in_forward=True)
         if recv_x:  # block 0's input: the received one
             x = recv_x[mb]
-        elif t > 1:  # the vocabulary-parallel embedding's output (RowwiseParallel): partial sums of every token, reduced
-            x = reduce_partial(tr.new(full))  # to this rank's tokens (Shard(1)) with SP, all-reduced without
+        elif t > 1:  # the vocabulary-parallel embedding's output (RowwiseParallel): partial sums of every
+            x = reduce_partial(tr.new(full))  # token, reduced to this rank's tokens (Shard(1)) with SP, or all-reduced
         else:
             x = tr.new(boundary)
         for i in range(layers):

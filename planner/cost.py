@@ -115,15 +115,18 @@ _H200_FA2_CAUSAL = {"fwd": (261.4, 286.7, 307.2, 315.1, 336.8, 350.1), "bwd": (1
 _H200_FA2_CAUSAL_D64 = {"fwd": (215.6, 260.8, 281.4, 280.9, 286.0, 310.7),
                         "bwd": (133.3, 180.7, 217.1, 247.2, 271.5, 280.4)}
 # The same measurements on one H100 SXM (NVIDIA H100 80GB HBM3, 132 SMs, 700 W), torch 2.11.0+cu130, 2026-12-05,
-# by the same script: each entry the median of three runs in two leases (benchmarks/data/h100_kernels.json, and the two
-# runs of benchmarks/data/h100_attention_repeat.json; run-to-run spread, max - min over the median: 2 % median,
+# by the same script: each entry the median of three runs in two leases (benchmarks/data/h100_kernels.json and the
+# two runs of benchmarks/data/h100_attention_repeat.json; run-to-run spread, max - min over the median: 2 % median,
 # within 5 % for 37 of the 48 entries, 9-15 % for five of them, all cuDNN at 4k-16k).
 # Forward as the H200 within 4 % (the same GH100 die, clocks and SMs); the backward 13-14 % slower at 1k and 8-12 %
 # at 2k in each of the three runs (the H200's HBM3e moves 4.8 against 3.35 TB/s; gpu_kernels.py's 1 GiB copy: 4,222
 # against 3,009 GB/s), and within the run-to-run spread from 4k on.
-_H100_CAUSAL = {"fwd": (469.9, 540.8, 605.5, 640.9, 631.0, 608.0), "bwd": (233.3, 339.3, 421.8, 446.1, 507.7, 525.4)}
-_H100_CAUSAL_D64 = {"fwd": (334.7, 385.8, 429.9, 463.9, 468.3, 446.1), "bwd": (189.2, 273.1, 348.3, 391.0, 403.6, 406.4)}
-_H100_FA2_CAUSAL = {"fwd": (265.2, 288.7, 293.3, 309.7, 332.8, 346.6), "bwd": (141.9, 194.5, 248.6, 290.3, 312.3, 312.9)}
+_H100_CAUSAL = {"fwd": (469.9, 540.8, 605.5, 640.9, 631.0, 608.0),
+                "bwd": (233.3, 339.3, 421.8, 446.1, 507.7, 525.4)}
+_H100_CAUSAL_D64 = {"fwd": (334.7, 385.8, 429.9, 463.9, 468.3, 446.1),
+                    "bwd": (189.2, 273.1, 348.3, 391.0, 403.6, 406.4)}
+_H100_FA2_CAUSAL = {"fwd": (265.2, 288.7, 293.3, 309.7, 332.8, 346.6),
+                    "bwd": (141.9, 194.5, 248.6, 290.3, 312.3, 312.9)}
 _H100_FA2_CAUSAL_D64 = {"fwd": (213.1, 262.4, 279.9, 282.7, 296.2, 307.3),
                         "bwd": (127.5, 175.1, 215.2, 244.7, 272.1, 283.7)}
 #: Head dims of the measured attention tables; between them the speed is interpolated in log2(d), outside them the
@@ -150,7 +153,8 @@ for _gpu, _fused, _fa2 in (("h200", ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64)
 ATTENTION_TFLOPS_BY_HEAD_DIM = ATTENTION_TABLES["h200"]["fused"]  # (pass, causal, head dim) -> speeds, the H200's
 FA2_ATTENTION_TFLOPS_BY_HEAD_DIM = ATTENTION_TABLES["h200"]["fa2"]  # the same for FlashAttention-2
 ATTENTION_TFLOPS = {key[:2]: row for key, row in ATTENTION_TFLOPS_BY_HEAD_DIM.items() if key[2] == 128}  # head dim 128
-ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]  # the H200's causal forward at 16k: what attention_efficiency means
+# the H200's causal forward at 16k: what attention_efficiency means
+ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]
 
 
 def _attention_row_speed(row: tuple, kv_len: float) -> float:

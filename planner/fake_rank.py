@@ -105,8 +105,8 @@ class CachingAllocator:
       exceed the capacity, when every wholly free segment is released first (``release_cached_blocks``).
 
     Checked against the real allocator (``tests/test_gpu_allocator.py``): replayed on the allocation traces torch
-    recorded on an H100 (``torch.cuda.memory._record_memory_history``: ten training steps of FSDP2 on one rank), it
-    gives each step's ``max_memory_reserved`` to the byte. No ``expandable_segments``.
+    recorded on an H100 (``torch.cuda.memory._record_memory_history``: ten runs of two FSDP2 training steps on one
+    rank), it gives each run's ``max_memory_reserved`` to the byte. No ``expandable_segments``.
     """
 
     def __init__(self, capacity_bytes: float | None = None):
