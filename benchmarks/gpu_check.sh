@@ -14,6 +14,9 @@
 # 3. The GEMM microbenchmark of `plan3d calibrate` on this GPU (bf16, the cost model's shapes)
 #    against the peak of that profile.
 #
+# With PLAN3D_GPU_CHECK_ALL=1 it then runs what the 2026-12-05 H100 lease ran (benchmarks/data/h100_*.json): the
+# kernel sweep, the sustained GEMM rate, and the caching-allocator check (docs/cost-model.md, docs/memory.md).
+#
 # Needs python3 with torch (CUDA), numpy, pyyaml, rich, typer; pydantic is installed from wheels in
 # $PLAN3D_WHEELS (a folder of .whl files, no index) when python3 lacks it. Every step has its own
 # time limit; the whole script stays under 3 minutes on an H200.
@@ -97,4 +100,12 @@ spec, text = launch.calibrate_local(base, backend="nccl", ranks=1, timeout_s=110
 open(f"{sys.argv[1]}/{sys.argv[2]}-calibrated.yaml", "w").write(text)
 print("\n".join(launch.calibration_summary(base, spec)))
 EOF
+if [ "${PLAN3D_GPU_CHECK_ALL:-0}" = 1 ]; then  # the kernel tables and the allocator check (about 4 more minutes)
+    echo "== 4. kernel sweep (benchmarks/gpu_kernels.py)"
+    timeout 300 "$PY" benchmarks/gpu_kernels.py "$OUT/kernels.json" || true
+    echo "== 5. sustained GEMM rate under the power limit (benchmarks/gpu_sustained.py)"
+    timeout 120 "$PY" benchmarks/gpu_sustained.py "$OUT/sustained.json" 20 || true
+    echo "== 6. the caching-allocator check (benchmarks/gpu_allocator_check.py, built on meta as torchtitan builds)"
+    timeout 200 "$PY" benchmarks/gpu_allocator_check.py "$OUT/allocator_check_meta.json" --meta-init || true
+fi
 echo "== done: $OUT"
