@@ -265,8 +265,13 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     # N-th block of the rank and leaves the others alone (Plan.checkpointed_layers)
     policies = [plan.recompute] * layers if not plan.partial_recompute else \
         ["full" if c else "none" for c in plan.checkpointed_layers(stage, layers)]
+    tp_collectives = t > 1 and not (model.is_mla or model.parallel_attention or model.shared_input_norm)
+    # the row-parallel outputs and their reduce-scatter outputs are terms only for what op AC keeps of them
+    # (memory.layer_activation_terms, autograd False); where nothing keeps them they are the partial sums and reduced
+    # tensors the TP collectives below write, not tensors of their own
     forward_by = {rc: [(x.name, x.bytes, kept_under(x, rc), j < split) for j, x in enumerate(terms)
-                       if not x.layer_input] for rc in set(policies)}
+                       if not x.layer_input and (x.autograd or kept_under(x, rc) or not tp_collectives)]
+                  for rc in set(policies)}
     recompute_by = {rc: [(x.name, x.bytes) for x in terms if x.autograd and not kept_under(x, rc) and not x.layer_input]
                     for rc in set(policies)}
     backward_halves = [([(x.name, x.bytes) for x in reversed(half) if x.autograd], blocks)
@@ -274,7 +279,6 @@ def stage_events(model, training, plan, stage: int, layers: int, num_microbatche
     # TP's collectives on the activations (DTensor, torchtitan apply_tp; module docstring): their outputs and the
     # copies torch's functional collectives make, written where the block's dense layout has them
     full = sb * h * e  # one (s x b x h) activation on this rank: a gathered input, a partial sum
-    tp_collectives = t > 1 and not (model.is_mla or model.parallel_attention or model.shared_input_norm)
     gather_copy = tp_collectives and sp > 1 and b > 1  # _maybe_view_chunk_cat: a view only when b = 1
 
     def gather():

@@ -121,7 +121,7 @@ def test_published_pipeline_runs_within_13_percent():
     Float8, which the profile leaves out. Without the kept outputs the six were under by 9-19 % until the first stage
     was charged the word embedding's whole-vocabulary fp32 accumulator (frameworks.torchtitan
     ``embedding_accumulator_extra_bytes``, measured on torch 2.13, 2026-12-04): since then the first stage is the peak
-    without them and reads within the same bounds (-5.7 .. +6.4 %; -1.0 .. +12.6 % since the replay gives FSDP2's
+    without them and reads within the same bounds (-5.7 .. +6.4 %; -2.4 .. +10.0 % since the replay gives FSDP2's
     streams their own pools and writes cuBLAS's workspaces, 2026-12-05), so these readings no longer tell the two
     apart."""
     from tests.test_framework_memory import _torchtitan_estimate, _torchtitan_scenario
