@@ -30,20 +30,31 @@ import torch
 import torch.nn.functional as F
 
 
+def launches_ms(fn, reps: int) -> float:
+    """Milliseconds of ``reps`` back-to-back launches of ``fn``, CUDA events around them."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def timed_ms(fn, reps: int = 10, trials: int = 5, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) / reps)
-    return statistics.median(out)
+    return statistics.median(launches_ms(fn, reps) / reps for _ in range(trials))
+
+
+def fp8_gemm(a, b):
+    """``a @ b`` (bf16 inputs) as an fp8 e4m3 GEMM with per-tensor scales 1.0 and a bf16 output: the call
+    ``torch._scaled_mm`` that Transformer Engine / torchao tensorwise recipes reduce to. Returns the launch."""
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.tensor(1.0, device=a.device)
+    return lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
 def gemm_rows() -> list[dict]:
@@ -65,12 +76,8 @@ def gemm_rows() -> list[dict]:
                     rows.append({"kind": "gemm", "dtype": "bf16", "op": name, "hidden": h, "tp": tp, "m": m, "k": k,
                                  "n": n, "ms": ms, "tflops": flops / ms / 1e9})
                     if fp8 and k % 16 == 0 and n % 16 == 0:
-                        a8 = a.to(torch.float8_e4m3fn)
-                        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
-                        one = torch.tensor(1.0, device=dev)
                         try:
-                            ms8 = timed_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                                                    out_dtype=torch.bfloat16), reps=5, trials=3)
+                            ms8 = timed_ms(fp8_gemm(a, b), reps=5, trials=3)
                             rows.append({"kind": "gemm", "dtype": "fp8", "op": name, "hidden": h, "tp": tp, "m": m,
                                          "k": k, "n": n, "ms": ms8, "tflops": flops / ms8 / 1e9})
                         except Exception as err:  # noqa: BLE001 - record and go on

@@ -20,11 +20,16 @@ H200, /work/.library/device/KINDS.md), fp8 e4m3 with per-tensor scales through `
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_kernels import fp8_gemm, launches_ms  # noqa: E402
 
 # (name, dtype, M, K, N): the MAMF square shape, and two of Megatron's Llama-3-70B TP-8 linears at 8,192 tokens
 SHAPES = (("square_8192", "bf16", 8192, 8192, 8192),
@@ -54,12 +59,7 @@ def _nvml():
 def _gemm(dtype: str, m: int, k: int, n: int):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    if dtype == "bf16":
-        return lambda: a @ b
-    a8 = a.to(torch.float8_e4m3fn)
-    b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
-    one = torch.tensor(1.0, device="cuda")
-    return lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return (lambda: a @ b) if dtype == "bf16" else fp8_gemm(a, b)
 
 
 def run_shape(name: str, dtype: str, m: int, k: int, n: int, seconds: float, read) -> dict:
@@ -68,36 +68,22 @@ def run_shape(name: str, dtype: str, m: int, k: int, n: int, seconds: float, rea
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    # launches per window: about 0.25 s at the first measured rate
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    per_ms = start.elapsed_time(end) / 5
-    batch = max(1, int(250.0 / per_ms))
+    batch = max(1, int(250.0 / (launches_ms(fn, 5) / 5)))  # launches per window: about 0.25 s at the first rate
     windows = []
     t0 = time.time()
     while time.time() - t0 < seconds:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end)
+        ms = launches_ms(fn, batch)
         windows.append({"t_s": round(time.time() - t0, 3), "tflops": flops * batch / ms / 1e9, **read()})
-    rates = [w["tflops"] for w in windows]
-    burst = statistics.median(rates[:3])
-    sustained = statistics.median(rates[len(rates) // 2:])
+    late = windows[len(windows) // 2:]  # the second half: the steady state
+    burst = statistics.median(w["tflops"] for w in windows[:3])
+    sustained = statistics.median(w["tflops"] for w in late)
     row = {"shape": name, "dtype": dtype, "m": m, "k": k, "n": n, "launches_per_window": batch,
            "burst_tflops": burst, "sustained_tflops": sustained, "sustained_over_burst": sustained / burst,
            "windows": windows}
-    clocks = [w["sm_clock_mhz"] for w in windows[len(windows) // 2:] if "sm_clock_mhz" in w]
+    clocks = [w["sm_clock_mhz"] for w in late if "sm_clock_mhz" in w]
     if clocks:
         row["sustained_sm_clock_mhz"] = statistics.median(clocks)
-        row["sustained_power_w"] = statistics.median(w["power_w"] for w in windows[len(windows) // 2:])
+        row["sustained_power_w"] = statistics.median(w["power_w"] for w in late)
     print(f"{name:<20}{dtype:<6} burst {burst:7.1f}  sustained {sustained:7.1f} TFLOP/s  ratio {sustained / burst:.3f}"
           + (f"  SM {row['sustained_sm_clock_mhz']:.0f} MHz  {row['sustained_power_w']:.0f} W" if clocks else ""),
           flush=True)

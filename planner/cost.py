@@ -150,11 +150,8 @@ for _gpu, _fused, _fa2 in (("h200", ((128, _H200_CAUSAL), (64, _H200_CAUSAL_D64)
                 _entry[_kernel][(_pass, True, _d)] = _causal
                 _entry[_kernel][(_pass, False, _d)] = tuple(c * n / k for c, n, k
                                                             in zip(_causal, _FA3_NONCAUSAL_FWD, _FA3_CAUSAL_FWD))
-ATTENTION_TFLOPS_BY_HEAD_DIM = ATTENTION_TABLES["h200"]["fused"]  # (pass, causal, head dim) -> speeds, the H200's
-FA2_ATTENTION_TFLOPS_BY_HEAD_DIM = ATTENTION_TABLES["h200"]["fa2"]  # the same for FlashAttention-2
-ATTENTION_TFLOPS = {key[:2]: row for key, row in ATTENTION_TFLOPS_BY_HEAD_DIM.items() if key[2] == 128}  # head dim 128
-# the H200's causal forward at 16k: what attention_efficiency means
-ATTENTION_REFERENCE = ATTENTION_TFLOPS[("fwd", True)][5]
+# the H200's fused causal forward at 16k, head dim 128: what attention_efficiency means
+ATTENTION_REFERENCE = ATTENTION_TABLES["h200"]["fused"][("fwd", True, 128)][5]
 
 
 def _attention_row_speed(row: tuple, kv_len: float) -> float:

@@ -125,15 +125,16 @@ class CachingAllocator:
             return LARGE_BUFFER
         return -(-size // ROUND_LARGE) * ROUND_LARGE
 
-    def _pool(self, b) -> list:
-        return self.free_blocks.setdefault((b.stream, b.small), [])
+    def _pool(self, stream, small: bool) -> list:
+        """The free blocks of ``stream``'s small or large pool, sorted [(size, addr, block)]."""
+        return self.free_blocks.setdefault((stream, small), [])
 
     def _insert(self, b):
         # (size, address) is unique: blocks partition the address space, which is never reused
-        bisect.insort(self._pool(b), (b.size, b.addr, b))
+        bisect.insort(self._pool(b.stream, b.small), (b.size, b.addr, b))
 
     def _remove(self, b):
-        pool = self._pool(b)
+        pool = self._pool(b.stream, b.small)
         pool.pop(bisect.bisect_left(pool, (b.size, b.addr)))
 
     @staticmethod
@@ -149,7 +150,7 @@ class CachingAllocator:
         """Allocate ``nbytes`` for ``key`` on ``stream`` (any hashable; 0: the default stream)."""
         size = max(ALLOCATOR_BLOCK_BYTES, -(-nbytes // ALLOCATOR_BLOCK_BYTES) * ALLOCATOR_BLOCK_BYTES)
         small = size <= SMALL_SIZE
-        pool = self.free_blocks.setdefault((stream, small), [])
+        pool = self._pool(stream, small)
         i = bisect.bisect_left(pool, (size,))
         if i < len(pool):
             b = pool.pop(i)[2]
