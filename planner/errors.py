@@ -3,6 +3,8 @@ start-up (``plan3d --help``) need not import pydantic or YAML."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 #: Upper bound on any GPU count: the largest published training clusters hold ~10^5 GPUs.
 MAX_GPUS = 1_000_000
 #: Upper bound on a sequence length or a global batch (10^8 tokens or sequences).
@@ -27,3 +29,11 @@ class SpecError(Exception):
     def __init__(self, lines: list[str] | str):
         self.lines = [one_line(str(x)) for x in ([lines] if isinstance(lines, str) else lines)]
         super().__init__("\n".join(self.lines))
+
+
+def missing_file(path: Path | str) -> str:
+    """Why ``path`` is no readable file, where ``Path.is_file`` said so: it does not exist, or it exists and is
+    not a regular file (a device such as /dev/null, a FIFO, a socket)."""
+    if Path(path).exists():
+        return f"{path} is not a regular file; give the path of a file"
+    return f"file {path} does not exist"

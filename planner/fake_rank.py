@@ -47,6 +47,8 @@ import contextlib
 import math
 from dataclasses import dataclass, replace
 
+from planner.specs import HOPPER_BLAS_WORKSPACE_MIB
+
 ALLOCATOR_BLOCK_BYTES = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
 
 
@@ -203,10 +205,9 @@ class CachingAllocator:
             self.free_blocks[key] = keep
 
 
-#: cuBLAS's default workspace on Hopper and Blackwell (aten/src/ATen/cuda/CublasHandlePool.cpp,
-#: ``parseChosenWorkspaceSize``: 4096 KiB x 8 on compute capability 9.x/10.x/12.x; ``:4096:2:16:8`` = 8.125 MiB
-#: before); one per thread and stream that runs a GEMM (``HardwareSpec.blas_workspace_mib``).
-HOPPER_BLAS_WORKSPACE_BYTES = 4096 * 8 * 1024
+#: cuBLAS's default workspace on Hopper and Blackwell, bytes (``planner.specs.HOPPER_BLAS_WORKSPACE_MIB``, its
+#: source); one per thread and stream that runs a GEMM (``HardwareSpec.blas_workspace_mib``).
+HOPPER_BLAS_WORKSPACE_BYTES = int(HOPPER_BLAS_WORKSPACE_MIB * 2**20)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from planner.errors import SpecError  # noqa: F401  (re-exported: planner.presets.SpecError)
+from planner.errors import SpecError, missing_file  # noqa: F401  (re-exported: planner.presets.SpecError)
 from planner.specs import HardwareSpec, ModelSpec, Scenario
 
 T = TypeVar("T", bound=BaseModel)
@@ -116,7 +116,7 @@ def _resolve(ref: str, kind: str, option: str) -> Path:
         if path.is_dir():
             raise SpecError(f"{option}: {ref} is a folder; give a preset name or the path of a .yaml/.json file")
         if not path.is_file():
-            raise SpecError(f"{option}: file {ref} does not exist")
+            raise SpecError(f"{option}: {missing_file(ref)}")
         return path
     names = preset_names(kind)
     if ref in names:
@@ -164,7 +164,7 @@ def load_scenario(path_str: str) -> Scenario:
     """A plan file: ``{model, hardware, training, plan}`` as `plan3d search --out` writes it."""
     path = Path(path_str)
     if not path.is_file():
-        raise SpecError(f"PLAN: file {path_str} does not exist")
+        raise SpecError(f"PLAN: {missing_file(path_str)}")
     data = read_document(path)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with keys model, hardware, training, plan")

@@ -523,6 +523,13 @@ class ModelSpec(_Spec):
         return gaps
 
 
+#: cuBLAS's default workspace per thread and stream that runs a GEMM on Hopper and Blackwell, MiB
+#: (aten/src/ATen/cuda/CublasHandlePool.cpp, ``parseChosenWorkspaceSize``: 4096 KiB x 8 on compute capability
+#: 9.x/10.x/12.x; ``:4096:2:16:8`` = 8.125 MiB before): ``HardwareSpec.blas_workspace_mib``'s default and the
+#: fake-rank harness's (``planner.fake_rank.HOPPER_BLAS_WORKSPACE_BYTES``), which has no profile.
+HOPPER_BLAS_WORKSPACE_MIB = 32.0
+
+
 class HardwareSpec(_Spec):
     """One kind of GPU node and the network between nodes.
 
@@ -623,7 +630,7 @@ class HardwareSpec(_Spec):
     hbm_efficiency: float = Field(
         default=0.7, gt=0, le=1, description="Achieved fraction of HBM bandwidth in memory-bound kernels.")
     blas_workspace_mib: float = Field(
-        default=32.0, ge=0,
+        default=HOPPER_BLAS_WORKSPACE_MIB, ge=0,
         description="cuBLAS's workspace per thread that runs GEMMs, MiB: PyTorch's default is 32 on Hopper and "
                     "Blackwell and 8.125 before (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize; "
                     "CUBLAS_WORKSPACE_CONFIG changes it), 32 on ROCm, 128 on MI300 (gfx942). The torchtitan "

@@ -1,6 +1,7 @@
 """CLI tests through typer's CliRunner: listings, show, estimate, and every bad-input case."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +130,15 @@ def test_missing_required_option(runner):
 
 def test_missing_plan_file(runner):
     _bad(runner, ["estimate", "nope.json"], "nope.json does not exist")
+
+
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="no /dev/null on this system")
+@pytest.mark.parametrize("args", [["estimate", "/dev/null"], ["emit", "/dev/null"],
+                                  ["estimate", "--model", "/dev/null", "--hardware", "h100-sxm-80gb"]])
+def test_plan_path_that_is_no_regular_file(runner, args):
+    """A path that exists but is a device (or FIFO, socket) is named as such, not as missing."""
+    out = _bad(runner, args, "/dev/null is not a regular file")
+    assert "does not exist" not in out
 
 
 GPT3 = ["--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", "64", "--global-batch", "64", "--seq-len", "2048",

@@ -12,7 +12,7 @@ from pathlib import Path
 import typing
 from typing import Optional
 
-from planner.errors import SpecError
+from planner.errors import SpecError, missing_file
 
 
 def required(value, option: str):
@@ -43,7 +43,7 @@ def existing_file(path: str, what: str = "PLAN") -> Path:
     if p.is_dir():
         raise SpecError(f"{what}: {path} is a folder; give the path of a file")
     if not p.is_file():
-        raise SpecError(f"{what}: file {path} does not exist")
+        raise SpecError(f"{what}: {missing_file(path)}")
     return p
 
 
