@@ -1,0 +1,83 @@
+"""Megatron-LM's own functional tests on DGX H100: plan3d's predicted peak allocated memory against NVIDIA's readings.
+
+Run: python benchmarks/megatron_functional_memory.py
+
+Data: benchmarks/data/megatron_functional_h100.json (NVIDIA/Megatron-LM ``tests/functional_tests/test_cases``: each
+case's ``model_config.yaml`` as written and the ``mem-max-allocated-bytes`` of its ``golden_values_dev_dgx_h100.json``,
+with the commits read). Each case's arguments are written as the ``torchrun pretrain_gpt.py`` line Megatron's test
+runner builds from them and read by ``plan3d check`` (``planner.check.check_file``) on the h100-sxm-80gb profile and
+the recipe's 8 GPUs, as a user's CI gate would read them. The reading is the peak allocated bytes of the last rank
+(the TensorBoard writer's), so it is compared with the last pipeline stage's predicted total (allocated; no
+fragmentation headroom, no CUDA context or NCCL buffers, which the caching allocator does not count). Nothing was set
+from these readings. Error = predicted / measured - 1 (negative: plan3d under-predicts, the direction a false "fits"
+comes from). It asserts nothing (``tests/test_megatron_functional_memory.py`` holds the figures).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from planner.check import check_file  # noqa: E402
+from planner.memory import GIB  # noqa: E402
+from planner.presets import load_hardware  # noqa: E402
+
+DATA = ROOT / "benchmarks/data/megatron_functional_h100.json"
+MIB = 2**20
+
+
+def cases() -> list[dict]:
+    return json.loads(DATA.read_text())["cases"]
+
+
+def launch_script(case: dict) -> str:
+    """The case as a bash launch: its ENV_VARS exported, then ``torchrun ... pretrain_gpt.py`` with MODEL_ARGS
+    (``true`` as a bare flag, ``false`` left out, every other value as written)."""
+    words = []
+    for key, value in case["model_args"].items():
+        if value is True:
+            words.append(key)
+        elif value is not False:
+            words += [key, str(value)]
+    env = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in case["env_vars"].items())
+    return (f"#!/bin/bash\n{env}torchrun --nproc-per-node {case['gpus']} pretrain_gpt.py "
+            + " ".join(shlex.quote(w) for w in words) + "\n")
+
+
+def predict(case: dict, folder: Path):
+    """(plan3d check's result, predicted bytes of the last pipeline stage) for one case."""
+    path = folder / f"{case['case']}.sh"
+    path.write_text(launch_script(case))
+    result = check_file(path, load_hardware("h100-sxm-80gb"), None, case["gpus"])
+    if result.errors or result.scenario is None:
+        return result, None
+    return result, result.memory().stages[-1].total_bytes
+
+
+def main() -> None:
+    errors = []
+    with tempfile.TemporaryDirectory(prefix="plan3d-megatron-functional-") as tmp:
+        for case in cases():
+            result, predicted = predict(case, Path(tmp))
+            measured = case["mem_max_allocated_bytes"]
+            if predicted is None:
+                print(f"{case['case'][:64]:64s} refused: {'; '.join(result.errors)[:120]}")
+                continue
+            err = predicted / measured - 1
+            errors.append((case["case"], err, measured))
+            print(f"{case['case'][:64]:64s} {result.scenario.plan.label():30s} measured {measured / GIB:6.2f} GiB  "
+                  f"predicted {predicted / GIB:6.2f} GiB  {100 * err:+6.1f} %  ({(predicted - measured) / MIB:+7.1f} MiB)")
+    big = [e for _, e, m in errors if m >= 10 * GIB]
+    print(f"{len(errors)} cases: mean |error| {100 * sum(abs(e) for _, e, _ in errors) / len(errors):.1f} %, worst "
+          f"{100 * min(e for _, e, _ in errors):+.1f} %; the {len(big)} cases above 10 GiB: mean |error| "
+          f"{100 * sum(abs(e) for e in big) / len(big):.1f} %")
+
+
+if __name__ == "__main__":
+    main()
