@@ -1219,11 +1219,20 @@ def output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     v_pad = padded_vocab_size(model.vocab_size, t)
     e = act_bytes(training)
     logits = frameworks.get(training.framework).logits_bytes_per_element(training, plan)
-    if model.final_logit_softcap is not None:
-        logits += e  # the tanh output of cap * tanh(logits / cap), saved for its backward (Gemma-2)
-    head = (2 * s * b * h * e / sp  # final-norm input and output-layer input
-            + logits * s * b * v_pad / t + s * b * TOKEN_ID_BYTES)
-    return head + mtp_bytes(model, training, plan, head) + dataloader_mask_bytes(training, plan)
+    softcap = e if model.final_logit_softcap is not None else 0  # cap * tanh(logits / cap)'s saved tanh (Gemma-2)
+    inputs = 2 * s * b * h * e / sp + s * b * TOKEN_ID_BYTES  # final-norm and output-layer inputs, labels
+    head = inputs + (logits + softcap) * s * b * v_pad / t
+    kept_head = inputs + (kept_logits_bytes_per_element(training) + softcap) * s * b * v_pad / t
+    return head + mtp_bytes(model, training, plan, kept_head) + dataloader_mask_bytes(training, plan)
+
+
+def kept_logits_bytes_per_element(training: TrainingSpec) -> float:
+    """Bytes per logit a finished loss forward keeps for its backward: the fp32 softmax Megatron's vocab-parallel cross
+    entropy saves (``exp_logits``, 4 B; plain or ``--cross-entropy-loss-fusion`` native: the bf16 logits are freed
+    once upcast), or the bf16 logits Transformer Engine's fused loss writes its gradient into (2 B,
+    ``planner.frameworks.megatron`` module docstring). A multi-token-prediction head's loss runs before the main
+    one (:func:`mtp_bytes`), so at the main loss's backward peak it holds this much, not its own peak."""
+    return 2 if training.cross_entropy_fusion == "te" else 4
 
 
 def mtp_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, head_bytes: float) -> float:
@@ -1233,7 +1242,11 @@ def mtp_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, head_bytes: 
     lives with the main logits until the loss backward, the loss phase of :func:`layer_phase_bytes`. Per module:
     one layer of the last layer's kind (:func:`saved_bytes_per_layer_kind`), the inputs of ``enorm``, ``hnorm``
     and of ``eh_proj`` (the two normed halves, ``2h``) (``MultiTokenPredictionLayer.forward``), and a second
-    output head as the main one keeps it (``head_bytes``: final-norm and output-layer inputs, logits, labels)."""
+    output head as its finished loss keeps it (``head_bytes``: final-norm and output-layer inputs, the logits its loss
+    saved, :func:`kept_logits_bytes_per_element`, labels): the main loss's backward, the peak, comes first (autograd
+    runs the later-made node first) while the MTP loss still waits for its own. NVIDIA's MTP functional test on DGX
+    H100 (``benchmarks/megatron_functional_memory.py``, MoE + MLA + MTP, native fused loss): -1.3 % so; -2.8 % with
+    6 B per logit in both heads, +3.1 % with the main head's 10 in both."""
     n = model.mtp_num_layers
     if not n:
         return 0.0
@@ -1431,16 +1444,46 @@ def deepep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     return float(nvl + rdma + DEEPEP_WORKSPACE_BYTES)
 
 
+def gemm_workspace_bytes(training: TrainingSpec, hardware: HardwareSpec | None, loss_stage: bool,
+                         moe_stage: bool) -> float:
+    """cuBLAS workspaces a stage's GEMMs allocate through PyTorch's caching allocator and keep for the run, where the
+    framework profile counts them (``FrameworkProfile.counts_gemm_workspaces``: Megatron-Core and NeMo); 0 elsewhere
+    or without a hardware profile.
+
+    * PyTorch's own (``HardwareSpec.blas_workspace_mib``, 32 MiB on Hopper: aten/src/ATen/cuda/CublasHandlePool.cpp),
+      one per thread that runs a torch GEMM: the forward's and autograd's device thread, as the caching-allocator check
+      on an H100 found (``planner.fake_rank``, benchmarks/data/h100_allocator_check.json). Megatron-Core's torch
+      GEMMs are the output layer's (``tensor_parallel.ColumnParallelLinear``, on the loss stage) and the MoE
+      router's (``TopKRouter.gating``, on a stage with a MoE layer); its transformer layers are Transformer Engine
+      modules, which pass TE's workspace to cuBLAS.
+    * Transformer Engine's (``HardwareSpec.te_workspace_mib``): one per process (``module/base.py::get_workspace``),
+      and ``num_cublas_streams`` more where ``GroupedLinear`` runs the routed experts
+      (``get_multi_stream_cublas_workspace``; ``FrameworkProfile.expert_gemm_streams``, 4).
+
+    Held out against NVIDIA's Megatron-LM functional tests on DGX H100 (``benchmarks/megatron_functional_memory.py``):
+    before this term every dense case's last stage was 96-112 MiB under its ``mem-max-allocated-bytes``; 2 x 32 +
+    32 MiB is 96."""
+    prof = frameworks.get(training.framework)
+    if hardware is None or not prof.counts_gemm_workspaces:
+        return 0.0
+    torch_threads = 2 if (loss_stage or moe_stage) else 0
+    te = 1 + (prof.expert_gemm_streams if moe_stage else 0)
+    return (torch_threads * hardware.blas_workspace_mib + te * hardware.te_workspace_mib) * 2**20
+
+
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
-                      stage: int):
+                      stage: int, hardware: HardwareSpec | None = None):
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the first stage (and
     Megatron's dataloader mask, :func:`dataloader_mask_bytes`), the output layer's on the last (and the deferred
     embedding wgrad, :func:`deferred_wgrad_bytes`), the pipeline's receive buffers (:func:`pipeline_buffer_bytes`);
     Transformer Engine's TP-overlap userbuffers on every stage (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer
-    on every stage with a MoE layer (:func:`deepep_buffer_bytes`)."""
+    on every stage with a MoE layer (:func:`deepep_buffer_bytes`); the GEMMs' cuBLAS workspaces
+    (:func:`gemm_workspace_bytes`, with ``hardware``)."""
+    moe_stage = bool(plan.stage_moe_layers(model)[stage])
     other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + \
-        tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
-    if plan.stage_moe_layers(model)[stage]:  # DeepEP's buffer, where a MoE layer of this stage dispatches
+        tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size) + \
+        gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage)
+    if moe_stage:  # DeepEP's buffer, where a MoE layer of this stage dispatches
         other = other + deepep_buffer_bytes(model, training, plan)
     if stage == 0:
         mbs_in_flight = np.ceil(stage_in_flight_chunks(training, plan, num_microbatches, 0) / plan.vpp)
@@ -1556,7 +1599,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
         grads_bytes=st.grads_bytes + g_work + step,
         optimizer_bytes=st.optimizer_bytes,
         activations_bytes=saved + a_work,
-        other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage)) + kept,
+        other_bytes=float(stage_other_bytes(model, training, plan, num_microbatches, stage, hardware)) + kept,
         step_excess_bytes=step,
     )
 

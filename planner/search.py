@@ -49,8 +49,8 @@ from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, bf16_layer_delta_bytes,
                             bf16_layers_on_stage, chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes,
-                            deferred_wgrad_bytes_per_microbatch, deferred_wgrad_microbatches, in_flight_chunks,
-                            input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
+                            deferred_wgrad_bytes_per_microbatch, deferred_wgrad_microbatches, gemm_workspace_bytes,
+                            in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
                             pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
                             stage_moe_layer_count, stage_param_inputs, stage_params_per_rank, stage_state_bytes_of,
@@ -386,6 +386,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
+        other = other + np.array([gemm_workspace_bytes(training, hw, r == base.loss_stage, bool(k))
+                                  for r, k in zip(rows_r, n_moe)])  # memory.stage_other_bytes
         out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
         layer_phase = work + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)

@@ -636,6 +636,13 @@ class HardwareSpec(_Spec):
                     "CUBLAS_WORKSPACE_CONFIG changes it), 32 on ROCm, 128 on MI300 (gfx942). The torchtitan "
                     "profile's reserved-memory replay makes one for the forward and one for the backward "
                     "(planner.allocator_trace).")
+    te_workspace_mib: float = Field(
+        default=32.0, ge=0,
+        description="Transformer Engine's cuBLAS workspace, MiB: 32 on compute capability 9 and later (Hopper, "
+                    "Blackwell), 4 before (transformer_engine/pytorch/module/base.py, get_cublas_workspace_size_bytes; "
+                    "recent releases add 256 B-1 KiB of scales). One per process (get_workspace), four more where "
+                    "its GroupedLinear runs the routed experts (get_multi_stream_cublas_workspace); counted under "
+                    "the Megatron and NeMo profiles (planner.memory.gemm_workspace_bytes).")
 
     @model_validator(mode="after")
     def _check(self) -> HardwareSpec:

@@ -65,9 +65,15 @@ Code paths (Megatron-LM core_v0.16, ``megatron/core/distributed`` and ``megatron
   bytes too (the larger).
 * **Logits**: the vocab-parallel cross entropy (``tensor_parallel/cross_entropy.py``) upcasts the
   bf16 logits to fp32 in place of a copy: 2 + 4 B per logit live together (``planner.memory``
-  contradiction 5). ``--cross-entropy-loss-fusion`` alone (``fused_vocab_parallel_cross_entropy``,
-  ``core/fusions/fused_cross_entropy.py``) upcasts too and saves the fp32 ``exp_logits``, then casts the
-  gradient to bf16: the same 6 B at its peak. With ``--cross-entropy-fusion-impl te``
+  contradiction 5). ``--cross-entropy-loss-fusion`` alone (``--cross-entropy-fusion-impl native``, the default:
+  ``fused_vocab_parallel_cross_entropy``, ``core/fusions/fused_cross_entropy.py``) upcasts too and saves the fp32
+  ``exp_logits``, but its pieces run under ``jit_fuser``, which is ``torch.compile`` on torch >= 2.2
+  (``core/jit.py``): compiled, ``calculate_gradients`` writes its in-place ``index_put`` and ``mul_`` on the saved
+  softmax through a new fp32 buffer of the logits' size and copies it back, next to the bf16 gradient it returns
+  (inductor's output code for core_v0.16.1's function under torch 2.13: ``buf0 = empty_strided((s*b, v/t),
+  float32)`` beside the bf16 ``buf2``): 4 + 4 + 2 = 10 B per logit in the loss backward. NVIDIA's functional test
+  ``gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion`` on DGX H100 measured 4.1 B per logit above the 6
+  (``benchmarks/megatron_functional_memory.py``). With ``--cross-entropy-fusion-impl te``
   (``TrainingSpec.cross_entropy_fusion``; ``language_module.py`` ``compute_language_model_loss`` calls
   ``te_parallel_cross_entropy``) Transformer Engine's Triton kernel keeps the bf16 logits and 12 B per token
   of fp32 (max, sum, target logit), and its backward writes the gradient into the logits in place
@@ -125,6 +131,7 @@ FP32_MASTER_BYTES = 4
 FP32_GRAD_COPY_BYTES = 4
 LOGITS_BYTES_PER_ELEMENT = 6  # bf16 logits + fp32 upcast (module docstring)
 TE_FUSED_LOGITS_BYTES_PER_ELEMENT = 2  # bf16 logits, the gradient written in place (module docstring)
+NATIVE_FUSED_LOGITS_BYTES_PER_ELEMENT = 10  # saved fp32 softmax + compiled backward's fp32 copy + bf16 gradient
 
 
 def precision_aware_optimizer_bytes(training) -> float:
@@ -241,11 +248,12 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
 
 
 def logits_bytes_per_element(training, plan) -> float:
-    """Bytes per logit at the loss: bf16 + fp32 upcast (6), bf16 only under TE's fused cross entropy (2), or fp32
-    logits + softmax (8) in fp32 training (module docstring)."""
+    """Bytes per logit at the loss: bf16 + fp32 upcast (6), bf16 only under TE's fused cross entropy (2), the native
+    fused one's compiled backward (10), or fp32 logits + softmax (8) in fp32 training (module docstring)."""
     if training.precision == "fp32":
         return 8
-    return TE_FUSED_LOGITS_BYTES_PER_ELEMENT if training.cross_entropy_fusion == "te" else LOGITS_BYTES_PER_ELEMENT
+    return {"te": TE_FUSED_LOGITS_BYTES_PER_ELEMENT, "native": NATIVE_FUSED_LOGITS_BYTES_PER_ELEMENT}.get(
+        training.cross_entropy_fusion, LOGITS_BYTES_PER_ELEMENT)
 
 
 PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
@@ -260,7 +268,7 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)
                            allows_cpu_offload=True, allows_block_recompute=True, allows_recompute_groups=True,
                            # --moe-grouped-gemm (planner/emit/megatron.py): TEGroupedMLP, TE's multi-stream GroupedLinear
-                           expert_gemm_streams=4,
+                           expert_gemm_streams=4, counts_gemm_workspaces=True,
                            # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep
                            runs_deepep=True,
                            # Megatron-FSDP's reduce-scatter queue (optim_grads[_params], cost.grad_reduce_trail_s)

@@ -1,0 +1,72 @@
+"""Golden: NVIDIA's own Megatron-LM functional tests on DGX H100 against plan3d's predicted peak allocated memory.
+
+The expected values are NVIDIA CI's measurements (``mem-max-allocated-bytes`` of each case's
+``golden_values_dev_dgx_h100.json``, NVIDIA/Megatron-LM ``tests/functional_tests/test_cases``, commits in
+benchmarks/data/megatron_functional_h100.json), not numbers computed by plan3d. Each case's ``model_config.yaml``
+arguments go through ``plan3d check`` as a launch line (benchmarks/megatron_functional_memory.py), and the last
+pipeline stage's predicted total (the rank that logs the reading) must lie within ``TOLERANCE`` of the reading.
+Nothing in the model was set from these readings; the two terms they pointed at are sourced in code
+(``planner.memory.gemm_workspace_bytes``: PyTorch's and Transformer Engine's cuBLAS workspaces; the native fused cross
+entropy's compiled backward, ``planner.frameworks.megatron``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from planner.memory import gemm_workspace_bytes
+from planner.presets import load_hardware
+from planner.specs import TrainingSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("megatron_functional_bench",
+                                               ROOT / "benchmarks" / "megatron_functional_memory.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+#: Largest relative error allowed either way. Every case is within 2.1 % (benchmarks/megatron_functional_memory.py);
+#: 5 % is the headroom a reading of another Megatron-LM / Transformer Engine build may need (the golden files change
+#: by 0.0002 % between commits; the small cases' fixed workspaces are 3-11 % of their peak).
+TOLERANCE = 0.05
+CASES = bench.cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["case"] for c in CASES])
+def test_megatron_functional_test_peak_allocated(case, tmp_path):
+    result, predicted = bench.predict(case, tmp_path)
+    assert predicted is not None, result.errors
+    measured = case["mem_max_allocated_bytes"]
+    err = predicted / measured - 1
+    assert abs(err) <= TOLERANCE, (f"{case['case']}: predicted {predicted / 2**30:.3f} GiB, NVIDIA measured "
+                                   f"{measured / 2**30:.3f} GiB ({100 * err:+.1f} %)")
+
+
+def test_layouts_of_the_large_cases(tmp_path):
+    """The three cases above 10 GiB as plan3d reads them: TP1 x PP4 with one layer per virtual stage (vpp 8), TP4,
+    and the MoE proxy's TP2 x PP2 x VPP4 x EP4."""
+    want = {"gpt3_7b_tp1_pp4_memory_speed": "tp1-pp4-vpp8-dp2_mbs1", "gpt3_7b_tp4_pp1_memory_speed": "tp4-pp1-dp2_mbs2",
+            "gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed": "tp2-pp2-vpp4-dp2-ep4-etp1_mbs4"}
+    for case in CASES:
+        if case["case"] in want:
+            result, _ = bench.predict(case, tmp_path)
+            assert result.scenario.plan.label() == want[case["case"]]
+
+
+def test_gemm_workspaces_hand_count():
+    """PyTorch's workspace per GEMM thread (2 where the stage runs torch GEMMs: the output layer, the router) and
+    Transformer Engine's (1, and 4 more on a stage whose routed experts run TE's GroupedLinear), in MiB: H100
+    32 and 32, A100 8.125 and 4 (the profiles' blas_workspace_mib and te_workspace_mib). Counted for Megatron and
+    NeMo only."""
+    h100, a100 = load_hardware("h100-sxm-80gb"), load_hardware("a100-80gb")
+    mega = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096)
+    mib = 2**20
+    assert gemm_workspace_bytes(mega, h100, loss_stage=False, moe_stage=False) == 32 * mib
+    assert gemm_workspace_bytes(mega, h100, loss_stage=True, moe_stage=False) == (2 * 32 + 32) * mib
+    assert gemm_workspace_bytes(mega, h100, loss_stage=False, moe_stage=True) == (2 * 32 + 5 * 32) * mib
+    assert gemm_workspace_bytes(mega, a100, loss_stage=True, moe_stage=False) == (2 * 8.125 + 4) * mib
+    assert gemm_workspace_bytes(mega.model_copy(update={"framework": "nemo"}), h100, True, False) == 96 * mib
+    assert gemm_workspace_bytes(mega.model_copy(update={"framework": "torchtitan"}), h100, True, True) == 0
+    assert gemm_workspace_bytes(mega, None, True, True) == 0
