@@ -1374,8 +1374,8 @@ def tp_comm_overlap_bytes_per_element(training: TrainingSpec) -> float:
     recipes default to it). Megatron-Core core_v0.16.1 ``training/initialize.py`` ``_initialize_tp_communicators``
     calls ``initialize_ub`` with the FP8 quantization mode when ``args.fp8`` (the fp8 and mxfp8 recipes); TE gives
     every communicator a buffer of the shape it is given, ``UB_ALL_GATHER_BUFFERS`` at 1 B under FP8, else 2, and
-    ``UB_REDUCE_SCATTER_BUFFERS`` at 2 B. Not counted: the cuBLAS workspaces TE repeats per overlap stream (tens of
-    MiB) and a second set under ``--first-last-layers-bf16``."""
+    ``UB_REDUCE_SCATTER_BUFFERS`` at 2 B. The cuBLAS workspaces TE repeats per overlap stream are
+    :func:`gemm_workspace_bytes`'; not counted: a second set under ``--first-last-layers-bf16``."""
     from planner.cost import resolved_overlap  # cost imports this module
 
     if training.framework not in ("megatron", "nemo") or not resolved_overlap(training).tp_comm_overlap:
@@ -1445,7 +1445,7 @@ def deepep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
 
 
 def gemm_workspace_bytes(training: TrainingSpec, hardware: HardwareSpec | None, loss_stage: bool,
-                         moe_stage: bool) -> float:
+                         moe_stage: bool, tp_overlap: bool = False) -> float:
     """cuBLAS workspaces a stage's GEMMs allocate through PyTorch's caching allocator and keep for the run, where the
     framework profile counts them (``FrameworkProfile.counts_gemm_workspaces``: Megatron-Core and NeMo); 0 elsewhere
     or without a hardware profile.
@@ -1457,18 +1457,25 @@ def gemm_workspace_bytes(training: TrainingSpec, hardware: HardwareSpec | None, 
       router's (``TopKRouter.gating``, on a stage with a MoE layer); its transformer layers are Transformer Engine
       modules, which pass TE's workspace to cuBLAS.
     * Transformer Engine's (``HardwareSpec.te_workspace_mib``): one per process (``module/base.py::get_workspace``),
-      and ``num_cublas_streams`` more where ``GroupedLinear`` runs the routed experts
-      (``get_multi_stream_cublas_workspace``; ``FrameworkProfile.expert_gemm_streams``, 4).
+      ``_NUM_MAX_UB_STREAMS`` (3) of them in one tensor where TP communication overlap runs (``initialize_ub``:
+      ``_cublas_workspace = get_workspace().repeat(_NUM_MAX_UB_STREAMS)``, the single one freed; the job's
+      :func:`tp_comm_overlap_buffer_bytes` > 0), and ``num_cublas_streams`` more where ``GroupedLinear`` runs the
+      routed experts (``get_multi_stream_cublas_workspace``; ``FrameworkProfile.expert_gemm_streams``, 4).
 
     Held out against NVIDIA's Megatron-LM functional tests on DGX H100 (``benchmarks/megatron_functional_memory.py``):
     before this term every dense case's last stage was 96-112 MiB under its ``mem-max-allocated-bytes``; 2 x 32 +
-    32 MiB is 96."""
+    32 MiB is 96; the FP8 case with TP communication overlap was 88 MiB under, 24 with the userbuffers' three."""
     prof = frameworks.get(training.framework)
     if hardware is None or not prof.counts_gemm_workspaces:
         return 0.0
     torch_threads = 2 if (loss_stage or moe_stage) else 0
-    te = 1 + (prof.expert_gemm_streams if moe_stage else 0)
+    te = (TE_UB_STREAMS if tp_overlap else 1) + (prof.expert_gemm_streams if moe_stage else 0)
     return (torch_threads * hardware.blas_workspace_mib + te * hardware.te_workspace_mib) * 2**20
+
+
+#: Transformer Engine's ``_NUM_MAX_UB_STREAMS`` (``pytorch/module/base.py``): the copies of its cuBLAS workspace
+#: ``initialize_ub`` keeps for the userbuffer overlap's concurrent GEMMs
+TE_UB_STREAMS = 3
 
 
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
@@ -1482,7 +1489,8 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     moe_stage = bool(plan.stage_moe_layers(model)[stage])
     other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + \
         tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size) + \
-        gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage)
+        gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage,
+                             tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size) > 0)
     if moe_stage:  # DeepEP's buffer, where a MoE layer of this stage dispatches
         other = other + deepep_buffer_bytes(model, training, plan)
     if stage == 0:

@@ -386,8 +386,10 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
-        other = other + np.array([gemm_workspace_bytes(training, hw, r == base.loss_stage, bool(k))
-                                  for r, k in zip(rows_r, n_moe)])  # memory.stage_other_bytes
+        # memory.stage_other_bytes: the GEMMs' workspaces [U, R], TE's three where the TP-overlap userbuffers run
+        ub_on_u = sp_u & bool(ub_per_element) & (tp > 1)
+        other = other + np.stack([[gemm_workspace_bytes(training, hw, r == base.loss_stage, bool(k), bool(ub))
+                                   for r, k in zip(rows_r, n_moe)] for ub in ub_on_u], axis=0)
         out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
         layer_phase = work + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)
