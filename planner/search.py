@@ -32,6 +32,7 @@ How it works:
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
 import time
 import types
@@ -289,6 +290,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     boundary_full_u = mbs_u * model.hidden_size * act_bytes(training)
     # Transformer Engine's TP-overlap userbuffers (memory.tp_comm_overlap_buffer_bytes), per micro option below
     ub_per_element = tp_comm_overlap_bytes_per_element(training)
+    # memory.gemm_workspace_bytes by (loss stage, MoE stage, TP-overlap userbuffers): constant over the job
+    workspaces = {key: gemm_workspace_bytes(training, hw, *key) for key in itertools.product((False, True), repeat=3)}
 
     def in_flight(plan, m, r):  # memory.stage_in_flight_chunks: the framework's w_fraction and order
         return in_flight_chunks(plan, m, r, w_fraction, family)
@@ -388,8 +391,9 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
         # memory.stage_other_bytes: the GEMMs' workspaces [U, R], TE's three where the TP-overlap userbuffers run
         ub_on_u = sp_u & bool(ub_per_element) & (tp > 1)
-        other = other + np.stack([[gemm_workspace_bytes(training, hw, r == base.loss_stage, bool(k), bool(ub))
-                                   for r, k in zip(rows_r, n_moe)] for ub in ub_on_u], axis=0)
+        ws_r = [np.array([workspaces[(bool(r == base.loss_stage), bool(k), ub)] for r, k in zip(rows_r, n_moe)])
+                for ub in (False, True)]
+        other = other + np.where(ub_on_u[:, None], ws_r[1][None, :], ws_r[0][None, :])
         out_spike = (rows_r == base.loss_stage) * f["output_bytes"][:, None]  # [U, R]
         layer_phase = work + f["working"][:, None, None]  # [U, Z, R]: memory.layer_phase_bytes
         work_peak = np.maximum(layer_phase - out_spike[:, None, :], 0.0)

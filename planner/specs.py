@@ -640,9 +640,10 @@ class HardwareSpec(_Spec):
         default=32.0, ge=0,
         description="Transformer Engine's cuBLAS workspace, MiB: 32 on compute capability 9 and later (Hopper, "
                     "Blackwell), 4 before (transformer_engine/pytorch/module/base.py, get_cublas_workspace_size_bytes; "
-                    "recent releases add 256 B-1 KiB of scales). One per process (get_workspace), four more where "
-                    "its GroupedLinear runs the routed experts (get_multi_stream_cublas_workspace); counted under "
-                    "the Megatron and NeMo profiles (planner.memory.gemm_workspace_bytes).")
+                    "recent releases add 256 B-1 KiB of scales). One per process (get_workspace), three in its place "
+                    "where TP communication overlap runs (initialize_ub), four more where its GroupedLinear runs the "
+                    "routed experts (get_multi_stream_cublas_workspace); counted under the Megatron and NeMo profiles "
+                    "(planner.memory.gemm_workspace_bytes).")
 
     @model_validator(mode="after")
     def _check(self) -> HardwareSpec:
