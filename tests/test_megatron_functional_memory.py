@@ -5,9 +5,10 @@ The expected values are NVIDIA CI's measurements (``mem-max-allocated-bytes`` of
 benchmarks/data/megatron_functional_h100.json), not numbers computed by plan3d. Each case's ``model_config.yaml``
 arguments go through ``plan3d check`` as a launch line (benchmarks/megatron_functional_memory.py), and the last
 pipeline stage's predicted total (the rank that logs the reading) must lie within ``TOLERANCE`` of the reading.
-Nothing in the model was set from these readings; the two terms they pointed at are sourced in code
-(``planner.memory.gemm_workspace_bytes``: PyTorch's and Transformer Engine's cuBLAS workspaces; the native fused cross
-entropy's compiled backward, ``planner.frameworks.megatron``).
+Nothing in the model was set from these readings; the terms they pointed at are sourced in code
+(``planner.memory.gemm_workspace_bytes``: PyTorch's and Transformer Engine's cuBLAS workspaces, TE's three under TP
+communication overlap; the native fused cross entropy's compiled backward, ``planner.frameworks.megatron``; a
+multi-token-prediction head at what its loss saved, ``planner.memory.mtp_bytes``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ _spec = importlib.util.spec_from_file_location("megatron_functional_bench",
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-#: Largest relative error allowed either way. Every case is within 2.1 % (benchmarks/megatron_functional_memory.py);
+#: Largest relative error allowed either way. Every case but the known gap is within 3.7 %
+#: (benchmarks/megatron_functional_memory.py);
 #: 5 % is the headroom a reading of another Megatron-LM / Transformer Engine build may need (the golden files change
 #: by 0.0002 % between commits; the small cases' fixed workspaces are 3-11 % of their peak).
 TOLERANCE = 0.05
@@ -60,7 +62,8 @@ def test_layouts_of_the_large_cases(tmp_path):
 
 def test_gemm_workspaces_hand_count():
     """PyTorch's workspace per GEMM thread (2 where the stage runs torch GEMMs: the output layer, the router) and
-    Transformer Engine's (1, and 4 more on a stage whose routed experts run TE's GroupedLinear), in MiB: H100
+    Transformer Engine's (1, 3 under TP communication overlap, and 4 more on a stage whose routed experts run TE's
+    GroupedLinear), in MiB: H100
     32 and 32, A100 8.125 and 4 (the profiles' blas_workspace_mib and te_workspace_mib). Counted for Megatron and
     NeMo only."""
     h100, a100 = load_hardware("h100-sxm-80gb"), load_hardware("a100-80gb")
@@ -69,6 +72,8 @@ def test_gemm_workspaces_hand_count():
     assert gemm_workspace_bytes(mega, h100, loss_stage=False, moe_stage=False) == 32 * mib
     assert gemm_workspace_bytes(mega, h100, loss_stage=True, moe_stage=False) == (2 * 32 + 32) * mib
     assert gemm_workspace_bytes(mega, h100, loss_stage=False, moe_stage=True) == (2 * 32 + 5 * 32) * mib
+    # TP communication overlap: initialize_ub keeps TE's workspace three times (_NUM_MAX_UB_STREAMS)
+    assert gemm_workspace_bytes(mega, h100, loss_stage=True, moe_stage=False, tp_overlap=True) == (2 * 32 + 3 * 32) * mib
     assert gemm_workspace_bytes(mega, a100, loss_stage=True, moe_stage=False) == (2 * 8.125 + 4) * mib
     assert gemm_workspace_bytes(mega.model_copy(update={"framework": "nemo"}), h100, True, False) == 96 * mib
     assert gemm_workspace_bytes(mega.model_copy(update={"framework": "torchtitan"}), h100, True, True) == 0
