@@ -72,9 +72,9 @@ def main() -> None:
             err = predicted / measured - 1
             errors.append((case["case"], err, measured))
             gap = "  known gap" if "known_gap" in case else ""
+            delta_mib = (predicted - measured) / MIB
             print(f"{case['case'][:64]:64s} {result.scenario.plan.label():30s} measured {measured / GIB:6.2f} GiB  "
-                  f"predicted {predicted / GIB:6.2f} GiB  {100 * err:+6.1f} %  ({(predicted - measured) / MIB:+7.1f} MiB)"
-                  f"{gap}")
+                  f"predicted {predicted / GIB:6.2f} GiB  {100 * err:+6.1f} %  ({delta_mib:+7.1f} MiB){gap}")
     big = [e for _, e, m in errors if m >= 10 * GIB]
     print(f"{len(errors)} cases: mean |error| {100 * sum(abs(e) for _, e, _ in errors) / len(errors):.1f} %, worst "
           f"{100 * min(e for _, e, _ in errors):+.1f} %; the {len(big)} cases above 10 GiB: mean |error| "

@@ -73,7 +73,7 @@ def test_gemm_workspaces_hand_count():
     assert gemm_workspace_bytes(mega, h100, loss_stage=True, moe_stage=False) == (2 * 32 + 32) * mib
     assert gemm_workspace_bytes(mega, h100, loss_stage=False, moe_stage=True) == (2 * 32 + 5 * 32) * mib
     # TP communication overlap: initialize_ub keeps TE's workspace three times (_NUM_MAX_UB_STREAMS)
-    assert gemm_workspace_bytes(mega, h100, loss_stage=True, moe_stage=False, tp_overlap=True) == (2 * 32 + 3 * 32) * mib
+    assert gemm_workspace_bytes(mega, h100, True, False, tp_overlap=True) == (2 * 32 + 3 * 32) * mib
     assert gemm_workspace_bytes(mega, a100, loss_stage=True, moe_stage=False) == (2 * 8.125 + 4) * mib
     assert gemm_workspace_bytes(mega.model_copy(update={"framework": "nemo"}), h100, True, False) == 96 * mib
     assert gemm_workspace_bytes(mega.model_copy(update={"framework": "torchtitan"}), h100, True, True) == 0
