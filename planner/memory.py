@@ -1375,7 +1375,7 @@ def tp_comm_overlap_bytes_per_element(training: TrainingSpec) -> float:
     calls ``initialize_ub`` with the FP8 quantization mode when ``args.fp8`` (the fp8 and mxfp8 recipes); TE gives
     every communicator a buffer of the shape it is given, ``UB_ALL_GATHER_BUFFERS`` at 1 B under FP8, else 2, and
     ``UB_REDUCE_SCATTER_BUFFERS`` at 2 B. The cuBLAS workspaces TE repeats per overlap stream are
-    :func:`gemm_workspace_bytes`'; not counted: a second set under ``--first-last-layers-bf16``."""
+    :func:`gemm_workspace_bytes`; not counted: a second set under ``--first-last-layers-bf16``."""
     from planner.cost import resolved_overlap  # cost imports this module
 
     if training.framework not in ("megatron", "nemo") or not resolved_overlap(training).tp_comm_overlap:
@@ -1444,6 +1444,11 @@ def deepep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     return float(nvl + rdma + DEEPEP_WORKSPACE_BYTES)
 
 
+#: Transformer Engine's ``_NUM_MAX_UB_STREAMS`` (``pytorch/module/base.py``): the copies of its cuBLAS workspace
+#: ``initialize_ub`` keeps for the userbuffer overlap's concurrent GEMMs
+TE_UB_STREAMS = 3
+
+
 def gemm_workspace_bytes(training: TrainingSpec, hardware: HardwareSpec | None, loss_stage: bool,
                          moe_stage: bool, tp_overlap: bool = False) -> float:
     """cuBLAS workspaces a stage's GEMMs allocate through PyTorch's caching allocator and keep for the run, where the
@@ -1473,11 +1478,6 @@ def gemm_workspace_bytes(training: TrainingSpec, hardware: HardwareSpec | None, 
     return (torch_threads * hardware.blas_workspace_mib + te * hardware.te_workspace_mib) * 2**20
 
 
-#: Transformer Engine's ``_NUM_MAX_UB_STREAMS`` (``pytorch/module/base.py``): the copies of its cuBLAS workspace
-#: ``initialize_ub`` keeps for the userbuffer overlap's concurrent GEMMs
-TE_UB_STREAMS = 3
-
-
 def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches,
                       stage: int, hardware: HardwareSpec | None = None):
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the first stage (and
@@ -1487,10 +1487,9 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     on every stage with a MoE layer (:func:`deepep_buffer_bytes`); the GEMMs' cuBLAS workspaces
     (:func:`gemm_workspace_bytes`, with ``hardware``)."""
     moe_stage = bool(plan.stage_moe_layers(model)[stage])
-    other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + \
-        tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size) + \
-        gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage,
-                             tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size) > 0)
+    userbuffers = tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
+    other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + userbuffers + \
+        gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage, userbuffers > 0)
     if moe_stage:  # DeepEP's buffer, where a MoE layer of this stage dispatches
         other = other + deepep_buffer_bytes(model, training, plan)
     if stage == 0:

@@ -384,13 +384,13 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         if training.defer_embedding_wgrad:  # memory.deferred_wgrad_bytes
             deferred = deferred_wgrad_microbatches(training, m) * f["deferred_per_mb"]
             other = other + (rows_r == base.loss_stage) * deferred[:, None]
-        if ub_per_element and tp > 1:  # memory.tp_comm_overlap_buffer_bytes: every stage, with SP
-            other = other + (sp_u * (training.seq_len * mbs_u // cp) * model.hidden_size * ub_per_element)[:, None]
+        ub_on_u = sp_u & bool(ub_per_element) & (tp > 1)  # memory.tp_comm_overlap_buffer_bytes > 0
+        if ub_on_u.any():  # the userbuffers: every stage
+            other = other + (ub_on_u * (training.seq_len * mbs_u // cp) * model.hidden_size * ub_per_element)[:, None]
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
         # memory.stage_other_bytes: the GEMMs' workspaces [U, R], TE's three where the TP-overlap userbuffers run
-        ub_on_u = sp_u & bool(ub_per_element) & (tp > 1)
         ws_r = [np.array([workspaces[(bool(r == base.loss_stage), bool(k), ub)] for r, k in zip(rows_r, n_moe)])
                 for ub in (False, True)]
         other = other + np.where(ub_on_u[:, None], ws_r[1][None, :], ws_r[0][None, :])
