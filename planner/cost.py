@@ -64,7 +64,7 @@ from planner import comm, flops, frameworks
 from planner.frameworks import deepspeed as deepspeed_framework
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, partial_dp_spans, pp_hop_crosses_nodes
 from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
-                            moe_routed_shares, moe_row_scale, stage_param_split)
+                            moe_routed_shares, moe_row_scale, router_dtype_bytes, stage_param_split)
 from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
 
 ACT_BYTES = 2
@@ -786,7 +786,7 @@ class MoEExtra:
 def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                     tokens: float) -> MoEExtra:
     """Router, routed experts and token dispatch of one MoE layer, as Megatron-Core's
-    ``MoEAlltoAllTokenDispatcher`` (the default ``--moe-token-dispatcher-type alltoall``) runs them.
+    ``MoEAlltoAllTokenDispatcher`` (``--moe-token-dispatcher-type alltoall``, what plan3d emits) runs them.
 
     Each rank routes its ``T_r = tokens/tp`` tokens (Megatron requires sequence parallelism with
     MoE and tp > 1, ``moe_layer.py``; torchtitan without EP routes all ``tokens`` of its TP group), ``k`` copies each:
@@ -807,6 +807,14 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     plus the sort by local expert (read + write of the received copies) when a rank has several experts.
     FP8: each grouped GEMM input and output gradient pays the cast (``LOW_PRECISION_CAST_BYTES``). A clamped
     activation and expert biases add Megatron's eager kernels around the grouped GEMMs (:func:`expert_eager_ops`).
+
+    ``moe_token_dispatcher`` "allgather", Megatron-Core's own default (core_v0.16.1 ``transformer_config.py``
+    ``moe_token_dispatcher_type = "allgather"``; ``MoEAllGatherTokenDispatcher``): every rank all-gathers the hidden
+    states of its ``etp x ep`` group (``tp_ep_group``, ``T_g = T_r etp ep`` tokens) with their probabilities (router
+    dtype) and bool routing map, permutes the rows of its local experts out of them (the same ``copies`` as the
+    all-to-all's, balanced or not) and back, and reduce-scatters the ``[T_g, h]`` result over the group in the
+    probabilities' dtype (``token_combine``); backward reduce-scatters and all-gathers the same sizes. No all-to-all
+    and no separate expert-TP collectives (the gather spans expert TP).
     """
     rates = Rates.of(hw, training.precision)
     h, e = model.hidden_size, act_bytes(training)
@@ -821,7 +829,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     gate = 2 if model.gated_mlp else 1
     fwd = bwd = wgrad = 0.0
     fc1_f = 0.0
-    streams = frameworks.get(training.framework).expert_gemm_streams  # TE's per-expert GEMMs (grouped_gemm_time_s)
+    streams = frameworks.expert_gemm_streams(training)[0]  # TE's per-expert GEMMs (grouped_gemm_time_s)
     for kk, nn in ((h, gate * f / etp), (f / etp, h)):
         gf, gd, gw = gemm_fwd_bwd_s(m, kk, nn, rates, batch=local, streams=streams)
         fwd, bwd, wgrad = fwd + gf, bwd + gd + gw, wgrad + gw
@@ -845,13 +853,29 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     fwd += rf + max(router_mem, launches)
     bwd += rd + rw + max(router_mem, launches)
     wgrad += rw
-    # permutation: T_r*h -> T_r*k*h copies and back; sort/unsort of the received copies by local expert
-    perm = 2 * t_r * h * e * (1 + imb * k) + (4 * copies * h * e if local > 1 else 0.0)
+    allgather = training.moe_token_dispatcher == "allgather"
+    gathered = t_r * etp * ep  # the allgather dispatcher's tokens: every token of the etp x ep group
+    if allgather:  # permute the gathered tokens' local rows out (T_g*h -> copies) and back (copies -> T_g*h)
+        perm = 2 * h * e * (gathered + copies)
+    else:  # permutation: T_r*h -> T_r*k*h copies and back; sort/unsort of the received copies by local expert
+        perm = 2 * t_r * h * e * (1 + imb * k) + (4 * copies * h * e if local > 1 else 0.0)
     perm_s = max(perm / rates.hbm_bytes_per_s, MOE_PERMUTE_KERNELS * rates.gemm_overhead_s)
     fwd, bwd = fwd + perm_s, bwd + perm_s
     # dispatch + combine: all-to-all over EP of the busiest rank's copies, AG + RS over expert TP
     ep_group = expert_span(plan, "ep", hw.nvlink_domain)
-    if training.moe_token_dispatcher == "deepep":
+    etp_group = expert_span(plan, "etp", hw.nvlink_domain)
+    etp_s = (comm.collective_time_s("all_gather", copies * h * e, etp_group, hw)
+             + comm.collective_time_s("reduce_scatter", copies * h * e, etp_group, hw))
+    if allgather:
+        # MoEAllGatherTokenDispatcher (core_v0.16.1): all-gather the hidden states, the probabilities (router dtype)
+        # and the bool routing map over the etp x ep group; reduce-scatter the unpermuted outputs back in the
+        # probabilities' dtype (``token_combine``: ``.to(self.local_probs.dtype)``); backward the reverse of each
+        group = expert_span(plan, "etp_ep", hw.nvlink_domain)
+        pb = router_dtype_bytes(model)
+        dispatch = comm.collective_time_s("all_gather", gathered * (h * e + E * (pb + 1)), group, hw)
+        combine = comm.collective_time_s("reduce_scatter", gathered * h * pb, group, hw)
+        etp_s = 0.0  # the gather spans expert TP already
+    elif training.moe_token_dispatcher == "deepep":
         # in the activation dtype, also under FP8: Megatron-Core's flex dispatcher hands DeepEP the hidden states
         # unquantised (core_v0.16.1 moe/fused_a2a.py ``fused_dispatch``) and HybridEP refuses FP8 dispatch
         # (``assert not fp8_dispatch``; "Currently, we do not support fp8 dispatch"). DeepEP's own FP8 dispatch
@@ -859,9 +883,6 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         dispatch = combine = deepep_time_s(imb * t_r * h * e, k, ep_group, hw)
     else:
         dispatch = combine = comm.all_to_all_time_s(imb * t_r * k * h * e, ep_group, hw)
-    etp_group = expert_span(plan, "etp", hw.nvlink_domain)
-    etp_s = (comm.collective_time_s("all_gather", copies * h * e, etp_group, hw)
-             + comm.collective_time_s("reduce_scatter", copies * h * e, etp_group, hw))
     comm_f = comm_b = dispatch + combine + etp_s
     overlap = a2a_overlap_active(model, training, plan)
     if overlap:

@@ -144,18 +144,20 @@ def _progression_span(stride: int, n: int, outer: int, g: int) -> GroupSpan:
 
 
 def expert_span(plan: Plan, axis: str, gpus_per_node: int) -> GroupSpan:
-    """The worst-placed group of ``axis`` ("etp", "ep" or "edp") of the expert grid ETP x EP x EDP x PP
-    (module docstring; Megatron-Core ``parallel_state.initialize_model_parallel``, expert rank generator
-    with order ``tp-cp-ep-dp-pp``): strides 1, ``etp`` and ``etp*ep``."""
+    """The worst-placed group of ``axis`` ("etp", "ep", "edp", or "etp_ep": the expert-TP and EP ranks together,
+    Megatron-Core's ``tp_ep_group`` over which the allgather token dispatcher gathers) of the expert grid
+    ETP x EP x EDP x PP (module docstring; Megatron-Core ``parallel_state.initialize_model_parallel``, expert rank
+    generator with order ``tp-cp-ep-dp-pp``): strides 1, ``etp`` and ``etp*ep`` (and 1 for ``etp_ep``)."""
     stride, n = _expert_progression(plan, axis)
     return _progression_span(stride, n, plan.world_size // (stride * n), gpus_per_node)
 
 
 def _expert_progression(plan: Plan, axis: str) -> tuple[int, int]:
-    """(stride, size) of the groups of ``axis`` ("etp", "ep" or "edp") of the expert grid (:func:`expert_span`)."""
+    """(stride, size) of the groups of ``axis`` ("etp", "ep", "edp" or "etp_ep") of the expert grid
+    (:func:`expert_span`)."""
     etp, ep = plan.expert_tp, plan.ep
     edp = plan.tp * plan.cp * plan.dp // (etp * ep)
-    return {"etp": (1, etp), "ep": (etp, ep), "edp": (etp * ep, edp)}[axis]
+    return {"etp": (1, etp), "ep": (etp, ep), "edp": (etp * ep, edp), "etp_ep": (1, etp * ep)}[axis]
 
 
 def partial_dp_spans(plan: Plan, instances: int, gpus_per_node: int, order: str = DEFAULT_ORDER,

@@ -653,6 +653,31 @@ def moe_row_scale(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float
     return min(scale, worst)
 
 
+def router_dtype_bytes(model: ModelSpec) -> int:
+    """Bytes per element of the router's logits, scores and probabilities: fp32 with Megatron ``--moe-router-dtype
+    fp32`` (``ModelSpec.router_dtype``), else the input's bf16 (core_v0.16.1 ``moe/router.py``: ``router_dtype =
+    input.dtype`` unless ``moe_router_dtype``; ``moe_utils.py``: the softmax ``type_as(logits)``)."""
+    return FP32_BYTES if model.router_dtype == "fp32" else 2
+
+
+def moe_allgather_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """Megatron's global memory buffer that the allgather token dispatcher gathers the hidden states into, on a GPU
+    of a stage with a MoE layer (``TrainingSpec.moe_token_dispatcher`` "allgather").
+
+    core_v0.16.1 ``MoEAllGatherTokenDispatcher.token_dispatch`` calls ``gather_from_sequence_parallel_region(
+    hidden_states, group=tp_ep_group, use_global_buffer=True)``: the ``[T etp ep, h]`` output (``T`` the tokens this
+    GPU routes, :func:`moe_routed_shares`; the gather spans the etp x ep ranks) comes from
+    ``get_global_memory_buffer().get_tensor(..., "mpu")`` (``utils.py::GlobalMemoryBuffer``), which allocates it the
+    first time and keeps it for the rest of the run. The dispatcher's other outputs (the unpermuted ``[T etp ep, h]``
+    and its copy in the probabilities' dtype for the reduce-scatter) are transient, as the all-to-all's are, and not
+    counted."""
+    if training.moe_token_dispatcher != "allgather" or not model.is_moe:
+        return 0.0
+    routed, _ = moe_routed_shares(model, training, plan)
+    tokens = training.seq_len // plan.cp * plan.micro_batch_size * routed
+    return tokens * plan.expert_tp * plan.ep * model.hidden_size * act_bytes(training)
+
+
 def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[ActTerm]:
     """What a MoE layer's router, dispatch, experts and shared experts save, per GPU and micro-batch
     (after the pre-MLP norm, which :func:`layer_activation_terms` counts). ``T`` tokens routed and
@@ -729,16 +754,21 @@ def moe_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan) -
                 terms.append(ActTerm("shared-expert output and gate score (the gate multiply saves them)",
                                      tokens * (h + 1) * e, selective=keep))
         return terms
-    rb = FP32_BYTES if model.router_dtype == "fp32" else 2
+    rb = router_dtype_bytes(model)
     layer, act, sh = ("moe",), ("moe", "moe_act"), ("moe", "shared_experts")  # apply_recompute_modules
+    # the allgather dispatcher permutes the gathered tokens of its etp x ep group for the local experts: its routing
+    # map and transposed probabilities are [T etp ep, E / ep] (etp times the alltoall's [T, E]) and its sorted
+    # indices one per local row (core_v0.16.1 MoEAllGatherTokenDispatcher.dispatch_postprocess)
+    per_token = plan.expert_tp if training.moe_token_dispatcher == "allgather" else 1
+    sorted_rows = rows if training.moe_token_dispatcher == "allgather" else tokens * k
     terms = [ActTerm("MoE input (pre-MLP norm output; router and shared-expert FC1 save it)", tokens * h * e),
              ActTerm("router scores (router dtype)", tokens * n_exp * rb, modules=layer),
              ActTerm("router top-k indices (int64), probabilities and normaliser",
                      tokens * k * (TOKEN_ID_BYTES + rb) + tokens * rb, modules=layer),
-             ActTerm("permutation routing map (bool)", tokens * n_exp, modules=layer),
-             ActTerm("router probabilities, transposed (permute's masked_select saves them)", tokens * n_exp * rb,
-                     modules=layer),
-             ActTerm("permutation sorted indices (int64)", tokens * k * TOKEN_ID_BYTES, modules=layer),
+             ActTerm("permutation routing map (bool)", tokens * per_token * n_exp, modules=layer),
+             ActTerm("router probabilities, transposed (permute's masked_select saves them)",
+                     tokens * per_token * n_exp * rb, modules=layer),
+             ActTerm("permutation sorted indices (int64)", sorted_rows * TOKEN_ID_BYTES, modules=layer),
              ActTerm("expert FC1 input (dispatched tokens)", rows * h * lin, modules=layer),
              ActTerm("expert activation input (FC1 output)", rows * gated * f_r * e, modules=layer),
              ActTerm("routed probabilities (router dtype)", rows * rb, modules=layer),
@@ -1465,7 +1495,8 @@ def gemm_workspace_bytes(training: TrainingSpec, hardware: HardwareSpec | None, 
       ``_NUM_MAX_UB_STREAMS`` (3) of them in one tensor where TP communication overlap runs (``initialize_ub``:
       ``_cublas_workspace = get_workspace().repeat(_NUM_MAX_UB_STREAMS)``, the single one freed; the job's
       :func:`tp_comm_overlap_buffer_bytes` > 0), and ``num_cublas_streams`` more where ``GroupedLinear`` runs the
-      routed experts (``get_multi_stream_cublas_workspace``; ``FrameworkProfile.expert_gemm_streams``, 4).
+      routed experts (``get_multi_stream_cublas_workspace``; ``FrameworkProfile.expert_gemm_streams``, 4; none under
+      Megatron's ``SequentialMLP``, without ``--moe-grouped-gemm``: ``frameworks.expert_gemm_streams``).
 
     Held out against NVIDIA's Megatron-LM functional tests on DGX H100 (``benchmarks/megatron_functional_memory.py``):
     before this term every dense case's last stage was 96-112 MiB under its ``mem-max-allocated-bytes``; 2 x 32 +
@@ -1474,7 +1505,7 @@ def gemm_workspace_bytes(training: TrainingSpec, hardware: HardwareSpec | None, 
     if hardware is None or not prof.counts_gemm_workspaces:
         return 0.0
     torch_threads = 2 if (loss_stage or moe_stage) else 0
-    te = (TE_UB_STREAMS if tp_overlap else 1) + (prof.expert_gemm_streams if moe_stage else 0)
+    te = (TE_UB_STREAMS if tp_overlap else 1) + (frameworks.expert_gemm_streams(training)[1] if moe_stage else 0)
     return (torch_threads * hardware.blas_workspace_mib + te * hardware.te_workspace_mib) * 2**20
 
 
@@ -1484,14 +1515,15 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     Megatron's dataloader mask, :func:`dataloader_mask_bytes`), the output layer's on the last (and the deferred
     embedding wgrad, :func:`deferred_wgrad_bytes`), the pipeline's receive buffers (:func:`pipeline_buffer_bytes`);
     Transformer Engine's TP-overlap userbuffers on every stage (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer
-    on every stage with a MoE layer (:func:`deepep_buffer_bytes`); the GEMMs' cuBLAS workspaces
+    or the allgather dispatcher's on every stage with a MoE layer (:func:`deepep_buffer_bytes`,
+    :func:`moe_allgather_buffer_bytes`); the GEMMs' cuBLAS workspaces
     (:func:`gemm_workspace_bytes`, with ``hardware``)."""
     moe_stage = bool(plan.stage_moe_layers(model)[stage])
     userbuffers = tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
     other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + userbuffers + \
         gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage, userbuffers > 0)
-    if moe_stage:  # DeepEP's buffer, where a MoE layer of this stage dispatches
-        other = other + deepep_buffer_bytes(model, training, plan)
+    if moe_stage:  # DeepEP's buffer or the allgather dispatcher's, where a MoE layer of this stage dispatches
+        other = other + deepep_buffer_bytes(model, training, plan) + moe_allgather_buffer_bytes(model, training, plan)
     if stage == 0:
         mbs_in_flight = np.ceil(stage_in_flight_chunks(training, plan, num_microbatches, 0) / plan.vpp)
         other = other + mbs_in_flight * input_bytes_per_microbatch(model, training, plan)

@@ -52,10 +52,10 @@ from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_by
                             bf16_layers_on_stage, chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes,
                             deferred_wgrad_bytes_per_microbatch, deferred_wgrad_microbatches, gemm_workspace_bytes,
                             in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
-                            layer_recompute_working_bytes, offload_resident_layers, output_bytes, param_bytes,
-                            pipeline_buffer_count, saved_bytes_per_layer_kind, schedule_w_fraction,
-                            stage_moe_layer_count, stage_param_inputs, stage_params_per_rank, stage_state_bytes_of,
-                            step_excess_bytes, tp_comm_overlap_bytes_per_element)
+                            layer_recompute_working_bytes, moe_allgather_buffer_bytes, offload_resident_layers,
+                            output_bytes, param_bytes, pipeline_buffer_count, saved_bytes_per_layer_kind,
+                            schedule_w_fraction, stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
+                            stage_state_bytes_of, step_excess_bytes, tp_comm_overlap_bytes_per_element)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
@@ -390,6 +390,11 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
+        if training.moe_token_dispatcher == "allgather":  # memory.moe_allgather_buffer_bytes: linear in the micro-batch,
+            # a GPU's share of the tokens set by sequence parallelism
+            per_sequence = [moe_allgather_buffer_bytes(model, training, base.model_copy(
+                update={"micro_batch_size": 1, "sequence_parallel": sp})) for sp in (False, True)]
+            other = other + (n_moe > 0) * (np.where(sp_u, per_sequence[1], per_sequence[0]) * mbs_u)[:, None]
         # memory.stage_other_bytes: the GEMMs' workspaces [U, R], TE's three where the TP-overlap userbuffers run
         ws_r = [np.array([workspaces[(bool(r == base.loss_stage), bool(k), ub)] for r, k in zip(rows_r, n_moe)])
                 for ub in (False, True)]

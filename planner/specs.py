@@ -872,11 +872,14 @@ class TrainingSpec(_Spec):
         default_factory=DeepSpeedZero,
         description="DeepSpeed's gradient-accumulation dtype and ZeRO bucket settings (DeepSpeedZero); the deepspeed "
                     "framework only.")
-    moe_token_dispatcher: Literal["alltoall", "deepep"] = Field(
+    moe_token_dispatcher: Literal["alltoall", "allgather", "deepep"] = Field(
         default="alltoall",
-        description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, the default) or "
-                    "deepep (--moe-token-dispatcher-type flex with DeepEP: one copy per destination node across "
-                    "the network; its buffer in memory, memory.deepep_buffer_bytes; Megatron and NeMo only).")
+        description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, what plan3d "
+                    "emits and searches with), allgather (Megatron-Core's own default when the flag is left out: "
+                    "every token of the etp x ep group gathered to every rank of it, reduce-scattered back; "
+                    "cost.moe_layer_extra, memory.moe_allgather_buffer_bytes; Megatron and NeMo only) or deepep "
+                    "(--moe-token-dispatcher-type flex with DeepEP: one copy per destination node across the "
+                    "network; its buffer in memory, memory.deepep_buffer_bytes; Megatron and NeMo only).")
     cuda_graph_modules: tuple[Literal["attn", "moe_router", "moe_preprocess"], ...] = Field(
         default=(),
         description="Per-layer parts captured in CUDA graphs (Megatron --cuda-graph-impl transformer_engine "
@@ -966,6 +969,13 @@ class TrainingSpec(_Spec):
         default=False,
         description="Overlap the MoE dispatch/combine all-to-all with another micro-batch's compute (Megatron "
                     "--overlap-moe-expert-parallel-comm, 1F1B all-to-all overlap); off by default.")
+    moe_grouped_gemm: bool = Field(
+        default=True,
+        description="Megatron --moe-grouped-gemm (what plan3d emits): the routed experts as Transformer Engine's "
+                    "GroupedLinear (TEGroupedMLP), one cuBLAS GEMM per local expert on TE's streams and their "
+                    "workspaces. False: Megatron-Core's default without the flag, SequentialMLP, each expert's "
+                    "linears one after another on the main stream (planner.frameworks.expert_gemm_streams). "
+                    "Megatron and NeMo only; torchtitan's grouped_mm is not this switch.")
     # 1.0 (balanced) by default: NVIDIA's published Megatron-Bridge MoE throughput is measured with the
     # routing forced to balance ("In MoE training benchmarks, we force-balance the token distribution among
     # experts", docs/performance-summary.md, Megatron-Bridge 25.11 and 26.02), and DeepSeek-V3 trains with
@@ -1346,6 +1356,10 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         # neither emitter writes it
         errors.append(f"moe_token_dispatcher: deepep is modelled as Megatron-Core's flex dispatcher, which "
                       f"{training.framework} does not run; use framework megatron or nemo, or --moe-dispatcher alltoall")
+    if training.moe_token_dispatcher == "allgather" and training.framework not in ("megatron", "nemo"):
+        # MoEAllGatherTokenDispatcher is Megatron-Core's (core_v0.16.1 moe/token_dispatcher.py)
+        errors.append(f"moe_token_dispatcher: allgather is Megatron-Core's MoEAllGatherTokenDispatcher, which "
+                      f"{training.framework} does not run; use framework megatron or nemo, or --moe-dispatcher alltoall")
     mods = training.recompute_modules
     if mods != ("core_attn",):
         if training.framework not in ("megatron", "nemo"):
@@ -1522,8 +1536,8 @@ def pipeline_kept_mode(training: TrainingSpec, plan: Plan) -> str | None:
 def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[str]:
     """What Megatron-Core refuses of a MoE plan run with the all-to-all overlap (``training.moe_a2a_overlap``,
     ``--overlap-moe-expert-parallel-comm``), one line each: core_v0.16.1 ``TransformerConfig.__post_init__`` asserts
-    expert parallelism, virtual pipeline stages when pp > 1, no full recomputation, at most one MTP layer and then
-    pp > 1; and it is Megatron-Core's schedule (``combined_1f1b.py``), which only megatron and nemo run. Empty for a
+    expert parallelism, the alltoall or flex dispatcher, virtual pipeline stages when pp > 1, no full recomputation, at
+    most one MTP layer and then pp > 1; and it is Megatron-Core's schedule (``combined_1f1b.py``), which only megatron and nemo run. Empty for a
     dense model (the switch has nothing to overlap) or without the switch."""
     if not (training.moe_a2a_overlap and model.is_moe):
         return []
@@ -1534,6 +1548,10 @@ def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -
     if plan.ep == 1:
         errors.append("moe_a2a_overlap: Megatron's all-to-all overlap needs expert parallelism; give ep > 1 or "
                       "drop --moe-a2a-overlap")
+    if training.moe_token_dispatcher == "allgather":
+        errors.append("moe_a2a_overlap: Megatron runs the all-to-all overlap with the alltoall or flex dispatcher "
+                      "only ('overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher'); "
+                      "use --moe-dispatcher alltoall or drop --moe-a2a-overlap")
     if plan.pp > 1 and plan.vpp == 1:
         errors.append(f"moe_a2a_overlap: with pp({plan.pp}) > 1 Megatron needs virtual pipeline stages for the "
                       "all-to-all overlap; give vpp > 1 or drop --moe-a2a-overlap")

@@ -46,7 +46,7 @@ def test_estimate_reports_ep_and_options_are_checked():
     p = plan3d("estimate", "--model", "tiny-moe", *job, "--tp", "1", "--pp", "1", "--ep", "3")
     assert p.returncode == 2 and "num_experts(8) is not divisible by ep(3)" in p.stderr
     p = plan3d("search", "--model", "tiny-moe", *job, "--moe-dispatcher", "nccl")
-    assert p.returncode == 2 and "--moe-dispatcher: 'nccl' is not one of alltoall, deepep" in p.stderr
+    assert p.returncode == 2 and "--moe-dispatcher: 'nccl' is not one of alltoall, allgather, deepep" in p.stderr
 
 
 def test_state_options_reach_the_estimate():

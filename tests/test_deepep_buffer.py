@@ -168,9 +168,9 @@ def test_validate_runs_deepep_plans_with_the_all_to_all():
     assert framework_run.predicted_scenario(sc, "nemo").training.moe_token_dispatcher == "deepep"
 
 
-def test_check_says_when_megatrons_default_dispatcher_is_read_as_the_all_to_all(tmp_path):
-    """Without --moe-token-dispatcher-type Megatron runs its allgather dispatcher, which plan3d does not model: the
-    verdict says it costed the all-to-all instead."""
+def test_check_reads_megatrons_default_dispatcher_as_the_allgather(tmp_path):
+    """Without --moe-token-dispatcher-type Megatron runs its allgather dispatcher (core_v0.16.1
+    ``TransformerConfig.moe_token_dispatcher_type = "allgather"``): the check costs that one and says so."""
     from planner.check import check_file_branches
     from planner.emit import render_all
     from planner.io import write_all
@@ -183,6 +183,13 @@ def test_check_says_when_megatrons_default_dispatcher_is_read_as_the_all_to_all(
     text = path.read_text()
     (r,) = check_file_branches(path, None, None, None)
     assert not any("allgather dispatcher" in n for n in r.notes)  # plan3d writes the all-to-all
+    assert r.scenario.training.moe_token_dispatcher == "alltoall"
     path.write_text(text.replace("--moe-token-dispatcher-type alltoall", ""))
     (r,) = check_file_branches(path, None, None, None)
-    assert any(n.startswith("no --moe-token-dispatcher-type: Megatron's allgather dispatcher") for n in r.notes), r.notes
+    assert any(n.startswith("no --moe-token-dispatcher-type: Megatron-Core's default allgather") for n in r.notes), \
+        r.notes
+    assert r.scenario.training.moe_token_dispatcher == "allgather"
+    path.write_text(text.replace("--moe-token-dispatcher-type alltoall", "--moe-token-dispatcher-type allgather"))
+    (r,) = check_file_branches(path, None, None, None)
+    assert r.scenario.training.moe_token_dispatcher == "allgather"
+    assert not any("allgather" in n for n in r.notes)  # stated, nothing to say

@@ -492,9 +492,19 @@ def test_check_reads_the_all_to_all_overlap(tmp_path):
     peaks = []
     for extra in ("", "--overlap-moe-expert-parallel-comm"):
         path = tmp_path / f"moe{len(peaks)}.megatron.args"
-        path.write_text(ARGS_BASE + extra + "\n")
+        path.write_text(ARGS_BASE + "--moe-token-dispatcher-type alltoall " + extra + "\n")
         result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
         assert not result.errors, result.errors
         assert result.scenario.training.moe_a2a_overlap is bool(extra)
         peaks.append(estimate_scenario_memory(result.scenario).peak.total_bytes)
     assert peaks[1] > peaks[0]
+
+
+def test_check_refuses_the_all_to_all_overlap_under_megatrons_default_dispatcher(tmp_path):
+    """Without --moe-token-dispatcher-type Megatron dispatches with allgather, and TransformerConfig asserts
+    'overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher' (core_v0.16.1): so does
+    check."""
+    path = tmp_path / "moe.megatron.args"
+    path.write_text(ARGS_BASE + "--overlap-moe-expert-parallel-comm\n")
+    result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+    assert any("alltoall or flex dispatcher" in e for e in result.errors), result.errors

@@ -97,7 +97,7 @@ TpOpt = Annotated[Optional[int], typer.Option("--tp", min=1, max=MAX_GPUS, help=
 PpOpt = Annotated[Optional[int], typer.Option("--pp", min=1, max=MAX_GPUS, help="Pipeline-parallel degree.", rich_help_panel="Plan")]
 VppOpt = Annotated[Optional[int], typer.Option("--vpp", min=1, max=1024, help="Virtual stages per pipeline rank (interleaved 1F1B).", rich_help_panel="Plan")]
 CpOpt = Annotated[Optional[int], typer.Option("--cp", min=1, max=MAX_GPUS, help="Context-parallel degree.", rich_help_panel="Plan")]
-MoeDispatcherOpt = Annotated[Optional[str], typer.Option("--moe-dispatcher", help="MoE token dispatch: alltoall (Megatron's default) or deepep (--moe-token-dispatcher-type flex with DeepEP).", rich_help_panel="Job")]
+MoeDispatcherOpt = Annotated[Optional[str], typer.Option("--moe-dispatcher", help="MoE token dispatch: alltoall (what plan3d emits), allgather (Megatron-Core's default when the flag is left out) or deepep (--moe-token-dispatcher-type flex with DeepEP).", rich_help_panel="Job")]
 MoeA2aOverlapOpt = Annotated[Optional[bool], typer.Option("--moe-a2a-overlap/--no-moe-a2a-overlap", help="Overlap the MoE all-to-all with another micro-batch's compute (Megatron --overlap-moe-expert-parallel-comm); default off.", rich_help_panel="Job")]
 CudaGraphOpt = Annotated[Optional[str], typer.Option("--cuda-graph-modules", help="Per-layer parts captured in CUDA graphs, comma-separated: attn, moe_router, moe_preprocess (Megatron --cuda-graph-impl transformer_engine --cuda-graph-scope); default none.", rich_help_panel="Job")]
 MoeImbalanceOpt = Annotated[Optional[float], typer.Option("--moe-load-imbalance", min=1.0, max=1000.0, help="Tokens on the busiest expert-parallel rank over the mean (default 1.0, balanced).", rich_help_panel="Job")]

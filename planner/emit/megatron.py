@@ -110,7 +110,8 @@ def moe_flags(sc: Scenario) -> list[Flag]:
     ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size`` (written even when equal to the
     dense width), ``--moe-shared-expert-intermediate-size`` (+ ``--moe-shared-expert-gate``),
     ``--moe-layer-freq`` for dense-first layers; ``--moe-grouped-gemm`` (TEGroupedMLP: the same
-    parameters as one MLP per expert, fewer kernel launches) and ``--moe-token-dispatcher-type
+    parameters as one MLP per expert, fewer kernel launches; left out for a job with ``moe_grouped_gemm`` False,
+    Megatron's SequentialMLP) and ``--moe-token-dispatcher-type
     alltoall`` (the all-to-all dispatch the cost model prices; Megatron's default is allgather);
     ``--moe-router-dtype fp32`` for an fp32 router (absent: the parameters' dtype);
     ``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity`` for a capacity factor,
@@ -119,8 +120,8 @@ def moe_flags(sc: Scenario) -> list[Flag]:
     ``--moe-shared-expert-overlap`` is not written: it reorders the shared expert after the router to
     overlap it with dispatch, a schedule choice plan3d's cost model does not price. The job's
     ``moe_token_dispatcher`` deepep is ``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend
-    deepep`` (``TransformerConfig``: "DeepEP backend is only supported with flex token dispatcher") and
-    ``moe_a2a_overlap`` is ``--overlap-moe-expert-parallel-comm``.
+    deepep`` (``TransformerConfig``: "DeepEP backend is only supported with flex token dispatcher"), allgather
+    ``--moe-token-dispatcher-type allgather``, and ``moe_a2a_overlap`` is ``--overlap-moe-expert-parallel-comm``.
     """
     m = sc.model
     if not m.is_moe:
@@ -133,11 +134,12 @@ def moe_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--moe-shared-expert-intermediate-size", str(m.shared_expert_ffn_hidden_size)))
         if m.shared_expert_gate:
             flags.append(("--moe-shared-expert-gate", None))
-    flags.append(("--moe-grouped-gemm", None))
+    if sc.training.moe_grouped_gemm:
+        flags.append(("--moe-grouped-gemm", None))
     if sc.training.moe_token_dispatcher == "deepep":  # transformer_config.py: DeepEP runs under the flex dispatcher
         flags += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
-    else:
-        flags.append(("--moe-token-dispatcher-type", "alltoall"))
+    else:  # alltoall, or the allgather a job asks for (written out, although Megatron's default)
+        flags.append(("--moe-token-dispatcher-type", sc.training.moe_token_dispatcher))
     flags += [("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", MOE_AUX_LOSS_COEFF)]
     if sc.training.moe_a2a_overlap:
         flags.append(("--overlap-moe-expert-parallel-comm", None))

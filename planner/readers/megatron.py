@@ -576,14 +576,20 @@ def _megatron_core_recompute_rules(a: Args, granularity: str | None) -> None:
 def dispatcher(a: Args, notes: list[str]) -> str:
     """The MoE token dispatcher plan3d costs for a Megatron launch: ``deepep`` for ``--moe-token-dispatcher-type
     flex`` with DeepEP (``--moe-flex-dispatcher-backend deepep``, Megatron's default backend, or the older
-    ``--moe-enable-deepep``), else the all-to-all. HybridEP (``--moe-flex-dispatcher-backend hybridep``) is not
-    modelled: it is costed as the all-to-all and its buffers are not sized, which the notes say."""
+    ``--moe-enable-deepep``); ``allgather`` for ``--moe-token-dispatcher-type allgather`` or none
+    (``TransformerConfig.moe_token_dispatcher_type`` defaults to "allgather", core_v0.16.1), which the notes say
+    when the flag is absent; else the all-to-all. HybridEP (``--moe-flex-dispatcher-backend hybridep``) is not
+    modelled: it is costed as the all-to-all and its buffers are not sized, which the notes say. Megatron-DeepSpeed
+    launches (``--deepspeed``) and dense models keep the default all-to-all."""
     kind = a.get("--moe-token-dispatcher-type")
-    if not a.has("--deepspeed") and a.int("--num-experts") and kind in (None, "allgather"):
-        # TransformerConfig.moe_token_dispatcher_type defaults to "allgather" (core_v0.16.1)
-        notes.append(f"{'--moe-token-dispatcher-type allgather' if kind else 'no --moe-token-dispatcher-type'}: "
-                     "Megatron's allgather dispatcher (its default) is not modelled; costed and sized as the all-to-all")
-    if a.has("--deepspeed") or kind != "flex":
+    if a.has("--deepspeed") or not a.int("--num-experts"):
+        return "alltoall"
+    if kind in (None, "allgather"):
+        if kind is None:
+            notes.append("no --moe-token-dispatcher-type: Megatron-Core's default allgather dispatcher "
+                         "(tokens gathered over the etp x ep group)")
+        return "allgather"
+    if kind != "flex":
         return "alltoall"
     if a.get("--moe-flex-dispatcher-backend") == "hybridep":
         notes.append("--moe-flex-dispatcher-backend hybridep: not modelled; costed as the all-to-all dispatcher, "
@@ -879,6 +885,9 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # DeepEP: the flex dispatcher with its default backend (TransformerConfig core_v0.16.1:
                 # moe_flex_dispatcher_backend "deepep"), as plan3d emits it; its buffer and group rules follow
                 "moe_token_dispatcher": dispatcher(a, notes),
+                # TEGroupedMLP only with --moe-grouped-gemm (TransformerConfig.moe_grouped_gemm = False, core_v0.16.1);
+                # else SequentialMLP (frameworks.expert_gemm_streams)
+                "moe_grouped_gemm": a.has("--deepspeed") or not a.int("--num-experts") or a.has("--moe-grouped-gemm"),
                 # the captured parts whose launches plan3d costs as one (cuda_graphs; their memory is noted, not counted)
                 "cuda_graph_modules": () if a.has("--deepspeed") else cuda_graphs(a, notes),
                 # Megatron-LM's s x s bool mask per micro-batch on the first and last stage, on unless turned off
@@ -919,6 +928,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
     if ds_config is not None and a.has("--deepspeed"):
         deepspeed_refusals(a, ds_config)
     notes += optimizer_notes(a, ds_config if a.has("--deepspeed") else None)
+    if a.has("--fine-grained-activation-offloading") and not a.has("--deepspeed"):
+        # core_v0.16.1 TransformerConfig.fine_grained_activation_offloading: the --offload-modules' saved inputs go to
+        # host memory; plan3d holds them on the GPU (the larger figure)
+        notes.append("--fine-grained-activation-offloading: the offloaded modules' activations counted in GPU "
+                     "memory: an upper bound")
     rc, rc_layers, rc_group = recompute(a, per_chunk_layers, notes)
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             # absent --expert-tensor-parallel-size: tp (validate_args), the plan's None
