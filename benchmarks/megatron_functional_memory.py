@@ -16,6 +16,7 @@ comes from). It asserts nothing (``tests/test_megatron_functional_memory.py`` ho
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import tempfile
@@ -37,12 +38,17 @@ def cases() -> list[dict]:
 
 
 def launch_script(case: dict) -> str:
-    """The case as a bash launch: its ENV_VARS exported, then ``torchrun ... pretrain_gpt.py`` with MODEL_ARGS
-    (``true`` as a bare flag, ``false`` left out, every other value as written)."""
+    """The case as a bash launch: its ENV_VARS exported, then ``torchrun ... pretrain_gpt.py`` with MODEL_ARGS as
+    NVIDIA's CI harness passes them (``tests/functional_tests/shell_test_utils/_run_training.sh`` at 02cf07f886):
+    ``true`` as a bare flag, ``false`` left out, a value in square brackets as its space-separated words (the
+    harness strips the brackets: ``--recompute-modules: "[moe_act mlp]"`` runs as ``--recompute-modules moe_act
+    mlp``), every other value as one word as written."""
     words = []
     for key, value in case["model_args"].items():
         if value is True:
             words.append(key)
+        elif isinstance(value, str) and re.fullmatch(r"\[[^]]+\]", value.strip()):
+            words += [key, *value.strip()[1:-1].split()]
         elif value is not False:
             words += [key, str(value)]
     env = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in case["env_vars"].items())

@@ -28,8 +28,8 @@ _spec = importlib.util.spec_from_file_location("megatron_functional_bench",
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-#: Largest relative error allowed either way. Every case but the known gap is within 3.7 %
-#: (benchmarks/megatron_functional_memory.py);
+#: Largest relative error allowed either way. Every case but the known gaps is within 4.6 %
+#: (benchmarks/megatron_functional_memory.py, 54 cases);
 #: 5 % is the headroom a reading of another Megatron-LM / Transformer Engine build may need (the golden files change
 #: by 0.0002 % between commits; the small cases' fixed workspaces are 3-11 % of their peak).
 TOLERANCE = 0.05
@@ -63,7 +63,7 @@ def test_layouts_of_the_large_cases(tmp_path):
 def test_gemm_workspaces_hand_count():
     """PyTorch's workspace per GEMM thread (2 where the stage runs torch GEMMs: the output layer, the router) and
     Transformer Engine's (1, 3 under TP communication overlap, and 4 more on a stage whose routed experts run TE's
-    GroupedLinear), in MiB: H100
+    GroupedLinear, none more under Megatron's SequentialMLP), in MiB: H100
     32 and 32, A100 8.125 and 4 (the profiles' blas_workspace_mib and te_workspace_mib). Counted for Megatron and
     NeMo only."""
     h100, a100 = load_hardware("h100-sxm-80gb"), load_hardware("a100-80gb")
@@ -72,6 +72,9 @@ def test_gemm_workspaces_hand_count():
     assert gemm_workspace_bytes(mega, h100, loss_stage=False, moe_stage=False) == 32 * mib
     assert gemm_workspace_bytes(mega, h100, loss_stage=True, moe_stage=False) == (2 * 32 + 32) * mib
     assert gemm_workspace_bytes(mega, h100, loss_stage=False, moe_stage=True) == (2 * 32 + 5 * 32) * mib
+    # without --moe-grouped-gemm Megatron's SequentialMLP runs each expert's TE linears on the main stream: TE's one
+    sequential = mega.model_copy(update={"moe_grouped_gemm": False})
+    assert gemm_workspace_bytes(sequential, h100, loss_stage=False, moe_stage=True) == (2 * 32 + 32) * mib
     # TP communication overlap: initialize_ub keeps TE's workspace three times (_NUM_MAX_UB_STREAMS)
     assert gemm_workspace_bytes(mega, h100, True, False, tp_overlap=True) == (2 * 32 + 3 * 32) * mib
     assert gemm_workspace_bytes(mega, a100, loss_stage=True, moe_stage=False) == (2 * 8.125 + 4) * mib
@@ -82,8 +85,12 @@ def test_gemm_workspaces_hand_count():
 
 @pytest.mark.parametrize("case", GAPS, ids=[c["case"] for c in GAPS])
 def test_known_gaps_are_still_missed(case, tmp_path):
-    """A known gap stays an under-prediction beyond the tolerance; when a model change closes it, this fails and the
-    case belongs with the others (remove its 'known_gap')."""
+    """A known gap stays outside the tolerance, on the side its note says (under- or over-predicted); when a model
+    change closes it, this fails and the case belongs with the others (remove its 'known_gap')."""
     result, predicted = bench.predict(case, tmp_path)
     assert predicted is not None, result.errors
-    assert predicted / case["mem_max_allocated_bytes"] - 1 < -TOLERANCE, case["known_gap"]
+    err = predicted / case["mem_max_allocated_bytes"] - 1
+    if "over-predicted" in case["known_gap"]:
+        assert err > TOLERANCE, case["known_gap"]
+    else:
+        assert err < -TOLERANCE, case["known_gap"]
