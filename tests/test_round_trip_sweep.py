@@ -111,14 +111,16 @@ def test_megatron_job_switches_read_back(tmp_path, extra):
         _round_trip(tmp_path, sc, fmt)
 
 
-def test_an_fp8_recipe_plan3d_does_not_model_is_read_as_delayed_with_a_note(tmp_path):
+def test_an_fp8_recipe_plan3d_does_not_model_is_read_as_current_scaling_with_a_note(tmp_path):
+    """Megatron's blockwise recipe keeps no amax history, as current scaling does not; read as delayed scaling it was
+    refused where Megatron refuses only delayed scaling (moe_act/layernorm recompute, core_v0.16.1 transformer_config)."""
     sc = _scenario(load_model("llama3-8b"), dict(num_gpus=8, global_batch_size=16, seq_len=4096, precision="fp8",
                                                  fp8_recipe="tensorwise"),
                    dict(tp=2, pp=1, dp=4, zero_stage=1, recompute="selective", sequence_parallel=True))
     (path,) = [p for p in write_all(tmp_path, render_all(sc, ["megatron"]), force=True) if p.name.endswith(".args")]
     path.write_text(path.read_text().replace("--fp8-recipe tensorwise", "--fp8-recipe blockwise"))
     (r,) = check_file_branches(path, None, None, None)
-    assert r.scenario.training.fp8_recipe == "delayed"
+    assert r.scenario.training.fp8_recipe == "tensorwise"
     assert any(n.startswith("--fp8-recipe blockwise: not modelled") for n in r.notes), r.notes
 
 
