@@ -1356,6 +1356,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         # neither emitter writes it
         errors.append(f"moe_token_dispatcher: deepep is modelled as Megatron-Core's flex dispatcher, which "
                       f"{training.framework} does not run; use framework megatron or nemo, or --moe-dispatcher alltoall")
+    if training.moe_token_dispatcher == "allgather" and training.moe_a2a_overlap and model.is_moe:
+        # a job-level contradiction (specs.a2a_overlap_problems says it per plan): refused before any search
+        errors.append(ALLGATHER_OVERLAP_ERROR)
     if training.moe_token_dispatcher == "allgather" and training.framework not in ("megatron", "nemo"):
         # MoEAllGatherTokenDispatcher is Megatron-Core's (core_v0.16.1 moe/token_dispatcher.py)
         errors.append(f"moe_token_dispatcher: allgather is Megatron-Core's MoEAllGatherTokenDispatcher, which "
@@ -1499,7 +1502,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
                       "(Megatron-DeepSpeed --no-pipeline-parallel)")
     errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
     errors += dist_optimizer_problems(training, plan)
-    return errors + job_problems(model, hardware, training)
+    return list(dict.fromkeys(errors + job_problems(model, hardware, training)))  # a rule both lists hold, once
 
 
 def dist_optimizer_problems(training: TrainingSpec, plan: Plan) -> list[str]:
@@ -1533,6 +1536,13 @@ def pipeline_kept_mode(training: TrainingSpec, plan: Plan) -> str | None:
     return kept if plan.pp > 1 and kept != "none" else None
 
 
+#: core_v0.16.1 TransformerConfig.__post_init__: "overlap_moe_expert_parallel_comm is supported with alltoall/flex token
+#: dispatcher"; a job problem (specs.job_problems) and, for memory.a2a_overlap_active, a plan problem
+ALLGATHER_OVERLAP_ERROR = ("moe_a2a_overlap: Megatron runs the all-to-all overlap with the alltoall or flex dispatcher "
+                           "only ('overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher'); "
+                           "use --moe-dispatcher alltoall or drop --moe-a2a-overlap")
+
+
 def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[str]:
     """What Megatron-Core refuses of a MoE plan run with the all-to-all overlap (``training.moe_a2a_overlap``,
     ``--overlap-moe-expert-parallel-comm``), one line each: core_v0.16.1 ``TransformerConfig.__post_init__`` asserts
@@ -1549,9 +1559,7 @@ def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -
         errors.append("moe_a2a_overlap: Megatron's all-to-all overlap needs expert parallelism; give ep > 1 or "
                       "drop --moe-a2a-overlap")
     if training.moe_token_dispatcher == "allgather":
-        errors.append("moe_a2a_overlap: Megatron runs the all-to-all overlap with the alltoall or flex dispatcher "
-                      "only ('overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher'); "
-                      "use --moe-dispatcher alltoall or drop --moe-a2a-overlap")
+        errors.append(ALLGATHER_OVERLAP_ERROR)
     if plan.pp > 1 and plan.vpp == 1:
         errors.append(f"moe_a2a_overlap: with pp({plan.pp}) > 1 Megatron needs virtual pipeline stages for the "
                       "all-to-all overlap; give vpp > 1 or drop --moe-a2a-overlap")
