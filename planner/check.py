@@ -31,7 +31,7 @@ from planner.presets import SpecError, build, load_scenario, read_document
 from planner.readers import megatron, torchtitan
 from planner.readers.args import parse_args
 from planner.readers.bash import World, evaluate, sbatch_env
-from planner.readers.launch import Launch, find_launches, world_size
+from planner.readers.launch import Launch, cublas_workspace_mib, find_launches, world_size
 from planner.specs import HardwareSpec, Scenario
 
 NOTE = re.compile(r"^\s*#\s*plan3d:\s*(\w+)\s*=\s*(.*?)\s*$", re.M)
@@ -116,12 +116,14 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
             raise SpecError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
         if is_plan_file(path):
             sc = load_scenario(str(path))
+            if hardware is not None:  # --hardware judges the plan on another profile
+                sc = sc.model_copy(update={"hardware": hardware})
             results = [CheckResult(path=path, line=1, scenario=sc)]
-        else:
+        else:  # built on ``hardware`` (or the profile the file names), with what the script itself sets
             results = _launch_file_results(path, hardware, gpus, vocab_size)
         for r in results:
             if r.scenario is not None:
-                hw = hardware or r.scenario.hardware
+                hw = r.scenario.hardware
                 if headroom is not None:
                     hw = hw.model_copy(update={"fragmentation_headroom": headroom})
                 r.scenario = r.scenario.model_copy(update={"hardware": hw})
@@ -334,10 +336,18 @@ def _launch_result(path, w: World, launch: Launch, notes, sbatch, hardware, gpus
     if launch.kind == "unknown":
         raise SpecError(f"{path}:{launch.line}: {launch.reason}")
     n = gpus or _note_gpus(notes, path) or world_size(launch, sbatch, path)
+    # the script's CUBLAS_WORKSPACE_CONFIG sets PyTorch's cuBLAS workspace (memory.gemm_workspace_bytes)
+    blas_mib, blas_note = cublas_workspace_mib(launch, path)
+    if blas_mib is not None and hardware is not None and blas_mib != hardware.blas_workspace_mib:
+        hardware = hardware.model_copy(update={"blas_workspace_mib": blas_mib})
     if launch.kind == "torchtitan":
-        return _torchtitan_launch(path, launch, n, hardware, gpus or _note_gpus(notes, path))
-    ds = _deepspeed_config(launch.args, path, w.files) if launch.args.has("--deepspeed") else None
-    return _megatron_result(launch.args, n, path, hardware, vocab_size, ds, notes)
+        result = _torchtitan_launch(path, launch, n, hardware, gpus or _note_gpus(notes, path))
+    else:
+        ds = _deepspeed_config(launch.args, path, w.files) if launch.args.has("--deepspeed") else None
+        result = _megatron_result(launch.args, n, path, hardware, vocab_size, ds, notes)
+    if blas_note is not None:
+        result.notes = [*result.notes, blas_note]
+    return result
 
 
 def _megatron_result(args, n, path, hardware, vocab_size, ds, notes) -> CheckResult:

@@ -43,6 +43,7 @@ class Command:
     argv: list[str]
     line: int
     lines: list[int] = field(default_factory=list)  # the source line of each word
+    env: dict = field(default_factory=dict)  # the variables the script has set when the command runs, and its prefix
 
 
 @dataclass
@@ -428,7 +429,7 @@ class Evaluator(Expander):
             for x in worlds:
                 x.positional = saved
             return worlds
-        w.commands.append(Command(argv=argv, line=self.line(node), lines=lines))
+        w.commands.append(Command(argv=argv, line=self.line(node), lines=lines, env={**w.env, **env_prefix}))
         inner = _inline_script(argv)
         if inner is not None and depth < MAX_DEPTH:
             return self.inline(inner, w, depth, self.line(node))

@@ -4,7 +4,7 @@ program it starts, the program's arguments, and the GPU count the launcher gives
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.presets import SpecError
@@ -37,6 +37,7 @@ class Launch:
     line: int
     words: list[str]          # the program's arguments as words
     reason: str = ""
+    env: dict = field(default_factory=dict)  # the script's variables when the launch runs (bash.Command.env)
 
 
 def _base(word: str) -> str:
@@ -116,7 +117,31 @@ def _launch(kind, program, argv, lines, start, launcher, launcher_words, srun_wo
     largs = parse_args(*launcher_words, path, line0=cmd.line, underscores=True) if launcher_words else None
     sargs = parse_args(*srun_words, path, line0=cmd.line, underscores=True) if srun_words else None
     return Launch(kind=kind, program=program, args=args, launcher=launcher, launcher_args=largs, srun_args=sargs,
-                  line=cmd.line, words=list(argv[start:]))
+                  line=cmd.line, words=list(argv[start:]), env=dict(cmd.env))
+
+
+#: PyTorch's own parse of ``CUBLAS_WORKSPACE_CONFIG`` (aten/src/ATen/cuda/CublasHandlePool.cpp,
+#: ``parseChosenWorkspaceSize``): every ``:SIZE:COUNT`` pair, SIZE in KiB
+CUBLAS_WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
+def cublas_workspace_mib(launch: Launch, path: Path) -> tuple[float | None, str | None]:
+    """(PyTorch's cuBLAS workspace per GEMM thread in MiB, a note) where the script sets ``CUBLAS_WORKSPACE_CONFIG``
+    before the launch (NVIDIA's deterministic Megatron-LM runs export ``:4096:8``, 32 MiB, whatever the GPU): the sum
+    of its ``:SIZE:COUNT`` pairs, as PyTorch reads it; ``(None, note)`` where the value is unknown or PyTorch would
+    not parse it (it then warns and keeps its default, the hardware profile's ``blas_workspace_mib``)."""
+    value = launch.env.get("CUBLAS_WORKSPACE_CONFIG")
+    if value is None or not isinstance(value, str):
+        return None, None
+    if is_unknown(value):
+        return None, (f"{path}: CUBLAS_WORKSPACE_CONFIG comes from {', '.join(unknown_sources(value))}: the profile's "
+                      "cuBLAS workspace is used")
+    pairs = CUBLAS_WORKSPACE_PAIR.findall(value)
+    if not pairs:
+        return None, (f"{path}: CUBLAS_WORKSPACE_CONFIG={value} does not parse as :SIZE:COUNT pairs; PyTorch keeps its "
+                      "default workspace, the profile's")
+    mib = sum(int(size) * int(count) for size, count in pairs) / 1024
+    return mib, f"CUBLAS_WORKSPACE_CONFIG={value}: PyTorch's cuBLAS workspace {mib:g} MiB per GEMM thread"
 
 
 def _known_int(value, what: str) -> int | None:
