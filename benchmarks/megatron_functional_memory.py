@@ -10,7 +10,9 @@ the recipe's 8 GPUs, as a user's CI gate would read them. The reading is the pea
 (the TensorBoard writer's), so it is compared with the last pipeline stage's predicted total (allocated; no
 fragmentation headroom, no CUDA context or NCCL buffers, which the caching allocator does not count). Nothing was set
 from these readings. Error = predicted / measured - 1 (negative: plan3d under-predicts, the direction a false "fits"
-comes from). It asserts nothing (``tests/test_megatron_functional_memory.py`` holds the figures).
+comes from). Then the same for each case's DGX A100 reading where its folder holds one (``case["a100"]``:
+``golden_values_dev_dgx_a100.json`` or the LTS one) on the a100-80gb profile. It asserts nothing
+(``tests/test_megatron_functional_memory.py`` holds the figures).
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ def launch_script(case: dict) -> str:
             + " ".join(shlex.quote(w) for w in words) + "\n")
 
 
-def predict(case: dict, folder: Path):
-    """(plan3d check's result, predicted bytes of the last pipeline stage) for one case."""
+def predict(case: dict, folder: Path, hardware: str = "h100-sxm-80gb"):
+    """(plan3d check's result, predicted bytes of the last pipeline stage) for one case on ``hardware`` (the case's
+    DGX H100 reading; ``a100-80gb`` for its A100 reading, ``case["a100"]``)."""
     path = folder / f"{case['case']}.sh"
     path.write_text(launch_script(case))
-    result = check_file(path, load_hardware("h100-sxm-80gb"), None, case["gpus"])
+    result = check_file(path, load_hardware(hardware), None, case["gpus"])
     if result.errors or result.scenario is None:
         return result, None
     return result, result.memory().stages[-1].total_bytes
@@ -85,6 +88,27 @@ def main() -> None:
     print(f"{len(errors)} cases: mean |error| {100 * sum(abs(e) for _, e, _ in errors) / len(errors):.1f} %, worst "
           f"{100 * min(e for _, e, _ in errors):+.1f} %; the {len(big)} cases above 10 GiB: mean |error| "
           f"{100 * sum(abs(e) for e in big) / len(big):.1f} %")
+    print("\nthe same cases' DGX A100 readings (case['a100']), on the a100-80gb profile:")
+    errors = []
+    with tempfile.TemporaryDirectory(prefix="plan3d-megatron-functional-a100-") as tmp:
+        for case in cases():
+            if "a100" not in case:
+                continue
+            result, predicted = predict(case, Path(tmp), "a100-80gb")
+            measured = case["a100"]["mem_max_allocated_bytes"]
+            if predicted is None:
+                print(f"{case['case'][:64]:64s} refused: {'; '.join(result.errors)[:120]}")
+                continue
+            err = predicted / measured - 1
+            if "known_gap" not in case:
+                errors.append(err)
+            gap = "  known gap" if "known_gap" in case else ""
+            print(f"{case['case'][:64]:64s} {case['a100']['golden_kind'][14:-5]:14s} measured {measured / GIB:6.2f} GiB  "
+                  f"predicted {predicted / GIB:6.2f} GiB  {100 * err:+6.1f} %  ({(predicted - measured) / MIB:+7.1f} MiB)"
+                  f"{gap}")
+    print(f"{len(errors)} A100 readings without the known gaps: mean |error| "
+          f"{100 * sum(abs(e) for e in errors) / len(errors):.1f} %, worst {100 * max(errors, key=abs):+.1f} %"
+          if errors else "no A100 readings")
 
 
 if __name__ == "__main__":
