@@ -103,9 +103,9 @@ def main() -> None:
             if "known_gap" not in case:
                 errors.append(err)
             gap = "  known gap" if "known_gap" in case else ""
-            print(f"{case['case'][:64]:64s} {case['a100']['golden_kind'][14:-5]:14s} measured {measured / GIB:6.2f} GiB  "
-                  f"predicted {predicted / GIB:6.2f} GiB  {100 * err:+6.1f} %  ({(predicted - measured) / MIB:+7.1f} MiB)"
-                  f"{gap}")
+            kind = case["a100"]["golden_kind"][14:-5]
+            print(f"{case['case'][:64]:64s} {kind:14s} measured {measured / GIB:6.2f} GiB  predicted "
+                  f"{predicted / GIB:6.2f} GiB  {100 * err:+6.1f} %  ({(predicted - measured) / MIB:+7.1f} MiB){gap}")
     print(f"{len(errors)} A100 readings without the known gaps: mean |error| "
           f"{100 * sum(abs(e) for e in errors) / len(errors):.1f} %, worst {100 * max(errors, key=abs):+.1f} %"
           if errors else "no A100 readings")

@@ -390,8 +390,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
-        if training.moe_token_dispatcher == "allgather":  # memory.moe_allgather_buffer_bytes: linear in the micro-batch,
-            # a GPU's share of the tokens set by sequence parallelism
+        if training.moe_token_dispatcher == "allgather":
+            # memory.moe_allgather_buffer_bytes: linear in the micro-batch, a GPU's share of the tokens set by SP
             per_sequence = [moe_allgather_buffer_bytes(model, training, base.model_copy(
                 update={"micro_batch_size": 1, "sequence_parallel": sp})) for sp in (False, True)]
             other = other + (n_moe > 0) * (np.where(sp_u, per_sequence[1], per_sequence[0]) * mbs_u)[:, None]

@@ -1362,7 +1362,8 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.moe_token_dispatcher == "allgather" and training.framework not in ("megatron", "nemo"):
         # MoEAllGatherTokenDispatcher is Megatron-Core's (core_v0.16.1 moe/token_dispatcher.py)
         errors.append(f"moe_token_dispatcher: allgather is Megatron-Core's MoEAllGatherTokenDispatcher, which "
-                      f"{training.framework} does not run; use framework megatron or nemo, or --moe-dispatcher alltoall")
+                      f"{training.framework} does not run; use framework megatron or nemo, or --moe-dispatcher "
+                      "alltoall")
     mods = training.recompute_modules
     if mods != ("core_attn",):
         if training.framework not in ("megatron", "nemo"):
@@ -1538,17 +1539,17 @@ def pipeline_kept_mode(training: TrainingSpec, plan: Plan) -> str | None:
 
 #: core_v0.16.1 TransformerConfig.__post_init__: "overlap_moe_expert_parallel_comm is supported with alltoall/flex token
 #: dispatcher"; a job problem (specs.job_problems) and, for memory.a2a_overlap_active, a plan problem
-ALLGATHER_OVERLAP_ERROR = ("moe_a2a_overlap: Megatron runs the all-to-all overlap with the alltoall or flex dispatcher "
-                           "only ('overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher'); "
-                           "use --moe-dispatcher alltoall or drop --moe-a2a-overlap")
+ALLGATHER_OVERLAP_ERROR = ("moe_a2a_overlap: Megatron runs the all-to-all overlap with the alltoall or flex "
+                           "dispatcher only ('overlap_moe_expert_parallel_comm is supported with alltoall/flex token "
+                           "dispatcher'); use --moe-dispatcher alltoall or drop --moe-a2a-overlap")
 
 
 def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[str]:
     """What Megatron-Core refuses of a MoE plan run with the all-to-all overlap (``training.moe_a2a_overlap``,
     ``--overlap-moe-expert-parallel-comm``), one line each: core_v0.16.1 ``TransformerConfig.__post_init__`` asserts
-    expert parallelism, the alltoall or flex dispatcher, virtual pipeline stages when pp > 1, no full recomputation, at
-    most one MTP layer and then pp > 1; and it is Megatron-Core's schedule (``combined_1f1b.py``), which only megatron and nemo run. Empty for a
-    dense model (the switch has nothing to overlap) or without the switch."""
+    expert parallelism, the alltoall or flex dispatcher, virtual pipeline stages when pp > 1, no full recomputation,
+    at most one MTP layer and then pp > 1; and it is Megatron-Core's schedule (``combined_1f1b.py``), which only
+    megatron and nemo run. Empty for a dense model (the switch has nothing to overlap) or without the switch."""
     if not (training.moe_a2a_overlap and model.is_moe):
         return []
     if training.framework not in ("megatron", "nemo"):

@@ -116,6 +116,19 @@ def test_megatron_accepts_emitted_moe_plans(megatron, monkeypatch, tmp_path, cas
     assert edp == p.expert_dp and len(ep_groups[0]) == p.ep
 
 
+def test_megatron_accepts_the_allgather_dispatcher_without_grouped_gemm(megatron, monkeypatch, tmp_path):
+    """A job with Megatron-Core's own defaults, the allgather dispatcher and SequentialMLP (moe_token_dispatcher
+    allgather, moe_grouped_gemm False): written as --moe-token-dispatcher-type allgather and without
+    --moe-grouped-gemm, and Megatron's validation builds exactly that config."""
+    sc = scenario(**TINY, tp=2, pp=1, dp=4, ep=2, etp=2, sequence_parallel=True)
+    sc = sc.model_copy(update={"training": sc.training.model_copy(
+        update={"moe_token_dispatcher": "allgather", "moe_grouped_gemm": False})})
+    argv = _args_file_argv(sc, tmp_path)
+    assert "--moe-grouped-gemm" not in argv
+    args, config, _ = megatron_validate(megatron, monkeypatch, argv, "1")
+    assert config.moe_token_dispatcher_type == "allgather" and not config.moe_grouped_gemm
+
+
 def test_megatron_moe_variants(megatron, monkeypatch, tmp_path):
     """A capacity factor (with padding to capacity), top-1 routing, a gated shared expert, a bf16 router."""
     sc = scenario(**TINY, tp=2, pp=1, dp=4, ep=2, etp=2, sequence_parallel=True)

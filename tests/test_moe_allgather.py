@@ -112,7 +112,8 @@ def test_jobs_megatron_refuses_or_does_not_run():
 
 
 def test_search_tables_hold_the_buffer_as_the_estimate_does():
-    """The search's tables add the buffer, linear in the micro-batch, where stage_memory does (tests/table_checks.py)."""
+    """The search's tables add the buffer, linear in the micro-batch, where stage_memory does
+    (tests/table_checks.py)."""
     from planner.candidates import SearchSpace
     from planner.search import build_tables
     from tests.table_checks import assert_entry_is_estimate, legal_keys

@@ -112,8 +112,9 @@ def test_megatron_job_switches_read_back(tmp_path, extra):
 
 
 def test_an_fp8_recipe_plan3d_does_not_model_is_read_as_current_scaling_with_a_note(tmp_path):
-    """Megatron's blockwise recipe keeps no amax history, as current scaling does not; read as delayed scaling it was
-    refused where Megatron refuses only delayed scaling (moe_act/layernorm recompute, core_v0.16.1 transformer_config)."""
+    """Megatron's blockwise recipe keeps no amax history, like current scaling; read as delayed scaling it was
+    refused where Megatron refuses only delayed scaling (moe_act/layernorm recompute, core_v0.16.1
+    transformer_config)."""
     sc = _scenario(load_model("llama3-8b"), dict(num_gpus=8, global_batch_size=16, seq_len=4096, precision="fp8",
                                                  fp8_recipe="tensorwise"),
                    dict(tp=2, pp=1, dp=4, zero_stage=1, recompute="selective", sequence_parallel=True))

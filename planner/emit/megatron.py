@@ -112,7 +112,8 @@ def moe_flags(sc: Scenario) -> list[Flag]:
     ``--moe-layer-freq`` for dense-first layers; ``--moe-grouped-gemm`` (TEGroupedMLP: the same
     parameters as one MLP per expert, fewer kernel launches; left out for a job with ``moe_grouped_gemm`` False,
     Megatron's SequentialMLP) and ``--moe-token-dispatcher-type
-    alltoall`` (the all-to-all dispatch the cost model prices; Megatron's default is allgather);
+    alltoall`` (the dispatch the search prices by default; Megatron's own default, allgather, is written where a job
+    asks for it, and priced as such: ``cost.moe_layer_extra``);
     ``--moe-router-dtype fp32`` for an fp32 router (absent: the parameters' dtype);
     ``--moe-expert-capacity-factor`` with ``--moe-pad-expert-input-to-capacity`` for a capacity factor,
     so every expert's input is exactly its capacity (absent: dropless). ``--moe-router-pre-softmax``

@@ -344,12 +344,11 @@ def get(name: str) -> FrameworkProfile:
 def expert_gemm_streams(training) -> tuple[int, int]:
     """(streams the routed experts' GEMMs run on, extra cuBLAS workspaces they keep) for a job: the profile's
     ``expert_gemm_streams`` and as many of Transformer Engine's multi-stream workspaces under ``--moe-grouped-gemm``
-    (``TrainingSpec.moe_grouped_gemm``: TEGroupedMLP's ``GroupedLinear``, ``get_multi_stream_cublas_workspace``); without
-    it Megatron-Core's ``SequentialMLP`` (core_v0.16.1 ``moe/experts.py``) runs each local expert's TE linears in turn on
-    the main stream, with TE's one workspace: one stream, no extra workspace. A profile with 0 (torchtitan's
-    ``torch._grouped_mm``) keeps 0 either way."""
+    (``TrainingSpec.moe_grouped_gemm``: TEGroupedMLP's ``GroupedLinear``, ``get_multi_stream_cublas_workspace``);
+    without it Megatron-Core's ``SequentialMLP`` (core_v0.16.1 ``moe/experts.py``) runs each local expert's TE linears
+    in turn on the main stream, with TE's one workspace: one stream, no extra workspace. A profile with 0
+    (torchtitan's ``torch._grouped_mm``) keeps 0 either way."""
     n = get(training.framework).expert_gemm_streams
     if n and not training.moe_grouped_gemm:
         return 1, 0
     return n, n
-

@@ -601,10 +601,10 @@ def dispatcher(a: Args, notes: list[str]) -> str:
 def fp8_recipe(a: Args, precision: str, notes: list[str]) -> str:
     """``TrainingSpec.fp8_recipe`` of a per-tensor fp8 launch: ``--fp8-recipe tensorwise`` (Transformer Engine's
     Float8CurrentScaling) or delayed scaling (``--fp8-recipe delayed``, Megatron-LM core_v0.16.1's default). Megatron's
-    ``blockwise`` and ``custom`` recipes are not modelled: read as current scaling (``tensorwise``), with a note. Like
-    it, neither keeps delayed scaling's amax history, and Megatron's checks that single out delayed scaling (core_v0.16.1
-    ``TransformerConfig.__post_init__``: "Delayed scaling does not support moe_act and layernorm recompute") do not
-    apply to them; read as delayed, such a launch was refused for a rule it does not break."""
+    ``blockwise`` and ``custom`` recipes are not modelled: read as current scaling (``tensorwise``), with a note.
+    Like it, neither keeps delayed scaling's amax history, and Megatron's checks that single out delayed scaling
+    (core_v0.16.1 ``TransformerConfig.__post_init__``: "Delayed scaling does not support moe_act and layernorm
+    recompute") do not apply to them; read as delayed, such a launch was refused for a rule it does not break."""
     recipe = a.get("--fp8-recipe")
     if precision != "fp8" or a.has("--deepspeed"):
         return "delayed"
