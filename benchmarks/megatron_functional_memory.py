@@ -10,8 +10,9 @@ the recipe's 8 GPUs, as a user's CI gate would read them. The reading is the pea
 (the TensorBoard writer's), so it is compared with the last pipeline stage's predicted total (allocated; no
 fragmentation headroom, no CUDA context or NCCL buffers, which the caching allocator does not count). Nothing was set
 from these readings. Error = predicted / measured - 1 (negative: plan3d under-predicts, the direction a false "fits"
-comes from). Then the same for each case's DGX A100 reading where its folder holds one (``case["a100"]``:
-``golden_values_dev_dgx_a100.json`` or the LTS one) on the a100-80gb profile. It asserts nothing
+comes from). Then the same for each case's DGX A100 and GB200 readings where its folder holds one (``case["a100"]``:
+``golden_values_dev_dgx_a100.json`` or the LTS one, on the a100-80gb profile; ``case["gb200"]``:
+``golden_values_dev_dgx_gb200.json``, on gb200-nvl72; ``OTHER_GPUS``). It asserts nothing
 (``tests/test_megatron_functional_memory.py`` holds the figures).
 """
 
@@ -33,6 +34,8 @@ from planner.presets import load_hardware  # noqa: E402
 
 DATA = ROOT / "benchmarks/data/megatron_functional_h100.json"
 MIB = 2**20
+#: the other GPUs' readings of the same cases (``case[key]``) and the profile each is read on
+OTHER_GPUS = (("a100", "a100-80gb"), ("gb200", "gb200-nvl72"))
 
 
 def cases() -> list[dict]:
@@ -60,7 +63,7 @@ def launch_script(case: dict) -> str:
 
 def predict(case: dict, folder: Path, hardware: str = "h100-sxm-80gb"):
     """(plan3d check's result, predicted bytes of the last pipeline stage) for one case on ``hardware`` (the case's
-    DGX H100 reading; ``a100-80gb`` for its A100 reading, ``case["a100"]``)."""
+    DGX H100 reading; ``OTHER_GPUS`` for its other readings)."""
     path = folder / f"{case['case']}.sh"
     path.write_text(launch_script(case))
     result = check_file(path, load_hardware(hardware), None, case["gpus"])
@@ -88,27 +91,28 @@ def main() -> None:
     print(f"{len(errors)} cases: mean |error| {100 * sum(abs(e) for _, e, _ in errors) / len(errors):.1f} %, worst "
           f"{100 * min(e for _, e, _ in errors):+.1f} %; the {len(big)} cases above 10 GiB: mean |error| "
           f"{100 * sum(abs(e) for e in big) / len(big):.1f} %")
-    print("\nthe same cases' DGX A100 readings (case['a100']), on the a100-80gb profile:")
-    errors = []
-    with tempfile.TemporaryDirectory(prefix="plan3d-megatron-functional-a100-") as tmp:
-        for case in cases():
-            if "a100" not in case:
-                continue
-            result, predicted = predict(case, Path(tmp), "a100-80gb")
-            measured = case["a100"]["mem_max_allocated_bytes"]
-            if predicted is None:
-                print(f"{case['case'][:64]:64s} refused: {'; '.join(result.errors)[:120]}")
-                continue
-            err = predicted / measured - 1
-            if "known_gap" not in case:
-                errors.append(err)
-            gap = "  known gap" if "known_gap" in case else ""
-            kind = case["a100"]["golden_kind"][14:-5]
-            print(f"{case['case'][:64]:64s} {kind:14s} measured {measured / GIB:6.2f} GiB  predicted "
-                  f"{predicted / GIB:6.2f} GiB  {100 * err:+6.1f} %  ({(predicted - measured) / MIB:+7.1f} MiB){gap}")
-    print(f"{len(errors)} A100 readings without the known gaps: mean |error| "
-          f"{100 * sum(abs(e) for e in errors) / len(errors):.1f} %, worst {100 * max(errors, key=abs):+.1f} %"
-          if errors else "no A100 readings")
+    for key, profile in OTHER_GPUS:
+        print(f"\nthe same cases' {key} readings (case['{key}']), on the {profile} profile:")
+        errors = []
+        with tempfile.TemporaryDirectory(prefix=f"plan3d-megatron-functional-{key}-") as tmp:
+            for case in cases():
+                if key not in case:
+                    continue
+                result, predicted = predict(case, Path(tmp), profile)
+                measured = case[key]["mem_max_allocated_bytes"]
+                if predicted is None:
+                    print(f"{case['case'][:64]:64s} refused: {'; '.join(result.errors)[:120]}")
+                    continue
+                err = predicted / measured - 1
+                if "known_gap" not in case:
+                    errors.append(err)
+                gap = "  known gap" if "known_gap" in case else ""
+                kind = case[key]["golden_kind"][14:-5]
+                print(f"{case['case'][:64]:64s} {kind:14s} measured {measured / GIB:6.2f} GiB  predicted "
+                      f"{predicted / GIB:6.2f} GiB  {100 * err:+6.1f} %  ({(predicted - measured) / MIB:+7.1f} MiB){gap}")
+        print(f"{len(errors)} {key} readings without the known gaps: mean |error| "
+              f"{100 * sum(abs(e) for e in errors) / len(errors):.1f} %, worst {100 * max(errors, key=abs):+.1f} %"
+              if errors else f"no {key} readings")
 
 
 if __name__ == "__main__":

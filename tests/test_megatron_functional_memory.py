@@ -1,5 +1,5 @@
-"""Golden: NVIDIA's own Megatron-LM functional tests on DGX H100 (and DGX A100 where a case has that reading) against
-plan3d's predicted peak allocated memory.
+"""Golden: NVIDIA's own Megatron-LM functional tests on DGX H100 (and DGX A100 and GB200 where a case has those
+readings) against plan3d's predicted peak allocated memory.
 
 The expected values are NVIDIA CI's measurements (``mem-max-allocated-bytes`` of each case's
 ``golden_values_dev_dgx_h100.json``, NVIDIA/Megatron-LM ``tests/functional_tests/test_cases``, commits in
@@ -50,22 +50,23 @@ def test_megatron_functional_test_peak_allocated(case, tmp_path):
                                    f"{measured / 2**30:.3f} GiB ({100 * err:+.1f} %)")
 
 
-A100_CASES = [c for c in CASES if "a100" in c]
+OTHER_READINGS = [(c, key, profile) for key, profile in bench.OTHER_GPUS for c in CASES if key in c]
 
 
-@pytest.mark.parametrize("case", A100_CASES, ids=[c["case"] for c in A100_CASES])
-def test_megatron_functional_test_peak_allocated_on_a100(case, tmp_path):
-    """The same cases' DGX A100 readings (``case["a100"]``, NVIDIA's ``golden_values_dev_dgx_a100.json`` or LTS one)
-    on the a100-80gb profile, within the same tolerance: held out (read after every change they could inform). They
-    check the pre-Hopper workspaces: Transformer Engine's 4 MiB (the A100 readings sit 28 MiB under the H100 ones in
-    the cases that export CUBLAS_WORKSPACE_CONFIG=:4096:8) and PyTorch's 8.125 MiB where the script sets nothing
-    (2 x 23.9 MiB further down)."""
-    result, predicted = bench.predict(case, tmp_path, "a100-80gb")
+@pytest.mark.parametrize("case,key,profile", OTHER_READINGS, ids=[f"{k}-{c['case']}" for c, k, _ in OTHER_READINGS])
+def test_megatron_functional_test_peak_allocated_on_other_gpus(case, key, profile, tmp_path):
+    """The same cases' DGX A100 and GB200 readings (``case["a100"]``, ``case["gb200"]``: NVIDIA's
+    ``golden_values_dev_dgx_a100.json`` or LTS one, ``golden_values_dev_dgx_gb200.json``) on the a100-80gb and
+    gb200-nvl72 profiles, within the same tolerance: held out (read after every change they could inform). The A100
+    ones check the pre-Hopper workspaces: Transformer Engine's 4 MiB (28 MiB under the H100 readings in the cases that
+    export CUBLAS_WORKSPACE_CONFIG=:4096:8) and PyTorch's 8.125 MiB where the script sets nothing (2 x 23.9 MiB
+    further down)."""
+    result, predicted = bench.predict(case, tmp_path, profile)
     assert predicted is not None, result.errors
-    measured = case["a100"]["mem_max_allocated_bytes"]
+    measured = case[key]["mem_max_allocated_bytes"]
     err = predicted / measured - 1
     assert abs(err) <= TOLERANCE, (f"{case['case']}: predicted {predicted / 2**30:.3f} GiB, NVIDIA measured "
-                                   f"{measured / 2**30:.3f} GiB on A100 ({100 * err:+.1f} %)")
+                                   f"{measured / 2**30:.3f} GiB on {key} ({100 * err:+.1f} %)")
 
 
 def test_layouts_of_the_large_cases(tmp_path):
