@@ -864,8 +864,9 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     # dispatch + combine: all-to-all over EP of the busiest rank's copies, AG + RS over expert TP
     ep_group = expert_span(plan, "ep", hw.nvlink_domain)
     etp_group = expert_span(plan, "etp", hw.nvlink_domain)
-    etp_s = (comm.collective_time_s("all_gather", copies * h * e, etp_group, hw)
-             + comm.collective_time_s("reduce_scatter", copies * h * e, etp_group, hw))
+    etp_s = 0.0 if allgather else (  # the allgather dispatcher's gather spans expert TP already
+        comm.collective_time_s("all_gather", copies * h * e, etp_group, hw)
+        + comm.collective_time_s("reduce_scatter", copies * h * e, etp_group, hw))
     if allgather:
         # MoEAllGatherTokenDispatcher (core_v0.16.1): all-gather the hidden states, the probabilities (router dtype)
         # and the bool routing map over the etp x ep group; reduce-scatter the unpermuted outputs back in the
@@ -874,7 +875,6 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         pb = router_dtype_bytes(model)
         dispatch = comm.collective_time_s("all_gather", gathered * (h * e + E * (pb + 1)), group, hw)
         combine = comm.collective_time_s("reduce_scatter", gathered * h * pb, group, hw)
-        etp_s = 0.0  # the gather spans expert TP already
     elif training.moe_token_dispatcher == "deepep":
         # in the activation dtype, also under FP8: Megatron-Core's flex dispatcher hands DeepEP the hidden states
         # unquantised (core_v0.16.1 moe/fused_a2a.py ``fused_dispatch``) and HybridEP refuses FP8 dispatch

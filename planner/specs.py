@@ -1357,8 +1357,11 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         errors.append(f"moe_token_dispatcher: deepep is modelled as Megatron-Core's flex dispatcher, which "
                       f"{training.framework} does not run; use framework megatron or nemo, or --moe-dispatcher alltoall")
     if training.moe_token_dispatcher == "allgather" and training.moe_a2a_overlap and model.is_moe:
-        # a job-level contradiction (specs.a2a_overlap_problems says it per plan): refused before any search
-        errors.append(ALLGATHER_OVERLAP_ERROR)
+        # core_v0.16.1 TransformerConfig.__post_init__: "overlap_moe_expert_parallel_comm is supported with
+        # alltoall/flex token dispatcher"; a contradiction of the job's own switches, refused before any search
+        errors.append("moe_a2a_overlap: Megatron runs the all-to-all overlap with the alltoall or flex dispatcher "
+                      "only ('overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher'); "
+                      "use --moe-dispatcher alltoall or drop --moe-a2a-overlap")
     if training.moe_token_dispatcher == "allgather" and training.framework not in ("megatron", "nemo"):
         # MoEAllGatherTokenDispatcher is Megatron-Core's (core_v0.16.1 moe/token_dispatcher.py)
         errors.append(f"moe_token_dispatcher: allgather is Megatron-Core's MoEAllGatherTokenDispatcher, which "
@@ -1503,7 +1506,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
                       "(Megatron-DeepSpeed --no-pipeline-parallel)")
     errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
     errors += dist_optimizer_problems(training, plan)
-    return list(dict.fromkeys(errors + job_problems(model, hardware, training)))  # a rule both lists hold, once
+    return errors + job_problems(model, hardware, training)
 
 
 def dist_optimizer_problems(training: TrainingSpec, plan: Plan) -> list[str]:
@@ -1537,19 +1540,13 @@ def pipeline_kept_mode(training: TrainingSpec, plan: Plan) -> str | None:
     return kept if plan.pp > 1 and kept != "none" else None
 
 
-#: core_v0.16.1 TransformerConfig.__post_init__: "overlap_moe_expert_parallel_comm is supported with alltoall/flex token
-#: dispatcher"; a job problem (specs.job_problems) and, for memory.a2a_overlap_active, a plan problem
-ALLGATHER_OVERLAP_ERROR = ("moe_a2a_overlap: Megatron runs the all-to-all overlap with the alltoall or flex "
-                           "dispatcher only ('overlap_moe_expert_parallel_comm is supported with alltoall/flex token "
-                           "dispatcher'); use --moe-dispatcher alltoall or drop --moe-a2a-overlap")
-
-
 def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -> list[str]:
     """What Megatron-Core refuses of a MoE plan run with the all-to-all overlap (``training.moe_a2a_overlap``,
     ``--overlap-moe-expert-parallel-comm``), one line each: core_v0.16.1 ``TransformerConfig.__post_init__`` asserts
-    expert parallelism, the alltoall or flex dispatcher, virtual pipeline stages when pp > 1, no full recomputation,
-    at most one MTP layer and then pp > 1; and it is Megatron-Core's schedule (``combined_1f1b.py``), which only
-    megatron and nemo run. Empty for a dense model (the switch has nothing to overlap) or without the switch."""
+    expert parallelism, virtual pipeline stages when pp > 1, no full recomputation, at most one MTP layer and then
+    pp > 1; and it is Megatron-Core's schedule (``combined_1f1b.py``), which only megatron and nemo run (its other
+    assert, the alltoall or flex dispatcher, is a job problem: :func:`job_problems`). Empty for a dense model (the
+    switch has nothing to overlap) or without the switch."""
     if not (training.moe_a2a_overlap and model.is_moe):
         return []
     if training.framework not in ("megatron", "nemo"):
@@ -1559,8 +1556,6 @@ def a2a_overlap_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) -
     if plan.ep == 1:
         errors.append("moe_a2a_overlap: Megatron's all-to-all overlap needs expert parallelism; give ep > 1 or "
                       "drop --moe-a2a-overlap")
-    if training.moe_token_dispatcher == "allgather":
-        errors.append(ALLGATHER_OVERLAP_ERROR)
     if plan.pp > 1 and plan.vpp == 1:
         errors.append(f"moe_a2a_overlap: with pp({plan.pp}) > 1 Megatron needs virtual pipeline stages for the "
                       "all-to-all overlap; give vpp > 1 or drop --moe-a2a-overlap")

@@ -103,7 +103,7 @@ def test_a_bf16_router_reduce_scatters_in_bf16():
 def test_jobs_megatron_refuses_or_does_not_run():
     plan = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
     errs = plan_problems(MIXTRAL, H100, _tr(moe_a2a_overlap=True), plan)
-    assert sum("alltoall or flex dispatcher" in e for e in errs) == 1, errs  # once, though job and plan rules hold it
+    assert sum("alltoall or flex dispatcher" in e for e in errs) == 1, errs  # said once
     # a contradiction of the job's own switches: refused before any search (not "no legal plan")
     assert any("alltoall or flex dispatcher" in e for e in job_problems(MIXTRAL, H100, _tr(moe_a2a_overlap=True)))
     errs = plan_problems(MIXTRAL, H100, _tr(framework="torchtitan"), plan.model_copy(update={"zero_stage": 3}))
