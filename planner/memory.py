@@ -1339,6 +1339,51 @@ def pipeline_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, 
     return pipeline_buffer_count(plan, num_microbatches, stage, in_flight) * stage_boundary_bytes(model, training, plan)
 
 
+def megatron_p2p_tensor_count(plan: Plan, num_microbatches, stage, in_flight, overlap_p2p: bool):
+    """Stage-boundary tensors Megatron-Core's pipeline schedules hold on pipeline rank ``stage`` beyond the in-flight
+    stage inputs the saved activations count, in the steady state (at least two steady iterations: ``in_flight`` chunks,
+    :func:`stage_in_flight_chunks`, below the rank's ``m x vpp``; 0 before, and with pp = 1). Vectorised over
+    ``num_microbatches``, ``in_flight`` and ``stage`` (an array of ranks: search).
+
+    From core_v0.16.1 ``pipeline_parallel/schedules.py``:
+
+    * 1F1B (``forward_backward_pipelining_without_interleaving``): the loop's ``input_tensor_grad`` (what
+      ``backward_step`` returned: ``input_tensor.grad``, the ``retain_grad`` copy) and ``output_tensor_grad`` (what
+      ``send_forward_recv_backward`` received) stay bound to their Python names until the next iteration rebinds them,
+      after its forward: one of each through the next micro-batch's forward and into its backward. The first stage
+      has no input gradient (``backward_step`` returns ``None`` there), the last no output gradient.
+    * interleaved (``forward_backward_pipelining_with_interleaving``): the steady loop's ``input_tensor_grad`` likewise,
+      the output gradient received for the next backward (``output_tensor_grads[...].append``, held until that
+      backward pops it), and, with ``overlap_p2p_comm`` (Megatron's default with interleaving; arguments.py turns it
+      off without), the input received for the next forward (``pp_post_forward`` posts it after this forward) while
+      this forward's output waits for ``pp_pre_forward``'s ``deallocate_output_tensor``: three; two without the
+      overlap, where both receives follow the backward (``send_forward_backward_recv_forward_backward``).
+
+    Held out against NVIDIA's functional tests (``benchmarks/megatron_functional_memory.py``): the 7B TP1 x PP4 x VPP8
+    case's last stage read 193.6 MiB (3.0 boundaries of 64 MiB) above the prediction before this term."""
+    ranks = np.asarray(stage)
+    m = np.asarray(num_microbatches, dtype=float)
+    if plan.vpp > 1:
+        held = np.full(np.shape(ranks), 3.0 if overlap_p2p else 2.0)
+    else:
+        held = (ranks > 0).astype(float) + (ranks < plan.pp - 1)
+    steady = np.asarray(in_flight, dtype=float) <= m * plan.vpp - 1
+    out = np.where(steady, held, 0.0) if plan.pp > 1 else np.zeros(np.broadcast_shapes(np.shape(held), np.shape(steady)))
+    return out if np.ndim(out) else float(out)
+
+
+def megatron_p2p_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches, stage: int):
+    """:func:`megatron_p2p_tensor_count` boundary tensors (:func:`stage_boundary_bytes`) where the framework runs
+    Megatron-Core's schedules (``FrameworkProfile.megatron_p2p_tensors``: megatron, nemo); 0 elsewhere."""
+    if plan.pp == 1 or not frameworks.get(training.framework).megatron_p2p_tensors:
+        return 0.0
+    from planner.cost import resolved_overlap  # cost imports this module
+
+    in_flight = stage_in_flight_chunks(training, plan, num_microbatches, stage)
+    count = megatron_p2p_tensor_count(plan, num_microbatches, stage, in_flight, resolved_overlap(training).overlap_p2p_comm)
+    return count * stage_boundary_bytes(model, training, plan)
+
+
 def kept_output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     """One micro-batch's output of the loss stage as a pipeline schedule keeps it
     (:func:`pipeline_kept_output_bytes`): the logits, ``s/cp x b x V/t`` (vocabulary-sharded under TP: torchtitan's
@@ -1513,7 +1558,8 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
                       stage: int, hardware: HardwareSpec | None = None):
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the first stage (and
     Megatron's dataloader mask, :func:`dataloader_mask_bytes`), the output layer's on the last (and the deferred
-    embedding wgrad, :func:`deferred_wgrad_bytes`), the pipeline's receive buffers (:func:`pipeline_buffer_bytes`);
+    embedding wgrad, :func:`deferred_wgrad_bytes`), the pipeline's receive buffers (:func:`pipeline_buffer_bytes`,
+    :func:`megatron_p2p_bytes`);
     Transformer Engine's TP-overlap userbuffers on every stage (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer
     or the allgather dispatcher's on every stage with a MoE layer (:func:`deepep_buffer_bytes`,
     :func:`moe_allgather_buffer_bytes`); the GEMMs' cuBLAS workspaces
@@ -1521,6 +1567,7 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     moe_stage = bool(plan.stage_moe_layers(model)[stage])
     userbuffers = tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
     other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + userbuffers + \
+        megatron_p2p_bytes(model, training, plan, num_microbatches, stage) + \
         gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage, userbuffers > 0)
     if moe_stage:  # DeepEP's buffer or the allgather dispatcher's, where a MoE layer of this stage dispatches
         other = other + deepep_buffer_bytes(model, training, plan) + moe_allgather_buffer_bytes(model, training, plan)

@@ -52,8 +52,9 @@ from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_by
                             bf16_layers_on_stage, chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes,
                             deferred_wgrad_bytes_per_microbatch, deferred_wgrad_microbatches, gemm_workspace_bytes,
                             in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
-                            layer_recompute_working_bytes, moe_allgather_buffer_bytes, offload_resident_layers,
-                            output_bytes, param_bytes, pipeline_buffer_count, saved_bytes_per_layer_kind,
+                            layer_recompute_working_bytes, megatron_p2p_tensor_count, moe_allgather_buffer_bytes,
+                            offload_resident_layers, output_bytes, param_bytes, pipeline_buffer_count,
+                            saved_bytes_per_layer_kind,
                             schedule_w_fraction, stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
                             stage_state_bytes_of, step_excess_bytes, tp_comm_overlap_bytes_per_element)
 from planner.schedules import schedule_problems
@@ -389,6 +390,9 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             other = other + (ub_on_u * (training.seq_len * mbs_u // cp) * model.hidden_size * ub_per_element)[:, None]
         if p > 1 and fw.pipeline_recv_buffers:  # memory.pipeline_buffer_bytes
             other = other + pipeline_buffer_count(base, m[:, None], rows_r[None, :], inflight) * boundary_u[:, None]
+        if p > 1 and fw.megatron_p2p_tensors:  # memory.megatron_p2p_bytes
+            held = megatron_p2p_tensor_count(base, m[:, None], rows_r[None, :], inflight, overlap_p2p)
+            other = other + held * boundary_u[:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
         if training.moe_token_dispatcher == "allgather":
             # memory.moe_allgather_buffer_bytes: linear in the micro-batch, a GPU's share of the tokens set by SP

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -132,8 +133,10 @@ def test_last_stage_logits_grow_with_vocab():
     # 6 B per logit (bf16 + fp32 upcast) for 8192 x 128256 logits = 5.87 GiB on the last stage, plus
     # the final-norm and output-layer inputs (2 x 2 B x s x h) and the int64 labels, and the GEMMs' cuBLAS
     # workspaces (memory.gemm_workspace_bytes: PyTorch's 32 MiB for the output layer's forward and backward threads,
-    # Transformer Engine's 32 MiB)
-    assert est.stages[1].other_bytes == 6 * 8192 * 128256 + 2 * 2 * 8192 * 4096 + 8 * 8192 + (2 * 32 + 32) * 2**20
+    # Transformer Engine's 32 MiB), and the previous micro-batch's input gradient that Megatron's 1F1B loop keeps
+    # bound to ``input_tensor_grad`` (memory.megatron_p2p_bytes: one 2 B x s x h boundary on the last stage)
+    assert est.stages[1].other_bytes == (6 * 8192 * 128256 + 2 * 2 * 8192 * 4096 + 8 * 8192 + (2 * 32 + 32) * 2**20
+                                         + 2 * 8192 * 4096)
 
 
 def test_te_fused_cross_entropy_keeps_only_the_bf16_logits():
@@ -146,7 +149,8 @@ def test_te_fused_cross_entropy_keeps_only_the_bf16_logits():
     tr = TrainingSpec(num_gpus=2, global_batch_size=8, seq_len=8192, cross_entropy_fusion="te")
     plan = Plan(tp=1, pp=2, dp=1, micro_batch_size=1)
     est = estimate_memory(model, load_hardware("h100-sxm-80gb"), tr, plan)
-    workspaces = (2 * 32 + 32) * 2**20  # as in test_last_stage_logits_grow_with_vocab
+    # as in test_last_stage_logits_grow_with_vocab: the workspaces and the 1F1B loop's kept input gradient
+    workspaces = (2 * 32 + 32) * 2**20 + 2 * 8192 * 4096
     assert est.stages[1].other_bytes == 2 * 8192 * 128256 + 2 * 2 * 8192 * 4096 + 8 * 8192 + workspaces
     native = estimate_memory(model, load_hardware("h100-sxm-80gb"), tr.model_copy(update={"cross_entropy_fusion": "native"}),
                              plan)
@@ -322,3 +326,26 @@ def test_golden_korthikanti_figure7_relative_activations(name):
     for mode, (recompute, sp) in FIG7["modes"].items():
         percent = 100 * saved(recompute, sp) / reference
         assert abs(percent / FIG7["percent"][name][mode] - 1) <= FIG7_TOLERANCE, (mode, percent)
+
+
+def test_megatron_schedules_hold_boundary_tensors():
+    """Hand count from core_v0.16.1 ``pipeline_parallel/schedules.py`` (memory.megatron_p2p_tensor_count): 1F1B keeps
+    the last input gradient (every stage but the first) and the last received output gradient (every stage but the
+    last); interleaved keeps the input gradient, the next output gradient and, with ``overlap_p2p_comm``, the next
+    input: 3 (2 without). Only once two steady iterations run (in-flight chunks at most m x vpp - 1); none with
+    pp 1."""
+    from planner.memory import megatron_p2p_bytes, megatron_p2p_tensor_count
+
+    flat = Plan(tp=1, pp=4, dp=1, micro_batch_size=1)
+    assert list(megatron_p2p_tensor_count(flat, 8, np.arange(4), np.array([4, 3, 2, 1]), False)) == [1, 2, 2, 1]
+    # m = 4 micro-batches: rank 0 holds all 4 in flight, no steady iteration after the first backward
+    assert list(megatron_p2p_tensor_count(flat, 4, np.arange(4), np.array([4, 3, 2, 1]), False)) == [0, 2, 2, 1]
+    inter = Plan(tp=1, pp=4, dp=1, micro_batch_size=1, vpp=2)
+    assert megatron_p2p_tensor_count(inter, 8, 3, 5, True) == 3
+    assert megatron_p2p_tensor_count(inter, 8, 3, 5, False) == 2
+    assert megatron_p2p_tensor_count(Plan(tp=1, pp=1, dp=1, micro_batch_size=1), 8, 0, 1, False) == 0
+    model = load_model("llama3-8b")
+    tr = TrainingSpec(num_gpus=4, global_batch_size=16, seq_len=4096)
+    assert megatron_p2p_bytes(model, tr, flat, 16, 1) == 2 * 4096 * 4096 * 2  # two 2 B x s x h tensors
+    # torch.distributed.pipelining's schedules keep their own buffers (memory.pipeline_buffer_bytes), not these
+    assert megatron_p2p_bytes(model, tr.model_copy(update={"framework": "torchtitan"}), flat, 16, 1) == 0.0

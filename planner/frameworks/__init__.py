@@ -95,6 +95,10 @@ class FrameworkProfile:
     # torch.distributed.pipelining: every PipelineStage keeps one receive buffer per micro-batch for its input
     # and one for its output's gradient, for the whole run (planner.memory.pipeline_buffer_bytes)
     pipeline_recv_buffers: bool = False
+    # Megatron-Core's pipeline schedules hold stage-boundary tensors beyond the in-flight stage inputs in their steady
+    # state: the last input gradient and output gradient, and under interleaving the receives posted ahead
+    # (planner.memory.megatron_p2p_tensors)
+    megatron_p2p_tensors: bool = False
     allows_fp8: bool = True
     allows_fp8_params: bool = False  # fp8 GEMM weights with no bf16 copy (Megatron --fp8-param-gather)
     # activation offloading to host memory (Plan.cpu_offload_layers): Megatron-Core's TE-backed
