@@ -1368,7 +1368,9 @@ def megatron_p2p_tensor_count(plan: Plan, num_microbatches, stage, in_flight, ov
     else:
         held = (ranks > 0).astype(float) + (ranks < plan.pp - 1)
     steady = np.asarray(in_flight, dtype=float) <= m * plan.vpp - 1
-    out = np.where(steady, held, 0.0) if plan.pp > 1 else np.zeros(np.broadcast_shapes(np.shape(held), np.shape(steady)))
+    out = np.where(steady, held, 0.0)
+    if plan.pp == 1:
+        out = np.zeros_like(out)
     return out if np.ndim(out) else float(out)
 
 
@@ -1380,7 +1382,8 @@ def megatron_p2p_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num
     from planner.cost import resolved_overlap  # cost imports this module
 
     in_flight = stage_in_flight_chunks(training, plan, num_microbatches, stage)
-    count = megatron_p2p_tensor_count(plan, num_microbatches, stage, in_flight, resolved_overlap(training).overlap_p2p_comm)
+    overlap = resolved_overlap(training).overlap_p2p_comm
+    count = megatron_p2p_tensor_count(plan, num_microbatches, stage, in_flight, overlap)
     return count * stage_boundary_bytes(model, training, plan)
 
 
@@ -1526,29 +1529,35 @@ TE_UB_STREAMS = 3
 
 def gemm_workspace_bytes(training: TrainingSpec, hardware: HardwareSpec | None, loss_stage: bool,
                          moe_stage: bool, tp_overlap: bool = False) -> float:
-    """cuBLAS workspaces a stage's GEMMs allocate through PyTorch's caching allocator and keep for the run, where the
-    framework profile counts them (``FrameworkProfile.counts_gemm_workspaces``: Megatron-Core and NeMo); 0 elsewhere
-    or without a hardware profile.
+    """cuBLAS workspaces a stage's GEMMs allocate through PyTorch's caching allocator and keep for the run
+    (``FrameworkProfile.gemm_workspaces``); 0 without a hardware profile.
 
-    * PyTorch's own (``HardwareSpec.blas_workspace_mib``, 32 MiB on Hopper: aten/src/ATen/cuda/CublasHandlePool.cpp),
-      one per thread that runs a torch GEMM: the forward's and autograd's device thread, as the caching-allocator check
-      on an H100 found (``planner.fake_rank``, benchmarks/data/h100_allocator_check.json). Megatron-Core's torch
-      GEMMs are the output layer's (``tensor_parallel.ColumnParallelLinear``, on the loss stage) and the MoE
-      router's (``TopKRouter.gating``, on a stage with a MoE layer); its transformer layers are Transformer Engine
-      modules, which pass TE's workspace to cuBLAS.
-    * Transformer Engine's (``HardwareSpec.te_workspace_mib``): one per process (``module/base.py::get_workspace``),
-      ``_NUM_MAX_UB_STREAMS`` (3) of them in one tensor where TP communication overlap runs (``initialize_ub``:
-      ``_cublas_workspace = get_workspace().repeat(_NUM_MAX_UB_STREAMS)``, the single one freed; the job's
-      :func:`tp_comm_overlap_buffer_bytes` > 0), and ``num_cublas_streams`` more where ``GroupedLinear`` runs the
-      routed experts (``get_multi_stream_cublas_workspace``; ``FrameworkProfile.expert_gemm_streams``, 4; none under
-      Megatron's ``SequentialMLP``, without ``--moe-grouped-gemm``: ``frameworks.expert_gemm_streams``).
+    * "torch" (torchtitan, plan3d validate's miniature, Megatron-DeepSpeed): every linear is a torch GEMM
+      (``nn.Linear``, torchao's ``torch._scaled_mm``, Megatron-DeepSpeed's ``ColumnParallelLinear`` and
+      ``RowParallelLinear`` on ``torch.matmul``), so every stage holds PyTorch's workspace for the forward's thread and
+      autograd's device thread, as below; no Transformer Engine.
+    * "te" (Megatron-Core, NeMo), two kinds:
+      - PyTorch's own (``HardwareSpec.blas_workspace_mib``, 32 MiB on Hopper: aten/src/ATen/cuda/CublasHandlePool.cpp),
+        one per thread that runs a torch GEMM: the forward's and autograd's device thread, as the caching-allocator
+        check on an H100 found (``planner.fake_rank``, benchmarks/data/h100_allocator_check.json). Megatron-Core's torch
+        GEMMs are the output layer's (``tensor_parallel.ColumnParallelLinear``, on the loss stage) and the MoE
+        router's (``TopKRouter.gating``, on a stage with a MoE layer); its transformer layers are Transformer Engine
+        modules, which pass TE's workspace to cuBLAS.
+      - Transformer Engine's (``HardwareSpec.te_workspace_mib``): one per process (``module/base.py::get_workspace``),
+        ``_NUM_MAX_UB_STREAMS`` (3) of them in one tensor where TP communication overlap runs (``initialize_ub``:
+        ``_cublas_workspace = get_workspace().repeat(_NUM_MAX_UB_STREAMS)``, the single one freed; the job's
+        :func:`tp_comm_overlap_buffer_bytes` > 0), and ``num_cublas_streams`` more where ``GroupedLinear`` runs the
+        routed experts (``get_multi_stream_cublas_workspace``; ``FrameworkProfile.expert_gemm_streams``, 4; none under
+        Megatron's ``SequentialMLP``, without ``--moe-grouped-gemm``: ``frameworks.expert_gemm_streams``).
 
     Held out against NVIDIA's Megatron-LM functional tests on DGX H100 (``benchmarks/megatron_functional_memory.py``):
     before this term every dense case's last stage was 96-112 MiB under its ``mem-max-allocated-bytes``; 2 x 32 +
     32 MiB is 96; the FP8 case with TP communication overlap was 88 MiB under, 24 with the userbuffers' three."""
-    prof = frameworks.get(training.framework)
-    if hardware is None or not prof.counts_gemm_workspaces:
+    kind = frameworks.get(training.framework).gemm_workspaces
+    if hardware is None or kind is None:
         return 0.0
+    if kind == "torch":  # every linear of every stage is a torch GEMM: the forward's and autograd's thread
+        return 2 * hardware.blas_workspace_mib * 2**20
     torch_threads = 2 if (loss_stage or moe_stage) else 0
     te = (TE_UB_STREAMS if tp_overlap else 1) + (frameworks.expert_gemm_streams(training)[1] if moe_stage else 0)
     return (torch_threads * hardware.blas_workspace_mib + te * hardware.te_workspace_mib) * 2**20

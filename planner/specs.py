@@ -633,8 +633,10 @@ class HardwareSpec(_Spec):
         default=HOPPER_BLAS_WORKSPACE_MIB, ge=0,
         description="cuBLAS's workspace per thread that runs GEMMs, MiB: PyTorch's default is 32 on Hopper and "
                     "Blackwell and 8.125 before (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize; "
-                    "CUBLAS_WORKSPACE_CONFIG changes it), 32 on ROCm, 128 on MI300 (gfx942). The torchtitan "
-                    "profile's reserved-memory replay makes one for the forward and one for the backward "
+                    "CUBLAS_WORKSPACE_CONFIG changes it), 32 on ROCm, 128 on MI300 (gfx942). One for the forward's "
+                    "thread and one for autograd's on every stage whose layers are torch GEMMs (torchtitan, "
+                    "DeepSpeed, validate's miniature), on the loss and MoE stages under Megatron and NeMo "
+                    "(planner.memory.gemm_workspace_bytes); torchtitan's reserved-memory replay makes the same two "
                     "(planner.allocator_trace).")
     te_workspace_mib: float = Field(
         default=32.0, ge=0,

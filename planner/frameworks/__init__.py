@@ -151,9 +151,10 @@ class FrameworkProfile:
     # (Transformer Engine's GroupedLinear under Megatron-Core's TEGroupedMLP, planner.cost.TE_GROUPED_GEMM_STREAMS)
     expert_gemm_streams: int = 0
     # the cuBLAS workspaces the stage's GEMMs keep through the caching allocator (planner.memory.gemm_workspace_bytes):
-    # True where the model's layers are Transformer Engine modules and the output layer and MoE router are torch GEMMs
-    # (Megatron-Core, NeMo); False: not counted in the stage total
-    counts_gemm_workspaces: bool = False
+    # "te" where the model's layers are Transformer Engine modules and the output layer and MoE router are torch GEMMs
+    # (Megatron-Core, NeMo); "torch" where every linear is a torch GEMM (torchtitan, plan3d validate's miniature,
+    # Megatron-DeepSpeed); None: not counted in the stage total
+    gemm_workspaces: str | None = None
     # a gradient reduction issued in every micro-batch's backward (ZeRO 2-3, planner.cost.grad_reduced_every_microbatch)
     # runs on its own stream; None: the compute stream waits for it at the end of that backward (FSDP2's
     # _root_post_backward_final_callback, DeepSpeed's reduction epilogue). A count: the reductions run on past the

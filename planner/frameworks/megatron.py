@@ -268,7 +268,7 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)
                            allows_cpu_offload=True, allows_block_recompute=True, allows_recompute_groups=True,
                            # --moe-grouped-gemm (planner/emit/megatron.py): TEGroupedMLP, TE's multi-stream GroupedLinear
-                           expert_gemm_streams=4, counts_gemm_workspaces=True, megatron_p2p_tensors=True,
+                           expert_gemm_streams=4, gemm_workspaces="te", megatron_p2p_tensors=True,
                            # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep
                            runs_deepep=True,
                            # Megatron-FSDP's reduce-scatter queue (optim_grads[_params], cost.grad_reduce_trail_s)

@@ -76,7 +76,7 @@ PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_pe
                            allows_cpu_offload=True, allows_block_recompute=True, allows_recompute_groups=True,
                            unfused_yarn_rope=True,  # Megatron-Bridge's provider (FrameworkProfile.unfused_yarn_rope)
                            # the recipes' moe_grouped_gemm=True: TEGroupedMLP, TE's multi-stream GroupedLinear
-                           expert_gemm_streams=4, counts_gemm_workspaces=True, megatron_p2p_tensors=True,
+                           expert_gemm_streams=4, gemm_workspaces="te", megatron_p2p_tensors=True,
                            # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep
                            runs_deepep=True,
                            # Megatron-FSDP's reduce-scatter queue (optim_grads[_params], cost.grad_reduce_trail_s)

@@ -356,6 +356,7 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            # its automatic split shortens only the first and last *virtual* stage, and
                            # module_fqns_per_model_part cannot be passed on the command line (planner/emit/torchtitan.py)
                            uneven_virtual_ends_only=True, pipeline_recv_buffers=True,
+                           gemm_workspaces="torch",  # nn.Linear and torchao's _scaled_mm (memory.gemm_workspace_bytes)
                            split_rule=builds_split,  # and whatever else its keys build (20/21/20/19)
                            allows_layer_interval_recompute=True,  # selective_ac_option N (Plan.recompute_interval)
                            expert_tp_rule="torchtitan", moe_ep_needs_fsdp=True, moe_dispatch="torchtitan",
