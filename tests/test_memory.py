@@ -349,3 +349,20 @@ def test_megatron_schedules_hold_boundary_tensors():
     assert megatron_p2p_bytes(model, tr, flat, 16, 1) == 2 * 4096 * 4096 * 2  # two 2 B x s x h tensors
     # torch.distributed.pipelining's schedules keep their own buffers (memory.pipeline_buffer_bytes), not these
     assert megatron_p2p_bytes(model, tr.model_copy(update={"framework": "torchtitan"}), flat, 16, 1) == 0.0
+
+
+def test_torch_gemm_frameworks_hold_two_cublas_workspaces_per_stage():
+    """torchtitan, DeepSpeed and validate's miniature run every linear as a torch GEMM: every stage holds PyTorch's
+    cuBLAS workspace for the forward's thread and for autograd's (``HardwareSpec.blas_workspace_mib``, 32 MiB on
+    Hopper, aten/src/ATen/cuda/CublasHandlePool.cpp); Megatron only where a torch GEMM runs (the loss stage), plus
+    Transformer Engine's own on every stage; the CPU profile has none."""
+    from planner.memory import gemm_workspace_bytes
+
+    h100, cpu = load_hardware("h100-sxm-80gb"), load_hardware("cpu-gloo")
+    for fw in ("torchtitan", "deepspeed", "torch"):
+        tr = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096, framework=fw)
+        assert gemm_workspace_bytes(tr, h100, loss_stage=False, moe_stage=False) == 2 * 32 * 2**20
+        assert gemm_workspace_bytes(tr, cpu, loss_stage=True, moe_stage=False) == 0.0
+    mg = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096)
+    assert gemm_workspace_bytes(mg, h100, loss_stage=False, moe_stage=False) == 32 * 2**20
+    assert gemm_workspace_bytes(mg, h100, loss_stage=True, moe_stage=False) == 3 * 32 * 2**20
