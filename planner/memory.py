@@ -1387,6 +1387,62 @@ def megatron_p2p_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num
     return count * stage_boundary_bytes(model, training, plan)
 
 
+def deepspeed_pipe_tensor_counts(plan: Plan, num_microbatches, stage):
+    """(whole stage-boundary tensors, sent-size boundary tensors, kept module outputs) DeepSpeed's pipeline engine
+    holds on pipeline rank ``stage`` at its peak, beyond the saved activations. Vectorised over ``num_microbatches``
+    and ``stage`` (an array of ranks: search).
+
+    From deepspeed 0.19.8 ``runtime/pipe/engine.py`` (``PipelineEngine``), with ``k = min(pp - r, m)`` micro-batches
+    in flight (``pipe/schedule.py`` ``TrainSchedule.num_pipe_buffers``):
+
+    * every stage but the last keeps each in-flight micro-batch's output in ``pipe_buffers['outputs']`` until its
+      backward (sent size: under model parallelism the engine keeps only this rank's part, ``pipe_partitioned``, on by
+      default, and empties the full tensor's data); every stage but the first keeps the receive buffer
+      ``pipe_recv_buf`` (sent size); without model parallelism each received input is kept whole
+      (``pipe_buffers['inputs']``) while the model runs on its ``.clone()``, which its first layer saves; partitioned,
+      the gathered input is the model's own. The first stage holds the gradient receive buffer ``grad_layer`` at its
+      peak (sent size: ``grad_partitioned``).
+    * the last stage's backward returns before it frees ``pipe_buffers['outputs']`` (``_exec_backward_pass``: "The last
+      stage just runs backward on the loss"), so its module outputs stay referenced in its ``max(2, ...)`` buffers: the
+      previous micro-batch's beside the current one's (:func:`deepspeed_pipe_bytes` sizes them).
+
+    Checked against the engine itself on this CPU (tests/deepspeed_pipe_probe.py: gloo ranks, pp 2-4, tp 1-2, 1-8
+    micro-batches; tests/test_deepspeed_pipe_buffers.py)."""
+    ranks = np.asarray(stage, dtype=float)
+    m = np.asarray(num_microbatches, dtype=float)
+    k = np.minimum(plan.pp - ranks, m)
+    first, last = (ranks == 0).astype(float), (ranks == plan.pp - 1).astype(float)
+    whole = (1 - first) * k * (plan.tp == 1)  # kept received inputs
+    sent = (1 - last) * k + (1 - first) + first * (plan.pp > 1)  # kept outputs; pipe_recv_buf or grad_layer
+    kept = last * (np.minimum(m, 2) - 1)
+    out = np.broadcast_arrays(whole, sent, kept)
+    return tuple(float(x) for x in out) if np.ndim(out[0]) == 0 else tuple(np.array(x) for x in out)
+
+
+def deepspeed_last_module_output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
+    """The last stage's module output as Megatron-DeepSpeed's ``GPTModelPipe`` returns it to the pipeline engine: the
+    vocabulary-parallel logits, ``s/cp x b x V/t``, upcast to fp32 by its last layer (``float16_to_fp32`` after the
+    tied ``EmbeddingPipe``'s ``_logits_helper`` under fp16/bf16; microsoft/Megatron-DeepSpeed
+    ``megatron/model/gpt_model.py``); in fp32 training the same 4 B: the size of :func:`kept_output_bytes`."""
+    return kept_output_bytes(model, training, plan)
+
+
+def deepspeed_pipe_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_microbatches, stage: int):
+    """:func:`deepspeed_pipe_tensor_counts` in bytes where DeepSpeed's pipeline engine runs the job
+    (``FrameworkProfile.deepspeed_pipe_buffers`` and ``frameworks.deepspeed.runs_pipeline_engine``); 0 elsewhere. A
+    stage boundary is :func:`stage_boundary_bytes`; the engine sends 1/tp of it under model parallelism."""
+    if not frameworks.get(training.framework).deepspeed_pipe_buffers:
+        return 0.0
+    from planner.frameworks.deepspeed import runs_pipeline_engine
+
+    if not runs_pipeline_engine(training.deepspeed.pipeline_engine, plan.pp):
+        return 0.0
+    whole, sent, kept = deepspeed_pipe_tensor_counts(plan, num_microbatches, stage)
+    boundary = stage_boundary_bytes(model, training, plan)
+    return (whole * boundary + sent * boundary / plan.tp
+            + kept * deepspeed_last_module_output_bytes(model, training, plan))
+
+
 def kept_output_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) -> float:
     """One micro-batch's output of the loss stage as a pipeline schedule keeps it
     (:func:`pipeline_kept_output_bytes`): the logits, ``s/cp x b x V/t`` (vocabulary-sharded under TP: torchtitan's
@@ -1568,7 +1624,7 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     """Activations outside the transformer layers: the inputs of every micro-batch in flight on the first stage (and
     Megatron's dataloader mask, :func:`dataloader_mask_bytes`), the output layer's on the last (and the deferred
     embedding wgrad, :func:`deferred_wgrad_bytes`), the pipeline's receive buffers (:func:`pipeline_buffer_bytes`,
-    :func:`megatron_p2p_bytes`);
+    :func:`megatron_p2p_bytes`, :func:`deepspeed_pipe_bytes`);
     Transformer Engine's TP-overlap userbuffers on every stage (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer
     or the allgather dispatcher's on every stage with a MoE layer (:func:`deepep_buffer_bytes`,
     :func:`moe_allgather_buffer_bytes`); the GEMMs' cuBLAS workspaces
@@ -1577,6 +1633,7 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     userbuffers = tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
     other = pipeline_buffer_bytes(model, training, plan, num_microbatches, stage) + userbuffers + \
         megatron_p2p_bytes(model, training, plan, num_microbatches, stage) + \
+        deepspeed_pipe_bytes(model, training, plan, num_microbatches, stage) + \
         gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage, userbuffers > 0)
     if moe_stage:  # DeepEP's buffer or the allgather dispatcher's, where a MoE layer of this stage dispatches
         other = other + deepep_buffer_bytes(model, training, plan) + moe_allgather_buffer_bytes(model, training, plan)

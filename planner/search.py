@@ -48,15 +48,17 @@ from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s
                           zero3_gather_s, ZeroBubbleBatch)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
+from planner.frameworks.deepspeed import runs_pipeline_engine
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, bf16_layer_delta_bytes,
                             bf16_layers_on_stage, chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes,
-                            deferred_wgrad_bytes_per_microbatch, deferred_wgrad_microbatches, gemm_workspace_bytes,
-                            in_flight_chunks, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
+                            deepspeed_pipe_tensor_counts, deferred_wgrad_bytes_per_microbatch,
+                            deferred_wgrad_microbatches, gemm_workspace_bytes, in_flight_chunks,
+                            input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, megatron_p2p_tensor_count, moe_allgather_buffer_bytes,
                             offload_resident_layers, output_bytes, param_bytes, pipeline_buffer_count,
-                            saved_bytes_per_layer_kind,
-                            schedule_w_fraction, stage_moe_layer_count, stage_param_inputs, stage_params_per_rank,
-                            stage_state_bytes_of, step_excess_bytes, tp_comm_overlap_bytes_per_element)
+                            saved_bytes_per_layer_kind, schedule_w_fraction, stage_moe_layer_count,
+                            stage_param_inputs, stage_params_per_rank, stage_state_bytes_of, step_excess_bytes,
+                            tp_comm_overlap_bytes_per_element)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
@@ -393,6 +395,10 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         if p > 1 and fw.megatron_p2p_tensors:  # memory.megatron_p2p_bytes
             held = megatron_p2p_tensor_count(base, m[:, None], rows_r[None, :], inflight, overlap_p2p)
             other = other + held * boundary_u[:, None]
+        if fw.deepspeed_pipe_buffers and runs_pipeline_engine(training.deepspeed.pipeline_engine, p):
+            # memory.deepspeed_pipe_bytes
+            whole, sent, kept_out = deepspeed_pipe_tensor_counts(base, m[:, None], rows_r[None, :])
+            other = other + (whole + sent / tp) * boundary_u[:, None] + kept_out * f["kept_output_bytes"][:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
         if training.moe_token_dispatcher == "allgather":
             # memory.moe_allgather_buffer_bytes: linear in the micro-batch, a GPU's share of the tokens set by SP

@@ -99,6 +99,9 @@ class FrameworkProfile:
     # state: the last input gradient and output gradient, and under interleaving the receives posted ahead
     # (planner.memory.megatron_p2p_tensors)
     megatron_p2p_tensors: bool = False
+    # DeepSpeed's pipeline engine keeps stage outputs, received inputs, its receive buffers and the last stage's module
+    # outputs (planner.memory.deepspeed_pipe_tensor_counts)
+    deepspeed_pipe_buffers: bool = False
     allows_fp8: bool = True
     allows_fp8_params: bool = False  # fp8 GEMM weights with no bf16 copy (Megatron --fp8-param-gather)
     # activation offloading to host memory (Plan.cpu_offload_layers): Megatron-Core's TE-backed

@@ -323,4 +323,5 @@ PROFILE = FrameworkProfile(name="deepspeed", state_bytes=state_bytes, logits_byt
                            # Megatron-DeepSpeed's SwiGLU is eager, F.silu(x[0]) * x[1] (microsoft/Megatron-DeepSpeed
                            # 1e3fc81 megatron/model/transformer.py ParallelMLP): the multiply saves the SiLU output
                            swiglu_unfused=True,
-                           gemm_workspaces="torch")  # every linear a torch GEMM (memory.gemm_workspace_bytes)
+                           gemm_workspaces="torch",  # every linear a torch GEMM (memory.gemm_workspace_bytes)
+                           deepspeed_pipe_buffers=True)  # PipelineEngine's buffers (memory.deepspeed_pipe_bytes)
