@@ -18,9 +18,10 @@ import os
 import sys
 
 H, S, MBS = 32, 8, 2  # the boundary: MBS x S x H fp32 = 2 KiB
-#: (pp, micro-batches, tp): tp > 1 makes the engine partition what it sends over the model-parallel ranks
+#: (pp, micro-batches, tp): tp > 1 makes the engine partition what it sends over the model-parallel ranks; pp 1 is
+#: the engine on one stage (Megatron-DeepSpeed builds a PipelineModule unless --no-pipeline-parallel)
 #: (``pipe_partitioned`` / ``grad_partitioned``, on by default, active where the grid is model-parallel)
-CASES = ((2, 1, 1), (2, 4, 1), (3, 2, 1), (3, 6, 1), (4, 8, 1), (2, 4, 2), (3, 6, 2))
+CASES = ((1, 4, 1), (2, 1, 1), (2, 4, 1), (3, 2, 1), (3, 6, 1), (4, 8, 1), (2, 4, 2), (3, 6, 2))
 
 
 def _held_bytes(engine, torch) -> dict:

@@ -84,8 +84,8 @@ def test_gemm_workspaces_hand_count():
     """PyTorch's workspace per GEMM thread (2 where the stage runs torch GEMMs: the output layer, the router) and
     Transformer Engine's (1, 3 under TP communication overlap, and 4 more on a stage whose routed experts run TE's
     GroupedLinear, none more under Megatron's SequentialMLP), in MiB: H100
-    32 and 32, A100 8.125 and 4 (the profiles' blas_workspace_mib and te_workspace_mib). Counted for Megatron and
-    NeMo only."""
+    32 and 32, A100 8.125 and 4 (the profiles' blas_workspace_mib and te_workspace_mib). torchtitan runs every linear
+    as a torch GEMM: PyTorch's two on every stage, no TE."""
     h100, a100 = load_hardware("h100-sxm-80gb"), load_hardware("a100-80gb")
     mega = TrainingSpec(num_gpus=8, global_batch_size=8, seq_len=4096)
     mib = 2**20
@@ -99,7 +99,7 @@ def test_gemm_workspaces_hand_count():
     assert gemm_workspace_bytes(mega, h100, True, False, tp_overlap=True) == (2 * 32 + 3 * 32) * mib
     assert gemm_workspace_bytes(mega, a100, loss_stage=True, moe_stage=False) == (2 * 8.125 + 4) * mib
     assert gemm_workspace_bytes(mega.model_copy(update={"framework": "nemo"}), h100, True, False) == 96 * mib
-    assert gemm_workspace_bytes(mega.model_copy(update={"framework": "torchtitan"}), h100, True, True) == 0
+    assert gemm_workspace_bytes(mega.model_copy(update={"framework": "torchtitan"}), h100, True, True) == 2 * 32 * mib
     assert gemm_workspace_bytes(mega, None, True, True) == 0
 
 
