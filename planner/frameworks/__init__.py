@@ -97,7 +97,7 @@ class FrameworkProfile:
     pipeline_recv_buffers: bool = False
     # Megatron-Core's pipeline schedules hold stage-boundary tensors beyond the in-flight stage inputs in their steady
     # state: the last input gradient and output gradient, and under interleaving the receives posted ahead
-    # (planner.memory.megatron_p2p_tensors)
+    # (planner.memory.megatron_p2p_tensor_count)
     megatron_p2p_tensors: bool = False
     # DeepSpeed's pipeline engine keeps stage outputs, received inputs, its receive buffers and the last stage's module
     # outputs (planner.memory.deepspeed_pipe_tensor_counts)
