@@ -41,6 +41,7 @@ GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py
 OPTIMIZER_BYTES = 12  # fp32 master weights 4 + Adam m 4 + v 4 (ZeRO paper section 3.1, K = 12)
 ACT_BYTES = 2  # bf16 activations
 FP32_BYTES = 4
+KIB = 1024  # the unit the search's memory tables and MemoryEstimate.fits judge in
 TOKEN_ID_BYTES = 8  # int64 input ids and labels (Korthikanti section 4.3)
 
 
@@ -97,7 +98,10 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_gib <= self.usable_gib
+        """Whether the peak stage fits the usable memory, judged in whole KiB as the search's tables judge it (the peak
+        rounded up, the usable memory down: ``planner.search``), so that a plan the estimate passes the search can
+        choose too, and the other way round. The rounding can only refuse, by less than 2 KiB."""
+        return math.ceil(self.peak.peak_bytes / KIB) <= int(self.usable_gib * GIB // KIB)
 
     def to_dict(self) -> dict:
         return {"capacity_gib": self.capacity_gib, "usable_gib": self.usable_gib, "peak_gib": self.peak_gib,

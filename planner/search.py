@@ -53,7 +53,7 @@ from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_by
                             bf16_layers_on_stage, chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes,
                             deepspeed_pipe_tensor_counts, deferred_wgrad_bytes_per_microbatch,
                             deferred_wgrad_microbatches, gemm_workspace_bytes, in_flight_chunks,
-                            input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
+                            KIB, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, megatron_p2p_tensor_count, moe_allgather_buffer_bytes,
                             offload_resident_layers, output_bytes, param_bytes, pipeline_buffer_count,
                             saved_bytes_per_layer_kind, schedule_w_fraction, stage_moe_layer_count,
@@ -66,7 +66,6 @@ from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a
                            empty_chunks, job_problems, pipeline_switch_problems, uneven_chunks)
 
 NS = 1e9  # time unit of the tables: nanoseconds
-KIB = 1024  # memory unit of the tables
 INFEASIBLE = 2**52
 
 
