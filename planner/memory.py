@@ -72,6 +72,13 @@ class StageMemory:
         """What the stage needs of the device: the reserved peak where modelled, else the allocated total."""
         return self.total_bytes if self.reserved_bytes is None else self.reserved_bytes
 
+    def fits_in(self, usable_gib: float) -> bool:
+        """Whether this stage's peak (:attr:`peak_bytes`: reserved where modelled, else allocated) fits ``usable_gib``,
+        judged in whole KiB as the search's tables judge it (the peak rounded up, the usable memory down:
+        ``planner.search``), so that a plan the estimate passes the search can choose too, and the other way round.
+        The rounding can only refuse, by less than 2 KiB."""
+        return math.ceil(self.peak_bytes / KIB) <= int(usable_gib * GIB // KIB)
+
     def as_gib(self) -> dict:
         out = {"stage": self.stage, "layers": self.layers,
                **{f"{k}_gib": getattr(self, f"{k}_bytes") / GIB
@@ -98,14 +105,15 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        """Whether the peak stage fits the usable memory, judged in whole KiB as the search's tables judge it (the peak
-        rounded up, the usable memory down: ``planner.search``), so that a plan the estimate passes the search can
-        choose too, and the other way round. The rounding can only refuse, by less than 2 KiB."""
-        return math.ceil(self.peak.peak_bytes / KIB) <= int(self.usable_gib * GIB // KIB)
+        """Whether the peak stage fits the usable memory (:meth:`StageMemory.fits_in`)."""
+        return self.peak.fits_in(self.usable_gib)
 
     def to_dict(self) -> dict:
+        """The estimate in GiB; each stage with its own verdict (``fits``, :meth:`StageMemory.fits_in`), the rule the
+        whole estimate's ``fits`` applies to its peak stage."""
         return {"capacity_gib": self.capacity_gib, "usable_gib": self.usable_gib, "peak_gib": self.peak_gib,
-                "peak_stage": self.peak.stage, "fits": self.fits, "stages": [s.as_gib() for s in self.stages]}
+                "peak_stage": self.peak.stage, "fits": self.fits,
+                "stages": [s.as_gib() | {"fits": s.fits_in(self.usable_gib)} for s in self.stages]}
 
 
 # --- parameters ---------------------------------------------------------------------------------

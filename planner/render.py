@@ -110,22 +110,28 @@ def plan_line(plan: dict) -> str:
 
 
 def memory_table(mem: dict, title: str = "Memory per GPU of each pipeline stage (GiB)", narrow: bool = False) -> Table:
-    """Stages as rows; ``narrow`` (under COMPACT_COLUMNS) merges weights, grads and optimizer into "states"."""
+    """Stages as rows (``MemoryEstimate.to_dict``); ``narrow`` (under COMPACT_COLUMNS) merges weights, grads and
+    optimizer into "states". Where the framework's reserved peak is modelled (torchtitan) a "reserved" column follows
+    the allocated total, and the share of usable memory is of the reserved peak, the figure each stage's ``fits`` (the
+    verdict of ``MemoryEstimate.fits``, in whole KiB) judges."""
     t = Table(title=title)
-    cols = (("stage", "layers", "states", "activations", "other", "total", "fits") if narrow else
-            ("stage", "layers", "weights", "grads", "optimizer", "activations", "other", "total", "of usable", "fits"))
+    reserved = any("reserved_gib" in s for s in mem["stages"])
+    peak_cols = ("total", "reserved") if reserved else ("total",)
+    cols = (("stage", "layers", "states", "activations", "other", *peak_cols, "fits") if narrow else
+            ("stage", "layers", "weights", "grads", "optimizer", "activations", "other", *peak_cols, "of usable",
+             "fits"))
     for col in cols:
         t.add_column(col, justify="right", overflow="fold")
     usable = mem["usable_gib"]
     for s in mem["stages"]:
-        ok = s["total_gib"] <= usable
+        peak = s.get("reserved_gib", s["total_gib"])
         states = ((f"{s['weights_gib'] + s['grads_gib'] + s['optimizer_gib']:.2f}",) if narrow else
                   tuple(f"{s[k]:.2f}" for k in ("weights_gib", "grads_gib", "optimizer_gib")))
-        share = () if narrow else (f"{100 * s['total_gib'] / usable:.0f}%",)
+        share = () if narrow else (f"{100 * peak / usable:.0f}%",)
+        totals = (f"[bold]{s['total_gib']:.2f}[/bold]",) + ((f"[bold]{peak:.2f}[/bold]",) if reserved else ())
         t.add_row(str(s["stage"]), str(s["layers"]), *states,
-                  *(f"{s[k]:.2f}" for k in ("activations_gib", "other_gib")),
-                  f"[bold]{s['total_gib']:.2f}[/bold]", *share,
-                  "[green]yes[/green]" if ok else "[red]NO[/red]")
+                  *(f"{s[k]:.2f}" for k in ("activations_gib", "other_gib")), *totals, *share,
+                  "[green]yes[/green]" if s["fits"] else "[red]NO[/red]")
     t.caption = (f"capacity {mem['capacity_gib']:.1f} GiB, usable {usable:.1f} GiB "
                  f"(after CUDA context, NCCL buffers and fragmentation headroom); peak stage {mem['peak_stage']}")
     return t
