@@ -340,13 +340,19 @@ class FrameworkProfile:
         return errors
 
 
-def get(name: str) -> FrameworkProfile:
-    """The profile of framework ``name`` (``megatron``, ``nemo``, ``torchtitan``, ``deepspeed`` or ``torch``)."""
-    from planner.frameworks import deepspeed, megatron, nemo, torchtitan
+_PROFILES: dict[str, FrameworkProfile] = {}
 
-    profiles = {"megatron": megatron.PROFILE, "nemo": nemo.PROFILE, "torchtitan": torchtitan.PROFILE,
-                "deepspeed": deepspeed.PROFILE, "torch": torchtitan.TORCH_PROFILE}
-    return profiles[name]
+
+def get(name: str) -> FrameworkProfile:
+    """The profile of framework ``name`` (``megatron``, ``nemo``, ``torchtitan``, ``deepspeed`` or ``torch``). The
+    modules are imported on the first call (they import this one) and the table is kept: the search asks for a
+    profile hundreds of thousands of times."""
+    if not _PROFILES:
+        from planner.frameworks import deepspeed, megatron, nemo, torchtitan
+
+        _PROFILES.update({"megatron": megatron.PROFILE, "nemo": nemo.PROFILE, "torchtitan": torchtitan.PROFILE,
+                          "deepspeed": deepspeed.PROFILE, "torch": torchtitan.TORCH_PROFILE})
+    return _PROFILES[name]
 
 
 def expert_gemm_streams(training) -> tuple[int, int]:
