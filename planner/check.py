@@ -127,7 +127,8 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
                 if headroom is not None:
                     hw = hw.model_copy(update={"fragmentation_headroom": headroom})
                 r.scenario = r.scenario.model_copy(update={"hardware": hw})
-                r.notes = r.notes + deepspeed_zero3_notes(r.scenario) + optimizer_step_notes(r.scenario, r.memory())
+                r.notes = (r.notes + deepspeed_zero3_notes(r.scenario) + optimizer_step_notes(r.scenario, r.memory())
+                           + known_gap_notes(r.scenario, r.memory()))
         return results
     except SpecError as err:
         return [CheckResult(path=path, line=_error_line(err), errors=err.lines)]
@@ -157,6 +158,29 @@ def optimizer_step_notes(sc, est) -> list[str]:
         return []
     return [f"stage {worst.stage}'s peak is its optimizer step, {worst.step_excess_bytes / GIB:.2f} GiB above its "
             f"backward: {cause}"]
+
+
+#: What NVIDIA's functional test ``gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router``
+#: (Megatron-FSDP with experts, DGX H100; benchmarks/data/megatron_functional_h100.json, its ``known_gap``) reads above
+#: plan3d's estimate, GiB: an offset present from step 1 that no code read accounts for (docs/memory.md). The case's
+#: other stored goldens read 0.88 GB less. ``tests/test_megatron_functional_memory.py`` recomputes it, so the note
+#: cannot outlive a model change that moves it.
+MEGATRON_FSDP_MOE_GAP_GIB = 1.02
+
+
+def known_gap_notes(sc, est) -> list[str]:
+    """Where a job is of a kind whose memory plan3d is known to under-predict on published readings, by how much and
+    how much the plan has to spare (``est``: the scenario's memory estimate). The verdict is not changed: the gap is
+    measured on one small case and not attributed, so it is said, not added."""
+    from planner.memory import GIB
+
+    if sc.training.framework not in ("megatron", "nemo") or sc.plan.zero_stage != 3 or not sc.model.is_moe:
+        return []
+    spare = est.usable_gib - est.peak.peak_bytes / GIB
+    return [f"Megatron-FSDP with experts is the least trusted part of plan3d's Megatron memory: NVIDIA's functional "
+            f"test gpt3_mcore_te_tp2_zp_z3_..._8experts2parallel_top2router (DGX H100) reads "
+            f"{MEGATRON_FSDP_MOE_GAP_GIB:.2f} GiB above the estimate from its first step, not attributed "
+            f"(docs/memory.md); this plan has {spare:.2f} GiB to spare"]
 
 
 def deepspeed_zero3_notes(sc) -> list[str]:

@@ -116,6 +116,29 @@ def test_known_gaps_are_still_missed(case, tmp_path):
         assert err < -TOLERANCE, case["known_gap"]
 
 
+def test_the_check_note_states_the_fsdp_moe_gap_as_measured(tmp_path):
+    """``plan3d check`` tells a Megatron-FSDP job with experts how far the estimate fell under NVIDIA's reading of
+    that kind (``check.MEGATRON_FSDP_MOE_GAP_GIB``); the figure is recomputed here from the case, so a model change
+    that moves the gap fails this test until the note says the new figure."""
+    from planner.check import MEGATRON_FSDP_MOE_GAP_GIB
+
+    case = next(c for c in GAPS if c["case"].startswith("gpt3_mcore_te_tp2_zp_z3"))
+    result, predicted = bench.predict(case, tmp_path)
+    assert predicted is not None, result.errors
+    gap_gib = (case["mem_max_allocated_bytes"] - predicted) / 2**30
+    assert abs(gap_gib - MEGATRON_FSDP_MOE_GAP_GIB) < 0.01, gap_gib
+    assert any(f"{MEGATRON_FSDP_MOE_GAP_GIB:.2f} GiB above the estimate" in n for n in result.notes), result.notes
+
+
+@pytest.mark.parametrize("name", ["gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor",  # Megatron-FSDP, dense
+                                  "gpt3_mcore_te_tp2_pp1_resume_torch_dist_te_8experts2parallel_dis"])  # experts, no FSDP
+def test_the_fsdp_moe_note_is_only_for_fsdp_with_experts(name, tmp_path):
+    case = next(c for c in bench.cases() if c["case"].startswith(name))
+    result, predicted = bench.predict(case, tmp_path)
+    assert predicted is not None, result.errors
+    assert not any("Megatron-FSDP with experts" in n for n in result.notes), result.notes
+
+
 def test_interleaved_7b_case_counts_the_schedules_held_boundaries(tmp_path):
     """gpt3_7b_tp1_pp4_memory_speed (TP1 x PP4 x VPP8, s 8192, h 4096): the last stage's reading lies within one
     stage-boundary tensor (s x b x h x 2 B = 64 MiB) of the prediction. Without the three boundary tensors Megatron's
