@@ -273,7 +273,9 @@ def print_search(con, result: dict) -> None:
                   f"{100 * est.time.mfu:.1f}%", peak, why)
     con.print(t)
     s = result["solver"]
-    con.print(f"Solver: {s['status']} over {s['candidates']:,} legal combinations in {s['wall_s']:.2f} s")
+    split = "" if s.get("cp_sat_s") is None else \
+        f" ({s['cp_sat_s']:.2f} s of it CP-SAT; the rest mostly builds the cost and memory tables)"
+    con.print(f"Solver: {s['status']} over {s['candidates']:,} legal combinations in {s['wall_s']:.2f} s{split}")
     if any(lead_within_range(best, a) for a in result["alternatives"]):
         con.print("(within range): the best plan's lead is inside the uncertainty of the terms where the two differ "
                   "(docs/cost-model.md, Uncertainty); measure both before choosing")

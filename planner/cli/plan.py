@@ -234,7 +234,8 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
             return estimate(Scenario(model=model, hardware=hw, training=tr, plan=p))
         out = {"best": scen(res.best, res.training) if res.best else None,
                "alternatives": [scen(p, tr) for p, tr in zip(res.alternatives, res.alternative_trainings)],
-               "solver": {"status": res.status, "wall_s": wall, "candidates": res.candidates}, "message": []}
+               "solver": {"status": res.status, "wall_s": wall, "candidates": res.candidates,
+                          "cp_sat_s": None if exhaustive else res.solver_s}, "message": []}
         if res.best is None:
             msg = ["no plan fits"]
             if res.closest is not None:
