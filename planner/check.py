@@ -177,10 +177,11 @@ def known_gap_notes(sc, est) -> list[str]:
     if sc.training.framework not in ("megatron", "nemo") or sc.plan.zero_stage != 3 or not sc.model.is_moe:
         return []
     spare = est.usable_gib - est.peak.peak_bytes / GIB
+    margin = f"this plan has {spare:.2f} GiB to spare" if spare >= 0 else f"this plan is already {-spare:.2f} GiB over"
     return [f"Megatron-FSDP with experts is the least trusted part of plan3d's Megatron memory: NVIDIA's functional "
             f"test gpt3_mcore_te_tp2_zp_z3_..._8experts2parallel_top2router (DGX H100) reads "
             f"{MEGATRON_FSDP_MOE_GAP_GIB:.2f} GiB above the estimate from its first step, not attributed "
-            f"(docs/memory.md); this plan has {spare:.2f} GiB to spare"]
+            f"(docs/memory.md); {margin}"]
 
 
 def deepspeed_zero3_notes(sc) -> list[str]:

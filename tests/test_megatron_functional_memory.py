@@ -128,6 +128,16 @@ def test_the_check_note_states_the_fsdp_moe_gap_as_measured(tmp_path):
     gap_gib = (case["mem_max_allocated_bytes"] - predicted) / 2**30
     assert abs(gap_gib - MEGATRON_FSDP_MOE_GAP_GIB) < 0.01, gap_gib
     assert any(f"{MEGATRON_FSDP_MOE_GAP_GIB:.2f} GiB above the estimate" in n for n in result.notes), result.notes
+    # the margin is said either way: on a device the plan already overflows, by how much
+    from dataclasses import replace
+
+    from planner.check import known_gap_notes
+
+    est = result.memory()
+    over = replace(est, usable_gib=est.peak_gib - 0.5)
+    assert known_gap_notes(result.scenario, over)[0].endswith("this plan is already 0.50 GiB over")
+    assert known_gap_notes(result.scenario, est)[0].endswith(f"this plan has {est.usable_gib - est.peak_gib:.2f} GiB "
+                                                             "to spare")
 
 
 @pytest.mark.parametrize("name", ["gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor",  # Megatron-FSDP, dense
