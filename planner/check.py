@@ -172,11 +172,9 @@ def known_gap_notes(sc, est) -> list[str]:
     """Where a job is of a kind whose memory plan3d is known to under-predict on published readings, by how much and
     how much the plan has to spare (``est``: the scenario's memory estimate). The verdict is not changed: the gap is
     measured on one small case and not attributed, so it is said, not added."""
-    from planner.memory import GIB
-
     if sc.training.framework not in ("megatron", "nemo") or sc.plan.zero_stage != 3 or not sc.model.is_moe:
         return []
-    spare = est.usable_gib - est.peak.peak_bytes / GIB
+    spare = est.usable_gib - est.peak_gib
     margin = f"this plan has {spare:.2f} GiB to spare" if spare >= 0 else f"this plan is already {-spare:.2f} GiB over"
     return [f"Megatron-FSDP with experts is the least trusted part of plan3d's Megatron memory: NVIDIA's functional "
             f"test gpt3_mcore_te_tp2_zp_z3_..._8experts2parallel_top2router (DGX H100) reads "

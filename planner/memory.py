@@ -42,6 +42,12 @@ OPTIMIZER_BYTES = 12  # fp32 master weights 4 + Adam m 4 + v 4 (ZeRO paper secti
 ACT_BYTES = 2  # bf16 activations
 FP32_BYTES = 4
 KIB = 1024  # the unit the search's memory tables and MemoryEstimate.fits judge in
+
+
+def usable_kib(usable_gib: float) -> int:
+    """The usable memory in whole KiB, rounded down: what a stage's peak, rounded up to whole KiB, is judged against by
+    :meth:`StageMemory.fits_in` and by the search's tables (``planner.search``), one rule for both."""
+    return int(usable_gib * GIB // KIB)
 TOKEN_ID_BYTES = 8  # int64 input ids and labels (Korthikanti section 4.3)
 
 
@@ -77,7 +83,7 @@ class StageMemory:
         judged in whole KiB as the search's tables judge it (the peak rounded up, the usable memory down:
         ``planner.search``), so that a plan the estimate passes the search can choose too, and the other way round.
         The rounding can only refuse, by less than 2 KiB."""
-        return math.ceil(self.peak_bytes / KIB) <= int(usable_gib * GIB // KIB)
+        return math.ceil(self.peak_bytes / KIB) <= usable_kib(usable_gib)
 
     def as_gib(self) -> dict:
         out = {"stage": self.stage, "layers": self.layers,

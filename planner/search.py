@@ -58,10 +58,10 @@ from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_by
                             offload_resident_layers, output_bytes, param_bytes, pipeline_buffer_count,
                             saved_bytes_per_layer_kind, schedule_w_fraction, stage_moe_layer_count,
                             stage_param_inputs, stage_params_per_rank, stage_state_bytes_of, step_excess_bytes,
-                            tp_comm_overlap_bytes_per_element)
+                            tp_comm_overlap_bytes_per_element, usable_kib as usable_memory_kib)
 from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
-from planner.specs import (GIB, HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
+from planner.specs import (HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
                            cuda_graph_problems, dist_optimizer_problems, distributed_checkpoint_problems,
                            empty_chunks, job_problems, pipeline_switch_problems, uneven_chunks)
 
@@ -140,7 +140,7 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     time_ns = np.full((S, U, Z), INFEASIBLE, dtype=np.int64)
     mem_kib = np.full((S, U, Z, 3), INFEASIBLE, dtype=np.int64)
     legal = np.zeros((S, U, Z), dtype=bool)
-    usable_kib = int(hw.usable_memory_gib * GIB // KIB)
+    usable_kib = usable_memory_kib(hw.usable_memory_gib)
     n = table_workers(S) if workers is None else (workers if can_fork_workers() else 1)
     chunks = _shape_chunks(shape_list, 2 * n) if n > 1 and S else [list(range(S))]
     jobs = [(model, hw, training, space, order, micros, zeros, [(si, shape_list[si]) for si in chunk], memory_only)
@@ -303,7 +303,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     row_cache: dict = {}  # a dense stage kind's state and DP terms, shared likewise (_row_key)
     zb = ZeroBubbleBatch()  # collects this chunk's zero-bubble simulations; build_tables runs them
     owed_steps = []  # (shape, legal options, step without its simulated bubble, that bubble once zb has run)
-    usable_kib = int(hw.usable_memory_gib * GIB // KIB)
+    usable_kib = usable_memory_kib(hw.usable_memory_gib)
 
     def probe(tp, cp, dp, split, ep=1, etp=None, mbs=1, rc="none", sp=False, z=0):
         return Plan.model_construct(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,
