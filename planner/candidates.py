@@ -374,6 +374,28 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
         # _splits: every model chunk holds a layer, but rank 0's embedding chunk and the last rank's loss chunk
         lines.append(f"vpp: pp({pins.pp}) * vpp({pins.vpp}) = {pins.pp * pins.vpp} model chunks for num_layers({L}); "
                      f"every chunk but the first and the last holds a layer, so at most {L + 2}")
+    return lines + _pinned_expert_problems(model, training, pins)
+
+
+def _pinned_expert_problems(model: ModelSpec, training: TrainingSpec, pins: Pins) -> list[str]:
+    """The expert-parallel rules of ``specs.moe_plan_problems`` that the pins alone decide, in its words: a pinned
+    ep must divide the experts, a pinned etp the expert width, and etp x ep the GPUs left to tp x cp x dp by the
+    pipeline (the pinned pp, else pp 1, the most it can leave); Megatron-Core core_v0.16.1
+    ``parallel_state.initialize_model_parallel``."""
+    if not model.is_moe or (pins.ep is None and pins.etp is None):
+        return []
+    lines = []
+    ep, etp = pins.ep or 1, pins.etp or 1
+    if pins.ep is not None and model.num_experts % ep:
+        lines.append(f"ep: num_experts({model.num_experts}) is not divisible by ep({ep})")
+    if pins.etp is not None and model.moe_ffn_size % etp:
+        lines.append(f"etp: moe_ffn_hidden_size({model.moe_ffn_size}) is not divisible by etp({etp})")
+    folded = training.num_gpus // (pins.pp or 1)
+    if folded % (ep * etp):
+        where = f"num_gpus({training.num_gpus}) / pp({pins.pp}) = {folded}" if pins.pp else \
+            f"num_gpus({training.num_gpus})"
+        lines.append(f"ep: etp({etp}) * ep({ep}) = {ep * etp} does not divide {where} (Megatron folds the expert ranks "
+                     "into the tp x cp x dp ranks)")
     return lines
 
 

@@ -74,3 +74,18 @@ def test_cross_entropy_fusion_option_reaches_the_last_stage():
     assert base["other_gib"] - te["other_gib"] == pytest.approx(4 * 4096 * 128256 / 8 / 2**30, abs=2e-3)
     p = plan3d("estimate", *job, "--cross-entropy-fusion", "fused")
     assert p.returncode == 2 and "--cross-entropy-fusion: 'fused' is not one of none, native, te" in p.stderr
+
+
+@pytest.mark.parametrize("pins,expected", [
+    (["--ep", "3"], "ep: num_experts(8) is not divisible by ep(3)"),
+    (["--etp", "5"], "etp: moe_ffn_hidden_size("),
+    (["--ep", "8", "--etp", "2", "--pp", "2"], "ep: etp(2) * ep(8) = 16 does not divide num_gpus(8) / pp(2) = 4"),
+])
+def test_search_names_the_expert_pin_that_no_plan_can_meet(pins, expected):
+    """A pinned ep or etp that no split of the GPUs can take is named in the 'no legal plan' line (exit 3), as the
+    other pins are (candidates.pinned_layout_problems), not left to the generic 'check your pins'."""
+    p = plan3d("search", "--model", "tiny-moe", "--hardware", "h100-sxm-80gb", "--gpus", "8", "--global-batch", "16",
+               "--seq-len", "256", *pins)
+    assert p.returncode == 3, p.stderr
+    first = p.stderr.splitlines()[0]
+    assert first.startswith("error: no legal plan for 8 GPUs with these pins:") and expected in first, first

@@ -253,7 +253,7 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                 why = pinned_layout_problems(model, hw, training, space.pins) if pinned else []
                 msg = [f"no legal plan for {training.num_gpus} GPUs with these pins: {'; '.join(why)}" if why else
                        f"no legal plan for {training.num_gpus} GPUs with these pins: check --tp/--pp/--cp/--vpp/"
-                       "--micro-batch-size against the model's heads and layers, --gpus and --global-batch"
+                       "--ep/--etp/--micro-batch-size against the model's heads and layers, --gpus and --global-batch"
                        if pinned else
                        f"no legal plan for {training.num_gpus} GPUs under {training.framework}: no tp x pp x cp x dp "
                        f"split of the GPUs suits {model.name}'s heads and layers, the global batch and what "
