@@ -220,6 +220,24 @@ def summary(results: list[dict]) -> None:
           + ", ".join(f"{n} {k}" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])))
 
 
+def scored_results(memory: bool = False) -> list[dict]:
+    """Every run of the data file through :func:`score` (no memory estimates by default)."""
+    models = set(preset_names(MODEL_DIRNAME))
+    return [score(r, models, memory) for r in json.loads(DATA.read_text())["runs"]]
+
+
+def moe_ratio_deciles(results: list[dict]) -> tuple[float, float]:
+    """10th and 90th percentile of measured / predicted step time over the scored MoE runs
+    (``planner/uncertainty.MOE_CALIBRATION_RATIO``), the percentiles ``benchmarks/calibration.py`` takes: the
+    measured step is ``gbs * seq / (tokens/s/GPU * GPUs)``, so measured / predicted = predicted / published
+    tokens/s = 1 + error."""
+    import statistics
+
+    ratios = [1 + o["error"] for o in results if o["scored"] and o["family"] == "MoE"]
+    q = statistics.quantiles(ratios, n=10, method="inclusive")
+    return q[0], q[8]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--by-term", action="store_true", help="print each scored run's step-time breakdown")
@@ -236,6 +254,9 @@ def main() -> None:
         if args.by_term and o["scored"]:
             print(breakdown_line(o))
     summary(results)
+    lo, hi = moe_ratio_deciles(results)
+    print(f"measured / predicted step time, 10th-90th percentile of the scored MoE runs: {lo:.3f}-{hi:.3f} "
+          "(planner/uncertainty.MOE_CALIBRATION_RATIO)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -43,7 +43,7 @@ class Estimate:
         """The step time's range from the spread of its sources and the calibration runs (planner/uncertainty.py)."""
         from planner.uncertainty import time_range
 
-        return time_range(self.time.step_time_s, self.time.breakdown)
+        return time_range(self.time.step_time_s, self.time.breakdown, moe=self.scenario.model.is_moe)
 
 
 def estimate(sc: Scenario) -> Estimate:

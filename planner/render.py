@@ -183,7 +183,8 @@ def print_time(con, time: dict) -> None:
     if "range" in time:
         r = time["range"]
         con.print(f"Step time range {r['low_s']:.4g}-{r['high_s']:.4g} s (sources {r['sources_s'][0]:.4g}-"
-                  f"{r['sources_s'][1]:.4g} s, calibration runs {r['calibration_s'][0]:.4g}-{r['calibration_s'][1]:.4g} s)",
+                  f"{r['sources_s'][1]:.4g} s, {'MoE ' if r.get('calibration_set') == 'moe' else ''}calibration runs "
+                  f"{r['calibration_s'][0]:.4g}-{r['calibration_s'][1]:.4g} s)",
                   highlight=False)
 
 

@@ -1,5 +1,5 @@
-"""Prediction ranges (planner/uncertainty.py): the calibration range is recomputed from the calibration runs,
-so it cannot go stale; the sources range and the lead test follow their stated rules."""
+"""Prediction ranges (planner/uncertainty.py): the calibration ranges (dense and MoE) are recomputed from their
+runs, so they cannot go stale; the sources range and the lead test follow their stated rules."""
 
 import importlib.util
 import json
@@ -14,12 +14,16 @@ from planner import uncertainty as U
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _calibration_module():
-    spec = importlib.util.spec_from_file_location("calibration_bench", ROOT / "benchmarks" / "calibration.py")
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
+
+
+def _calibration_module():
+    return _bench_module("calibration")
 
 
 def test_calibration_ratio_matches_the_calibration_runs():
@@ -31,6 +35,33 @@ def test_calibration_ratio_matches_the_calibration_runs():
     lo, hi = bench.ratio_deciles(runs)
     assert (lo, hi) == pytest.approx(U.CALIBRATION_RATIO, abs=0.005), (
         f"the cost model changed: set CALIBRATION_RATIO = ({lo:.3f}, {hi:.3f}) in planner/uncertainty.py")
+
+
+def test_moe_calibration_ratio_matches_the_megatron_bridge_moe_runs():
+    """MOE_CALIBRATION_RATIO is the 10th/90th percentile of measured/predicted over the scored MoE runs of NVIDIA's
+    Megatron-Bridge performance summary (benchmarks/data/megatron_bridge_perf.json, each run with its source)."""
+    bench = _bench_module("megatron_bridge")
+    results = bench.scored_results()
+    assert sum(o["scored"] and o["family"] == "MoE" for o in results) >= 60
+    lo, hi = bench.moe_ratio_deciles(results)
+    assert (lo, hi) == pytest.approx(U.MOE_CALIBRATION_RATIO, abs=0.005), (
+        f"the cost model changed: set MOE_CALIBRATION_RATIO = ({lo:.3f}, {hi:.3f}) in planner/uncertainty.py")
+    # the MoE runs are the less certain set: a dense range would understate a MoE prediction's
+    assert U.MOE_CALIBRATION_RATIO[1] > U.CALIBRATION_RATIO[1]
+
+
+def test_a_moe_estimate_takes_the_moe_calibration_range():
+    job = ["--hardware", "h100-sxm-80gb", "--gpus", "8", "--global-batch", "16", "--seq-len", "256", "--pp", "1",
+           "--json"]
+    for model, tp, ratio, kind in (("tiny-moe", "1", U.MOE_CALIBRATION_RATIO, "moe"),
+                                   ("llama3-8b", "2", U.CALIBRATION_RATIO, "dense")):
+        out = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", model, "--tp", tp, *job],
+                             capture_output=True, text=True, cwd=ROOT, check=True)
+        time = json.loads(out.stdout)["time"]
+        r = time["range"]
+        assert r["calibration_set"] == kind
+        assert r["calibration_s"] == pytest.approx([time["step_time_s"] * ratio[0], time["step_time_s"] * ratio[1]])
+        assert r["high_s"] >= time["step_time_s"] * ratio[1]
 
 
 def test_sources_range_sums_term_spreads():
