@@ -465,8 +465,14 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     (``m``: micro-batches per step, [U, 1] or [U, Z]; ``bubble_of``: compose_step's).
 
     The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
-    of a MoE model need not be alike and the three stage kinds of the dense path do not suffice; every
-    stage is a row here (its distinct kinds computed once).
+    of a MoE model need not be alike and the three stage kinds of the dense path do not suffice. Each distinct
+    stage kind is a row here (what :func:`stage_terms` and the DP terms read of a stage: its layers, MoE layers,
+    empty chunks, and whether it holds the embedding, the loss or the last layer), with how many stages it
+    stands for (``counts``) and how many stages of each kind come before its first stage (``before``), as the
+    dense path's three rows: a kind's stages have the same per-micro-batch time, and the first of them has the
+    least to hide its DP sync under, so it is the one that can bind (compose_step's windows only grow with the
+    stage index). The same step as one row per stage (``cost.estimate_time``), on a few rows in place of pp
+    (DeepSeek-V3 at pp 16: 3 or 4).
 
     ``sync_cache``: a dict kept across the shapes of one table build. A stage kind's DP terms (gradient
     reduction, parameter all-gather, ZeRO-3 gather) depend only on the degrees, whether the pipeline is a V and
@@ -477,15 +483,27 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     p, v = base.pp, base.vpp
     layers = base.stage_layers(model.num_layers)
     n_moe = stage_moe_counts(model, base)
-    empty = np.array(base.empty_chunks(model.num_layers), dtype=float)
-    t = stage_terms(np.array(layers, dtype=float), np.arange(p) == base.loss_stage, f, hop, p, v, overlap_p2p, c,
-                    np.array(n_moe, dtype=float), empty)
+    empty = base.empty_chunks(model.num_layers)
+    # a stage's kind: all that its terms (stage_terms: layers, MoE layers, the loss, empty chunks) and its DP
+    # terms (the embedding, the loss, the last layer) read
+    stage_kind = [(layers[r], n_moe[r], r == 0, r == base.loss_stage, r == p - 1, empty[r]) for r in range(p)]
+    row_of: dict = {}  # kind -> its row, in the order of the kinds' first stages (stage 0's kind is row 0)
+    kind_rows = [row_of.setdefault(key, len(row_of)) for key in stage_kind]
+    firsts = [kind_rows.index(k) for k in range(len(row_of))]  # each kind's first stage
+    counts = np.bincount(kind_rows, minlength=len(row_of)).astype(float)
+    before = np.zeros((len(row_of), len(row_of)))  # [k, j]: stages of kind j before kind k's first stage
+    seen = np.zeros(len(row_of))
+    for r, k in enumerate(kind_rows):
+        if r == firsts[k]:
+            before[k] = seen
+        seen[k] += 1
+    t = stage_terms(np.array([layers[r] for r in firsts], dtype=float), np.array(firsts) == base.loss_stage, f, hop,
+                    p, v, overlap_p2p, c, np.array([n_moe[r] for r in firsts], dtype=float),
+                    np.array([empty[r] for r in firsts], dtype=float))
     terms = {k: val[:, None, :] for k, val in t.items()}
     dpg, dpp, z3, opt = [], [], [], []
-    kinds = [(layers[r], n_moe[r], r == 0, r == base.loss_stage, r == p - 1) for r in range(p)]
-    first_of = {}
-    for r, key in enumerate(kinds):
-        first_of.setdefault(key, r)
+    kinds = [stage_kind[r][:5] for r in firsts]  # what the DP terms read (not the empty chunks)
+    first_of = dict(zip(kinds, firsts))
     split = {key: stage_param_split(model, base, r, layers[r]) for key, r in first_of.items()}
     by_zero: dict = {}  # ZeRO 1 and 2 sync alike (reduce-scatter + all-gather)
     cache = {} if sync_cache is None else sync_cache
@@ -507,7 +525,7 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         z3.append([x[2] for x in rows])
         opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
-                        m, p, v, np.ones(p), np.tril(np.ones((p, p)), -1), overlap_grad_reduce_of(training),
+                        m, p, v, counts, before, overlap_grad_reduce_of(training),
                         c, base.pipeline_schedule, schedule_family(training),
                         **grad_reduction_args(training, p, zeros, grad_reduce_trail_s(hw, training, base, order)),
                         bubble_of=bubble_of)["step"]
