@@ -324,7 +324,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         # too (specs.a2a_overlap_problems: virtual stages when pp > 1, an MTP layer only with pp > 1)
         key = (tp, cp, ep, etp, not a2a_overlap_problems(model, training, base))
         if key not in factors:
-            factors[key] = _micro_factors(model, hw, training, micros, base, order, space.pins)
+            factors[key] = _micro_factors(model, hw, training, micros, base, order, space.pins, memory_only)
         f = factors[key]
         crosses = pp_hop_crosses_nodes(base, hw.nvlink_domain, order)
         if (tp, cp, crosses) not in hops and not memory_only:
@@ -531,10 +531,12 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
                         bubble_of=bubble_of)["step"]
 
 
-def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = Pins()) -> dict:
+def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = Pins(), memory_only: bool = False
+                   ) -> dict:
     """For one (tp, cp): every per-micro-batch factor of every micro option (cost.micro_factors, and the
     memory terms), as arrays over the options; ``valid`` False where the plan is illegal or off the pins (SP:
-    :meth:`Pins.sp_ok`, which depends on tp)."""
+    :meth:`Pins.sp_ok`, which depends on tp). ``memory_only`` (:func:`build_tables`'): the step-time factors are
+    left at zero, as for an illegal option; nothing reads them (a fifth of a MoE memory-only build)."""
     cols: dict = {k: [] for k in (*FACTOR_KEYS, "saved", "saved_moe", "working", "input_bytes", "output_bytes",
                                   "mask_bytes", "bf16_delta", "deferred_per_mb", "kept_output_bytes", "valid")}
     fw = frameworks.get(training.framework)
@@ -550,7 +552,8 @@ def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = 
         valid = valid and not a2a_overlap_problems(model, training, plan)
         # and for CUDA graphs (specs.plan_problems): no full recompute, no offloading, Megatron's recompute rules
         valid = valid and not cuda_graph_problems(model, training, plan)
-        row = micro_factors(model, hw, training, plan, order) if valid else dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
+        row = micro_factors(model, hw, training, plan, order) if valid and not memory_only else \
+            dict.fromkeys(FACTOR_KEYS, 0.0) | {"bwd": 1.0}
         # memory (owned with planner.memory): per dense and per MoE layer, as memory.stage_saved_bytes
         dense_b, moe_b = saved_bytes_per_layer_kind(model, training, plan)
         row |= {"saved": dense_b, "saved_moe": moe_b, "working": layer_recompute_working_bytes(model, training, plan),
