@@ -427,7 +427,9 @@ def layer_activation_terms(model: ModelSpec, training: TrainingSpec, plan: Plan,
     """Tensors one transformer layer saves for backward, per GPU and micro-batch (:func:`_layer_activation_terms`,
     memoised on the plan fields it reads: the search asks the same layer of many shapes)."""
     moe = model.is_moe if moe is None else (moe and model.is_moe)
-    key = (plan.tp, plan.cp, plan.micro_batch_size, plan.sequence_parallel, plan.ep, plan.expert_tp)
+    # a dense layer holds no experts: its terms do not depend on ep and etp, so one entry serves every (ep, etp)
+    key = (plan.tp, plan.cp, plan.micro_batch_size, plan.sequence_parallel, plan.ep, plan.expert_tp) if moe else \
+        (plan.tp, plan.cp, plan.micro_batch_size, plan.sequence_parallel, 1, plan.tp)
     return list(_layer_activation_terms_cached(model, training, key, moe))
 
 
