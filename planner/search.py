@@ -13,9 +13,11 @@ How it works:
    parameter counts per shape). It composes them into the step time with the same vectorised
    functions ``cost.estimate_time`` uses (``cost.stage_terms`` and ``cost.compose_step``: one cost
    model, written once), and into every stage's memory following ``memory.stage_memory`` term by
-   term, for each (shape, micro, zero) combination, in integers (nanoseconds, KiB). Only three stage kinds can be extreme: the first, the
-   first middle one and the last (in-flight micro-batches fall with the stage index, and the
-   overlap window of the DP sync grows with it). Shapes are independent: with many of them the tables are
+   term, for each (shape, micro, zero) combination, in integers (nanoseconds, KiB). A dense model's step
+   composes three stage kinds, the first, the first middle one and the last (in-flight micro-batches fall with the
+   stage index, and the overlap window of the DP sync grows with it); a MoE model's its distinct stage kinds
+   (:func:`_moe_step`). Memory is computed for every stage and kept as three kinds: the first, the fullest middle
+   one and the last (:func:`_memory_rows`: the first middle stage need not be the fullest). Shapes are independent: with many of them the tables are
    built over forked worker processes (:func:`table_workers`, ``PLAN3D_WORKERS``), the same tables bit for bit.
 3. :func:`solve` builds a CP-SAT model. Its decision variables are the knobs (tp, pp, dp, cp,
    vpp, micro-batch size and count, recompute, SP, ZeRO, first/last layers), tied to one
@@ -613,27 +615,32 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order, cache: 
 
 
 def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(stage, layers) whose memory the tables must compute: the three kinds of :func:`_stage_rows`, and for
-    a MoE model with ``p > 2`` every middle stage up to the first that holds no dense-first layer (in-flight
-    activations fall with the stage index only among stages of equal layers)."""
+    """(stage, layers) whose memory the tables must compute: the first and last stages of :func:`_stage_rows` and,
+    with ``p > 2``, every middle stage, whose maximum is the table's middle kind.
+
+    The first middle stage holds the most in-flight activations of the middle stages, but it need not be the
+    fullest: a MoE model's dense-first layers can leave it lighter than the next; Megatron's steady-state boundary
+    tensors (``memory.megatron_p2p_tensor_count``) are held only by the stages that reach the steady state, which
+    the first middle stage may not when all its forwards are warm-up; and where the optimizer step's extra bytes
+    exceed the activations (``memory.step_excess_bytes``) the stage's peak no longer falls with its activations.
+    A randomized sweep (table entries against ``memory.stage_memory`` of every stage) found the table's peak up to
+    98 MiB under the estimate's when only the first middle stage was computed (Qwen3-235B-A22B, pp 4 x vpp 3 on
+    A100; Mixtral-8x7B and DeepSeek-V3 likewise); ``tests/test_search_tables_sweep.py`` holds such a job. The middle
+    stages share their states (``_row_key``), so the extra rows cost little: the dense ``search_speed.py`` cases
+    moved within their run-to-run noise."""
     p = plan.pp
-    if not model.is_moe or model.first_k_dense == 0 or p <= 2:
+    if p <= 2:
         return rows
-    layers, n_moe = plan.stage_layers(model.num_layers), plan.stage_moe_layers(model)
-    middles = []
-    for r in range(1, p - 1):
-        middles.append((r, layers[r]))
-        if n_moe[r] == layers[r]:  # no dense layer here: the later ones hold fewer micro-batches
-            break
-    return [rows[0], *middles, rows[-1]]
+    layers = plan.stage_layers(model.num_layers)
+    return [rows[0], *[(r, layers[r]) for r in range(1, p - 1)], rows[-1]]
 
 
 def _state_rows(model, hw, training, plan: Plan, rows, zeros, cache: dict | None = None) -> tuple[np.ndarray, ...]:
     """Static memory (weights + gradients + optimizer), its transient working set, what the last backward
     releases of it (``StateBytes.released_at_last_backward_bytes``) and what the optimizer step holds beyond it
     (``StateBytes.step_extra_bytes``) [Z, R] of each (stage, layers) row
-    (memory.stage_state_bytes): the three kinds of :func:`_stage_rows`, more rows for a MoE model's middle stages
-    (:func:`_memory_rows`). With ``cache``, a row is computed once per :func:`_row_key` for all the shapes of a
+    (memory.stage_state_bytes): the rows of :func:`_memory_rows` (the first stage, every middle one, the last).
+    With ``cache``, a row is computed once per :func:`_row_key` for all the shapes of a
     table build; a MoE stage's key adds its MoE layers (``memory.stage_moe_layer_count``: which of its layers are
     dense-first depends on the whole split), all that ``memory.stage_param_inputs`` reads of the split."""
     cols = []
@@ -842,7 +849,12 @@ class SearchResult:
     alternative_trainings: list[TrainingSpec] = field(default_factory=list)
 
 
-#: How many of the solver's picks the reference memory estimate may refuse before the search stops asking.
+#: How many of the solver's picks the reference memory estimate may refuse one by one. Each pick is confirmed by
+#: :func:`reference_fits` before it is returned; from this many refusals on, a refused pick also drops every
+#: candidate whose table peak is at least its own (the refusals come from the last GiB under the limit, where the
+#: tables' allocated peak and the profile's verdict part), which bounds the re-solves. The plan found is then the
+#: fastest among the candidates below that peak, not necessarily of all. (Before 2026-12-06 the pick after the
+#: sixteenth refusal was returned unconfirmed.)
 MAX_REFERENCE_REJECTIONS = 16
 
 
@@ -937,11 +949,16 @@ def _search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: S
         if sol is None:
             break
         result.solver_s += sol.wall_s
-        if rejected < MAX_REFERENCE_REJECTIONS and not reference_fits(model, hw, training, sol.plan):
+        if not reference_fits(model, hw, training, sol.plan):
             # the tables hold the allocated peak; a profile that judges by more (torchtitan: the caching
-            # allocator's reserved peak, planner.allocator_trace) can refuse the pick: drop it, solve again
-            candidates = candidates[candidates != sol.index]
+            # allocator's reserved peak, planner.allocator_trace) can refuse the pick: drop it, solve again.
+            # Every pick is confirmed: none is returned on the tables' word alone
             rejected += 1
+            if rejected <= MAX_REFERENCE_REJECTIONS:
+                candidates = candidates[candidates != sol.index]
+            else:  # from then on, drop every candidate at least as full by the tables as this refused pick
+                peak = tables.mem_kib.reshape(-1, 3)[candidates].max(axis=1)
+                candidates = candidates[peak < tables.mem_kib.reshape(-1, 3)[sol.index].max()]
             continue
         found.append(sol.plan)
         if len(found) == 1:

@@ -2,7 +2,8 @@
 plan (step time to the nanosecond, the fullest stage's memory to the KiB), over jobs that reach the framework
 profiles' own branches. A seeded sample of 120 entries per job. A randomized sweep of this kind found two gaps (fixed
 2026-12-05): torchtitan's one-micro-batch steps (tests/test_search_single_microbatch.py) and the MoE all-to-all
-overlap with activation offloading (tests/test_a2a_overlap.py)."""
+overlap with activation offloading (tests/test_a2a_overlap.py); and a third (fixed 2026-12-06): the tables took the
+first middle stage for the fullest, which a later one can outgrow (search._memory_rows; the last job below)."""
 
 import random
 
@@ -38,6 +39,11 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
      Pins(), 2, 2),  # two copies of the distributed optimizer: ZeRO 1 only, n dividing dp x cp
     ("mixtral-8x7b", "h100-sxm-80gb", dict(num_gpus=32, global_batch_size=32, seq_len=2048, dist_optimizer_instances=2),
      Pins(ep=8), 1, 1),  # and the expert-data-parallel size
+    ("mixtral-8x7b", "h100-sxm-80gb", dict(num_gpus=32, global_batch_size=32, seq_len=512, framework="nemo",
+                                           moe_token_dispatcher="deepep", cuda_graph_modules=("attn",),
+                                           recompute_modules=("moe",), grad_reduce_in_bf16=True,
+                                           overlap_grad_reduce=False),
+     Pins(pp=4), 2, 1),  # a later middle stage fuller than the first: search._memory_rows (2026-12-06)
 ]
 
 
