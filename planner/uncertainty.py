@@ -69,7 +69,8 @@ def time_range(step_time_s: float, breakdown: dict[str, float], moe: bool = Fals
     sources = (step_time_s - half, step_time_s + half)
     calibration = (step_time_s * lo_ratio, step_time_s * hi_ratio)
     return {"low_s": min(sources[0], calibration[0]), "high_s": max(sources[1], calibration[1]),
-            "sources_s": list(sources), "calibration_s": list(calibration), "calibration_set": "moe" if moe else "dense"}
+            "sources_s": list(sources), "calibration_s": list(calibration),
+            "calibration_set": "moe" if moe else "dense"}
 
 
 def lead_within_range(best_breakdown: dict[str, float], best_step_s: float,
