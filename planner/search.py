@@ -18,7 +18,8 @@ How it works:
    stage index, and the overlap window of the DP sync grows with it); a MoE model's its distinct stage kinds
    (:func:`_moe_step`). Memory is computed for every stage and kept as three kinds: the first, the fullest middle
    one and the last (:func:`_memory_rows`: the first middle stage need not be the fullest). Shapes are
-   independent: with many of them the tables are built over forked worker processes (:func:`table_workers`, ``PLAN3D_WORKERS``), the same tables bit for bit.
+   independent: with many of them the tables are built over forked worker processes (:func:`table_workers`,
+   ``PLAN3D_WORKERS``), the same tables bit for bit.
 3. :func:`solve` builds a CP-SAT model. Its decision variables are the knobs (tp, pp, dp, cp,
    vpp, micro-batch size and count, recompute, SP, ZeRO, first/last layers), tied to one
    combination index by element constraints. The constraints are ``tp*pp*dp*cp = N`` and
