@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from planner import frameworks
-from planner.specs import (HardwareSpec, ModelSpec, Plan, TrainingSpec, deepep_group_problem, offload_problems,
-                           plan_problems)
+from planner.specs import (HardwareSpec, ModelSpec, Plan, TrainingSpec, deepep_group_problem, moe_plan_problems,
+                           offload_problems, plan_problems)
 
 RECOMPUTE = ("none", "selective", "full")
 MAX_UNEVEN_VPP = 4  # unpinned, uneven splits are searched with vpp up to this (a pinned vpp is searched at any value)
@@ -374,29 +374,19 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
         # _splits: every model chunk holds a layer, but rank 0's embedding chunk and the last rank's loss chunk
         lines.append(f"vpp: pp({pins.pp}) * vpp({pins.vpp}) = {pins.pp * pins.vpp} model chunks for num_layers({L}); "
                      f"every chunk but the first and the last holds a layer, so at most {L + 2}")
-    return lines + _pinned_expert_problems(model, training, pins)
+    return lines + _pinned_expert_problems(model, hardware, training, pins)
 
 
-def _pinned_expert_problems(model: ModelSpec, training: TrainingSpec, pins: Pins) -> list[str]:
-    """The expert-parallel rules of ``specs.moe_plan_problems`` that the pins alone decide, in its words: a pinned
-    ep must divide the experts, a pinned etp the expert width, and etp x ep the GPUs left to tp x cp x dp by the
-    pipeline (the pinned pp, else pp 1, the most it can leave); Megatron-Core core_v0.16.1
-    ``parallel_state.initialize_model_parallel``."""
+def _pinned_expert_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, pins: Pins) -> list[str]:
+    """The expert-parallel rules (``specs.moe_plan_problems``) where the pins alone decide them: a pinned ep against
+    the experts, a pinned etp against the expert width and the NVLink domain, and etp x ep against the ranks the
+    pipeline leaves to tp x cp x dp, which are the GPUs over the pinned pp (over pp 1, the most, where pp is free)
+    whatever the split of those ranks, so a probe with tp = cp = 1 stands for every split."""
     if not model.is_moe or (pins.ep is None and pins.etp is None):
         return []
-    lines = []
-    ep, etp = pins.ep or 1, pins.etp or 1
-    if pins.ep is not None and model.num_experts % ep:
-        lines.append(f"ep: num_experts({model.num_experts}) is not divisible by ep({ep})")
-    if pins.etp is not None and model.moe_ffn_size % etp:
-        lines.append(f"etp: moe_ffn_hidden_size({model.moe_ffn_size}) is not divisible by etp({etp})")
-    folded = training.num_gpus // (pins.pp or 1)
-    if folded % (ep * etp):
-        where = f"num_gpus({training.num_gpus}) / pp({pins.pp}) = {folded}" if pins.pp else \
-            f"num_gpus({training.num_gpus})"
-        lines.append(f"ep: etp({etp}) * ep({ep}) = {ep * etp} does not divide {where} (Megatron folds the expert ranks "
-                     "into the tp x cp x dp ranks)")
-    return lines
+    pp = pins.pp or 1
+    probe = Plan.model_construct(tp=1, cp=1, dp=training.num_gpus // pp, pp=pp, ep=pins.ep or 1, etp=pins.etp)
+    return moe_plan_problems(model, hardware, probe)
 
 
 def micro_options(tp: int, space: SearchSpace, moe: bool = False) -> Iterator[tuple[str, bool]]:

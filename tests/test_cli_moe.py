@@ -79,7 +79,7 @@ def test_cross_entropy_fusion_option_reaches_the_last_stage():
 @pytest.mark.parametrize("pins,expected", [
     (["--ep", "3"], "ep: num_experts(8) is not divisible by ep(3)"),
     (["--etp", "5"], "etp: moe_ffn_hidden_size("),
-    (["--ep", "8", "--etp", "2", "--pp", "2"], "ep: etp(2) * ep(8) = 16 does not divide num_gpus(8) / pp(2) = 4"),
+    (["--ep", "8", "--etp", "2", "--pp", "2"], "ep: etp(2) * ep(8) = 16 does not divide tp(1) * cp(1) * dp(4) = 4"),
 ])
 def test_search_names_the_expert_pin_that_no_plan_can_meet(pins, expected):
     """A pinned ep or etp that no split of the GPUs can take is named in the 'no legal plan' line (exit 3), as the
