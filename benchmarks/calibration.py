@@ -190,10 +190,9 @@ def scored_runs(quiet: bool = True) -> list[Scored]:
 
 def ratio_deciles(runs: list[Scored]) -> tuple[float, float]:
     """10th and 90th percentile of measured / predicted step time (planner/uncertainty.CALIBRATION_RATIO)."""
-    import statistics
+    from planner.uncertainty import ratio_deciles as deciles
 
-    q = statistics.quantiles([r.measured_s / r.predicted_s for r in runs], n=10, method="inclusive")
-    return q[0], q[8]
+    return deciles(r.measured_s / r.predicted_s for r in runs)
 
 
 def main() -> None:

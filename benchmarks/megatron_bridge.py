@@ -228,14 +228,11 @@ def scored_results(memory: bool = False) -> list[dict]:
 
 def moe_ratio_deciles(results: list[dict]) -> tuple[float, float]:
     """10th and 90th percentile of measured / predicted step time over the scored MoE runs
-    (``planner/uncertainty.MOE_CALIBRATION_RATIO``), the percentiles ``benchmarks/calibration.py`` takes: the
-    measured step is ``gbs * seq / (tokens/s/GPU * GPUs)``, so measured / predicted = predicted / published
-    tokens/s = 1 + error."""
-    import statistics
+    (``planner/uncertainty.MOE_CALIBRATION_RATIO``, by ``uncertainty.ratio_deciles``): the measured step is
+    ``gbs * seq / (tokens/s/GPU * GPUs)``, so measured / predicted = predicted / published tokens/s = 1 + error."""
+    from planner.uncertainty import ratio_deciles
 
-    ratios = [1 + o["error"] for o in results if o["scored"] and o["family"] == "MoE"]
-    q = statistics.quantiles(ratios, n=10, method="inclusive")
-    return q[0], q[8]
+    return ratio_deciles(1 + o["error"] for o in results if o["scored"] and o["family"] == "MoE")
 
 
 def main() -> None:

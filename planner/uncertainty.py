@@ -51,6 +51,16 @@ CALIBRATION_RATIO = (1.008, 1.242)
 MOE_CALIBRATION_RATIO = (0.995, 1.504)
 
 
+def ratio_deciles(ratios) -> tuple[float, float]:
+    """10th and 90th percentile of measured / predicted step times (inclusive quantiles): the rule both
+    ``CALIBRATION_RATIO`` (``benchmarks/calibration.py``) and ``MOE_CALIBRATION_RATIO``
+    (``benchmarks/megatron_bridge.py``) are computed by."""
+    import statistics
+
+    q = statistics.quantiles(list(ratios), n=10, method="inclusive")
+    return q[0], q[8]
+
+
 def spread(term: str) -> float:
     return TERM_SPREAD.get(term, DEFAULT_SPREAD)[0]
 
