@@ -49,6 +49,28 @@ def test_estimate_reports_ep_and_options_are_checked():
     assert p.returncode == 2 and "--moe-dispatcher: 'nccl' is not one of alltoall, allgather, deepep" in p.stderr
 
 
+@pytest.mark.parametrize("command", ["search", "estimate"])
+@pytest.mark.parametrize("option,expected", [
+    (["--moe-a2a-overlap"], "--moe-a2a-overlap: applies to mixture-of-experts models; llama3-8b is dense"),
+    (["--moe-dispatcher", "deepep"], "--moe-dispatcher: applies to mixture-of-experts models; llama3-8b is dense"),
+    (["--moe-load-imbalance", "1.2"], "--moe-load-imbalance: applies to mixture-of-experts models"),
+    (["--cuda-graph-modules", "attn,moe_router"], "--cuda-graph-modules: moe_router applies to mixture-of-experts"),
+])
+def test_moe_only_options_on_a_dense_model_are_refused(command, option, expected):
+    """As --ep is: before, --moe-a2a-overlap ran and the plan line said "a2a overlap" for a dense model, a MoE
+    CUDA-graph scope gave "no legal plan ... check --gpus and --global-batch", and the other two were ignored."""
+    job = ["--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "8", "--global-batch", "8",
+           "--seq-len", "1024"] + (["--tp", "1", "--pp", "1"] if command == "estimate" else [])
+    p = plan3d(command, *job, *option)
+    assert p.returncode == 2 and expected in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    # what a dense model can take of the same options still runs
+    harmless = ["--no-moe-a2a-overlap"] if option[0] == "--moe-a2a-overlap" else \
+        ["--cuda-graph-modules", "attn"] if option[0] == "--cuda-graph-modules" else []
+    if harmless:
+        p = plan3d(command, *job, *harmless, "--json")
+        assert p.returncode in (0, 1), p.stderr
+
+
 def test_state_options_reach_the_estimate():
     """--grad-reduce-in-bf16, --fp8-params, --optimizer-dtype: NVIDIA's Nemotron-4 340B recipe settings
     (tests/test_published_fits.py has the citations) bring its plan under the usable memory."""

@@ -85,6 +85,13 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     training |= job | given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
                             framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
     training |= given(**(job_extra or {}))  # MoE and state options (moe_options, state_options)
+    if isinstance(data.get("model"), dict) and data["model"].get("num_experts") is None:  # a dense model's spec
+        from types import SimpleNamespace
+
+        dense = SimpleNamespace(is_moe=False, name=data["model"].get("name", "the model"))
+        problems = dense_moe_option_problems(dense, job_extra or {})
+        if problems:
+            raise SpecError(problems)
     if not plan_file:
         required(gpus, "--gpus"), required(global_batch, "--global-batch"), required(seq_len, "--seq-len")
     plan = dict(data.get("plan") or {})
@@ -114,6 +121,29 @@ def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imb
     graphs = module_list(cuda_graph_modules, "--cuda-graph-modules", CUDA_GRAPH_MODULES)
     return given(moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap, moe_load_imbalance=load_imbalance,
                  cuda_graph_modules=graphs)
+
+
+#: The MoE job options (``moe_options``) as the flags that set them, and the values a dense model cannot take.
+MOE_ONLY_FLAGS = {"moe_token_dispatcher": "--moe-dispatcher", "moe_a2a_overlap": "--moe-a2a-overlap",
+                  "moe_load_imbalance": "--moe-load-imbalance", "cuda_graph_modules": "--cuda-graph-modules"}
+
+
+def dense_moe_option_problems(model, options: dict) -> list[str]:
+    """What the user asked of ``options`` (the given ``moe_options``) that only a mixture-of-experts model has,
+    when ``model`` is dense: a token dispatcher, the all-to-all overlap, a load imbalance, or a MoE CUDA-graph scope
+    (``moe_router``, ``moe_preprocess``). Refused on the command line, as ``--ep`` is, rather than run as a plan
+    that names a switch it cannot have; a plan file or a launch script that carries them for a dense model is read
+    as Megatron reads it (they do nothing there)."""
+    if model.is_moe:
+        return []
+    asked = [k for k in ("moe_token_dispatcher", "moe_load_imbalance") if k in options]
+    asked += ["moe_a2a_overlap"] if options.get("moe_a2a_overlap") else []
+    moe_scopes = [m for m in options.get("cuda_graph_modules") or () if m.startswith("moe_")]
+    problems = [f"{MOE_ONLY_FLAGS[k]}: applies to mixture-of-experts models; {model.name} is dense (drop it)"
+                for k in asked]
+    problems += [f"--cuda-graph-modules: {m} applies to mixture-of-experts models; {model.name} is dense (keep attn "
+                 "or drop it)" for m in moe_scopes[:1]]
+    return problems
 
 
 def module_list(text: Optional[str], flag: str, allowed: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -167,6 +197,9 @@ def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, se
                       framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
     training |= given(**(job_extra or {}))
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
+    problems = dense_moe_option_problems(spec_model, job_extra or {})
+    if problems:
+        raise SpecError(problems)
     tr = presets.build(TrainingSpec, training, "")
     problems = job_problems(spec_model, spec_hw, tr)
     if problems:
