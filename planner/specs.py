@@ -1105,7 +1105,7 @@ class Plan(_Spec):
             errors += chunk_problems(self.layers_per_stage, self.vpp)
         if self.microbatch_group_size is not None and self.vpp == 1:
             errors.append("microbatch_group_size: applies to the interleaved schedule only (vpp > 1)")
-        if self.microbatch_group_size is not None and self.schedule != "interleaved":
+        elif self.microbatch_group_size is not None and self.schedule != "interleaved":
             errors.append(f"microbatch_group_size: applies to the interleaved schedule only, not {self.schedule}")
         if self.v_shaped and self.layers_per_stage is not None and len(set(self.layers_per_stage)) > 1:
             errors.append(f"layers_per_stage: {self.schedule} places stages r and 2*pp-1-r on rank r; uneven V "

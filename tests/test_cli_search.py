@@ -250,6 +250,23 @@ def test_no_legal_plan_names_the_pin_that_binds(runner, pins, gpus, batch, why):
     assert "has a legal plan that fits" in res.output and "check --tp" not in res.output
 
 
+def test_no_legal_plan_names_dist_optimizer_instances_that_divide_no_dp(runner):
+    """--dist-optimizer-instances N must divide dp x cp (core_v0.16.1 parallel_state.py); with N not dividing the GPU
+    count no split holds it, and the line says so instead of "no tp x pp x cp x dp split suits the model's heads"."""
+    res = runner.invoke(app, ["search", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "16",
+                              "--global-batch", "16", "--seq-len", "4096", "--dist-optimizer-instances", "3", "--quiet"])
+    assert res.exit_code == 3, res.output
+    assert "--dist-optimizer-instances 3 must divide dp x cp" in res.output and "heads and layers" not in res.output
+
+
+def test_one_line_per_problem_of_a_misplaced_microbatch_group(runner):
+    """--microbatch-group-size without interleaving: one line (it said the same thing twice in other words)."""
+    res = runner.invoke(app, ["estimate", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "16",
+                              "--global-batch", "16", "--seq-len", "4096", "--tp", "2", "--pp", "2",
+                              "--microbatch-group-size", "3"])
+    assert res.exit_code == 2 and res.output.count("microbatch_group_size") == 1, res.output
+
+
 def test_sequence_parallel_pinned_with_tp_1_runs_as_megatron_runs_it(runner):
     """Megatron-LM turns sequence parallelism off at tp 1 (core_v0.16.1 arguments.py: "Disabling sequence
     parallelism because tensor model parallelism is disabled"), so a published layout with TP 1 and SP on ran:
