@@ -344,7 +344,7 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
     model's heads, KV heads, FFN width and the NVLink domain (``tp:``); a pinned cp against the sequence (``cp:``);
     and the global batch against dp times the pinned micro-batch (or dp alone when the micro-batch is searched) for
     every dp the pins leave: the GPUs over tp x pp x cp, each unpinned one of those a divisor of the GPUs
-    (``global_batch_size:``); a pinned pp above the layers, or pp x vpp model chunks above the layers plus the
+    (``global_batch_size:``); a pinned vpp > 1 with pp 1; a pinned pp above the layers, or pp x vpp model chunks above the layers plus the
     embedding's and the loss's own chunks (``pp:``, ``vpp:``, the bounds of :func:`valid_pp` and :func:`_splits`)."""
     g = training.num_gpus
     fixed = {k: getattr(pins, k) for k in ("tp", "pp", "cp", "dp") if getattr(pins, k) is not None}
@@ -368,7 +368,9 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
         lines.append(f"global_batch_size: {B} is not divisible by micro_batch_size({b}) * dp for any dp these pins "
                      f"leave ({', '.join(map(str, dps))})")
     L = model.num_layers
-    if pins.pp is not None and pins.pp > L:  # valid_pp: a stage holds at least one layer
+    if pins.pp == 1 and (pins.vpp or 1) > 1:  # Plan's own rule
+        lines.append(f"vpp: vpp({pins.vpp}) > 1 needs pp > 1 (pp is 1)")
+    elif pins.pp is not None and pins.pp > L:  # valid_pp: a stage holds at least one layer
         lines.append(f"pp: pp({pins.pp}) is more than num_layers({L}); every stage holds a layer")
     elif pins.pp is not None and pins.vpp is not None and pins.pp * pins.vpp > L + 2:
         # _splits: every model chunk holds a layer, but rank 0's embedding chunk and the last rank's loss chunk

@@ -237,6 +237,7 @@ def test_no_legal_plan_without_pins_does_not_blame_pins(runner, monkeypatch):
      "(12, 6, 4, 3, 2, 1)"),
     (["--tp", "2", "--pp", "5"], "96", "1536", "plan: tp(2) * pp(5) = 10 does not divide num_gpus(96)"),
     (["--pp", "64"], "64", "64", "pp: pp(64) is more than num_layers(32); every stage holds a layer"),
+    (["--pp", "1", "--vpp", "2"], "16", "16", "vpp: vpp(2) > 1 needs pp > 1 (pp is 1)"),
     (["--pp", "8", "--vpp", "8"], "64", "64", "vpp: pp(8) * vpp(8) = 64 model chunks for num_layers(32); every chunk "
      "but the first and the last holds a layer, so at most 34"),
 ])
