@@ -35,6 +35,8 @@ the row, ETP 1 (the recipes' expert_tensor_parallel_size=1); dispatcher (hybride
 plan3d 'deepep'), MoE all-to-all overlap (where Megatron-Core accepts it for the row's layout, ``a2a_overlap``),
 CUDA-graph scopes (``graph_modules``) and pipeline layout from the run's ``recipe``. FP8-CS (per-tensor current
 scaling) is ``fp8_recipe='tensorwise'``; the 25.09 table names no precision and is read as delayed, TE's default.
+The 25.09 rows marked (tokendrop) train with expert capacity 1.0, padded, over the alltoall dispatcher, as
+Megatron-Bridge's ``apply_moe_token_drop`` sets them (``token_drop``).
 """
 
 from __future__ import annotations
@@ -125,6 +127,21 @@ def page_flops_per_token(model, seq: int) -> float:
     return flops.model_flops_per_token(model, seq)
 
 
+#: Megatron-Bridge's ``apply_moe_token_drop`` (src/megatron/bridge/training/utils/moe_token_drop.py), which its
+#: performance scripts apply to a "tokendrop" run (scripts/performance: ``if args.use_tokendrop is True: recipe.model =
+#: apply_moe_token_drop(recipe.model)``): ``moe_expert_capacity_factor = 1.0`` and
+#: ``moe_pad_expert_input_to_capacity = True`` by default, and it asserts the alltoall dispatcher ("Using token drop,
+#: disabling DeepEP", the DeepSeek-V3 perf configs).
+TOKEN_DROP_CAPACITY_FACTOR = 1.0
+
+
+def token_drop(model):
+    """A 25.09 "(tokendrop)" row's model and dispatcher: expert capacity ``TOKEN_DROP_CAPACITY_FACTOR`` x the even
+    share, each expert's input padded to it (``ModelSpec.capacity_factor``: no host sync of the token counts, fixed
+    shapes), over the alltoall dispatcher."""
+    return model.model_copy(update={"capacity_factor": TOKEN_DROP_CAPACITY_FACTOR}), "alltoall"
+
+
 def not_modelled(r: dict, models: set[str]) -> str | None:
     if r.get("inconsistent"):
         return f"row inconsistent ({r['inconsistent']})"
@@ -132,8 +149,6 @@ def not_modelled(r: dict, models: set[str]) -> str | None:
         return f"precision {r['precision']} not modelled ({r['precision_published'] or '25.09 parenthesised'})"
     if r["model"] not in models:
         return f"no plan3d preset {r['model']}"
-    if r.get("model_note") == "tokendrop":
-        return "token-dropping run (plan3d costs dropless routing)"
     optimizer = (r.get("recipe") or {}).get("optimizer")
     if optimizer not in (None, "adam"):  # Kimi-K2's perf recipes train with Muon (the data file's notes)
         return f"optimizer {optimizer} not modelled (plan3d costs AdamW)"
@@ -153,8 +168,11 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
     if hardware_update:
         hw = hw.model_copy(update=hardware_update)
     out["family"] = "MoE" if model.is_moe else "dense"
+    dispatcher = r["dispatcher"]
+    if r.get("model_note") == "tokendrop":
+        model, dispatcher = token_drop(model)
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
-                            framework="nemo", moe_token_dispatcher=r["dispatcher"], moe_a2a_overlap=a2a_overlap(r),
+                            framework="nemo", moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap(r),
                             cuda_graph_modules=graph_modules(r), recompute_modules=recompute_modules(r) or ("core_attn",),
                             grad_reduce_in_bf16=True, fp8_params=r["precision"] in ("fp8", "mxfp8"),
                             cross_entropy_fusion="te",

@@ -187,3 +187,26 @@ def test_every_run_published_with_its_recipes_layout_fits():
             too_big.append(f"{r['release']} {r['system']} {r['model']} {r['precision']} {o['label']}: "
                            f"{o['peak_gib']:.1f} of {o['usable_gib']:.1f} GiB")
     assert checked >= 100 and not too_big, too_big
+
+
+def test_token_dropping_rows_are_scored_as_padded_capacity_over_alltoall(monkeypatch):
+    """The 25.09 "(tokendrop)" rows ran Megatron-Bridge's apply_moe_token_drop: capacity 1.0, padded, alltoall
+    dispatcher (DeepEP disabled). They are scored as such, also where the row's recipe names DeepEP (the GB200
+    DeepSeek-V3 row): before 2026-12-06 they were left out as "plan3d costs dropless routing"."""
+    bench = _bridge_benchmark()
+    models = set(bench.preset_names(bench.MODEL_DIRNAME))
+    seen = []
+    real = bench.estimate_time
+
+    def spy(model, hw, training, plan, *a, **k):
+        seen.append((model.capacity_factor, training.moe_token_dispatcher))
+        return real(model, hw, training, plan, *a, **k)
+
+    monkeypatch.setattr(bench, "estimate_time", spy)
+    rows = [r for r in RUNS if r.get("model_note") == "tokendrop"]
+    scored = [bench.score(r, models, memory=False) for r in rows]
+    assert sum(o["scored"] for o in scored) >= 10
+    assert seen and all(s == (1.0, "alltoall") for s in seen), seen
+    deepep = [o for r, o in zip(rows, scored) if r["dispatcher"] == "deepep" and r["model"] == "deepseek-v3"
+              and not r.get("inconsistent")]
+    assert deepep and all(o["scored"] for o in deepep)
