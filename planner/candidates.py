@@ -344,8 +344,9 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
     model's heads, KV heads, FFN width and the NVLink domain (``tp:``); a pinned cp against the sequence (``cp:``);
     and the global batch against dp times the pinned micro-batch (or dp alone when the micro-batch is searched) for
     every dp the pins leave: the GPUs over tp x pp x cp, each unpinned one of those a divisor of the GPUs
-    (``global_batch_size:``); a pinned vpp > 1 with pp 1; a pinned pp above the layers, or pp x vpp model chunks above the layers plus the
-    embedding's and the loss's own chunks (``pp:``, ``vpp:``, the bounds of :func:`valid_pp` and :func:`_splits`)."""
+    (``global_batch_size:``); a pinned vpp > 1 with pp 1; a pinned pp above the layers, or pp x vpp model chunks
+    above the layers plus the embedding's and the loss's own chunks (``pp:``, ``vpp:``, the bounds of
+    :func:`valid_pp` and :func:`_splits`)."""
     g = training.num_gpus
     fixed = {k: getattr(pins, k) for k in ("tp", "pp", "cp", "dp") if getattr(pins, k) is not None}
     product = 1

@@ -85,11 +85,9 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     training |= job | given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
                             framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
     training |= given(**(job_extra or {}))  # MoE and state options (moe_options, state_options)
-    if isinstance(data.get("model"), dict) and data["model"].get("num_experts") is None:  # a dense model's spec
-        from types import SimpleNamespace
-
-        dense = SimpleNamespace(is_moe=False, name=data["model"].get("name", "the model"))
-        problems = dense_moe_option_problems(dense, job_extra or {})
+    if isinstance(data.get("model"), dict):  # the MoE options against the model, before any plan rule
+        problems = dense_moe_option_problems(data["model"].get("num_experts") is not None,
+                                             data["model"].get("name", "the model"), job_extra or {})
         if problems:
             raise SpecError(problems)
     if not plan_file:
@@ -123,26 +121,26 @@ def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imb
                  cuda_graph_modules=graphs)
 
 
-#: The MoE job options (``moe_options``) as the flags that set them, and the values a dense model cannot take.
+#: The MoE job options (``moe_options``) by the flag that sets each (for the refusals of dense_moe_option_problems).
 MOE_ONLY_FLAGS = {"moe_token_dispatcher": "--moe-dispatcher", "moe_a2a_overlap": "--moe-a2a-overlap",
                   "moe_load_imbalance": "--moe-load-imbalance", "cuda_graph_modules": "--cuda-graph-modules"}
 
 
-def dense_moe_option_problems(model, options: dict) -> list[str]:
+def dense_moe_option_problems(is_moe: bool, name: str, options: dict) -> list[str]:
     """What the user asked of ``options`` (the given ``moe_options``) that only a mixture-of-experts model has,
-    when ``model`` is dense: a token dispatcher, the all-to-all overlap, a load imbalance, or a MoE CUDA-graph scope
-    (``moe_router``, ``moe_preprocess``). Refused on the command line, as ``--ep`` is, rather than run as a plan
-    that names a switch it cannot have; a plan file or a launch script that carries them for a dense model is read
-    as Megatron reads it (they do nothing there)."""
-    if model.is_moe:
+    when the model ``name`` is dense: a token dispatcher, the all-to-all overlap, a load imbalance, or a MoE
+    CUDA-graph scope (``moe_router``, ``moe_preprocess``). Refused on the command line, as ``--ep`` is, rather than
+    run as a plan that names a switch it cannot have; a plan file or a launch script that carries them for a dense
+    model is read as Megatron reads it (they do nothing there)."""
+    if is_moe:
         return []
     asked = [k for k in ("moe_token_dispatcher", "moe_load_imbalance") if k in options]
     asked += ["moe_a2a_overlap"] if options.get("moe_a2a_overlap") else []
     moe_scopes = [m for m in options.get("cuda_graph_modules") or () if m.startswith("moe_")]
-    problems = [f"{MOE_ONLY_FLAGS[k]}: applies to mixture-of-experts models; {model.name} is dense (drop it)"
+    problems = [f"{MOE_ONLY_FLAGS[k]}: applies to mixture-of-experts models; {name} is dense (drop it)"
                 for k in asked]
-    problems += [f"--cuda-graph-modules: {m} applies to mixture-of-experts models; {model.name} is dense (keep attn "
-                 "or drop it)" for m in moe_scopes[:1]]
+    problems += [f"--cuda-graph-modules: {m} applies to mixture-of-experts models; {name} is dense (keep attn or "
+                 "drop it)" for m in moe_scopes[:1]]
     return problems
 
 
@@ -197,7 +195,7 @@ def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, se
                       framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
     training |= given(**(job_extra or {}))
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
-    problems = dense_moe_option_problems(spec_model, job_extra or {})
+    problems = dense_moe_option_problems(spec_model.is_moe, spec_model.name, job_extra or {})
     if problems:
         raise SpecError(problems)
     tr = presets.build(TrainingSpec, training, "")
