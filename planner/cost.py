@@ -1003,8 +1003,8 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     ``TORCHTITAN_MOE_HOST_OPS``), plus the eager kernels of a clamped activation and of expert biases, which the
     measured layers do not have (:func:`expert_eager_ops`; once per local expert under Megatron, once under
     torchtitan's grouped experts). torchtitan syncs only with expert parallelism (:func:`moe_host_syncs`). Each
-    costs ``host_launch_us``. A part captured in a CUDA graph (``cuda_graph_modules``: attn, moe_router) costs one
-    launch instead. ``moe_preprocess`` is not separated in the measurement and is left at full cost. Megatron's selective recompute of ``moe_act`` issues
+    costs ``host_launch_us``. A part captured in a CUDA graph (``cuda_graph_modules``: attn, moe_router; moe, the whole
+    MoE layer with drop-and-pad routing) costs one launch instead. ``moe_preprocess`` is not separated in the measurement and is left at full cost. Megatron's selective recompute of ``moe_act`` issues
     the activation (and a clamped activation's clamps) once more in the backward.
     """
     linears = len(_linear_shapes(model, plan, moe=True))
@@ -1024,6 +1024,8 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     moe_b = o["bwd_base"] + o["bwd_per_expert"] * local + eager_b
     if "moe_router" in graphs:
         moe_f, moe_b = moe_f - o["router_fwd"] + 1, moe_b - o["router_bwd"] + 1
+    if "moe" in graphs:  # the whole MoE layer replayed (core_v0.16.1 TransformerLayer._get_submodules_under_cudagraphs)
+        moe_f = moe_b = 1
     mods = training.recompute_modules
     if (plan.recompute == "selective" and "moe_act" in mods and "moe" not in mods
             and not frameworks.get(training.framework).op_sac):

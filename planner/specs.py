@@ -882,12 +882,14 @@ class TrainingSpec(_Spec):
                     "cost.moe_layer_extra, memory.moe_allgather_buffer_bytes; Megatron and NeMo only) or deepep "
                     "(--moe-token-dispatcher-type flex with DeepEP: one copy per destination node across the "
                     "network; its buffer in memory, memory.deepep_buffer_bytes; Megatron and NeMo only).")
-    cuda_graph_modules: tuple[Literal["attn", "moe_router", "moe_preprocess"], ...] = Field(
+    cuda_graph_modules: tuple[Literal["attn", "moe_router", "moe_preprocess", "moe"], ...] = Field(
         default=(),
         description="Per-layer parts captured in CUDA graphs (Megatron --cuda-graph-impl transformer_engine "
-                    "--cuda-graph-modules; Megatron-Bridge cuda_graph_scope): a captured part is replayed with one "
+                    "--cuda-graph-scope; Megatron-Bridge cuda_graph_scope): a captured part is replayed with one "
                     "launch instead of one per kernel, which matters only where the host bounds the layer "
-                    "(planner.cost.moe_host_s).")
+                    "(planner.cost.moe_host_s). moe: the whole MoE layer (its pre-MLP norm, router, dispatch, "
+                    "experts and combine), which Megatron captures only with drop-and-pad routing "
+                    "(ModelSpec.capacity_factor), never together with moe_router.")
 
     @property
     def compiled_blocks(self) -> bool:
@@ -904,6 +906,9 @@ class TrainingSpec(_Spec):
     def _graph_modules(cls, v: tuple) -> tuple:
         if "moe_preprocess" in v and "moe_router" not in v:  # Megatron arguments.py, --cuda-graph-scope help
             raise ValueError("moe_preprocess must be captured together with moe_router; add moe_router")
+        if "moe" in v and "moe_router" in v:  # core_v0.16.1 TransformerConfig.__post_init__
+            raise ValueError("moe and moe_router cannot both be captured (Megatron: 'cuda_graph_scope must not "
+                             "contain both moe and moe_router'); moe holds the router already, keep one")
         return tuple(dict.fromkeys(v))
     recompute_modules: tuple[RecomputeModule, ...] = Field(
         default=("core_attn",),
@@ -1579,7 +1584,12 @@ def cuda_graph_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     cuda graph is only supported for MoE"); under selective recompute, not the ``moe`` module with a graphed
     router ("moe recompute is not supported with moe_router CUDA graph"), nor, with attention dropout, the
     recomputed attention core inside a graphed attention ("attention dropout is not supported with graphed attention
-    recomputation"). Megatron's rules, so only for megatron and nemo; empty without graphs."""
+    recomputation"). The whole-MoE-layer scope ``moe``: only with drop-and-pad routing ("moe cuda graph is only
+    supported with drop-padding MoE"; plan3d's ``capacity_factor`` is always padded), and not with the all-to-all
+    overlap (core_v0.16.1 transformer_layer.py ``_te_cuda_graph_replay``: "EP overlap must be disabled when CUDA graph
+    captures the whole MLP/MoE part"); plan3d also refuses it for a clamped activation (``swiglu_limit``), whose
+    blocking host copy (``cost.activation_sync_split``) it cannot place in a capture. Megatron's rules, so only for
+    megatron and nemo; empty without graphs."""
     graphs = training.cuda_graph_modules
     if not graphs or training.framework not in ("megatron", "nemo"):
         return []
@@ -1594,6 +1604,19 @@ def cuda_graph_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     if not model.is_moe and any(g.startswith("moe") for g in graphs):
         errors.append(f"cuda_graph_modules: the moe_* scopes need a MoE model (Megatron: 'moe cuda graph is only "
                       f"supported for MoE'); keep attn {fix}")
+    if model.is_moe and "moe" in graphs:
+        if model.capacity_factor is None:
+            errors.append("cuda_graph_modules: Megatron captures the whole MoE layer only with drop-and-pad routing "
+                          "('moe cuda graph is only supported with drop-padding MoE'); set capacity_factor in the model "
+                          "spec, or capture moe_router instead of moe")
+        if training.moe_a2a_overlap:
+            errors.append("cuda_graph_modules: Megatron disables the all-to-all overlap when a graph holds the whole "
+                          "MoE layer ('EP overlap must be disabled when CUDA graph captures the whole MLP/MoE part'); "
+                          "drop --moe-a2a-overlap or capture moe_router instead of moe")
+        if model.swiglu_limit is not None:
+            errors.append("cuda_graph_modules: the whole-layer MoE graph of a clamped activation (swiglu_limit) is not "
+                          "modelled: its blocking host copy (fused_bias_geglu.py weighted_bias_quick_geglu_impl) would "
+                          "run inside the capture; capture moe_router instead of moe")
     if plan.recompute == "selective":
         modules = training.recompute_modules
         if "moe" in modules and "moe_router" in graphs:

@@ -29,13 +29,16 @@ def _check(tmp_path, base: str, flags: str):
      ("attn", "moe_router", "moe_preprocess"), None),
     ("--cuda-graph-impl transformer_engine --cuda-graph-scope attn", ("attn",), None),
     ("--external-cuda-graph --cuda-graph-scope moe_router", ("moe_router",), None),  # deprecated: transformer_engine
-    ("--cuda-graph-impl transformer_engine --cuda-graph-scope attn moe", ("attn",), "moe"),  # moe: not modelled
+    ("--cuda-graph-impl transformer_engine --cuda-graph-scope attn mlp", ("attn",), "mlp"),  # mlp: not modelled
+    # the whole MoE layer, with the drop-and-pad routing Megatron requires for it
+    ("--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --cuda-graph-impl transformer_engine "
+     "--cuda-graph-scope attn moe", ("attn", "moe"), None),
     ("--cuda-graph-impl transformer_engine", (), "the whole layer"),  # no scope: the whole layer
     ("--cuda-graph-impl local", (), "the whole layer"),  # MCore's CudaGraphManager
     ("--enable-cuda-graph", (), "the whole layer"),  # deprecated: local
 ])
 def test_cuda_graph_scopes_are_read_and_their_memory_noted(tmp_path, flags, modules, eager):
-    """The scopes plan3d costs (attn, moe_router, moe_preprocess under transformer_engine) reach the scenario; every
+    """The scopes plan3d costs (attn, moe_router, moe_preprocess, moe under transformer_engine) reach the scenario; every
     CUDA-graph launch gets a note that the graphs' own buffers are not in the memory figures, and the captured parts
     plan3d costs as eager launches are named."""
     r = _check(tmp_path, "megatron_moe.sh", flags)
@@ -62,6 +65,9 @@ def test_no_cuda_graph_flag_no_note(tmp_path):
     ("--cuda-graph-impl everything", "none, local or transformer_engine"),
     ("--cuda-graph-impl transformer_engine --cuda-graph-scope moe_preprocess", "moe_router"),
     ("--cuda-graph-impl transformer_engine --cuda-graph-scope atn", "--cuda-graph-scope atn"),
+    # dropless routing: core_v0.16.1 'moe cuda graph is only supported with drop-padding MoE'
+    ("--cuda-graph-impl transformer_engine --cuda-graph-scope attn moe", "drop-and-pad"),
+    ("--cuda-graph-impl transformer_engine --cuda-graph-scope moe moe_router", "moe and moe_router"),
 ])
 def test_cuda_graph_flags_megatron_refuses_are_one_line_errors(tmp_path, flags, says):
     """What Megatron's validate_args asserts (the legacy switches with --cuda-graph-impl, both legacy switches) and

@@ -80,3 +80,46 @@ def test_estimate_refuses_in_one_line():
                                    "--recompute", "full", "--cuda-graph-modules", "attn"])
     assert res.exit_code == 2, res.output
     assert "cuda_graph_modules" in res.output and "Traceback" not in res.output
+
+
+# --- the whole-MoE-layer scope (``moe``): drop-and-pad routing only ---------------------------------------------
+
+def _padded(model_name="tiny-moe"):
+    return load_model(model_name).model_copy(update={"capacity_factor": 1.0})
+
+
+@pytest.mark.parametrize("padded, extra, says", [
+    (False, {}, "drop-and-pad"),  # core_v0.16.1: 'moe cuda graph is only supported with drop-padding MoE'
+    (True, dict(moe_a2a_overlap=True), "all-to-all overlap"),  # transformer_layer.py: 'EP overlap must be disabled'
+])
+def test_whole_moe_layer_graph_rules(padded, extra, says):
+    m = _padded() if padded else load_model("tiny-moe")
+    training = _training(cuda_graph_modules=("attn", "moe"), **extra)
+    p = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
+    problems = cuda_graph_problems(m, training, p)
+    assert len(problems) == 1 and says in problems[0], problems
+    assert cuda_graph_problems(_padded(), _training(cuda_graph_modules=("attn", "moe")), p) == []
+
+
+def test_whole_moe_layer_graph_excludes_the_router_scope_and_a_clamped_activation():
+    with pytest.raises(ValueError, match="moe and moe_router cannot both be captured"):
+        _training(cuda_graph_modules=("moe", "moe_router"))
+    oss = _padded("gpt-oss-120b")
+    problems = cuda_graph_problems(oss, _training(cuda_graph_modules=("moe",)), Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1))
+    assert len(problems) == 1 and "clamped activation" in problems[0]
+
+
+def test_megatron_takes_the_whole_moe_layer_graph_only_with_padding(megatron, monkeypatch, tmp_path):  # noqa: F811
+    """The emitted launch (capacity 1.0, padded; --cuda-graph-scope attn moe) passes Megatron's own startup; without
+    the padding Megatron refuses with the sentence cuda_graph_problems cites."""
+    sc = scenario(**TINY, tp=1, pp=1, dp=8, ep=8)
+    sc = sc.model_copy(update={"model": sc.model.model_copy(update={"capacity_factor": 1.0}),
+                               "training": sc.training.model_copy(update={"cuda_graph_modules": ("attn", "moe")})})
+    _grouped_gemm_capability(monkeypatch, 9)
+    argv = _args_file_argv(sc, tmp_path)
+    i = argv.index("--cuda-graph-scope")
+    assert argv[i + 1:i + 3] == ["attn", "moe"] and "--moe-pad-expert-input-to-capacity" in argv
+    megatron_validate(megatron, monkeypatch, list(argv), "1")  # accepted as emitted
+    unpadded = [a for a in argv if a != "--moe-pad-expert-input-to-capacity"]
+    with pytest.raises((AssertionError, ValueError), match="moe cuda graph is only supported with drop-padding MoE"):
+        megatron_validate(megatron, monkeypatch, unpadded, "1")

@@ -226,3 +226,13 @@ def test_validates_miniature_keeps_megatrons_counts():
     f, b = moe_host_s(model, hw, tr, plan)
     launch_s = hw.host_launch_us * 1e-6
     assert (f, b) == pytest.approx(((9 + 36 + 6 * 16) * launch_s, (15 + 27 + 13 * 16) * launch_s))
+
+
+def test_whole_moe_layer_graph_is_one_launch_each_way():
+    """--cuda-graph-scope moe (drop-and-pad routing only): the MoE part of the layer, 132 forward and 235 backward
+    launches in test_host_time_by_hand, becomes one graph launch each way; the attention block's 11 and 17 stay."""
+    model, hw, tr, plan = _setup(1)
+    model = model.model_copy(update={"capacity_factor": 1.0})
+    launch_s = hw.host_launch_us * 1e-6
+    f, b = moe_host_s(model, hw, tr.model_copy(update={"cuda_graph_modules": ("moe",)}), plan)
+    assert (f, b) == pytest.approx(((11 + 1) * launch_s, (17 + 1) * launch_s))

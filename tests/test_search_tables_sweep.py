@@ -44,13 +44,22 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
                                            recompute_modules=("moe",), grad_reduce_in_bf16=True,
                                            overlap_grad_reduce=False),
      Pins(pp=4), 2, 1),  # a later middle stage fuller than the first: search._memory_rows (2026-12-06)
+    ("qwen3-30b-a3b+padded", "b200-180gb", dict(num_gpus=16, global_batch_size=32, seq_len=1024, framework="nemo",
+                                                precision="mxfp8", cuda_graph_modules=("attn", "moe")),
+     Pins(ep=8), 2, 1),  # drop-and-pad routing with the whole MoE layer in one CUDA graph
 ]
+
+
+def _model(name: str):
+    """A preset, or with "+padded" the preset with drop-and-pad routing (capacity 1.0)."""
+    base, _, variant = name.partition("+")
+    return load_model(base).model_copy(update={"capacity_factor": 1.0}) if variant == "padded" else load_model(base)
 
 
 @pytest.mark.parametrize("i", range(len(JOBS)))
 def test_tables_are_the_estimate(i):
     name, hw_name, job, pins, mbs, cp = JOBS[i]
-    model, hw = load_model(name), load_hardware(hw_name)
+    model, hw = _model(name), load_hardware(hw_name)
     tr = TrainingSpec(**job)
     tables = build_tables(model, hw, tr, SearchSpace(pins=pins, max_micro_batch_size=mbs, max_cp=cp))
     legal = np.flatnonzero(tables.legal.ravel())
@@ -84,7 +93,7 @@ def test_shared_stage_rows_change_nothing(i, monkeypatch):
     from planner import search as S
 
     name, hw_name, job, pins, mbs, cp = SHARED_ROWS[i]
-    model, hw, tr = load_model(name), load_hardware(hw_name), TrainingSpec(**job)
+    model, hw, tr = _model(name), load_hardware(hw_name), TrainingSpec(**job)
     space = SearchSpace(pins=pins, max_micro_batch_size=mbs, max_cp=cp)
     shared = build_tables(model, hw, tr, space, workers=1)
     monkeypatch.setattr(S, "_row_key", lambda *a: (object(),))

@@ -108,7 +108,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     return presets.build(Scenario, data, source)
 
 
-CUDA_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
+CUDA_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess", "moe")
 
 
 def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imbalance: Optional[float],
@@ -136,7 +136,7 @@ def dense_moe_option_problems(is_moe: bool, name: str, options: dict) -> list[st
         return []
     asked = [k for k in ("moe_token_dispatcher", "moe_load_imbalance") if k in options]
     asked += ["moe_a2a_overlap"] if options.get("moe_a2a_overlap") else []
-    moe_scopes = [m for m in options.get("cuda_graph_modules") or () if m.startswith("moe_")]
+    moe_scopes = [m for m in options.get("cuda_graph_modules") or () if m.startswith("moe")]
     problems = [f"{MOE_ONLY_FLAGS[k]}: applies to mixture-of-experts models; {name} is dense (drop it)"
                 for k in asked]
     problems += [f"--cuda-graph-modules: {m} applies to mixture-of-experts models; {name} is dense (keep attn or "

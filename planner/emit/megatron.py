@@ -436,7 +436,8 @@ def megatron_flags(sc: Scenario) -> list[Flag]:
 def cuda_graph_flags(sc: Scenario) -> list[Flag]:
     """The job's ``cuda_graph_modules`` as Megatron-LM core_v0.16.1 captures them: ``--cuda-graph-impl
     transformer_engine`` (TE ``make_graphed_callables`` per layer) with ``--cuda-graph-scope`` listing the
-    parts (``arguments.py``: attn, moe_router, moe_preprocess; moe_preprocess only with moe_router)."""
+    parts (``arguments.py``: attn, moe_router, moe_preprocess, moe; moe_preprocess only with moe_router, moe only
+    with drop-and-pad routing, ``specs.cuda_graph_problems``)."""
     modules = sc.training.cuda_graph_modules
     if not modules:
         return []

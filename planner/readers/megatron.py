@@ -653,7 +653,7 @@ def recompute(a: Args, layers_per_chunk: int, notes: list[str]) -> tuple[str, in
 
 # CUDA-graph scopes whose saving plan3d's time model knows (TrainingSpec.cuda_graph_modules, planner.cost.moe_host_s),
 # and every one Megatron-LM core_v0.16.1 takes (core/transformer/enums.py CudaGraphScope)
-MODELLED_GRAPH_SCOPES = ("attn", "moe_router", "moe_preprocess")
+MODELLED_GRAPH_SCOPES = ("attn", "moe_router", "moe_preprocess", "moe")
 GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
