@@ -1341,7 +1341,7 @@ def empty_chunks(layers: int, vpp: int, first: bool) -> int:
 
 def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec) -> list[str]:
     """What is wrong with the job whatever the plan: sequence too long, fp8 without fp8 units."""
-    errors = []
+    errors = whole_moe_graph_problems(model, training)
     if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
         errors.append(f"seq_len: {training.seq_len} > max_seq_len({model.max_seq_len}) of {model.name}")
     if training.precision != "bf16":
@@ -1584,12 +1584,8 @@ def cuda_graph_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     cuda graph is only supported for MoE"); under selective recompute, not the ``moe`` module with a graphed
     router ("moe recompute is not supported with moe_router CUDA graph"), nor, with attention dropout, the
     recomputed attention core inside a graphed attention ("attention dropout is not supported with graphed attention
-    recomputation"). The whole-MoE-layer scope ``moe``: only with drop-and-pad routing ("moe cuda graph is only
-    supported with drop-padding MoE"; plan3d's ``capacity_factor`` is always padded), and not with the all-to-all
-    overlap (core_v0.16.1 transformer_layer.py ``_te_cuda_graph_replay``: "EP overlap must be disabled when CUDA graph
-    captures the whole MLP/MoE part"); plan3d also refuses it for a clamped activation (``swiglu_limit``), whose
-    blocking host copy (``cost.activation_sync_split``) it cannot place in a capture. Megatron's rules, so only for
-    megatron and nemo; empty without graphs."""
+    recomputation"). The whole-MoE-layer scope's rules hold whatever the plan (:func:`whole_moe_graph_problems`,
+    part of :func:`job_problems`). Megatron's rules, so only for megatron and nemo; empty without graphs."""
     graphs = training.cuda_graph_modules
     if not graphs or training.framework not in ("megatron", "nemo"):
         return []
@@ -1604,19 +1600,6 @@ def cuda_graph_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     if not model.is_moe and any(g.startswith("moe") for g in graphs):
         errors.append(f"cuda_graph_modules: the moe_* scopes need a MoE model (Megatron: 'moe cuda graph is only "
                       f"supported for MoE'); keep attn {fix}")
-    if model.is_moe and "moe" in graphs:
-        if model.capacity_factor is None:
-            errors.append("cuda_graph_modules: Megatron captures the whole MoE layer only with drop-and-pad routing "
-                          "('moe cuda graph is only supported with drop-padding MoE'); set capacity_factor in the model "
-                          "spec, or capture moe_router instead of moe")
-        if training.moe_a2a_overlap:
-            errors.append("cuda_graph_modules: Megatron disables the all-to-all overlap when a graph holds the whole "
-                          "MoE layer ('EP overlap must be disabled when CUDA graph captures the whole MLP/MoE part'); "
-                          "drop --moe-a2a-overlap or capture moe_router instead of moe")
-        if model.swiglu_limit is not None:
-            errors.append("cuda_graph_modules: the whole-layer MoE graph of a clamped activation (swiglu_limit) is not "
-                          "modelled: its blocking host copy (fused_bias_geglu.py weighted_bias_quick_geglu_impl) would "
-                          "run inside the capture; capture moe_router instead of moe")
     if plan.recompute == "selective":
         modules = training.recompute_modules
         if "moe" in modules and "moe_router" in graphs:
@@ -1626,6 +1609,33 @@ def cuda_graph_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
             errors.append("cuda_graph_modules: Megatron refuses attention dropout with a recomputed attention core "
                           "inside a graphed attention; drop core_attn from --recompute-modules, or attn from "
                           "--cuda-graph-modules, or use a model without dropout")
+    return errors
+
+
+def whole_moe_graph_problems(model: ModelSpec, training: TrainingSpec) -> list[str]:
+    """What Megatron-Core refuses of the whole-MoE-layer CUDA graph (``"moe"`` in ``training.cuda_graph_modules``,
+    ``--cuda-graph-scope moe``), one line each, whatever the plan: dropless routing (core_v0.16.1
+    ``TransformerConfig.__post_init__``: "moe cuda graph is only supported with drop-padding MoE"; plan3d's
+    ``capacity_factor`` is always padded) and the all-to-all overlap (transformer_layer.py ``_te_cuda_graph_replay``:
+    "EP overlap must be disabled when CUDA graph captures the whole MLP/MoE part"). plan3d also refuses it for a
+    clamped activation (``swiglu_limit``), whose blocking host copy (``cost.activation_sync_split``) it cannot place
+    in a capture. Megatron's rules, so only for megatron and nemo (the dense-model rule is
+    :func:`cuda_graph_problems`')."""
+    if not (model.is_moe and "moe" in training.cuda_graph_modules and training.framework in ("megatron", "nemo")):
+        return []
+    errors = []
+    if model.capacity_factor is None:
+        errors.append("cuda_graph_modules: Megatron captures the whole MoE layer only with drop-and-pad routing "
+                      "('moe cuda graph is only supported with drop-padding MoE'); set capacity_factor in the model "
+                      "spec, or capture moe_router instead of moe")
+    if training.moe_a2a_overlap:
+        errors.append("cuda_graph_modules: Megatron disables the all-to-all overlap when a graph holds the whole "
+                      "MoE layer ('EP overlap must be disabled when CUDA graph captures the whole MLP/MoE part'); "
+                      "drop --moe-a2a-overlap or capture moe_router instead of moe")
+    if model.swiglu_limit is not None:
+        errors.append("cuda_graph_modules: the whole-layer MoE graph of a clamped activation (swiglu_limit) is not "
+                      "modelled: its blocking host copy (fused_bias_geglu.py weighted_bias_quick_geglu_impl) would "
+                      "run inside the capture; capture moe_router instead of moe")
     return errors
 
 

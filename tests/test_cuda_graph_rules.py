@@ -8,7 +8,7 @@ import pytest
 from planner.candidates import Pins, SearchSpace
 from planner.presets import load_hardware, load_model
 from planner.search import search
-from planner.specs import Plan, TrainingSpec, cuda_graph_problems
+from planner.specs import Plan, TrainingSpec, cuda_graph_problems, job_problems, whole_moe_graph_problems
 from tests.test_emit_consumers import megatron, megatron_validate  # noqa: F401 (the session fixture)
 from tests.test_emit_moe import TINY, _args_file_argv, _grouped_gemm_capability, scenario
 
@@ -93,19 +93,21 @@ def _padded(model_name="tiny-moe"):
     (True, dict(moe_a2a_overlap=True), "all-to-all overlap"),  # transformer_layer.py: 'EP overlap must be disabled'
 ])
 def test_whole_moe_layer_graph_rules(padded, extra, says):
+    """Rules of the job whatever the plan (job_problems): the search names them before it tries any plan."""
     m = _padded() if padded else load_model("tiny-moe")
     training = _training(cuda_graph_modules=("attn", "moe"), **extra)
-    p = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
-    problems = cuda_graph_problems(m, training, p)
+    problems = whole_moe_graph_problems(m, training)
     assert len(problems) == 1 and says in problems[0], problems
-    assert cuda_graph_problems(_padded(), _training(cuda_graph_modules=("attn", "moe")), p) == []
+    assert problems[0] in job_problems(m, H100, training)
+    assert whole_moe_graph_problems(_padded(), _training(cuda_graph_modules=("attn", "moe"))) == []
+    assert whole_moe_graph_problems(m, training.model_copy(update={"framework": "torchtitan"})) == []
 
 
 def test_whole_moe_layer_graph_excludes_the_router_scope_and_a_clamped_activation():
     with pytest.raises(ValueError, match="moe and moe_router cannot both be captured"):
         _training(cuda_graph_modules=("moe", "moe_router"))
     oss = _padded("gpt-oss-120b")
-    problems = cuda_graph_problems(oss, _training(cuda_graph_modules=("moe",)), Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1))
+    problems = whole_moe_graph_problems(oss, _training(cuda_graph_modules=("moe",)))
     assert len(problems) == 1 and "clamped activation" in problems[0]
 
 
@@ -123,3 +125,15 @@ def test_megatron_takes_the_whole_moe_layer_graph_only_with_padding(megatron, mo
     unpadded = [a for a in argv if a != "--moe-pad-expert-input-to-capacity"]
     with pytest.raises((AssertionError, ValueError), match="moe cuda graph is only supported with drop-padding MoE"):
         megatron_validate(megatron, monkeypatch, unpadded, "1")
+
+
+def test_search_names_a_whole_moe_layer_graph_of_dropless_routing():
+    """`plan3d search --cuda-graph-modules attn,moe` on a dropless model: the one-line rule, exit 2 (it said "no
+    legal plan ... check --gpus and --global-batch")."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    res = CliRunner().invoke(app, ["search", "--model", "tiny-moe", "--hardware", "h100-sxm-80gb", "--gpus", "8",
+                                   "--global-batch", "16", "--seq-len", "1024", "--cuda-graph-modules", "attn,moe"])
+    assert res.exit_code == 2 and "only with drop-and-pad routing" in res.output, res.output
