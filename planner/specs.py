@@ -889,7 +889,7 @@ class TrainingSpec(_Spec):
                     "launch instead of one per kernel, which matters only where the host bounds the layer "
                     "(planner.cost.moe_host_s). moe: the whole MoE layer (its pre-MLP norm, router, dispatch, "
                     "experts and combine), which Megatron captures only with drop-and-pad routing "
-                    "(ModelSpec.capacity_factor), never together with moe_router.")
+                    "(ModelSpec.capacity_factor), never together with moe_router. Megatron and NeMo only.")
 
     @property
     def compiled_blocks(self) -> bool:
@@ -1342,6 +1342,12 @@ def empty_chunks(layers: int, vpp: int, first: bool) -> int:
 def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec) -> list[str]:
     """What is wrong with the job whatever the plan: sequence too long, fp8 without fp8 units."""
     errors = whole_moe_graph_problems(model, training)
+    if training.cuda_graph_modules and training.framework not in ("megatron", "nemo"):
+        # Megatron's per-layer scopes (--cuda-graph-impl transformer_engine --cuda-graph-scope): no other framework's
+        # launch file carries them, so their launch saving (cost.moe_host_s) would be claimed for a run without them
+        errors.append(f"cuda_graph_modules: per-layer CUDA-graph scopes are Megatron's (--cuda-graph-impl "
+                      f"transformer_engine --cuda-graph-scope); {training.framework} has none (torchtitan's whole-step "
+                      f"graph is step_cuda_graph); drop --cuda-graph-modules or use framework megatron or nemo")
     if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
         errors.append(f"seq_len: {training.seq_len} > max_seq_len({model.max_seq_len}) of {model.name}")
     if training.precision != "bf16":

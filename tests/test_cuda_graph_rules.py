@@ -137,3 +137,14 @@ def test_search_names_a_whole_moe_layer_graph_of_dropless_routing():
     res = CliRunner().invoke(app, ["search", "--model", "tiny-moe", "--hardware", "h100-sxm-80gb", "--gpus", "8",
                                    "--global-batch", "16", "--seq-len", "1024", "--cuda-graph-modules", "attn,moe"])
     assert res.exit_code == 2 and "only with drop-and-pad routing" in res.output, res.output
+
+
+@pytest.mark.parametrize("framework", ["torchtitan", "deepspeed", "torch"])
+def test_per_layer_graph_scopes_are_megatrons_only(framework):
+    """No other framework's launch file carries --cuda-graph-scope: the scopes' launch saving was claimed for a
+    torchtitan run that has none of them (its emitted TOML writes nothing of it)."""
+    training = _training(cuda_graph_modules=("attn", "moe_router"), framework=framework)
+    problems = job_problems(load_model("tiny-moe"), H100, training)
+    assert any(p.startswith("cuda_graph_modules: per-layer CUDA-graph scopes are Megatron's") for p in problems), \
+        problems
+    assert not job_problems(load_model("tiny-moe"), H100, training.model_copy(update={"framework": "nemo"}))
