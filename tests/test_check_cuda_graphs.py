@@ -68,6 +68,13 @@ def test_no_cuda_graph_flag_no_note(tmp_path):
     # dropless routing: core_v0.16.1 'moe cuda graph is only supported with drop-padding MoE'
     ("--cuda-graph-impl transformer_engine --cuda-graph-scope attn moe", "drop-and-pad"),
     ("--cuda-graph-impl transformer_engine --cuda-graph-scope moe moe_router", "moe and moe_router"),
+    # a capacity without the padding: plan3d reads it as padded, Megatron refuses the whole-layer graph
+    ("--moe-expert-capacity-factor 1.0 --cuda-graph-impl transformer_engine --cuda-graph-scope attn moe",
+     "without --moe-pad-expert-input-to-capacity"),
+    ("--moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.0 --cuda-graph-impl transformer_engine "
+     "--cuda-graph-scope moe_router moe_preprocess", "DtoH copies"),
+    ("--moe-token-dispatcher-type alltoall --moe-router-padding-for-fp8 --cuda-graph-impl transformer_engine "
+     "--cuda-graph-scope moe_router moe_preprocess", "DtoH copies"),
 ])
 def test_cuda_graph_flags_megatron_refuses_are_one_line_errors(tmp_path, flags, says):
     """What Megatron's validate_args asserts (the legacy switches with --cuda-graph-impl, both legacy switches) and
@@ -102,3 +109,14 @@ def test_cp_comm_type_other_than_p2p_is_noted(tmp_path):
     for flags in ("--context-parallel-size 2 --cp-comm-type p2p", "--cp-comm-type all_gather"):
         r = _check(tmp_path, base, flags)
         assert not any("--cp-comm-type" in n for n in r.notes), (flags, r.notes)
+
+
+def test_capacity_without_padding_is_read_as_padded_with_a_note(tmp_path):
+    """Dropping without padding keeps Megatron's per-layer host sync; plan3d's capacity_factor is drop-and-pad, so
+    the memory (at capacity) bounds the run and a note says the step time leaves the sync out."""
+    r = _check(tmp_path, "megatron_moe.sh", "--moe-expert-capacity-factor 1.25")
+    assert not r.errors, r.errors
+    assert r.scenario.model.capacity_factor == 1.25
+    assert any("without --moe-pad-expert-input-to-capacity" in n for n in r.notes), r.notes
+    padded = _check(tmp_path, "megatron_moe.sh", "--moe-expert-capacity-factor 1.25 --moe-pad-expert-input-to-capacity")
+    assert not any("without --moe-pad-expert-input-to-capacity" in n for n in padded.notes), padded.notes

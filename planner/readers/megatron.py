@@ -396,6 +396,13 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
     if router_dtype == "fp64":
         notes.append("--moe-router-dtype fp64: the router's logits modelled in fp32")
     capacity = a.float("--moe-expert-capacity-factor", -1.0)
+    if capacity > 0 and not a.has("--moe-pad-expert-input-to-capacity"):
+        # plan3d's capacity_factor is drop-and-pad (each expert's input exactly its capacity): memory at capacity, a
+        # bound for dropping without padding; the time model leaves out the host sync such a run keeps (Megatron's
+        # dispatcher syncs unless drop_and_pad, core_v0.16.1 moe/token_dispatcher.py)
+        notes.append(f"--moe-expert-capacity-factor {capacity:g} without --moe-pad-expert-input-to-capacity: read as "
+                     "padded to capacity (memory at capacity, an upper bound); the step time leaves out the per-layer "
+                     "host sync an unpadded run keeps")
     if a.has("--moe-router-dtype") and router_dtype not in ("fp32", "fp64"):
         raise SpecError(f"{a.path}:{a.line('--moe-router-dtype')}: --moe-router-dtype {router_dtype}: not fp32 or fp64")
     return {"num_experts": experts, "top_k": a.count("--moe-router-topk", 2),
@@ -688,6 +695,19 @@ def cuda_graphs(a: Args, notes: list[str]) -> tuple[str, ...]:
         return ()
     scopes = a.get("--cuda-graph-scope", [])
     scopes = [str(x) for x in (scopes if isinstance(scopes, list) else [scopes])]
+    if "moe" in scopes and a.float("--moe-expert-capacity-factor", -1.0) > 0 \
+            and not a.has("--moe-pad-expert-input-to-capacity"):  # read as padded by moe_fields: Megatron's own rule
+        raise SpecError(f"{a.path}:{a.line('--cuda-graph-scope')}: --cuda-graph-scope moe with a capacity factor but "
+                        "without --moe-pad-expert-input-to-capacity: Megatron asserts 'moe cuda graph is only "
+                        "supported with drop-padding MoE'; add the padding or capture moe_router")
+    unpadded = a.float("--moe-expert-capacity-factor", -1.0) > 0 and not a.has("--moe-pad-expert-input-to-capacity")
+    if "moe_preprocess" in scopes and a.get("--moe-token-dispatcher-type", "allgather") == "alltoall" \
+            and (unpadded or a.has("--moe-router-padding-for-fp8")):  # core_v0.16.1 TransformerConfig.__post_init__
+        raise SpecError(f"{a.path}:{a.line('--cuda-graph-scope')}: --cuda-graph-scope moe_preprocess with the alltoall "
+                        "dispatcher and " + ("a capacity factor without padding" if unpadded else
+                                             "--moe-router-padding-for-fp8") + ": Megatron asserts 'moe_preprocess cuda "
+                        "graph is not supported when there are DtoH copies and synchronizations in the preprocess "
+                        "step'; drop moe_preprocess")
     scopes = [] if scopes == ["full"] else scopes  # validate_args: "full" is the whole layer
     unknown = [x for x in scopes if x not in GRAPH_SCOPES]
     if unknown:  # argparse's type, CudaGraphScope[scope], raises on them
