@@ -148,3 +148,28 @@ def test_per_layer_graph_scopes_are_megatrons_only(framework):
     assert any(p.startswith("cuda_graph_modules: per-layer CUDA-graph scopes are Megatron's") for p in problems), \
         problems
     assert not job_problems(load_model("tiny-moe"), H100, training.model_copy(update={"framework": "nemo"}))
+
+
+def test_deepep_takes_no_padded_capacity():
+    """core_v0.16.1 TransformerConfig: 'Flex token dispatcher with deepep backend does not support
+    moe_pad_expert_input_to_capacity' (plan3d's capacity_factor is drop-and-pad): refused before any plan."""
+    training = _training(moe_token_dispatcher="deepep")
+    problems = job_problems(_padded(), H100, training)
+    assert any("does not support moe_pad_expert_input_to_capacity" in p for p in problems), problems
+    assert not any("moe_pad" in p for p in job_problems(load_model("tiny-moe"), H100, training))
+    assert not any("moe_pad" in p for p in job_problems(_padded(), H100, _training(moe_token_dispatcher="alltoall")))
+
+
+def test_megatron_refuses_deepep_with_padded_capacity(megatron, monkeypatch, tmp_path):  # noqa: F811
+    """The rule above is Megatron's own: the emitted padded launch (alltoall) starts; with the flex dispatcher and
+    DeepEP instead, Megatron raises the sentence job_problems cites."""
+    sc = scenario(**TINY, tp=1, pp=1, dp=8, ep=8)
+    sc = sc.model_copy(update={"model": sc.model.model_copy(update={"capacity_factor": 1.0})})
+    _grouped_gemm_capability(monkeypatch, 9)
+    argv = _args_file_argv(sc, tmp_path)
+    megatron_validate(megatron, monkeypatch, list(argv), "1")
+    i = argv.index("--moe-token-dispatcher-type")
+    assert argv[i + 1] == "alltoall"
+    flex = argv[:i] + ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"] + argv[i + 2:]
+    with pytest.raises((AssertionError, ValueError), match="does not support moe_pad_expert_input_to_capacity"):
+        megatron_validate(megatron, monkeypatch, flex, "1")
