@@ -1393,6 +1393,10 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         if "mla_up_proj" in mods and not model.is_mla:  # core_v0.16.1 transformer_config.py __post_init__
             errors.append(f"recompute_modules: mla_up_proj needs multi-latent attention, which {model.name} has not; "
                           "drop mla_up_proj")
+        if "moe_act" in mods and model.is_moe and not training.moe_grouped_gemm:  # ibid.
+            errors.append("recompute_modules: Megatron recomputes moe_act only in the grouped experts ('moe_act in "
+                          "recompute_modules is only supported with moe_grouped_gemm'); add --moe-grouped-gemm or drop "
+                          "moe_act")
         if (training.precision == "fp8" and training.fp8_recipe == "delayed"
                 and {"moe_act", "layernorm"} & set(mods)):  # ibid.: "Delayed scaling does not support ..."
             errors.append("recompute_modules: moe_act and layernorm recompute do not run with fp8 delayed scaling "

@@ -180,3 +180,32 @@ def test_recompute_refusals_match_megatron_core(megatron_arguments, extra, accep
     assert (not results[0].errors) is accepted, results[0].errors
     if not accepted:
         assert "Megatron-Core refuses it" in results[0].errors[0]
+
+
+@pytest.mark.parametrize("grouped, accepted", [(True, True), (False, False)])
+def test_moe_act_recompute_needs_grouped_experts_as_in_megatron_core(megatron_arguments, grouped, accepted, tmp_path,
+                                                                    monkeypatch, capsys):
+    """core_v0.16.1 TransformerConfig: "moe_act in recompute_modules is only supported with moe_grouped_gemm"; `check`
+    refuses the same launch (it was read and judged, a launch Megatron does not start)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    text = (LAUNCH / "megatron_moe.sh").read_text()
+    if not grouped:
+        text = text.replace("    --moe-grouped-gemm\n", "")
+    path = tmp_path / "job.sh"
+    path.write_text(text.replace("--bf16", "--bf16 --no-rope-fusion --recompute-granularity selective "
+                                           "--recompute-modules moe_act", 1))
+    results = check_file_branches(path, load_hardware("h100-sxm-80gb"), None, None)
+    arguments, _ = megatron_arguments
+    args = _megatron(arguments, _words(read_flags(path)), 8, monkeypatch)
+    refusal = ""
+    try:
+        core_transformer_config_from_args(args)
+    except ValueError as err:
+        refusal = str(err)
+    capsys.readouterr()
+    os.environ.pop("WORLD_SIZE", None)
+    assert (not refusal) is accepted, refusal
+    assert (not results[0].errors) is accepted, results[0].errors
+    if not accepted:
+        assert "only supported with moe_grouped_gemm" in refusal and "moe_grouped_gemm" in results[0].errors[0]
