@@ -55,12 +55,21 @@ def tp2_ep4_zero3():
                                recompute="selective"))
 
 
+@pytest.fixture(scope="module")
+def pp2_ep4_padded():
+    """Drop and pad to capacity at c 4 (C = T: every expert takes every token, those that did not choose it with
+    probability 0): the same routed outputs as dropless, so the single-process reference still applies, with E x T
+    copies per rank and no count exchange."""
+    return _validate(_scenario(load_model("tiny-moe").model_copy(update={"capacity_factor": 4.0})))
+
+
 RUNS = ["pp2_ep4", "tp2_ep4_zero3"]
+EXACT_RUNS = RUNS + ["pp2_ep4_padded"]
 METRICS = {"weights_bytes", "grads_bytes", "optimizer_bytes", "expert_weights_bytes", "expert_grads_bytes",
            "expert_optimizer_bytes", "saved_activation_peak_bytes", "saved_activation_microbatch_bytes"}
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", EXACT_RUNS)
 def test_every_rank_matches_the_prediction_exactly(run, request):
     mini, report = request.getfixturevalue(run)
     assert mini.model.is_moe and mini.plan.ep == 4 and mini.plan.world_size == 8
@@ -75,7 +84,7 @@ def test_every_rank_matches_the_prediction_exactly(run, request):
     assert all(0 < experts[r] < weights[r] for r in weights)
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", EXACT_RUNS)
 def test_the_distributed_moe_computes_what_one_process_computes(run, request):
     """First loss equal to the single-process model's; rank 0's first-step gradients equal the single-process
     gradients of the loss over every replica's batch, for its local experts and for its dense parameters.
@@ -109,6 +118,15 @@ def test_tokens_really_moved_between_ranks(run, request):
     assert all(0.5 < x < 2.0 for x in ratios)
     text = "\n".join(launch.summary_lines(report))
     assert "expert gradients (rank 0, 6 tensors) vs single process" in text and f"balanced {balanced}" in text
+
+
+def test_padded_routing_sends_every_rank_the_same_tokens(pp2_ep4_padded):
+    """Padded to capacity, every rank's experts receive exactly E x C = 8 x 128 copies per MoE layer and micro-batch,
+    whatever the router does (the dropless runs above differ rank by rank)."""
+    _, report = pp2_ep4_padded
+    acts = report["moe"]["activations"]
+    assert {a["routed_tokens_min"] for a in acts} == {a["routed_tokens_max"] for a in acts} == {8 * 128}
+    assert all(a["routed_tokens_balanced"] == 8 * 128 for a in acts)
 
 
 def test_a_wrong_expert_state_or_gradient_fails_the_verdict(pp2_ep4):
@@ -150,7 +168,10 @@ VARIANTS = {
     "gate-router-bias": {"shared_expert_gate": True, "router_bias": True},
     "gelu-no-shared": {"activation": "gelu", "shared_expert_ffn_hidden_size": None},
     "dropout": {"dropout": True},
+    "padded": {"capacity_factor": 1.25},  # drop and pad: 40 slots per expert of 128 tokens x 2 / 8 x 1.25
 }
+# routed copies of the 2 x 64 tokens: 2 each dropless; 8 experts x ceil(128 x 2 / 8 x 1.25) = 8 x 40 padded
+ROUTED = {"padded": 320}
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
@@ -179,7 +200,7 @@ def test_one_moe_layer_saves_what_is_expected(variant, recompute):
     saved.current_key = None
     out.sum().backward()  # full recompute runs the layer again here, outside any chunk forward
     routed = saved.routed[(0, 0)]
-    assert routed == [2 * 64 * 2]  # one process: every routed copy stays here
+    assert routed == [ROUTED.get(variant, 2 * 64 * 2)]  # one process: every routed copy stays here
     assert saved.by_key[(0, 0)] == moe_layer_saved_bytes(model, training, plan, routed[0])
 
 
@@ -203,8 +224,39 @@ def test_moe_layer_output_equals_a_loop_over_tokens():
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("capacity_factor", [0.5, 4.0])
+def test_padded_moe_layer_output_equals_a_loop_with_megatrons_drop_rule(capacity_factor):
+    """Drop and pad to capacity (core_v0.16.1 moe_utils.apply_router_token_dropping, "probs" policy): each expert keeps
+    the C = ceil(T k / E c) tokens of largest routing probability for it, so a token's output sums only the experts
+    that kept it. At c 0.5 (C = 2 of 10 tokens) copies are dropped; at c 4 (C = T) none is, and the padding (tokens
+    with probability 0) adds nothing."""
+    from planner.validate.moe_layer import MoE
+
+    model = load_model("tiny-moe").model_copy(update={"capacity_factor": capacity_factor,
+                                                      "shared_expert_ffn_hidden_size": None})
+    torch.manual_seed(0)
+    moe = MoE(model)
+    x = torch.randn(2, 5, model.hidden_size)
+    got = moe(x).reshape(-1, model.hidden_size)
+    xt = x.reshape(-1, model.hidden_size)
+    top, idx = (xt @ moe.router.weight.T).topk(model.top_k, dim=-1)
+    probs = torch.softmax(top, dim=-1)
+    gate = torch.zeros(10, model.num_experts).scatter(1, idx, probs)
+    cap = {0.5: 2, 4.0: 10}[capacity_factor]  # ceil(10 x 2 / 8 x c): ceil(1.25), ceil(10); at most the 10 tokens
+    kept = torch.zeros_like(gate, dtype=torch.bool).scatter(0, gate.topk(cap, dim=0).indices, True)
+    dropped = 0
+    for t in range(10):
+        want = torch.zeros(model.hidden_size)
+        for e in idx[t].tolist():
+            if kept[t, e]:
+                want = want + gate[t, e] * moe.experts.experts[str(e)](xt[t][None])[0]
+            else:
+                dropped += 1
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)
+    assert (dropped > 0) is (capacity_factor < 1)
+
+
 @pytest.mark.parametrize(("model", "update", "plan", "field"), [
-    ("tiny-moe", {"capacity_factor": 1.25}, {}, "capacity_factor"),
     ("tiny-moe", {}, {"etp": 2, "tp": 1}, "etp=2"),
     ("tiny-moe", {}, {"tp": 2, "dp": 2, "etp": 1}, "sequence_parallel"),
     ("deepseek-v3", {"mtp_num_layers": 0}, {}, "MLA"),  # with its MTP module, that refusal comes first

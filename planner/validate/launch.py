@@ -135,7 +135,7 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
     (planner.validate.ring); on NCCL it is refused (that adapter calls the CPU kernel; torch's CUDA
     ``context_parallel`` is not wired into the worker yet), and with experts (the expert grid of
     :func:`planner.validate.worker.moe_mesh` has no cp axis). ALiBi and multi-token prediction: the validate model has neither. Mixture of experts: what the MoE layer does not run
-    (:func:`planner.validate.moe.moe_refusal`: capacity factors, MLA, expert TP, tp > 1 without SP).
+    (:func:`planner.validate.moe.moe_refusal`: MLA, expert TP, tp > 1 without SP).
     """
     cp = sc.plan.cp
     if cp > 1 and backend != "gloo":
@@ -232,7 +232,8 @@ not divide): 8 divides every dp and ep of an 8-rank run, so FSDP2 shards the rou
 def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int) -> dict:
     """The MoE fields of the miniature: experts (:data:`MINIATURE_EXPERTS` unless the model's count
     already fits), top-k at most 2, expert and shared widths scaled with the hidden size, one
-    dense-first layer when the model has any; the gate, the router bias and dropless routing are kept."""
+    dense-first layer when the model has any; the gate, the router bias and the routing (dropless, or drop and pad
+    at the model's capacity factor) are kept."""
     experts = m.num_experts if m.num_experts <= MINIATURE_EXPERTS and m.num_experts % dp == 0 else MINIATURE_EXPERTS
 
     def width(f: int | None) -> int | None:
@@ -241,7 +242,7 @@ def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int) -> dict:
     return {"num_experts": experts, "top_k": min(m.top_k, 2), "moe_ffn_hidden_size": width(m.moe_ffn_size),
             "shared_expert_ffn_hidden_size": width(m.shared_expert_ffn_hidden_size),
             "shared_expert_gate": m.shared_expert_gate, "first_k_dense": min(m.first_k_dense, 1),
-            "router_bias": m.router_bias, "router_dtype": m.router_dtype}
+            "router_bias": m.router_bias, "router_dtype": m.router_dtype, "capacity_factor": m.capacity_factor}
 
 
 def changes(sc: Scenario, run: Scenario) -> list[str]:

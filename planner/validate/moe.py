@@ -15,14 +15,16 @@ terms describe validate's torch-native MoE layer (not Megatron's dispatcher, who
 Saved activations of one MoE layer per micro-batch (:func:`moe_layer_terms`): the attention half
 of the dense layer's terms (planner.memory.layer_activation_terms: norms, QKV, attention, and the
 MLP input, which the router saves) plus what the layer of planner.validate.moe_layer saves, one
-term per tensor: the top-k indices and probabilities, two int64 index vectors of the ``N = T*k``
-routed copies, the ``R`` tokens this rank's experts received (their inputs and the expert MLP
+term per tensor: the top-k indices and probabilities, two int64 index vectors of the ``N`` routed copies
+(``T*k`` dropless, ``E*C`` padded to capacity: :func:`routed_copies`), the ``R`` tokens this rank's experts received (their inputs and the expert MLP
 terms), the ``N`` returned outputs and their weights, and the shared expert with its gate. ``R``
 depends on the router; balanced routing gives every rank ``R = N`` (``ep * N`` routed copies over
 ``ep`` ranks).
 """
 
 from __future__ import annotations
+
+import math
 
 from planner.memory import ActTerm, act_bytes, layer_activation_terms, saved_bytes_per_layer, stage_param_split
 from planner.specs import ModelSpec, Plan, Scenario, TrainingSpec
@@ -35,9 +37,6 @@ def moe_refusal(model: ModelSpec, plan: Plan) -> str | None:
     """What the MoE miniature cannot run, in one line; None when it can (or the model is dense)."""
     if not model.is_moe:
         return None
-    if model.capacity_factor is not None:
-        return (f"model: capacity_factor={model.capacity_factor} (token dropping) is not in the validate MoE layer, "
-                "which is dropless; validate the dropless variant (capacity_factor unset)")
     if model.is_mla:
         return "model: MLA attention (kv_lora_rank) is not in the validate model; validate a variant with GQA attention"
     if plan.expert_tp != 1:
@@ -75,7 +74,7 @@ def moe_layer_terms(model: ModelSpec, training: TrainingSpec, plan: Plan, routed
     e, i, tp = act_bytes(training), INDEX_BYTES, plan.tp
     t, h, k = training.seq_len * plan.micro_batch_size, model.hidden_size, model.top_k
     t_local = t // tp
-    n, r = t_local * k, routed_tokens
+    n, r = routed_copies(model, t_local), routed_tokens
     mlp_in = 2 if model.gated_mlp else 1
     f = model.moe_ffn_size
     terms = [x for x in layer_activation_terms(model, training, plan, moe=False) if x.name not in MLP_TERMS]
@@ -110,10 +109,25 @@ def moe_layer_saved_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, 
     return saved_bytes_per_layer(moe_layer_terms(model, training, plan, routed_tokens), plan.recompute)
 
 
+def expert_capacity(model: ModelSpec, tokens: int) -> int:
+    """Tokens each expert takes of a rank's ``tokens`` under drop-and-pad routing (``model.capacity_factor``):
+    Megatron-Core's ``get_capacity`` of ``tokens * top_k`` copies over the experts, ``ceil(T k / E * c)``, and all
+    ``T`` where that is more (core_v0.16.1 ``moe_utils.apply_router_token_dropping``)."""
+    return min(math.ceil(tokens * model.top_k / model.num_experts * model.capacity_factor), tokens)
+
+
+def routed_copies(model: ModelSpec, tokens: int) -> int:
+    """Routed copies a rank sends per MoE layer for its ``tokens``: ``T k`` dropless, ``E C`` padded to capacity."""
+    if model.capacity_factor is None:
+        return tokens * model.top_k
+    return model.num_experts * expert_capacity(model, tokens)
+
+
 def balanced_routed_tokens(training: TrainingSpec, plan: Plan, model: ModelSpec) -> int:
-    """Tokens one rank's experts receive per MoE layer and micro-batch when routing is even: ``b*s*k/tp``
-    (each of the ep ranks of a group sends that many routed copies, spread evenly over the ep ranks)."""
-    return training.seq_len * plan.micro_batch_size // plan.tp * model.top_k
+    """Tokens one rank's experts receive per MoE layer and micro-batch when routing is even: the ``b*s/tp`` local
+    tokens' routed copies (:func:`routed_copies`; each of the ep ranks of a group sends that many, spread evenly over
+    the ep ranks). Padded to capacity, every rank receives exactly that, whatever the routing."""
+    return routed_copies(model, training.seq_len * plan.micro_batch_size // plan.tp)
 
 
 def microbatch_saved_bytes(sc: Scenario, dense_layers: int, routed: list[float]) -> float:

@@ -7,9 +7,14 @@ Built from torch's own pieces, following Megatron-Core's ``MoELayer`` (core_v0.1
 
 * Router: Megatron ``TopKRouter`` with its defaults (``--moe-router-score-function softmax``,
   ``--moe-router-pre-softmax`` off): an ``h x E`` linear layer, the top-k logits of each token,
-  then a softmax over those k (``topk_softmax_with_capacity``). Dropless: no capacity factor (the
-  miniature refuses one, planner.validate.launch.refusal). No auxiliary loss (Megatron's default
+  then a softmax over those k (``topk_softmax_with_capacity``). No auxiliary loss (Megatron's default
   ``--moe-aux-loss-coeff`` is 0).
+* Capacity (``ModelSpec.capacity_factor``, Megatron ``--moe-expert-capacity-factor`` with
+  ``--moe-pad-expert-input-to-capacity``, core_v0.16.1 ``moe_utils.apply_router_token_dropping``): each expert takes
+  exactly ``C = ceil(T k / E * c)`` of this rank's ``T`` tokens (all ``T`` where ``C > T``), the ``C`` with the
+  largest routing probability for it (the "probs" drop policy): copies over capacity are dropped, and tokens that did
+  not choose the expert fill its free slots with probability 0 (the padding). The counts are known, so no count
+  exchange precedes the token all-to-all. Dropless without one.
 * Dispatch (Megatron ``MoEAlltoAllTokenDispatcher``): the k copies of each token are sorted by
   expert, the per-expert counts are exchanged with one all-to-all over the EP group, then the
   tokens themselves with ``torch.distributed._functional_collectives.all_to_all_single_autograd``
@@ -30,6 +35,8 @@ experts can be compared with the single-process model parameter by parameter.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -71,6 +78,7 @@ class MoE(nn.Module):
 
         h = model.hidden_size
         self.num_experts, self.top_k = model.num_experts, model.top_k
+        self.capacity_factor = model.capacity_factor
         self.router = nn.Linear(h, model.num_experts, bias=model.router_bias)
         self.experts = Experts(model)
         self.shared = MLP(model, model.shared_expert_ffn_hidden_size) if model.shared_expert_ffn_hidden_size else None
@@ -95,13 +103,24 @@ class MoE(nn.Module):
         xt = x.reshape(b * s, h)
         top_logits, idx = self.router(xt).topk(k, dim=-1)
         probs = torch.softmax(top_logits, dim=-1)  # Megatron TopKRouter: softmax over the top-k logits
-        flat = idx.reshape(-1)
-        with torch.no_grad():
-            order = torch.argsort(flat, stable=True)  # the k copies of every token, sorted by expert
-            token_of = order // k
-            counts = torch.bincount(flat, minlength=num_e)
+        if self.capacity_factor is None:
+            flat = idx.reshape(-1)
+            with torch.no_grad():
+                order = torch.argsort(flat, stable=True)  # the k copies of every token, sorted by expert
+                token_of = order // k
+                counts = torch.bincount(flat, minlength=num_e)
+            weights = probs.reshape(-1)[order]
+        else:  # drop and pad to capacity (module docstring): C slots per expert, expert-major
+            tokens = b * s
+            cap = min(math.ceil(tokens * k / num_e * self.capacity_factor), tokens)
+            gates = torch.zeros(tokens, num_e, dtype=probs.dtype, device=probs.device).scatter(1, idx, probs)
+            with torch.no_grad():
+                slots = gates.topk(cap, dim=0).indices  # [C, E]: the C tokens of largest probability per expert
+                order = (slots * num_e + torch.arange(num_e, device=slots.device)).t().reshape(-1)
+                token_of = order // num_e
+                counts = torch.full((num_e,), cap, dtype=torch.long, device=slots.device)
+            weights = gates.reshape(-1)[order]
         routed = xt[token_of]
-        weights = probs.reshape(-1)[order]
         if self.ep_group is None:
             recv = counts.view(1, num_e)
             received = routed
@@ -109,9 +128,12 @@ class MoE(nn.Module):
             import torch.distributed as dist
             from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-            with torch.no_grad():
-                got = torch.empty_like(counts)
-                dist.all_to_all_single(got, counts, group=self.ep_group)  # [peer, local expert] counts
+            if self.capacity_factor is None:
+                with torch.no_grad():
+                    got = torch.empty_like(counts)
+                    dist.all_to_all_single(got, counts, group=self.ep_group)  # [peer, local expert] counts
+            else:  # every peer sends C per expert: nothing to exchange (Megatron's drop_and_pad skips it too)
+                got = counts
             recv = got.view(ep, local)
             send_splits = counts.view(ep, local).sum(1).tolist()
             recv_splits = recv.sum(1).tolist()
