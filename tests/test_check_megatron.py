@@ -143,6 +143,23 @@ def test_sequence_parallel_at_tp1_is_turned_off_by_megatron_too(megatron_argumen
     os.environ.pop("WORLD_SIZE", None)
 
 
+def _megatron_config_refusal(megatron_arguments, path, monkeypatch, capsys) -> str:
+    """What Megatron-Core's own config build (``core_transformer_config_from_args`` after ``validate_args``) raises for
+    the launch at ``path``; "" when it accepts it."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    arguments, _ = megatron_arguments
+    args = _megatron(arguments, _words(read_flags(path)), 8, monkeypatch)
+    refusal = ""
+    try:
+        core_transformer_config_from_args(args)
+    except ValueError as err:
+        refusal = str(err)
+    capsys.readouterr()
+    os.environ.pop("WORLD_SIZE", None)
+    return refusal
+
+
 RECOMPUTE_CASES = [  # (extra flags, Megatron-Core accepts them)
     (["--recompute-granularity", "full"], False),
     (["--recompute-granularity", "full", "--recompute-method", "uniform"], False),
@@ -158,23 +175,13 @@ RECOMPUTE_CASES = [  # (extra flags, Megatron-Core accepts them)
 def test_recompute_refusals_match_megatron_core(megatron_arguments, extra, accepted, tmp_path, monkeypatch, capsys):
     """`check` refuses (exit 2) exactly the recompute settings Megatron-Core's own TransformerConfig refuses
     before training starts (core_v0.16.1 transformer_config.py __post_init__)."""
-    from megatron.training.arguments import core_transformer_config_from_args
-
     # --no-rope-fusion: the fused RoPE needs Transformer Engine, which this CPU machine does not have; it is
     # not what the test is about
     flags = " ".join(["--no-rope-fusion", *extra])
     path = tmp_path / "job.sh"
     path.write_text((LAUNCH / "megatron_gqa_default.sh").read_text().rstrip() + f" \\\n    {flags}\n")
     results = check_file_branches(path, load_hardware("h200-141gb"), None, None)
-    arguments, _ = megatron_arguments
-    args = _megatron(arguments, _words(read_flags(path)), 8, monkeypatch)
-    refusal = ""
-    try:
-        core_transformer_config_from_args(args)
-    except ValueError as err:
-        refusal = str(err)
-    capsys.readouterr()
-    os.environ.pop("WORLD_SIZE", None)
+    refusal = _megatron_config_refusal(megatron_arguments, path, monkeypatch, capsys)
     assert (not refusal) is accepted, refusal
     assert accepted or "recompute" in refusal, refusal
     assert (not results[0].errors) is accepted, results[0].errors
@@ -187,8 +194,6 @@ def test_moe_act_recompute_needs_grouped_experts_as_in_megatron_core(megatron_ar
                                                                     monkeypatch, capsys):
     """core_v0.16.1 TransformerConfig: "moe_act in recompute_modules is only supported with moe_grouped_gemm"; `check`
     refuses the same launch (it was read and judged, a launch Megatron does not start)."""
-    from megatron.training.arguments import core_transformer_config_from_args
-
     text = (LAUNCH / "megatron_moe.sh").read_text()
     if not grouped:
         text = text.replace("    --moe-grouped-gemm\n", "")
@@ -196,15 +201,7 @@ def test_moe_act_recompute_needs_grouped_experts_as_in_megatron_core(megatron_ar
     path.write_text(text.replace("--bf16", "--bf16 --no-rope-fusion --recompute-granularity selective "
                                            "--recompute-modules moe_act", 1))
     results = check_file_branches(path, load_hardware("h100-sxm-80gb"), None, None)
-    arguments, _ = megatron_arguments
-    args = _megatron(arguments, _words(read_flags(path)), 8, monkeypatch)
-    refusal = ""
-    try:
-        core_transformer_config_from_args(args)
-    except ValueError as err:
-        refusal = str(err)
-    capsys.readouterr()
-    os.environ.pop("WORLD_SIZE", None)
+    refusal = _megatron_config_refusal(megatron_arguments, path, monkeypatch, capsys)
     assert (not refusal) is accepted, refusal
     assert (not results[0].errors) is accepted, results[0].errors
     if not accepted:
