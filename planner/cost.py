@@ -1004,7 +1004,8 @@ def moe_host_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
     measured layers do not have (:func:`expert_eager_ops`; once per local expert under Megatron, once under
     torchtitan's grouped experts). torchtitan syncs only with expert parallelism (:func:`moe_host_syncs`). Each
     costs ``host_launch_us``. A part captured in a CUDA graph (``cuda_graph_modules``: attn, moe_router; moe, the whole
-    MoE layer with drop-and-pad routing) costs one launch instead. ``moe_preprocess`` is not separated in the measurement and is left at full cost. Megatron's selective recompute of ``moe_act`` issues
+    MoE layer with drop-and-pad routing) costs one launch instead. ``moe_preprocess`` is not separated in the
+    measurement and is left at full cost. Megatron's selective recompute of ``moe_act`` issues
     the activation (and a clamped activation's clamps) once more in the backward.
     """
     linears = len(_linear_shapes(model, plan, moe=True))

@@ -1372,8 +1372,9 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.moe_token_dispatcher == "deepep" and model.is_moe and model.capacity_factor is not None:
         # core_v0.16.1 TransformerConfig.__post_init__ (plan3d's capacity_factor is always padded)
         errors.append("moe_token_dispatcher: Megatron's flex dispatcher with DeepEP takes no drop-and-pad routing "
-                      "('Flex token dispatcher with deepep backend does not support moe_pad_expert_input_to_capacity'); "
-                      "use --moe-dispatcher alltoall, or drop capacity_factor from the model spec")
+                      "('Flex token dispatcher with deepep backend does not support "
+                      "moe_pad_expert_input_to_capacity'); use --moe-dispatcher alltoall, or drop capacity_factor from "
+                      "the model spec")
     if training.moe_token_dispatcher == "allgather" and training.moe_a2a_overlap and model.is_moe:
         # core_v0.16.1 TransformerConfig.__post_init__: "overlap_moe_expert_parallel_comm is supported with
         # alltoall/flex token dispatcher"; a contradiction of the job's own switches, refused before any search

@@ -38,8 +38,8 @@ def _check(tmp_path, base: str, flags: str):
     ("--enable-cuda-graph", (), "the whole layer"),  # deprecated: local
 ])
 def test_cuda_graph_scopes_are_read_and_their_memory_noted(tmp_path, flags, modules, eager):
-    """The scopes plan3d costs (attn, moe_router, moe_preprocess, moe under transformer_engine) reach the scenario; every
-    CUDA-graph launch gets a note that the graphs' own buffers are not in the memory figures, and the captured parts
+    """The scopes plan3d costs (attn, moe_router, moe_preprocess, moe under transformer_engine) reach the scenario;
+    every CUDA-graph launch gets a note that the graphs' own buffers are not in the memory figures, and the captured parts
     plan3d costs as eager launches are named."""
     r = _check(tmp_path, "megatron_moe.sh", flags)
     assert not r.errors, r.errors

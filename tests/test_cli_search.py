@@ -255,7 +255,8 @@ def test_no_legal_plan_names_dist_optimizer_instances_that_divide_no_dp(runner):
     """--dist-optimizer-instances N must divide dp x cp (core_v0.16.1 parallel_state.py); with N not dividing the GPU
     count no split holds it, and the line says so instead of "no tp x pp x cp x dp split suits the model's heads"."""
     res = runner.invoke(app, ["search", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "16",
-                              "--global-batch", "16", "--seq-len", "4096", "--dist-optimizer-instances", "3", "--quiet"])
+                              "--global-batch", "16", "--seq-len", "4096", "--dist-optimizer-instances", "3",
+                              "--quiet"])
     assert res.exit_code == 3, res.output
     assert "--dist-optimizer-instances 3 must divide dp x cp" in res.output and "heads and layers" not in res.output
 

@@ -703,11 +703,10 @@ def cuda_graphs(a: Args, notes: list[str]) -> tuple[str, ...]:
     unpadded = a.float("--moe-expert-capacity-factor", -1.0) > 0 and not a.has("--moe-pad-expert-input-to-capacity")
     if "moe_preprocess" in scopes and a.get("--moe-token-dispatcher-type", "allgather") == "alltoall" \
             and (unpadded or a.has("--moe-router-padding-for-fp8")):  # core_v0.16.1 TransformerConfig.__post_init__
+        why = "a capacity factor without padding" if unpadded else "--moe-router-padding-for-fp8"
         raise SpecError(f"{a.path}:{a.line('--cuda-graph-scope')}: --cuda-graph-scope moe_preprocess with the alltoall "
-                        "dispatcher and " + ("a capacity factor without padding" if unpadded else
-                                             "--moe-router-padding-for-fp8") + ": Megatron asserts 'moe_preprocess cuda "
-                        "graph is not supported when there are DtoH copies and synchronizations in the preprocess "
-                        "step'; drop moe_preprocess")
+                        f"dispatcher and {why}: Megatron asserts 'moe_preprocess cuda graph is not supported when there "
+                        "are DtoH copies and synchronizations in the preprocess step'; drop moe_preprocess")
     scopes = [] if scopes == ["full"] else scopes  # validate_args: "full" is the whole layer
     unknown = [x for x in scopes if x not in GRAPH_SCOPES]
     if unknown:  # argparse's type, CudaGraphScope[scope], raises on them

@@ -16,7 +16,8 @@ Saved activations of one MoE layer per micro-batch (:func:`moe_layer_terms`): th
 of the dense layer's terms (planner.memory.layer_activation_terms: norms, QKV, attention, and the
 MLP input, which the router saves) plus what the layer of planner.validate.moe_layer saves, one
 term per tensor: the top-k indices and probabilities, two int64 index vectors of the ``N`` routed copies
-(``T*k`` dropless, ``E*C`` padded to capacity: :func:`routed_copies`), the ``R`` tokens this rank's experts received (their inputs and the expert MLP
+(``T*k`` dropless, ``E*C`` padded to capacity: :func:`routed_copies`), the ``R`` tokens this rank's experts
+received (their inputs and the expert MLP
 terms), the ``N`` returned outputs and their weights, and the shared expert with its gate. ``R``
 depends on the router; balanced routing gives every rank ``R = N`` (``ep * N`` routed copies over
 ``ep`` ranks).
