@@ -255,7 +255,6 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                 if n > 1 and training.num_gpus % n:  # dp x cp divides the GPUs: no split can hold n copies
                     why.append(f"--dist-optimizer-instances {n} must divide dp x cp (Megatron-Core asserts it, "
                                f"parallel_state.py), and no dp x cp of {training.num_gpus} GPUs is a multiple of {n}")
-                    pinned = True  # the line names the option, as it names a pin
                 msg = [f"no legal plan for {training.num_gpus} GPUs with these pins: {'; '.join(why)}" if why else
                        f"no legal plan for {training.num_gpus} GPUs with these pins: check --tp/--pp/--cp/--vpp/"
                        "--ep/--etp/--micro-batch-size against the model's heads and layers, --gpus and --global-batch"

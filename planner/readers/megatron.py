@@ -374,6 +374,13 @@ def first_k_dense(a: Args, num_layers: int) -> int:
     return k
 
 
+def unpadded_capacity(a: Args) -> bool:
+    """A capacity factor (``--moe-expert-capacity-factor`` above 0) without ``--moe-pad-expert-input-to-capacity``:
+    tokens over capacity dropped, the rest not padded, so Megatron's dispatcher still syncs on the token counts
+    (core_v0.16.1 moe/token_dispatcher.py, ``drop_and_pad``). plan3d reads it as padded (:func:`moe_fields`)."""
+    return a.float("--moe-expert-capacity-factor", -1.0) > 0 and not a.has("--moe-pad-expert-input-to-capacity")
+
+
 def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
     """Mixture-of-experts fields from Megatron-LM core_v0.16.1's flags and defaults (``TransformerConfig``):
     ``--moe-router-topk`` 2, ``--moe-ffn-hidden-size`` = ``--ffn-hidden-size`` (``validate_args``), the
@@ -396,7 +403,7 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
     if router_dtype == "fp64":
         notes.append("--moe-router-dtype fp64: the router's logits modelled in fp32")
     capacity = a.float("--moe-expert-capacity-factor", -1.0)
-    if capacity > 0 and not a.has("--moe-pad-expert-input-to-capacity"):
+    if unpadded_capacity(a):
         # plan3d's capacity_factor is drop-and-pad (each expert's input exactly its capacity): memory at capacity, a
         # bound for dropping without padding; the time model leaves out the host sync such a run keeps (Megatron's
         # dispatcher syncs unless drop_and_pad, core_v0.16.1 moe/token_dispatcher.py)
@@ -695,12 +702,11 @@ def cuda_graphs(a: Args, notes: list[str]) -> tuple[str, ...]:
         return ()
     scopes = a.get("--cuda-graph-scope", [])
     scopes = [str(x) for x in (scopes if isinstance(scopes, list) else [scopes])]
-    if "moe" in scopes and a.float("--moe-expert-capacity-factor", -1.0) > 0 \
-            and not a.has("--moe-pad-expert-input-to-capacity"):  # read as padded by moe_fields: Megatron's own rule
+    unpadded = unpadded_capacity(a)
+    if "moe" in scopes and unpadded:  # read as padded by moe_fields: Megatron's own rule
         raise SpecError(f"{a.path}:{a.line('--cuda-graph-scope')}: --cuda-graph-scope moe with a capacity factor but "
                         "without --moe-pad-expert-input-to-capacity: Megatron asserts 'moe cuda graph is only "
                         "supported with drop-padding MoE'; add the padding or capture moe_router")
-    unpadded = a.float("--moe-expert-capacity-factor", -1.0) > 0 and not a.has("--moe-pad-expert-input-to-capacity")
     if "moe_preprocess" in scopes and a.get("--moe-token-dispatcher-type", "allgather") == "alltoall" \
             and (unpadded or a.has("--moe-router-padding-for-fp8")):  # core_v0.16.1 TransformerConfig.__post_init__
         why = "a capacity factor without padding" if unpadded else "--moe-router-padding-for-fp8"

@@ -36,12 +36,11 @@ experts can be compared with the single-process model parameter by parameter.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from planner.specs import ModelSpec
+from planner.validate.moe import expert_capacity
 
 
 class Experts(nn.Module):
@@ -78,7 +77,7 @@ class MoE(nn.Module):
 
         h = model.hidden_size
         self.num_experts, self.top_k = model.num_experts, model.top_k
-        self.capacity_factor = model.capacity_factor
+        self.spec = model  # the routing (validate.moe.expert_capacity); capacity_factor None: dropless
         self.router = nn.Linear(h, model.num_experts, bias=model.router_bias)
         self.experts = Experts(model)
         self.shared = MLP(model, model.shared_expert_ffn_hidden_size) if model.shared_expert_ffn_hidden_size else None
@@ -103,7 +102,7 @@ class MoE(nn.Module):
         xt = x.reshape(b * s, h)
         top_logits, idx = self.router(xt).topk(k, dim=-1)
         probs = torch.softmax(top_logits, dim=-1)  # Megatron TopKRouter: softmax over the top-k logits
-        if self.capacity_factor is None:
+        if self.spec.capacity_factor is None:
             flat = idx.reshape(-1)
             with torch.no_grad():
                 order = torch.argsort(flat, stable=True)  # the k copies of every token, sorted by expert
@@ -112,7 +111,7 @@ class MoE(nn.Module):
             weights = probs.reshape(-1)[order]
         else:  # drop and pad to capacity (module docstring): C slots per expert, expert-major
             tokens = b * s
-            cap = min(math.ceil(tokens * k / num_e * self.capacity_factor), tokens)
+            cap = expert_capacity(self.spec, tokens)
             gates = torch.zeros(tokens, num_e, dtype=probs.dtype, device=probs.device).scatter(1, idx, probs)
             with torch.no_grad():
                 slots = gates.topk(cap, dim=0).indices  # [C, E]: the C tokens of largest probability per expert
@@ -128,7 +127,7 @@ class MoE(nn.Module):
             import torch.distributed as dist
             from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-            if self.capacity_factor is None:
+            if self.spec.capacity_factor is None:
                 with torch.no_grad():
                     got = torch.empty_like(counts)
                     dist.all_to_all_single(got, counts, group=self.ep_group)  # [peer, local expert] counts
