@@ -1,13 +1,15 @@
 """Issue 16 item 7: `plan3d validate` runs mixture-of-experts layers with expert parallelism on gloo
 (torch's all-to-all) and compares the measured memory of every rank exactly with the prediction.
 
-Two 8-rank gloo runs of tiny-moe (model_specs/tiny-moe.yaml) through ``validate_local``, the entry point
+Four 8-rank gloo runs of tiny-moe (model_specs/tiny-moe.yaml) through ``validate_local``, the entry point
 of the other validate tests (module-scoped fixtures, ~15 s each on an idle 2-core machine):
 
 * ``pp2_ep4``: tp1 pp2 dp4 ep4, ZeRO-0: one EP group of 4 per stage, experts not sharded (expert_dp 1);
 * ``tp2_ep4_zero3``: tp2 (sequence parallel, etp 1) pp1 dp4 ep4, ZeRO-3, selective recompute, with the
   shared-expert gate and a router bias: EP groups drawn from the tp x dp ranks, router and gate replicated
-  over TP, shared experts TP-parallel, experts sharded over expert_dp = tp*dp/ep = 2.
+  over TP, shared experts TP-parallel, experts sharded over expert_dp = tp*dp/ep = 2;
+* ``pp2_ep4_padded`` and ``pp2_ep4_dropping``: ``pp2_ep4`` with Megatron-Core's drop-and-pad routing at capacity
+  factor 4 (nothing dropped) and 0.5 (half the routed copies dropped).
 
 The single-process checks need no process group: the saved bytes of one MoE layer against the per-tensor
 expectation, and the layer's output against a per-token loop over the experts.
@@ -63,8 +65,18 @@ def pp2_ep4_padded():
     return _validate(_scenario(load_model("tiny-moe").model_copy(update={"capacity_factor": 4.0})))
 
 
+@pytest.fixture(scope="module")
+def pp2_ep4_dropping():
+    """Drop and pad at c 0.5: each expert keeps C = ceil(128 x 2 / 8 x 0.5) = 16 of the copies each rank routes to
+    it, half the balanced load, so at least half of every micro-batch's copies are dropped. Megatron-Core drops per
+    rank over the router's own tokens (``apply_router_token_dropping`` on the local batch); the single-process
+    reference runs the same micro-batches one by one (``worker._grad_check``), so it drops the same copies."""
+    return _validate(_scenario(load_model("tiny-moe").model_copy(update={"capacity_factor": 0.5})))
+
+
 RUNS = ["pp2_ep4", "tp2_ep4_zero3"]
-EXACT_RUNS = RUNS + ["pp2_ep4_padded"]
+PADDED_RUNS = {"pp2_ep4_padded": 4.0, "pp2_ep4_dropping": 0.5}
+EXACT_RUNS = RUNS + list(PADDED_RUNS)
 METRICS = {"weights_bytes", "grads_bytes", "optimizer_bytes", "expert_weights_bytes", "expert_grads_bytes",
            "expert_optimizer_bytes", "saved_activation_peak_bytes", "saved_activation_microbatch_bytes"}
 
@@ -120,13 +132,16 @@ def test_tokens_really_moved_between_ranks(run, request):
     assert "expert gradients (rank 0, 6 tensors) vs single process" in text and f"balanced {balanced}" in text
 
 
-def test_padded_routing_sends_every_rank_the_same_tokens(pp2_ep4_padded):
-    """Padded to capacity, every rank's experts receive exactly E x C = 8 x 128 copies per MoE layer and micro-batch,
-    whatever the router does (the dropless runs above differ rank by rank)."""
-    _, report = pp2_ep4_padded
+@pytest.mark.parametrize("run", PADDED_RUNS)
+def test_padded_routing_sends_every_rank_the_same_tokens(run, request):
+    """Padded to capacity, every rank's experts receive exactly E x C copies per MoE layer and micro-batch, whatever
+    the router does (the dropless runs above differ rank by rank): C = 128 at c 4 (every token, 8 x 128 copies where
+    the router asked for 128 x 2), C = 16 at c 0.5 (8 x 16 = 128 of the 256 copies asked for: half dropped)."""
+    _, report = request.getfixturevalue(run)
+    capacity = {4.0: 128, 0.5: 16}[PADDED_RUNS[run]]  # min(ceil(128 x 2 / 8 x c), 128), by hand
     acts = report["moe"]["activations"]
-    assert {a["routed_tokens_min"] for a in acts} == {a["routed_tokens_max"] for a in acts} == {8 * 128}
-    assert all(a["routed_tokens_balanced"] == 8 * 128 for a in acts)
+    assert {a["routed_tokens_min"] for a in acts} == {a["routed_tokens_max"] for a in acts} == {8 * capacity}
+    assert all(a["routed_tokens_balanced"] == 8 * capacity for a in acts)
 
 
 def test_a_wrong_expert_state_or_gradient_fails_the_verdict(pp2_ep4):
