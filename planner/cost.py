@@ -887,8 +887,10 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     overlap = a2a_overlap_active(model, training, plan)
     if overlap:
         # --overlap-moe-expert-parallel-comm: one micro-batch's forward runs merged with another's backward
-        # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute
-        exposed = overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw))
+        # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute; the warm-up
+        # forwards and cool-down backwards run alone, their communication exposed (a2a_paired_share)
+        paired = a2a_paired_share(training, plan)
+        exposed = paired * overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw)) + (1 - paired) * (comm_f + comm_b)
         comm_f = comm_b = exposed / 2
     to_act = 0.0
     if model.swiglu_limit is not None:  # the GPU work between the two host syncs (activation_sync_split)
@@ -898,6 +900,30 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         to_act = perm_s / 2 + sent + fc1_f + clamp_f
     return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad,
                     fwd_to_activation=to_act)
+
+
+def a2a_paired_share(training: TrainingSpec, plan: Plan) -> float:
+    """Share of a rank's (chunk) forwards and backwards that Megatron-Core runs merged with another micro-batch's
+    under ``--overlap-moe-expert-parallel-comm``, averaged over the pipeline ranks; the rest run alone, with their
+    all-to-alls exposed. Megatron-Core core_v0.16.1:
+
+    * no pipeline (``combined_1f1b.combined_1f1b_schedule_for_no_pipelining``): "The forward step for the first
+      microbatch is executed alone, no a2a overlapping", then ``m - 1`` merged steps, then the last backward alone:
+      ``(m - 1) / m``;
+    * interleaved (``schedules.get_pp_rank_microbatches``, then ``combined_1f1b_schedule_for_interleaved_pipelining``
+      for the steady steps only): rank ``r`` runs ``W = 2 (p - r - 1) + (v - 1) N + 1`` warm-up chunk forwards alone
+      (the ``+ 1``: "we schedule one extra micro-batch forward step before the 1f1b stages"), at most all ``m v``, and
+      as many cool-down backwards: ``1 - W / (m v)``, ``N`` the micro-batch group size (default ``p``).
+
+    (The overlap needs virtual stages when ``pp > 1``: ``a2a_overlap_problems``.)"""
+    m = max(1, training.global_batch_size // (plan.micro_batch_size * plan.dp))
+    if plan.pp == 1:
+        return (m - 1) / m
+    p, v = plan.pp, plan.vpp
+    n = plan.microbatch_group_size or p
+    total = m * v
+    alone = [min(total, 2 * (p - r - 1) + (v - 1) * n + 1) for r in range(p)]
+    return 1.0 - sum(alone) / (p * total)
 
 
 #: Launches the host issues between the alltoall dispatcher's host sync (``before_ep_alltoall``: it waits for the
