@@ -113,3 +113,22 @@ def test_a_deepspeed_config_passed_by_an_unannotated_script_needs_hardware(runne
     code, text = _check(runner, [tmp_path / "ds_config.json"])
     assert code == 2
     assert "train.sh: --hardware is required" in json.loads(text)[0]["errors"][0]
+
+
+def test_a_plan_file_judged_on_another_profile_is_held_to_that_profile(runner, tmp_path):
+    """`check PLAN --hardware X` applies the plan rules on X, as `estimate PLAN --hardware X` and check's launch files
+    do: an fp8 plan on an A100 (no fp8 peak) is invalid input (exit 2, the field named), where it used to be judged
+    on memory alone and pass."""
+    sc = Scenario(model=load_model("llama3-8b"), hardware=load_hardware("h100-sxm-80gb"),
+                  training=TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096, precision="fp8"),
+                  plan=Plan(tp=2, pp=2, dp=4, micro_batch_size=1, sequence_parallel=True, zero_stage=1))
+    plan = tmp_path / "fp8.plan.json"
+    plan.write_text(scenario_json(sc))
+    code, out = _check(runner, [plan], "--hardware", "h100-sxm-80gb")
+    assert code == 0, out
+    code, out = _check(runner, [plan], "--hardware", "a100-80gb")
+    assert code == 2, out
+    (row,) = json.loads(out)
+    assert any("precision: a100-80gb has no fp8 peak" in e for e in row["errors"]), row
+    res = runner.invoke(app, ["estimate", str(plan), "--hardware", "a100-80gb"])
+    assert res.exit_code == 2 and "precision: a100-80gb has no fp8 peak" in res.output
