@@ -391,6 +391,9 @@ class LayerTime:
     ep_fwd: float = 0.0  # MoE: token dispatch/combine all-to-all and expert-TP collectives
     ep_bwd: float = 0.0
     wgrad: float = 0.0  # the weight-gradient GEMMs inside bwd_compute (the zero-bubble schedules' W step)
+    # MoE all-to-all overlap: the more a micro-batch that runs alone exposes (MoEExtra.comm_alone; stage_terms applies
+    # it in a2a_alone_share's share)
+    ep_alone: float = 0.0
 
     @property
     def tp(self) -> float:
@@ -778,6 +781,9 @@ class MoEExtra:
     comm_fwd: float  # dispatch + combine all-to-all, expert-TP all-gather + reduce-scatter (exposed)
     comm_bwd: float
     wgrad: float = 0.0  # the weight-gradient GEMMs inside bwd_compute (experts, router)
+    # under the all-to-all overlap: what a micro-batch that runs alone (warm-up, cool-down; a2a_alone_share) exposes
+    # beyond comm_fwd + comm_bwd, the overlapped exposure; 0 without the overlap
+    comm_alone: float = 0.0
     # forward GPU seconds from the dispatcher's host sync to a clamped activation's (activation_sync_split): the
     # permutation, the dispatch, the sort by local expert, FC1 and the clamps; 0 without a clamped activation
     fwd_to_activation: float = 0.0
@@ -888,10 +894,13 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     if overlap:
         # --overlap-moe-expert-parallel-comm: one micro-batch's forward runs merged with another's backward
         # (Megatron-Core ``combined_1f1b``), so the layer's communication hides under that compute; the warm-up
-        # forwards and cool-down backwards run alone, their communication exposed (a2a_paired_share)
-        paired = a2a_paired_share(training, plan)
-        exposed = paired * overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw)) + (1 - paired) * (comm_f + comm_b)
+        # forwards and cool-down backwards run alone, their communication exposed: ``comm_alone`` more, in the share
+        # a2a_alone_share gives (applied per stage, stage_terms, where the micro-batch count is known)
+        exposed = overlapped_s(comm_f + comm_b, fwd + bwd, contention(hw))
+        alone = comm_f + comm_b - exposed
         comm_f = comm_b = exposed / 2
+    else:
+        alone = 0.0
     to_act = 0.0
     if model.swiglu_limit is not None:  # the GPU work between the two host syncs (activation_sync_split)
         clamp_f = max(copies * EXPERT_CLAMP_BYTES[0] * f / etp / rates.hbm_bytes_per_s,
@@ -899,31 +908,31 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         sent = 0.0 if overlap else dispatch + etp_s / 2
         to_act = perm_s / 2 + sent + fc1_f + clamp_f
     return MoEExtra(fwd_compute=fwd, bwd_compute=bwd, comm_fwd=comm_f, comm_bwd=comm_b, wgrad=wgrad,
-                    fwd_to_activation=to_act)
+                    comm_alone=alone, fwd_to_activation=to_act)
 
 
-def a2a_paired_share(training: TrainingSpec, plan: Plan) -> float:
-    """Share of a rank's (chunk) forwards and backwards that Megatron-Core runs merged with another micro-batch's
-    under ``--overlap-moe-expert-parallel-comm``, averaged over the pipeline ranks; the rest run alone, with their
-    all-to-alls exposed. Megatron-Core core_v0.16.1:
+def a2a_alone_share(m, pp: int, vpp: int, group: int | None = None):
+    """Share of a rank's (chunk) forwards and backwards that Megatron-Core runs alone under
+    ``--overlap-moe-expert-parallel-comm``, their all-to-alls exposed (``MoEExtra.comm_alone``), averaged over the
+    pipeline ranks; the others run merged with another micro-batch's. ``m``: micro-batches per step (a scalar or
+    an array, the search's options). Megatron-Core core_v0.16.1:
 
     * no pipeline (``combined_1f1b.combined_1f1b_schedule_for_no_pipelining``): "The forward step for the first
       microbatch is executed alone, no a2a overlapping", then ``m - 1`` merged steps, then the last backward alone:
-      ``(m - 1) / m``;
+      ``1 / m``;
     * interleaved (``schedules.get_pp_rank_microbatches``, then ``combined_1f1b_schedule_for_interleaved_pipelining``
       for the steady steps only): rank ``r`` runs ``W = 2 (p - r - 1) + (v - 1) N + 1`` warm-up chunk forwards alone
       (the ``+ 1``: "we schedule one extra micro-batch forward step before the 1f1b stages"), at most all ``m v``, and
-      as many cool-down backwards: ``1 - W / (m v)``, ``N`` the micro-batch group size (default ``p``).
+      as many cool-down backwards: ``W / (m v)``, ``N`` the micro-batch group size (``group``, default ``p``).
 
     (The overlap needs virtual stages when ``pp > 1``: ``a2a_overlap_problems``.)"""
-    m = max(1, training.global_batch_size // (plan.micro_batch_size * plan.dp))
-    if plan.pp == 1:
-        return (m - 1) / m
-    p, v = plan.pp, plan.vpp
-    n = plan.microbatch_group_size or p
-    total = m * v
-    alone = [min(total, 2 * (p - r - 1) + (v - 1) * n + 1) for r in range(p)]
-    return 1.0 - sum(alone) / (p * total)
+    m = np.maximum(np.asarray(m, dtype=float), 1.0)
+    if pp == 1:
+        return 1.0 / m
+    n = group or pp
+    total = m * vpp
+    alone = sum(np.minimum(total, 2 * (pp - r - 1) + (vpp - 1) * n + 1) for r in range(pp))
+    return alone / (pp * total)
 
 
 #: Launches the host issues between the alltoall dispatcher's host sync (``before_ep_alltoall``: it waits for the
@@ -1336,7 +1345,8 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
         L, n = model.num_layers, plan.cpu_offload_layers
         fwd, bwd = fwd + offload_exposed_s(copy_s, fwd, L, n) / L, bwd + offload_exposed_s(copy_s, bwd, L, n) / L
     return LayerTime(fwd_compute=fwd, bwd_compute=bwd, recompute=recompute, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
-                     cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd, wgrad=wgrad)
+                     cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd, wgrad=wgrad,
+                     ep_alone=x.comm_alone if x is not None else 0.0)
 
 
 def replicated_kv_gather_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, tokens: float,
@@ -1485,7 +1495,7 @@ def p2p_hop_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: 
 
 LAYER_KEYS = ("fwd", "bwd", "recompute", "tp", "tp_fwd", "tp_bwd", "cp", "cp_fwd", "cp_bwd", "wgrad")
 #: a MoE layer's terms: the same as a dense layer's (``moe_`` prefix) plus its EP communication
-MOE_KEYS = tuple(f"moe_{k}" for k in LAYER_KEYS) + ("moe_ep", "moe_ep_fwd", "moe_ep_bwd")
+MOE_KEYS = tuple(f"moe_{k}" for k in LAYER_KEYS) + ("moe_ep", "moe_ep_fwd", "moe_ep_bwd", "moe_ep_alone")
 FACTOR_KEYS = LAYER_KEYS + ("head_compute", "head_tp") + MOE_KEYS
 
 
@@ -1494,7 +1504,7 @@ def _layer_factors(lt: LayerTime, prefix: str = "") -> dict[str, float]:
            "tp_fwd": lt.tp_fwd, "tp_bwd": lt.tp_bwd, "cp": lt.cp, "cp_fwd": lt.cp_fwd, "cp_bwd": lt.cp_bwd,
            "wgrad": lt.wgrad}
     if prefix:
-        out |= {"ep": lt.ep, "ep_fwd": lt.ep_fwd, "ep_bwd": lt.ep_bwd}
+        out |= {"ep": lt.ep, "ep_fwd": lt.ep_fwd, "ep_bwd": lt.ep_bwd, "ep_alone": lt.ep_alone}
     return {prefix + k: v for k, v in out.items()}
 
 
@@ -1532,7 +1542,7 @@ def _with_mtp_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
 
 
 def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float, n_moe=None,
-                empty=0) -> dict:
+                empty=0, alone=0.0) -> dict:
     """Per-micro-batch terms of stage rows, vectorised: ``n`` and ``last`` are arrays over the rows
     [K]; every factor in ``f`` and ``hop`` is a scalar or an array over options [U]; results are [U, K].
 
@@ -1551,13 +1561,16 @@ def stage_terms(n, last, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: 
     ``empty`` ([K] or scalar): chunks of the row with no transformer layer (rank 0's embedding chunk,
     the last rank's loss chunk: ``specs.min_stage_layers``); they hide nothing, so their transfers are
     exposed whole and the ``n`` layers fill the ``vpp - empty`` others.
+    ``alone`` (a scalar or [U]): under the MoE all-to-all overlap, the share of the micro-batches that run alone
+    (:func:`a2a_alone_share`), each exposing ``moe_ep_alone`` more per MoE layer (half forward, half backward).
     """
     def col(x):
         return np.asarray(x, dtype=float)[..., None]
 
     n, last = np.asarray(n, dtype=float), np.asarray(last, dtype=float)
     if n_moe is not None:
-        return _moe_stage_terms(n, last, np.asarray(n_moe, dtype=float), f, hop, pp, vpp, overlap_p2p, c, empty)
+        return _moe_stage_terms(n, last, np.asarray(n_moe, dtype=float), f, hop, pp, vpp, overlap_p2p, c, empty,
+                                alone)
     fwd, bwd, hop_c = col(f["fwd"]), col(f["bwd"]), col(hop)
     pp_t = _p2p_exposed_s(n * fwd, n * bwd, n, hop_c, pp, vpp, overlap_p2p, c, empty)
     hc, ht = col(f["head_compute"]) * last, col(f["head_tp"]) * last
@@ -1585,7 +1598,7 @@ def _p2p_exposed_s(fwd_all, bwd_all, n, hop_c, pp: int, vpp: int, overlap_p2p: b
 
 
 def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2p: bool, c: float,
-                     empty=0) -> dict:
+                     empty=0, alone=0.0) -> dict:
     """:func:`stage_terms` for a stage of ``n - n_moe`` dense and ``n_moe`` MoE layers (same rules)."""
     def col(x):
         return np.asarray(x, dtype=float)[..., None]
@@ -1604,12 +1617,14 @@ def _moe_stage_terms(n, last, n_moe, f: dict, hop, pp: int, vpp: int, overlap_p2
     recompute = layers("recompute") + 0.0 * hc
     tp = layers("tp") + ht
     cp = layers("cp") + 0.0 * hc
-    ep = n_moe * col(f["moe_ep"]) + 0.0 * hc
+    half_alone = col(alone) * col(f["moe_ep_alone"]) / 2  # the micro-batches run alone under the a2a overlap
+    ep = n_moe * (col(f["moe_ep"]) + 2 * half_alone) + 0.0 * hc
     return {"compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp, "ep_comm": ep, "pp_comm": pp_t,
             "total": compute + recompute + tp + cp + ep + pp_t, "wgrad": layers("wgrad"),
-            "fwd": fwd_all + layers("tp_fwd") + layers("cp_fwd") + n_moe * col(f["moe_ep_fwd"]) + hc * share + pp_t / 2,
-            "bwd": bwd_all + layers("recompute") + layers("tp_bwd") + layers("cp_bwd") + n_moe * col(f["moe_ep_bwd"])
-            + hc * (1 - share) + ht + pp_t / 2}
+            "fwd": fwd_all + layers("tp_fwd") + layers("cp_fwd") + n_moe * (col(f["moe_ep_fwd"]) + half_alone)
+            + hc * share + pp_t / 2,
+            "bwd": bwd_all + layers("recompute") + layers("tp_bwd") + layers("cp_bwd")
+            + n_moe * (col(f["moe_ep_bwd"]) + half_alone) + hc * (1 - share) + ht + pp_t / 2}
 
 
 def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp: int, counts, before,
@@ -1892,8 +1907,10 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     n, last, _, _ = _rows_of_all_stages(plan, model.num_layers)
     n_moe = plan.stage_moe_layers(model) if model.is_moe else None
     empty = np.array(plan.empty_chunks(model.num_layers), dtype=float)
+    alone = a2a_alone_share(training.global_batch_size // (plan.micro_batch_size * plan.dp), plan.pp, plan.vpp,
+                            plan.microbatch_group_size)
     t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw),
-                    n_moe, empty)
+                    n_moe, empty, alone)
     ep = t.get("ep_comm")
     return tuple(StageTime(stage=r, compute=float(t["compute"][r]), recompute=float(t["recompute"][r]),
                            tp_comm=float(t["tp_comm"][r]), cp_comm=float(t["cp_comm"][r]),

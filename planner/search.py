@@ -45,7 +45,7 @@ import numpy as np
 
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options,
                                 offload_options, shapes, valid_micro_batch_sizes)
-from planner.cost import (FACTOR_KEYS, compose_step, contention, dp_sync_parts_s, grad_reduce_trail_s,
+from planner.cost import (FACTOR_KEYS, a2a_alone_share, compose_step, contention, dp_sync_parts_s, grad_reduce_trail_s,
                           grad_reduction_args, micro_factors, optimizer_s, overlap_grad_reduce_of, p2p_hop_s,
                           resolved_overlap, schedule_family, stage_moe_counts, stage_param_split, stage_terms,
                           zero3_gather_s, ZeroBubbleBatch)
@@ -500,9 +500,13 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         if r == firsts[k]:
             before[k] = seen
         seen[k] += 1
+    # the MoE all-to-all overlap's micro-batches that run alone (cost.a2a_alone_share), per micro option: the
+    # micro-batch count of Megatron's schedules (the overlap runs under no other, specs.a2a_overlap_problems)
+    m_u = np.asarray(m, dtype=float)
+    alone = a2a_alone_share(m_u[:, 0] if m_u.ndim == 2 else m_u, p, v, base.microbatch_group_size)
     t = stage_terms(np.array([layers[r] for r in firsts], dtype=float), np.array(firsts) == base.loss_stage, f, hop,
                     p, v, overlap_p2p, c, np.array([n_moe[r] for r in firsts], dtype=float),
-                    np.array([empty[r] for r in firsts], dtype=float))
+                    np.array([empty[r] for r in firsts], dtype=float), alone)
     terms = {k: val[:, None, :] for k, val in t.items()}
     dpg, dpp, z3, opt = [], [], [], []
     kinds = [stage_kind[r][:5] for r in firsts]  # what the DP terms read (not the empty chunks)

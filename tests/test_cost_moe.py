@@ -136,22 +136,33 @@ def test_a2a_overlap_hides_the_dispatch_under_compute():
     total = off.comm_fwd + off.comm_bwd
     assert total < off.fwd_compute + off.bwd_compute  # all of it fits under the compute here
     c = min(1.0, H100.nccl_channels / H100.sm_count)
-    # 64 sequences over dp 8, micro-batch 1: 8 micro-batches; without a pipeline Megatron runs the first forward and
-    # the last backward alone (one micro-batch's all-to-alls exposed), the other 7 merged (only contention exposed)
-    assert on.comm_fwd + on.comm_bwd == pytest.approx(7 / 8 * c * total + 1 / 8 * total)
+    assert on.comm_fwd + on.comm_bwd == pytest.approx(c * total)  # merged with another micro-batch's compute
+    assert on.comm_alone == pytest.approx((1 - c) * total)  # what a micro-batch run alone exposes beyond that
+    assert off.comm_alone == 0.0
 
 
-@pytest.mark.parametrize("pp, vpp, dp, gbs, group, share", [
-    (1, 1, 8, 64, None, 7 / 8),   # m 8: the first forward and the last backward alone
-    (1, 1, 8, 8, None, 0.0),      # m 1: nothing to merge with
-    # m 4, v 2, N 2: rank 0 runs 2 x 1 + 1 x 2 + 1 = 5 warm-up chunk forwards of 8 alone, rank 1 0 + 2 + 1 = 3
-    (2, 2, 4, 16, 2, 1 - (5 + 3) / 2 / 8),
-    # m 2, v 2 on 4 ranks: every rank's warm-up (11, 9, 7, 5) covers all 4 chunk forwards: none merged
-    (4, 2, 2, 4, None, 0.0),
+@pytest.mark.parametrize("pp, vpp, m, group, alone", [
+    (1, 1, 8, None, 1 / 8),  # the first forward and the last backward alone, the other 7 steps merged
+    (1, 1, 1, None, 1.0),    # nothing to merge with
+    # v 2, N 2: rank 0 runs 2 x 1 + 1 x 2 + 1 = 5 warm-up chunk forwards of 8 alone, rank 1 0 + 2 + 1 = 3
+    (2, 2, 4, 2, (5 + 3) / 2 / 8),
+    # 2 micro-batches, v 2 on 4 ranks: every rank's warm-up (11, 9, 7, 5) covers all 4 chunk forwards
+    (4, 2, 2, None, 1.0),
 ])
-def test_a2a_overlap_merges_only_the_steady_steps(pp, vpp, dp, gbs, group, share):
-    plan = Plan(tp=1, pp=pp, vpp=vpp, dp=dp, ep=2, micro_batch_size=1, microbatch_group_size=group)
-    assert cost.a2a_paired_share(_tr(num_gpus=pp * dp, global_batch_size=gbs), plan) == pytest.approx(share)
+def test_a2a_overlap_merges_only_the_steady_steps(pp, vpp, m, group, alone):
+    assert cost.a2a_alone_share(m, pp, vpp, group) == pytest.approx(alone)
+    assert cost.a2a_alone_share(np.array([m, m]), pp, vpp, group) == pytest.approx([alone, alone])
+
+
+def test_a2a_overlap_step_exposes_the_lone_micro_batches():
+    """The step of a pp-1 plan under the overlap: each MoE layer's exposed EP time per micro-batch is the merged
+    exposure plus 1/m of what a lone micro-batch exposes beyond it (m = 64 / 8 = 8), as the stage terms add it."""
+    tr = _tr(moe_a2a_overlap=True)
+    plan = Plan(tp=1, pp=1, dp=8, ep=8, micro_batch_size=1)
+    lt = cost.layer_time(MIXTRAL, H100, tr, plan, moe=True)
+    (st,) = cost.stage_times(MIXTRAL, H100, tr, plan)
+    assert lt.ep_alone > 0
+    assert st.ep_comm == pytest.approx(MIXTRAL.num_layers * (lt.ep + lt.ep_alone / 8))
 
 
 def test_mla_linear_shapes_carry_the_attention_weights():

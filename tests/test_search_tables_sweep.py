@@ -3,7 +3,9 @@ plan (step time to the nanosecond, the fullest stage's memory to the KiB), over 
 profiles' own branches. A seeded sample of 120 entries per job. A randomized sweep of this kind found two gaps (fixed
 2026-12-05): torchtitan's one-micro-batch steps (tests/test_search_single_microbatch.py) and the MoE all-to-all
 overlap with activation offloading (tests/test_a2a_overlap.py); and a third (fixed 2026-12-06): the tables took the
-first middle stage for the fullest, which a later one can outgrow (search._memory_rows; the last job below)."""
+first middle stage for the fullest, which a later one can outgrow (search._memory_rows; the job before the last
+below). The last job: the all-to-all overlap's exposure depends on the micro-batch count (cost.a2a_alone_share), which
+the per-(tp, cp) factors cannot hold; the stage terms apply it per shape."""
 
 import random
 
@@ -47,6 +49,8 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
     ("qwen3-30b-a3b+padded", "b200-180gb", dict(num_gpus=16, global_batch_size=32, seq_len=1024, framework="nemo",
                                                 precision="mxfp8", cuda_graph_modules=("attn", "moe")),
      Pins(ep=8), 2, 1),  # drop-and-pad routing with the whole MoE layer in one CUDA graph
+    ("mixtral-8x7b", "h100-sxm-80gb", dict(num_gpus=64, global_batch_size=128, seq_len=2048, moe_a2a_overlap=True),
+     Pins(), 2, 1),  # the all-to-all overlap's lone micro-batches, a share of each shape's micro-batch count (2026-12-06)
 ]
 
 
