@@ -50,7 +50,7 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
                                                 precision="mxfp8", cuda_graph_modules=("attn", "moe")),
      Pins(ep=8), 2, 1),  # drop-and-pad routing with the whole MoE layer in one CUDA graph
     ("mixtral-8x7b", "h100-sxm-80gb", dict(num_gpus=64, global_batch_size=128, seq_len=2048, moe_a2a_overlap=True),
-     Pins(), 2, 1),  # the all-to-all overlap's lone micro-batches, a share of each shape's micro-batch count (2026-12-06)
+     Pins(), 2, 1),  # the all-to-all overlap's lone micro-batches: a share of each shape's micro-batches
 ]
 
 
