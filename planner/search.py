@@ -134,8 +134,11 @@ def build_tables(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, spa
     per action program, over workers too where there are many (``PARALLEL_MIN_STEPS``, :func:`simulation_workers`;
     ``workers`` for both where given). Every shape and every program is computed by the same code either way, so
     the tables are the same (``tests/test_search_parallel.py``). ``memory_only``: the legality and stage memory
-    alone, every step time left INFEASIBLE (what :func:`any_plan_fits` needs: the same memory, sooner)."""
+    alone, every step time left INFEASIBLE (what :func:`any_plan_fits` needs: the same memory, sooner). ``hw`` is
+    taken with the NVLink domain the job fills (``HardwareSpec.for_job``, as ``cost.estimate_time`` takes it; the
+    same profile when the caller has done so)."""
     t0 = time.perf_counter()
+    hw = hw.for_job(training.num_gpus)
     shape_list = table_shapes(model, hw, training, space)
     micros = _micros(model, hw, training, space, {sh[2] for sh in shape_list})
     zeros = tuple(z for z in space.zero_stages if space.pins.ok(zero_stage=z))

@@ -51,6 +51,8 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
      Pins(ep=8), 2, 1),  # drop-and-pad routing with the whole MoE layer in one CUDA graph
     ("mixtral-8x7b", "h100-sxm-80gb", dict(num_gpus=64, global_batch_size=128, seq_len=2048, moe_a2a_overlap=True),
      Pins(), 2, 1),  # the all-to-all overlap's lone micro-batches: a share of each shape's micro-batches
+    ("qwen3-30b-a3b", "gb200-nvl72", dict(num_gpus=128, global_batch_size=128, seq_len=2048),
+     Pins(ep=8), 2, 1),  # 128 GPUs of 64-GPU rack segments: build_tables takes the job's NVLink domain as estimate does
 ]
 
 
