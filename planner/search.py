@@ -438,7 +438,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         # over the three stage kinds: per-micro-batch terms [U, 3], then [U, Z, 3] with the ZeRO terms
         if model.is_moe:  # every stage: dense-first layers make the middle stages differ
             step = _moe_step(model, hw, training, base, f, hop, m_step, zeros, gb, order, c, overlap_p2p, zb,
-                             sync_cache)
+                             sync_cache, microbatches=m)
         else:
             empty = np.array([empty_chunks(x, v, first=r == 0) for r, x in rows], dtype=float)
             t = stage_terms(n, last, f, hop, p, v, overlap_p2p, c, empty=empty)
@@ -466,9 +466,11 @@ def _set_times(time_ns: np.ndarray, si: int, ok: np.ndarray, step: np.ndarray) -
 
 
 def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, overlap_p2p,
-              bubble_of=None, sync_cache: dict | None = None) -> np.ndarray:
+              bubble_of=None, sync_cache: dict | None = None, *, microbatches) -> np.ndarray:
     """Step time [U, Z] of a MoE model's shape over all its stages, as cost.estimate_time composes it
-    (``m``: micro-batches per step, [U, 1] or [U, Z]; ``bubble_of``: compose_step's).
+    (``m``: micro-batches per step as compose_step takes them, [U, 1] or [U, Z], 0 where a zero-bubble schedule is
+    not simulated; ``microbatches``: the micro-batches per step of each micro option [U], for the all-to-all
+    overlap's lone micro-batches; ``bubble_of``: compose_step's).
 
     The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
     of a MoE model need not be alike and the three stage kinds of the dense path do not suffice. Each distinct
@@ -503,10 +505,8 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         if r == firsts[k]:
             before[k] = seen
         seen[k] += 1
-    # the MoE all-to-all overlap's micro-batches that run alone (cost.a2a_alone_share), per micro option: the
-    # micro-batch count of Megatron's schedules (the overlap runs under no other, specs.a2a_overlap_problems)
-    m_u = np.asarray(m, dtype=float)
-    alone = a2a_alone_share(m_u[:, 0] if m_u.ndim == 2 else m_u, p, v, base.microbatch_group_size)
+    # the MoE all-to-all overlap's micro-batches that run alone (cost.a2a_alone_share), per micro option
+    alone = a2a_alone_share(microbatches, p, v, base.microbatch_group_size)
     t = stage_terms(np.array([layers[r] for r in firsts], dtype=float), np.array(firsts) == base.loss_stage, f, hop,
                     p, v, overlap_p2p, c, np.array([n_moe[r] for r in firsts], dtype=float),
                     np.array([empty[r] for r in firsts], dtype=float), alone)
