@@ -65,7 +65,8 @@ from planner.frameworks import deepspeed as deepspeed_framework
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, partial_dp_spans, pp_hop_crosses_nodes
 from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             moe_routed_shares, moe_row_scale, router_dtype_bytes, stage_param_split)
-from planner.specs import FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size
+from planner.specs import (FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size,
+                           plan_microbatches)
 
 ACT_BYTES = 2
 FLASH_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward runs 5 GEMMs to the forward's 2 (Dao 2023)
@@ -1907,7 +1908,7 @@ def stage_times(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     n, last, _, _ = _rows_of_all_stages(plan, model.num_layers)
     n_moe = plan.stage_moe_layers(model) if model.is_moe else None
     empty = np.array(plan.empty_chunks(model.num_layers), dtype=float)
-    alone = a2a_alone_share(training.global_batch_size // (plan.micro_batch_size * plan.dp), plan.pp, plan.vpp,
+    alone = a2a_alone_share(plan_microbatches(training, plan), plan.pp, plan.vpp,
                             plan.microbatch_group_size)
     t = stage_terms(n, last, f, hop, plan.pp, plan.vpp, resolved_overlap(training).overlap_p2p_comm, contention(hw),
                     n_moe, empty, alone)
@@ -2211,7 +2212,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
                   order: str = DEFAULT_ORDER) -> TimeEstimate:
     """Step time and its breakdown (module docstring), composed by :func:`compose_step` over every stage."""
     hw = hw.for_job(training.num_gpus)  # the NVLink domain this job's ranks fill (HardwareSpec.job_nvlink_domain)
-    m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
+    m = plan_microbatches(training, plan)
     p, v = plan.pp, plan.vpp
     c = contention(hw)
     stages = stage_times(model, hw, training, plan, order)

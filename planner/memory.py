@@ -34,7 +34,7 @@ import numpy as np
 from planner import frameworks
 from planner.specs import (DEEPEP_NVL_RECV_TOKENS, FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario,
                            TrainingSpec, a2a_overlap_problems, distributed_checkpoint_problems, padded_vocab_size,
-                           stage_chunks, uneven_chunks)
+                           plan_microbatches, stage_chunks, uneven_chunks)
 
 WEIGHT_BYTES = 2  # bf16 weights (fp8 training keeps bf16 weights, Transformer Engine casts per GEMM)
 GRAD_BYTES = 4  # fp32 main_grad buffer, Megatron default for bf16 (arguments.py)
@@ -1778,7 +1778,7 @@ def stage_memory(model: ModelSpec, training: TrainingSpec, plan: Plan, num_micro
 
 def estimate_memory(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, plan: Plan) -> MemoryEstimate:
     """Memory of every pipeline stage against the usable memory of one GPU."""
-    m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
+    m = plan_microbatches(training, plan)
     stages = tuple(stage_memory(model, training, plan, m, r, n, hardware)
                    for r, n in enumerate(plan.stage_layers(model.num_layers)))
     if training.framework == "torchtitan":  # its logs show the caching allocator's reserved peak

@@ -66,7 +66,8 @@ from planner.schedules import schedule_problems
 from planner.errors import MAX_GPUS, SpecError
 from planner.specs import (HardwareSpec, ModelSpec, Plan, TrainingSpec, a2a_overlap_problems,
                            cuda_graph_problems, dist_optimizer_problems, distributed_checkpoint_problems,
-                           empty_chunks, job_problems, pipeline_switch_problems, uneven_chunks)
+                           empty_chunks, job_problems, microbatch_count, pipeline_switch_problems,
+                           uneven_chunks)
 
 NS = 1e9  # time unit of the tables: nanoseconds
 INFEASIBLE = 2**52
@@ -338,12 +339,12 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             hops[(tp, cp, crosses)] = np.array([
                 p2p_hop_s(model, hw, training, base.model_copy(update={"micro_batch_size": mbs, "sequence_parallel": sp}),
                           crosses, tp_group) for mbs, _, sp, _ in micros])
-        m = B // (mbs_u * dp)
+        m = microbatch_count(B, mbs_u, dp)
         if split.schedule is None:  # Megatron's interleaved rule (specs.plan_problems)
             sched_ok = (v == 1) | (m % p == 0)
         else:  # the framework's own rules for the schedule (schedules.schedule_problems)
             sched_ok = np.array([B % (b * dp) == 0 and not schedule_problems(split.schedule, training.framework, p, v,
-                                                                              B // (b * dp)) for b in mbs_u], dtype=bool)
+                                                                              microbatch_count(B, b, dp)) for b in mbs_u], dtype=bool)
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
         if pipeline_switch_problems(model, training, p):  # the job's switches need another pipeline depth
             continue

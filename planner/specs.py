@@ -1472,9 +1472,9 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors.append(f"plan: tp({t}) * pp({p}) * dp({d}) * cp({c}) = {plan.world_size} != num_gpus({training.num_gpus})")
     if B % (b * d):
         errors.append(f"global_batch_size: {B} is not divisible by micro_batch_size({b}) * dp({d}) = {b * d}")
-    elif plan.num_microbatches is not None and plan.num_microbatches != B // (b * d):
+    elif plan.num_microbatches is not None and plan.num_microbatches != microbatch_count(B, b, d):
         errors.append(f"num_microbatches: {plan.num_microbatches} != global_batch_size({B}) / "
-                      f"(micro_batch_size({b}) * dp({d})) = {B // (b * d)}")
+                      f"(micro_batch_size({b}) * dp({d})) = {microbatch_count(B, b, d)}")
     if a % t:
         errors.append(f"tp: num_attention_heads({a}) is not divisible by tp({t})")
     straddle = hardware.tp_straddles(t, training.num_gpus)
@@ -1501,7 +1501,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     if plan.pipeline_schedule is not None and B % (b * d) == 0:
         from planner.schedules import schedule_problems  # the framework's own rules (docs/schedules.md)
 
-        errors += schedule_problems(plan.pipeline_schedule, training.framework, p, v, B // (b * d),
+        errors += schedule_problems(plan.pipeline_schedule, training.framework, p, v, microbatch_count(B, b, d),
                                     plan.microbatch_group_size)
         if p == 1 and plan.pipeline_schedule != "1f1b":
             errors.append(f"pipeline_schedule: {plan.pipeline_schedule} needs pp > 1 (pp is 1)")
@@ -1509,9 +1509,9 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         from planner.schedules import framework_family, interleaved_problems, schedule_problems
 
         if framework_family(training.framework) == "torch":
-            errors += schedule_problems("interleaved", training.framework, p, v, B // (b * d))
+            errors += schedule_problems("interleaved", training.framework, p, v, microbatch_count(B, b, d))
         else:
-            errors += interleaved_problems(p, v, B // (b * d), plan.microbatch_group_size)
+            errors += interleaved_problems(p, v, microbatch_count(B, b, d), plan.microbatch_group_size)
     errors += distributed_checkpoint_problems(training, plan)
     errors += pipeline_switch_problems(model, training, plan.pp)
     errors += a2a_overlap_problems(model, training, plan)
@@ -1772,7 +1772,7 @@ class Scenario(_Spec):
     @property
     def num_microbatches(self) -> int:
         """m = B / (b * d) (formulas.md shared symbols)."""
-        return self.training.global_batch_size // (self.plan.micro_batch_size * self.plan.dp)
+        return plan_microbatches(self.training, self.plan)
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
@@ -1782,6 +1782,18 @@ class Scenario(_Spec):
         """The plan with ``num_microbatches`` and ``layers_per_stage`` filled in."""
         return self.plan.model_copy(update={"num_microbatches": self.num_microbatches,
                                             "layers_per_stage": self.stage_layers})
+
+
+def microbatch_count(global_batch_size, micro_batch_size, dp):
+    """m = B / (b * d): micro-batches each pipeline runs per step (formulas.md, shared symbols; Narayanan et al.
+    2021, section 2.2). Integers or numpy arrays alike; exact only where b * d divides B, which
+    :func:`plan_problems` requires of a plan."""
+    return global_batch_size // (micro_batch_size * dp)
+
+
+def plan_microbatches(training: TrainingSpec, plan: Plan) -> int:
+    """:func:`microbatch_count` of ``plan`` under ``training``'s global batch."""
+    return microbatch_count(training.global_batch_size, plan.micro_batch_size, plan.dp)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:

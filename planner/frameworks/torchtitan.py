@@ -296,6 +296,8 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     over the block's ``fsdp`` mesh (dp_shard x cp, the experts TP-split over tp) when ep = 1; the other
     parameters over ``fsdp``. So the shards are ``dense / (dp*cp) + experts / expert_dp``.
     """
+    from planner.specs import plan_microbatches
+
     P, Pl = stage_params, layer_params
     wb = FP32 if training.precision == "fp32" else BF16  # param_dtype of the MixedPrecisionPolicy
     if plan.zero_stage == 0:  # no FSDP: fp32 parameters and gradients, autocast's bf16 weight casts
@@ -307,7 +309,7 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     grad_cast = FP32 if wb != FP32 else 0  # the bf16 gradient is cast to reduce_dtype for the reduce-scatter
     weights, grads = FP32 * sharded, FP32 * sharded
     work_w = work_g = released = 0.0
-    m = training.global_batch_size // (plan.micro_batch_size * plan.dp)
+    m = plan_microbatches(training, plan)
     # zero_grad(set_to_none) freed them: the shards appear during backward only; under the whole-step CUDA graph
     # torchtitan zeroes them in place instead (trainer.py: set_to_none=disable_cuda_graphs), so they stay
     if m == 1 and plan.pp == 1 and not step_cuda_graph(training, plan):
