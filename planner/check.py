@@ -115,12 +115,10 @@ def check_file_branches(path: Path, hardware: HardwareSpec | None, headroom: flo
         if not path.is_file():
             raise SpecError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
         if is_plan_file(path):
-            sc = load_scenario(str(path))
-            if hardware is not None:  # --hardware judges the plan on another profile, by the same rules as the file's
-                # own (Scenario's validation: a precision or degree that profile cannot run is refused, as `estimate
-                # PLAN --hardware` and check's launch files refuse it)
-                sc = build(Scenario, {**sc.model_dump(mode="json"), "hardware": hardware.model_dump(mode="json")},
-                           str(path))
+            # --hardware judges the plan on that profile alone, by the same rules as the file's own (Scenario's
+            # validation: a precision or degree that profile cannot run is refused, as `estimate PLAN --hardware`
+            # and check's launch files refuse it; the file's own profile is not consulted)
+            sc = load_scenario(str(path), hardware)
             results = [CheckResult(path=path, line=1, scenario=sc)]
         else:  # built on ``hardware`` (or the profile the file names), with what the script itself sets
             results = _launch_file_results(path, hardware, gpus, vocab_size)

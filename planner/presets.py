@@ -160,14 +160,17 @@ def load_any(ref: str) -> ModelSpec | HardwareSpec:
     raise SpecError(f"NAME: '{ref}' is neither a preset nor a file; {hint}")
 
 
-def load_scenario(path_str: str) -> Scenario:
-    """A plan file: ``{model, hardware, training, plan}`` as `plan3d search --out` writes it."""
+def load_scenario(path_str: str, hardware: HardwareSpec | None = None) -> Scenario:
+    """A plan file: ``{model, hardware, training, plan}`` as `plan3d search --out` writes it; with ``hardware``, the
+    file's plan on that profile instead of its own, built and validated once, there."""
     path = Path(path_str)
     if not path.is_file():
         raise SpecError(f"PLAN: {missing_file(path_str)}")
     data = read_document(path)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with keys model, hardware, training, plan")
+    if hardware is not None:
+        data = {**data, "hardware": hardware.model_dump(mode="json")}
     return build(Scenario, data, str(path))
 
 

@@ -132,3 +132,23 @@ def test_a_plan_file_judged_on_another_profile_is_held_to_that_profile(runner, t
     assert any("precision: a100-80gb has no fp8 peak" in e for e in row["errors"]), row
     res = runner.invoke(app, ["estimate", str(plan), "--hardware", "a100-80gb"])
     assert res.exit_code == 2 and "precision: a100-80gb has no fp8 peak" in res.output
+
+
+def test_a_plan_file_is_built_once_on_the_profile_given(runner, tmp_path):
+    """With ``--hardware X`` the file's own profile is not consulted: a plan file whose own profile cannot run it (an
+    fp8 plan saved with an A100 profile) is judged on X alone and fits there, where it used to be refused for the
+    profile it was about to be judged without. Without ``--hardware`` the file's own profile refuses it (exit 2)."""
+    sc = Scenario(model=load_model("llama3-8b"), hardware=load_hardware("h100-sxm-80gb"),
+                  training=TrainingSpec(num_gpus=16, global_batch_size=32, seq_len=4096, precision="fp8"),
+                  plan=Plan(tp=2, pp=2, dp=4, micro_batch_size=1, sequence_parallel=True, zero_stage=1))
+    doc = json.loads(scenario_json(sc))
+    doc["hardware"] = load_hardware("a100-80gb").model_dump(mode="json")
+    plan = tmp_path / "fp8-on-a100.plan.json"
+    plan.write_text(json.dumps(doc))
+    code, out = _check(runner, [plan])
+    assert code == 2, out
+    assert any("precision: a100-80gb has no fp8 peak" in e for e in json.loads(out)[0]["errors"]), out
+    code, out = _check(runner, [plan], "--hardware", "h100-sxm-80gb")
+    assert code == 0, out
+    (row,) = json.loads(out)
+    assert row["memory"]["usable_gib"] == load_hardware("h100-sxm-80gb").usable_memory_gib
