@@ -116,13 +116,9 @@ def test_recipe_8b_h100_recomputes_5_layers_in_full():
 
 
 def _bridge_benchmark():
-    import importlib.util
+    from tests.bench_modules import load_benchmark
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks/megatron_bridge.py"
-    spec = importlib.util.spec_from_file_location("megatron_bridge_benchmark", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("megatron_bridge")
 
 
 def test_a2a_overlap_only_where_megatron_runs_it():

@@ -14,20 +14,14 @@ multi-token-prediction head at what its loss saved, ``planner.memory.mtp_bytes``
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from planner.memory import gemm_workspace_bytes
 from planner.presets import load_hardware
 from planner.specs import TrainingSpec
+from tests.bench_modules import load_benchmark
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("megatron_functional_bench",
-                                               ROOT / "benchmarks" / "megatron_functional_memory.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_benchmark("megatron_functional_memory")
 
 #: Largest relative error allowed either way. Every case but the known gaps is within 4.6 %
 #: (benchmarks/megatron_functional_memory.py, 55 cases);

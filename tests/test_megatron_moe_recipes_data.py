@@ -5,7 +5,6 @@ a refusal would drop a row silently from the figure)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -18,10 +17,9 @@ RUNS = DATA["runs"]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("megatron_moe_recipes", ROOT / "benchmarks/megatron_moe_recipes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from tests.bench_modules import load_benchmark
+
+    return load_benchmark("megatron_moe_recipes")
 
 
 @pytest.mark.parametrize("r", RUNS, ids=[r["name"] for r in RUNS])

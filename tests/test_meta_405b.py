@@ -4,7 +4,6 @@ and what Megatron-Core's interleaved schedule keeps in flight on them, counted b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,12 +13,11 @@ from planner.memory import GIB, saved_bytes_per_layer_kind, stage_saved_bytes
 from planner.presets import load_hardware, load_model
 from planner.schedules import measured_peak, rank_actions
 from planner.specs import Scenario, TrainingSpec
+from tests.bench_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = json.loads((ROOT / "benchmarks/data/llama3_405b_meta.json").read_text())
-_spec = importlib.util.spec_from_file_location("meta_405b_bench", ROOT / "benchmarks" / "meta_405b.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_benchmark("meta_405b")
 
 
 def _sc(run: dict, group: int | None = None) -> Scenario:

@@ -3,19 +3,17 @@ its TFLOP/s per GPU into a step time, checked against a page that publishes both
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from planner.presets import load_model
+from tests.bench_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = json.loads((ROOT / "benchmarks/data/nemo_long_sequence_h100.json").read_text())
-_spec = importlib.util.spec_from_file_location("nemo_long_sequence_bench", ROOT / "benchmarks" / "nemo_long_sequence.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_benchmark("nemo_long_sequence")
 
 
 def test_nemo_flops_reproduce_the_24_12_performance_summary():

@@ -1,7 +1,6 @@
 """Prediction ranges (planner/uncertainty.py): the calibration ranges (dense and MoE) are recomputed from their
 runs, so they cannot go stale; the sources range and the lead test follow their stated rules."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,20 +9,13 @@ from pathlib import Path
 import pytest
 
 from planner import uncertainty as U
+from tests.bench_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _calibration_module():
-    return _bench_module("calibration")
+    return load_benchmark("calibration")
 
 
 def test_calibration_ratio_matches_the_calibration_runs():
@@ -40,7 +32,7 @@ def test_calibration_ratio_matches_the_calibration_runs():
 def test_moe_calibration_ratio_matches_the_megatron_bridge_moe_runs():
     """MOE_CALIBRATION_RATIO is the 10th/90th percentile of measured/predicted over the scored MoE runs of NVIDIA's
     Megatron-Bridge performance summary (benchmarks/data/megatron_bridge_perf.json, each run with its source)."""
-    bench = _bench_module("megatron_bridge")
+    bench = load_benchmark("megatron_bridge")
     results = bench.scored_results()
     assert sum(o["scored"] and o["family"] == "MoE" for o in results) >= 60
     lo, hi = bench.moe_ratio_deciles(results)
