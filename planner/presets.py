@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -126,20 +127,63 @@ def _resolve(ref: str, kind: str, option: str) -> Path:
     raise SpecError(f"{option}: unknown preset '{ref}'; {hint} (or give a path to a .yaml/.json file)")
 
 
+#: The figures `plan3d show --json` adds to a spec's own fields (:func:`derived_fields`), each with what it is
+#: computed from: a file written from that output loads back, and one whose derived figure was edited is refused,
+#: naming the field to edit instead (a derived figure is never an input)
+DERIVED_FROM: dict[type, dict[str, str]] = {
+    ModelSpec: {"num_params": "the shape fields (num_layers, hidden_size, ffn_hidden_size, vocab_size, ...)",
+                "num_active_params": "the shape and expert fields (num_experts, top_k, moe_ffn_hidden_size, ...)",
+                "layer_params": "the shape fields (hidden_size, ffn_hidden_size, num_kv_heads, ...)",
+                "kv_heads": "num_kv_heads", "ffn_size": "ffn_hidden_size"},
+    HardwareSpec: {"usable_memory_gib": "gpu_memory_gib, fragmentation_headroom, cuda_context_gib or "
+                                        "nccl_buffers_gib"},
+}
+
+
+def derived_fields(spec: ModelSpec | HardwareSpec) -> dict:
+    """What `plan3d show` prints beside a spec's fields: parameter counts, the resolved GQA heads, MLP width and
+    head width of a model (``head_dim`` is also a field: its resolved value), the usable memory of a GPU."""
+    if isinstance(spec, ModelSpec):
+        return {"num_params": spec.num_params, "num_active_params": spec.num_active_params,
+                "layer_params": spec.layer_params(), "kv_heads": spec.kv_heads, "ffn_size": spec.ffn_size,
+                "head_dim": spec.kv_channels}
+    return {"usable_memory_gib": spec.usable_memory_gib}
+
+
+def build_spec(cls: type[T], data: Any, source: str) -> T:
+    """:func:`build` for a model or hardware file, which may also carry the derived figures `plan3d show --json`
+    writes (:data:`DERIVED_FROM`); each must agree with the spec the fields make, or the file is refused, one line
+    per figure, naming what to edit."""
+    derived = DERIVED_FROM[cls]
+    given = {k: data[k] for k in derived if k in data} if isinstance(data, dict) else {}
+    spec = build(cls, {k: v for k, v in data.items() if k not in given} if given else data, source)
+    actual = derived_fields(spec)
+    bad = [f"{source}: {k}: {v!r} is derived, not read: the other fields give {actual[k]!r}; edit {derived[k]} "
+           f"instead, or remove {k}" for k, v in given.items()
+           if not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isclose(v, actual[k], rel_tol=1e-9, abs_tol=1e-12))]
+    if bad:
+        raise SpecError(bad)
+    return spec
+
+
 def load_model(ref: str) -> ModelSpec:
-    """A model from a preset name, our YAML/JSON schema, or a Hugging Face ``config.json``."""
+    """A model from a preset name, our YAML/JSON schema (with or without the derived figures of `plan3d show
+    --json`), or a Hugging Face ``config.json``."""
     path = _resolve(ref, MODEL_DIRNAME, "--model")
     data = read_document(path)
     if isinstance(data, dict) and is_hf_config(data):
         name = path.parent.name if path.stem == "config" else path.stem.removesuffix(".config")
         data = hf_to_model(data, default_name=name or "model", source=str(path))
-    return build(ModelSpec, data, str(path))
+        return build(ModelSpec, data, str(path))
+    return build_spec(ModelSpec, data, str(path))
 
 
 def load_hardware(ref: str) -> HardwareSpec:
-    """A hardware profile from a preset name or a YAML/JSON file."""
+    """A hardware profile from a preset name or a YAML/JSON file (with or without `plan3d show --json`'s derived
+    usable memory)."""
     path = _resolve(ref, HARDWARE_DIRNAME, "--hardware")
-    return build(HardwareSpec, read_document(path), str(path))
+    return build_spec(HardwareSpec, read_document(path), str(path))
 
 
 def load_any(ref: str) -> ModelSpec | HardwareSpec:
@@ -152,7 +196,7 @@ def load_any(ref: str) -> ModelSpec | HardwareSpec:
     if path.is_file():
         data = read_document(path)
         if isinstance(data, dict) and ("gpu_memory_gib" in data or "peak_bf16_tflops" in data):
-            return build(HardwareSpec, data, str(path))
+            return build_spec(HardwareSpec, data, str(path))
         return load_model(ref)
     names = preset_names(MODEL_DIRNAME) + preset_names(HARDWARE_DIRNAME)
     close = difflib.get_close_matches(ref, names, n=4, cutoff=0.5)

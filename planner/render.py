@@ -73,14 +73,10 @@ def hardware_table(specs: list[HardwareSpec], narrow: bool = False) -> Table:
 
 
 def spec_dict(spec: ModelSpec | HardwareSpec) -> dict:
-    data = spec.model_dump()
-    if isinstance(spec, ModelSpec):
-        data |= {"num_params": spec.num_params, "num_active_params": spec.num_active_params,
-                 "layer_params": spec.layer_params(),
-                 "kv_heads": spec.kv_heads, "ffn_size": spec.ffn_size, "head_dim": spec.kv_channels}
-    else:
-        data |= {"usable_memory_gib": spec.usable_memory_gib}
-    return data
+    """The spec's fields and its derived figures (`plan3d show --json`; a file of it loads back: presets.build_spec)."""
+    from planner.presets import derived_fields
+
+    return spec.model_dump() | derived_fields(spec)
 
 
 def spec_table(spec: ModelSpec | HardwareSpec) -> Table:

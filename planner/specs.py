@@ -1349,7 +1349,16 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                       f"transformer_engine --cuda-graph-scope); {training.framework} has none (torchtitan's whole-step "
                       f"graph is step_cuda_graph); drop --cuda-graph-modules or use framework megatron or nemo")
     if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
-        errors.append(f"seq_len: {training.seq_len} > max_seq_len({model.max_seq_len}) of {model.name}")
+        # Megatron's validate_args asserts --max-position-embeddings >= --seq-length whatever the position type, and
+        # torchtitan's decoder config refuses a training seq_len above its RoPE max_seq_len: a longer context is
+        # another model file. A learned table grows with it (more parameters); RoPE and ALiBi hold nothing sized by it
+        fix = ("its learned position table has that many rows, so a longer context is a model file with a larger "
+               "max_seq_len (more parameters)" if model.position_embedding == "learned" else
+               f"for longer-context training give a model file with max_seq_len >= {training.seq_len} (`plan3d show "
+               f"MODEL --json > FILE` writes one to edit; {model.position_embedding} positions have no parameters, "
+               "so nothing else changes: Megatron's --max-position-embeddings)")
+        errors.append(f"seq_len: {training.seq_len} > max_seq_len({model.max_seq_len}) of {model.name}; {fix}, or "
+                      f"a --seq-len of at most {model.max_seq_len}")
     if training.precision != "bf16":
         try:
             hardware.peak_flops(training.precision)

@@ -248,3 +248,58 @@ def test_estimate_uneven_layers_per_stage(runner):
     _bad(runner, [*job, "--layers-per-stage", "6,9,x"], "--layers-per-stage")
     _bad(runner, [*job, "--layers-per-stage", "8,8,8"], "layers_per_stage", "pp(4)")
     _bad(runner, [*job, "--layers-per-stage", "8,8,8,9"], "layers_per_stage", "num_layers(32)")
+
+
+def test_show_json_loads_back_as_a_spec(runner, tmp_path):
+    """`plan3d show NAME --json > FILE` writes a file that loads back (the derived figures it adds are checked, not
+    refused as unknown keys), so a preset can be copied and edited: here to a longer context."""
+    from planner.presets import load_hardware, load_model
+
+    for name, load in (("llama3-8b", load_model), ("deepseek-v3", load_model), ("h100-sxm-80gb", load_hardware)):
+        res = runner.invoke(app, ["show", name, "--json"])
+        assert res.exit_code == 0, res.output
+        path = tmp_path / f"{name}.json"
+        path.write_text(res.output)
+        back, preset = load(str(path)), load(name)
+        if hasattr(preset, "kv_channels"):  # show writes head_dim resolved (hidden / heads where the preset has none)
+            assert back.kv_channels == preset.kv_channels and back.model_copy(update={"head_dim": None}) == \
+                preset.model_copy(update={"head_dim": None}), name
+        else:
+            assert back == preset, name
+    doc = json.loads((tmp_path / "llama3-8b.json").read_text()) | {"max_seq_len": 65536}
+    longer = tmp_path / "llama3-8b-64k.json"
+    longer.write_text(json.dumps(doc))
+    assert load_model(str(longer)).max_seq_len == 65536
+    res = runner.invoke(app, ["estimate", "--model", str(longer), "--hardware", "h100-sxm-80gb", "--gpus", "8",
+                              "--global-batch", "8", "--seq-len", "65536", "--tp", "8", "--pp", "1"])
+    assert res.exit_code in (0, 1), res.output  # judged (fits or not), not refused
+
+
+@pytest.mark.parametrize("key, value, edit", [("kv_heads", 4, "num_kv_heads"), ("ffn_size", 1024, "ffn_hidden_size"),
+                                              ("num_params", 7_000_000_000, "the shape fields")])
+def test_an_edited_derived_figure_is_refused_naming_the_field(runner, tmp_path, key, value, edit):
+    doc = json.loads(runner.invoke(app, ["show", "llama3-8b", "--json"]).output) | {key: value}
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc))
+    out = _bad(runner, ["show", str(path)], f"{key}: {value} is derived", f"edit {edit}")
+    assert len([line for line in out.splitlines() if line.startswith("error:")]) == 1, out
+
+
+def test_an_edited_usable_memory_is_refused_naming_its_inputs(runner, tmp_path):
+    doc = json.loads(runner.invoke(app, ["show", "h100-sxm-80gb", "--json"]).output) | {"usable_memory_gib": 80}
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(doc))
+    _bad(runner, ["estimate", *JOB[:2], "--hardware", str(path), *JOB[4:], "--tp", "1", "--pp", "1"],
+         "usable_memory_gib: 80 is derived", "edit gpu_memory_gib")
+
+
+def test_a_sequence_past_the_models_context_names_the_fix(runner):
+    """Megatron asserts --max-position-embeddings >= --seq-length and torchtitan refuses a seq_len above its RoPE
+    max_seq_len, so plan3d refuses too, but says how to plan a longer context."""
+    out = _bad(runner, ["estimate", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "8",
+                        "--global-batch", "8", "--seq-len", "65536", "--tp", "8", "--pp", "1"],
+               "seq_len: 65536 > max_seq_len(8192) of llama3-8b", "max_seq_len >= 65536", "plan3d show MODEL --json")
+    assert "no parameters" in out
+    out = _bad(runner, ["estimate", "--model", "gpt3-175b", "--hardware", "h100-sxm-80gb", "--gpus", "64",
+                        "--global-batch", "64", "--seq-len", "4096", "--tp", "8", "--pp", "8"],
+               "seq_len: 4096 > max_seq_len(2048) of gpt3-175b", "learned position table")
