@@ -282,3 +282,36 @@ def test_sequence_parallel_pinned_with_tp_1_runs_as_megatron_runs_it(runner):
     plans = [d["plan"], *(a["plan"] for a in d["alternatives"])]
     assert any(p["tp"] > 1 for p in plans)
     assert all(p["sequence_parallel"] is (p["tp"] > 1) for p in plans)
+
+
+def test_precision_fp16_is_a_bf16_costed_job_in_fp16(runner, tmp_path):
+    """``--precision fp16`` (the A100-era format: Megatron --fp16, DeepSpeed fp16.enabled) is the job's 16-bit
+    format, costed as bf16 (TrainingSpec.fp16): the plan file records it, the Megatron file says --fp16, the
+    DeepSpeed config enables fp16, and torchtitan, which has no fp16 parameter dtype, refuses it up front; a later
+    ``--precision bf16`` over that plan file is bf16 again."""
+    from planner.cli.inputs import scenario_from_options
+
+    job = ["--model", "llama3-8b", "--hardware", "a100-80gb", "--global-batch", "64", "--seq-len", "4096",
+           "--gpus", "16"]
+    plan = tmp_path / "fp16.plan.json"
+    res = runner.invoke(app, ["search", *job, "--precision", "fp16", "--out", str(plan), "--quiet"])
+    assert res.exit_code == 0, res.output
+    training = json.loads(plan.read_text())["training"]
+    assert (training["precision"], training["fp16"]) == ("bf16", True)
+    bf16 = _json(runner, [*job, "--precision", "bf16"])
+    fp16 = _json(runner, [*job, "--precision", "fp16"])
+    assert fp16["time"]["step_time_s"] == bf16["time"]["step_time_s"] and fp16["plan"] == bf16["plan"]
+    out = tmp_path / "launch"
+    res = runner.invoke(app, ["emit", str(plan), "--format", "megatron,deepspeed", "--out-dir", str(out)])
+    assert res.exit_code == 0, res.output
+    args = next(out.glob("*.megatron.args")).read_text().split()
+    assert "--fp16" in args and "--bf16" not in args
+    ds = json.loads(next(out.glob("*.deepspeed.json")).read_text())
+    assert ds["fp16"]["enabled"] is True and ds["bf16"]["enabled"] is False
+    res = runner.invoke(app, ["search", *job, "--precision", "fp16", "--emit", "torchtitan"])
+    assert res.exit_code == 2 and "torchtitan 0.3.0 trains in bfloat16 or float32" in res.output, res.output
+    res = runner.invoke(app, ["search", *job, "--precision", "fp16", "--framework", "torchtitan"])
+    assert res.exit_code == 2 and "fp16: torchtitan 0.3.0 trains in bfloat16 or float32" in res.output, res.output
+    again = scenario_from_options(str(plan), model=None, hardware=None, gpus=None, global_batch=None, seq_len=None,
+                                  precision="bf16")
+    assert again.training.fp16 is False

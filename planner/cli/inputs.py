@@ -26,6 +26,17 @@ def given(**options) -> dict:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def precision_fields(precision: Optional[str]) -> dict:
+    """The TrainingSpec fields ``--precision`` sets: fp16 is the 16-bit format of a bf16-costed job
+    (``TrainingSpec.fp16``: 2 bytes a value either way; Megatron ``--fp16``, DeepSpeed ``fp16.enabled``), the others
+    are ``TrainingSpec.precision`` itself, with bf16 as the 16-bit format (also over a plan file's fp16)."""
+    if precision is None:
+        return {}
+    if precision == "fp16":
+        return {"precision": "bf16", "fp16": True}
+    return {"precision": precision, "fp16": False}
+
+
 def parse_layers_per_stage(text: Optional[str]) -> Optional[tuple[int, ...]]:
     """``"18,22,22,18"`` -> ``(18, 22, 22, 18)``; a one-line error naming the option otherwise."""
     if text is None:
@@ -82,7 +93,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
         data["hardware"] = presets.load_hardware(required(hardware, "--hardware")).model_dump()
     training = dict(data.get("training") or {})
     job = given(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len)
-    training |= job | given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
+    training |= job | precision_fields(precision) | given(attention=attention, overlap_grad_reduce=overlap_grad_reduce,
                             framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
     training |= given(**(job_extra or {}))  # MoE and state options (moe_options, state_options)
     if isinstance(data.get("model"), dict):  # the MoE options against the model, before any plan rule
@@ -191,7 +202,7 @@ def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, se
     from planner.specs import TrainingSpec, job_problems
 
     training = {"num_gpus": gpus, "global_batch_size": global_batch, "seq_len": seq_len}
-    training |= given(precision=precision, attention=attention, overlap_grad_reduce=overlap_grad_reduce,
+    training |= precision_fields(precision) | given(attention=attention, overlap_grad_reduce=overlap_grad_reduce,
                       framework=framework, tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm)
     training |= given(**(job_extra or {}))
     spec_model, spec_hw = presets.load_model(model), presets.load_hardware(hardware)
