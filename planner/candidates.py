@@ -352,8 +352,13 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
     product = 1
     for v in fixed.values():
         product *= v
-    if g % product:
-        return [f"plan: {' * '.join(f'{k}({v})' for k, v in fixed.items())} = {product} does not divide num_gpus({g})"]
+    if g % product:  # and what no GPU count rescues: a pinned tp against the heads, a pinned cp against the sequence
+        probe = Plan.model_construct(tp=pins.tp or 1, pp=pins.pp or 1, dp=1, cp=pins.cp or 1, micro_batch_size=1,
+                                     recompute="none", zero_stage=0)
+        model_rules = [line for line in plan_problems(model, hardware, training, probe)
+                       if line.split(":", 1)[0] in {k for k in ("tp", "cp") if getattr(pins, k) is not None}]
+        return [f"plan: {' * '.join(f'{k}({v})' for k, v in fixed.items())} = {product} does not divide num_gpus({g})",
+                *model_rules]
     free = divisors(g)
     options = [(pins.tp,) if pins.tp else free, (pins.pp,) if pins.pp else free, (pins.cp,) if pins.cp else free]
     dps = sorted({g // (t * p * c) for t in options[0] for p in options[1] for c in options[2] if g % (t * p * c) == 0

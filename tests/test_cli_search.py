@@ -236,6 +236,9 @@ def test_no_legal_plan_without_pins_does_not_blame_pins(runner, monkeypatch):
      "global_batch_size: 1538 is not divisible by micro_batch_size(4) * dp for any dp these pins leave "
      "(12, 6, 4, 3, 2, 1)"),
     (["--tp", "2", "--pp", "5"], "96", "1536", "plan: tp(2) * pp(5) = 10 does not divide num_gpus(96)"),
+    # a tp that divides neither the GPUs nor the heads: both said, the heads being what no GPU count rescues
+    (["--tp", "3"], "8", "8", "plan: tp(3) = 3 does not divide num_gpus(8); tp: num_attention_heads(32) is not "
+     "divisible by tp(3)"),
     (["--pp", "64"], "64", "64", "pp: pp(64) is more than num_layers(32); every stage holds a layer"),
     (["--pp", "1", "--vpp", "2"], "16", "16", "vpp: vpp(2) > 1 needs pp > 1 (pp is 1)"),
     (["--pp", "8", "--vpp", "8"], "64", "64", "vpp: pp(8) * vpp(8) = 64 model chunks for num_layers(32); every chunk "
