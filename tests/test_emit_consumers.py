@@ -537,8 +537,8 @@ TORCHTITAN_PLANS = {
     # the gradient dtype: --grad-reduce-in-bf16 under --bf16; under --fp16 Megatron keeps fp16 gradients unless
     # --accumulate-allreduce-grads-in-fp32 (core_v0.16.1 arguments.py validate_args)
     "bf16-grads": (L70 | {"grad_reduce_in_bf16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
-    "fp16-fp32-grads": (L70 | {"fp16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
-    "fp16-16bit-grads": (L70 | {"fp16": True, "grad_reduce_in_bf16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)),
+    # (no fp16 case: torchtitan 0.3.0 has no fp16 parameter dtype, and the emitter refuses such a plan,
+    # test_torchtitan_refuses_fp16)
     # torchtitan's own first/last_stage_less_layers 1: 32 layers + E + L = 34 stages of one slot, stage 0
     # only the embedding, stage 33 only norm + output (llama3_405b needs torchao's float8 to load here)
     "8b-vpp17-embedding-loss-chunks": (L8, dict(tp=8, pp=2, dp=1, vpp=17, layers_per_stage=(16, 16))),
@@ -604,6 +604,20 @@ def test_torchtitan_accepts_emitted_launch(torchtitan, tmp_path, case):
         assert per_rank == list(p.layers_per_stage), per_stage
         chunks = chunk_split(p.layers_per_stage, p.vpp)
         assert per_stage == [chunks[s % p.pp][s // p.pp] for s in range(num_stages)]
+
+
+def test_torchtitan_refuses_fp16(torchtitan):
+    """torchtitan 0.3.0's ``training.mixed_precision_param`` is ``Literal["bfloat16", "float32"]``: an fp16 plan
+    cannot be launched there, and the emitter says so instead of writing a bf16 run (it used to)."""
+    import typing
+
+    from torchtitan.config.configs import TrainingConfig
+
+    allowed = typing.get_args(typing.get_type_hints(TrainingConfig)["mixed_precision_param"])
+    assert "float16" not in allowed and "bfloat16" in allowed
+    job, plan = L70 | {"fp16": True}, dict(tp=8, pp=4, dp=2, zero_stage=1)
+    with pytest.raises(SpecError, match="torchtitan 0.3.0 trains in bfloat16 or float32"):
+        render_all(scenario(**job, **plan), ["torchtitan"])
 
 
 def test_torchtitan_split_mirror_matches_torchtitan(torchtitan):
