@@ -87,7 +87,8 @@ def spec_table(spec: ModelSpec | HardwareSpec) -> Table:
     data = spec_dict(spec)
     derived = set(data) - set(spec.model_dump())
     for key, value in data.items():
-        shown = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+        shown = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else \
+            f"{value:.6g}" if isinstance(value, float) else str(value)  # 73.62, not 73.61999999999999
         t.add_row(f"[bold]{key}[/bold] (derived)" if key in derived else key, shown)
     return t
 
