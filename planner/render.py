@@ -295,7 +295,8 @@ def print_sweep_quiet(rows: list[dict]) -> None:
     for r in rows:
         sys.stdout.write(f"{r['gpus']} GPUs: {_quiet_line(r['estimate']) if r['estimate'] else 'no plan fits'}\n")
     smallest = sweep_dict(rows)["smallest_fitting_gpus"]
-    sys.stdout.write(f"Smallest GPU count in the sweep that fits: {smallest}\n" if smallest else "No GPU count in the sweep fits\n")
+    sys.stdout.write(f"Smallest GPU count in the sweep that fits: {smallest}\n" if smallest
+                     else "No GPU count in the sweep fits\n")
 
 
 def sweep_dict(rows: list[dict]) -> dict:
@@ -318,7 +319,8 @@ def print_sweep(con, rows: list[dict]) -> None:
                       f"{100 * est.time.mfu:.1f}%", f"{est.memory.peak_gib:.1f}")
     con.print(t)
     smallest = sweep_dict(rows)["smallest_fitting_gpus"]
-    con.print(f"Smallest GPU count in the sweep that fits: {smallest}" if smallest else "[red]No GPU count in the sweep fits[/red]")
+    con.print(f"Smallest GPU count in the sweep that fits: {smallest}" if smallest
+              else "[red]No GPU count in the sweep fits[/red]")
 
 
 def stage_where(plan, stage: int) -> str:

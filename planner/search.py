@@ -344,7 +344,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             sched_ok = (v == 1) | (m % p == 0)
         else:  # the framework's own rules for the schedule (schedules.schedule_problems)
             sched_ok = np.array([B % (b * dp) == 0 and not schedule_problems(split.schedule, training.framework, p, v,
-                                                                              microbatch_count(B, b, dp)) for b in mbs_u], dtype=bool)
+                                                                              microbatch_count(B, b, dp))
+                                 for b in mbs_u], dtype=bool)
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
         if pipeline_switch_problems(model, training, p):  # the job's switches need another pipeline depth
             continue

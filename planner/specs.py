@@ -1478,15 +1478,16 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     t, p, d, c, v = plan.tp, plan.pp, plan.dp, plan.cp, plan.vpp
     L, a, g = model.num_layers, model.num_attention_heads, model.kv_heads
     B, b, s = training.global_batch_size, plan.micro_batch_size, training.seq_len
+    m = microbatch_count(B, b, d)  # read only where b * d divides B
     hardware = hardware.for_job(training.num_gpus)
     errors = []
     if plan.world_size != training.num_gpus:
         errors.append(f"plan: tp({t}) * pp({p}) * dp({d}) * cp({c}) = {plan.world_size} != num_gpus({training.num_gpus})")
     if B % (b * d):
         errors.append(f"global_batch_size: {B} is not divisible by micro_batch_size({b}) * dp({d}) = {b * d}")
-    elif plan.num_microbatches is not None and plan.num_microbatches != microbatch_count(B, b, d):
+    elif plan.num_microbatches is not None and plan.num_microbatches != m:
         errors.append(f"num_microbatches: {plan.num_microbatches} != global_batch_size({B}) / "
-                      f"(micro_batch_size({b}) * dp({d})) = {microbatch_count(B, b, d)}")
+                      f"(micro_batch_size({b}) * dp({d})) = {m}")
     if a % t:
         errors.append(f"tp: num_attention_heads({a}) is not divisible by tp({t})")
     straddle = hardware.tp_straddles(t, training.num_gpus)
@@ -1513,7 +1514,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
     if plan.pipeline_schedule is not None and B % (b * d) == 0:
         from planner.schedules import schedule_problems  # the framework's own rules (docs/schedules.md)
 
-        errors += schedule_problems(plan.pipeline_schedule, training.framework, p, v, microbatch_count(B, b, d),
+        errors += schedule_problems(plan.pipeline_schedule, training.framework, p, v, m,
                                     plan.microbatch_group_size)
         if p == 1 and plan.pipeline_schedule != "1f1b":
             errors.append(f"pipeline_schedule: {plan.pipeline_schedule} needs pp > 1 (pp is 1)")
@@ -1521,9 +1522,9 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         from planner.schedules import framework_family, interleaved_problems, schedule_problems
 
         if framework_family(training.framework) == "torch":
-            errors += schedule_problems("interleaved", training.framework, p, v, microbatch_count(B, b, d))
+            errors += schedule_problems("interleaved", training.framework, p, v, m)
         else:
-            errors += interleaved_problems(p, v, microbatch_count(B, b, d), plan.microbatch_group_size)
+            errors += interleaved_problems(p, v, m, plan.microbatch_group_size)
     errors += distributed_checkpoint_problems(training, plan)
     errors += pipeline_switch_problems(model, training, plan.pp)
     errors += a2a_overlap_problems(model, training, plan)
