@@ -1632,7 +1632,7 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
                  overlap_grad_reduce: bool, c: float, schedule: str | None = None, family: str = "torch",
                  grad_every_mb=False, grad_mb_overlap: bool = True, grad_under_own_bwd=True,
                  grad_trail_s=0.0, bubble_of=None, param_gather_overlapped: bool = True,
-                 first_stage_buckets_only: bool = False) -> dict:
+                 first_stage_buckets_only: bool = False, grad_accum=0.0) -> dict:
     """Step time from stage rows (Narayanan 2021 section 2.2, module docstring), vectorised.
 
     ``terms`` from :func:`stage_terms` ([..., K]); ``z3`` (ZeRO-3 gathers), ``dp_grad`` and ``dp_param``
@@ -1668,6 +1668,8 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     ``first_stage_buckets_only`` (:func:`first_stage_buckets_only`): only the first row (the first stage in every
     caller) starts its once-per-step reduction during its own last backward; the others, one bucket each, only
     after it, under the drain of the stages before them.
+    ``grad_accum`` (:func:`grad_accum_s`, per row as ``z3``): the framework's gradient-accumulation passes of each
+    micro-batch, on the compute stream after its backward: added to the stage time X whole.
     """
     z3_exposed = overlapped_s_array(z3, terms["compute"], c)
     every = np.asarray(grad_every_mb, dtype=float)
@@ -1680,7 +1682,7 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
         grad_exposed = overlapped_s_array(grad_mb, window, c)
     else:
         grad_exposed = grad_mb + 0.0 * terms["bwd"]
-    per_mb = terms["total"] + z3_exposed + grad_exposed
+    per_mb = terms["total"] + z3_exposed + grad_exposed + grad_accum
     if schedule in ZB_SCHEDULES and pp > 1:
         w = np.asarray(counts, dtype=float)
         bubble = (bubble_of or schedule_bubble_s)(schedule, pp, vpp, m, (terms["fwd"] @ w) / pp,
@@ -1700,7 +1702,7 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     dp_exposed = exposed.max(axis=-1)
     step = m * per_mb.max(axis=-1) + bubble + dp_exposed + optimizer
     return {"step": step, "per_mb": per_mb, "z3": z3_exposed, "grad_mb": grad_exposed, "bubble": bubble,
-            "dp_exposed": dp_exposed}
+            "dp_exposed": dp_exposed, "grad_accum": np.broadcast_to(grad_accum, per_mb.shape)}
 
 
 ZB_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
@@ -2187,6 +2189,25 @@ def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, l
     return out
 
 
+def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params: float) -> float:
+    """Per micro-batch: the framework's memory-bound passes that accumulate one stage's gradients outside the GEMMs
+    (``FrameworkProfile.grad_accum_bytes_per_param``: DeepSpeed's BF16_Optimizer zeroes its 16-bit gradients,
+    autograd adds into them and ``update_hp_grads`` adds them into the fp32 buffer, 26 B per parameter;
+    ``planner.frameworks.deepspeed.GRAD_ACCUM_PASSES``, recorded on DeepSpeed's engine; at ZeRO 2 the bucket copies,
+    partly over the rank's partition) over the stage's
+    ``params`` local parameters (dense and expert, ``stage_param_split``), at the HBM rate memory-bound kernels
+    reach (``Rates.hbm_bytes_per_s``). They run on the compute stream after the micro-batch's backward and before
+    the boundary's reduction (``engine.py::_backward_epilogue``), so nothing hides them. Every micro-batch pays
+    the steady rate: the step's first skips the zeroing and autograd's add (8 of the 26 B), an overstatement of
+    at most 8 / 26 / m of the term. 0 for frameworks that accumulate inside the weight-gradient GEMM (Megatron-Core's
+    ``gradient_accumulation_fusion``)."""
+    per_param = frameworks.get(training.framework).grad_accum_bytes_per_param
+    if per_param is None:
+        return 0.0
+    b = per_param(training, plan)
+    return b * params / Rates.of(hw, training.precision).hbm_bytes_per_s if b else 0.0
+
+
 def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params_per_stage,
                 expert_params_per_stage=None) -> float:
     """Adam on the largest stage's local shard: ``ADAM_BYTES_PER_PARAM`` moved per parameter. MoE: the
@@ -2227,9 +2248,11 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     split = [stage_param_split(model, plan, r, n) for r, n in enumerate(layers)]
     optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
                             [x[1] for x in split] if model.is_moe else None)
+    accum = np.array([grad_accum_s(model, hw, training, plan, sum(x)) for x in split])
     grad = grad_reduction_args(training, plan.pp, plan.zero_stage, grad_reduce_trail_s(hw, training, plan, order))
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
-                       overlap_grad_reduce_of(training), c, plan.pipeline_schedule, schedule_family(training), **grad)
+                       overlap_grad_reduce_of(training), c, plan.pipeline_schedule, schedule_family(training), **grad,
+                       grad_accum=accum)
     pace = int(np.argmax(out["per_mb"][0]))
     sp_ = stages[pace]
     breakdown = {
@@ -2240,6 +2263,8 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     }
     if model.is_moe:
         breakdown["ep_comm"] = m * sp_.ep_comm
+    if frameworks.get(training.framework).grad_accum_bytes_per_param is not None:
+        breakdown["grad_accum"] = m * float(out["grad_accum"][0, pace])
     step = float(out["step"][0])
     tokens = training.global_batch_size * training.seq_len
     # activated FLOPs (MoE), the output layer at Megatron's padded vocabulary: the count Megatron logs

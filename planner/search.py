@@ -45,9 +45,9 @@ import numpy as np
 
 from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumerate_plans, micro_options,
                                 offload_options, shapes, valid_micro_batch_sizes)
-from planner.cost import (FACTOR_KEYS, a2a_alone_share, compose_step, contention, dp_sync_parts_s, grad_reduce_trail_s,
-                          grad_reduction_args, micro_factors, optimizer_s, overlap_grad_reduce_of, p2p_hop_s,
-                          resolved_overlap, schedule_family, stage_moe_counts, stage_param_split, stage_terms,
+from planner.cost import (FACTOR_KEYS, a2a_alone_share, compose_step, contention, dp_sync_parts_s, grad_accum_s,
+                          grad_reduce_trail_s, grad_reduction_args, micro_factors, optimizer_s, overlap_grad_reduce_of,
+                          p2p_hop_s, resolved_overlap, schedule_family, stage_moe_counts, stage_param_split, stage_terms,
                           zero3_gather_s, ZeroBubbleBatch)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks
@@ -364,7 +364,8 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         static, work, released, step_extra = _state_rows_by_micro(model, hw, training, base, mrows, zeros, mbs_u, B,
                                                                   row_cache)
         if not model.is_moe and not memory_only:  # a MoE model's DP terms are composed over every stage (_moe_step)
-            dpg_s, dpp_s, z3_s, opt_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order, row_cache)
+            dpg_s, dpp_s, z3_s, opt_s, accum_s = _zero_terms(model, hw, training, base, rows, zeros, gb, order,
+                                                             row_cache)
         nm = np.array([x[1] for x in mrows], dtype=float)
         inflight = np.stack([in_flight(base, m, r) for r, _ in mrows], axis=1)  # [U, R]
         # --- memory (owned with planner.memory): dense-first and MoE layers each with their own saved bytes
@@ -450,7 +451,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
                                 before, overlap_grad_reduce_of(training), c, split.schedule, family,
                                 **grad_reduction_args(training, p, zeros,
                                                       grad_reduce_trail_s(hw, training, base, order)),
-                                bubble_of=zb)["step"]
+                                bubble_of=zb, grad_accum=accum_s[None])["step"]
         owed = zb.owed()
         if owed is not None:  # its bubble comes from a simulation still to run (zb.run below)
             owed_steps.append((si, ok, step, owed))
@@ -513,7 +514,7 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
                     p, v, overlap_p2p, c, np.array([n_moe[r] for r in firsts], dtype=float),
                     np.array([empty[r] for r in firsts], dtype=float), alone)
     terms = {k: val[:, None, :] for k, val in t.items()}
-    dpg, dpp, z3, opt = [], [], [], []
+    dpg, dpp, z3, opt, accum = [], [], [], [], []
     kinds = [stage_kind[r][:5] for r in firsts]  # what the DP terms read (not the empty chunks)
     first_of = dict(zip(kinds, firsts))
     split = {key: stage_param_split(model, base, r, layers[r]) for key, r in first_of.items()}
@@ -536,11 +537,12 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         dpp.append([x[1] for x in rows])
         z3.append([x[2] for x in rows])
         opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
+        accum.append([grad_accum_s(model, hw, training, zp, x[3] + x[4]) for x in rows])
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
                         m, p, v, counts, before, overlap_grad_reduce_of(training),
                         c, base.pipeline_schedule, schedule_family(training),
                         **grad_reduction_args(training, p, zeros, grad_reduce_trail_s(hw, training, base, order)),
-                        bubble_of=bubble_of)["step"]
+                        bubble_of=bubble_of, grad_accum=np.array(accum)[None])["step"]
 
 
 def _micro_factors(model, hw, training, micros, base: Plan, order, pins: Pins = Pins(), memory_only: bool = False
@@ -620,8 +622,10 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order, cache: 
         cols.append(col)
     params = [c[0] for c in cols]
     terms = np.array([c[1] for c in cols], dtype=float)  # [R, Z, 3]: reduction, all-gather, ZeRO-3 gather
-    opt_s = [optimizer_s(model, hw, training, plan.model_copy(update={"zero_stage": z}), params) for z in zeros]
-    return terms[..., 0].T, terms[..., 1].T, terms[..., 2].T, np.array(opt_s)
+    by_zero = [plan.model_copy(update={"zero_stage": z}) for z in zeros]
+    opt_s = [optimizer_s(model, hw, training, zp, params) for zp in by_zero]
+    accum_s = np.array([[grad_accum_s(model, hw, training, zp, x) for x in params] for zp in by_zero])  # [Z, R]
+    return terms[..., 0].T, terms[..., 1].T, terms[..., 2].T, np.array(opt_s), accum_s
 
 
 def _memory_rows(model: ModelSpec, plan: Plan, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:

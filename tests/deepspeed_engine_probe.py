@@ -7,7 +7,12 @@
 * ``buckets``: the reduce buffers a ZeRO optimizer holds during a backward, per stage, ``contiguous_gradients`` and
   ``overlap_comm`` (stage 1-2: the ``ipg_buckets`` buffers once ``setup_buckets`` has run; stage 3: its bucket's
   buffer), as ``[elements, dtype]`` pairs;
-* ``zero_config``: DeepSpeed's own ``DeepSpeedZeroConfig`` parse of a few ``zero_optimization`` sections.
+* ``zero_config``: DeepSpeed's own ``DeepSpeedZeroConfig`` parse of a few ``zero_optimization`` sections;
+* ``accumulation``: what a steady micro-batch's backward (neither the step's first nor its last) runs on
+  parameter-sized tensors besides the GEMMs, per optimizer wrapper: ``[name, bytes read, bytes written]`` per
+  parameter element, recorded with a ``TorchDispatchMode`` around the engine's backward (the pipeline engine's
+  ``BackwardPass`` instruction for a ``PipelineModule``), gradient accumulation 4, with the dtype of BF16_Optimizer's
+  accumulation buffer.
 
 Run as ``python tests/deepspeed_engine_probe.py PORT``; prints one JSON line."""
 
@@ -99,7 +104,129 @@ def _worker(port: int) -> dict:
                                       "max_live_parameters": int(c.max_live_parameters),
                                       "max_reuse_distance": int(c.max_reuse_distance),
                                       "param_persistence_threshold": int(c.param_persistence_threshold)}])
-    return {"wrappers": wrappers, "buckets": buckets, "zero_config": zero_config}
+    return {"wrappers": wrappers, "buckets": buckets, "zero_config": zero_config,
+            "accumulation": _accumulation(deepspeed, torch, PipelineModule, ACCUMULATION_CASES),
+            "accumulation_two_ranks": _two_ranks()}
+
+
+def _two_rank_worker(rank: int, port: int, queue) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    queue.put((rank, _accumulation(deepspeed, torch, PipelineModule, TWO_RANK_CASES)))
+
+
+def _two_ranks() -> list:
+    """``_accumulation`` of ``TWO_RANK_CASES`` on two ranks (fresh processes, their own rendezvous); rank 0's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_two_rank_worker, args=(rank, port, queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    out = dict(queue.get(timeout=600) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    assert out[0] == out[1], out  # the two ranks' partitions are alike
+    return out[0]
+
+
+#: (pipeline engine, ZeRO stage, grad_accum_dtype) of the ``accumulation`` cases: BF16_Optimizer with its bf16 buffer
+#: (the pipeline engine's default) and its fp32 one (ZeRO 1, fp32), FP16_Optimizer in bf16 (ZeRO 0 without a
+#: pipeline), the ZeRO-1 and ZeRO-2 optimizers; ZeRO 2 also on two ranks (``accumulation_two_ranks``), where the
+#: passes over the rank's gradient partition move half as much
+ACCUMULATION_CASES = [(True, 0, None), (False, 1, "fp32"), (False, 0, None), (False, 1, None), (False, 2, None)]
+TWO_RANK_CASES = [(False, 2, None)]
+IN_FEATURES, OUT_FEATURES = 24, 40  # two bias-free linears of 960 elements; activations of 2 x 24 and 2 x 40
+
+
+def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
+    from deepspeed.runtime.pipe import schedule
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    numel = IN_FEATURES * OUT_FEATURES
+    skipped = {"mm", "addmm", "bmm", "t", "view", "detach", "_unsafe_view", "as_strided", "alias", "transpose",
+               "expand", "permute", "slice", "empty", "allreduce_", "cat"}  # GEMMs, views, the boundary's reduction
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name.split("::")[-1]
+            if name in skipped:
+                return out
+
+            def sized(x):
+                return [a for a in tree_flatten(x)[0] if isinstance(a, torch.Tensor) and a.numel() % numel == 0
+                        and a.numel()]
+            ins, outs = sized((args, kwargs)), sized(out)
+            if not ins and not outs:
+                return out
+            if name in ("zero_", "_foreach_zero_", "fill_"):
+                read, written = [], ins
+            elif name == "copy_":
+                read, written = ins[1:], ins[:1]
+            elif name.endswith("_"):  # in place: reads its operands, writes the first
+                read, written = ins, ins[:1]
+            else:
+                read, written = ins, outs
+            r, w = self.bytes.get(name, (0, 0))
+            self.bytes[name] = (r + sum(a.numel() * a.element_size() for a in read),
+                                w + sum(a.numel() * a.element_size() for a in written))
+            return out
+
+    results = []
+    for pipe, stage, accum in cases:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False),
+                  torch.nn.Linear(OUT_FEATURES, IN_FEATURES, bias=False)]
+        model = PipelineModule(layers=layers, num_stages=1, loss_fn=lambda out, _: out.float().sum()) if pipe \
+            else torch.nn.Sequential(*layers)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+                  "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+        if accum:
+            config["data_types"] = {"grad_accum_dtype": accum}
+        eng = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)[0]
+        elements = sum(p.numel() for p in model.parameters())
+        per_micro = []
+        if pipe:
+            backward = eng._INSTRUCTION_MAP[schedule.BackwardPass]
+
+            def recorded(self, buffer_id, backward=backward):
+                with Recorder() as rec:
+                    backward(self, buffer_id)
+                per_micro.append(rec.bytes)
+            eng._INSTRUCTION_MAP[schedule.BackwardPass] = recorded
+            eng.train_batch(data_iter=iter([(torch.randn(2, IN_FEATURES, dtype=torch.bfloat16), torch.zeros(2))] * 4))
+        else:
+            for _ in range(4):
+                loss = eng(torch.randn(2, IN_FEATURES, dtype=torch.bfloat16)).float().sum()
+                with Recorder() as rec:
+                    eng.backward(loss)
+                per_micro.append(rec.bytes)
+                eng.step()
+        steady = per_micro[1]  # the second of four: after the first, before the boundary
+        assert steady == per_micro[2], (per_micro[1], per_micro[2])
+        flat = getattr(eng.optimizer, "fp32_groups_gradients_flat", None)  # BF16_Optimizer's accumulation buffer
+        results.append([pipe, stage, accum, type(eng.optimizer).__name__,
+                        str(flat[0].dtype).split(".")[-1] if flat else None,
+                        sorted([name, r / elements, w / elements] for name, (r, w) in steady.items())])
+    return results
 
 
 def run_probe(timeout_s: float = 900) -> dict:

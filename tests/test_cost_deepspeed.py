@@ -124,3 +124,39 @@ def test_check_refuses_an_unknown_reduction_dtype(tmp_path):
     (tmp_path / "ds_config_gpt_1.3B.json").write_text(json.dumps(config))
     (r,) = check_file_branches(tmp_path / "run.sh", H100, None, None)
     assert r.errors and "communication_data_type" in r.errors[0] and "int8" in r.errors[0]
+
+
+def test_gradient_accumulation_passes_hand_computed():
+    """BF16_Optimizer's per-micro-batch passes (tests/test_deepspeed_engine.py records them on the engine): 26 B per
+    local parameter with its fp32 buffer, moved at the profile's HBM rate, on every micro-batch of every stage, and
+    the step grows by m times the pacing stage's share. Llama-3-8B, tp 1 pp 2 dp 8 under the pipeline engine:
+    stage 0 holds 16 layers of 218,112,000 parameters (4096 x 6144 QKV, 4096 x 4096 out, 3 x 4096 x 14336 MLP, two
+    4096 norms) and the 128,256 x 4096 embedding; the last stage the same 16 layers, the final norm and the output
+    layer. Megatron accumulates inside the weight-gradient GEMM: no such term."""
+    model = load_model("llama3-8b")
+    layer = 4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+    assert layer == 218_112_000
+    stage0 = 16 * layer + 128256 * 4096
+    rate = 3350e9 * 0.8  # h100-sxm-80gb: hbm_bandwidth_gbps x hbm_efficiency
+    ds = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, framework="deepspeed")
+    plan = Plan(tp=1, pp=2, dp=8, micro_batch_size=1, zero_stage=0)
+    assert cost.grad_accum_s(model, H100, ds, plan, stage0) == pytest.approx(26 * stage0 / rate)
+    bf16_buffer = ds.model_copy(update={"deepspeed": ds.deepspeed.model_copy(update={"grad_accum_dtype": "bf16"})})
+    assert cost.grad_accum_s(model, H100, bf16_buffer, plan, stage0) == pytest.approx(14 * stage0 / rate)
+    zero1 = plan.model_copy(update={"zero_stage": 1})  # the ZeRO-1 optimizer: autograd's add alone
+    assert cost.grad_accum_s(model, H100, ds, zero1, stage0) == pytest.approx(6 * stage0 / rate)
+    zero2 = Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=2)  # the bucket's 8 B, the partition's 14 B / 16
+    assert cost.grad_accum_s(model, H100, ds, zero2, stage0) == pytest.approx((8 + 14 / 16) * stage0 / rate)
+    assert cost.grad_accum_s(model, H100, ds, zero2.model_copy(update={"zero_stage": 3}), stage0) == 0
+
+    est = cost.estimate_time(model, H100, ds, plan)
+    last = 16 * layer + 4096 + 128256 * 4096
+    m = 64 // 8
+    # the last stage paces the step: the same layers, with the output layer's GEMMs and loss, and 4,096 more
+    # parameters (the final norm) to accumulate
+    assert est.stages[1].total > est.stages[0].total and last > stage0
+    assert est.breakdown["grad_accum"] == pytest.approx(m * 26 * last / rate, rel=1e-9)
+    assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s)
+    megatron = cost.estimate_time(model, H100, ds.model_copy(update={"framework": "megatron"}), plan)
+    assert "grad_accum" not in megatron.breakdown
+    assert cost.grad_accum_s(model, H100, ds.model_copy(update={"framework": "megatron"}), plan, stage0) == 0

@@ -102,3 +102,28 @@ def test_values_deepspeed_refuses_are_one_line_errors(section, field):
         DeepSpeedZeroConfig(**section)
     with pytest.raises(SpecError, match=f"zero_optimization.{field}"):
         deepspeed_zero_settings(Args(path=Path("run.sh")), {"zero_optimization": section})
+
+
+def test_gradient_accumulation_passes_are_the_ones_the_engine_runs(engine):
+    """The memory-bound passes plan3d charges each micro-batch's backward under DeepSpeed
+    (``frameworks.deepspeed.grad_accum_passes``, ``cost.grad_accum_s``) are the ones the engine runs: per optimizer
+    wrapper, the operations on parameter-sized tensors besides the GEMMs of a steady micro-batch, with the bytes
+    each reads and writes per parameter element (BF16_Optimizer: the 16-bit gradients zeroed, autograd's add into
+    them, the add into its accumulation buffer with a cast where that buffer is fp32; FP16_Optimizer and ZeRO 1:
+    autograd's add alone; ZeRO 2: the bucket's copy and average whole, the partition's copy and add over 1 / N),
+    on one rank and, for ZeRO 2, on two."""
+    cases = [(1, case) for case in engine["accumulation"]] + [(2, case) for case in engine["accumulation_two_ranks"]]
+    assert len(cases) == 6
+    for ranks, (pipe, stage, accum, wrapper, buffer_dtype, measured) in cases:
+        buffer = {"bfloat16": "bf16", "float32": "fp32", None: accum}[buffer_dtype]  # the buffer the engine made
+        training = TrainingSpec(num_gpus=ranks, global_batch_size=8 * ranks, seq_len=16, framework="deepspeed",
+                                deepspeed={"pipeline_engine": pipe, "grad_accum_dtype": buffer})
+        plan = Plan(tp=1, pp=1, dp=ranks, micro_batch_size=2, zero_stage=stage)
+        assert ds_profile.optimizer_wrapper(training, stage, 1) == CLASSES[wrapper]
+        ours: dict = {}
+        for name, read, written, partition in ds_profile.grad_accum_passes(training, stage, 1):
+            share = 1 / ranks if partition else 1
+            r, w = ours.get(name, (0, 0))
+            ours[name] = (r + read * share, w + written * share)
+        assert sorted([name, float(r), float(w)] for name, (r, w) in ours.items()) == measured, (wrapper, accum, ranks)
+        assert ds_profile.grad_accum_bytes_per_param(training, plan) == sum(r + w for _, r, w in measured)

@@ -102,6 +102,10 @@ class FrameworkProfile:
     # DeepSpeed's pipeline engine keeps stage outputs, received inputs, its receive buffers and the last stage's module
     # outputs (planner.memory.deepspeed_pipe_tensor_counts)
     deepspeed_pipe_buffers: bool = False
+    # (training, plan) -> bytes each micro-batch's backward moves per local parameter outside the GEMMs, to
+    # accumulate the gradients (DeepSpeed's BF16_Optimizer and autograd's accumulation: planner.cost.grad_accum_s);
+    # None: none beyond the GEMMs (Megatron-Core accumulates in the weight-gradient GEMM, gradient_accumulation_fusion)
+    grad_accum_bytes_per_param: Callable | None = None
     allows_fp8: bool = True
     allows_fp8_params: bool = False  # fp8 GEMM weights with no bf16 copy (Megatron --fp8-param-gather)
     # activation offloading to host memory (Plan.cpu_offload_layers): Megatron-Core's TE-backed

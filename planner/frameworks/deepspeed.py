@@ -96,6 +96,65 @@ def wrapper_for(precision: str, fp16: bool, grad_accum_dtype: str | None, pipeli
     return "bf16_optimizer" if grad_accum_dtype == "fp32" or pipeline_engine else "fp16_optimizer"
 
 
+#: What each micro-batch's backward moves per local parameter outside the GEMMs, per optimizer wrapper, as
+#: (operation, bytes read, bytes written, over the rank's partition) per parameter element in a steady micro-batch
+#: (not the step's first); a pass over the partition moves its bytes for 1 / N of the parameters (N the ranks
+#: that shard the gradients). DeepSpeed 0.19.8, recorded on the engine itself on CPU on one rank and, for ZeRO 2, on
+#: two (tests/deepspeed_engine_probe.py ``accumulation``):
+#:
+#: * ``BF16_Optimizer``: ``backward_prologue`` -> ``clear_lp_grads`` zeroes the 16-bit gradients
+#:   (``torch._foreach_zero_``); autograd's ``AccumulateGrad`` adds the new weight gradient into the zeroed one
+#:   (``grad += new``, the gradient exists); ``backward_epilogue`` -> ``update_hp_grads`` -> ``_update_hp_grad``:
+#:   ``hp_grad.add_(lp.grad.to(hp_grad.dtype))``, one parameter at a time, into the accumulation buffer (fp32: a
+#:   cast and an fp32 add; bf16 (``grad_accum_dtype``): the add alone, ``HP_GRAD_UPDATE``). The pipeline engine's
+#:   non-last stages call ``clear_lp_grads`` and ``update_hp_grads`` themselves (``pipe/engine.py::_exec_backward_pass``).
+#: * ``FP16_Optimizer`` and ZeRO stage 1 (``DeepSpeedZeroOptimizer``): the gradients accumulate in autograd
+#:   (``AccumulateGrad``'s add) until the boundary, where the reduction's own copies run (counted with the reduction).
+#: * ZeRO stage 2: every backward copies each gradient into the reduce bucket and averages the bucket (``div_``), all
+#:   of it, then copies the rank's reduced partition out and adds it into the partitioned gradients.
+#:
+#: The step's first micro-batch finds no gradient (``zero_grad(set_to_none=True)`` at the step) and skips the
+#: zeroing and autograd's add. ZeRO 3 (its partitioned parameters and gradients) is not counted.
+GRAD_ACCUM_PASSES = {
+    "bf16_optimizer": (("_foreach_zero_", 0, BF16, False), ("add_", 2 * BF16, BF16, False)),
+    "fp16_optimizer": (("add_", 2 * BF16, BF16, False),),
+    "zero1": (("add_", 2 * BF16, BF16, False),),
+    "zero2": (("copy_", BF16, BF16, False), ("div_", BF16, BF16, False), ("copy_", 2 * BF16, 2 * BF16, True),
+              ("add_", 2 * BF16, BF16, True)),
+}
+#: BF16_Optimizer's update of its accumulation buffer, by the buffer's bytes per element (``update_hp_grads``)
+HP_GRAD_UPDATE = {FP32: (("_to_copy", BF16, FP32, False), ("add_", 2 * FP32, FP32, False)),
+                  BF16: (("add_", 2 * BF16, BF16, False),)}
+
+
+def grad_accum_passes(training, zero_stage: int, pp: int) -> tuple[tuple[str, int, int, bool], ...]:
+    """The memory-bound passes each micro-batch's backward runs over the local parameters (``GRAD_ACCUM_PASSES``),
+    for the optimizer wrapper this job gets (:func:`optimizer_wrapper`); empty where none is counted."""
+    wrapper = optimizer_wrapper(training, zero_stage, pp)
+    if wrapper == "bf16_optimizer":
+        return GRAD_ACCUM_PASSES["bf16_optimizer"] + HP_GRAD_UPDATE[accumulation_bytes(training)]
+    if wrapper == "fp16_optimizer":
+        return GRAD_ACCUM_PASSES["fp16_optimizer"]
+    if wrapper == "zero" and zero_stage in (1, 2):
+        return GRAD_ACCUM_PASSES[f"zero{zero_stage}"]
+    return ()
+
+
+def grad_accum_bytes_per_param(training, plan) -> float:
+    """Bytes each micro-batch's backward moves per local parameter outside the GEMMs (:func:`grad_accum_passes`),
+    a partition's passes over 1 / (dp x cp) of them: 26 under BF16_Optimizer with an fp32 buffer (2 zeroed + 6
+    added by autograd + 6 cast + 12 added), 6 where autograd alone accumulates, 8 + 14 / N at ZeRO 2."""
+    shards = plan.dp * plan.cp
+    return float(sum((r + w) / (shards if part else 1)
+                     for _, r, w, part in grad_accum_passes(training, plan.zero_stage, plan.pp)))
+
+
+def accumulation_bytes(training) -> int:
+    """Bytes per element of BF16_Optimizer's gradient accumulation buffer: fp32 unless the config says bf16/fp16
+    (module docstring)."""
+    return BF16 if training.deepspeed.grad_accum_dtype in ("bf16", "fp16") else FP32
+
+
 def reduce_buffer_count(training, zero_stage: int) -> int:
     """Reduce buckets of ``reduce_bucket_size`` elements a ZeRO optimizer holds through a backward: none without
     ``contiguous_gradients``; stage 1-2 one, two with ``overlap_comm`` (``TrainingSpec.overlap_grad_reduce``;
@@ -122,8 +181,7 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     if wrapper in ("bf16_optimizer", "fp16_optimizer"):
         # BF16_Optimizer shards the master and Adam over the data-parallel ranks; FP16_Optimizer does not. The
         # accumulation buffer is fp32 unless the config says bf16 (module docstring)
-        accum = BF16 if training.deepspeed.grad_accum_dtype in ("bf16", "fp16") and wrapper == "bf16_optimizer" \
-            else FP32
+        accum = accumulation_bytes(training) if wrapper == "bf16_optimizer" else FP32
         # FP16_Optimizer.step (fp16/fused_optimizer.py) builds fp32 copies of every gradient and then their flat
         # concatenation, the fp32 gradient counted above, while the 16-bit gradients are still held: 4 B per
         # parameter more than counted, inside the step
@@ -324,4 +382,5 @@ PROFILE = FrameworkProfile(name="deepspeed", state_bytes=state_bytes, logits_byt
                            # 1e3fc81 megatron/model/transformer.py ParallelMLP): the multiply saves the SiLU output
                            swiglu_unfused=True,
                            gemm_workspaces="torch",  # every linear a torch GEMM (memory.gemm_workspace_bytes)
-                           deepspeed_pipe_buffers=True)  # PipelineEngine's buffers (memory.deepspeed_pipe_bytes)
+                           deepspeed_pipe_buffers=True,  # PipelineEngine's buffers (memory.deepspeed_pipe_bytes)
+                           grad_accum_bytes_per_param=grad_accum_bytes_per_param)  # cost.grad_accum_s
