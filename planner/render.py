@@ -290,6 +290,12 @@ def print_search_quiet(result: dict) -> None:
     sys.stdout.write(f"best: {_quiet_line(result['best'])}\n")
 
 
+def print_estimate_quiet(est) -> None:
+    """`estimate --quiet`: the plan on one line, with whether it fits (the exit code says the same)."""
+    verdict = "fits" if est.memory.fits else "does NOT fit"
+    sys.stdout.write(f"{_quiet_line(est)}, usable {est.memory.usable_gib:.1f} GiB: {verdict}\n")
+
+
 def print_sweep_quiet(rows: list[dict]) -> None:
     """`search --quiet` over several GPU counts: one line per count."""
     for r in rows:

@@ -190,6 +190,23 @@ def test_estimate_does_not_fit_verdict(runner):
     assert "does NOT fit" in table.output and table.exit_code == 1
 
 
+def test_estimate_quiet_is_one_line_with_the_verdict(runner):
+    """`estimate --quiet`: the plan, its step time and peak memory against the usable memory on one line, the exit
+    code as without it (0 fits, 1 does not)."""
+    job = ["estimate", "--model", "gpt3-175b", "--hardware", "a100-80gb", "--gpus", "16", "--global-batch", "64",
+           "--seq-len", "2048", "--tp", "8", "--pp", "2"]
+    res = runner.invoke(app, [*job, "--quiet"])
+    assert res.exit_code == 1
+    lines = res.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tp8-pp2-dp1") and lines[0].endswith("does NOT fit")
+    full = json.loads(runner.invoke(app, [*job, "--json"]).stdout)  # the same estimate, rendered whole
+    assert f"usable {full['memory']['usable_gib']:.1f} GiB" in lines[0]
+    assert f"peak {full['memory']['peak_gib']:.1f} GiB" in lines[0]
+    assert f"step {full['time']['step_time_s']:.3f} s" in lines[0]
+    fits = runner.invoke(app, ["estimate", *JOB, "--tp", "2", "--pp", "1", "--recompute", "full", "-q"])
+    assert fits.exit_code == 0 and fits.stdout.splitlines()[-1].endswith(": fits") and len(fits.stdout.splitlines()) == 1
+
+
 def test_estimate_from_plan_file_and_override(runner, tmp_path):
     from planner.presets import load_hardware, load_model
 

@@ -40,6 +40,8 @@ def estimate(
     distribute_saved_activations: DistributeSavedOpt = None,
     pipeline_kept_outputs: KeptOutputsOpt = None, dist_optimizer_instances: DistOptInstancesOpt = None,
     json_out: JsonOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line: the plan's step time, peak memory and "
+                                                              "whether it fits.")] = False,
 ) -> None:
     """Memory per pipeline stage, FLOPs and step time of one plan. Exit 0 fits, 1 does not fit, 2 bad input."""
     from planner import render
@@ -64,6 +66,8 @@ def estimate(
     est = run_estimate(sc)
     if json_out:
         render.print_json(est.to_dict())
+    elif quiet:
+        render.print_estimate_quiet(est)
     else:
         render.print_estimate(console(), est)
     if not est.memory.fits:
