@@ -1348,9 +1348,10 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
         errors.append(f"cuda_graph_modules: per-layer CUDA-graph scopes are Megatron's (--cuda-graph-impl "
                       f"transformer_engine --cuda-graph-scope); {training.framework} has none (torchtitan's whole-step "
                       f"graph is step_cuda_graph); drop --cuda-graph-modules or use framework megatron or nemo")
-    if training.fp16 and training.framework == "torchtitan":  # torchtitan 0.3.0 config/configs.py
-        errors.append("fp16: torchtitan 0.3.0 trains in bfloat16 or float32 (training.mixed_precision_param), not "
-                      "fp16; use precision bf16, or framework megatron, nemo or deepspeed")
+    if training.fp16 and training.framework == "torchtitan":
+        from planner.frameworks.torchtitan import NO_FP16
+
+        errors.append(f"fp16: {NO_FP16}; use precision bf16, or framework megatron, nemo or deepspeed")
     if model.max_seq_len is not None and training.seq_len > model.max_seq_len:
         # Megatron's validate_args asserts --max-position-embeddings >= --seq-length whatever the position type, and
         # torchtitan's decoder config refuses a training seq_len above its RoPE max_seq_len: a longer context is

@@ -25,7 +25,7 @@ precision differs from its preset's is refused rather than run in the wrong prec
 from __future__ import annotations
 
 from planner.emit import megatron, partial_optimizer_refusal, torchrun
-from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, stage_keys, step_cuda_graph_by_default
+from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, NO_FP16, stage_keys, step_cuda_graph_by_default
 from planner.names import slug
 from planner.presets import SpecError
 from planner.schedules import TORCHTITAN_SCHEDULE_NAMES
@@ -60,9 +60,8 @@ def job_problems(model, training) -> list[str]:
     """What keeps torchtitan 0.3.0 from training this model at this precision whatever the plan (one line each):
     a model it does not ship, or a precision its config for the model cannot be switched to (``REGISTRY``). Known
     before a search, so ``plan3d search --emit torchtitan`` refuses up front."""
-    if training.fp16:  # torchtitan 0.3.0 config/configs.py: mixed_precision_param: Literal["bfloat16", "float32"]
-        return ["--emit torchtitan: torchtitan 0.3.0 trains in bfloat16 or float32 (training.mixed_precision_param), "
-                "not fp16; use --format megatron or deepspeed, or precision bf16"]
+    if training.fp16:
+        return [f"--emit torchtitan: {NO_FP16}; use --format megatron or deepspeed, or precision bf16"]
     if model.name not in REGISTRY:
         return [f"--emit torchtitan: torchtitan ships no model for {slug(model.name)}; "
                 f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets"]

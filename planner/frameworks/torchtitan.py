@@ -74,6 +74,9 @@ from dataclasses import replace
 from planner.frameworks import FrameworkProfile, StateBytes
 
 BF16, FP32 = 2, 4
+#: why an fp16 run has no torchtitan form (torchtitan 0.3.0 config/configs.py:
+#: ``mixed_precision_param: Literal["bfloat16", "float32"]``): said by ``specs.job_problems`` and the emitter
+NO_FP16 = "torchtitan 0.3.0 trains in bfloat16 or float32 (training.mixed_precision_param), not fp16"
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in the parameter's dtype (fp32)
 SHARD_BYTES_PER_PARAM = (FP32, FP32, ADAM_STATE_BYTES)
 """(parameter, gradient, AdamW) bytes per parameter of the sharded states FSDP2 keeps between steps, whatever
