@@ -102,10 +102,18 @@ def timeline_figure(sc: Scenario, out_dir: Path) -> dict:
     ops = simulate_timeline(sc)
     p = sc.plan.pp
     fig, ax = plt.subplots(figsize=(12, 0.6 * p + 1.8))
-    for op in ops:
-        ax.barh(p - 1 - op.stage, op.end_s - op.start_s, left=op.start_s, height=0.8,
-                color=COLORS["forward" if op.kind == "F" else "backward"], edgecolor="white", linewidth=0.3)
     makespan = max(op.end_s for op in ops)
+    # one collection per stage and kind (a bar per action took ~25 s and 65,000 patches for 256 micro-batches x
+    # vpp 4 x pp 8); the white edges that part neighbouring actions only where an action is wide enough to show
+    # between them, else the edges alone fill the row
+    spans: dict = {}
+    for op in ops:
+        spans.setdefault((op.stage, op.kind), []).append((op.start_s, op.end_s - op.start_s))
+    widest_row = max(len(v) for v in spans.values())
+    edge = 0.3 if widest_row <= 200 else 0.0
+    for (stage, kind), xranges in spans.items():
+        ax.broken_barh(xranges, (p - 1 - stage - 0.4, 0.8), facecolors=COLORS["forward" if kind == "F" else "backward"],
+                       edgecolor="white", linewidth=edge)
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"stage {p - 1 - i}" for i in range(p)])
     ax.set_xlabel("seconds")

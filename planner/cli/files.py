@@ -112,7 +112,8 @@ def write_report_files(sc, out: str, sweep: Optional[str], validate_report: Opti
             measured["memory"], measured["step_time"]  # noqa: B018 - the keys a validate report has
         except (OSError, ValueError, KeyError, TypeError):
             raise SpecError(f"--validate: {validate_report} is not a `plan3d validate --out` report") from None
-    with spinner(quiet, f"Drawing the report into {out}..."):
+    # not animated: the TP x PP map builds the search tables, whose workers a refresh thread would forbid
+    with spinner(quiet, f"Drawing the report into {out}...", animate=False):
         figures = write_report(sc, out, counts, measured, force=force)
     if not quiet:
         console().print(f"wrote {figures['html']} and {len(figures) - 1} figures (PNG and SVG)", highlight=False)
