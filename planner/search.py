@@ -47,7 +47,8 @@ from planner.candidates import (RECOMPUTE, Pins, SearchSpace, StageSplit, enumer
                                 offload_options, shapes, valid_micro_batch_sizes)
 from planner.cost import (FACTOR_KEYS, a2a_alone_share, compose_step, contention, dp_sync_parts_s, grad_accum_s,
                           grad_reduce_trail_s, grad_reduction_args, micro_factors, optimizer_s, overlap_grad_reduce_of,
-                          p2p_hop_s, resolved_overlap, schedule_family, stage_moe_counts, stage_param_split, stage_terms,
+                          p2p_hop_s, resolved_overlap, schedule_family, stage_moe_counts, stage_param_split,
+                          stage_terms,
                           zero3_gather_s, ZeroBubbleBatch)
 from planner.layout import DEFAULT_ORDER, axis_span, pp_hop_crosses_nodes
 from planner import frameworks

@@ -204,7 +204,8 @@ def test_estimate_quiet_is_one_line_with_the_verdict(runner):
     assert f"peak {full['memory']['peak_gib']:.1f} GiB" in lines[0]
     assert f"step {full['time']['step_time_s']:.3f} s" in lines[0]
     fits = runner.invoke(app, ["estimate", *JOB, "--tp", "2", "--pp", "1", "--recompute", "full", "-q"])
-    assert fits.exit_code == 0 and fits.stdout.splitlines()[-1].endswith(": fits") and len(fits.stdout.splitlines()) == 1
+    assert fits.exit_code == 0 and fits.stdout.splitlines()[-1].endswith(": fits")
+    assert len(fits.stdout.splitlines()) == 1
 
 
 def test_estimate_from_plan_file_and_override(runner, tmp_path):

@@ -107,7 +107,8 @@ def wrapper_for(precision: str, fp16: bool, grad_accum_dtype: str | None, pipeli
 #:   (``grad += new``, the gradient exists); ``backward_epilogue`` -> ``update_hp_grads`` -> ``_update_hp_grad``:
 #:   ``hp_grad.add_(lp.grad.to(hp_grad.dtype))``, one parameter at a time, into the accumulation buffer (fp32: a
 #:   cast and an fp32 add; bf16 (``grad_accum_dtype``): the add alone, ``HP_GRAD_UPDATE``). The pipeline engine's
-#:   non-last stages call ``clear_lp_grads`` and ``update_hp_grads`` themselves (``pipe/engine.py::_exec_backward_pass``).
+#:   non-last stages call ``clear_lp_grads`` and ``update_hp_grads`` themselves
+#:   (``pipe/engine.py::_exec_backward_pass``).
 #: * ``FP16_Optimizer`` and ZeRO stage 1 (``DeepSpeedZeroOptimizer``): the gradients accumulate in autograd
 #:   (``AccumulateGrad``'s add) until the boundary, where the reduction's own copies run (counted with the reduction).
 #: * ZeRO stage 2: every backward copies each gradient into the reduce bucket and averages the bucket (``div_``), all
