@@ -12,7 +12,7 @@
   parameter-sized tensors besides the GEMMs, per optimizer wrapper: ``[name, bytes read, bytes written]`` per
   parameter element, recorded with a ``TorchDispatchMode`` around the engine's backward (the pipeline engine's
   ``BackwardPass`` instruction for a ``PipelineModule``), gradient accumulation 4, with the dtype of BF16_Optimizer's
-  accumulation buffer.
+  accumulation buffer; ``accumulation_ranks``: the ZeRO 2 and 3 cases again on two and four ranks.
 
 Run as ``python tests/deepspeed_engine_probe.py PORT``; prints one JSON line."""
 
@@ -106,22 +106,23 @@ def _worker(port: int) -> dict:
                                       "param_persistence_threshold": int(c.param_persistence_threshold)}])
     return {"wrappers": wrappers, "buckets": buckets, "zero_config": zero_config,
             "accumulation": _accumulation(deepspeed, torch, PipelineModule, ACCUMULATION_CASES),
-            "accumulation_two_ranks": _two_ranks()}
+            "accumulation_ranks": {n: _on_ranks(n) for n in PARTITION_RANKS}}
 
 
-def _two_rank_worker(rank: int, port: int, queue) -> None:
+def _rank_worker(rank: int, world: int, port: int, queue) -> None:
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import deepspeed
     import torch
     from deepspeed.pipe import PipelineModule
 
     deepspeed.init_distributed(dist_backend="gloo")
-    queue.put((rank, _accumulation(deepspeed, torch, PipelineModule, TWO_RANK_CASES)))
+    queue.put((rank, _accumulation(deepspeed, torch, PipelineModule, PARTITIONED_CASES)))
 
 
-def _two_ranks() -> list:
-    """``_accumulation`` of ``TWO_RANK_CASES`` on two ranks (fresh processes, their own rendezvous); rank 0's."""
+def _on_ranks(world: int) -> list:
+    """``_accumulation`` of ``PARTITIONED_CASES`` on ``world`` ranks (fresh processes, their own rendezvous):
+    rank 0's, every rank's being alike."""
     import socket
 
     import torch.multiprocessing as mp
@@ -131,23 +132,27 @@ def _two_ranks() -> list:
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_two_rank_worker, args=(rank, port, queue)) for rank in range(2)]
+    procs = [ctx.Process(target=_rank_worker, args=(rank, world, port, queue)) for rank in range(world)]
     for proc in procs:
         proc.start()
     out = dict(queue.get(timeout=600) for _ in procs)
     for proc in procs:
         proc.join(timeout=60)
-    assert out[0] == out[1], out  # the two ranks' partitions are alike
+    assert all(out[r] == out[0] for r in out), out  # the ranks' partitions are alike
     return out[0]
 
 
 #: (pipeline engine, ZeRO stage, grad_accum_dtype) of the ``accumulation`` cases: BF16_Optimizer with its bf16 buffer
 #: (the pipeline engine's default) and its fp32 one (ZeRO 1, fp32), FP16_Optimizer in bf16 (ZeRO 0 without a
-#: pipeline), the ZeRO-1 and ZeRO-2 optimizers; ZeRO 2 also on two ranks (``accumulation_two_ranks``), where the
-#: passes over the rank's gradient partition move half as much
-ACCUMULATION_CASES = [(True, 0, None), (False, 1, "fp32"), (False, 0, None), (False, 1, None), (False, 2, None)]
-TWO_RANK_CASES = [(False, 2, None)]
-IN_FEATURES, OUT_FEATURES = 24, 40  # two bias-free linears of 960 elements; activations of 2 x 24 and 2 x 40
+#: pipeline), the ZeRO-1, ZeRO-2 and ZeRO-3 optimizers; ZeRO 2 and 3 also on two and four ranks
+#: (``accumulation_ranks``), where the passes over the rank's gradient partition move 1 / N as much
+ACCUMULATION_CASES = [(True, 0, None), (False, 1, "fp32"), (False, 0, None), (False, 1, None), (False, 2, None),
+                      (False, 3, None)]
+PARTITIONED_CASES = [(False, 2, None), (False, 3, None)]
+PARTITION_RANKS = (2, 4)
+#: eight bias-free linears of 960 elements (activations of 2 x 24 and 2 x 40): on two or four ranks the gradient
+#: partitions fall on whole linears, so a pass over the partition shows as 1 / N of the parameters
+IN_FEATURES, OUT_FEATURES, LINEARS = 24, 40, 8
 
 
 def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
@@ -155,9 +160,12 @@ def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    numel = IN_FEATURES * OUT_FEATURES
+    import torch.distributed as dist
+
+    numel = IN_FEATURES * OUT_FEATURES // dist.get_world_size()  # a weight, or its partition under ZeRO 3
     skipped = {"mm", "addmm", "bmm", "t", "view", "detach", "_unsafe_view", "as_strided", "alias", "transpose",
-               "expand", "permute", "slice", "empty", "allreduce_", "cat"}  # GEMMs, views, the boundary's reduction
+               "expand", "permute", "slice", "empty", "allreduce_", "cat", "split", "narrow", "_reduce_scatter_base_",
+               "allgather_", "_allgather_base_", "reduce_scatter_"}  # GEMMs, views, the collectives
 
     class Recorder(TorchDispatchMode):
         def __init__(self):
@@ -192,8 +200,8 @@ def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
     results = []
     for pipe, stage, accum in cases:
         torch.manual_seed(0)
-        layers = [torch.nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False),
-                  torch.nn.Linear(OUT_FEATURES, IN_FEATURES, bias=False)]
+        layers = [torch.nn.Linear(*((IN_FEATURES, OUT_FEATURES) if i % 2 == 0 else (OUT_FEATURES, IN_FEATURES)),
+                                  bias=False) for i in range(LINEARS)]
         model = PipelineModule(layers=layers, num_stages=1, loss_fn=lambda out, _: out.float().sum()) if pipe \
             else torch.nn.Sequential(*layers)
         config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
@@ -202,7 +210,7 @@ def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
         if accum:
             config["data_types"] = {"grad_accum_dtype": accum}
         eng = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)[0]
-        elements = sum(p.numel() for p in model.parameters())
+        elements = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO 3: the whole size
         per_micro = []
         if pipe:
             backward = eng._INSTRUCTION_MAP[schedule.BackwardPass]

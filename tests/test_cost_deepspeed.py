@@ -147,7 +147,8 @@ def test_gradient_accumulation_passes_hand_computed():
     assert cost.grad_accum_s(model, H100, ds, zero1, stage0) == pytest.approx(6 * stage0 / rate)
     zero2 = Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=2)  # the bucket's 8 B, the partition's 14 B / 16
     assert cost.grad_accum_s(model, H100, ds, zero2, stage0) == pytest.approx((8 + 14 / 16) * stage0 / rate)
-    assert cost.grad_accum_s(model, H100, ds, zero2.model_copy(update={"zero_stage": 3}), stage0) == 0
+    zero3 = zero2.model_copy(update={"zero_stage": 3})  # the bucket's 8 B, the partition's 10 B / 16
+    assert cost.grad_accum_s(model, H100, ds, zero3, stage0) == pytest.approx((8 + 10 / 16) * stage0 / rate)
 
     est = cost.estimate_time(model, H100, ds, plan)
     last = 16 * layer + 4096 + 128256 * 4096

@@ -110,10 +110,11 @@ def test_gradient_accumulation_passes_are_the_ones_the_engine_runs(engine):
     wrapper, the operations on parameter-sized tensors besides the GEMMs of a steady micro-batch, with the bytes
     each reads and writes per parameter element (BF16_Optimizer: the 16-bit gradients zeroed, autograd's add into
     them, the add into its accumulation buffer with a cast where that buffer is fp32; FP16_Optimizer and ZeRO 1:
-    autograd's add alone; ZeRO 2: the bucket's copy and average whole, the partition's copy and add over 1 / N),
-    on one rank and, for ZeRO 2, on two."""
-    cases = [(1, case) for case in engine["accumulation"]] + [(2, case) for case in engine["accumulation_two_ranks"]]
-    assert len(cases) == 6
+    autograd's add alone; ZeRO 2 and 3: the bucket's copy and average whole, the partition's copies and add over
+    1 / N), on one rank and, for ZeRO 2 and 3, on two and four."""
+    cases = [(1, case) for case in engine["accumulation"]] + \
+        [(int(n), case) for n, ranked in engine["accumulation_ranks"].items() for case in ranked]
+    assert len(cases) == 10
     for ranks, (pipe, stage, accum, wrapper, buffer_dtype, measured) in cases:
         buffer = {"bfloat16": "bf16", "float32": "fp32", None: accum}[buffer_dtype]  # the buffer the engine made
         training = TrainingSpec(num_gpus=ranks, global_batch_size=8 * ranks, seq_len=16, framework="deepspeed",

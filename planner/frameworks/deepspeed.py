@@ -111,16 +111,19 @@ def wrapper_for(precision: str, fp16: bool, grad_accum_dtype: str | None, pipeli
 #:   (``pipe/engine.py::_exec_backward_pass``).
 #: * ``FP16_Optimizer`` and ZeRO stage 1 (``DeepSpeedZeroOptimizer``): the gradients accumulate in autograd
 #:   (``AccumulateGrad``'s add) until the boundary, where the reduction's own copies run (counted with the reduction).
-#: * ZeRO stage 2: every backward copies each gradient into the reduce bucket and averages the bucket (``div_``), all
-#:   of it, then copies the rank's reduced partition out and adds it into the partitioned gradients.
+#: * ZeRO stages 2 and 3: every backward copies each gradient into the reduce bucket and averages the bucket
+#:   (``div_``), all of it, then copies the rank's reduced partition out (stage 2 twice over) and adds it into the
+#:   partitioned gradients. Recorded on 1, 2 and 4 ranks: full + partition / N at each.
 #:
 #: The step's first micro-batch finds no gradient (``zero_grad(set_to_none=True)`` at the step) and skips the
-#: zeroing and autograd's add. ZeRO 3 (its partitioned parameters and gradients) is not counted.
+#: zeroing and autograd's add.
 GRAD_ACCUM_PASSES = {
     "bf16_optimizer": (("_foreach_zero_", 0, BF16, False), ("add_", 2 * BF16, BF16, False)),
     "fp16_optimizer": (("add_", 2 * BF16, BF16, False),),
     "zero1": (("add_", 2 * BF16, BF16, False),),
     "zero2": (("copy_", BF16, BF16, False), ("div_", BF16, BF16, False), ("copy_", 2 * BF16, 2 * BF16, True),
+              ("add_", 2 * BF16, BF16, True)),
+    "zero3": (("copy_", BF16, BF16, False), ("div_", BF16, BF16, False), ("copy_", BF16, BF16, True),
               ("add_", 2 * BF16, BF16, True)),
 }
 #: BF16_Optimizer's update of its accumulation buffer, by the buffer's bytes per element (``update_hp_grads``)
@@ -136,7 +139,7 @@ def grad_accum_passes(training, zero_stage: int, pp: int) -> tuple[tuple[str, in
         return GRAD_ACCUM_PASSES["bf16_optimizer"] + HP_GRAD_UPDATE[accumulation_bytes(training)]
     if wrapper == "fp16_optimizer":
         return GRAD_ACCUM_PASSES["fp16_optimizer"]
-    if wrapper == "zero" and zero_stage in (1, 2):
+    if wrapper == "zero":
         return GRAD_ACCUM_PASSES[f"zero{zero_stage}"]
     return ()
 
@@ -144,7 +147,8 @@ def grad_accum_passes(training, zero_stage: int, pp: int) -> tuple[tuple[str, in
 def grad_accum_bytes_per_param(training, plan) -> float:
     """Bytes each micro-batch's backward moves per local parameter outside the GEMMs (:func:`grad_accum_passes`),
     a partition's passes over 1 / (dp x cp) of them: 26 under BF16_Optimizer with an fp32 buffer (2 zeroed + 6
-    added by autograd + 6 cast + 12 added), 6 where autograd alone accumulates, 8 + 14 / N at ZeRO 2."""
+    added by autograd + 6 cast + 12 added), 6 where autograd alone accumulates, 8 + 14 / N at ZeRO 2 and
+    8 + 10 / N at ZeRO 3."""
     shards = plan.dp * plan.cp
     return float(sum((r + w) / (shards if part else 1)
                      for _, r, w, part in grad_accum_passes(training, plan.zero_stage, plan.pp)))
