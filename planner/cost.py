@@ -2189,13 +2189,15 @@ def zero3_gather_s(model: ModelSpec, hw: HardwareSpec, plan: Plan, stage: int, l
     return out
 
 
-def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params: float) -> float:
+def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params: float,
+                 last_stage: bool = True) -> float:
     """Per micro-batch: the framework's memory-bound passes that accumulate one stage's gradients outside the GEMMs
     (``FrameworkProfile.grad_accum_bytes_per_param``: DeepSpeed's BF16_Optimizer zeroes its 16-bit gradients,
     autograd adds into them and ``update_hp_grads`` adds them into the fp32 buffer, 26 B per parameter;
     ``planner.frameworks.deepspeed.GRAD_ACCUM_PASSES``, recorded on DeepSpeed's engine; at ZeRO 2 the bucket copies,
     partly over the rank's partition) over the stage's
-    ``params`` local parameters (dense and expert, ``stage_param_split``), at the HBM rate memory-bound kernels
+    ``params`` local parameters (dense and expert, ``stage_param_split``) of the pipeline's last stage or another
+    (``last_stage``: DeepSpeed's pipeline engine zeroes the others' gradients twice), at the HBM rate memory-bound kernels
     reach (``Rates.hbm_bytes_per_s``). They run on the compute stream after the micro-batch's backward and before
     the boundary's reduction (``engine.py::_backward_epilogue``), so nothing hides them. Every micro-batch pays
     the steady rate: the step's first skips the zeroing and autograd's add (8 of the 26 B), an overstatement of
@@ -2204,7 +2206,7 @@ def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     per_param = frameworks.get(training.framework).grad_accum_bytes_per_param
     if per_param is None:
         return 0.0
-    b = per_param(training, plan)
+    b = per_param(training, plan, last_stage)
     return b * params / Rates.of(hw, training.precision).hbm_bytes_per_s if b else 0.0
 
 
@@ -2248,7 +2250,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     split = [stage_param_split(model, plan, r, n) for r, n in enumerate(layers)]
     optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
                             [x[1] for x in split] if model.is_moe else None)
-    accum = np.array([grad_accum_s(model, hw, training, plan, sum(x)) for x in split])
+    accum = np.array([grad_accum_s(model, hw, training, plan, sum(x), r == p - 1) for r, x in enumerate(split)])
     grad = grad_reduction_args(training, plan.pp, plan.zero_stage, grad_reduce_trail_s(hw, training, plan, order))
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
                        overlap_grad_reduce_of(training), c, plan.pipeline_schedule, schedule_family(training), **grad,

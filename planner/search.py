@@ -538,7 +538,7 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         dpp.append([x[1] for x in rows])
         z3.append([x[2] for x in rows])
         opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
-        accum.append([grad_accum_s(model, hw, training, zp, x[3] + x[4]) for x in rows])
+        accum.append([grad_accum_s(model, hw, training, zp, x[3] + x[4], key[4]) for x, key in zip(rows, kinds)])
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
                         m, p, v, counts, before, overlap_grad_reduce_of(training),
                         c, base.pipeline_schedule, schedule_family(training),
@@ -625,7 +625,9 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order, cache: 
     terms = np.array([c[1] for c in cols], dtype=float)  # [R, Z, 3]: reduction, all-gather, ZeRO-3 gather
     by_zero = [plan.model_copy(update={"zero_stage": z}) for z in zeros]
     opt_s = [optimizer_s(model, hw, training, zp, params) for zp in by_zero]
-    accum_s = np.array([[grad_accum_s(model, hw, training, zp, x) for x in params] for zp in by_zero])  # [Z, R]
+    last = [r == plan.pp - 1 for r, _ in rows]
+    accum_s = np.array([[grad_accum_s(model, hw, training, zp, x, end) for x, end in zip(params, last)]
+                        for zp in by_zero])  # [Z, R]
     return terms[..., 0].T, terms[..., 1].T, terms[..., 2].T, np.array(opt_s), accum_s
 
 

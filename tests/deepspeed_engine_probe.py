@@ -12,7 +12,8 @@
   parameter-sized tensors besides the GEMMs, per optimizer wrapper: ``[name, bytes read, bytes written]`` per
   parameter element, recorded with a ``TorchDispatchMode`` around the engine's backward (the pipeline engine's
   ``BackwardPass`` instruction for a ``PipelineModule``), gradient accumulation 4, with the dtype of BF16_Optimizer's
-  accumulation buffer; ``accumulation_ranks``: the ZeRO 2 and 3 cases again on two and four ranks.
+  accumulation buffer; ``accumulation_ranks``: the ZeRO 2 and 3 cases again on two and four ranks, and the pipeline
+  engine with a stage per rank, per rank.
 
 Run as ``python tests/deepspeed_engine_probe.py PORT``; prints one JSON line."""
 
@@ -121,8 +122,8 @@ def _rank_worker(rank: int, world: int, port: int, queue) -> None:
 
 
 def _on_ranks(world: int) -> list:
-    """``_accumulation`` of ``PARTITIONED_CASES`` on ``world`` ranks (fresh processes, their own rendezvous):
-    rank 0's, every rank's being alike."""
+    """``_accumulation`` of ``PARTITIONED_CASES`` on ``world`` ranks (fresh processes, their own rendezvous), one
+    list per rank."""
     import socket
 
     import torch.multiprocessing as mp
@@ -138,17 +139,17 @@ def _on_ranks(world: int) -> list:
     out = dict(queue.get(timeout=600) for _ in procs)
     for proc in procs:
         proc.join(timeout=60)
-    assert all(out[r] == out[0] for r in out), out  # the ranks' partitions are alike
-    return out[0]
+    return [out[r] for r in range(world)]
 
 
 #: (pipeline engine, ZeRO stage, grad_accum_dtype) of the ``accumulation`` cases: BF16_Optimizer with its bf16 buffer
 #: (the pipeline engine's default) and its fp32 one (ZeRO 1, fp32), FP16_Optimizer in bf16 (ZeRO 0 without a
 #: pipeline), the ZeRO-1, ZeRO-2 and ZeRO-3 optimizers; ZeRO 2 and 3 also on two and four ranks
-#: (``accumulation_ranks``), where the passes over the rank's gradient partition move 1 / N as much
+#: (``accumulation_ranks``), where the passes over the rank's gradient partition move 1 / N as much, and the
+#: pipeline engine's BF16_Optimizer with a stage per rank
 ACCUMULATION_CASES = [(True, 0, None), (False, 1, "fp32"), (False, 0, None), (False, 1, None), (False, 2, None),
                       (False, 3, None)]
-PARTITIONED_CASES = [(False, 2, None), (False, 3, None)]
+PARTITIONED_CASES = [(False, 2, None), (False, 3, None), (True, 0, None)]
 PARTITION_RANKS = (2, 4)
 #: eight bias-free linears of 960 elements (activations of 2 x 24 and 2 x 40): on two or four ranks the gradient
 #: partitions fall on whole linears, so a pass over the partition shows as 1 / N of the parameters
@@ -202,8 +203,10 @@ def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
         torch.manual_seed(0)
         layers = [torch.nn.Linear(*((IN_FEATURES, OUT_FEATURES) if i % 2 == 0 else (OUT_FEATURES, IN_FEATURES)),
                                   bias=False) for i in range(LINEARS)]
-        model = PipelineModule(layers=layers, num_stages=1, loss_fn=lambda out, _: out.float().sum()) if pipe \
-            else torch.nn.Sequential(*layers)
+        # a pipeline over every rank: on two, rank 0 is a first stage, whose backward clears and updates the
+        # gradients itself (PipelineEngine._exec_backward_pass), the last one through the engine's backward
+        model = PipelineModule(layers=layers, num_stages=dist.get_world_size(),
+                               loss_fn=lambda out, _: out.float().sum()) if pipe else torch.nn.Sequential(*layers)
         config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
                   "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
                   "bf16": {"enabled": True}, "zero_optimization": {"stage": stage}}

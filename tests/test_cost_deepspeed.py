@@ -141,6 +141,8 @@ def test_gradient_accumulation_passes_hand_computed():
     ds = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, framework="deepspeed")
     plan = Plan(tp=1, pp=2, dp=8, micro_batch_size=1, zero_stage=0)
     assert cost.grad_accum_s(model, H100, ds, plan, stage0) == pytest.approx(26 * stage0 / rate)
+    # a stage before the pipeline's last zeroes its gradients twice (tests/test_deepspeed_engine.py)
+    assert cost.grad_accum_s(model, H100, ds, plan, stage0, last_stage=False) == pytest.approx(28 * stage0 / rate)
     bf16_buffer = ds.model_copy(update={"deepspeed": ds.deepspeed.model_copy(update={"grad_accum_dtype": "bf16"})})
     assert cost.grad_accum_s(model, H100, bf16_buffer, plan, stage0) == pytest.approx(14 * stage0 / rate)
     zero1 = plan.model_copy(update={"zero_stage": 1})  # the ZeRO-1 optimizer: autograd's add alone

@@ -111,20 +111,25 @@ def test_gradient_accumulation_passes_are_the_ones_the_engine_runs(engine):
     each reads and writes per parameter element (BF16_Optimizer: the 16-bit gradients zeroed, autograd's add into
     them, the add into its accumulation buffer with a cast where that buffer is fp32; FP16_Optimizer and ZeRO 1:
     autograd's add alone; ZeRO 2 and 3: the bucket's copy and average whole, the partition's copies and add over
-    1 / N), on one rank and, for ZeRO 2 and 3, on two and four."""
-    cases = [(1, case) for case in engine["accumulation"]] + \
-        [(int(n), case) for n, ranked in engine["accumulation_ranks"].items() for case in ranked]
-    assert len(cases) == 10
-    for ranks, (pipe, stage, accum, wrapper, buffer_dtype, measured) in cases:
+    1 / N), on one rank and, for ZeRO 2 and 3, on two and four; and under the pipeline engine with a stage per rank,
+    where the stages before the last zero BF16_Optimizer's gradients twice."""
+    cases = [(1, 0, case) for case in engine["accumulation"]] + \
+        [(int(n), rank, case) for n, ranked in engine["accumulation_ranks"].items()
+         for rank, cases_of_rank in enumerate(ranked) for case in cases_of_rank]
+    assert len(cases) == 6 + 2 * 3 + 4 * 3
+    for ranks, rank, (pipe, stage, accum, wrapper, buffer_dtype, measured) in cases:
         buffer = {"bfloat16": "bf16", "float32": "fp32", None: accum}[buffer_dtype]  # the buffer the engine made
         training = TrainingSpec(num_gpus=ranks, global_batch_size=8 * ranks, seq_len=16, framework="deepspeed",
                                 deepspeed={"pipeline_engine": pipe, "grad_accum_dtype": buffer})
-        plan = Plan(tp=1, pp=1, dp=ranks, micro_batch_size=2, zero_stage=stage)
-        assert ds_profile.optimizer_wrapper(training, stage, 1) == CLASSES[wrapper]
+        pp = ranks if pipe else 1  # the probe's pipeline has a stage per rank, else the ranks shard the gradients
+        plan = Plan(tp=1, pp=pp, dp=ranks // pp, micro_batch_size=2, zero_stage=stage)
+        last = rank == pp - 1
+        assert ds_profile.optimizer_wrapper(training, stage, pp) == CLASSES[wrapper]
         ours: dict = {}
-        for name, read, written, partition in ds_profile.grad_accum_passes(training, stage, 1):
-            share = 1 / ranks if partition else 1
+        for name, read, written, partition in ds_profile.grad_accum_passes(training, stage, pp, last):
+            share = 1 / plan.dp if partition else 1
             r, w = ours.get(name, (0, 0))
             ours[name] = (r + read * share, w + written * share)
-        assert sorted([name, float(r), float(w)] for name, (r, w) in ours.items()) == measured, (wrapper, accum, ranks)
-        assert ds_profile.grad_accum_bytes_per_param(training, plan) == sum(r + w for _, r, w in measured)
+        assert sorted([name, float(r), float(w)] for name, (r, w) in ours.items()) == measured, \
+            (wrapper, accum, ranks, rank)
+        assert ds_profile.grad_accum_bytes_per_param(training, plan, last) == sum(r + w for _, r, w in measured)

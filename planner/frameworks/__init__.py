@@ -102,7 +102,7 @@ class FrameworkProfile:
     # DeepSpeed's pipeline engine keeps stage outputs, received inputs, its receive buffers and the last stage's module
     # outputs (planner.memory.deepspeed_pipe_tensor_counts)
     deepspeed_pipe_buffers: bool = False
-    # (training, plan) -> bytes each micro-batch's backward moves per local parameter outside the GEMMs, to
+    # (training, plan, last_stage) -> bytes each micro-batch's backward moves per local parameter outside the GEMMs, to
     # accumulate the gradients (DeepSpeed's BF16_Optimizer and autograd's accumulation: planner.cost.grad_accum_s);
     # None: none beyond the GEMMs (Megatron-Core accumulates in the weight-gradient GEMM, gradient_accumulation_fusion)
     grad_accum_bytes_per_param: Callable | None = None

@@ -107,8 +107,9 @@ def wrapper_for(precision: str, fp16: bool, grad_accum_dtype: str | None, pipeli
 #:   (``grad += new``, the gradient exists); ``backward_epilogue`` -> ``update_hp_grads`` -> ``_update_hp_grad``:
 #:   ``hp_grad.add_(lp.grad.to(hp_grad.dtype))``, one parameter at a time, into the accumulation buffer (fp32: a
 #:   cast and an fp32 add; bf16 (``grad_accum_dtype``): the add alone, ``HP_GRAD_UPDATE``). The pipeline engine's
-#:   non-last stages call ``clear_lp_grads`` and ``update_hp_grads`` themselves
-#:   (``pipe/engine.py::_exec_backward_pass``).
+#:   stages before the last call ``clear_lp_grads`` and ``update_hp_grads`` themselves
+#:   (``pipe/engine.py::_exec_backward_pass``), and their ``outputs.backward`` runs the engine's backward prologue
+#:   too: the gradients are zeroed twice there (``PIPELINE_EXTRA_ZEROING``).
 #: * ``FP16_Optimizer`` and ZeRO stage 1 (``DeepSpeedZeroOptimizer``): the gradients accumulate in autograd
 #:   (``AccumulateGrad``'s add) until the boundary, where the reduction's own copies run (counted with the reduction).
 #: * ZeRO stages 2 and 3: every backward copies each gradient into the reduce bucket and averages the bucket
@@ -126,17 +127,23 @@ GRAD_ACCUM_PASSES = {
     "zero3": (("copy_", BF16, BF16, False), ("div_", BF16, BF16, False), ("copy_", BF16, BF16, True),
               ("add_", 2 * BF16, BF16, True)),
 }
+#: BF16_Optimizer under the pipeline engine, on a stage before the last: ``clear_lp_grads`` once more
+PIPELINE_EXTRA_ZEROING = (("_foreach_zero_", 0, BF16, False),)
 #: BF16_Optimizer's update of its accumulation buffer, by the buffer's bytes per element (``update_hp_grads``)
 HP_GRAD_UPDATE = {FP32: (("_to_copy", BF16, FP32, False), ("add_", 2 * FP32, FP32, False)),
                   BF16: (("add_", 2 * BF16, BF16, False),)}
 
 
-def grad_accum_passes(training, zero_stage: int, pp: int) -> tuple[tuple[str, int, int, bool], ...]:
+def grad_accum_passes(training, zero_stage: int, pp: int, last_stage: bool = True
+                      ) -> tuple[tuple[str, int, int, bool], ...]:
     """The memory-bound passes each micro-batch's backward runs over the local parameters (``GRAD_ACCUM_PASSES``),
-    for the optimizer wrapper this job gets (:func:`optimizer_wrapper`); empty where none is counted."""
+    for the optimizer wrapper this job gets (:func:`optimizer_wrapper`) on a stage that is the pipeline's last or
+    not (``last_stage``); empty where none is counted."""
     wrapper = optimizer_wrapper(training, zero_stage, pp)
     if wrapper == "bf16_optimizer":
-        return GRAD_ACCUM_PASSES["bf16_optimizer"] + HP_GRAD_UPDATE[accumulation_bytes(training)]
+        extra = () if last_stage or not runs_pipeline_engine(training.deepspeed.pipeline_engine, pp) \
+            else PIPELINE_EXTRA_ZEROING
+        return GRAD_ACCUM_PASSES["bf16_optimizer"] + extra + HP_GRAD_UPDATE[accumulation_bytes(training)]
     if wrapper == "fp16_optimizer":
         return GRAD_ACCUM_PASSES["fp16_optimizer"]
     if wrapper == "zero":
@@ -144,14 +151,14 @@ def grad_accum_passes(training, zero_stage: int, pp: int) -> tuple[tuple[str, in
     return ()
 
 
-def grad_accum_bytes_per_param(training, plan) -> float:
+def grad_accum_bytes_per_param(training, plan, last_stage: bool = True) -> float:
     """Bytes each micro-batch's backward moves per local parameter outside the GEMMs (:func:`grad_accum_passes`),
     a partition's passes over 1 / (dp x cp) of them: 26 under BF16_Optimizer with an fp32 buffer (2 zeroed + 6
-    added by autograd + 6 cast + 12 added), 6 where autograd alone accumulates, 8 + 14 / N at ZeRO 2 and
-    8 + 10 / N at ZeRO 3."""
+    added by autograd + 6 cast + 12 added; 28 on a pipeline stage before the last), 6 where autograd alone
+    accumulates, 8 + 14 / N at ZeRO 2 and 8 + 10 / N at ZeRO 3."""
     shards = plan.dp * plan.cp
     return float(sum((r + w) / (shards if part else 1)
-                     for _, r, w, part in grad_accum_passes(training, plan.zero_stage, plan.pp)))
+                     for _, r, w, part in grad_accum_passes(training, plan.zero_stage, plan.pp, last_stage)))
 
 
 def accumulation_bytes(training) -> int:
