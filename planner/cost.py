@@ -2197,8 +2197,8 @@ def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     ``planner.frameworks.deepspeed.GRAD_ACCUM_PASSES``, recorded on DeepSpeed's engine; at ZeRO 2 the bucket copies,
     partly over the rank's partition) over the stage's
     ``params`` local parameters (dense and expert, ``stage_param_split``) of the pipeline's last stage or another
-    (``last_stage``: DeepSpeed's pipeline engine zeroes the others' gradients twice), at the HBM rate memory-bound kernels
-    reach (``Rates.hbm_bytes_per_s``). They run on the compute stream after the micro-batch's backward and before
+    (``last_stage``: DeepSpeed's pipeline engine zeroes the others' gradients twice), at the HBM rate memory-bound
+    kernels reach (``Rates.hbm_bytes_per_s``). They run on the compute stream after the micro-batch's backward and before
     the boundary's reduction (``engine.py::_backward_epilogue``), so nothing hides them. Every micro-batch pays
     the steady rate: the step's first skips the zeroing and autograd's add (8 of the 26 B), an overstatement of
     at most 8 / 26 / m of the term. 0 for frameworks that accumulate inside the weight-gradient GEMM (Megatron-Core's

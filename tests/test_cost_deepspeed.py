@@ -129,7 +129,8 @@ def test_check_refuses_an_unknown_reduction_dtype(tmp_path):
 def test_gradient_accumulation_passes_hand_computed():
     """BF16_Optimizer's per-micro-batch passes (tests/test_deepspeed_engine.py records them on the engine): 26 B per
     local parameter with its fp32 buffer on the pipeline's last stage (28 on a stage before it, which zeroes twice),
-    moved at the profile's HBM rate, on every micro-batch, and the step grows by m times the pacing stage's share. Llama-3-8B, tp 1 pp 2 dp 8 under the pipeline engine:
+    moved at the profile's HBM rate, on every micro-batch, and the step grows by m times the pacing stage's share.
+    Llama-3-8B, tp 1 pp 2 dp 8 under the pipeline engine:
     stage 0 holds 16 layers of 218,112,000 parameters (4096 x 6144 QKV, 4096 x 4096 out, 3 x 4096 x 14336 MLP, two
     4096 norms) and the 128,256 x 4096 embedding; the last stage the same 16 layers, the final norm and the output
     layer. Megatron accumulates inside the weight-gradient GEMM: no such term."""

@@ -99,8 +99,9 @@ def wrapper_for(precision: str, fp16: bool, grad_accum_dtype: str | None, pipeli
 #: What each micro-batch's backward moves per local parameter outside the GEMMs, per optimizer wrapper, as
 #: (operation, bytes read, bytes written, over the rank's partition) per parameter element in a steady micro-batch
 #: (not the step's first); a pass over the partition moves its bytes for 1 / N of the parameters (N the ranks
-#: that shard the gradients). DeepSpeed 0.19.8, recorded on the engine itself on CPU on one rank and, for ZeRO 2, on
-#: two (tests/deepspeed_engine_probe.py ``accumulation``):
+#: that shard the gradients). DeepSpeed 0.19.8, recorded on the engine itself on CPU on one rank and, for ZeRO 2 and
+#: 3 and the pipeline engine with a stage per rank, on two and four (tests/deepspeed_engine_probe.py ``accumulation``,
+#: ``accumulation_ranks``):
 #:
 #: * ``BF16_Optimizer``: ``backward_prologue`` -> ``clear_lp_grads`` zeroes the 16-bit gradients
 #:   (``torch._foreach_zero_``); autograd's ``AccumulateGrad`` adds the new weight gradient into the zeroed one
