@@ -319,3 +319,27 @@ def test_precision_fp16_is_a_bf16_costed_job_in_fp16(runner, tmp_path):
     again = scenario_from_options(str(plan), model=None, hardware=None, gpus=None, global_batch=None, seq_len=None,
                                   precision="bf16")
     assert again.training.fp16 is False
+
+
+def test_search_says_before_searching_what_emit_of_the_plan_will_refuse(runner, tmp_path):
+    """A plan searched for torchtitan of a model torchtitan ships no config for (Mixtral-8x7B) cannot be emitted in
+    the framework's own format: `plan3d emit plan.json` refuses it. The search says so on stderr, once, with the
+    reason, and still writes the plan (its memory and time stand); --quiet and --json stay silent."""
+    job = ["search", "--model", "mixtral-8x7b", "--hardware", "h100-sxm-80gb", "--gpus", "64", "--global-batch",
+           "512", "--seq-len", "4096", "--framework", "torchtitan", "--top", "0", "--pp", "1"]
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, [*job, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].startswith("note: `plan3d emit` will not write this job's torchtitan launch files (1 reason")
+    assert lines[1] == ("  - torchtitan ships no model for mixtral-8x7b; it has deepseek-v3, llama3-405b, llama3-70b, "
+                        "llama3-8b, qwen3-30b-a3b among plan3d's presets (use --format megatron, or search with "
+                        "--framework megatron for a plan Megatron-LM runs)")
+    assert out.exists()
+    emitted = runner.invoke(app, ["emit", str(out), "--out-dir", str(tmp_path / "launch")])
+    assert emitted.exit_code == 2 and "torchtitan ships no model for mixtral-8x7b" in emitted.output
+    for quiet in ("--quiet", "--json"):
+        res = runner.invoke(app, [*job, quiet])
+        assert res.exit_code == 0 and "plan3d emit" not in res.output, res.output
+    plain = runner.invoke(app, [*job[:-6], "--top", "0", "--pp", "1"])  # the Megatron default: its files can be written
+    assert plain.exit_code == 0 and "note: `plan3d emit`" not in plain.output, plain.output

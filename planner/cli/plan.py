@@ -164,6 +164,9 @@ def search(
         emit_problems = job_problems(spec_model, training, parse_formats(emit_formats))
         if emit_problems:
             raise SpecError(emit_problems)
+    elif not (quiet or json_out):  # what `plan3d emit` of the plan file will refuse, said before the search
+        for line in own_format_notes(spec_model, training):
+            typer.echo(line, err=True)
     spin_quiet = quiet or json_out
     if len(counts) > 1:
         if out or emit_formats:
@@ -213,6 +216,22 @@ def search(
         render.print_search(console(), result)
         if out:
             console().print(f"Plan written to {out}")
+
+
+def own_format_notes(model, training) -> list[str]:
+    """One note per refusal that ``plan3d emit`` without ``--format`` (the framework's own launch files,
+    ``planner.emit.default_formats``) will give whatever plan the search finds (``planner.emit.job_problems``): a
+    torchtitan search of a model torchtitan 0.3.0 ships no config for, say. The plan's memory and step time still
+    stand (a model registered with torchtitan by hand runs under the same semantics); ``--emit`` refuses the same up
+    front."""
+    from planner.emit import default_formats, job_problems, parse_formats
+
+    problems = job_problems(model, training, parse_formats(default_formats(training.framework)))
+    if not problems:
+        return []
+    return [f"note: `plan3d emit` will not write this job's {training.framework} launch files "
+            f"({len(problems)} reason{'s' if len(problems) > 1 else ''}; the plan's memory and time stand):",
+            *(f"  - {line.split(': ', 1)[1] if line.startswith('--') else line}" for line in problems)]
 
 
 def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: bool) -> dict:

@@ -64,7 +64,8 @@ def job_problems(model, training) -> list[str]:
         return [f"--emit torchtitan: {NO_FP16}; use --format megatron or deepspeed, or precision bf16"]
     if model.name not in REGISTRY:
         return [f"--emit torchtitan: torchtitan ships no model for {slug(model.name)}; "
-                f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets"]
+                f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets (use --format megatron, or search "
+                f"with --framework megatron for a plan Megatron-LM runs)"]
     _, configs = REGISTRY[model.name]
     if training.precision not in configs:
         trains = " and ".join(f"{c} trains in {prec}" for prec, c in configs.items())
