@@ -2210,6 +2210,15 @@ def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     return b * params / Rates.of(hw, training.precision).hbm_bytes_per_s if b else 0.0
 
 
+def stage_grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
+                       split=None) -> np.ndarray:
+    """:func:`grad_accum_s` of every pipeline stage [p], each over its own local parameters (``split``: each stage's
+    ``stage_param_split``, computed here when not given); all 0 outside DeepSpeed."""
+    if split is None:
+        split = [stage_param_split(model, plan, r, n) for r, n in enumerate(plan.stage_layers(model.num_layers))]
+    return np.array([grad_accum_s(model, hw, training, plan, sum(x), r == plan.pp - 1) for r, x in enumerate(split)])
+
+
 def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params_per_stage,
                 expert_params_per_stage=None) -> float:
     """Adam on the largest stage's local shard: ``ADAM_BYTES_PER_PARAM`` moved per parameter. MoE: the
@@ -2250,7 +2259,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     split = [stage_param_split(model, plan, r, n) for r, n in enumerate(layers)]
     optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
                             [x[1] for x in split] if model.is_moe else None)
-    accum = np.array([grad_accum_s(model, hw, training, plan, sum(x), r == p - 1) for r, x in enumerate(split)])
+    accum = stage_grad_accum_s(model, hw, training, plan, split)
     grad = grad_reduction_args(training, plan.pp, plan.zero_stage, grad_reduce_trail_s(hw, training, plan, order))
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,
                        overlap_grad_reduce_of(training), c, plan.pipeline_schedule, schedule_family(training), **grad,

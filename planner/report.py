@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.cost import estimate_time, stage_times
+from planner.cost import estimate_time, stage_grad_accum_s, stage_times
 from planner.memory import estimate_memory
 from planner.presets import SpecError
 from planner.schedules import rank_actions
@@ -58,14 +58,17 @@ def simulate_timeline(sc: Scenario) -> list[Op]:
     """Start and end of every forward and backward of one step, from the cost model's per-micro-batch times.
 
     Each op waits for its stage and for its input: the same micro-batch and chunk on the previous
-    stage (forward) or the next stage (backward), plus one P2P transfer.
+    stage (forward) or the next stage (backward), plus one P2P transfer. A backward includes the framework's
+    per-micro-batch gradient accumulation passes (``cost.stage_grad_accum_s``: DeepSpeed's, which run on the compute
+    stream after each micro-batch's backward; 0 elsewhere), as the step time counts them.
     """
     plan = sc.resolved_plan()
     p, v, m = plan.pp, plan.vpp, plan.num_microbatches
     times = stage_times(sc.model, sc.hardware, sc.training, plan)
+    accum = stage_grad_accum_s(sc.model, sc.hardware.for_job(sc.training.num_gpus), sc.training, plan)
     hop = [t.pp_comm / (2 * v) if p > 1 else 0.0 for t in times]  # one transfer
     fwd = [(t.fwd - t.pp_comm / 2) / v for t in times]
-    bwd = [(t.bwd - t.pp_comm / 2) / v for t in times]
+    bwd = [(t.bwd - t.pp_comm / 2 + a) / v for t, a in zip(times, accum)]
     orders = [rank_actions("megatron", p, v, m, r) for r in range(p)]
     pos, free = [0] * p, [0.0] * p
     done: dict[tuple, float] = {}

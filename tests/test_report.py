@@ -89,6 +89,29 @@ def test_timeline_1f1b_makespan_matches_the_bubble_formula():
     assert max(o.end_s for o in ops) <= (8 + 4 - 1) * slot + 1e-9
 
 
+def test_timeline_backward_includes_deepspeeds_accumulation_passes():
+    """Under DeepSpeed each micro-batch's backward ends with BF16_Optimizer's accumulation passes (26 B per local
+    parameter on the last stage, 28 on the one before it; tests/test_cost_deepspeed.py derives the parameter counts
+    of Llama-3-8B's two stages), which the step time counts: the timeline draws them in every backward."""
+    layer = 4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+    params = (16 * layer + 128256 * 4096, 16 * layer + 4096 + 128256 * 4096)  # stage 0, stage 1
+    rate = 3350e9 * 0.8  # h100-sxm-80gb: hbm_bandwidth_gbps x hbm_efficiency
+    sc = Scenario(model=load_model("llama3-8b"), hardware=load_hardware("h100-sxm-80gb"),
+                  training=TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, framework="deepspeed"),
+                  plan=Plan(tp=1, pp=2, dp=8, micro_batch_size=1, zero_stage=0))
+    times = stage_times(sc.model, sc.hardware, sc.training, sc.plan)
+    ops = simulate_timeline(sc)
+    for r, (per_param, n) in enumerate(zip((28, 26), params)):
+        backward = [o.end_s - o.start_s for o in ops if o.stage == r and o.kind == "B"]
+        assert len(backward) == 8
+        expected = times[r].bwd - times[r].pp_comm / 2 + per_param * n / rate
+        assert backward == pytest.approx([expected] * 8, rel=1e-9)
+    megatron = sc.model_copy(update={"training": sc.training.model_copy(update={"framework": "megatron"})})
+    t0 = stage_times(megatron.model, megatron.hardware, megatron.training, megatron.plan)[0]
+    drawn = [o.end_s - o.start_s for o in simulate_timeline(megatron) if o.stage == 0 and o.kind == "B"]
+    assert drawn == pytest.approx([t0.bwd - t0.pp_comm / 2] * 8, rel=1e-12)  # Megatron accumulates in the GEMM
+
+
 def test_map_marks_infeasible_cells_with_a_reason(rendered):
     _, _, figures = rendered
     cells = figures["map"]["cells"]
