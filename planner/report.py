@@ -59,8 +59,8 @@ def simulate_timeline(sc: Scenario) -> list[Op]:
 
     Each op waits for its stage and for its input: the same micro-batch and chunk on the previous
     stage (forward) or the next stage (backward), plus one P2P transfer. A backward includes the framework's
-    per-micro-batch gradient accumulation passes (``cost.stage_grad_accum_s``: DeepSpeed's, which run on the compute
-    stream after each micro-batch's backward; 0 elsewhere), as the step time counts them.
+    per-micro-batch gradient accumulation passes (``cost.stage_grad_accum_s``: DeepSpeed's and FSDP2's, which run on the
+    compute stream in each micro-batch's backward; 0 under Megatron-Core), as the step time counts them.
     """
     plan = sc.resolved_plan()
     p, v, m = plan.pp, plan.vpp, plan.num_microbatches

@@ -103,7 +103,8 @@ class FrameworkProfile:
     # outputs (planner.memory.deepspeed_pipe_tensor_counts)
     deepspeed_pipe_buffers: bool = False
     # (training, plan, last_stage) -> bytes each micro-batch's backward moves per local parameter outside the GEMMs, to
-    # accumulate the gradients (DeepSpeed's BF16_Optimizer and autograd's accumulation: planner.cost.grad_accum_s);
+    # accumulate the gradients (DeepSpeed's BF16_Optimizer and autograd's accumulation; FSDP2's unsharded fp32
+    # accumulation under a pipeline and its reduce-scatter copy-in without one: planner.cost.grad_accum_s);
     # None: none beyond the GEMMs (Megatron-Core accumulates in the weight-gradient GEMM, gradient_accumulation_fusion)
     grad_accum_bytes_per_param: Callable | None = None
     allows_fp8: bool = True

@@ -354,6 +354,49 @@ def logits_bytes_per_element(training, plan) -> float:
     return COMPILED_LOGITS_BYTES_PER_ELEMENT if training.compiled_loss else LOGITS_BYTES_PER_ELEMENT
 
 
+#: The gradient passes FSDP2 runs on the compute stream in each micro-batch's backward, over the stage's parameters
+#: besides the GEMMs: (operation, bytes read, bytes written) per local parameter element (the whole, unsharded
+#: stage), by whether a pipeline defers the reduce-scatter and the parameters' compute dtype. Recorded on torch 2.13's
+#: ``fully_shard`` and ``torch.distributed.pipelining`` on four gloo ranks (tests/fsdp2_accumulation_probe.py,
+#: compared in tests/test_fsdp2_accumulation.py):
+#:
+#: * under a pipeline (``PipelineStage.backward_maybe_with_nosync``: ``set_requires_gradient_sync(False)`` until the
+#:   last micro-batch) each steady backward adds the new bf16 gradient into the fp32 unsharded one
+#:   (``FSDPParamGroup.post_backward`` -> ``FSDPParam.accumulate_unsharded_grad_if_needed``, on the current stream):
+#:   fp32 read and written, bf16 read, 10 B; with fp32 parameters autograd's own accumulation into ``.grad``, 12 B.
+#:   The step's first backward casts instead (``to_accumulated_grad_if_needed``: 2 read, 4 written): charging the
+#:   steady 10 B to all m overstates the term by 4 / (10 m);
+#: * without a pipeline each backward reduce-scatters: ``foreach_reduce`` copies the bf16 gradients into the fp32
+#:   reduce-scatter input (``foreach_reduce_scatter_copy_in``, ``fsdp::chunk_cat``) on the current stream before the
+#:   reduce-scatter stream waits for it: 2 read, 4 written (fp32: 4 and 4). What follows (the division, the copy and
+#:   add into the sharded gradient) runs on the reduce-scatter stream, alongside the next layers' backward.
+#:
+#: Not charged: the all-gather's copy-out into the unsharded parameters (``fsdp::split_with_sizes_copy``, 2 B read and
+#: 2 written per gathered element, on the current stream in ``wait_for_unshard``; recorded too), which runs once per
+#: gather, a count set per module by torchtitan's reshard policy; and ZeRO 0 (``replicate``), not recorded.
+GRAD_PASSES = {
+    ("pipeline", "bf16"): (("aten::add_", 6.0, 4.0),),
+    ("pipeline", "fp32"): (("aten::add_", 8.0, 4.0),),
+    ("plain", "bf16"): (("fsdp::chunk_cat", 2.0, 4.0),),
+    ("plain", "fp32"): (("fsdp::chunk_cat", 4.0, 4.0),),
+}
+
+
+def grad_passes(training, plan) -> tuple:
+    """The compute-stream gradient passes of one micro-batch's backward for this plan (``GRAD_PASSES``); none without
+    FSDP (zero_stage 0, not recorded)."""
+    if plan.zero_stage == 0:
+        return ()
+    return GRAD_PASSES[("pipeline" if plan.pp > 1 else "plain", "fp32" if training.precision == "fp32" else "bf16")]
+
+
+def grad_accum_bytes_per_param(training, plan, last_stage: bool = True) -> float:
+    """Bytes each micro-batch's backward moves per local parameter on the compute stream outside the GEMMs
+    (:func:`grad_passes`; ``cost.grad_accum_s``): 10 under a pipeline, 6 without one (12 and 8 with fp32 parameters),
+    0 without FSDP. The same on every stage (``last_stage`` is DeepSpeed's)."""
+    return float(sum(r + w for _, r, w in grad_passes(training, plan)))
+
+
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=True, swiglu_unfused=True, op_sac=True,
                            saves_quantized_gemm_inputs=False,  # torchao float8 (module docstring)
@@ -369,7 +412,8 @@ PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_by
                            replicates_kv_heads=False,  # models/common/decoder.py: tp must divide n_kv_heads
                            moe_host_issue="torchtitan",  # grouped experts (planner.cost.TORCHTITAN_MOE_HOST_OPS)
                            eager_block_bytes=EAGER_BLOCK_BYTES,
-                           eager_block_kernels=EAGER_BLOCK_KERNELS, eager_loss_bytes_per_logit=EAGER_LOSS_BYTES_PER_LOGIT)
+                           eager_block_kernels=EAGER_BLOCK_KERNELS, eager_loss_bytes_per_logit=EAGER_LOSS_BYTES_PER_LOGIT,
+                           grad_accum_bytes_per_param=grad_accum_bytes_per_param)  # cost.grad_accum_s
 
 # plan3d validate's own model on the same torch.distributed code: fused SwiGLU, Megatron's selective recompute
 TORCH_PROFILE = replace(PROFILE, name="torch", swiglu_unfused=False, op_sac=False,
