@@ -2195,9 +2195,9 @@ def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     (``FrameworkProfile.grad_accum_bytes_per_param``: DeepSpeed's BF16_Optimizer zeroes its 16-bit gradients,
     autograd adds into them and ``update_hp_grads`` adds them into the fp32 buffer, 26 B per parameter;
     ``planner.frameworks.deepspeed.GRAD_ACCUM_PASSES``, recorded on DeepSpeed's engine; at ZeRO 2 the bucket copies,
-    partly over the rank's partition; FSDP2's fp32 unsharded accumulation under a pipeline, 10 B, and its
-    reduce-scatter copy-in without one, 6 B: ``planner.frameworks.torchtitan.GRAD_PASSES``, recorded on torch's own
-    ``fully_shard``, also on the compute stream) over the stage's
+    partly over the rank's partition; FSDP2's fp32 unsharded accumulation under a pipeline, 10 B, and without one
+    its reduce-scatter copy-in and all-gather copy-outs, 10-14 B: ``planner.frameworks.torchtitan.microbatch_passes``,
+    recorded on torch's own ``fully_shard``, also on the compute stream) over the stage's
     ``params`` local parameters (dense and expert, ``stage_param_split``) of the pipeline's last stage or another
     (``last_stage``: DeepSpeed's pipeline engine zeroes the others' gradients twice), at the HBM rate memory-bound
     kernels reach (``Rates.hbm_bytes_per_s``). They run on the compute stream after the micro-batch's backward and before

@@ -1,17 +1,19 @@
-"""FSDP2 (``fully_shard``) on this CPU's gloo ranks, asked which memory-bound passes each micro-batch's backward runs
-over parameter-sized tensors besides the GEMMs, for tests/test_fsdp2_accumulation.py (``planner.frameworks.torchtitan
-.GRAD_PASSES``, ``cost.grad_accum_s``).
+"""FSDP2 (``fully_shard``) on this CPU's gloo ranks, asked which memory-bound passes each micro-batch runs over
+parameter-sized tensors besides the GEMMs, for tests/test_fsdp2_accumulation.py (``planner.frameworks.torchtitan
+.microbatch_passes``, ``cost.grad_accum_s``).
 
 Four ranks, torchtitan's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (and fp32 parameters, no
 policy), eight bias-free linears, four micro-batches per step, recorded with a ``TorchDispatchMode`` around each
-micro-batch's backward; per operation ``[name, bytes read, bytes written]`` per element of the stage's parameters,
+micro-batch's backward (and forward); per operation ``[name, bytes read, bytes written]`` per element of the stage's parameters,
 with the dtypes it touched:
 
 * ``pipeline``: pp 2 x dp 2, one ``fully_shard`` per linear and the stage root on the dp mesh with
   ``reshard_after_forward=False`` (torchtitan's default under PP), ``torch.distributed.pipelining``'s
   ``PipelineStage`` and ``Schedule1F1B``: the stage's ``backward_maybe_with_nosync`` recorded per call;
+  (``pipeline_forward``: its ``forward_one_chunk``);
 * ``plain``: FSDP over all four ranks, torchtitan's loop without PP (forward and backward per micro-batch, gradients
-  reduce-scattered every time).
+  reduce-scattered every time), each micro-batch's forward and backward recorded together, with torchtitan's default
+  ``reshard_after_forward=True`` (``plain``) and ``False`` (``plain_never``).
 
 Run as ``python tests/fsdp2_accumulation_probe.py PORT``; prints one JSON line."""
 
@@ -98,15 +100,18 @@ def _rank(rank: int, port: int, queue) -> None:
             fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
         fully_shard(mod, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
         stage = PipelineStage(mod, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-        calls = []
-        backward = PipelineStage.backward_maybe_with_nosync
+        calls = {"forward_one_chunk": [], "backward_maybe_with_nosync": []}
+        originals = {name: getattr(PipelineStage, name) for name in calls}
 
-        def recorded(self, *args, **kwargs):
-            with Recorder(IN_FEATURES * OUT_FEATURES) as rec:
-                result = backward(self, *args, **kwargs)
-            calls.append(rec.bytes)
-            return result
-        PipelineStage.backward_maybe_with_nosync = recorded
+        def recording(name):
+            def recorded(self, *args, **kwargs):
+                with Recorder(IN_FEATURES * OUT_FEATURES) as rec:
+                    result = originals[name](self, *args, **kwargs)
+                calls[name].append(rec.bytes)
+                return result
+            return recorded
+        for name in calls:
+            setattr(PipelineStage, name, recording(name))
         try:
             schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=lambda o, _: o.float().sum())
             if stage_index == 0:
@@ -114,23 +119,27 @@ def _rank(rank: int, port: int, queue) -> None:
             else:
                 schedule.step(target=torch.zeros(2 * MICROBATCHES, IN_FEATURES))
         finally:
-            PipelineStage.backward_maybe_with_nosync = backward
+            for name, original in originals.items():
+                setattr(PipelineStage, name, original)
         elements = sum(p.numel() for p in mod.parameters())  # the stage's whole (unsharded) parameters
-        out[f"pipeline_{precision}"] = [per_element(c, elements) for c in calls]
-        # no pipeline: FSDP over every rank, a reduce-scatter per micro-batch (torchtitan's loop)
-        mod = layers(LINEARS)
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-        for layer in mod:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(mod, mesh=mesh, mp_policy=policy)
-        elements = sum(p.numel() for p in mod.parameters())
-        calls = []
-        for _ in range(MICROBATCHES):
-            loss = mod(torch.randn(2, IN_FEATURES)).float().sum()
-            with Recorder(IN_FEATURES * OUT_FEATURES // WORLD) as rec:
-                loss.backward()
-            calls.append(rec.bytes)
-        out[f"plain_{precision}"] = [per_element(c, elements) for c in calls]
+        out[f"pipeline_{precision}"] = [per_element(c, elements) for c in calls["backward_maybe_with_nosync"]]
+        out[f"pipeline_forward_{precision}"] = [per_element(c, elements) for c in calls["forward_one_chunk"]]
+        # no pipeline: FSDP over every rank, a reduce-scatter per micro-batch (torchtitan's loop), each micro-batch's
+        # forward and backward recorded together; with torchtitan's default reshard after forward (zero_stage 3)
+        # and without ("never", its zero_stage 1 and 2)
+        for reshard in (True, False):
+            mod = layers(LINEARS)
+            mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+            for layer in mod:
+                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(mod, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+            elements = sum(p.numel() for p in mod.parameters())
+            calls = []
+            for _ in range(MICROBATCHES):
+                with Recorder(IN_FEATURES * OUT_FEATURES // WORLD) as rec:
+                    mod(torch.randn(2, IN_FEATURES)).float().sum().backward()
+                calls.append(rec.bytes)
+            out[f"plain{'' if reshard else '_never'}_{precision}"] = [per_element(c, elements) for c in calls]
     queue.put((rank, out))
     dist.destroy_process_group()
 

@@ -354,11 +354,11 @@ def logits_bytes_per_element(training, plan) -> float:
     return COMPILED_LOGITS_BYTES_PER_ELEMENT if training.compiled_loss else LOGITS_BYTES_PER_ELEMENT
 
 
-#: The gradient passes FSDP2 runs on the compute stream in each micro-batch's backward, over the stage's parameters
-#: besides the GEMMs: (operation, bytes read, bytes written) per local parameter element (the whole, unsharded
-#: stage), by whether a pipeline defers the reduce-scatter and the parameters' compute dtype. Recorded on torch 2.13's
-#: ``fully_shard`` and ``torch.distributed.pipelining`` on four gloo ranks (tests/fsdp2_accumulation_probe.py,
-#: compared in tests/test_fsdp2_accumulation.py):
+#: The passes FSDP2 runs on the compute stream in each micro-batch, over the stage's parameters besides the GEMMs:
+#: (operation, bytes read, bytes written) per local parameter element (the whole, unsharded stage). Recorded on torch
+#: 2.13's ``fully_shard`` and ``torch.distributed.pipelining`` on four gloo ranks (tests/fsdp2_accumulation_probe.py,
+#: compared in tests/test_fsdp2_accumulation.py). The gradients' (``GRAD_PASSES``), by whether a pipeline defers the
+#: reduce-scatter and the parameters' compute dtype:
 #:
 #: * under a pipeline (``PipelineStage.backward_maybe_with_nosync``: ``set_requires_gradient_sync(False)`` until the
 #:   last micro-batch) each steady backward adds the new bf16 gradient into the fp32 unsharded one
@@ -370,31 +370,48 @@ def logits_bytes_per_element(training, plan) -> float:
 #:   reduce-scatter input (``foreach_reduce_scatter_copy_in``, ``fsdp::chunk_cat``) on the current stream before the
 #:   reduce-scatter stream waits for it: 2 read, 4 written (fp32: 4 and 4). What follows (the division, the copy and
 #:   add into the sharded gradient) runs on the reduce-scatter stream, alongside the next layers' backward.
-#:
-#: Not charged: the all-gather's copy-out into the unsharded parameters (``fsdp::split_with_sizes_copy``, 2 B read and
-#: 2 written per gathered element, on the current stream in ``wait_for_unshard``; recorded too), which runs once per
-#: gather, a count set per module by torchtitan's reshard policy; and ZeRO 0 (``replicate``), not recorded.
 GRAD_PASSES = {
     ("pipeline", "bf16"): (("aten::add_", 6.0, 4.0),),
     ("pipeline", "fp32"): (("aten::add_", 8.0, 4.0),),
     ("plain", "bf16"): (("fsdp::chunk_cat", 2.0, 4.0),),
     ("plain", "fp32"): (("fsdp::chunk_cat", 4.0, 4.0),),
 }
+#: And each all-gather's copy-out into the unsharded parameters (``FSDPParamGroup.wait_for_unshard`` ->
+#: ``foreach_all_gather_copy_out``, ``fsdp::split_with_sizes_copy``, on the current stream), per gathered element, by
+#: compute dtype; how many a micro-batch runs is :func:`gathers_per_microbatch`.
+GATHER_COPY_OUT = {"bf16": ("fsdp::split_with_sizes_copy", 2.0, 2.0), "fp32": ("fsdp::split_with_sizes_copy", 4.0, 4.0)}
 
 
-def grad_passes(training, plan) -> tuple:
-    """The compute-stream gradient passes of one micro-batch's backward for this plan (``GRAD_PASSES``); none without
-    FSDP (zero_stage 0, not recorded)."""
+def gathers_per_microbatch(plan) -> int:
+    """All-gathers of the stage's parameters in a steady micro-batch, as torchtitan wraps them
+    (``distributed/fsdp.py::apply_fsdp_to_decoder``; recorded, tests/test_fsdp2_accumulation.py): under a pipeline none
+    (``reshard_after_forward`` "default" is False with PP and the nosync backwards do not reshard: the parameters are
+    gathered once per step); without one, zero_stage 3 (emitted as "default": True) gathers in the forward and again in
+    the backward, zero_stage 1 and 2 ("never") in the forward only, the backward resharding after it. Each
+    transformer block and the embedding so; the final norm and output layer are never resharded after forward unless
+    the policy is "always", so they gather once where zero_stage 3 is charged two: 4 B x their parameters per
+    micro-batch too much (Llama-3-8B: 0.53 B parameters, 0.8 ms on an H100)."""
+    if plan.zero_stage == 0 or plan.pp > 1:
+        return 0
+    return 2 if plan.zero_stage == 3 else 1
+
+
+def microbatch_passes(training, plan) -> tuple:
+    """The compute-stream passes of one micro-batch over the stage's parameters (``GRAD_PASSES`` and the all-gathers'
+    copy-outs, ``GATHER_COPY_OUT``); none without FSDP (zero_stage 0, ``replicate``: not recorded)."""
     if plan.zero_stage == 0:
         return ()
-    return GRAD_PASSES[("pipeline" if plan.pp > 1 else "plain", "fp32" if training.precision == "fp32" else "bf16")]
+    dtype = "fp32" if training.precision == "fp32" else "bf16"
+    return GRAD_PASSES[("pipeline" if plan.pp > 1 else "plain", dtype)] + \
+        (GATHER_COPY_OUT[dtype],) * gathers_per_microbatch(plan)
 
 
 def grad_accum_bytes_per_param(training, plan, last_stage: bool = True) -> float:
-    """Bytes each micro-batch's backward moves per local parameter on the compute stream outside the GEMMs
-    (:func:`grad_passes`; ``cost.grad_accum_s``): 10 under a pipeline, 6 without one (12 and 8 with fp32 parameters),
-    0 without FSDP. The same on every stage (``last_stage`` is DeepSpeed's)."""
-    return float(sum(r + w for _, r, w in grad_passes(training, plan)))
+    """Bytes each micro-batch moves per local parameter on the compute stream outside the GEMMs
+    (:func:`microbatch_passes`; ``cost.grad_accum_s``): 10 under a pipeline; without one 6 + 4 per all-gather (14 at
+    zero_stage 3, 10 at 1 and 2); twice the copy and 12 / 8 for the gradients with fp32 parameters; 0 without FSDP. The
+    same on every stage (``last_stage`` is DeepSpeed's)."""
+    return float(sum(r + w for _, r, w in microbatch_passes(training, plan)))
 
 
 PROFILE = FrameworkProfile(name="torchtitan", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
