@@ -1668,8 +1668,9 @@ def compose_step(terms: dict, z3, dp_grad, dp_param, optimizer, m, pp: int, vpp:
     ``first_stage_buckets_only`` (:func:`first_stage_buckets_only`): only the first row (the first stage in every
     caller) starts its once-per-step reduction during its own last backward; the others, one bucket each, only
     after it, under the drain of the stages before them.
-    ``grad_accum`` (:func:`grad_accum_s`, per row as ``z3``): the framework's gradient-accumulation passes of each
-    micro-batch, on the compute stream after its backward: added to the stage time X whole.
+    ``grad_accum`` (:func:`grad_accum_s`, per row as ``z3``): the framework's memory-bound passes of each micro-batch
+    over the stage's gradients and parameters, on the compute stream (breakdown term ``param_passes``): added to the
+    stage time X whole.
     """
     z3_exposed = overlapped_s_array(z3, terms["compute"], c)
     every = np.asarray(grad_every_mb, dtype=float)
@@ -2277,7 +2278,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
     if model.is_moe:
         breakdown["ep_comm"] = m * sp_.ep_comm
     if frameworks.get(training.framework).grad_accum_bytes_per_param is not None:
-        breakdown["grad_accum"] = m * float(out["grad_accum"][0, pace])
+        breakdown["param_passes"] = m * float(out["grad_accum"][0, pace])
     step = float(out["step"][0])
     tokens = training.global_batch_size * training.seq_len
     # activated FLOPs (MoE), the output layer at Megatron's padded vocabulary: the count Megatron logs

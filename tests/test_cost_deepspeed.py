@@ -159,8 +159,8 @@ def test_gradient_accumulation_passes_hand_computed():
     # the last stage paces the step: the same layers, with the output layer's GEMMs and loss, and 4,096 more
     # parameters (the final norm) to accumulate
     assert est.stages[1].total > est.stages[0].total and last > stage0
-    assert est.breakdown["grad_accum"] == pytest.approx(m * 26 * last / rate, rel=1e-9)
+    assert est.breakdown["param_passes"] == pytest.approx(m * 26 * last / rate, rel=1e-9)
     assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s)
     megatron = cost.estimate_time(model, H100, ds.model_copy(update={"framework": "megatron"}), plan)
-    assert "grad_accum" not in megatron.breakdown
+    assert "param_passes" not in megatron.breakdown
     assert cost.grad_accum_s(model, H100, ds.model_copy(update={"framework": "megatron"}), plan, stage0) == 0

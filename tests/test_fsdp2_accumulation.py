@@ -87,14 +87,14 @@ def test_fsdp2_gradient_passes_hand_computed():
     piped = Plan(tp=1, pp=2, dp=8, micro_batch_size=1, zero_stage=1)
     est = cost.estimate_time(model, h100, tr, piped)
     assert est.stages[1].total > est.stages[0].total
-    assert est.breakdown["grad_accum"] == pytest.approx(8 * 10 * last / rate, rel=1e-9)  # m = 64 / 8
+    assert est.breakdown["param_passes"] == pytest.approx(8 * 10 * last / rate, rel=1e-9)  # m = 64 / 8
     assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s)
     plain = Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=3)
     whole = 32 * layer + 4096 + 2 * 128256 * 4096
-    assert cost.estimate_time(model, h100, tr, plain).breakdown["grad_accum"] == \
+    assert cost.estimate_time(model, h100, tr, plain).breakdown["param_passes"] == \
         pytest.approx(4 * 14 * whole / rate, rel=1e-9)  # m = 64 / 16
     never = plain.model_copy(update={"zero_stage": 1})
-    assert cost.estimate_time(model, h100, tr, never).breakdown["grad_accum"] == \
+    assert cost.estimate_time(model, h100, tr, never).breakdown["param_passes"] == \
         pytest.approx(4 * 10 * whole / rate, rel=1e-9)
     ddp = Plan(tp=1, pp=1, dp=16, micro_batch_size=1, zero_stage=0)
-    assert cost.estimate_time(model, h100, tr, ddp).breakdown["grad_accum"] == 0
+    assert cost.estimate_time(model, h100, tr, ddp).breakdown["param_passes"] == 0
