@@ -8,8 +8,9 @@ micro-batch's backward (and forward); per operation ``[name, bytes read, bytes w
 with the dtypes it touched:
 
 * ``pipeline``: pp 2 x dp 2, one ``fully_shard`` per linear and the stage root on the dp mesh with
-  ``reshard_after_forward=False`` (torchtitan's default under PP), ``torch.distributed.pipelining``'s
-  ``PipelineStage`` and ``Schedule1F1B``: the stage's ``backward_maybe_with_nosync`` recorded per call;
+  ``reshard_after_forward=False`` (torchtitan's default under PP; ``pipeline_reshard``: True, plan3d validate's
+  miniature at zero_stage 3), ``torch.distributed.pipelining``'s ``PipelineStage`` and ``Schedule1F1B``: the stage's
+  ``backward_maybe_with_nosync`` recorded per call;
   (``pipeline_forward``: its ``forward_one_chunk``);
 * ``plain``: FSDP over all four ranks, torchtitan's loop without PP (forward and backward per micro-batch, gradients
   reduce-scattered every time), each micro-batch's forward and backward recorded together, with torchtitan's default
@@ -89,16 +90,14 @@ def _rank(rank: int, port: int, queue) -> None:
     def per_element(recorded: dict, elements: int) -> list:
         return sorted([name, r / elements, w / elements, sorted(d)] for name, (r, w, d) in recorded.items())
 
-    out = {}
-    for precision, policy in (("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
-                              ("fp32", MixedPrecisionPolicy())):
-        # pipeline: pp 2 x dp 2, torchtitan's reshard_after_forward=False under PP
+    def _pipeline(precision, policy, reshard):
+        suffix = "_reshard" if reshard else ""
         mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("pp", "dp"))
         stage_index = mesh["pp"].get_local_rank()
         mod = layers(LINEARS // 2)
         for layer in mod:
-            fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
-        fully_shard(mod, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(mod, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
         stage = PipelineStage(mod, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
         calls = {"forward_one_chunk": [], "backward_maybe_with_nosync": []}
         originals = {name: getattr(PipelineStage, name) for name in calls}
@@ -122,8 +121,16 @@ def _rank(rank: int, port: int, queue) -> None:
             for name, original in originals.items():
                 setattr(PipelineStage, name, original)
         elements = sum(p.numel() for p in mod.parameters())  # the stage's whole (unsharded) parameters
-        out[f"pipeline_{precision}"] = [per_element(c, elements) for c in calls["backward_maybe_with_nosync"]]
-        out[f"pipeline_forward_{precision}"] = [per_element(c, elements) for c in calls["forward_one_chunk"]]
+        out[f"pipeline{suffix}_{precision}"] = [per_element(c, elements) for c in calls["backward_maybe_with_nosync"]]
+        out[f"pipeline{suffix}_forward_{precision}"] = [per_element(c, elements) for c in calls["forward_one_chunk"]]
+
+    out = {}
+    for precision, policy in (("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+                              ("fp32", MixedPrecisionPolicy())):
+        # pipeline: pp 2 x dp 2, torchtitan's reshard_after_forward=False under PP, and True (plan3d validate's
+        # miniature at zero_stage 3)
+        for reshard in (False, True):
+            _pipeline(precision, policy, reshard)
         # no pipeline: FSDP over every rank, a reduce-scatter per micro-batch (torchtitan's loop), each micro-batch's
         # forward and backward recorded together; with torchtitan's default reshard after forward (zero_stage 3)
         # and without ("never", its zero_stage 1 and 2)

@@ -18,11 +18,13 @@ from tests.fsdp2_accumulation_probe import MICROBATCHES, WORLD, run_probe  # noq
 #: device_handle.stream(reduce_scatter_stream)``; torch 2.13 distributed/fsdp/_fully_shard/_fsdp_collectives.py)
 ELSEWHERE = {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "aten::_foreach_copy_", "fsdp::all_gather_copy_in",
              "aten::copy_", "aten::add_"}
-#: the probe's cases as plans: pipeline pp 2 x dp 2 (torchtitan's reshard policy under PP whatever the stage), without
-#: one dp 4 with torchtitan's default reshard after forward (plan3d's zero_stage 3) and "never" (zero_stage 1)
-PLANS = {"pipeline": Plan(tp=1, pp=2, dp=2, micro_batch_size=2, zero_stage=3),
-         "plain": Plan(tp=1, pp=1, dp=4, micro_batch_size=2, zero_stage=3),
-         "plain_never": Plan(tp=1, pp=1, dp=4, micro_batch_size=2, zero_stage=1)}
+#: the probe's cases as (framework, plan): pipeline pp 2 x dp 2 under torchtitan (no reshard after forward under PP) and
+#: plan3d validate's miniature at zero_stage 3 (reshard after forward); without one dp 4 with torchtitan's default
+#: reshard after forward (plan3d's zero_stage 3) and "never" (zero_stage 1)
+PLANS = {"pipeline": ("torchtitan", Plan(tp=1, pp=2, dp=2, micro_batch_size=2, zero_stage=3)),
+         "pipeline_reshard": ("torch", Plan(tp=1, pp=2, dp=2, micro_batch_size=2, zero_stage=3)),
+         "plain": ("torchtitan", Plan(tp=1, pp=1, dp=4, micro_batch_size=2, zero_stage=3)),
+         "plain_never": ("torchtitan", Plan(tp=1, pp=1, dp=4, micro_batch_size=2, zero_stage=1))}
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +46,15 @@ def test_fsdp2_microbatch_passes_are_the_ones_torch_runs(probe, kind, precision)
     """On every rank, a steady micro-batch (the second and third of four: after the first, before the last) runs
     exactly the profile's compute-stream passes with their bytes per parameter element, besides operations that run
     elsewhere (``ELSEWHERE``): under a pipeline the unsharded fp32 accumulation in the backward and nothing in the
-    forward (the parameters stay gathered); without one the reduce-scatter's fp32 copy-in and one all-gather copy-out
+    forward (the parameters stay gathered), with reshard after forward (plan3d validate's miniature) one all-gather
+    copy-out in the backward too; without one the reduce-scatter's fp32 copy-in and one all-gather copy-out
     per gather, two with reshard after forward, one without. All over the stage's whole parameters. The step's first
     backward under a pipeline casts instead of adding (2 B read, 4 written: the overstatement GRAD_PASSES states)."""
     ranks = probe["ranks"]
     assert len(ranks) == WORLD
-    plan = PLANS[kind]
+    framework, plan = PLANS[kind]
     training = TrainingSpec(num_gpus=WORLD, global_batch_size=2 * MICROBATCHES * plan.dp, seq_len=16,
-                            framework="torchtitan", precision=precision)
+                            framework=framework, precision=precision)
     ours = _summed(tt.microbatch_passes(training, plan))
     charged = {name for name, _, _ in ours}
     for rank in ranks:
@@ -60,17 +63,20 @@ def test_fsdp2_microbatch_passes_are_the_ones_torch_runs(probe, kind, precision)
         assert calls[1] == calls[2]
         steady = [[name, r, w] for name, r, w, _ in calls[1] if name not in ELSEWHERE or name in charged]
         assert steady == ours, (kind, precision, calls[1])
-        if kind == "pipeline":
-            forwards = rank[f"pipeline_forward_{precision}"]
-            assert len(forwards) == MICROBATCHES and forwards[1:] == [[]] * (MICROBATCHES - 1)
+        if kind.startswith("pipeline"):  # the steady forwards find the parameters gathered
+            forwards = rank[f"{kind}_forward_{precision}"]
+            assert len(forwards) == MICROBATCHES and forwards[2:] == [[]] * (MICROBATCHES - 2)
             assert [n for n, *_ in forwards[0]] == ["c10d::_allgather_base_", "fsdp::all_gather_copy_in",
-                                                    "fsdp::split_with_sizes_copy"]  # gathered once, in the first
-            if precision == "bf16":
-                assert [[n, r, w] for n, r, w, _ in calls[0]] == [["aten::_to_copy", 2.0, 4.0]]
+                                                    "fsdp::split_with_sizes_copy"]  # gathered in the first
+            if kind == "pipeline":  # and only there, without reshard after forward
+                assert forwards[1] == []
+                if precision == "bf16":
+                    assert [[n, r, w] for n, r, w, _ in calls[0]] == [["aten::_to_copy", 2.0, 4.0]]
     assert tt.grad_accum_bytes_per_param(training, plan) == sum(r + w for _, r, w in ours)
     assert tt.grad_accum_bytes_per_param(training, plan) == {
-        ("pipeline", "bf16"): 10, ("plain", "bf16"): 14, ("plain_never", "bf16"): 10,
-        ("pipeline", "fp32"): 12, ("plain", "fp32"): 24, ("plain_never", "fp32"): 16}[(kind, precision)]
+        ("pipeline", "bf16"): 10, ("pipeline_reshard", "bf16"): 14, ("plain", "bf16"): 14, ("plain_never", "bf16"): 10,
+        ("pipeline", "fp32"): 12, ("pipeline_reshard", "fp32"): 20, ("plain", "fp32"): 24,
+        ("plain_never", "fp32"): 16}[(kind, precision)]
 
 
 def test_fsdp2_gradient_passes_hand_computed():

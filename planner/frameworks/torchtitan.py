@@ -382,18 +382,32 @@ GRAD_PASSES = {
 GATHER_COPY_OUT = {"bf16": ("fsdp::split_with_sizes_copy", 2.0, 2.0), "fp32": ("fsdp::split_with_sizes_copy", 4.0, 4.0)}
 
 
-def gathers_per_microbatch(plan) -> int:
-    """All-gathers of the stage's parameters in a steady micro-batch, as torchtitan wraps them
-    (``distributed/fsdp.py::apply_fsdp_to_decoder``; recorded, tests/test_fsdp2_accumulation.py): under a pipeline none
-    (``reshard_after_forward`` "default" is False with PP and the nosync backwards do not reshard: the parameters are
-    gathered once per step); without one, zero_stage 3 (emitted as "default": True) gathers in the forward and again in
-    the backward, zero_stage 1 and 2 ("never") in the forward only, the backward resharding after it. Each
-    transformer block and the embedding so; the final norm and output layer are never resharded after forward unless
-    the policy is "always", so they gather once where zero_stage 3 is charged two: 4 B x their parameters per
-    micro-batch too much (Llama-3-8B: 0.53 B parameters, 0.8 ms on an H100)."""
-    if plan.zero_stage == 0 or plan.pp > 1:
+def reshards_after_forward(training, plan) -> bool:
+    """Whether the transformer blocks' FSDP units reshard after forward: torchtitan's policy as plan3d emits it
+    (zero_stage 3 as ``fsdp_reshard_after_forward`` "default", True without PP and False with it; 1 and 2 as "never":
+    ``distributed/fsdp.py::get_fsdp_reshard_after_forward_policy``), plan3d validate's miniature at zero_stage 3
+    whatever the pipeline (planner/validate/worker.py: ``reshard_after_forward=p.zero_stage >= 3``)."""
+    if training.framework == "torch":
+        return plan.zero_stage >= 3
+    return plan.zero_stage == 3 and plan.pp == 1
+
+
+def gathers_per_microbatch(training, plan) -> int:
+    """All-gathers of the stage's parameters in a steady micro-batch (recorded, tests/test_fsdp2_accumulation.py).
+    Without a pipeline: in the forward, and again in the backward where the blocks reshard after forward
+    (:func:`reshards_after_forward`); the backward reshards after itself, so every micro-batch gathers anew. Under a
+    pipeline the nosync backwards do not reshard (``set_reshard_after_backward(False)``): with reshard after forward
+    the backward gathers and the next forward finds the parameters gathered, one per micro-batch; without it none, the
+    parameters gathered once per step. The warm-up's back-to-back forwards gather once each more, not counted.
+    torchtitan never reshards its final norm and output layer after forward unless the policy is "always"
+    (``apply_fsdp_to_decoder``), so they gather once where two are charged: 4 B x their parameters per micro-batch
+    too much (Llama-3-8B: 0.53 B parameters, 0.8 ms on an H100)."""
+    if plan.zero_stage == 0:
         return 0
-    return 2 if plan.zero_stage == 3 else 1
+    again = reshards_after_forward(training, plan)
+    if plan.pp > 1:
+        return 1 if again else 0
+    return 2 if again else 1
 
 
 def microbatch_passes(training, plan) -> tuple:
@@ -403,14 +417,14 @@ def microbatch_passes(training, plan) -> tuple:
         return ()
     dtype = "fp32" if training.precision == "fp32" else "bf16"
     return GRAD_PASSES[("pipeline" if plan.pp > 1 else "plain", dtype)] + \
-        (GATHER_COPY_OUT[dtype],) * gathers_per_microbatch(plan)
+        (GATHER_COPY_OUT[dtype],) * gathers_per_microbatch(training, plan)
 
 
 def grad_accum_bytes_per_param(training, plan, last_stage: bool = True) -> float:
     """Bytes each micro-batch moves per local parameter on the compute stream outside the GEMMs
-    (:func:`microbatch_passes`; ``cost.grad_accum_s``): 10 under a pipeline; without one 6 + 4 per all-gather (14 at
-    zero_stage 3, 10 at 1 and 2); twice the copy and 12 / 8 for the gradients with fp32 parameters; 0 without FSDP. The
-    same on every stage (``last_stage`` is DeepSpeed's)."""
+    (:func:`microbatch_passes`; ``cost.grad_accum_s``): under a pipeline 10 (14 for plan3d validate's miniature at
+    zero_stage 3); without one 6 + 4 per all-gather (14 at zero_stage 3, 10 at 1 and 2); with fp32 parameters 12 and 8
+    for the gradients and 8 per gather; 0 without FSDP. The same on every stage (``last_stage`` is DeepSpeed's)."""
     return float(sum(r + w for _, r, w in microbatch_passes(training, plan)))
 
 
