@@ -2216,7 +2216,7 @@ def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
 def stage_grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
                        split=None) -> np.ndarray:
     """:func:`grad_accum_s` of every pipeline stage [p], each over its own local parameters (``split``: each stage's
-    ``stage_param_split``, computed here when not given); all 0 outside DeepSpeed."""
+    ``stage_param_split``, computed here when not given); all 0 under Megatron-Core."""
     if split is None:
         split = [stage_param_split(model, plan, r, n) for r, n in enumerate(plan.stage_layers(model.num_layers))]
     return np.array([grad_accum_s(model, hw, training, plan, sum(x), r == plan.pp - 1) for r, x in enumerate(split)])

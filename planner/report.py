@@ -58,9 +58,9 @@ def simulate_timeline(sc: Scenario) -> list[Op]:
     """Start and end of every forward and backward of one step, from the cost model's per-micro-batch times.
 
     Each op waits for its stage and for its input: the same micro-batch and chunk on the previous
-    stage (forward) or the next stage (backward), plus one P2P transfer. A backward includes the framework's
-    per-micro-batch gradient accumulation passes (``cost.stage_grad_accum_s``: DeepSpeed's and FSDP2's, which run on the
-    compute stream in each micro-batch's backward; 0 under Megatron-Core), as the step time counts them.
+    stage (forward) or the next stage (backward), plus one P2P transfer. A backward is drawn with the framework's
+    per-micro-batch passes over its parameters and gradients (``cost.stage_grad_accum_s``: DeepSpeed's and FSDP2's, on
+    the compute stream; FSDP2's forward all-gather copy-out among them; 0 under Megatron-Core), as the step counts them.
     """
     plan = sc.resolved_plan()
     p, v, m = plan.pp, plan.vpp, plan.num_microbatches

@@ -38,9 +38,9 @@ TERM_SPREAD: dict[str, tuple[float, str]] = {
     "dp_comm_exposed": (0.13, "NVLink ring vs NVLS (as tp_comm); NDR InfiniBand 46-49 GB/s per NIC of 50 "
                               "(formulas.md C5; nccl-tests#267, #290)"),
     "optimizer": (0.25, "memory-bound Adam at hbm_efficiency 0.7, not measured: a wide stated range"),
-    "param_passes": (0.25, "memory-bound passes at hbm_efficiency, as the optimizer: their bytes are DeepSpeed's and FSDP2's "
-                         "own (tests/test_deepspeed_engine.py, tests/test_fsdp2_accumulation.py), their rate not "
-                         "measured"),
+    "param_passes": (0.25, "memory-bound passes at hbm_efficiency, as the optimizer: their bytes are DeepSpeed's "
+                           "and FSDP2's own (tests/test_deepspeed_engine.py, tests/test_fsdp2_accumulation.py), "
+                           "their rate not measured"),
 }
 #: A term not in the table (a new one) gets this spread: unmeasured, so wide.
 DEFAULT_SPREAD = (0.25, "term without a measured source")

@@ -104,7 +104,8 @@ class FrameworkProfile:
     deepspeed_pipe_buffers: bool = False
     # (training, plan, last_stage) -> bytes each micro-batch's backward moves per local parameter outside the GEMMs, to
     # accumulate the gradients (DeepSpeed's BF16_Optimizer and autograd's accumulation; FSDP2's unsharded fp32
-    # accumulation under a pipeline and its reduce-scatter copy-in without one: planner.cost.grad_accum_s);
+    # accumulation under a pipeline, its reduce-scatter copy-in without one and its all-gather copy-outs:
+    # planner.cost.grad_accum_s, breakdown term param_passes);
     # None: none beyond the GEMMs (Megatron-Core accumulates in the weight-gradient GEMM, gradient_accumulation_fusion)
     grad_accum_bytes_per_param: Callable | None = None
     allows_fp8: bool = True

@@ -379,7 +379,8 @@ GRAD_PASSES = {
 #: And each all-gather's copy-out into the unsharded parameters (``FSDPParamGroup.wait_for_unshard`` ->
 #: ``foreach_all_gather_copy_out``, ``fsdp::split_with_sizes_copy``, on the current stream), per gathered element, by
 #: compute dtype; how many a micro-batch runs is :func:`gathers_per_microbatch`.
-GATHER_COPY_OUT = {"bf16": ("fsdp::split_with_sizes_copy", 2.0, 2.0), "fp32": ("fsdp::split_with_sizes_copy", 4.0, 4.0)}
+GATHER_COPY_OUT = {"bf16": ("fsdp::split_with_sizes_copy", 2.0, 2.0),
+                   "fp32": ("fsdp::split_with_sizes_copy", 4.0, 4.0)}
 
 
 def reshards_after_forward(training, plan) -> bool:
