@@ -343,3 +343,9 @@ def test_search_says_before_searching_what_emit_of_the_plan_will_refuse(runner, 
         assert res.exit_code == 0 and "plan3d emit" not in res.output, res.output
     plain = runner.invoke(app, [*job[:-6], "--top", "0", "--pp", "1"])  # the Megatron default: its files can be written
     assert plain.exit_code == 0 and "note: `plan3d emit`" not in plain.output, plain.output
+    gaps = ["search", "--model", "gpt-oss-20b", "--hardware", "h100-sxm-80gb", "--gpus", "8", "--global-batch", "16",
+            "--seq-len", "4096", "--top", "0", "--tp", "1", "--pp", "1", "--micro-batch-size", "1"]
+    megatron = runner.invoke(app, gaps)  # three Megatron-LM gaps of GPT-OSS, one line each under the note
+    assert megatron.exit_code == 0 and "launch files (3 reasons" in megatron.output, megatron.output
+    torch_run = runner.invoke(app, [*gaps, "--framework", "torch"])  # plan3d validate's run: no launch format
+    assert torch_run.exit_code == 0 and "note: `plan3d emit`" not in torch_run.output, torch_run.output

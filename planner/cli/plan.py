@@ -223,9 +223,12 @@ def own_format_notes(model, training) -> list[str]:
     ``planner.emit.default_formats``) will give whatever plan the search finds (``planner.emit.job_problems``): a
     torchtitan search of a model torchtitan 0.3.0 ships no config for, say. The plan's memory and step time still
     stand (a model registered with torchtitan by hand runs under the same semantics); ``--emit`` refuses the same up
-    front."""
+    front. None for ``torch`` (plan3d validate's own run), which has no launch format of its own
+    (``planner.emit.framework_notes``)."""
     from planner.emit import default_formats, job_problems, parse_formats
 
+    if training.framework == "torch":
+        return []
     problems = job_problems(model, training, parse_formats(default_formats(training.framework)))
     if not problems:
         return []
