@@ -223,11 +223,11 @@ def own_format_notes(model, training) -> list[str]:
     ``planner.emit.default_formats``) will give whatever plan the search finds (``planner.emit.job_problems``): a
     torchtitan search of a model torchtitan 0.3.0 ships no config for, say. The plan's memory and step time still
     stand (a model registered with torchtitan by hand runs under the same semantics); ``--emit`` refuses the same up
-    front. None for ``torch`` (plan3d validate's own run), which has no launch format of its own
-    (``planner.emit.framework_notes``)."""
-    from planner.emit import default_formats, job_problems, parse_formats
+    front. None for a framework without launch files of its own (``planner.emit.has_launch_format``: ``torch``,
+    plan3d validate's run)."""
+    from planner.emit import default_formats, has_launch_format, job_problems, parse_formats
 
-    if training.framework == "torch":
+    if not has_launch_format(training.framework):
         return []
     problems = job_problems(model, training, parse_formats(default_formats(training.framework)))
     if not problems:

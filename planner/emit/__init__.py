@@ -31,12 +31,18 @@ def default_formats(framework: str) -> str:
     return DEFAULT_FORMATS.get(framework, ",".join(MEGATRON_FORMATS))
 
 
+def has_launch_format(framework: str) -> bool:
+    """Whether the framework has launch files of its own: every one but ``torch`` (plan3d validate's own run, whose
+    plans :func:`default_formats` writes as Megatron-LM's)."""
+    return framework != "torch"
+
+
 def framework_notes(framework: str, formats: list[str]) -> list[str]:
     """One line per requested format that runs another framework than the one the plan was searched for: its
     memory and step time were predicted under that framework's semantics (planner/frameworks), not the format's.
     The file is still written; ``plan3d check`` judges it under its own framework. ``torch`` (plan3d's own
     validation run) has no launch format of its own and gets no note."""
-    if framework == "torch":
+    if not has_launch_format(framework):
         return []
     notes = []
     for fmt in formats:
