@@ -138,12 +138,17 @@ def test_calibrate_writes_a_profile_that_search_and_validate_use(runner, tmp_pat
     plan = tmp_path / "plan.json"
     plan.write_text(scenario_json(_scenario()))
     report = tmp_path / "report.json"
-    res = runner.invoke(app, ["validate", str(plan), "--hardware", str(profile), "--out", str(report), "--quiet"])
+    # 8 ranks on CI's 2 cores: the miniature's step measured 4.26x its prediction there once (2.4x here), past
+    # gloo's default 4x. The judgement's own test is test_validate_verdict (2 ranks); this one checks that the
+    # calibrated profile reaches validate and that the step is judged, with room for a shared machine.
+    res = runner.invoke(app, ["validate", str(plan), "--hardware", str(profile), "--out", str(report), "--quiet",
+                              "--time-factor", "20"])
     assert res.exit_code == 0, res.output
     assert "step time (s)" in res.output  # predicted next to measured
     data = json.loads(report.read_text())
     assert data["miniature"]["hardware"]["name"] == "cpu-gloo-calibrated"
     assert data["step_time"]["predicted_s"] > 0 and data["step_time"]["measured_s"] > 0
+    assert data["step_time"]["judged"] and data["tolerances"]["step_time_factor"] == 20
 
 
 def test_inside_torchrun_validate_runs_the_plan_itself(tmp_path):
