@@ -52,14 +52,16 @@ GRAD_TOLERANCE = 1e-4
 """Largest difference of rank 0's first-step gradients (MoE and CP runs) from the single-process model's, relative
 to the largest gradient: fp32 reduction order only, as :data:`LOSS_TOLERANCE`. A gradient reduced over the
 wrong group is off by a factor (ep: 2x or more)."""
-TIME_FACTOR = {"nccl": 1.5, "gloo": 4.0}
+TIME_FACTOR = {"nccl": 1.5, "gloo": 8.0}
 """Largest ratio between measured and predicted step time (either way) that passes; judged only when
 the hardware profile was measured on this machine by `plan3d calibrate` (:func:`is_calibrated`).
 GPU (nccl): 1.5x, above the worst error of the cost model on held-out H100 runs (-30.2 %, 1.43x,
 docs/cost-model.md), not yet confirmed by a validate run on a GPU. CPU (gloo): measured/predicted
-was 0.44-2.21 on the 2-core development machine with a calibrated profile (2 ranks, TP2 or PP2,
-shared with other jobs): Python and gloo overheads that the cost model does not describe. 4x still catches a stalled or slow rank
-(a 1 s sleep per step is 20x) but not a cost-model error below 4x."""
+was 0.44-2.3 on the 2-core development machine with a calibrated profile (2 ranks, TP2 or PP2,
+shared with other jobs; 2.4 with 8 ranks) and 4.26 on the 2-core CI machine with 8 ranks (TP2 PP2 DP2,
+2026-12 CI log): Python and gloo overheads that the cost model does not describe, which grow as more ranks
+share the cores. 8x still catches a stalled or slow rank (a 1 s sleep per step is 20x) but not a cost-model
+error below 8x."""
 
 
 LOSS_TOLERANCE_BF16 = 2.0 ** -8
