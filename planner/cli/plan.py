@@ -225,16 +225,16 @@ def own_format_notes(model, training) -> list[str]:
     stand (a model registered with torchtitan by hand runs under the same semantics); ``--emit`` refuses the same up
     front. None for a framework without launch files of its own (``planner.emit.has_launch_format``: ``torch``,
     plan3d validate's run)."""
-    from planner.emit import default_formats, has_launch_format, job_problems, parse_formats
+    from planner.emit import default_formats, has_launch_format, job_refusals, parse_formats
 
     if not has_launch_format(training.framework):
         return []
-    problems = job_problems(model, training, parse_formats(default_formats(training.framework)))
-    if not problems:
+    refusals = job_refusals(model, training, parse_formats(default_formats(training.framework)))
+    if not refusals:
         return []
     return [f"note: `plan3d emit` will not write this job's {training.framework} launch files "
-            f"({len(problems)} reason{'s' if len(problems) > 1 else ''}; the plan's memory and time stand):",
-            *(f"  - {line.split(': ', 1)[1] if line.startswith('--') else line}" for line in problems)]
+            f"({len(refusals)} reason{'s' if len(refusals) > 1 else ''}; the plan's memory and time stand):",
+            *(f"  - {reason}" for _, reason in refusals)]
 
 
 def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: bool) -> dict:

@@ -72,29 +72,39 @@ def _megatron_formats(formats: list[str]) -> list[str]:
     return [f for f in formats if f in MEGATRON_FORMATS]
 
 
+def _model_refusals(model, formats: list[str]) -> list[tuple[str, str]]:
+    megatron_formats = _megatron_formats(formats)
+    gaps = model.megatron_gaps() if megatron_formats else []
+    return [(f"--format {megatron_formats[0]}", f"{model.name}: {gap}") for gap in gaps]
+
+
 def model_problems(model, formats: list[str]) -> list[str]:
     """What the Megatron-LM launch formats cannot build of ``model`` (``ModelSpec.megatron_gaps``), one line each:
     a launch file that builds another model than the plan's is refused, never written. Independent of the plan,
     so ``plan3d search --emit`` checks it before searching."""
-    megatron_formats = _megatron_formats(formats)
-    gaps = model.megatron_gaps() if megatron_formats else []
-    return [f"--format {megatron_formats[0]}: {model.name}: {gap}" for gap in gaps]
+    return [f"{where}: {reason}" for where, reason in _model_refusals(model, formats)]
 
 
-def job_problems(model, training, formats: list[str]) -> list[str]:
-    """Every refusal of ``formats`` that the model and the job alone decide (the plan's are the emitters' own):
-    :func:`model_problems`, NeMo 1's Apex optimizer in a Megatron-LM launch (``megatron.parallel_flags`` refuses it
-    too) and torchtitan's model and precision (``planner.emit.torchtitan.job_problems``)."""
+def job_refusals(model, training, formats: list[str]) -> list[tuple[str, str]]:
+    """Every refusal of ``formats`` that the model and the job alone decide (the plan's are the emitters' own), as
+    (where, reason): :func:`model_problems`, NeMo 1's Apex optimizer in a Megatron-LM launch
+    (``megatron.parallel_flags`` refuses it too) and torchtitan's model and precision
+    (``planner.emit.torchtitan.job_refusals``)."""
     from planner.emit import torchtitan
     from planner.emit.megatron import APEX_REFUSAL
 
     megatron_formats = _megatron_formats(formats)
-    apex = [f"--format {megatron_formats[0]}: {APEX_REFUSAL}"] \
+    apex = [(f"--format {megatron_formats[0]}", APEX_REFUSAL)] \
         if megatron_formats and training.optimizer_dtype == "bf16-apex" else []
     refusals = {f: partial_optimizer_refusal(f, training) for f in formats}
-    partial = [f"--format {f}: {refusal}" for f, refusal in refusals.items() if refusal]
-    return model_problems(model, formats) + apex + partial + \
-        (torchtitan.job_problems(model, training) if "torchtitan" in formats else [])
+    partial = [(f"--format {f}", refusal) for f, refusal in refusals.items() if refusal]
+    return _model_refusals(model, formats) + apex + partial + \
+        (torchtitan.job_refusals(model, training) if "torchtitan" in formats else [])
+
+
+def job_problems(model, training, formats: list[str]) -> list[str]:
+    """:func:`job_refusals`, one line each, as the emitters word their own refusals ("--format X: reason")."""
+    return [f"{where}: {reason}" for where, reason in job_refusals(model, training, formats)]
 
 
 def partial_optimizer_refusal(fmt: str, training) -> str | None:

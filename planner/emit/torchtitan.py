@@ -56,22 +56,30 @@ def stage_options(sc: Scenario) -> tuple[int | None, int, int]:
     return keys
 
 
-def job_problems(model, training) -> list[str]:
-    """What keeps torchtitan 0.3.0 from training this model at this precision whatever the plan (one line each):
-    a model it does not ship, or a precision its config for the model cannot be switched to (``REGISTRY``). Known
-    before a search, so ``plan3d search --emit torchtitan`` refuses up front."""
+WHERE = "--emit torchtitan"
+
+
+def job_refusals(model, training) -> list[tuple[str, str]]:
+    """What keeps torchtitan 0.3.0 from training this model at this precision whatever the plan, as (where,
+    reason): a model it does not ship, or a precision its config for the model cannot be switched to
+    (``REGISTRY``). Known before a search, so ``plan3d search --emit torchtitan`` refuses up front."""
     if training.fp16:
-        return [f"--emit torchtitan: {NO_FP16}; use --format megatron or deepspeed, or precision bf16"]
+        return [(WHERE, f"{NO_FP16}; use --format megatron or deepspeed, or precision bf16")]
     if model.name not in REGISTRY:
-        return [f"--emit torchtitan: torchtitan ships no model for {slug(model.name)}; "
-                f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets (use --format megatron, or search "
-                f"with --framework megatron for a plan Megatron-LM runs)"]
+        return [(WHERE, f"torchtitan ships no model for {slug(model.name)}; "
+                        f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets (use --format megatron, or "
+                        f"search with --framework megatron for a plan Megatron-LM runs)")]
     _, configs = REGISTRY[model.name]
     if training.precision not in configs:
         trains = " and ".join(f"{c} trains in {prec}" for prec, c in configs.items())
-        return [f"--emit torchtitan: torchtitan 0.3.0's {trains} and its command line cannot change that; "
-                f"the plan is {training.precision} (use --format megatron)"]
+        return [(WHERE, f"torchtitan 0.3.0's {trains} and its command line cannot change that; "
+                        f"the plan is {training.precision} (use --format megatron)")]
     return []
+
+
+def job_problems(model, training) -> list[str]:
+    """:func:`job_refusals`, one line each."""
+    return [f"{where}: {reason}" for where, reason in job_refusals(model, training)]
 
 
 def args(sc: Scenario) -> list[str]:
