@@ -154,49 +154,20 @@ PARTITION_RANKS = (2, 4)
 #: eight bias-free linears of 960 elements (activations of 2 x 24 and 2 x 40): on two or four ranks the gradient
 #: partitions fall on whole linears, so a pass over the partition shows as 1 / N of the parameters
 IN_FEATURES, OUT_FEATURES, LINEARS = 24, 40, 8
+#: operations that write their operands without reading them (tests/dispatch_bytes.py)
+WRITE_ONLY = ("zero_", "_foreach_zero_", "fill_")
 
 
 def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
-    from deepspeed.runtime.pipe import schedule
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
     import torch.distributed as dist
+    from deepspeed.runtime.pipe import schedule
+
+    from tests.dispatch_bytes import recorder
 
     numel = IN_FEATURES * OUT_FEATURES // dist.get_world_size()  # a weight, or its partition under ZeRO 3
     skipped = {"mm", "addmm", "bmm", "t", "view", "detach", "_unsafe_view", "as_strided", "alias", "transpose",
                "expand", "permute", "slice", "empty", "allreduce_", "cat", "split", "narrow", "_reduce_scatter_base_",
                "allgather_", "_allgather_base_", "reduce_scatter_"}  # GEMMs, views, the collectives
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes: dict = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            name = func._schema.name.split("::")[-1]
-            if name in skipped:
-                return out
-
-            def sized(x):
-                return [a for a in tree_flatten(x)[0] if isinstance(a, torch.Tensor) and a.numel() % numel == 0
-                        and a.numel()]
-            ins, outs = sized((args, kwargs)), sized(out)
-            if not ins and not outs:
-                return out
-            if name in ("zero_", "_foreach_zero_", "fill_"):
-                read, written = [], ins
-            elif name == "copy_":
-                read, written = ins[1:], ins[:1]
-            elif name.endswith("_"):  # in place: reads its operands, writes the first
-                read, written = ins, ins[:1]
-            else:
-                read, written = ins, outs
-            r, w = self.bytes.get(name, (0, 0))
-            self.bytes[name] = (r + sum(a.numel() * a.element_size() for a in read),
-                                w + sum(a.numel() * a.element_size() for a in written))
-            return out
 
     results = []
     for pipe, stage, accum in cases:
@@ -219,7 +190,7 @@ def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
             backward = eng._INSTRUCTION_MAP[schedule.BackwardPass]
 
             def recorded(self, buffer_id, backward=backward):
-                with Recorder() as rec:
+                with recorder(numel, skipped, write_only=WRITE_ONLY, full_names=False, dtypes=False) as rec:
                     backward(self, buffer_id)
                 per_micro.append(rec.bytes)
             eng._INSTRUCTION_MAP[schedule.BackwardPass] = recorded
@@ -227,7 +198,7 @@ def _accumulation(deepspeed, torch, PipelineModule, cases) -> list:
         else:
             for _ in range(4):
                 loss = eng(torch.randn(2, IN_FEATURES, dtype=torch.bfloat16)).float().sum()
-                with Recorder() as rec:
+                with recorder(numel, skipped, write_only=WRITE_ONLY, full_names=False, dtypes=False) as rec:
                     eng.backward(loss)
                 per_micro.append(rec.bytes)
                 eng.step()

@@ -41,46 +41,10 @@ def _rank(rank: int, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
+
+    from tests.dispatch_bytes import recorder
 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-
-    class Recorder(TorchDispatchMode):
-        """Bytes read and written per operation on tensors whose size is a multiple of ``numel`` (a weight or its
-        shard): in place, the operands read and the first written; ``out=``, the inputs read and ``out`` written;
-        ``copy_`` reads its source; otherwise inputs read and outputs written. Collectives count (the test sets them
-        apart)."""
-
-        def __init__(self, numel: int):
-            super().__init__()
-            self.numel, self.bytes = numel, {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            name = func._schema.name
-            if name.split("::")[-1] in SKIPPED:
-                return out
-
-            def sized(x):
-                return [a for a in tree_flatten(x)[0] if isinstance(a, torch.Tensor) and a.numel()
-                        and a.numel() % self.numel == 0]
-            if "out" in kwargs:
-                read, written = sized((args, {k: v for k, v in kwargs.items() if k != "out"})), sized(kwargs["out"])
-            elif name.split("::")[-1] == "copy_":
-                read, written = sized(args[1:]), sized(args[:1])
-            elif name.endswith("_"):
-                ins = sized((args, kwargs))
-                read, written = ins, ins[:1]
-            else:
-                read, written = sized((args, kwargs)), sized(out)
-            if read or written:
-                r, w, dtypes = self.bytes.get(name, (0, 0, set()))
-                self.bytes[name] = (r + sum(a.numel() * a.element_size() for a in read),
-                                    w + sum(a.numel() * a.element_size() for a in written),
-                                    dtypes | {str(a.dtype).split(".")[-1] for a in read + written})
-            return out
 
     def layers(n: int):
         torch.manual_seed(0)
@@ -104,7 +68,7 @@ def _rank(rank: int, port: int, queue) -> None:
 
         def recording(name):
             def recorded(self, *args, **kwargs):
-                with Recorder(IN_FEATURES * OUT_FEATURES) as rec:
+                with recorder(IN_FEATURES * OUT_FEATURES, SKIPPED) as rec:
                     result = originals[name](self, *args, **kwargs)
                 calls[name].append(rec.bytes)
                 return result
@@ -143,7 +107,7 @@ def _rank(rank: int, port: int, queue) -> None:
             elements = sum(p.numel() for p in mod.parameters())
             calls = []
             for _ in range(MICROBATCHES):
-                with Recorder(IN_FEATURES * OUT_FEATURES // WORLD) as rec:
+                with recorder(IN_FEATURES * OUT_FEATURES // WORLD, SKIPPED) as rec:
                     mod(torch.randn(2, IN_FEATURES)).float().sum().backward()
                 calls.append(rec.bytes)
             out[f"plain{'' if reshard else '_never'}_{precision}"] = [per_element(c, elements) for c in calls]
