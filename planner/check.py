@@ -221,7 +221,7 @@ def _noted_hardware(path: Path) -> tuple[HardwareSpec, str]:
     check read another file. Anything else needs ``--hardware``."""
     from planner.presets import HARDWARE_DIRNAME, load_hardware, preset_names
 
-    need = f"{path}: --hardware is required to check a launch file (only plan files and the launch files plan3d " \
+    need = f"{path}: --hardware is required to read a launch file (only plan files and the launch files plan3d " \
            "writes for a bundled profile carry their hardware)"
     if path.suffix in (".toml", ".yaml", ".yml"):
         raise SpecError(need)
@@ -245,6 +245,23 @@ def check_file(path: Path, hardware: HardwareSpec | None, headroom: float | None
     others = [r.branch for r in results if r is not worst]
     worst.notes = worst.notes + [f"worst of {len(results)} branches; the others: {'; '.join(others)}"]
     return worst
+
+
+def launch_scenario(path: Path, hardware: HardwareSpec | None, gpus: int | None = None,
+                    vocab_size: int | None = None) -> tuple[Scenario, list[str]]:
+    """The one plan a launch file starts, read as `plan3d check` reads it (:func:`check_file_branches`), with
+    check's notes (the defaults and assumptions used): for ``plan3d estimate FILE``. A script that launches another
+    configuration on each ``if``/``case`` branch is refused with the branches named, as is anything check finds
+    wrong with the file."""
+    results = check_file_branches(path, hardware, None, gpus, vocab_size)
+    errors = [line for r in results for line in r.errors]
+    if errors:
+        raise SpecError(errors)
+    if len(results) > 1:
+        raise SpecError(f"{path}: the script launches {len(results)} configurations, one per branch "
+                        f"({'; '.join(r.branch or '?' for r in results)}); `plan3d check {path}` judges each, or "
+                        "give a file that launches one")
+    return results[0].scenario, results[0].notes
 
 
 def _badness(r: CheckResult) -> float:

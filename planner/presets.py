@@ -210,6 +210,13 @@ def load_scenario(path_str: str, hardware: HardwareSpec | None = None) -> Scenar
     path = Path(path_str)
     if not path.is_file():
         raise SpecError(f"PLAN: {missing_file(path_str)}")
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        from planner.check import is_plan_file
+
+        if not is_plan_file(path):  # a launch script, argument file or TOML: said before a YAML parser errs on it
+            raise SpecError(f"{path}: not a plan file (the JSON or YAML of model, hardware, training and plan that "
+                            f"`plan3d search --out` writes); `plan3d estimate {path} --hardware H` and "
+                            "`plan3d check` read launch files")
     data = read_document(path)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with keys model, hardware, training, plan")

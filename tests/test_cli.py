@@ -226,6 +226,39 @@ def test_estimate_from_plan_file_and_override(runner, tmp_path):
     assert d2["memory"]["stages"][0]["weights_gib"] < d["memory"]["stages"][0]["weights_gib"]
 
 
+LAUNCH = Path(__file__).parent / "data" / "launch"
+
+
+def test_estimate_reads_a_launch_file_as_check_does(runner):
+    """A Megatron-LM script (16 nodes of 8, --tensor-model-parallel-size 8, --pipeline-model-parallel-size 16,
+    --micro-batch-size 1, --global-batch-size 1536: read off the script) estimated on --hardware, with check's notes
+    on stderr; its peak is the one `plan3d check` judges, and a flag still wins over the file."""
+    script = str(LAUNCH / "megatron_gpt3_175b.sh")
+    res = runner.invoke(app, ["estimate", script, "--hardware", "a100-80gb", "--json"])
+    assert res.exit_code in (0, 1), res.output
+    d = json.loads(res.stdout)
+    plan = d["plan"]
+    assert (plan["tp"], plan["pp"], plan["dp"], plan["micro_batch_size"]) == (8, 16, 1, 1)
+    assert plan["num_microbatches"] == 1536  # 1536 sequences / (dp 1 x micro-batch 1)
+    checked = runner.invoke(app, ["check", script, "--hardware", "a100-80gb", "--format", "json"])
+    (row,) = json.loads(checked.stdout)
+    assert d["memory"]["fits"] == row["fits"]
+    assert d["memory"]["peak_gib"] == pytest.approx(row["memory"]["peak_gib"], rel=1e-9)
+    table = runner.invoke(app, ["estimate", script, "--hardware", "a100-80gb"])
+    assert "note: --ffn-hidden-size absent: Megatron uses 49152 (4h)" in table.stderr
+    wider = json.loads(runner.invoke(app, ["estimate", script, "--hardware", "a100-80gb", "--pp", "8", "--json"]).stdout)
+    assert (wider["plan"]["pp"], wider["plan"]["dp"]) == (8, 2)
+
+
+def test_a_launch_file_that_cannot_be_read_as_one_plan_is_refused(runner):
+    case = str(LAUNCH / "megatron_size_case.sh")  # case ${MODEL_SIZE} in 7B) 13B) 70B)
+    out = _bad(runner, ["estimate", case, "--hardware", "h100-sxm-80gb"], "launches 3 configurations", "70B")
+    assert "plan3d check" in out
+    _bad(runner, ["estimate", str(LAUNCH / "torchtitan_llama3_8b.toml")], "--hardware is required to read a launch file")
+    for command in ("report", "emit"):  # plan files only: the error says which command reads a launch file
+        _bad(runner, [command, str(LAUNCH / "torchtitan_llama3_8b.toml")], "not a plan file", "plan3d estimate")
+
+
 def test_bad_plan_file_names_file_and_field(runner, tmp_path):
     plan_file = tmp_path / "plan.json"
     plan_file.write_text('{"model": "x", "hardware": {}, "training": {}, "plan": {"tp": 0}}')

@@ -74,22 +74,35 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
                           precision: Optional[str], attention: Optional[str] = None,
                           overlap_grad_reduce: Optional[bool] = None, framework: Optional[str] = None,
                           tp_comm_overlap: Optional[bool] = None, overlap_p2p_comm: Optional[bool] = None,
-                          job_extra: Optional[dict] = None, **plan_opts):
-    """Build a Scenario from a plan file and/or flags; flags win over the file."""
+                          job_extra: Optional[dict] = None, notes: Optional[list] = None, **plan_opts):
+    """Build a Scenario from a plan file and/or flags; flags win over the file. ``plan_file`` may also be a launch
+    file (a bash or Slurm script, a Megatron-LM argument file, a torchtitan TOML), read on ``hardware`` as `plan3d
+    check` reads it (``planner.check.launch_scenario``); check's notes on it are appended to ``notes``."""
     from planner import presets
+    from planner.check import is_plan_file, launch_scenario
     from planner.specs import Scenario
 
     data: dict = {"training": {}, "plan": {}}
     source = ""
+    launch_hw = None
     if plan_file:
-        doc = presets.read_document(existing_file(plan_file))
+        path = existing_file(plan_file)
+        if path.suffix not in (".json", ".yaml", ".yml") and not is_plan_file(path):
+            launch_hw = presets.load_hardware(hardware) if hardware is not None else None
+            sc, said = launch_scenario(path, launch_hw, gpus)
+            doc = sc.model_dump(mode="json")
+            notes is not None and notes.extend(said)
+        else:
+            doc = presets.read_document(path)
         if not isinstance(doc, dict):
             raise SpecError(f"{plan_file}: expected a mapping with keys model, hardware, training, plan")
         data = {**data, **doc}
         source = plan_file
     if model is not None or not plan_file:
         data["model"] = presets.load_model(required(model, "--model")).model_dump()
-    if hardware is not None or not plan_file:
+    if launch_hw is not None:
+        data["hardware"] = launch_hw.model_dump()
+    elif hardware is not None or not plan_file:
         data["hardware"] = presets.load_hardware(required(hardware, "--hardware")).model_dump()
     training = dict(data.get("training") or {})
     job = given(num_gpus=gpus, global_batch_size=global_batch, seq_len=seq_len)

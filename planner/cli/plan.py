@@ -20,7 +20,7 @@ from planner.errors import SpecError
 @app.command()
 @handle_errors
 def estimate(
-    plan_file: Annotated[Optional[str], typer.Argument(metavar="[PLAN]", help="Plan file written by `plan3d search --out`.")] = None,
+    plan_file: Annotated[Optional[str], typer.Argument(metavar="[PLAN]", help="Plan file written by `plan3d search --out`, or a launch file `plan3d check` reads (bash/Slurm script, Megatron-LM argument file, torchtitan TOML; with --hardware).")] = None,
     model: OptModelOpt = None, hardware: OptHardwareOpt = None, gpus: OptGpusOpt = None,
     global_batch: OptGlobalBatchOpt = None, seq_len: OptSeqLenOpt = None,
     precision: PrecisionOpt = None,
@@ -47,7 +47,8 @@ def estimate(
     from planner import render
     from planner.estimate import estimate as run_estimate
 
-    sc = scenario_from_options(plan_file, model=model, hardware=hardware, gpus=gpus, global_batch=global_batch,
+    notes: list[str] = []
+    sc = scenario_from_options(plan_file, notes=notes, model=model, hardware=hardware, gpus=gpus, global_batch=global_batch,
                                seq_len=seq_len, precision=precision, attention=attention,
                                overlap_grad_reduce=overlap_grad_reduce, framework=framework,
                                tp_comm_overlap=tp_comm_overlap, overlap_p2p_comm=overlap_p2p_comm, tp=tp, pp=pp, vpp=vpp,
@@ -64,6 +65,9 @@ def estimate(
                                                                    distribute_saved_activations,
                                                                    pipeline_kept_outputs, dist_optimizer_instances))
     est = run_estimate(sc)
+    if not (json_out or quiet):  # how the launch file was read (plan3d check's notes)
+        for line in notes:
+            typer.echo(f"note: {line}", err=True)
     if json_out:
         render.print_json(est.to_dict())
     elif quiet:
