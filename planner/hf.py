@@ -9,7 +9,7 @@ not model is refused: mixture-of-experts architectures without a reader (DBRX, A
 state-space and hybrid layers, unknown architectures, and options that change the structure in
 ways the spec cannot express.
 
-Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS) follow the
+Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5) follow the
 ``transformers`` 5.x classes (checked against 5.24.0): routed experts, top-k, shared experts, dense
 layers first, router biases and multi-head latent attention (docs/moe.md). Read and deliberately
 ignored, because they change no parameters: routing options (``norm_topk_prob``, ``topk_method``,
@@ -35,7 +35,7 @@ from planner.presets import SpecError
 
 MOE_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 MOE_MESSAGE = ("this mixture-of-experts architecture is not modelled; plan3d reads the MoE classes of Mixtral, "
-               "Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 and GPT-OSS")
+               "Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS and GLM-4.5")
 SSM_NAME_PARTS = ("mamba", "jamba", "zamba", "bamba", "rwkv", "recurrentgemma", "falconh1", "nemotronh",
                   "hybrid", "xlstm", "lfm2")
 SSM_KEYS = ("ssm_cfg", "mamba_d_state", "mamba_d_ssm", "hybrid_override_pattern", "layers_block_type",
@@ -462,6 +462,35 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
             **_gpt_oss_windows(data, source)}
 
 
+def _glm4_moe(data: dict, source: str, default_name: str) -> dict:
+    """Glm4MoeForCausalLM (``modeling_glm4_moe.py``, Glm4MoeConfig defaults; GLM-4.5, arXiv:2508.06471, and the
+    GLM-4.5-Air / 4.6 / 4.7 releases of the same class): grouped-query attention with biases on q/k/v only
+    (``attention_bias``, default false; ``o_proj`` has none), ``head_dim`` default ``h // a`` (GLM-4.5 sets 128 with
+    96 heads of a 5120-wide model), optional per-head RMSNorm ``q_norm``/``k_norm`` (``use_qk_norm``, default
+    false: qk_norm "head"), 8 KV heads; ``first_k_dense_replace`` (default 1) dense SwiGLU layers of
+    ``intermediate_size`` (default 10944), then in every layer ``n_routed_experts`` (default 128, alias
+    ``num_local_experts``) SwiGLU experts of ``moe_intermediate_size`` (default 1408), top ``num_experts_per_tok``
+    (default 8), a bias-free fp32 ``E x h`` router (its ``e_score_correction_bias`` is a buffer, as DeepSeek-V3's),
+    and ``n_shared_experts`` (default 1) shared experts as one ungated MLP of ``n_shared_experts *
+    moe_intermediate_size``; no MLP biases; RMSNorm; untied by default. ``partial_rotary_factor`` (RoPE on half of
+    each head) changes no parameter and no saved activation: ignored, as the other RoPE settings are. The
+    multi-token-prediction layers (``num_nextn_predict_layers``, alias ``num_mtp_layers``, default 1; stored in the
+    published checkpoint after the last layer, not built by the ``transformers`` class) are read into
+    ``mtp_num_layers``, as DeepSeek-V3's: trained with the model, not counted in its parameters."""
+    fields = _llama(data, source, default_name, ffn_default=10944, kv_default=8)
+    experts = _experts(data, source, ("n_routed_experts", "num_local_experts"), 128)
+    if experts == 0:
+        raise SpecError(f"{source}: n_routed_experts: 0 routed experts is not a model transformers can build")
+    moe_ffn = _count(data, source, "moe_intermediate_size", default=1408, minimum=1)
+    shared = _count(data, source, "n_shared_experts", default=1)
+    return fields | {
+        "out_proj_bias": False, "mlp_bias": False, "qk_norm": "head" if _flag(data, "use_qk_norm", False) else "none",
+        "num_experts": experts, "top_k": _count(data, source, "num_experts_per_tok", default=8, minimum=1),
+        "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn_hidden_size": shared * moe_ffn if shared else None,
+        "first_k_dense": _count(data, source, "first_k_dense_replace", default=1),
+        "mtp_num_layers": _count(data, source, "num_nextn_predict_layers", "num_mtp_layers", default=1)}
+
+
 def _yarn(data: dict) -> dict:
     """``rope_scaling: "yarn"`` where the config's ``rope_scaling`` names YaRN (``rope_type``, or the older ``type``
     key); nothing where it is absent or another scaling."""
@@ -505,17 +534,17 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "Olmo2ForCausalLM": _olmo2, "GPT2LMHeadModel": _gpt2, "GPTNeoXForCausalLM": _gpt_neox,
     "Qwen3ForCausalLM": _qwen3, "MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe, "DeepseekV2ForCausalLM": _deepseek_v2,
-    "DeepseekV3ForCausalLM": _deepseek_v3, "GptOssForCausalLM": _gpt_oss,
+    "DeepseekV3ForCausalLM": _deepseek_v3, "GptOssForCausalLM": _gpt_oss, "Glm4MoeForCausalLM": _glm4_moe,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-               "DeepseekV3ForCausalLM", "GptOssForCausalLM")
+               "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "falcon": "FalconForCausalLM",
                "olmo2": "Olmo2ForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ HF = Path(__file__).resolve().parent / "data" / "hf"
 
 MOE_FIXTURES = ["mixtral-8x7b.json", "qwen1.5-moe-a2.7b.json", "qwen3-30b-a3b.json", "qwen3-235b-a22b.json",
                 "qwen3-8b.json", "deepseek-v2-lite.json", "deepseek-v2.json", "deepseek-v3.json",
-                "gpt-oss-20b.json", "gpt-oss-120b.json"]
+                "gpt-oss-20b.json", "gpt-oss-120b.json", "glm-4.5.json"]
 
 
 def _load(name: str) -> ModelSpec:
@@ -59,9 +59,11 @@ def test_published_config_count_equals_transformers_on_meta(name):
 
 # --- exact against transformers, scaled-down variants that exercise each reader path ------------
 
-def _small(name: str, **over) -> dict:
+def _small(name: str, *dropped: str, **over) -> dict:
+    """A fixture with keys replaced (``over``) and keys removed (``dropped``: absent, so the class default applies;
+    transformers' Glm4MoeConfig does not take an explicit null ``head_dim``)."""
     data = json.loads((HF / name).read_text())
-    return data | over
+    return {k: v for k, v in (data | over).items() if k not in dropped}
 
 
 SMALL = {
@@ -105,6 +107,16 @@ SMALL = {
     "gpt-oss-no-attention-bias": _small("gpt-oss-20b.json", num_hidden_layers=2, layer_types=None,
                                         attention_bias=False, num_local_experts=8, num_experts_per_tok=2,
                                         pad_token_id=None, vocab_size=1000),
+    # Glm4MoeConfig defaults: 128 experts of 1408, top 8, one shared expert, one dense layer of 10944, 8 KV heads.
+    "glm4-moe-defaults": {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 256,
+                          "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
+    "glm4-moe-no-bias-qk-norm-shared-tied": _small(
+        "glm-4.5.json", "head_dim", hidden_size=256, num_hidden_layers=3, num_attention_heads=8, n_routed_experts=16,
+        n_shared_experts=0, use_qk_norm=False, attention_bias=False, first_k_dense_replace=2, vocab_size=1000,
+        tie_word_embeddings=True),
+    "glm4-moe-two-shared-num-local-experts-key": _small(
+        "glm-4.5.json", "n_routed_experts", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_local_experts=8, n_shared_experts=2, first_k_dense_replace=0, vocab_size=1000),
 }
 
 
@@ -155,6 +167,21 @@ def test_gpt_oss_biases_sinks_and_router_bias():
     assert spec.has_qkv_bias and spec.has_out_proj_bias and spec.has_mlp_bias
     assert spec.attention_sinks and spec.router_bias and spec.activation == "swiglu"
     assert (spec.num_experts, spec.top_k, spec.moe_ffn_size, spec.kv_channels) == (128, 4, 2880, 64)
+
+
+def test_glm45_grouped_query_attention_shared_expert_and_dense_first():
+    """GLM-4.5 (tests/data/hf/glm-4.5.json): 96 heads of 128 over a 5120-wide model, 8 KV heads, q/k/v biases without
+    an o_proj bias, per-head Q/K norms, 3 dense layers of 12288 then 89 MoE layers of 160 experts of 1536 (top 8) and
+    one shared expert, one MTP layer; the same figures as the Megatron arguments of slime's
+    scripts/models/glm4.5-355B-A32B.sh (--num-layers 3+89, --kv-channels 128, --num-query-groups 8, --add-qkv-bias,
+    --qk-layernorm, --num-experts 160, --moe-shared-expert-intermediate-size 1536)."""
+    spec = _load("glm-4.5.json")
+    assert (spec.num_attention_heads, spec.kv_channels, spec.num_kv_heads) == (96, 128, 8)
+    assert spec.has_qkv_bias and not spec.has_out_proj_bias and not spec.has_mlp_bias and spec.qk_norm == "head"
+    assert (spec.first_k_dense, spec.num_moe_layers, spec.num_experts, spec.top_k, spec.moe_ffn_size) == (3, 89, 160, 8,
+                                                                                                        1536)
+    assert spec.shared_expert_ffn_hidden_size == 1536 and not spec.shared_expert_gate and not spec.router_bias
+    assert spec.ffn_size == 12288 and spec.mtp_num_layers == 1 and not spec.megatron_gaps()
 
 
 def test_gpt_oss_keeps_its_yarn_rope_scaling(tmp_path):
@@ -285,7 +312,7 @@ def test_unmodelled_moe_architectures_refused_by_name(tmp_path, arch, key):
             "vocab_size": 1000}
     line = _refusal(tmp_path, data)
     assert line.endswith(f"{key}: {arch}: this mixture-of-experts architecture is not modelled; plan3d reads the "
-                         "MoE classes of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 and GPT-OSS")
+                         "MoE classes of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS and GLM-4.5")
 
 
 def test_expert_keys_of_an_unknown_moe_class_refused(tmp_path):
