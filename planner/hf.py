@@ -20,7 +20,9 @@ plan3d estimates hold them at the training precision).
 
 The core sizes (layers, width, heads, vocabulary) are required even where ``transformers`` has a
 default: a config without them is not a published model. Read and deliberately ignored, because
-they change neither parameters nor saved activations: RoPE settings, sliding windows other than
+they change neither parameters nor saved activations: RoPE settings (but the rotated share of a head,
+``partial_rotary_factor`` / GPT-NeoX ``rotary_pct``, is kept as ``rotary_percent`` for Megatron's
+``--rotary-percent``), sliding windows other than
 GPT-OSS's and Gemma-2/3's (Mistral, Qwen2 ``use_sliding_window``: their attention FLOPs are counted over the
 whole causal window, an over-estimate), initialisation and generation settings. GPT-OSS's and Gemma-2/3's
 windows (``sliding_window``, ``layer_types``) are read into ``sliding_window`` / ``sliding_window_layers``.
@@ -99,6 +101,8 @@ def _gate(data: dict, source: str, key: str, default: str) -> str:
 def _llama(data: dict, source: str, default_name: str, *, ffn_default: int = 11008, kv_default=None) -> dict:
     """LlamaForCausalLM (``modeling_llama.py``): q/k/v/o with ``attention_bias``, gate/up/down with
     ``mlp_bias``, RMSNorm before attention and MLP, ``head_dim`` default ``h // a``, untied by default.
+    ``partial_rotary_factor`` (default 1; transformers' ``_compute_default_rope_parameters`` reads it for every
+    RoPE model, Phi-4-mini sets 0.75) is kept as ``rotary_percent``.
     MistralForCausalLM has the same modules without biases (``modeling_mistral.py``)."""
     attention_bias = _flag(data, "attention_bias", False)
     return {**_core(data, source), "name": _name(data, default_name),
@@ -109,7 +113,8 @@ def _llama(data: dict, source: str, default_name: str, *, ffn_default: int = 110
             "activation": _gate(data, source, "hidden_act", "silu"), "norm": "rmsnorm",
             "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
             "linear_bias": False, "qkv_bias": attention_bias, "out_proj_bias": attention_bias,
-            "mlp_bias": _flag(data, "mlp_bias", False), "dropout": _dropout(data, "attention_dropout")}
+            "mlp_bias": _flag(data, "mlp_bias", False), "dropout": _dropout(data, "attention_dropout"),
+            "rotary_percent": _get(data, source, "partial_rotary_factor", default=1.0)}
 
 
 def _mistral(data: dict, source: str, default_name: str) -> dict:
@@ -229,7 +234,8 @@ def _gpt2(data: dict, source: str, default_name: str) -> dict:
 def _gpt_neox(data: dict, source: str, default_name: str) -> dict:
     """GPTNeoXForCausalLM (``modeling_gpt_neox.py``, GPTNeoXConfig defaults): fused ``query_key_value``
     and ``dense`` with ``attention_bias`` (default true), MLP always with biases, two LayerNorms,
-    parallel residual (``use_parallel_residual``, default true), untied ``embed_out``, rotary."""
+    parallel residual (``use_parallel_residual``, default true), untied ``embed_out``, rotary over ``rotary_pct``
+    (default 0.25; alias ``partial_rotary_factor``) of each head."""
     attention_bias = _flag(data, "attention_bias", True)
     return {**_core(data, source), "name": _name(data, default_name),
             "ffn_hidden_size": _get(data, source, "intermediate_size", default=24576),
@@ -238,7 +244,8 @@ def _gpt_neox(data: dict, source: str, default_name: str) -> dict:
             "parallel_attention": _flag(data, "use_parallel_residual", True),
             "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
             "linear_bias": False, "qkv_bias": attention_bias, "out_proj_bias": attention_bias, "mlp_bias": True,
-            "dropout": _dropout(data, "hidden_dropout", "attention_dropout")}
+            "dropout": _dropout(data, "hidden_dropout", "attention_dropout"),
+            "rotary_percent": _get(data, source, "rotary_pct", "partial_rotary_factor", default=0.25)}
 
 
 # --- mixture-of-experts and Qwen3 readers --------------------------------------------------------
@@ -472,12 +479,13 @@ def _glm4_moe(data: dict, source: str, default_name: str) -> dict:
     ``num_local_experts``) SwiGLU experts of ``moe_intermediate_size`` (default 1408), top ``num_experts_per_tok``
     (default 8), a bias-free fp32 ``E x h`` router (its ``e_score_correction_bias`` is a buffer, as DeepSeek-V3's),
     and ``n_shared_experts`` (default 1) shared experts as one ungated MLP of ``n_shared_experts *
-    moe_intermediate_size``; no MLP biases; RMSNorm; untied by default. ``partial_rotary_factor`` (RoPE on half of
-    each head) changes no parameter and no saved activation: ignored, as the other RoPE settings are. The
+    moe_intermediate_size``; no MLP biases; RMSNorm; untied by default. ``partial_rotary_factor`` (default 0.5: RoPE
+    on half of each head) is kept as ``rotary_percent`` (no parameters; Megatron's ``--rotary-percent``). The
     multi-token-prediction layers (``num_nextn_predict_layers``, alias ``num_mtp_layers``, default 1; stored in the
     published checkpoint after the last layer, not built by the ``transformers`` class) are read into
     ``mtp_num_layers``, as DeepSeek-V3's: trained with the model, not counted in its parameters."""
     fields = _llama(data, source, default_name, ffn_default=10944, kv_default=8)
+    fields["rotary_percent"] = _get(data, source, "partial_rotary_factor", default=0.5)  # Glm4MoeConfig.__post_init__
     experts = _experts(data, source, ("n_routed_experts", "num_local_experts"), 128)
     if experts == 0:
         raise SpecError(f"{source}: n_routed_experts: 0 routed experts is not a model transformers can build")

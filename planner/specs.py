@@ -118,6 +118,10 @@ class ModelSpec(_Spec):
         default=None,
         description="RoPE frequency scaling of the Hugging Face config (rope_scaling.rope_type; GPT-OSS 'yarn'). "
                     "No parameters; Megatron-Bridge runs a YaRN model's RoPE unfused (planner.cost).")
+    rotary_percent: float = Field(
+        default=1.0, gt=0, le=1,
+        description="Share of each head's dimensions that RoPE rotates (Hugging Face partial_rotary_factor, GPT-NeoX "
+                    "rotary_pct; Megatron --rotary-percent, written to its launch files). No parameters.")
     linear_bias: bool = Field(default=False, description="Linear layers carry biases (GPT-2/3 style).")
     qkv_bias: bool | None = Field(
         default=None, description="Bias on the Q/K/V projection (Qwen2: only there). Default: same as linear_bias.")
@@ -238,6 +242,9 @@ class ModelSpec(_Spec):
                 errors.append(f"sliding_window_layers: {self.sliding_window_layers} > num_layers({self.num_layers})")
         if self.shared_expert_gate and self.shared_expert_ffn_hidden_size is None:
             errors.append("shared_expert_gate: needs shared_expert_ffn_hidden_size")
+        if self.rotary_percent != 1 and (self.position_embedding != "rope" or mla[0] is not None):
+            errors.append(f"rotary_percent: {self.rotary_percent} applies to rope position embeddings outside MLA "
+                          "(MLA's rotary part is qk_rope_head_dim); remove it")
         if self.head_dim is None and h % a:
             errors.append(f"hidden_size({h}) is not divisible by num_attention_heads({a}); set head_dim")
         if a % g:

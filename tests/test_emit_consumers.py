@@ -444,6 +444,7 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         assert (config.num_query_groups or config.num_attention_heads) == m.kv_heads
         assert config.gated_linear_unit == (m.activation == "swiglu")
         assert args.position_embedding_type == {"rope": "rope", "learned": "learned_absolute"}[m.position_embedding]
+        assert args.rotary_percent == m.rotary_percent  # GLM-4.5's RoPE on half of each head (ModelSpec.rotary_percent)
         assert config.add_bias_linear == m.linear_bias
 
 

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from planner.check import check_file
@@ -47,6 +49,11 @@ MOE_PLANS = {
     "qwen3-235b-tp4-pp8-ep8-etp1": (dict(model="qwen3-235b-a22b", gpus=256, global_batch=512, seq_len=4096),
                                     dict(tp=4, pp=8, dp=8, ep=8, etp=1, sequence_parallel=True, zero_stage=1,
                                          layers_per_stage=QWEN235_STAGES)),
+    # GLM-4.5 from its Hugging Face config: q/k/v bias, per-head Q/K norm, RoPE on half of each head, 3 dense layers,
+    # an ungated shared expert and one MTP layer
+    "glm-4.5-tp2-pp4-ep8": (dict(model=str(Path(__file__).parent / "data" / "hf" / "glm-4.5.json"), gpus=256,
+                                 global_batch=512, seq_len=4096),
+                            dict(tp=2, pp=4, dp=32, ep=8, etp=1, sequence_parallel=True, zero_stage=1)),
 }
 
 
@@ -208,8 +215,11 @@ def test_moe_layer_freq_is_megatrons_pattern(megatron):
 
 # --- plan3d check reads the MoE flags back ------------------------------------------------------------
 def _shape(model) -> dict:
-    """Every model field but the name; key/value heads as a count (None and a = 128 are one model)."""
-    return model.model_dump(exclude={"name", "num_kv_heads"}) | {"kv_heads": model.kv_heads}
+    """Every model field but the name; key/value heads as a count (None and a = 128 are one model) and the biases
+    as resolved (None follows linear_bias: None and False are one model without them)."""
+    biases = ("qkv_bias", "out_proj_bias", "mlp_bias")
+    return model.model_dump(exclude={"name", "num_kv_heads", *biases}) | {"kv_heads": model.kv_heads} | \
+        {b: getattr(model, f"has_{b}") for b in biases}
 
 
 @pytest.mark.parametrize("case", MOE_PLANS)

@@ -106,6 +106,21 @@ def test_pythia_160m_non_embedding_count_from_the_paper():
     assert spec.num_params - 2 * 50304 * 768 == 85_056_000
 
 
+def test_rotated_share_of_a_head_is_read_where_the_config_states_it(tmp_path):
+    """RoPE over part of each head: Pythia's ``rotary_pct`` 0.25 (EleutherAI/pythia-160m config.json; Biderman et al.
+    2023 section 2: "rotary embeddings ... applied to the first 25% of embedding vector dimensions"), a Llama-family
+    ``partial_rotary_factor`` (transformers' _compute_default_rope_parameters reads it for every RoPE model), and
+    none (1) where the config says nothing. A learned position embedding takes no rotary share."""
+    assert _load("pythia-160m.json").rotary_percent == 0.25
+    assert _load("phi-3-mini-4k-instruct.json").rotary_percent == 1.0
+    data = json.loads((HF / "phi-3-mini-4k-instruct.json").read_text()) | {"partial_rotary_factor": 0.75}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    assert load_model(str(path)).rotary_percent == 0.75
+    with pytest.raises(ValueError, match="rotary_percent: 0.5 applies to rope position embeddings"):
+        ModelSpec(**(load_model("gpt3-175b").model_dump() | {"rotary_percent": 0.5}))
+
+
 def test_gemma2_structure():
     spec = _load("gemma-2-9b.json")
     assert spec.kv_channels == 256 and spec.q_size == 4096 != spec.hidden_size

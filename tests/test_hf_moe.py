@@ -182,6 +182,7 @@ def test_glm45_grouped_query_attention_shared_expert_and_dense_first():
                                                                                                         1536)
     assert spec.shared_expert_ffn_hidden_size == 1536 and not spec.shared_expert_gate and not spec.router_bias
     assert spec.ffn_size == 12288 and spec.mtp_num_layers == 1 and not spec.megatron_gaps()
+    assert spec.rotary_percent == 0.5  # partial_rotary_factor; Megatron --rotary-percent 0.5 in slime's script
 
 
 def test_gpt_oss_keeps_its_yarn_rope_scaling(tmp_path):

@@ -45,6 +45,8 @@ def model_flags(sc: Scenario) -> list[Flag]:
     flags.append(("--max-position-embeddings", str(m.max_seq_len if m.max_seq_len is not None else sc.training.seq_len)))
     flags.append(("--position-embedding-type",
                   {"learned": "learned_absolute", "rope": "rope", "alibi": "none"}[m.position_embedding]))
+    if m.rotary_percent != 1:  # arguments.py --rotary-percent (default 1.0): RoPE on that share of each head
+        flags.append(("--rotary-percent", f"{m.rotary_percent:g}"))
     if m.activation == "swiglu":
         flags.append(("--swiglu", None))
     if not m.tied_embeddings:

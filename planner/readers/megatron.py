@@ -264,6 +264,7 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
         "norm": "rmsnorm" if str(a.get("--normalization", "LayerNorm")).lower() == "rmsnorm" else "layernorm",
         "tied_embeddings": not a.has("--untie-embeddings-and-output-weights"),
         "position_embedding": pos, "linear_bias": not a.has("--disable-bias-linear"),
+        "rotary_percent": a.float("--rotary-percent", 1.0) if pos == "rope" and not mla else 1.0,
         "qkv_bias": True if a.has("--add-qkv-bias") else None, "dropout": dropout,
         "mtp_num_layers": a.int("--mtp-num-layers", 0) or 0,
         # a LayerNorm after the word embedding: Megatron-DeepSpeed's --embed-layernorm (BLOOM), or the
