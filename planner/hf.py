@@ -9,7 +9,7 @@ not model is refused: mixture-of-experts architectures without a reader (DBRX, A
 state-space and hybrid layers, unknown architectures, and options that change the structure in
 ways the spec cannot express.
 
-Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5) follow the
+Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5, OLMoE) follow the
 ``transformers`` 5.x classes (checked against 5.24.0): routed experts, top-k, shared experts, dense
 layers first, router biases and multi-head latent attention (docs/moe.md). Read and deliberately
 ignored, because they change no parameters: routing options (``norm_topk_prob``, ``topk_method``,
@@ -37,7 +37,7 @@ from planner.presets import SpecError
 
 MOE_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 MOE_MESSAGE = ("this mixture-of-experts architecture is not modelled; plan3d reads the MoE classes of Mixtral, "
-               "Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS and GLM-4.5")
+               "Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5 and OLMoE")
 SSM_NAME_PARTS = ("mamba", "jamba", "zamba", "bamba", "rwkv", "recurrentgemma", "falconh1", "nemotronh",
                   "hybrid", "xlstm", "lfm2")
 SSM_KEYS = ("ssm_cfg", "mamba_d_state", "mamba_d_ssm", "hybrid_override_pattern", "layers_block_type",
@@ -469,6 +469,22 @@ def _gpt_oss(data: dict, source: str, default_name: str) -> dict:
             **_gpt_oss_windows(data, source)}
 
 
+def _olmoe(data: dict, source: str, default_name: str) -> dict:
+    """OlmoeForCausalLM (``modeling_olmoe.py``, OlmoeConfig defaults; OLMoE, arXiv:2409.02060 section 2): the Llama
+    pre-norm layer with RMSNorm ``q_norm`` over ``a*d_h`` and ``k_norm`` over ``g*d_h`` channels (qk_norm "full", as
+    OLMo 2's), biases on q/k/v/o per ``attention_bias`` (default false), ``num_key_value_heads`` default the query
+    heads; in every layer ``num_experts`` (default 64, alias ``num_local_experts``) SwiGLU experts of
+    ``intermediate_size`` (default 2048), top ``num_experts_per_tok`` (default 8), a bias-free ``h x E`` router, no
+    shared expert; untied by default. ``clip_qkv`` clamps activations (no parameters)."""
+    fields = _llama(data, source, default_name, ffn_default=2048, kv_default=None)
+    experts = _experts(data, source, ("num_experts", "num_local_experts"), 64)
+    if experts == 0:
+        raise SpecError(f"{source}: num_experts: 0 experts leaves OlmoeSparseMoeBlock without an MLP; "
+                        "not a model plan3d (or OLMoE) describes")
+    return fields | {"qk_norm": "full", "mlp_bias": False, "num_experts": experts,
+                     "top_k": _count(data, source, "num_experts_per_tok", default=8, minimum=1)}
+
+
 def _glm4_moe(data: dict, source: str, default_name: str) -> dict:
     """Glm4MoeForCausalLM (``modeling_glm4_moe.py``, Glm4MoeConfig defaults; GLM-4.5, arXiv:2508.06471, and the
     GLM-4.5-Air / 4.6 / 4.7 releases of the same class): grouped-query attention with biases on q/k/v only
@@ -543,16 +559,18 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "Qwen3ForCausalLM": _qwen3, "MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe, "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3, "GptOssForCausalLM": _gpt_oss, "Glm4MoeForCausalLM": _glm4_moe,
+    "OlmoeForCausalLM": _olmoe,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-               "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM")
+               "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM", "OlmoeForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "falcon": "FalconForCausalLM",
                "olmo2": "Olmo2ForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+               "olmoe": "OlmoeForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------

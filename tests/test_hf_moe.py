@@ -22,7 +22,7 @@ HF = Path(__file__).resolve().parent / "data" / "hf"
 
 MOE_FIXTURES = ["mixtral-8x7b.json", "qwen1.5-moe-a2.7b.json", "qwen3-30b-a3b.json", "qwen3-235b-a22b.json",
                 "qwen3-8b.json", "deepseek-v2-lite.json", "deepseek-v2.json", "deepseek-v3.json",
-                "gpt-oss-20b.json", "gpt-oss-120b.json", "glm-4.5.json"]
+                "gpt-oss-20b.json", "gpt-oss-120b.json", "glm-4.5.json", "olmoe-1b-7b.json"]
 
 
 def _load(name: str) -> ModelSpec:
@@ -114,6 +114,12 @@ SMALL = {
         "glm-4.5.json", "head_dim", hidden_size=256, num_hidden_layers=3, num_attention_heads=8, n_routed_experts=16,
         n_shared_experts=0, use_qk_norm=False, attention_bias=False, first_k_dense_replace=2, vocab_size=1000,
         tie_word_embeddings=True),
+    # OlmoeConfig defaults: 64 experts of 2048, top 8, MHA
+    "olmoe-defaults": {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 256,
+                       "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
+    "olmoe-gqa-bias-tied": _small("olmoe-1b-7b.json", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                                  num_key_value_heads=2, attention_bias=True, num_experts=8, tie_word_embeddings=True,
+                                  vocab_size=1000),
     "glm4-moe-two-shared-num-local-experts-key": _small(
         "glm-4.5.json", "n_routed_experts", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
         num_local_experts=8, n_shared_experts=2, first_k_dense_replace=0, vocab_size=1000),
@@ -185,6 +191,15 @@ def test_glm45_grouped_query_attention_shared_expert_and_dense_first():
     assert spec.rotary_percent == 0.5  # partial_rotary_factor; Megatron --rotary-percent 0.5 in slime's script
 
 
+def test_olmoe_full_width_qk_norm_and_mixtral_style_experts():
+    """OLMoE-1B-7B: 64 experts as wide as intermediate_size (1024), top 8, no shared expert; Q/K norms over the whole
+    projection (OLMoE section 2, as OLMo 2), which Megatron-LM's per-head --qk-layernorm cannot build."""
+    spec = _load("olmoe-1b-7b.json")
+    assert (spec.num_experts, spec.top_k, spec.moe_ffn_size, spec.kv_heads) == (64, 8, 1024, 16)
+    assert spec.qk_norm == "full" and spec.shared_expert_ffn_hidden_size is None and spec.first_k_dense == 0
+    assert any(gap.startswith("qk_norm:") for gap in spec.megatron_gaps())
+
+
 def test_gpt_oss_keeps_its_yarn_rope_scaling(tmp_path):
     """config.json: rope_scaling.rope_type "yarn" (factor 32 over 4096 positions); the preset says the same."""
     assert _load("gpt-oss-120b.json").rope_scaling == "yarn" == load_model("gpt-oss-120b").rope_scaling
@@ -219,6 +234,7 @@ CARDS = [
     ("deepseek-v2-lite.json", 15.7e9, None, 0.1e9),  # deepseek-ai/DeepSeek-V2-Lite card: 15.7B total
     ("deepseek-v2.json", 236e9, 21e9, 1e9),  # DeepSeek-V2 (arXiv:2405.04434) abstract: 236B / 21B
     ("deepseek-v3.json", 671e9, 37e9, 1e9),  # DeepSeek-V3 (arXiv:2412.19437) abstract: 671B / 37B
+    ("olmoe-1b-7b.json", 6.9e9, 1.3e9, 0.1e9),  # OLMoE (arXiv:2409.02060) Table 1: 6.9B total / 1.3B active
 ]
 
 
@@ -306,14 +322,14 @@ def test_deepseek_v2_without_top_k_names_the_key(tmp_path):
 
 @pytest.mark.parametrize("arch,key", [
     ("DbrxForCausalLM", "architectures"), ("ArcticForCausalLM", "architectures"), ("GrokForCausalLM", "architectures"),
-    ("OlmoeForCausalLM", "architectures"), ("DeepseekV32ForCausalLM", "architectures"),
+    ("DeepseekV32ForCausalLM", "architectures"),
 ])
 def test_unmodelled_moe_architectures_refused_by_name(tmp_path, arch, key):
     data = {"architectures": [arch], "hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
             "vocab_size": 1000}
     line = _refusal(tmp_path, data)
     assert line.endswith(f"{key}: {arch}: this mixture-of-experts architecture is not modelled; plan3d reads the "
-                         "MoE classes of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS and GLM-4.5")
+                         "MoE classes of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5 and OLMoE")
 
 
 def test_expert_keys_of_an_unknown_moe_class_refused(tmp_path):
