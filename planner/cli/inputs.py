@@ -91,7 +91,8 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
             launch_hw = presets.load_hardware(hardware) if hardware is not None else None
             sc, said = launch_scenario(path, launch_hw, gpus)
             doc = sc.model_dump(mode="json")
-            notes is not None and notes.extend(said)
+            if notes is not None:
+                notes.extend(said)
         else:
             doc = presets.read_document(path)
         if not isinstance(doc, dict):
