@@ -309,6 +309,20 @@ def test_torchtitan_accepts_emitted_moe_plans(titan, tmp_path, case):
         assert per_rank == list(p.layers_per_stage), per_stage
 
 
+def test_torchtitan_refusal_of_gpt_oss_names_the_config_torchtitan_has(titan):
+    """torchtitan 0.3.0 ships GPT-OSS (its own config functions, read here from the installed library); plan3d does not
+    write that launch (planner.emit.torchtitan.NOT_WRITTEN) and must not say torchtitan has no such model."""
+    from torchtitan.models.gpt_oss import config_registry
+
+    from planner.emit.torchtitan import NOT_WRITTEN
+
+    for preset, config in NOT_WRITTEN.items():
+        assert callable(getattr(config_registry, config))
+        sc = scenario(model=preset, gpus=64, global_batch=64, seq_len=4096, tp=1, pp=1, dp=64, ep=8, zero_stage=1)
+        with pytest.raises(SpecError, match=f"torchtitan 0.3.0 has {config}, but plan3d writes no torchtitan launch"):
+            render_all(sc, ["torchtitan"])
+
+
 def test_torchtitan_refuses_moe_it_cannot_run():
     with pytest.raises(SpecError, match="ships no model for qwen3-235b-a22b"):  # a flavour, no config function
         render_all(scenario(**MOE_PLANS["qwen3-235b-tp4-pp8-ep8-etp1"][0], **MOE_PLANS["qwen3-235b-tp4-pp8-ep8-etp1"][1]),

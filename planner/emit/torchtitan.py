@@ -40,6 +40,12 @@ REGISTRY = {"llama3-8b": ("llama3", {"bf16": "llama3_8b"}), "llama3-70b": ("llam
             "llama3-405b": ("llama3", {"fp8": "llama3_405b"}),
             "deepseek-v3": ("deepseek_v3", {"bf16": "deepseek_v3_671b", "fp8": "deepseek_v3_671b_float8"}),
             "qwen3-30b-a3b": ("qwen3", {"bf16": "qwen3_30b_a3b"})}
+#: Presets whose model torchtitan 0.3.0 does ship, with a config function, but for which plan3d writes no torchtitan
+#: launch: GPT-OSS (models/gpt_oss/config_registry.py gpt_oss_20b / gpt_oss_120b) runs its own attention (the
+#: "varlen" backend with learned sinks, a 128-token window on even layers) and clamped-SwiGLU grouped experts with
+#: biases, none of which plan3d's torchtitan profile was measured on (its eager block and host counts are Llama's and
+#: Qwen3's), so a launch would run another model than the one whose memory and time plan3d predicts.
+NOT_WRITTEN = {"gpt-oss-120b": "gpt_oss_120b", "gpt-oss-20b": "gpt_oss_20b"}
 
 
 def stage_options(sc: Scenario) -> tuple[int | None, int, int]:
@@ -65,6 +71,11 @@ def job_refusals(model, training) -> list[tuple[str, str]]:
     (``REGISTRY``). Known before a search, so ``plan3d search --emit torchtitan`` refuses up front."""
     if training.fp16:
         return [(WHERE, f"{NO_FP16}; use --format megatron or deepspeed, or precision bf16")]
+    if model.name in NOT_WRITTEN:
+        return [(WHERE, f"torchtitan 0.3.0 has {NOT_WRITTEN[model.name]}, but plan3d writes no torchtitan launch for "
+                        f"{slug(model.name)}: its attention (varlen with sinks and sliding windows) and clamped-SwiGLU "
+                        "grouped experts are not measured in plan3d's torchtitan profile (use --format megatron, or "
+                        "search with --framework megatron for a plan Megatron-LM runs)")]
     if model.name not in REGISTRY:
         return [(WHERE, f"torchtitan ships no model for {slug(model.name)}; "
                         f"it has {', '.join(sorted(REGISTRY))} among plan3d's presets (use --format megatron, or "
