@@ -67,7 +67,8 @@ def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, o
     folder = make_folder(out_dir, option)
     clash = [name for name in files if (folder / name).exists()]
     if clash and not force:
-        raise SpecError(f"{option}: {', '.join(str(folder / n) for n in clash)} exist; pass --force to overwrite")
+        raise SpecError(f"{option}: {', '.join(str(folder / n) for n in clash)} {'exists' if len(clash) == 1 else 'exist'}; "
+                        "pass --force to overwrite")
     written = []
     for name, text in files.items():
         write_atomic(folder / name, text, force=True, option=option,

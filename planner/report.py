@@ -311,7 +311,8 @@ def write_report(sc: Scenario, out_dir: str | Path, sweep: list[int] | None = No
     out = make_folder(out_dir, "--out")
     clash = [n for n in report_file_names(bool(sweep), bool(validate_report)) if (out / n).exists()]
     if clash and not force:
-        raise SpecError(f"--out: {', '.join(str(out / n) for n in clash)} exist; pass --force to overwrite")
+        raise SpecError(f"--out: {', '.join(str(out / n) for n in clash)} {'exists' if len(clash) == 1 else 'exist'}; "
+                        "pass --force to overwrite")
     try:
         stage = Path(tempfile.mkdtemp(prefix=".plan3d-report-", dir=out))
     except OSError as err:

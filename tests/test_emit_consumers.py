@@ -144,6 +144,16 @@ def test_write_all_refuses_names_outside_the_folder(tmp_path):
     assert not (tmp_path / "x.sh").exists()
 
 
+def test_write_all_names_what_it_would_replace_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    write_all(out, {"a.sh": "echo a\n", "b.sh": "echo b\n"})
+    with pytest.raises(SpecError, match=r"a.sh exists; pass --force"):
+        write_all(out, {"a.sh": "new\n", "c.sh": "echo c\n"})
+    with pytest.raises(SpecError, match=r"b.sh exist; pass --force"):
+        write_all(out, {"a.sh": "new\n", "b.sh": "new\n"})
+    assert (out / "a.sh").read_text() == "echo a\n" and not (out / "c.sh").exists()
+
+
 def test_torchtitan_refusals_are_one_line_naming_the_slug():
     sc = scenario("gpt3-175b", 64, 64, 2048, name="evil\n$(touch PWNED)", tp=8, pp=8, dp=1)
     with pytest.raises(SpecError) as err:
