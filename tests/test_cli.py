@@ -250,6 +250,16 @@ def test_estimate_reads_a_launch_file_as_check_does(runner):
     assert (wider["plan"]["pp"], wider["plan"]["dp"]) == (8, 2)
 
 
+def test_estimate_reads_a_deepspeed_config_with_the_script_that_passes_it(runner):
+    """ds_config_gpt_1.3B.json: zero_optimization.stage 1, train_micro_batch_size_per_gpu 8 (read off the file), the
+    model from the Megatron-DeepSpeed script beside it, as check pairs them."""
+    cfg = str(LAUNCH / "ds_config_gpt_1.3B.json")
+    d = json.loads(runner.invoke(app, ["estimate", cfg, "--hardware", "h100-sxm-80gb", "--json"]).stdout)
+    assert (d["plan"]["zero_stage"], d["plan"]["micro_batch_size"]) == (1, 8)
+    (row,) = json.loads(runner.invoke(app, ["check", cfg, "--hardware", "h100-sxm-80gb", "--format", "json"]).stdout)
+    assert d["memory"]["peak_gib"] == pytest.approx(row["memory"]["peak_gib"], rel=1e-9)
+
+
 def test_a_launch_file_that_cannot_be_read_as_one_plan_is_refused(runner):
     case = str(LAUNCH / "megatron_size_case.sh")  # case ${MODEL_SIZE} in 7B) 13B) 70B)
     out = _bad(runner, ["estimate", case, "--hardware", "h100-sxm-80gb"], "launches 3 configurations", "70B")

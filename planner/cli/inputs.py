@@ -76,8 +76,9 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
                           tp_comm_overlap: Optional[bool] = None, overlap_p2p_comm: Optional[bool] = None,
                           job_extra: Optional[dict] = None, notes: Optional[list] = None, **plan_opts):
     """Build a Scenario from a plan file and/or flags; flags win over the file. ``plan_file`` may also be a launch
-    file (a bash or Slurm script, a Megatron-LM argument file, a torchtitan TOML), read on ``hardware`` as `plan3d
-    check` reads it (``planner.check.launch_scenario``); check's notes on it are appended to ``notes``."""
+    file (a bash or Slurm script, a Megatron-LM argument file, a torchtitan TOML, a DeepSpeed JSON config beside the
+    script that passes it), read on ``hardware`` as `plan3d check` reads it (``planner.check.launch_scenario``);
+    check's notes on it are appended to ``notes``."""
     from planner import presets
     from planner.check import is_plan_file, launch_scenario
     from planner.specs import Scenario
@@ -87,7 +88,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     launch_hw = None
     if plan_file:
         path = existing_file(plan_file)
-        if path.suffix not in (".json", ".yaml", ".yml") and not is_plan_file(path):
+        if not is_plan_file(path):  # a launch file (a DeepSpeed JSON config too: check finds the script beside it)
             launch_hw = presets.load_hardware(hardware) if hardware is not None else None
             sc, said = launch_scenario(path, launch_hw, gpus)
             doc = sc.model_dump(mode="json")
