@@ -20,7 +20,7 @@ from planner.errors import SpecError
 @app.command()
 @handle_errors
 def estimate(
-    plan_file: Annotated[Optional[str], typer.Argument(metavar="[PLAN]", help="Plan file written by `plan3d search --out`, or a launch file `plan3d check` reads (bash/Slurm script, Megatron-LM argument file, torchtitan TOML; with --hardware).")] = None,
+    plan_file: Annotated[Optional[str], typer.Argument(metavar="[PLAN]", help="Plan file written by `plan3d search --out`, or a launch file `plan3d check` reads (bash/Slurm script, Megatron-LM argument file, torchtitan TOML, DeepSpeed JSON config beside its script; with --hardware).")] = None,
     model: OptModelOpt = None, hardware: OptHardwareOpt = None, gpus: OptGpusOpt = None,
     global_batch: OptGlobalBatchOpt = None, seq_len: OptSeqLenOpt = None,
     precision: PrecisionOpt = None,
