@@ -260,6 +260,15 @@ def test_estimate_reads_a_deepspeed_config_with_the_script_that_passes_it(runner
     assert d["memory"]["peak_gib"] == pytest.approx(row["memory"]["peak_gib"], rel=1e-9)
 
 
+def test_a_partial_plan_file_completed_by_flags_is_not_read_as_a_launch_file(runner, tmp_path):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"training": {"num_gpus": 8, "global_batch_size": 8, "seq_len": 4096}}))
+    res = runner.invoke(app, ["estimate", str(job), "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--tp", "1",
+                              "--pp", "1", "--micro-batch-size", "1", "--zero-stage", "1", "--json"])
+    assert res.exit_code in (0, 1), res.output
+    assert json.loads(res.stdout)["plan"]["dp"] == 8
+
+
 def test_a_launch_file_that_cannot_be_read_as_one_plan_is_refused(runner):
     case = str(LAUNCH / "megatron_size_case.sh")  # case ${MODEL_SIZE} in 7B) 13B) 70B)
     out = _bad(runner, ["estimate", case, "--hardware", "h100-sxm-80gb"], "launches 3 configurations", "70B")

@@ -88,14 +88,17 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     launch_hw = None
     if plan_file:
         path = existing_file(plan_file)
-        if not is_plan_file(path):  # a launch file (a DeepSpeed JSON config too: check finds the script beside it)
+        if path.suffix in (".json", ".yaml", ".yml"):  # a plan file, or part of one that flags complete
+            doc = presets.read_document(path)
+            launch = isinstance(doc, dict) and not doc.keys() & {"model", "hardware", "training", "plan"}
+        else:
+            launch = not is_plan_file(path)
+        if launch:  # a launch file (a DeepSpeed JSON config too: check finds the script that passes it)
             launch_hw = presets.load_hardware(hardware) if hardware is not None else None
             sc, said = launch_scenario(path, launch_hw, gpus)
             doc = sc.model_dump(mode="json")
             if notes is not None:
                 notes.extend(said)
-        else:
-            doc = presets.read_document(path)
         if not isinstance(doc, dict):
             raise SpecError(f"{plan_file}: expected a mapping with keys model, hardware, training, plan")
         data = {**data, **doc}
