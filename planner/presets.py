@@ -210,14 +210,17 @@ def load_scenario(path_str: str, hardware: HardwareSpec | None = None) -> Scenar
     path = Path(path_str)
     if not path.is_file():
         raise SpecError(f"PLAN: {missing_file(path_str)}")
+    not_a_plan = SpecError(f"{path}: not a plan file (the JSON or YAML of model, hardware, training and plan that "
+                           f"`plan3d search --out` writes); `plan3d estimate {path} --hardware H` and `plan3d check` "
+                           "read launch files")
     if path.suffix not in (".json", ".yaml", ".yml"):
         from planner.check import is_plan_file
 
         if not is_plan_file(path):  # a launch script, argument file or TOML: said before a YAML parser errs on it
-            raise SpecError(f"{path}: not a plan file (the JSON or YAML of model, hardware, training and plan that "
-                            f"`plan3d search --out` writes); `plan3d estimate {path} --hardware H` and "
-                            "`plan3d check` read launch files")
+            raise not_a_plan
     data = read_document(path)
+    if isinstance(data, dict) and not data.keys() & {"model", "hardware", "training", "plan"}:
+        raise not_a_plan  # a DeepSpeed JSON config, say: none of a plan file's keys
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with keys model, hardware, training, plan")
     if hardware is not None:
