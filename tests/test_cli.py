@@ -275,7 +275,8 @@ def test_a_launch_file_that_cannot_be_read_as_one_plan_is_refused(runner):
     assert "plan3d check" in out
     _bad(runner, ["estimate", str(LAUNCH / "torchtitan_llama3_8b.toml")], "--hardware is required to read a launch file")
     for command in ("report", "emit"):  # plan files only: the error says which command reads a launch file
-        _bad(runner, [command, str(LAUNCH / "torchtitan_llama3_8b.toml")], "not a plan file", "plan3d estimate")
+        for launch in ("torchtitan_llama3_8b.toml", "ds_config_gpt_1.3B.json"):
+            _bad(runner, [command, str(LAUNCH / launch)], "not a plan file", "plan3d estimate")
 
 
 def test_bad_plan_file_names_file_and_field(runner, tmp_path):
