@@ -34,6 +34,25 @@ def test_emitted_torchtitan_launch_checks_as_emitted(tmp_path, zero, pp):
     assert estimate_scenario_memory(r.scenario).peak_gib == pytest.approx(want)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mxfp8_llama3_8b_launch_checks_as_emitted(tmp_path, compiled):
+    """torchtitan 0.3.0's ``llama3_8b_mxfp8`` (MXFP8 linears, Blackwell): emitted for an mxfp8 plan on B200, read back
+    by check as mxfp8 at the plan's own compile setting (the config function turns compile on for the model;
+    the launch says the plan's), with the same peak."""
+    b200 = load_hardware("b200-180gb")
+    sc = Scenario(model=load_model("llama3-8b"), hardware=b200,
+                  training=TrainingSpec(num_gpus=8, global_batch_size=16, seq_len=4096, framework="torchtitan",
+                                        precision="mxfp8", compile=compiled,
+                                        compile_components=("model",) if compiled else ("model", "loss")),
+                  plan=Plan(tp=1, pp=1, dp=8, micro_batch_size=1, zero_stage=3, recompute="selective"))
+    (script,) = [p for p in write_all(tmp_path, render_all(sc, ["torchtitan"])) if p.name.endswith(".sh")]
+    assert "llama3_8b_mxfp8" in script.read_text()
+    (r,) = check_file_branches(script, b200, None, None)
+    assert not r.errors, r.errors
+    assert r.scenario.training.precision == "mxfp8" and r.scenario.training.compile == compiled
+    assert estimate_scenario_memory(r.scenario).peak_gib == pytest.approx(estimate_scenario_memory(sc).peak_gib)
+
+
 def _with(text: str, section: str, line: str) -> str:
     """``line`` added under ``[section]`` (TOML keys must stay inside their table)."""
     head = f"[{section}]"

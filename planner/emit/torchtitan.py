@@ -18,8 +18,8 @@ can shard); DeepSeek-V3 and Qwen3-30B-A3B have torchtitan configs, other MoE pre
 
 Precision: torchtitan 0.3.0 sets float8 in its config-registry functions (``model_registry(...,
 converters=[Float8LinearConverter...])``), not on the command line. Of the presets plan3d maps,
-``llama3_405b`` always converts to float8 and ``llama3_8b``/``llama3_70b`` never do, so a plan whose
-precision differs from its preset's is refused rather than run in the wrong precision.
+``llama3_405b`` always converts to float8, ``llama3_8b_mxfp8`` to MXFP8, and ``llama3_8b``/``llama3_70b`` never do,
+so a plan whose precision differs from its preset's is refused rather than run in the wrong precision.
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ from planner.specs import Scenario, pipeline_kept_mode
 # plan3d preset -> (torchtitan --module, {precision: the --config function that trains in it}).
 # torchtitan 0.3.0 config registries: models/llama3/config_registry.py; models/deepseek_v3/config_registry.py
 # (deepseek_v3_671b: model_registry("671B"), no MTP layers; deepseek_v3_671b_float8: the same with float8
-# linears and grouped experts); models/qwen3/config_registry.py (qwen3_30b_a3b: model_registry("30B-A3B")).
+# linears and grouped experts); models/qwen3/config_registry.py (qwen3_30b_a3b: model_registry("30B-A3B"));
+# models/llama3/config_registry.py llama3_8b_mxfp8 (llama3_8b with MXFP8LinearConverter, torchao's MX linears, which
+# need a Blackwell GPU; it turns compile on for the model, which compile_args overrides with the plan's own setting).
 # Qwen3-235B-A22B has a model flavour ("235B-A22B") but no config function, and Mixtral no model: refused.
-REGISTRY = {"llama3-8b": ("llama3", {"bf16": "llama3_8b"}), "llama3-70b": ("llama3", {"bf16": "llama3_70b"}),
+REGISTRY = {"llama3-8b": ("llama3", {"bf16": "llama3_8b", "mxfp8": "llama3_8b_mxfp8"}),
+            "llama3-70b": ("llama3", {"bf16": "llama3_70b"}),
             "llama3-405b": ("llama3", {"fp8": "llama3_405b"}),
             "deepseek-v3": ("deepseek_v3", {"bf16": "deepseek_v3_671b", "fp8": "deepseek_v3_671b_float8"}),
             "qwen3-30b-a3b": ("qwen3", {"bf16": "qwen3_30b_a3b"})}
@@ -83,7 +86,7 @@ def job_refusals(model, training) -> list[tuple[str, str]]:
     _, configs = REGISTRY[model.name]
     if training.precision not in configs:
         trains = " and ".join(f"{c} trains in {prec}" for prec, c in configs.items())
-        return [(WHERE, f"torchtitan 0.3.0's {trains} and its command line cannot change that; "
+        return [(WHERE, f"torchtitan 0.3.0's {trains}, and its command line cannot change that; "
                         f"the plan is {training.precision} (use --format megatron)")]
     return []
 

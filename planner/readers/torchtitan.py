@@ -30,8 +30,11 @@ PRESETS = {
 # asked), models/qwen3/__init__.py "30B-A3B"; and their config-registry functions (planner/emit/torchtitan.py).
 MOE_PRESETS = {("deepseek_v3", "671b"): "deepseek-v3", ("qwen3", "30b-a3b"): "qwen3-30b-a3b"}
 REGISTRY_CONFIGS = {"deepseek_v3_671b": ("deepseek_v3", "671b"), "deepseek_v3_671b_float8": ("deepseek_v3", "671b"),
-                    "qwen3_30b_a3b": ("qwen3", "30b-a3b")}
+                    "qwen3_30b_a3b": ("qwen3", "30b-a3b"), "llama3_8b_mxfp8": ("llama3", "8b")}
 FP8_CONFIGS = ("deepseek_v3_671b_float8",)  # its registry function converts linears and experts to float8
+#: registry functions that convert the linears to MXFP8 (models/llama3/config_registry.py llama3_8b_mxfp8:
+#: MXFP8LinearConverter, torchao's MX linears; Blackwell only)
+MXFP8_CONFIGS = ("llama3_8b_mxfp8",)
 LLAMA31_MAX_SEQ_LEN = 131072  # torchtitan llama3 RoPE config max_seq_len (Llama 3.1 context)
 MOE_MODELS = ("deepseek", "llama4", "moe", "gpt_oss", "kimi", "mixtral")
 # torchao float8 model converters as torchtitan registers them: "float8" (Float8Converter, 2024-25 TOMLs), then
@@ -235,8 +238,9 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     if converters and not any(c in FLOAT8_CONVERTERS[:2] for c in converters):
         raise SpecError(f"{where}: model.converters {converters[0]!r} alone (float8 experts, 16-bit linears elsewhere) "
                         "is not modelled; add quantize.linear.float8 or drop it")
-    fp8 = bool(converters) or bool(doc.get("float8", {}).get("enable_float8_linear")) or \
-        str(doc.get("_registry", {}).get("config", "")).lower() in FP8_CONFIGS
+    registry_config = str(doc.get("_registry", {}).get("config", "")).lower()
+    fp8 = bool(converters) or bool(doc.get("float8", {}).get("enable_float8_linear")) or registry_config in FP8_CONFIGS
+    mxfp8 = registry_config in MXFP8_CONFIGS
     # [training] in 2024 TOMLs, [parallelism] since
     lp_name, lp_section = ("parallelism", par) if "disable_loss_parallel" in par else ("training", tr)
     if _flag(lp_section, lp_name, "disable_loss_parallel", where):
@@ -260,7 +264,7 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     zero = _fsdp_zero_stage(par, shard, pp, where, notes, cp)
     compiled = _compile(doc, tr, notes, where)
     training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
-                "precision": _precision(tr, fp8, where, notes), "attention": "flash", "framework": "torchtitan",
+                "precision": _precision(tr, fp8, where, notes, mxfp8), "attention": "flash", "framework": "torchtitan",
                 **compiled, **_async_tp(doc, tp, compiled, where)}
     plan = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "vpp": vpp, "micro_batch_size": mbs,
             "recompute": {"full": "full", "selective": "selective"}.get(mode, "none"), "recompute_interval": interval,
@@ -332,8 +336,9 @@ def _fsdp_zero_stage(par: dict, shard: int, pp: int, where: str, notes: list[str
     return 3
 
 
-def _precision(tr: dict, fp8: bool, where: str, notes: list[str]) -> str:
-    """bf16, or fp8 with torchao's Float8 converter; ``mixed_precision_param = "float32"`` keeps the parameters, and so
+def _precision(tr: dict, fp8: bool, where: str, notes: list[str], mxfp8: bool = False) -> str:
+    """bf16, fp8 with torchao's Float8 converter, mxfp8 with a registry function's MXFP8 converter
+    (``MXFP8_CONFIGS``); ``mixed_precision_param = "float32"`` keeps the parameters, and so
     the compute and the saved activations, in fp32 (FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, and no
     autocast without FSDP: torchtitan ``distributed/utils.py`` ``maybe_enable_amp``): plan3d's fp32 training."""
     param = str(tr.get("mixed_precision_param", "bfloat16"))
@@ -344,17 +349,18 @@ def _precision(tr: dict, fp8: bool, where: str, notes: list[str]) -> str:
         raise SpecError(f"{where}: training.mixed_precision_param = {param!r}: torchtitan takes "
                         f"{', '.join(PARAM_DTYPES)}")
     if param == "float32":
-        if fp8:
+        if fp8 or mxfp8:
             raise SpecError(f"{where}: training.mixed_precision_param float32 with Float8 linears is not modelled "
                             "(plan3d's fp8 keeps 16-bit parameters); use bfloat16 or drop the float8 converter")
         notes.append("training.mixed_precision_param float32: parameters, compute and activations in fp32, "
                      "modelled as fp32 training")
         return "fp32"
-    return "fp8" if fp8 else "bf16"
+    return "mxfp8" if mxfp8 else "fp8" if fp8 else "bf16"
 
 
 # torchtitan 0.3.0 config-registry functions that enable compile (planner/emit/torchtitan.py compile_args)
-REGISTRY_COMPILE = {"llama3_405b": ("model", "loss"), "deepseek_v3_671b": ("loss",), "deepseek_v3_671b_float8": ("loss",)}
+REGISTRY_COMPILE = {"llama3_405b": ("model", "loss"), "deepseek_v3_671b": ("loss",), "deepseek_v3_671b_float8": ("loss",),
+                    "llama3_8b_mxfp8": ("model",)}
 
 
 def _compile(doc: dict, tr: dict, notes: list[str], where: str) -> dict:
