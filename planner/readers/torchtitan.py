@@ -241,6 +241,11 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     registry_config = str(doc.get("_registry", {}).get("config", "")).lower()
     fp8 = bool(converters) or bool(doc.get("float8", {}).get("enable_float8_linear")) or registry_config in FP8_CONFIGS
     mxfp8 = registry_config in MXFP8_CONFIGS
+    if fp8 and _flag(doc.get("float8", {}), "float8", "enable_fsdp_float8_all_gather", where):
+        # torchao's WeightWithDynamicFloat8CastTensor (2024-25 TOMLs; gone from torchtitan 0.3.0's float8 converter)
+        notes.append("float8.enable_fsdp_float8_all_gather: FSDP all-gathers the weights in float8 (1 B, not 2); "
+                     "plan3d gathers and holds them in bf16, an over-estimate of the gathered weights' memory and of "
+                     "the all-gather and copy-out time")
     # [training] in 2024 TOMLs, [parallelism] since
     lp_name, lp_section = ("parallelism", par) if "disable_loss_parallel" in par else ("training", tr)
     if _flag(lp_section, lp_name, "disable_loss_parallel", where):
