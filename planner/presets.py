@@ -204,23 +204,34 @@ def load_any(ref: str) -> ModelSpec | HardwareSpec:
     raise SpecError(f"NAME: '{ref}' is neither a preset nor a file; {hint}")
 
 
+PLAN_FILE_KEYS = frozenset({"model", "hardware", "training", "plan"})
+
+
+def plan_document(path: Path) -> Any | None:
+    """The parsed document of a plan file (or of part of one, which flags complete), or None for a launch file: a JSON
+    or YAML mapping with none of a plan file's keys (a DeepSpeed config, say), or a file of another name that is not a
+    plan file's JSON (:func:`planner.check.is_plan_file`: a script, an argument file, a TOML), said before a YAML
+    parser errs on it. Shared by ``plan3d estimate`` (which reads launch files too) and the plan-only commands."""
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        from planner.check import is_plan_file
+
+        if not is_plan_file(path):
+            return None
+    doc = read_document(path)
+    return None if isinstance(doc, dict) and not doc.keys() & PLAN_FILE_KEYS else doc
+
+
 def load_scenario(path_str: str, hardware: HardwareSpec | None = None) -> Scenario:
     """A plan file: ``{model, hardware, training, plan}`` as `plan3d search --out` writes it; with ``hardware``, the
     file's plan on that profile instead of its own, built and validated once, there."""
     path = Path(path_str)
     if not path.is_file():
         raise SpecError(f"PLAN: {missing_file(path_str)}")
-    not_a_plan = SpecError(f"{path}: not a plan file (the JSON or YAML of model, hardware, training and plan that "
-                           f"`plan3d search --out` writes); `plan3d estimate {path} --hardware H` and `plan3d check` "
-                           "read launch files")
-    if path.suffix not in (".json", ".yaml", ".yml"):
-        from planner.check import is_plan_file
-
-        if not is_plan_file(path):  # a launch script, argument file or TOML: said before a YAML parser errs on it
-            raise not_a_plan
-    data = read_document(path)
-    if isinstance(data, dict) and not data.keys() & {"model", "hardware", "training", "plan"}:
-        raise not_a_plan  # a DeepSpeed JSON config, say: none of a plan file's keys
+    data = plan_document(path)
+    if data is None:
+        raise SpecError(f"{path}: not a plan file (the JSON or YAML of model, hardware, training and plan that "
+                        f"`plan3d search --out` writes); `plan3d estimate {path} --hardware H` and `plan3d check` "
+                        "read launch files")
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with keys model, hardware, training, plan")
     if hardware is not None:

@@ -260,6 +260,21 @@ def test_estimate_reads_a_deepspeed_config_with_the_script_that_passes_it(runner
     assert d["memory"]["peak_gib"] == pytest.approx(row["memory"]["peak_gib"], rel=1e-9)
 
 
+def test_a_plan_file_of_another_name_is_still_a_plan_file(runner, tmp_path):
+    """`plan3d search --out plan.txt` writes the plan's JSON whatever the name; estimate and report read it back (the
+    first launch-file routing left it unread: an UnboundLocalError)."""
+    out = tmp_path / "plan.txt"
+    res = runner.invoke(app, ["search", "--model", "llama3-8b", "--hardware", "h100-sxm-80gb", "--gpus", "8",
+                              "--global-batch", "8", "--seq-len", "4096", "--out", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    est = runner.invoke(app, ["estimate", str(out), "--json"])
+    assert est.exit_code == 0, est.output  # the search's plan fits
+    keys = ("tp", "pp", "dp", "micro_batch_size", "zero_stage", "recompute")
+    written, read = json.loads(out.read_text())["plan"], json.loads(est.stdout)["plan"]
+    assert [read[k] for k in keys] == [written[k] for k in keys]
+    assert runner.invoke(app, ["report", str(out), "--out", str(tmp_path / "r"), "-q"]).exit_code == 0
+
+
 def test_a_partial_plan_file_completed_by_flags_is_not_read_as_a_launch_file(runner, tmp_path):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"training": {"num_gpus": 8, "global_batch_size": 8, "seq_len": 4096}}))

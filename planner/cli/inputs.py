@@ -80,7 +80,7 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     script that passes it), read on ``hardware`` as `plan3d check` reads it (``planner.check.launch_scenario``);
     check's notes on it are appended to ``notes``."""
     from planner import presets
-    from planner.check import is_plan_file, launch_scenario
+    from planner.check import launch_scenario
     from planner.specs import Scenario
 
     data: dict = {"training": {}, "plan": {}}
@@ -88,12 +88,8 @@ def scenario_from_options(plan_file: Optional[str], *, model: Optional[str], har
     launch_hw = None
     if plan_file:
         path = existing_file(plan_file)
-        if path.suffix in (".json", ".yaml", ".yml"):  # a plan file, or part of one that flags complete
-            doc = presets.read_document(path)
-            launch = isinstance(doc, dict) and not doc.keys() & {"model", "hardware", "training", "plan"}
-        else:
-            launch = not is_plan_file(path)
-        if launch:  # a launch file (a DeepSpeed JSON config too: check finds the script that passes it)
+        doc = presets.plan_document(path)
+        if doc is None:  # a launch file (a DeepSpeed JSON config too: check finds the script that passes it)
             launch_hw = presets.load_hardware(hardware) if hardware is not None else None
             sc, said = launch_scenario(path, launch_hw, gpus)
             doc = sc.model_dump(mode="json")
