@@ -56,6 +56,13 @@ def make_folder(out_dir: str | Path, option: str) -> Path:
     return folder
 
 
+def refuse_replacing(option: str, clash: list[Path]) -> None:
+    """The one-line refusal to replace the files of ``clash`` without ``--force`` (nothing where it is empty)."""
+    if clash:
+        raise SpecError(f"{option}: {', '.join(map(str, clash))} {'exists' if len(clash) == 1 else 'exist'}; "
+                        "pass --force to overwrite")
+
+
 def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, option: str = "--out-dir") -> list[Path]:
     """Write several files; check first that none would be replaced without ``force``, so it is all or nothing.
 
@@ -65,10 +72,8 @@ def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, o
     if bad:  # file names come from planner.names.slug; this guards the folder whatever a caller passes
         raise SpecError(f"{option}: refusing to write {bad[0]!r}: not a plain file name inside {out_dir}")
     folder = make_folder(out_dir, option)
-    clash = [name for name in files if (folder / name).exists()]
-    if clash and not force:
-        raise SpecError(f"{option}: {', '.join(str(folder / n) for n in clash)} {'exists' if len(clash) == 1 else 'exist'}; "
-                        "pass --force to overwrite")
+    if not force:
+        refuse_replacing(option, [folder / name for name in files if (folder / name).exists()])
     written = []
     for name, text in files.items():
         write_atomic(folder / name, text, force=True, option=option,

@@ -306,13 +306,12 @@ def write_report(sc: Scenario, out_dir: str | Path, sweep: list[int] | None = No
     import shutil
     import tempfile
 
-    from planner.io import make_folder
+    from planner.io import make_folder, refuse_replacing
 
     out = make_folder(out_dir, "--out")
-    clash = [n for n in report_file_names(bool(sweep), bool(validate_report)) if (out / n).exists()]
-    if clash and not force:
-        raise SpecError(f"--out: {', '.join(str(out / n) for n in clash)} {'exists' if len(clash) == 1 else 'exist'}; "
-                        "pass --force to overwrite")
+    if not force:
+        refuse_replacing("--out", [out / n for n in report_file_names(bool(sweep), bool(validate_report))
+                                   if (out / n).exists()])
     try:
         stage = Path(tempfile.mkdtemp(prefix=".plan3d-report-", dir=out))
     except OSError as err:
