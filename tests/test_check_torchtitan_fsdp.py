@@ -189,8 +189,8 @@ def _toml_with(tmp_path, replace: dict[str, str], add: dict[str, str]) -> Path:
      "disable_loss_parallel with tp 8"),
     ({"tensor_parallel_degree = 1": "tensor_parallel_degree = 8"}, {"training": "disable_loss_parallel = true"},
      "disable_loss_parallel with tp 8"),  # the 2024 TOMLs' [training] key
-    ({"# converters = \"float8\"": "converters = [\"mx\"]"}, {}, "'mx' is not modelled"),
-    ({"# converters = \"float8\"": "converters = [\"quantize.linear.mx\"]"}, {}, "is not modelled"),
+    ({"# converters = \"float8\"": "converters = [\"quantize.linear.nvfp4\"]"}, {}, "'quantize.linear.nvfp4' is not "
+     "modelled"),
     ({"# converters = \"float8\"": "converters = [\"quantize.grouped_mm.float8\"]"}, {}, "alone"),
     ({"mode = 'selective'": "mode = 'partial'"}, {}, "activation_checkpoint.mode = 'partial'"),
     ({}, {"training": "enable_cpu_offload = 1"}, "enable_cpu_offload = 1"),
@@ -218,6 +218,70 @@ def test_toml_settings_read_as_they_run(tmp_path, replace, add, precision, note)
     assert not r.errors, r.errors
     assert r.scenario.training.precision == precision
     assert note is None or any(note in n for n in r.notes), r.notes
+
+
+MX = {"# converters = \"float8\"": "converters = [\"quantize.linear.mx\"]"}
+
+
+def mx_with(table: str, replace: dict | None = None) -> dict:
+    """``replace`` (the quantize.linear.mx converter by default) and the TOML ``table`` placed before [float8]."""
+    return {**(MX if replace is None else replace), "[float8]\n": table + "\n\n[float8]\n"}
+
+
+@pytest.mark.parametrize("replace, add, words, note", [
+    ({"# converters = \"float8\"": "converters = [\"mx\"]"}, {}, [], None),  # 2025: MXConverter, options in [mx]
+    (MX, {}, [], None),
+    ({"# converters = \"float8\"": "converters = [\"quantize.linear.mx\", \"quantize.grouped_mm.mx\"]"}, {}, [], None),
+    ({}, {}, ["--model.converters", "quantize.linear.mx,quantize.grouped_mm.mx"], None),  # comma-separated (string_list)
+    (mx_with("[quantize.linear.mx]\nrecipe_name = \"mxfp8_cublas_rceil\""), {}, [], None),
+    (MX, {}, ["--quantize.linear.mx.recipe_name", "mxfp8_cublas"], None),
+    (mx_with("[quantize.linear.mx]\nfilter_fqns = [\"output\", \"attention.wq\"]"), {}, [],
+     "plan3d counts every linear but the output layer in MXFP8"),
+])
+def test_mx_converters_read_as_mxfp8(tmp_path, replace, add, words, note):
+    """torchao's MX linears in a TOML-era torchtitan config (``mx``, then ``quantize.linear.mx`` with
+    ``quantize.grouped_mm.mx`` for the experts, components/quantization/mx.py) are read as mxfp8 on a Blackwell
+    profile. Before 2026-12-07 check refused them as not modelled, though plan3d models torchao's MX linears (the
+    ``llama3_8b_mxfp8`` config function of torchtitan 0.3.0 was read so)."""
+    path = _toml_with(tmp_path, replace, add)
+    if words:  # the overrides on torchrun's command line, after the TOML (ConfigManager: "CLI args > TOML")
+        path = tmp_path / "run.sh"
+        path.write_text("torchrun --nproc-per-node 8 -m torchtitan.train --job.config_file train.toml "
+                        + " ".join(words) + "\n")
+    (r,) = check_file_branches(path, load_hardware("b200-180gb"), None, 8)
+    assert not r.errors, r.errors
+    assert r.scenario.training.precision == "mxfp8"
+    assert note is None or any(note in n for n in r.notes), r.notes
+
+
+@pytest.mark.parametrize("replace, add, message", [
+    ({"# converters = \"float8\"": "converters = [\"quantize.grouped_mm.mx\"]"}, {}, "alone"),
+    ({"# converters = \"float8\"": "converters = [\"quantize.linear.mx\", \"quantize.grouped_mm.float8\"]"}, {},
+     "mixes float8 and MX"),
+    (MX, {"float8": "enable_float8_linear = true"}, "float8 and MX linears together"),
+    (mx_with("[quantize.linear.mx]\nrecipe_name = \"mxfp4_cutlass\""), {}, "'mxfp4_cutlass' is not modelled"),
+    (mx_with("[quantize.linear.mx]\nrecipe_name = \"mxfp8_emulated\""), {}, "'mxfp8_emulated' is not modelled"),
+    (mx_with("[mx]\nrecipe_name = \"mxfp4_emulated\"", {"# converters = \"float8\"": "converters = \"mx\""}), {},
+     "mx.recipe_name = 'mxfp4_emulated' is not modelled"),
+    (mx_with("[compile]\nenable = true", {"# converters = \"float8\"": "converters = [\"mx\"]",
+                                           "tensor_parallel_degree = 1": "tensor_parallel_degree = 2"}),
+     {}, "TP not yet supported with torch.compile for mxfp8"),
+])
+def test_mx_converters_plan3d_would_misread_are_refused(tmp_path, replace, add, message):
+    (r,) = check_paths([str(_toml_with(tmp_path, replace, add))], load_hardware("b200-180gb"), None, 8)
+    assert exit_code([r]) == 2 and message in r.errors[0], r.errors
+
+
+def test_quantize_linear_float8_all_gather_is_said_to_be_counted_in_bf16(tmp_path):
+    """The same option in its 2025 section, ``[quantize.linear.float8]``, was not read before 2026-12-07."""
+    path = _toml_with(tmp_path, {"# converters = \"float8\"": "converters = [\"quantize.linear.float8\"]"},
+                      {})
+    text = path.read_text().replace("[float8]\n", "[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n\n"
+                                                  "[float8]\n")
+    path.write_text(text)
+    (r,) = check_file_branches(path, H100, None, 8)
+    assert not r.errors, r.errors
+    assert any(n.startswith("float8.enable_fsdp_float8_all_gather") for n in r.notes), r.notes
 
 
 def test_float8_all_gather_is_said_to_be_counted_in_bf16():

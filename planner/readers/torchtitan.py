@@ -39,8 +39,16 @@ LLAMA31_MAX_SEQ_LEN = 131072  # torchtitan llama3 RoPE config max_seq_len (Llama
 MOE_MODELS = ("deepseek", "llama4", "moe", "gpt_oss", "kimi", "mixtral")
 # torchao float8 model converters as torchtitan registers them: "float8" (Float8Converter, 2024-25 TOMLs), then
 # "quantize.linear.float8" and "quantize.grouped_mm.float8" (components/quantization/float8.py,
-# register_model_converter); the MX converters ("mx", "quantize.linear.mx", ...) are not modelled
+# register_model_converter)
 FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8", "quantize.grouped_mm.float8")
+# torchao's MX converters likewise (components/quantization/mx.py): "mx" (MXConverter, 2025, options in [mx]), then
+# "quantize.linear.mx" (MXLinearConverter, options in [quantize.linear.mx]) and "quantize.grouped_mm.mx"
+# (MXGroupedMMConverter, the experts' grouped GEMMs, [quantize.grouped_mm.mx]); each takes a torchao
+# ``recipe_name`` (MXLinearConfig.from_recipe_name: "mxfp8_cublas" by default, also "mxfp8_emulated",
+# "mxfp8_cublas_rceil", "mxfp4_emulated", "mxfp4_cutlass"; the grouped GEMMs' "mxfp8", "mxfp8_rceil")
+MX_CONVERTERS = ("mx", "quantize.linear.mx", "quantize.grouped_mm.mx")
+# the converters of the linears, by family: the first two of each tuple above
+LINEAR_CONVERTERS = {"fp8": FLOAT8_CONVERTERS[:2], "mxfp8": MX_CONVERTERS[:2]}
 # ActivationCheckpoint.mode: "selective", "full", "none", and torch.compile's "memory_budget" (job_config.py)
 AC_MODES = ("selective", "full", "none", "memory_budget")
 
@@ -228,20 +236,16 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         else:
             raise SpecError(f"{where}: activation_checkpoint.selective_ac_option = {option!r}: torchtitan takes 'op' "
                             "or a layer frequency such as '2'")
-    converters = doc.get("model", {}).get("converters", [])
-    converters = [converters] if isinstance(converters, str) else list(converters)
-    converters = [str(c).strip() for c in converters if str(c).strip()]
-    unknown = [c for c in converters if c not in FLOAT8_CONVERTERS]
-    if unknown:
-        raise SpecError(f"{where}: model.converters {unknown[0]!r} is not modelled (plan3d models torchao's float8 "
-                        f"linears: {', '.join(FLOAT8_CONVERTERS[:2])}); drop it or use a float8 converter")
-    if converters and not any(c in FLOAT8_CONVERTERS[:2] for c in converters):
-        raise SpecError(f"{where}: model.converters {converters[0]!r} alone (float8 experts, 16-bit linears elsewhere) "
-                        "is not modelled; add quantize.linear.float8 or drop it")
+    family = _converter_family(doc, tp, where, notes)
     registry_config = str(doc.get("_registry", {}).get("config", "")).lower()
-    fp8 = bool(converters) or bool(doc.get("float8", {}).get("enable_float8_linear")) or registry_config in FP8_CONFIGS
-    mxfp8 = registry_config in MXFP8_CONFIGS
-    if fp8 and _flag(doc.get("float8", {}), "float8", "enable_fsdp_float8_all_gather", where):
+    fp8 = family == "fp8" or bool(doc.get("float8", {}).get("enable_float8_linear")) or registry_config in FP8_CONFIGS
+    mxfp8 = family == "mxfp8" or registry_config in MXFP8_CONFIGS
+    if fp8 and mxfp8:
+        raise SpecError(f"{where}: float8 and MX linears together (model.converters and float8.enable_float8_linear) "
+                        "are not modelled; keep one")
+    if fp8 and (_flag(doc.get("float8", {}), "float8", "enable_fsdp_float8_all_gather", where) or
+                _flag(_options(doc, "quantize.linear.float8"), "quantize.linear.float8", "enable_fsdp_float8_all_gather",
+                      where)):
         # torchao's WeightWithDynamicFloat8CastTensor (2024-25 TOMLs; gone from torchtitan 0.3.0's float8 converter)
         notes.append("float8.enable_fsdp_float8_all_gather: FSDP all-gathers the weights in float8 (1 B, not 2); "
                      "plan3d gathers and holds them in bf16, an over-estimate of the gathered weights' memory and of "
@@ -298,6 +302,68 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
         notes.append("pipeline (TOML-era torchtitan): the schedule keeps every stage's outputs until the step ends "
                      "(torch before return_outputs=False), modelled as pipeline_kept_outputs all")
     return model, training, plan, notes
+
+
+def _options(doc: dict, dotted: str) -> dict:
+    """A JobConfig section by its dotted name, as the TOML nests it (``[quantize.linear.mx]``: ``doc["quantize"]
+    ["linear"]["mx"]``) with the command line's ``--quantize.linear.mx.recipe_name`` overrides (kept flat by
+    :func:`apply_overrides` under the first part, ``doc["quantize"]["linear.mx.recipe_name"]``) on top."""
+    head, _, rest = dotted.partition(".")
+    section = doc.get(head, {})
+    nested = section
+    for part in rest.split(".") if rest else ():
+        nested = nested.get(part, {}) if isinstance(nested, dict) else {}
+    out = dict(nested) if isinstance(nested, dict) else {}
+    if rest and isinstance(section, dict):
+        out |= {k[len(rest) + 1:]: v for k, v in section.items() if k.startswith(rest + ".")}
+    return out
+
+
+def _converter_family(doc: dict, tp: int, where: str, notes: list[str]) -> str | None:
+    """The low precision ``[model] converters`` give the linears: "fp8" (torchao's float8, ``FLOAT8_CONVERTERS``),
+    "mxfp8" (torchao's MX with an MXFP8 recipe, ``MX_CONVERTERS``) or None. A list is a TOML array or, on the
+    command line, comma-separated (the TOML-era JobConfig's ``string_list``). Refused, with the reason: a converter
+    of neither family, the two families together, a grouped-GEMM converter without its linear one (low-precision
+    experts, 16-bit linears elsewhere: not modelled), an MX recipe other than MXFP8's (MXFP4, or torchao's
+    emulation, which runs the GEMMs in high precision), and the "mx" converter with tensor parallelism under a
+    compiled model, which torchtitan's ``MXConverter`` itself refuses ("TP not yet supported with torch.compile for
+    mxfp8")."""
+    converters = doc.get("model", {}).get("converters", [])
+    converters = converters.split(",") if isinstance(converters, str) else list(converters)
+    converters = [str(c).strip() for c in converters if str(c).strip()]
+    unknown = [c for c in converters if c not in FLOAT8_CONVERTERS + MX_CONVERTERS]
+    if unknown:
+        raise SpecError(f"{where}: model.converters {unknown[0]!r} is not modelled (plan3d models torchao's float8 "
+                        f"and MXFP8 linears: {', '.join(FLOAT8_CONVERTERS[:2] + MX_CONVERTERS[:2])}); drop it or use "
+                        "one of those")
+    if not converters:
+        return None
+    families = {"fp8" if c in FLOAT8_CONVERTERS else "mxfp8" for c in converters}
+    if len(families) > 1:
+        raise SpecError(f"{where}: model.converters mixes float8 and MX converters ({', '.join(converters)}): "
+                        "not modelled; keep one family")
+    (family,) = families
+    if not any(c in LINEAR_CONVERTERS[family] for c in converters):
+        raise SpecError(f"{where}: model.converters {converters[0]!r} alone (low-precision experts, 16-bit linears "
+                        f"elsewhere) is not modelled; add {LINEAR_CONVERTERS[family][-1]} or drop it")
+    if family == "mxfp8":
+        for name in [c for c in converters if c in MX_CONVERTERS]:
+            options = _options(doc, name)
+            recipe = str(options.get("recipe_name", "mxfp8_cublas" if name != MX_CONVERTERS[2] else "mxfp8"))
+            if not recipe.startswith("mxfp8") or "emulated" in recipe:
+                raise SpecError(f"{where}: {name}.recipe_name = {recipe!r} is not modelled (plan3d models MXFP8 on "
+                                "the tensor cores: mxfp8_cublas, mxfp8_cublas_rceil, mxfp8_rceil); use one of those")
+            skipped = options.get("filter_fqns", ["output"]) if name != MX_CONVERTERS[2] else []
+            skipped = skipped.split(",") if isinstance(skipped, str) else list(skipped)
+            if any(str(f).strip() not in ("", "output") for f in skipped):
+                notes.append(f"{name}.filter_fqns {', '.join(map(str, skipped))}: plan3d counts every linear but the "
+                             "output layer in MXFP8")
+        compiled = _options(doc, "compile")
+        if "mx" in converters and tp > 1 and compiled.get("enable") is True and \
+                "model" in str(compiled.get("components", "model,loss")):
+            raise SpecError(f"{where}: the mx converter with tensor_parallel_degree {tp} and a compiled model: torchtitan "
+                            "refuses it ('TP not yet supported with torch.compile for mxfp8'); drop one")
+    return family
 
 
 def _flag(section: dict, name: str, key: str, where: str) -> bool:
