@@ -82,7 +82,12 @@ def model_problems(model, formats: list[str]) -> list[str]:
     """What the Megatron-LM launch formats cannot build of ``model`` (``ModelSpec.megatron_gaps``), one line each:
     a launch file that builds another model than the plan's is refused, never written. Independent of the plan,
     so ``plan3d search --emit`` checks it before searching."""
-    return [f"{where}: {reason}" for where, reason in _model_refusals(model, formats)]
+    return refusal_lines(_model_refusals(model, formats))
+
+
+def refusal_lines(refusals) -> list[str]:
+    """(where, reason) refusals as the emitters word them, one line each: "where: reason"."""
+    return [f"{where}: {reason}" for where, reason in refusals]
 
 
 def job_refusals(model, training, formats: list[str]) -> list[tuple[str, str]]:
@@ -104,7 +109,7 @@ def job_refusals(model, training, formats: list[str]) -> list[tuple[str, str]]:
 
 def job_problems(model, training, formats: list[str]) -> list[str]:
     """:func:`job_refusals`, one line each, as the emitters word their own refusals ("--format X: reason")."""
-    return [f"{where}: {reason}" for where, reason in job_refusals(model, training, formats)]
+    return refusal_lines(job_refusals(model, training, formats))
 
 
 def partial_optimizer_refusal(fmt: str, training) -> str | None:

@@ -24,7 +24,7 @@ so a plan whose precision differs from its preset's is refused rather than run i
 
 from __future__ import annotations
 
-from planner.emit import megatron, partial_optimizer_refusal, torchrun
+from planner.emit import megatron, partial_optimizer_refusal, refusal_lines, torchrun
 from planner.frameworks.torchtitan import ASYNC_TP_CONFIGS, NO_FP16, stage_keys, step_cuda_graph_by_default
 from planner.names import slug
 from planner.presets import SpecError
@@ -93,7 +93,7 @@ def job_refusals(model, training) -> list[tuple[str, str]]:
 
 def job_problems(model, training) -> list[str]:
     """:func:`job_refusals`, one line each."""
-    return [f"{where}: {reason}" for where, reason in job_refusals(model, training)]
+    return refusal_lines(job_refusals(model, training))
 
 
 def args(sc: Scenario) -> list[str]:
