@@ -267,28 +267,28 @@ def _experts(data: dict, source: str, keys: tuple[str, ...], default: Any) -> in
     return n
 
 
-def _dense_first(data: dict, source: str, num_layers: Any) -> int:
-    """Dense (MLP) layers before the MoE layers of Qwen2-MoE and Qwen3-MoE.
+def _moe_layers(data: dict, source: str, num_layers: Any) -> dict:
+    """Which layers of Qwen2-MoE and Qwen3-MoE have experts, as ModelSpec fields.
 
     ``Qwen{2,3}MoeDecoderLayer`` (``modeling_qwen{2,3}_moe.py``) uses experts in layer ``i`` when
     ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``, else a dense MLP of
-    ``intermediate_size``. ModelSpec expresses only a leading run of dense layers (``first_k_dense``):
-    ``decoder_sparse_step`` 1 (the default) with ``mlp_only_layers`` empty or ``[0, ..., k-1]``.
+    ``intermediate_size``: ``first_k_dense`` where that is a leading run of dense layers (``decoder_sparse_step`` 1,
+    the default, with ``mlp_only_layers`` empty or ``[0, ..., k-1]``), else ``moe_layer_pattern``.
     """
     step = _count(data, source, "decoder_sparse_step", default=1, minimum=1)
-    if step != 1:
-        raise SpecError(f"{source}: decoder_sparse_step: {step} (experts in every {step}th layer) is not modelled; "
-                        "plan3d models MoE in every layer after a leading run of dense layers (1)")
     only = _get(data, source, "mlp_only_layers", default=[])
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise SpecError(f"{source}: mlp_only_layers: expected a list of layer indices, got {only!r}")
-    dense = sorted(set(only))
-    if dense != list(range(len(dense))):
-        raise SpecError(f"{source}: mlp_only_layers: {only} is not modelled; plan3d models dense layers only as a "
-                        "leading run [0, ..., k-1] (first_k_dense)")
-    if isinstance(num_layers, int) and len(dense) >= num_layers:
-        raise SpecError(f"{source}: mlp_only_layers: every layer is dense; use the dense architecture's config")
-    return len(dense)
+    if not isinstance(num_layers, int):
+        return {"first_k_dense": 0}  # _llama has refused it already
+    pattern = [int(i not in only and (i + 1) % step == 0) for i in range(num_layers)]
+    if not any(pattern):
+        raise SpecError(f"{source}: mlp_only_layers / decoder_sparse_step: every layer is dense; use the dense "
+                        "architecture's config")
+    k = pattern.index(1)
+    if pattern == [0] * k + [1] * (num_layers - k):
+        return {"first_k_dense": k}
+    return {"moe_layer_pattern": tuple(pattern)}
 
 
 def _mixtral(data: dict, source: str, default_name: str) -> dict:
@@ -319,7 +319,7 @@ def _qwen_moe(data: dict, source: str, default_name: str, *, experts_default: in
               moe_ffn_default: int, ffn_default: int, kv_default: int | None) -> dict:
     """The shared part of Qwen2-MoE and Qwen3-MoE: Llama-style attention (``head_dim`` default ``h // a``),
     ``num_experts`` routed SwiGLU experts of ``moe_intermediate_size``, a bias-free ``h x E`` router, the
-    dense layers of ``intermediate_size`` (:func:`_dense_first`), RMSNorm, untied by default.
+    dense layers of ``intermediate_size`` (:func:`_moe_layers`), RMSNorm, untied by default.
     ``num_experts`` 0 is a dense model (``config.num_experts > 0`` in the decoder layer)."""
     fields = _llama(data, source, default_name, ffn_default=ffn_default, kv_default=kv_default)
     experts = _experts(data, source, ("num_experts", "num_local_experts"), experts_default)
@@ -329,7 +329,7 @@ def _qwen_moe(data: dict, source: str, default_name: str, *, experts_default: in
                      "top_k": _count(data, source, "num_experts_per_tok", default=top_k_default, minimum=1),
                      "moe_ffn_hidden_size": _count(data, source, "moe_intermediate_size", default=moe_ffn_default,
                                                    minimum=1),
-                     "first_k_dense": _dense_first(data, source, fields["num_layers"])}
+                     **_moe_layers(data, source, fields["num_layers"])}
 
 
 def _qwen2_moe(data: dict, source: str, default_name: str) -> dict:

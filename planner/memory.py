@@ -1111,9 +1111,8 @@ def offload_resident_layers(model: ModelSpec, plan: Plan, layers: int) -> tuple[
     and the MLP activation input (``transformer/mlp.py``); the few unmarked tensors (e.g. dropout masks)
     are left out. The host memory that receives them is not modelled."""
     n = plan.cpu_offload_layers
-    first_moe = model.first_k_dense if model.is_moe else layers
     held = range(n - 1, layers)  # layers N-1 (in flight) .. L-1 (not offloaded)
-    moe = sum(1 for i in held if i >= first_moe)
+    moe = sum(1 for i in held if model.is_moe_layer(i))
     return len(held) - moe, moe
 
 

@@ -476,7 +476,8 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
     not simulated; ``microbatches``: the micro-batches per step of each micro option [U], for the all-to-all
     overlap's lone micro-batches; ``bubble_of``: compose_step's).
 
-    The dense-first layers (``first_k_dense``) can spill past rank 0's first chunk, so the middle stages
+    The dense layers (``first_k_dense``, or the 0s of a ``moe_layer_pattern``) can spill past rank 0's first chunk
+    or sit anywhere, so the middle stages
     of a MoE model need not be alike and the three stage kinds of the dense path do not suffice. Each distinct
     stage kind is a row here (what :func:`stage_terms` and the DP terms read of a stage: its layers, MoE layers,
     empty chunks, and whether it holds the embedding, the loss or the last layer), with how many stages it

@@ -173,6 +173,12 @@ class ModelSpec(_Spec):
         default=0, ge=0,
         description="The first k layers have a dense MLP of ffn_hidden_size instead of experts (DeepSeek "
                     "first_k_dense_replace; Megatron --moe-layer-freq '([0]*k+[1]*(L-k))').")
+    moe_layer_pattern: tuple[Literal[0, 1], ...] | None = Field(
+        default=None,
+        description="Which layers have experts, one entry per layer, 1 = MoE, 0 = a dense MLP of ffn_hidden_size "
+                    "(Megatron --moe-layer-freq in its list form, e.g. '[0,1,0,1]'; Qwen2/3-MoE decoder_sparse_step "
+                    "and mlp_only_layers; Llama-4's interleave_moe_layer_step). None: MoE in every layer after the "
+                    "first_k_dense. Set it or first_k_dense, not both.")
     router_bias: bool = Field(default=False, description="The router linear layer has a bias (GPT-OSS).")
     mtp_num_layers: int = Field(
         default=0, ge=0, le=8,
@@ -229,11 +235,22 @@ class ModelSpec(_Spec):
                 errors.append(f"top_k: {self.top_k} > num_experts({self.num_experts})")
             if self.first_k_dense >= self.num_layers:
                 errors.append(f"first_k_dense: {self.first_k_dense} leaves no MoE layer of num_layers({self.num_layers})")
+            pattern = self.moe_layer_pattern
+            if pattern is not None:
+                if len(pattern) != self.num_layers:
+                    errors.append(f"moe_layer_pattern: {len(pattern)} entries for num_layers({self.num_layers}); "
+                                  "give one 0 (dense) or 1 (MoE) per layer")
+                elif not any(pattern):
+                    errors.append("moe_layer_pattern: no layer has experts; mark at least one layer 1, or drop "
+                                  "num_experts for a dense model")
+                if self.first_k_dense:
+                    errors.append("first_k_dense: give the dense layers in moe_layer_pattern (its leading 0s) or "
+                                  "first_k_dense, not both")
         else:
             moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size is not None,
                         "shared_expert_ffn_hidden_size": self.shared_expert_ffn_hidden_size is not None,
                         "shared_expert_gate": self.shared_expert_gate, "first_k_dense": self.first_k_dense > 0,
-                        "router_bias": self.router_bias, "capacity_factor": self.capacity_factor is not None}
+                        "moe_layer_pattern": self.moe_layer_pattern is not None, "router_bias": self.router_bias, "capacity_factor": self.capacity_factor is not None}
             errors += [f"{k}: applies to MoE models only; set num_experts or remove it" for k, v in moe_only.items() if v]
         if self.sliding_window_layers is not None:
             if self.sliding_window is None:
@@ -314,8 +331,22 @@ class ModelSpec(_Spec):
 
     @property
     def num_moe_layers(self) -> int:
-        """Layers with experts: all but the ``first_k_dense`` (0 for a dense model)."""
-        return self.num_layers - self.first_k_dense if self.is_moe else 0
+        """Layers with experts: the 1s of ``moe_layer_pattern``, else all but the ``first_k_dense`` (0 for a dense
+        model)."""
+        if not self.is_moe:
+            return 0
+        return sum(self.moe_layer_pattern) if self.moe_layer_pattern is not None else \
+            self.num_layers - self.first_k_dense
+
+    @property
+    def moe_layer_flags(self) -> tuple[int, ...]:
+        """1 for each layer with experts, 0 for each dense one (all 0 for a dense model): ``moe_layer_pattern``, or
+        ``first_k_dense`` 0s then 1s. Hashable, for the caches of :func:`_stage_moe_layers`."""
+        if not self.is_moe:
+            return (0,) * self.num_layers
+        if self.moe_layer_pattern is not None:
+            return tuple(self.moe_layer_pattern)
+        return (0,) * self.first_k_dense + (1,) * (self.num_layers - self.first_k_dense)
 
     def mtp_is_moe(self) -> bool:
         """Whether the multi-token-prediction layers (``mtp_num_layers``) have experts: they take the last decoder
@@ -324,8 +355,13 @@ class ModelSpec(_Spec):
         return self.is_moe_layer(self.num_layers - 1)
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether layer ``index`` (0-based) has experts (DeepSeek ``first_k_dense_replace`` rule)."""
-        return self.is_moe and index >= self.first_k_dense
+        """Whether layer ``index`` (0-based) has experts: its ``moe_layer_pattern`` entry, else DeepSeek's
+        ``first_k_dense_replace`` rule (every layer from ``first_k_dense`` on)."""
+        if not self.is_moe:
+            return False
+        if self.moe_layer_pattern is not None:
+            return bool(self.moe_layer_pattern[index])
+        return index >= self.first_k_dense
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -1216,11 +1252,12 @@ class Plan(_Spec):
         return tuple(tuple(x) for x in starts)
 
     def stage_moe_layers(self, model: ModelSpec) -> tuple[int, ...]:
-        """MoE layers on each pipeline rank (dense-first layers, ``first_k_dense``, are not counted)."""
+        """MoE layers on each pipeline rank (dense layers, ``first_k_dense`` or the 0s of ``moe_layer_pattern``, are
+        not counted)."""
         if not model.is_moe:
             return (0,) * self.pp
         return _stage_moe_layers(self.pp, self.vpp, self.stage_layers(model.num_layers), model.num_layers,
-                                 model.first_k_dense, self.pipeline_schedule)
+                                 model.moe_layer_flags, self.pipeline_schedule)
 
     def label(self) -> str:
         """Short identifier used in file names, e.g. ``tp8-pp4-dp16_mbs1``."""
@@ -1236,14 +1273,15 @@ class Plan(_Spec):
 
 
 @functools.lru_cache(maxsize=65536)
-def _stage_moe_layers(pp: int, vpp: int, stage_layers: tuple[int, ...], num_layers: int, first_k_dense: int,
+def _stage_moe_layers(pp: int, vpp: int, stage_layers: tuple[int, ...], num_layers: int, moe_flags: tuple[int, ...],
                       schedule: str | None = None) -> tuple[int, ...]:
-    """MoE layers per rank: the layers of each chunk ``[start, start + n)`` at or past ``first_k_dense``,
-    chunks placed as the schedule places them (cached: the search asks it for every shape and stage kind)."""
+    """MoE layers per rank: the layers of each chunk ``[start, start + n)`` whose ``moe_flags`` entry is 1
+    (``ModelSpec.moe_layer_flags``), chunks placed as the schedule places them (cached: the search asks it for every
+    shape and stage kind)."""
     probe = Plan.model_construct(tp=1, pp=pp, dp=1, cp=1, vpp=vpp, micro_batch_size=1, layers_per_stage=stage_layers,
                                  pipeline_schedule=schedule)
     chunks, starts = probe.chunk_layers(num_layers), probe.chunk_starts(num_layers)
-    return tuple(sum(max(0, min(n, s + n - first_k_dense)) for s, n in zip(starts[r], chunks[r])) for r in range(pp))
+    return tuple(sum(sum(moe_flags[s:s + n]) for s, n in zip(starts[r], chunks[r])) for r in range(pp))
 
 
 def min_stage_layers(pp: int, vpp: int) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ import pytest
 
 from planner.check import check_file
 from planner.emit import render_all
-from planner.emit.megatron import moe_layer_freq
+from planner.emit.megatron import moe_layer_freq, moe_layer_pattern_arg
 from planner.io import write_all
 from planner.memory import estimate_scenario_memory
 from planner.presets import SpecError, load_hardware
@@ -207,10 +207,37 @@ def test_emit_refuses_moe_plans_megatron_cannot_run():
 
 
 def test_moe_layer_freq_is_megatrons_pattern(megatron):
-    """The pattern string evaluates, with Megatron's own parser, to the dense-first list."""
+    """The pattern string evaluates, with Megatron's own parser, to the dense-first list, and to any
+    ``moe_layer_pattern`` (a short period, or its runs)."""
     arguments = megatron["arguments"]
     assert arguments.moe_freq_type(moe_layer_freq(61, 3)) == [0] * 3 + [1] * 58
     assert arguments.moe_freq_type(moe_layer_freq(4, 1)) == [0, 1, 1, 1]
+    patterns = [(0, 1) * 24, (1, 0, 0, 0) * 12, (0, 0, 1) + (0, 1) * 30 + (1,), (1, 1, 0), (1,) * 10 + (0,) * 3]
+    for pattern in patterns:
+        text = moe_layer_pattern_arg(pattern)
+        assert arguments.moe_freq_type(text) == list(pattern), text
+    assert moe_layer_pattern_arg((0, 1) * 24) == "([0,1]*24)"
+
+
+TINY_PATTERNS = [(1, 0, 1, 0), (0, 1, 1, 0)]
+
+
+@pytest.mark.parametrize("pattern", TINY_PATTERNS)
+def test_megatron_builds_a_moe_layer_pattern_as_emitted(megatron, monkeypatch, tmp_path, pattern):
+    """A model with experts in some layers only (``moe_layer_pattern``): Megatron's own argument validation takes
+    the emitted ``--moe-layer-freq``, its layer specs put experts where the pattern says, and check reads the
+    launch back to the same model and memory."""
+    sc = scenario(**TINY, tp=2, pp=2, dp=2, ep=2, etp=1, sequence_parallel=True, zero_stage=1)
+    sc = sc.model_copy(update={"model": sc.model.model_copy(update={"first_k_dense": 0, "moe_layer_pattern": pattern})})
+    _grouped_gemm_capability(monkeypatch, 9)
+    _, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(sc, tmp_path), "1", 9)
+    freq = config.moe_layer_freq
+    assert ([int(i % freq == 0) for i in range(4)] if isinstance(freq, int) else list(freq)) == list(pattern)
+    (path,) = write_all(tmp_path / "emit", render_all(sc, ["megatron"]))
+    result = check_file(path, load_hardware("h100-sxm-80gb"), None, None)
+    assert not result.errors, result.errors
+    assert _shape(result.scenario.model) == _shape(sc.model)
+    assert estimate_scenario_memory(result.scenario).stages == estimate_scenario_memory(sc).stages
 
 
 # --- plan3d check reads the MoE flags back ------------------------------------------------------------
@@ -387,6 +414,11 @@ ARGS_BASE = """# plan3d: num_gpus=8
     ("--moe-layer-freq ([0]+[1]*3)", {"first_k_dense": 1}),
     ("--moe-layer-freq [0,0,1,1]", {"first_k_dense": 2}),
     ("--moe-layer-freq 2*[0]+[1]+[1]", {"first_k_dense": 2}),
+    # any other pattern (read as dense-first only before 2026-12-07): Megatron's integer N is i % N == 0
+    ("--moe-layer-freq 2", {"first_k_dense": 0, "moe_layer_pattern": (1, 0, 1, 0)}),
+    ("--moe-layer-freq ([0,1]*2)", {"first_k_dense": 0, "moe_layer_pattern": (0, 1, 0, 1)}),
+    ("--moe-layer-freq [1,1,0,1]", {"first_k_dense": 0, "moe_layer_pattern": (1, 1, 0, 1)}),
+    ("--moe-layer-freq [1,1,1,1]", {"first_k_dense": 0, "moe_layer_pattern": None}),
     ("--moe-router-dtype fp64 --moe-ffn-hidden-size 128", {"router_dtype": "fp32", "moe_ffn_hidden_size": 128}),
     ("--multi-latent-attention --qk-layernorm", {"kv_lora_rank": 32, "qk_nope_head_dim": 128,
                                                  "qk_rope_head_dim": 64, "v_head_dim": 128, "q_lora_rank": None,
@@ -403,10 +435,9 @@ def test_check_reads_megatron_moe_defaults(tmp_path, extra, wanted):
 
 
 @pytest.mark.parametrize("extra,error", [
-    ("--moe-layer-freq 2", "dense layers first"),                     # every other layer: not modelled
-    ("--moe-layer-freq ([1]+[0])*2", "dense layers first"),
     ("--moe-layer-freq ([0]+[1]*5)", "lists 6 layers"),
-    ("--moe-layer-freq [0]*4", "dense layers first"),                 # no MoE layer at all
+    ("--moe-layer-freq [0]*4", "experts on no layer"),                # no MoE layer at all
+    ("--moe-layer-freq [0,2,1,1]", "marks each layer 0 (dense) or 1 (MoE)"),
     ("--moe-layer-freq [1]*99999999999", "longer than"),              # bounded, never built
     ("--moe-layer-freq [__import__('os')]", "allows only digits"),    # never evaluated
     ("--moe-layer-freq every", "neither an integer nor a list"),

@@ -77,6 +77,12 @@ SMALL = {
     "qwen2-moe-no-qkv-bias-dense-first": _small(
         "qwen1.5-moe-a2.7b.json", hidden_size=256, num_hidden_layers=4, num_experts=8, moe_intermediate_size=64,
         shared_expert_intermediate_size=128, intermediate_size=320, qkv_bias=False, mlp_only_layers=[1, 0]),
+    # experts in every other layer ((i + 1) % 2 == 0: layers 1 and 3) and around dense middle layers
+    "qwen3-moe-sparse-step-2": _small("qwen3-30b-a3b.json", hidden_size=256, num_hidden_layers=4, num_experts=8,
+                                      decoder_sparse_step=2, vocab_size=1000),
+    "qwen2-moe-dense-middle-layers": _small("qwen1.5-moe-a2.7b.json", hidden_size=256, num_hidden_layers=5,
+                                            num_experts=8, moe_intermediate_size=64, intermediate_size=320,
+                                            mlp_only_layers=[3, 1], vocab_size=1000),
     "qwen2-moe-zero-experts-is-dense": _small("qwen1.5-moe-a2.7b.json", hidden_size=256, num_hidden_layers=2,
                                               num_experts=0, vocab_size=1000),
     "qwen3-moe-defaults": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256,
@@ -290,14 +296,28 @@ def _refusal(tmp_path, data) -> str:
 
 
 @pytest.mark.parametrize("over,key", [
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step: 2"),
-    ({"mlp_only_layers": [3, 5]}, "mlp_only_layers: [3, 5] is not modelled"),
-    ({"mlp_only_layers": [1]}, "mlp_only_layers: [1] is not modelled"),
-    ({"mlp_only_layers": list(range(48))}, "mlp_only_layers: every layer is dense"),
+    ({"mlp_only_layers": list(range(48))}, "every layer is dense"),
+    ({"decoder_sparse_step": 49}, "every layer is dense"),
+    ({"mlp_only_layers": [1, "2"]}, "mlp_only_layers: expected a list of layer indices"),
 ])
-def test_qwen_moe_layer_patterns_other_than_dense_first_refused(tmp_path, over, key):
+def test_qwen_moe_layer_patterns_without_experts_refused(tmp_path, over, key):
     data = json.loads((HF / "qwen3-30b-a3b.json").read_text()) | over
     assert key in _refusal(tmp_path, data)
+
+
+@pytest.mark.parametrize("over,first_k_dense,pattern", [
+    ({"mlp_only_layers": [1, 0]}, 2, None),  # a leading run stays first_k_dense
+    ({"decoder_sparse_step": 2}, 0, (0, 1) * 24),  # (i + 1) % 2 == 0: the odd layers
+    ({"mlp_only_layers": [3, 5]}, 0, tuple(int(i not in (3, 5)) for i in range(48))),
+    ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, 0, tuple(int(i != 2 and (i + 1) % 3 == 0) for i in range(48))),
+])
+def test_qwen_moe_layer_patterns_read_exactly(tmp_path, over, first_k_dense, pattern):
+    """Qwen{2,3}MoeDecoderLayer's rule (``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``), refused
+    before 2026-12-07 unless it was a leading run of dense layers."""
+    data = json.loads((HF / "qwen3-30b-a3b.json").read_text()) | over
+    spec = load_model(_write(tmp_path, data))
+    assert (spec.first_k_dense, spec.moe_layer_pattern) == (first_k_dense, pattern)
+    assert spec.num_moe_layers == (48 - first_k_dense if pattern is None else sum(pattern))
 
 
 @pytest.mark.parametrize("over,key", [

@@ -94,3 +94,35 @@ def test_moe_flops_reproduce_the_modelzoo_tflops_per_gpu():
     for r in rows:
         tflops = r["gbs"] * r["seq"] * flops.model_flops_per_token(m, r["seq"]) / (r["step_time_s"] * r["gpus"]) / 1e12
         assert tflops == pytest.approx(r["tflops_per_gpu"], rel=0.02), r["name"]
+
+
+def test_moe_layer_pattern_counts_layers_stages_and_parameters():
+    """``moe_layer_pattern``: experts where the pattern has 1s, dense MLPs of ffn_hidden_size elsewhere, counted per
+    pipeline rank as the schedule places its chunks."""
+    tiny = load_model("tiny-moe")  # 4 layers, layer 0 dense
+    alt = tiny.model_copy(update={"first_k_dense": 0, "moe_layer_pattern": (1, 0, 1, 0)})
+    assert alt.num_moe_layers == 2 and [alt.is_moe_layer(i) for i in range(4)] == [True, False, True, False]
+    dense, moe = alt.layer_params(False), alt.layer_params(True)
+    assert alt.num_params - tiny.num_params == (2 * dense + 2 * moe) - (1 * dense + 3 * moe)
+    assert Plan(tp=1, pp=2, dp=1, micro_batch_size=1).stage_moe_layers(alt) == (1, 1)
+    # interleaved, one layer per chunk: rank 0 holds layers 0 and 2 (both MoE), rank 1 layers 1 and 3 (dense)
+    assert Plan(tp=1, pp=2, dp=1, vpp=2, micro_batch_size=1).stage_moe_layers(alt) == (2, 0)
+    assert alt.mtp_is_moe() is False  # the last layer's kind
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"moe_layer_pattern": (1, 0, 1)}, "moe_layer_pattern: 3 entries for num_layers(4)"),
+    ({"moe_layer_pattern": (0, 0, 0, 0)}, "moe_layer_pattern: no layer has experts"),
+    ({"moe_layer_pattern": (0, 1, 0, 1), "first_k_dense": 1}, "first_k_dense: give the dense layers in"),
+    ({"moe_layer_pattern": (0, 2, 0, 1)}, "moe_layer_pattern"),
+])
+def test_bad_moe_layer_patterns_are_named(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelSpec(name="x", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100, num_experts=8,
+                  **fields)
+
+
+def test_moe_layer_pattern_applies_to_moe_models_only():
+    with pytest.raises(ValueError, match="moe_layer_pattern: applies to MoE models only"):
+        ModelSpec(name="x", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100,
+                  moe_layer_pattern=(0, 1))

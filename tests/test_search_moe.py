@@ -131,3 +131,28 @@ def test_table_memory_covers_every_stage_when_dense_layers_spill():
         peak = max(s.total_bytes for s in estimate_memory(model, H100, tr, plan).stages)
         s, u, z = tables.unindex(int(k))
         assert tables.mem_kib[s, u, z].max() * KIB >= peak - KIB, plan
+
+
+@pytest.mark.parametrize("pattern", [(0, 1) * 4, (1, 0, 0, 1, 1, 0, 1, 1)])
+def test_table_equals_estimate_and_bounds_memory_with_a_moe_layer_pattern(pattern):
+    """Experts in some layers only (``moe_layer_pattern``: every other layer as Llama-4 Maverick and Megatron's
+    --moe-layer-freq 2, or an irregular one): the stages differ, and every legal table entry is still
+    estimate_time of its plan and bounds the peak of every stage."""
+    import numpy as np
+
+    from planner.memory import estimate_memory
+    from planner.search import KIB, build_tables
+
+    model = TINY.model_copy(update={"num_layers": 8, "first_k_dense": 0, "moe_layer_pattern": pattern})
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=1024)
+    tables = build_tables(model, H100, tr, SearchSpace(pins=Pins(pp=4), max_micro_batch_size=2, max_cp=1))
+    legal = np.flatnonzero(tables.legal.ravel())
+    assert legal.size > 20
+    for k in legal[:: max(1, legal.size // 60)]:
+        plan = tables.plan(int(k))
+        assert sum(plan.stage_moe_layers(model)) == sum(pattern)
+        s, u, z = tables.unindex(int(k))
+        assert tables.time_ns[s, u, z] == pytest.approx(estimate_time(model, H100, tr, plan).step_time_s * 1e9,
+                                                        abs=1.0), plan
+        peak = max(st.total_bytes for st in estimate_memory(model, H100, tr, plan).stages)
+        assert tables.mem_kib[s, u, z].max() * KIB >= peak - KIB, plan

@@ -74,9 +74,16 @@ def pp2_ep4_dropping():
     return _validate(_scenario(load_model("tiny-moe").model_copy(update={"capacity_factor": 0.5})))
 
 
+@pytest.fixture(scope="module")
+def pp2_ep4_pattern():
+    """Experts in layers 0, 2 and 3 (``moe_layer_pattern`` (1, 0, 1, 1)): rank 0 holds a MoE layer then a dense one."""
+    return _validate(_scenario(load_model("tiny-moe").model_copy(update={"first_k_dense": 0,
+                                                                       "moe_layer_pattern": (1, 0, 1, 1)})))
+
+
 RUNS = ["pp2_ep4", "tp2_ep4_zero3"]
 PADDED_RUNS = {"pp2_ep4_padded": 4.0, "pp2_ep4_dropping": 0.5}
-EXACT_RUNS = RUNS + list(PADDED_RUNS)
+EXACT_RUNS = RUNS + list(PADDED_RUNS) + ["pp2_ep4_pattern"]
 METRICS = {"weights_bytes", "grads_bytes", "optimizer_bytes", "expert_weights_bytes", "expert_grads_bytes",
            "expert_optimizer_bytes", "saved_activation_peak_bytes", "saved_activation_microbatch_bytes"}
 

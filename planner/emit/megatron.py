@@ -106,12 +106,29 @@ def moe_layer_freq(num_layers: int, first_k_dense: int) -> str:
     return f"([0]*{first_k_dense}+[1]*{num_layers - first_k_dense})"
 
 
+def moe_layer_pattern_arg(pattern: tuple[int, ...]) -> str:
+    """``--moe-layer-freq`` for any ``ModelSpec.moe_layer_pattern``, in the list syntax Megatron evaluates
+    (``arguments.py::moe_freq_type``: digits, ',', '[]', '()', '+' and '*'): a repeated period of at most 8 layers as
+    "([0,1]*24)", else its runs, "([0]*3+[1]*58)"."""
+    n = len(pattern)
+    for period in range(1, min(8, n - 1) + 1):
+        if n % period == 0 and tuple(pattern[:period]) * (n // period) == tuple(pattern):
+            return f"([{','.join(map(str, pattern[:period]))}]*{n // period})"
+    runs: list[list[int]] = []
+    for x in pattern:
+        if runs and runs[-1][0] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, 1])
+    return "(" + "+".join(f"[{x}]*{k}" for x, k in runs) + ")"
+
+
 def moe_flags(sc: Scenario) -> list[Flag]:
     """A mixture-of-experts model as Megatron-LM core_v0.16.1 flags (``TransformerConfig`` MoE fields).
 
     ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size`` (written even when equal to the
     dense width), ``--moe-shared-expert-intermediate-size`` (+ ``--moe-shared-expert-gate``),
-    ``--moe-layer-freq`` for dense-first layers; ``--moe-grouped-gemm`` (TEGroupedMLP: the same
+    ``--moe-layer-freq`` for dense layers (first or anywhere, ``moe_layer_pattern``); ``--moe-grouped-gemm`` (TEGroupedMLP: the same
     parameters as one MLP per expert, fewer kernel launches; left out for a job with ``moe_grouped_gemm`` False,
     Megatron's SequentialMLP) and ``--moe-token-dispatcher-type
     alltoall`` (the dispatch the search prices by default; Megatron's own default, allgather, is written where a job
@@ -133,6 +150,8 @@ def moe_flags(sc: Scenario) -> list[Flag]:
                          ("--moe-ffn-hidden-size", str(m.moe_ffn_size))]
     if m.first_k_dense:
         flags.append(("--moe-layer-freq", moe_layer_freq(m.num_layers, m.first_k_dense)))
+    elif m.moe_layer_pattern is not None and not all(m.moe_layer_pattern):
+        flags.append(("--moe-layer-freq", moe_layer_pattern_arg(m.moe_layer_pattern)))
     if m.shared_expert_ffn_hidden_size is not None:
         flags.append(("--moe-shared-expert-intermediate-size", str(m.shared_expert_ffn_hidden_size)))
         if m.shared_expert_gate:

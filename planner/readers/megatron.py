@@ -348,12 +348,13 @@ def eval_layer_pattern(text: str, where: str) -> list[int]:
     return value
 
 
-def first_k_dense(a: Args, num_layers: int) -> int:
-    """Dense layers before the first MoE layer, from ``--moe-layer-freq`` (core_v0.16.1 ``gpt_layer_specs.py``:
-    an integer N puts experts on layers ``i % N == 0``; a list marks each layer, 1 = MoE). plan3d models
-    dense layers first, then experts (DeepSeek ``first_k_dense_replace``); other patterns are refused."""
+def moe_layers(a: Args, num_layers: int) -> dict:
+    """Which layers have experts, from ``--moe-layer-freq`` (core_v0.16.1 ``gpt_layer_specs.py``: an integer N puts
+    experts on layers ``i % N == 0``; a list marks each layer, 1 = MoE), as ModelSpec fields: ``first_k_dense`` for
+    dense layers first, then experts (DeepSeek's ``first_k_dense_replace``), else ``moe_layer_pattern``. A pattern
+    with no MoE layer, or entries other than 0 and 1, is refused."""
     if not a.has("--moe-layer-freq"):
-        return 0
+        return {"first_k_dense": 0}
     raw, where = str(a.get("--moe-layer-freq")), f"{a.path}:{a.line('--moe-layer-freq')}"
     if "[" in raw:
         pattern = eval_layer_pattern(raw, where)
@@ -368,11 +369,15 @@ def first_k_dense(a: Args, num_layers: int) -> int:
     if len(pattern) != num_layers:
         raise SpecError(f"{where}: --moe-layer-freq lists {len(pattern)} layers, --num-layers is {num_layers} "
                         "(Megatron asserts they match)")
+    if any(x not in (0, 1) or isinstance(x, bool) for x in pattern):
+        raise SpecError(f"{where}: --moe-layer-freq {raw[:40]}: a pattern marks each layer 0 (dense) or 1 (MoE)")
     k = next((i for i, x in enumerate(pattern) if x), num_layers)
-    if any(x not in (0, 1) for x in pattern) or pattern != [0] * k + [1] * (num_layers - k) or k == num_layers:
-        raise SpecError(f"{where}: --moe-layer-freq {raw[:40]}: plan3d models dense layers first, then MoE layers "
-                        "(DeepSeek's first_k_dense); other dense/MoE patterns are not modelled")
-    return k
+    if k == num_layers:
+        raise SpecError(f"{where}: --moe-layer-freq {raw[:40]} puts experts on no layer; drop --num-experts for a "
+                        "dense model")
+    if pattern == [0] * k + [1] * (num_layers - k):
+        return {"first_k_dense": k}
+    return {"first_k_dense": 0, "moe_layer_pattern": tuple(pattern)}
 
 
 def unpadded_capacity(a: Args) -> bool:
@@ -416,7 +421,7 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
     return {"num_experts": experts, "top_k": a.count("--moe-router-topk", 2),
             "moe_ffn_hidden_size": None if moe_ffn == ffn else moe_ffn,
             "shared_expert_ffn_hidden_size": shared, "shared_expert_gate": gate,
-            "first_k_dense": first_k_dense(a, num_layers), "router_bias": linear_bias,
+            **moe_layers(a, num_layers), "router_bias": linear_bias,
             "router_dtype": "fp32" if router_dtype in ("fp32", "fp64") else "bf16",
             "capacity_factor": capacity if capacity > 0 else None}
 

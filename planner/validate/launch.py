@@ -212,7 +212,7 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
         position_embedding=m.position_embedding, embedding_norm=m.embedding_norm,
         linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=m.dropout)
     if m.is_moe:
-        model = model.model_copy(update=miniature_moe_fields(m, hidden, dp, tp))
+        model = model.model_copy(update=miniature_moe_fields(m, hidden, dp, tp, model.num_layers))
         model = ModelSpec.model_validate(model.model_dump())  # re-check (first_k_dense < num_layers)
     mbs = min(p.micro_batch_size, 2)
     micro = 2 * pp
@@ -231,11 +231,16 @@ MINIATURE_EXPERTS = 8
 not divide): 8 divides every dp and ep of an 8-rank run, so FSDP2 shards the router rows evenly."""
 
 
-def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int) -> dict:
+def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int, layers: int | None = None) -> dict:
     """The MoE fields of the miniature: experts (:data:`MINIATURE_EXPERTS` unless the model's count
     already fits), top-k at most 2, expert and shared widths scaled with the hidden size, one
-    dense-first layer when the model has any; the gate, the router bias and the routing (dropless, or drop and pad
-    at the model's capacity factor) are kept."""
+    dense-first layer when the model has any; a model with a ``moe_layer_pattern`` gives the miniature's ``layers``
+    the start of its pattern (the last layer made MoE if that start has none); the gate, the router bias and the
+    routing (dropless, or drop and pad at the model's capacity factor) are kept."""
+    pattern = None
+    if m.moe_layer_pattern is not None and layers is not None:
+        pattern = tuple(m.moe_layer_pattern[i % m.num_layers] for i in range(layers))
+        pattern = pattern if any(pattern) else pattern[:-1] + (1,)
     experts = m.num_experts if m.num_experts <= MINIATURE_EXPERTS and m.num_experts % dp == 0 else MINIATURE_EXPERTS
 
     def width(f: int | None) -> int | None:
@@ -244,7 +249,7 @@ def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int) -> dict:
     return {"num_experts": experts, "top_k": min(m.top_k, 2), "moe_ffn_hidden_size": width(m.moe_ffn_size),
             "shared_expert_ffn_hidden_size": width(m.shared_expert_ffn_hidden_size),
             "shared_expert_gate": m.shared_expert_gate, "first_k_dense": min(m.first_k_dense, 1),
-            "router_bias": m.router_bias, "router_dtype": m.router_dtype, "capacity_factor": m.capacity_factor}
+            "moe_layer_pattern": pattern, "router_bias": m.router_bias, "router_dtype": m.router_dtype, "capacity_factor": m.capacity_factor}
 
 
 def changes(sc: Scenario, run: Scenario) -> list[str]:
