@@ -165,6 +165,8 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
     if why:
         return out | {"scored": False, "reason": why}
     model, hw = load_model(r["model"]), load_hardware(r["hardware"])
+    if r.get("model_update"):  # a row run past the preset's context (its max_seq_len: positions, no parameters)
+        model = model.model_copy(update=r["model_update"])
     if hardware_update:
         hw = hw.model_copy(update=hardware_update)
     out["family"] = "MoE" if model.is_moe else "dense"
