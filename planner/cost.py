@@ -887,7 +887,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         # unquantised (core_v0.16.1 moe/fused_a2a.py ``fused_dispatch``) and HybridEP refuses FP8 dispatch
         # (``assert not fp8_dispatch``; "Currently, we do not support fp8 dispatch"). DeepEP's own FP8 dispatch
         # (DeepSeek-V3's framework) is not what Megatron runs.
-        dispatch = combine = deepep_time_s(imb * t_r * h * e, k, ep_group, hw)
+        dispatch = combine = deepep_time_s(imb * t_r * h * e, k, ep_group, hw, model)
     else:
         dispatch = combine = comm.all_to_all_time_s(imb * t_r * k * h * e, ep_group, hw)
     comm_f = comm_b = dispatch + combine + etp_s
@@ -1085,23 +1085,61 @@ def moe_host_after_sync_s(model: ModelSpec, hw: HardwareSpec, training: Training
     return (o["fwd_after_sync_base"] + o["fwd_after_sync_per_expert"] * local + eager_f) * hw.host_launch_us * 1e-6
 
 
-def deepep_time_s(token_bytes: float, top_k: int, group, hw: HardwareSpec) -> float:
+def expected_destinations(parts: int, top_k: int, num_groups: int | None = None, group_topk: int | None = None) -> float:
+    """Expected number of the ``parts`` equal, consecutive blocks of the experts (the EP group's ranks, or its nodes)
+    that receive at least one of a token's ``top_k`` experts, the experts drawn evenly.
+
+    Without a group limit the ``k`` experts fall on ``parts * (1 - (1 - 1/parts)^k)`` distinct blocks. With
+    group-limited routing (``ModelSpec.router_num_groups`` G, ``router_group_topk`` g: Megatron-Core core_v0.16.1
+    ``moe_utils.group_limited_topk``, DeepSeek-V3's node-limited routing, report arXiv:2412.19437 section 2.1.2) the
+    token's experts lie in g of the G groups of consecutive experts, so on fewer blocks: when groups are whole
+    blocks or unions of them (``G % parts == 0``) a block is hit when one of its ``G / parts`` groups is picked,
+    ``parts * (1 - C(G - G/parts, g) / C(G, g))`` (each picked group taken to receive an expert: the router ranks
+    groups by their best experts' scores); when blocks split groups (``parts % G == 0``) the experts spread over the
+    ``g * parts / G`` blocks of the picked groups. Never more than without the limit."""
+    if parts <= 1:
+        return float(parts)
+    free = parts * (1 - (1 - 1 / parts) ** top_k)
+    if not num_groups or not group_topk:
+        return free
+    if num_groups % parts == 0:
+        per = num_groups // parts
+        hit = parts * (1 - math.comb(num_groups - per, group_topk) / math.comb(num_groups, group_topk))
+    elif parts % num_groups == 0:
+        m = group_topk * parts // num_groups
+        hit = m * (1 - (1 - 1 / m) ** top_k)
+    else:
+        return free
+    return min(free, hit)
+
+
+def deepep_time_s(token_bytes: float, top_k: int, group, hw: HardwareSpec, model: ModelSpec | None = None) -> float:
     """DeepEP dispatch (or combine) of ``token_bytes`` of tokens per rank over an EP group (DeepEP README,
     "normal kernels": a token crosses the network once per destination node, then NVLink forwards it to
-    the ranks there; DeepSeek-V3 report arXiv:2412.19437 section 3.2.2). With the ``k`` experts of a token
-    spread evenly over ``N`` nodes the expected destination nodes are ``N * (1 - (1 - 1/N)^k)``, of which
-    ``(N-1)/N`` are remote: those bytes go over the rank's NIC; the ``k`` copies inside the node go over
-    NVLink at the same time. One alpha of the slowest link."""
+    the ranks there; DeepSeek-V3 report arXiv:2412.19437 section 3.2.2). A token goes once to each rank that holds
+    one of its experts (DeepEP's ``get_dispatch_layout``: ``is_token_in_rank``, one row per token and rank), not
+    once per expert: ``R`` distinct ranks and ``N_hit`` distinct nodes of the group's ``n`` ranks on ``N`` nodes
+    (:func:`expected_destinations`, with the model's group-limited routing). Inside one NVLink domain the
+    ``R (n-1)/n`` remote copies go over NVLink; across nodes the ``N_hit (N-1)/N`` remote nodes' copies go over the
+    rank's NIC while NVLink carries the ``R`` copies to the ranks (direct, or forwarded by the receiving node's proxy
+    GPU) at the same time. One alpha of the slowest link.
+
+    Checked against NVIDIA's measured HybridEP dispatch (Megatron-Core MoE report arXiv:2603.07685, Table 7: hidden
+    7168, 4,096 tokens, 256 experts; tests/test_cost_moe.py): H100 EP8 661 us, EP32 3,064 us, EP64 4,626 us;
+    GB200 NVL72 EP8 391 us. On NVL72 at EP 16-64 (578-675 us) the measured dispatch is slower than this count
+    predicts, by up to a third: many NVLink peers per GPU, which the model does not charge."""
     if group.size <= 1 or token_bytes <= 0:
         return 0.0
+    groups = (model.router_num_groups, model.router_group_topk) if model is not None else (None, None)
+    n = group.size
+    ranks = expected_destinations(n, top_k, *groups)
     if group.intra_node:
-        n = group.size
         bw = hw.intra_node_bandwidth_gbps * 1e9
-        return hw.intra_node_latency_us * 1e-6 + top_k * (n - 1) / n * token_bytes / bw
+        return hw.intra_node_latency_us * 1e-6 + ranks * (n - 1) / n * token_bytes / bw
     nodes = group.nodes
-    remote = nodes * (1 - (1 - 1 / nodes) ** top_k) * (nodes - 1) / nodes
+    remote = expected_destinations(nodes, top_k, *groups) * (nodes - 1) / nodes
     inter = remote * token_bytes / (hw.inter_node_bandwidth_gbps * 1e9)
-    intra = top_k * token_bytes / (hw.intra_node_bandwidth_gbps * 1e9)
+    intra = ranks * token_bytes / (hw.intra_node_bandwidth_gbps * 1e9)
     return hw.inter_node_latency_us * 1e-6 + max(inter, intra)
 
 

@@ -12,9 +12,11 @@ ways the spec cannot express.
 Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5, OLMoE) follow the
 ``transformers`` 5.x classes (checked against 5.24.0): routed experts, top-k, shared experts, dense
 layers first, router biases and multi-head latent attention (docs/moe.md). Read and deliberately
-ignored, because they change no parameters: routing options (``norm_topk_prob``, ``topk_method``,
-``n_group``, ``topk_group``, ``routed_scaling_factor``, ``scoring_func``, auxiliary-loss
-coefficients, ``router_jitter_noise``, GPT-OSS's ``swiglu_alpha``) and
+ignored, because they change no parameters: routing options (``norm_topk_prob``,
+``routed_scaling_factor``, ``scoring_func``, auxiliary-loss
+coefficients, ``router_jitter_noise``, GPT-OSS's ``swiglu_alpha``; but group-limited routing, ``n_group`` and
+``topk_group`` with DeepSeek's ``topk_method``, is kept as ``router_num_groups`` / ``router_group_topk``: it bounds
+the nodes a token is sent to) and
 ``quantization_config`` (GPT-OSS ships MXFP4 expert weights; the model class and the training
 plan3d estimates hold them at the training precision).
 
@@ -422,7 +424,29 @@ def _deepseek(data: dict, source: str, default_name: str, *, v3: bool) -> dict:
             "moe_ffn_hidden_size": moe_ffn,
             "shared_expert_ffn_hidden_size": shared * moe_ffn if shared else None,
             "first_k_dense": _count(data, source, "first_k_dense_replace", default=d["first_k_dense_replace"]),
-            "mtp_num_layers": _count(data, source, "num_nextn_predict_layers", default=0, minimum=0)}
+            "mtp_num_layers": _count(data, source, "num_nextn_predict_layers", default=0, minimum=0),
+            # V3's router always limits to groups (defaults 8 / 4); V2's only with topk_method group_limited_greedy
+            **_routing_groups(data, source, experts, 8 if v3 else None, 4 if v3 else None,
+                              limited=v3 or data.get("topk_method", "greedy") == "group_limited_greedy")}
+
+
+def _routing_groups(data: dict, source: str, experts: int, default_groups: int | None, default_topk: int | None,
+                    limited: bool = True) -> dict:
+    """Group-limited routing as ModelSpec fields (``router_num_groups``, ``router_group_topk``): ``n_group`` groups of
+    consecutive experts, each token's experts drawn from ``topk_group`` of them (``DeepseekV3TopkRouter``,
+    ``Glm4MoeTopkRouter``; DeepSeek-V2's router only with ``topk_method`` "group_limited_greedy"). One group, or a
+    router that does not limit (``limited`` False), is no limit. ``n_group`` must divide the experts
+    (the routers ``view`` the scores as ``[tokens, n_group, E / n_group]``)."""
+    groups = _get(data, source, "n_group", default=default_groups)
+    topk = _get(data, source, "topk_group", default=default_topk)
+    if not limited or groups in (None, 1):
+        return {}
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or experts % groups:
+        raise SpecError(f"{source}: n_group: {groups!r} must be a whole number of groups dividing the {experts} "
+                        "routed experts")
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= groups:
+        raise SpecError(f"{source}: topk_group: {topk!r} must be 1 to n_group ({groups})")
+    return {"router_num_groups": groups, "router_group_topk": topk}
 
 
 def _deepseek_v2(data: dict, source: str, default_name: str) -> dict:
@@ -512,7 +536,8 @@ def _glm4_moe(data: dict, source: str, default_name: str) -> dict:
         "num_experts": experts, "top_k": _count(data, source, "num_experts_per_tok", default=8, minimum=1),
         "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn_hidden_size": shared * moe_ffn if shared else None,
         "first_k_dense": _count(data, source, "first_k_dense_replace", default=1),
-        "mtp_num_layers": _count(data, source, "num_nextn_predict_layers", "num_mtp_layers", default=1)}
+        "mtp_num_layers": _count(data, source, "num_nextn_predict_layers", "num_mtp_layers", default=1),
+        **_routing_groups(data, source, experts, 1, 1)}  # Glm4MoeConfig: n_group 1, topk_group 1 (GLM-4.5 too)
 
 
 def _yarn(data: dict) -> dict:

@@ -180,6 +180,17 @@ class ModelSpec(_Spec):
                     "and mlp_only_layers; Llama-4's interleave_moe_layer_step). None: MoE in every layer after the "
                     "first_k_dense. Set it or first_k_dense, not both.")
     router_bias: bool = Field(default=False, description="The router linear layer has a bias (GPT-OSS).")
+    router_num_groups: int | None = Field(
+        default=None, ge=2,
+        description="Group-limited routing: the experts split into this many equal groups of consecutive experts and "
+                    "each token's top-k drawn from router_group_topk of them (DeepSeek-V3 n_group 8: node-limited "
+                    "routing, arXiv:2412.19437 section 2.1.2; Megatron --moe-router-num-groups). Changes no "
+                    "parameter; bounds the nodes DeepEP sends a token to (planner.cost.deepep_time_s). None: no "
+                    "group limit.")
+    router_group_topk: int | None = Field(
+        default=None, ge=1,
+        description="Groups each token may use under router_num_groups (DeepSeek-V3 topk_group 4: at most 4 of "
+                    "8 nodes; Megatron --moe-router-group-topk).")
     mtp_num_layers: int = Field(
         default=0, ge=0, le=8,
         description="Multi-token-prediction modules trained on the last pipeline stage (DeepSeek-V3 "
@@ -246,11 +257,23 @@ class ModelSpec(_Spec):
                 if self.first_k_dense:
                     errors.append("first_k_dense: give the dense layers in moe_layer_pattern (its leading 0s) or "
                                   "first_k_dense, not both")
+            groups, group_topk = self.router_num_groups, self.router_group_topk
+            if (groups is None) != (group_topk is None):
+                errors.append("router_num_groups: group-limited routing needs router_num_groups and "
+                              "router_group_topk together (Megatron: 'moe_router_num_groups must be specified')")
+            elif groups is not None:
+                if self.num_experts % groups:
+                    errors.append(f"router_num_groups: {groups} does not divide num_experts({self.num_experts}) "
+                                  "(Megatron asserts it)")
+                if group_topk > groups:
+                    errors.append(f"router_group_topk: {group_topk} > router_num_groups({groups})")
         else:
             moe_only = {"moe_ffn_hidden_size": self.moe_ffn_hidden_size is not None,
                         "shared_expert_ffn_hidden_size": self.shared_expert_ffn_hidden_size is not None,
                         "shared_expert_gate": self.shared_expert_gate, "first_k_dense": self.first_k_dense > 0,
-                        "moe_layer_pattern": self.moe_layer_pattern is not None, "router_bias": self.router_bias, "capacity_factor": self.capacity_factor is not None}
+                        "moe_layer_pattern": self.moe_layer_pattern is not None,
+                        "router_num_groups": self.router_num_groups is not None,
+                        "router_group_topk": self.router_group_topk is not None, "router_bias": self.router_bias, "capacity_factor": self.capacity_factor is not None}
             errors += [f"{k}: applies to MoE models only; set num_experts or remove it" for k, v in moe_only.items() if v]
         if self.sliding_window_layers is not None:
             if self.sliding_window is None:

@@ -113,6 +113,8 @@ def test_megatron_accepts_emitted_moe_plans(megatron, monkeypatch, tmp_path, cas
     assert config.qk_layernorm == (m.qk_norm == "head" or m.is_mla)
     assert config.multi_latent_attention == m.is_mla
     assert (config.mtp_num_layers or 0) == m.mtp_num_layers  # DeepSeek-V3: its one MTP module
+    # group-limited routing (DeepSeek-V3: 8 groups, 4 per token), as TransformerConfig validated it
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (m.router_num_groups, m.router_group_topk)
     if m.is_mla:
         assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
                 config.v_head_dim) == (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
@@ -419,6 +421,9 @@ ARGS_BASE = """# plan3d: num_gpus=8
     ("--moe-layer-freq ([0,1]*2)", {"first_k_dense": 0, "moe_layer_pattern": (0, 1, 0, 1)}),
     ("--moe-layer-freq [1,1,0,1]", {"first_k_dense": 0, "moe_layer_pattern": (1, 1, 0, 1)}),
     ("--moe-layer-freq [1,1,1,1]", {"first_k_dense": 0, "moe_layer_pattern": None}),
+    ("--moe-router-num-groups 4 --moe-router-group-topk 2", {"router_num_groups": 4, "router_group_topk": 2}),
+    ("--moe-router-num-groups 4", {"router_num_groups": None, "router_group_topk": None}),  # no group top-k: no limit
+    ("--moe-router-num-groups 1 --moe-router-group-topk 1", {"router_num_groups": None}),  # one group: no limit
     ("--moe-router-dtype fp64 --moe-ffn-hidden-size 128", {"router_dtype": "fp32", "moe_ffn_hidden_size": 128}),
     ("--multi-latent-attention --qk-layernorm", {"kv_lora_rank": 32, "qk_nope_head_dim": 128,
                                                  "qk_rope_head_dim": 64, "v_head_dim": 128, "q_lora_rank": None,
@@ -443,6 +448,8 @@ def test_check_reads_megatron_moe_defaults(tmp_path, extra, wanted):
     ("--moe-layer-freq every", "neither an integer nor a list"),
     ("--moe-layer-freq [[1]]*4", "not a list expression"),
     ("--moe-latent-size 64", "latent projections"),
+    ("--moe-router-group-topk 2", "moe_router_num_groups must be specified"),
+    ("--moe-router-num-groups 3 --moe-router-group-topk 2", "router_num_groups: 3 does not divide num_experts(8)"),
     ("--multi-latent-attention --group-query-attention", "refuses the pair"),
     ("--expert-model-parallel-size 3", "not divisible by ep(3)"),     # plan3d's rule, as Megatron's assert
 ])

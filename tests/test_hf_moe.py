@@ -168,6 +168,27 @@ def test_deepseek_v3_mla_and_dense_first():
     assert spec.shared_expert_ffn_hidden_size == 1 * 2048 and spec.ffn_size == 18432
 
 
+@pytest.mark.parametrize("name, groups", [
+    ("deepseek-v3.json", (8, 4)),        # DeepseekV3TopkRouter: n_group 8, topk_group 4
+    ("deepseek-v2.json", (8, 3)),        # topk_method group_limited_greedy
+    ("deepseek-v2-lite.json", (None, None)),  # topk_method greedy: no group limit
+    ("kimi-k2.json", (None, None)),      # n_group 1
+    ("glm-4.5.json", (None, None)),      # n_group 1
+])
+def test_group_limited_routing_read_from_the_router(name, groups):
+    spec = _load(name)
+    assert (spec.router_num_groups, spec.router_group_topk) == groups
+
+
+@pytest.mark.parametrize("over,key", [
+    ({"n_group": 7}, "n_group: 7 must be a whole number of groups dividing the 256 routed experts"),
+    ({"topk_group": 9}, "topk_group: 9 must be 1 to n_group (8)"),
+])
+def test_bad_routing_groups_refused(tmp_path, over, key):
+    data = json.loads((HF / "deepseek-v3.json").read_text()) | over
+    assert key in _refusal(tmp_path, data)
+
+
 def test_deepseek_v2_lite_full_q_projection_and_two_shared_experts():
     spec = _load("deepseek-v2-lite.json")
     assert spec.is_mla and spec.q_lora_rank is None

@@ -126,3 +126,22 @@ def test_moe_layer_pattern_applies_to_moe_models_only():
     with pytest.raises(ValueError, match="moe_layer_pattern: applies to MoE models only"):
         ModelSpec(name="x", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100,
                   moe_layer_pattern=(0, 1))
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"router_num_groups": 4}, "router_num_groups: group-limited routing needs router_num_groups and"),
+    ({"router_group_topk": 2}, "router_num_groups: group-limited routing needs"),
+    ({"router_num_groups": 3, "router_group_topk": 1}, "router_num_groups: 3 does not divide num_experts(8)"),
+    ({"router_num_groups": 4, "router_group_topk": 5}, "router_group_topk: 5 > router_num_groups(4)"),
+])
+def test_bad_routing_groups_are_named(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelSpec(name="x", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100, num_experts=8,
+                  **fields)
+
+
+def test_deepseek_v3_routes_each_token_to_four_of_eight_groups():
+    """Node-limited routing (arXiv:2412.19437 section 2.1.2, config.json n_group 8 / topk_group 4); no parameters."""
+    m = load_model("deepseek-v3")
+    assert (m.router_num_groups, m.router_group_topk) == (8, 4)
+    assert m.num_params == m.model_copy(update={"router_num_groups": None, "router_group_topk": None}).num_params

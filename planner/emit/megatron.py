@@ -128,7 +128,8 @@ def moe_flags(sc: Scenario) -> list[Flag]:
 
     ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size`` (written even when equal to the
     dense width), ``--moe-shared-expert-intermediate-size`` (+ ``--moe-shared-expert-gate``),
-    ``--moe-layer-freq`` for dense layers (first or anywhere, ``moe_layer_pattern``); ``--moe-grouped-gemm`` (TEGroupedMLP: the same
+    ``--moe-layer-freq`` for dense layers (first or anywhere, ``moe_layer_pattern``); ``--moe-router-num-groups`` and
+    ``--moe-router-group-topk`` for group-limited routing; ``--moe-grouped-gemm`` (TEGroupedMLP: the same
     parameters as one MLP per expert, fewer kernel launches; left out for a job with ``moe_grouped_gemm`` False,
     Megatron's SequentialMLP) and ``--moe-token-dispatcher-type
     alltoall`` (the dispatch the search prices by default; Megatron's own default, allgather, is written where a job
@@ -152,6 +153,9 @@ def moe_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--moe-layer-freq", moe_layer_freq(m.num_layers, m.first_k_dense)))
     elif m.moe_layer_pattern is not None and not all(m.moe_layer_pattern):
         flags.append(("--moe-layer-freq", moe_layer_pattern_arg(m.moe_layer_pattern)))
+    if m.router_num_groups is not None:  # group-limited routing (TransformerConfig.moe_router_num_groups)
+        flags += [("--moe-router-num-groups", str(m.router_num_groups)),
+                  ("--moe-router-group-topk", str(m.router_group_topk))]
     if m.shared_expert_ffn_hidden_size is not None:
         flags.append(("--moe-shared-expert-intermediate-size", str(m.shared_expert_ffn_hidden_size)))
         if m.shared_expert_gate:

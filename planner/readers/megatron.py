@@ -392,7 +392,8 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
     ``--moe-router-topk`` 2, ``--moe-ffn-hidden-size`` = ``--ffn-hidden-size`` (``validate_args``), the
     router's bias = ``--add-bias-linear`` (``moe/router.py``), ``--moe-router-dtype`` absent = the
     parameters' dtype, ``--moe-expert-capacity-factor`` below 0 = dropless (``TransformerConfig``),
-    ``--moe-shared-expert-gate`` effective only with a shared expert."""
+    ``--moe-shared-expert-gate`` effective only with a shared expert; ``--moe-router-num-groups`` with
+    ``--moe-router-group-topk``: group-limited routing (absent, or without a group top-k: none)."""
     experts = a.int("--num-experts")
     if experts in (None, 0):  # validate_args: --num-experts 0 is None
         return {}
@@ -418,12 +419,20 @@ def moe_fields(a: Args, ffn: int, linear_bias: bool, notes: list[str]) -> dict:
                      "host sync an unpadded run keeps")
     if a.has("--moe-router-dtype") and router_dtype not in ("fp32", "fp64"):
         raise SpecError(f"{a.path}:{a.line('--moe-router-dtype')}: --moe-router-dtype {router_dtype}: not fp32 or fp64")
+    # group-limited routing (TransformerConfig.moe_router_group_topk needs moe_router_num_groups; one group is no limit)
+    groups, group_topk = a.count("--moe-router-num-groups"), a.count("--moe-router-group-topk")
+    routing = {}
+    if group_topk and groups is None:
+        raise SpecError(f"{a.path}:{a.line('--moe-router-group-topk')}: --moe-router-group-topk without "
+                        "--moe-router-num-groups: Megatron refuses it ('moe_router_num_groups must be specified')")
+    if group_topk and groups and groups > 1:
+        routing = {"router_num_groups": groups, "router_group_topk": group_topk}
     return {"num_experts": experts, "top_k": a.count("--moe-router-topk", 2),
             "moe_ffn_hidden_size": None if moe_ffn == ffn else moe_ffn,
             "shared_expert_ffn_hidden_size": shared, "shared_expert_gate": gate,
             **moe_layers(a, num_layers), "router_bias": linear_bias,
             "router_dtype": "fp32" if router_dtype in ("fp32", "fp64") else "bf16",
-            "capacity_factor": capacity if capacity > 0 else None}
+            "capacity_factor": capacity if capacity > 0 else None, **routing}
 
 
 def deepspeed_optimizer_notes(training: dict, plan: dict) -> list[str]:
