@@ -9,7 +9,7 @@ not model is refused: mixture-of-experts architectures without a reader (DBRX, A
 state-space and hybrid layers, unknown architectures, and options that change the structure in
 ways the spec cannot express.
 
-Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5, OLMoE) follow the
+Mixture-of-experts readers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5, OLMoE, Llama 4) follow the
 ``transformers`` 5.x classes (checked against 5.24.0): routed experts, top-k, shared experts, dense
 layers first, router biases and multi-head latent attention (docs/moe.md). Read and deliberately
 ignored, because they change no parameters: routing options (``norm_topk_prob``,
@@ -39,7 +39,7 @@ from planner.presets import SpecError
 
 MOE_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 MOE_MESSAGE = ("this mixture-of-experts architecture is not modelled; plan3d reads the MoE classes of Mixtral, "
-               "Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5 and OLMoE")
+               "Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5, OLMoE and Llama 4")
 SSM_NAME_PARTS = ("mamba", "jamba", "zamba", "bamba", "rwkv", "recurrentgemma", "falconh1", "nemotronh",
                   "hybrid", "xlstm", "lfm2")
 SSM_KEYS = ("ssm_cfg", "mamba_d_state", "mamba_d_ssm", "hybrid_override_pattern", "layers_block_type",
@@ -540,6 +540,46 @@ def _glm4_moe(data: dict, source: str, default_name: str) -> dict:
         **_routing_groups(data, source, experts, 1, 1)}  # Glm4MoeConfig: n_group 1, topk_group 1 (GLM-4.5 too)
 
 
+def _llama4(data: dict, source: str, default_name: str) -> dict:
+    """Llama4ForCausalLM (``modeling_llama4.py``, Llama4TextConfig defaults; the language model of Llama 4 Scout and
+    Maverick): Llama attention (``head_dim`` default 128, 8 KV heads, ``attention_bias`` on q/k/v/o, default false),
+    two RMSNorms per layer, untied by default. A layer in ``moe_layers`` (default every ``interleave_moe_layer_step``-th
+    from the ``step - 1``-th: Scout's step 1, every layer; Maverick's step 2, the odd layers) has
+    ``num_local_experts`` (default 16) SwiGLU experts of ``intermediate_size`` (default 8192; ``gate_up_proj`` holds
+    the gate and up matrices of ``Llama4TextExperts``), top ``num_experts_per_tok`` (default 1), a bias-free
+    ``h x E`` router and one shared SwiGLU expert of ``intermediate_size``, ungated (``Llama4TextMoe``); the other
+    layers a dense SwiGLU MLP of ``intermediate_size_mlp`` (default 16384). ``moe_layer_pattern`` holds the layout.
+
+    Read and ignored, as they hold no parameters: the query/key L2 norm (``use_qk_norm``: ``Llama4TextL2Norm`` has
+    no weight; plan3d does not count its elementwise pass), the layers without RoPE (``no_rope_layers``) and the
+    attention temperature tuning, and the chunked attention of the RoPE layers (``attention_chunk_size``, 8192):
+    at sequences up to the chunk it is causal attention; beyond, plan3d counts its FLOPs over the whole causal
+    window, an over-estimate, as for Mistral's window. ``Llama4ForConditionalGeneration`` (the published
+    checkpoints: a vision tower and projector too) is refused: its ``text_config`` is this config."""
+    fields = _llama(data, source, default_name, ffn_default=16384, kv_default=8)
+    layers = fields["num_layers"]
+    experts = _experts(data, source, ("num_local_experts",), 16)
+    if experts == 0:
+        raise SpecError(f"{source}: num_local_experts: 0 experts is not a model Llama4TextMoe builds")
+    step = _count(data, source, "interleave_moe_layer_step", default=1, minimum=1)
+    moe = _get(data, source, "moe_layers", default=None)
+    if moe is None:
+        moe = list(range(step - 1, layers, step))
+    if not isinstance(moe, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in moe):
+        raise SpecError(f"{source}: moe_layers: expected a list of layer indices, got {moe!r}")
+    pattern = tuple(int(i in moe) for i in range(layers))
+    if not any(pattern):
+        raise SpecError(f"{source}: moe_layers / interleave_moe_layer_step: no layer has experts")
+    k = pattern.index(1)
+    where = {"first_k_dense": k} if pattern == (0,) * k + (1,) * (layers - k) else {"moe_layer_pattern": pattern}
+    moe_ffn = _count(data, source, "intermediate_size", default=8192, minimum=1)
+    return fields | {"ffn_hidden_size": _count(data, source, "intermediate_size_mlp", default=16384, minimum=1),
+                     "head_dim": _get(data, source, "head_dim", default=128), "mlp_bias": False,
+                     "num_experts": experts,
+                     "top_k": _count(data, source, "num_experts_per_tok", default=1, minimum=1),
+                     "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn_hidden_size": moe_ffn, **where}
+
+
 def _yarn(data: dict) -> dict:
     """``rope_scaling: "yarn"`` where the config's ``rope_scaling`` names YaRN (``rope_type``, or the older ``type``
     key); nothing where it is absent or another scaling."""
@@ -584,18 +624,19 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "Qwen3ForCausalLM": _qwen3, "MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe, "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3, "GptOssForCausalLM": _gpt_oss, "Glm4MoeForCausalLM": _glm4_moe,
-    "OlmoeForCausalLM": _olmoe,
+    "OlmoeForCausalLM": _olmoe, "Llama4ForCausalLM": _llama4,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-               "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM", "OlmoeForCausalLM")
+               "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM", "OlmoeForCausalLM",
+               "Llama4ForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "falcon": "FalconForCausalLM",
                "olmo2": "Olmo2ForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-               "olmoe": "OlmoeForCausalLM"}
+               "olmoe": "OlmoeForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------
@@ -637,6 +678,10 @@ def refusal(data: dict, arch: str) -> tuple[str, str] | None:
         return "architectures", ("Gemma3ForConditionalGeneration carries a SigLIP vision tower, which is not modelled; "
                                  "for the language model alone, save its text_config as a config.json "
                                  "(\"architectures\": [\"Gemma3ForCausalLM\"])")
+    if arch == "Llama4ForConditionalGeneration" or data.get("model_type") == "llama4":
+        return "architectures", ("Llama4ForConditionalGeneration carries a vision tower and projector, which are not "
+                                 "modelled; for the language model alone, save its text_config as a config.json "
+                                 "(\"architectures\": [\"Llama4ForCausalLM\"])")
     if arch == "RWForCausalLM":
         return "architectures", ("RWForCausalLM is Falcon's remote-code class; use the config.json of the current "
                                  "Hub revision (FalconForCausalLM)")

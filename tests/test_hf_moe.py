@@ -22,7 +22,8 @@ HF = Path(__file__).resolve().parent / "data" / "hf"
 
 MOE_FIXTURES = ["mixtral-8x7b.json", "qwen1.5-moe-a2.7b.json", "qwen3-30b-a3b.json", "qwen3-235b-a22b.json",
                 "qwen3-8b.json", "deepseek-v2-lite.json", "deepseek-v2.json", "deepseek-v3.json",
-                "gpt-oss-20b.json", "gpt-oss-120b.json", "glm-4.5.json", "olmoe-1b-7b.json"]
+                "gpt-oss-20b.json", "gpt-oss-120b.json", "glm-4.5.json", "olmoe-1b-7b.json",
+                "llama-4-scout-17b-16e.json", "llama-4-maverick-17b-128e.json"]
 
 
 def _load(name: str) -> ModelSpec:
@@ -126,6 +127,16 @@ SMALL = {
     "olmoe-gqa-bias-tied": _small("olmoe-1b-7b.json", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
                                   num_key_value_heads=2, attention_bias=True, num_experts=8, tie_word_embeddings=True,
                                   vocab_size=1000),
+    # Llama4TextConfig defaults: 16 experts of 8192, top 1, a shared expert, dense MLPs of 16384, head_dim 128
+    "llama4-defaults": {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": 256,
+                        "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
+    "llama4-interleaved-bias-tied": _small("llama-4-maverick-17b-128e.json", hidden_size=256, num_hidden_layers=4,
+                                           num_local_experts=8, intermediate_size=64, intermediate_size_mlp=128,
+                                           head_dim=32, attention_bias=True, tie_word_embeddings=True,
+                                           vocab_size=1000, pad_token_id=None),
+    "llama4-explicit-moe-layers": _small("llama-4-scout-17b-16e.json", hidden_size=256, num_hidden_layers=5,
+                                         num_local_experts=4, intermediate_size=64, intermediate_size_mlp=96,
+                                         moe_layers=[0, 3, 4], num_experts_per_tok=2, vocab_size=1000, pad_token_id=None),
     "glm4-moe-two-shared-num-local-experts-key": _small(
         "glm-4.5.json", "n_routed_experts", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
         num_local_experts=8, n_shared_experts=2, first_k_dense_replace=0, vocab_size=1000),
@@ -187,6 +198,27 @@ def test_group_limited_routing_read_from_the_router(name, groups):
 def test_bad_routing_groups_refused(tmp_path, over, key):
     data = json.loads((HF / "deepseek-v3.json").read_text()) | over
     assert key in _refusal(tmp_path, data)
+
+
+@pytest.mark.parametrize("name, total_b, pattern", [
+    # Meta's model cards: Scout 17B active of 109B, Maverick 17B active of 400B, the vision tower included (so the
+    # text model's total is compared for Maverick only, where the tower is within the card's rounding)
+    ("llama-4-scout-17b-16e.json", None, None),
+    ("llama-4-maverick-17b-128e.json", 400, (0, 1) * 24),
+])
+def test_llama4_experts_and_interleaving(name, total_b, pattern):
+    spec = _load(name)
+    assert spec.shared_expert_ffn_hidden_size == spec.moe_ffn_size == 8192 and spec.ffn_size == 16384
+    assert spec.top_k == 1 and spec.moe_layer_pattern == pattern
+    assert abs(spec.num_active_params / 1e9 - 17) <= 0.5 + 0.17
+    if total_b is not None:
+        assert abs(spec.num_params / 1e9 - total_b) <= 0.5 + 0.01 * total_b
+
+
+def test_llama4_conditional_generation_names_its_text_config(tmp_path):
+    data = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+            "text_config": json.loads((HF / "llama-4-scout-17b-16e.json").read_text())}
+    assert "save its text_config as a config.json" in _refusal(tmp_path, data)
 
 
 def test_deepseek_v2_lite_full_q_projection_and_two_shared_experts():
@@ -370,7 +402,7 @@ def test_unmodelled_moe_architectures_refused_by_name(tmp_path, arch, key):
             "vocab_size": 1000}
     line = _refusal(tmp_path, data)
     assert line.endswith(f"{key}: {arch}: this mixture-of-experts architecture is not modelled; plan3d reads the "
-                         "MoE classes of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5 and OLMoE")
+                         "MoE classes of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GPT-OSS, GLM-4.5, OLMoE and Llama 4")
 
 
 def test_expert_keys_of_an_unknown_moe_class_refused(tmp_path):
