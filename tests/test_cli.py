@@ -331,6 +331,10 @@ def test_estimate_uneven_layers_per_stage(runner):
     stages, even_stages = d["memory"]["stages"], even["memory"]["stages"]
     assert stages[0]["weights_gib"] < even_stages[0]["weights_gib"]
     assert stages[1]["weights_gib"] > even_stages[1]["weights_gib"]
+    quiet = runner.invoke(app, [*job, "--layers-per-stage", "6,9,9,8", "--quiet"]).output
+    assert "uneven 6/9/9/8" in quiet
+    # an even split written out (a search's plan file stores [32] for pp 1) is not called uneven
+    assert "uneven" not in runner.invoke(app, [*job, "--layers-per-stage", "8,8,8,8", "--quiet"]).output
     _bad(runner, [*job, "--layers-per-stage", "6,9,x"], "--layers-per-stage")
     _bad(runner, [*job, "--layers-per-stage", "8,8,8"], "layers_per_stage", "pp(4)")
     _bad(runner, [*job, "--layers-per-stage", "8,8,8,9"], "layers_per_stage", "num_layers(32)")
