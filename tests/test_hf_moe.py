@@ -23,7 +23,7 @@ HF = Path(__file__).resolve().parent / "data" / "hf"
 MOE_FIXTURES = ["mixtral-8x7b.json", "qwen1.5-moe-a2.7b.json", "qwen3-30b-a3b.json", "qwen3-235b-a22b.json",
                 "qwen3-8b.json", "deepseek-v2-lite.json", "deepseek-v2.json", "deepseek-v3.json",
                 "gpt-oss-20b.json", "gpt-oss-120b.json", "glm-4.5.json", "olmoe-1b-7b.json",
-                "llama-4-scout-17b-16e.json", "llama-4-maverick-17b-128e.json"]
+                "llama4-scout-17b-16e.json", "llama4-maverick-17b-128e.json"]
 
 
 def _load(name: str) -> ModelSpec:
@@ -130,11 +130,11 @@ SMALL = {
     # Llama4TextConfig defaults: 16 experts of 8192, top 1, a shared expert, dense MLPs of 16384, head_dim 128
     "llama4-defaults": {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": 256,
                         "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 1000},
-    "llama4-interleaved-bias-tied": _small("llama-4-maverick-17b-128e.json", hidden_size=256, num_hidden_layers=4,
+    "llama4-interleaved-bias-tied": _small("llama4-maverick-17b-128e.json", hidden_size=256, num_hidden_layers=4,
                                            num_local_experts=8, intermediate_size=64, intermediate_size_mlp=128,
                                            head_dim=32, attention_bias=True, tie_word_embeddings=True,
                                            vocab_size=1000, pad_token_id=None),
-    "llama4-explicit-moe-layers": _small("llama-4-scout-17b-16e.json", hidden_size=256, num_hidden_layers=5,
+    "llama4-explicit-moe-layers": _small("llama4-scout-17b-16e.json", hidden_size=256, num_hidden_layers=5,
                                          num_local_experts=4, intermediate_size=64, intermediate_size_mlp=96,
                                          moe_layers=[0, 3, 4], num_experts_per_tok=2, vocab_size=1000, pad_token_id=None),
     "glm4-moe-two-shared-num-local-experts-key": _small(
@@ -203,8 +203,8 @@ def test_bad_routing_groups_refused(tmp_path, over, key):
 @pytest.mark.parametrize("name, total_b, pattern", [
     # Meta's model cards: Scout 17B active of 109B, Maverick 17B active of 400B, the vision tower included (so the
     # text model's total is compared for Maverick only, where the tower is within the card's rounding)
-    ("llama-4-scout-17b-16e.json", None, None),
-    ("llama-4-maverick-17b-128e.json", 400, (0, 1) * 24),
+    ("llama4-scout-17b-16e.json", None, None),
+    ("llama4-maverick-17b-128e.json", 400, (0, 1) * 24),
 ])
 def test_llama4_experts_and_interleaving(name, total_b, pattern):
     spec = _load(name)
@@ -217,7 +217,7 @@ def test_llama4_experts_and_interleaving(name, total_b, pattern):
 
 def test_llama4_conditional_generation_names_its_text_config(tmp_path):
     data = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-            "text_config": json.loads((HF / "llama-4-scout-17b-16e.json").read_text())}
+            "text_config": json.loads((HF / "llama4-scout-17b-16e.json").read_text())}
     assert "save its text_config as a config.json" in _refusal(tmp_path, data)
 
 
@@ -270,7 +270,8 @@ def test_gpt_oss_keeps_its_yarn_rope_scaling(tmp_path):
     assert load_model(_write(tmp_path, data)).rope_scaling is None
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"])
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                                  "llama4-scout-17b-16e", "llama4-maverick-17b-128e"])
 def test_hf_import_agrees_with_the_preset(name):
     """The hand-written presets (model_specs/) and the import of the published config are one model."""
     hf, preset = _load(f"{name}.json"), load_model(name)
