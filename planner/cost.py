@@ -446,6 +446,9 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
     1 kernel forward, 3 backward (dO.O preprocessing, the main kernel, dQ conversion; FlashAttention-2
     ``flash_bwd_kernel`` launch sequence) at ``kernel_overhead_us`` each.
 
+    Chunked layers (``model.chunked``, Llama 4) likewise: their chunk's FLOPs (:func:`flops.chunked_pairs`) at the
+    speed of a causal kernel over the chunk.
+
     Sliding-window layers (``model.windowed_layers``): FlashAttention-2's local attention
     (``flash_attn_func(..., window_size=(w-1, 0))``, v2.3+) and cuDNN's sliding-window SDPA skip the key
     blocks wholly outside the window, so such a layer does its windowed FLOPs
@@ -462,18 +465,23 @@ def _attention_core_s(model: ModelSpec, training: TrainingSpec, plan: Plan, rate
         wave = attention_wave_factor(s, b * a_r, rates.sm_count)
         rate_f, rate_b = rates.attention_rate("fwd") * wave, rates.attention_rate("bwd") * wave
 
-        def core_s(window: int | None) -> tuple[float, float]:
-            fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True, window=window) * s / t
-            span = s if window is None else min(s, window)  # keys one query sees: the kernel's speed
+        def core_s(window: int | None, chunk: int | None = None) -> tuple[float, float]:
+            fwd_flops = b * flops.attention_flops_per_token_per_layer(model, s, causal=True, window=window,
+                                                                      chunk=chunk) * s / t
+            # keys one query sees: the kernel's speed (a chunk runs as a causal kernel over chunk-long blocks)
+            span = min(s, window or s, chunk or s)
             k, g = rates.attention_kernel, rates.attention_table
             return (fwd_flops / (rate_f * attention_shape(span, True, "fwd", d_qk, k, g)),
                     FLASH_BWD_OVER_FWD * fwd_flops / (rate_b * attention_shape(span, True, "bwd", d_qk, k, g)))
 
         fwd, bwd = core_s(None)
-        share = model.windowed_layers / model.num_layers
-        if share:
-            w_fwd, w_bwd = core_s(model.sliding_window)
-            fwd, bwd = (1 - share) * fwd + share * w_fwd, (1 - share) * bwd + share * w_bwd
+        w_share, c_share = model.windowed_layers / model.num_layers, model.chunked / model.num_layers
+        if w_share or c_share:
+            w_fwd, w_bwd = core_s(model.sliding_window) if w_share else (0.0, 0.0)
+            c_fwd, c_bwd = core_s(None, model.attention_chunk) if c_share else (0.0, 0.0)
+            rest = 1 - w_share - c_share
+            fwd = rest * fwd + w_share * w_fwd + c_share * c_fwd
+            bwd = rest * bwd + w_share * w_bwd + c_share * c_bwd
         return fwd + rates.gemm_overhead_s, bwd + 3 * rates.gemm_overhead_s
     # materialised: QK^T and PV as batched GEMMs over a_r * b heads, full s x s (masked, not skipped)
     heads = a_r * b
@@ -518,7 +526,7 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     Backward: the K/V exchange again plus the dK/dV return, twice the bytes per step. Every step
     after the first merges its partial output (``RING_MERGE_BYTES``) and costs its kernel launches.
 
-    Sliding-window layers are costed here as full causal ones (an over-estimate): Transformer Engine's
+    Sliding-window and chunked layers are costed here as full causal ones (an over-estimate): Transformer Engine's
     p2p ring refuses a window (``attn_forward_func_with_cp`` asserts ``cp_comm_type`` in
     ``("a2a", "all_gather")`` for sliding-window attention, ``pytorch/attention/dot_product_attention/
     context_parallel.py``), and those CP variants are not modelled.

@@ -76,8 +76,19 @@ def attended_pairs(seq_len: int, window: int | None = None) -> float:
     return window * (window + 1) / 2 + (seq_len - window) * window
 
 
+def chunked_pairs(seq_len: int, chunk: int) -> float:
+    """Query-key pairs of one sequence's chunked causal attention (Llama 4, ``ModelSpec.attention_chunk``): each
+    block of ``chunk`` tokens attends causally within itself (transformers ``masking_utils.chunked_overlay``: key
+    and query in the same block, key not after the query), ``c^2 / 2`` per full block and ``r^2 / 2`` for the last
+    ``r`` tokens, in the halving convention of :func:`attended_pairs`; a chunk of at least ``s`` is full causal."""
+    if chunk >= seq_len:
+        return seq_len * seq_len / 2
+    full, rest = divmod(seq_len, chunk)
+    return full * chunk * chunk / 2 + rest * rest / 2
+
+
 def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: bool = True,
-                                        window: int | None = None) -> float:
+                                        window: int | None = None, chunk: int | None = None) -> float:
     """Forward FLOPs per token of QK^T and PV: ``2 * a * s * (d_qk + d_v)`` (``2 * 2 * q * s`` when
     ``d_qk = d_v = d_h``), halved when causal (Megatron HEAD; MLA head widths from DeepSeek-V2).
 
@@ -88,6 +99,8 @@ def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: 
     full = 2.0 * model.num_attention_heads * seq_len * (model.qk_head_dim + model.v_dim)
     if not causal:
         return full
+    if chunk is not None and chunk < seq_len:  # a chunked layer (chunked_pairs)
+        return 2.0 * model.num_attention_heads * (model.qk_head_dim + model.v_dim) * chunked_pairs(seq_len, chunk) / seq_len
     if window is None or window >= seq_len:
         return full / 2
     return 2.0 * model.num_attention_heads * (model.qk_head_dim + model.v_dim) * attended_pairs(seq_len, window) / seq_len
@@ -95,15 +108,16 @@ def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: 
 
 def mean_attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: bool = True) -> float:
     """:func:`attention_flops_per_token_per_layer` averaged over the model's layers: ``windowed_layers`` at
-    the sliding window, the rest full causal (GPT-OSS: 18 of 36 at 128 keys, ``layer_types``). Exact for
+    the sliding window, ``chunked`` layers in their chunks (Llama 4: 36 of 48 at 8,192), the rest full causal (GPT-OSS: 18 of 36 at 128 keys, ``layer_types``). Exact for
     the whole model; for a pipeline stage it assumes the stage holds the model's mix (exact when it holds
     whole periods of the pattern, e.g. an even number of GPT-OSS layers)."""
     full = attention_flops_per_token_per_layer(model, seq_len, causal)
-    n_w, L = model.windowed_layers, model.num_layers
-    if not n_w or not causal:
+    n_w, n_c, L = model.windowed_layers, model.chunked, model.num_layers
+    if not (n_w or n_c) or not causal:
         return full
-    windowed = attention_flops_per_token_per_layer(model, seq_len, causal, window=model.sliding_window)
-    return (n_w * windowed + (L - n_w) * full) / L
+    windowed = attention_flops_per_token_per_layer(model, seq_len, causal, window=model.sliding_window) if n_w else 0.0
+    chunked = attention_flops_per_token_per_layer(model, seq_len, causal, chunk=model.attention_chunk) if n_c else 0.0
+    return (n_w * windowed + n_c * chunked + (L - n_w - n_c) * full) / L
 
 
 def logits_flops_per_token(model: ModelSpec, vocab_size: int | None = None) -> float:

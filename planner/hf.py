@@ -550,12 +550,13 @@ def _llama4(data: dict, source: str, default_name: str) -> dict:
     ``h x E`` router and one shared SwiGLU expert of ``intermediate_size``, ungated (``Llama4TextMoe``); the other
     layers a dense SwiGLU MLP of ``intermediate_size_mlp`` (default 16384). ``moe_layer_pattern`` holds the layout.
 
-    Read and ignored, as they hold no parameters: the query/key L2 norm (``use_qk_norm``: ``Llama4TextL2Norm`` has
-    no weight; plan3d does not count its elementwise pass), the layers without RoPE (``no_rope_layers``) and the
-    attention temperature tuning, and the chunked attention of the RoPE layers (``attention_chunk_size``, 8192):
-    at sequences up to the chunk it is causal attention; beyond, plan3d counts its FLOPs over the whole causal
-    window, an over-estimate, as for Mistral's window. ``Llama4ForConditionalGeneration`` (the published
-    checkpoints: a vision tower and projector too) is refused: its ``text_config`` is this config."""
+    The chunked attention of the RoPE layers is kept: ``attention_chunk_size`` (default 8192) as ``attention_chunk``,
+    on the ``"chunked_attention"`` entries of ``layer_types``, or without it on the layers ``no_rope_layers`` marks
+    1 (default: all but every ``no_rope_layer_interval``-th, 4), as ``Llama4TextConfig.__post_init__`` builds
+    ``layer_types``. Read and ignored, as they hold no parameters: the query/key L2 norm (``use_qk_norm``:
+    ``Llama4TextL2Norm`` has no weight; plan3d does not count its elementwise pass) and the attention temperature
+    tuning. ``Llama4ForConditionalGeneration`` (the published checkpoints: a vision tower and projector too) is
+    refused: its ``text_config`` is this config."""
     fields = _llama(data, source, default_name, ffn_default=16384, kv_default=8)
     layers = fields["num_layers"]
     experts = _experts(data, source, ("num_local_experts",), 16)
@@ -573,11 +574,33 @@ def _llama4(data: dict, source: str, default_name: str) -> dict:
     k = pattern.index(1)
     where = {"first_k_dense": k} if pattern == (0,) * k + (1,) * (layers - k) else {"moe_layer_pattern": pattern}
     moe_ffn = _count(data, source, "intermediate_size", default=8192, minimum=1)
-    return fields | {"ffn_hidden_size": _count(data, source, "intermediate_size_mlp", default=16384, minimum=1),
+    return fields | _llama4_chunks(data, source, layers) | {
+                     "ffn_hidden_size": _count(data, source, "intermediate_size_mlp", default=16384, minimum=1),
                      "head_dim": _get(data, source, "head_dim", default=128), "mlp_bias": False,
                      "num_experts": experts,
                      "top_k": _count(data, source, "num_experts_per_tok", default=1, minimum=1),
                      "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn_hidden_size": moe_ffn, **where}
+
+
+def _llama4_chunks(data: dict, source: str, layers: int) -> dict:
+    """``attention_chunk`` / ``chunked_layers`` of a Llama 4 text config (:func:`_llama4`)."""
+    chunk = data.get("attention_chunk_size", 8192)
+    if chunk is None:
+        return {}
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise SpecError(f"{source}: attention_chunk_size: expected a positive whole number of tokens, got {chunk!r}")
+    types = data.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise SpecError(f"{source}: layer_types: expected one entry per layer ({layers}), got {types!r}")
+        chunked = sum(t == "chunked_attention" for t in types)
+    else:
+        interval = _count(data, source, "no_rope_layer_interval", default=4, minimum=1)
+        rope = data.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        if not isinstance(rope, list) or len(rope) != layers:
+            raise SpecError(f"{source}: no_rope_layers: expected one 0/1 entry per layer ({layers}), got {rope!r}")
+        chunked = sum(bool(x) for x in rope)
+    return {"attention_chunk": chunk, "chunked_layers": chunked} if chunked else {}
 
 
 def _yarn(data: dict) -> dict:

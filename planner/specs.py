@@ -152,6 +152,15 @@ class ModelSpec(_Spec):
         description="How many layers are windowed (GPT-OSS: the 'sliding_attention' entries of layer_types, "
                     "every other layer starting with the first). Default with sliding_window: all layers "
                     "(Mistral-7B v0.1). Only the count matters: the estimator averages attention over the layers.")
+    attention_chunk: int | None = Field(
+        default=None, ge=1,
+        description="Chunked attention (Llama 4's attention_chunk_size, 8192): a chunked layer's queries attend "
+                    "causally within their own block of this many tokens only. None: no chunked layer.")
+    chunked_layers: int | None = Field(
+        default=None, ge=0,
+        description="How many layers are chunked (Llama 4: the 'chunked_attention' entries of layer_types, the "
+                    "layers with RoPE, 3 of every 4). Default with attention_chunk: all layers. As for windows, only "
+                    "the count matters.")
     # --- mixture of experts (Megatron-Core ``--num-experts`` ...; docs/moe.md) ---------------------
     num_experts: int | None = Field(
         default=None, ge=2, le=65536,
@@ -280,6 +289,14 @@ class ModelSpec(_Spec):
                 errors.append("sliding_window_layers: needs sliding_window (the window those layers use)")
             elif self.sliding_window_layers > self.num_layers:
                 errors.append(f"sliding_window_layers: {self.sliding_window_layers} > num_layers({self.num_layers})")
+        if self.chunked_layers is not None:
+            if self.attention_chunk is None:
+                errors.append("chunked_layers: needs attention_chunk (the chunk those layers attend within)")
+            elif self.chunked_layers + self.windowed_layers > self.num_layers:
+                errors.append(f"chunked_layers: {self.chunked_layers} chunked and {self.windowed_layers} windowed "
+                              f"layers > num_layers({self.num_layers})")
+        elif self.attention_chunk is not None and self.windowed_layers:
+            errors.append("chunked_layers: a model with sliding-window layers says how many layers are chunked")
         if self.shared_expert_gate and self.shared_expert_ffn_hidden_size is None:
             errors.append("shared_expert_gate: needs shared_expert_ffn_hidden_size")
         if self.rotary_percent != 1 and (self.position_embedding != "rope" or mla[0] is not None):
@@ -346,6 +363,13 @@ class ModelSpec(_Spec):
         if self.sliding_window is None:
             return 0
         return self.num_layers if self.sliding_window_layers is None else self.sliding_window_layers
+
+    @property
+    def chunked(self) -> int:
+        """Layers with chunked attention: ``chunked_layers``, all layers when only the chunk is set, 0 without."""
+        if self.attention_chunk is None:
+            return 0
+        return self.num_layers if self.chunked_layers is None else self.chunked_layers
 
     @property
     def moe_ffn_size(self) -> int:

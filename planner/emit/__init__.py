@@ -78,6 +78,20 @@ def _model_refusals(model, formats: list[str]) -> list[tuple[str, str]]:
     return [(f"--format {megatron_formats[0]}", f"{model.name}: {gap}") for gap in gaps]
 
 
+def chunk_refusals(model, training, formats: list[str]) -> list[tuple[str, str]]:
+    """A Megatron-LM launch of a model with chunked attention (Llama 4, ``ModelSpec.attention_chunk``) at a sequence
+    longer than the chunk: Megatron-LM core_v0.16.1 has no chunked attention, so its layers would attend over the
+    whole sequence, another model's compute. Up to the chunk, chunked attention is causal attention and the launch
+    is exact."""
+    megatron_formats = _megatron_formats(formats)
+    if not megatron_formats or not model.chunked or training.seq_len <= model.attention_chunk:
+        return []
+    return [(f"--format {megatron_formats[0]}",
+             f"{model.name}: {model.chunked} layers attend within {model.attention_chunk}-token chunks, which "
+             f"Megatron-LM cannot express (core_v0.16.1 has no chunked attention): at seq_len {training.seq_len} its "
+             f"layers would attend over the whole sequence; use --seq-len {model.attention_chunk} or less")]
+
+
 def model_problems(model, formats: list[str]) -> list[str]:
     """What the Megatron-LM launch formats cannot build of ``model`` (``ModelSpec.megatron_gaps``), one line each:
     a launch file that builds another model than the plan's is refused, never written. Independent of the plan,
@@ -92,7 +106,8 @@ def refusal_lines(refusals) -> list[str]:
 
 def job_refusals(model, training, formats: list[str]) -> list[tuple[str, str]]:
     """Every refusal of ``formats`` that the model and the job alone decide (the plan's are the emitters' own), as
-    (where, reason): :func:`model_problems`, NeMo 1's Apex optimizer in a Megatron-LM launch
+    (where, reason): :func:`model_problems`, chunked attention past its chunk (:func:`chunk_refusals`), NeMo 1's
+    Apex optimizer in a Megatron-LM launch
     (``megatron.parallel_flags`` refuses it too) and torchtitan's model and precision
     (``planner.emit.torchtitan.job_refusals``)."""
     from planner.emit import torchtitan
@@ -103,7 +118,7 @@ def job_refusals(model, training, formats: list[str]) -> list[tuple[str, str]]:
         if megatron_formats and training.optimizer_dtype == "bf16-apex" else []
     refusals = {f: partial_optimizer_refusal(f, training) for f in formats}
     partial = [(f"--format {f}", refusal) for f, refusal in refusals.items() if refusal]
-    return _model_refusals(model, formats) + apex + partial + \
+    return _model_refusals(model, formats) + chunk_refusals(model, training, formats) + apex + partial + \
         (torchtitan.job_refusals(model, training) if "torchtitan" in formats else [])
 
 
@@ -126,7 +141,7 @@ def render_all(sc: Scenario, formats: list[str]) -> dict[str, str]:
     from planner import render
     from planner.emit import deepspeed, megatron, slurm, torchrun, torchtitan
 
-    gaps = model_problems(sc.model, formats)
+    gaps = model_problems(sc.model, formats) + refusal_lines(chunk_refusals(sc.model, sc.training, formats))
     if gaps:
         raise SpecError(gaps)
     base = stem(sc)
