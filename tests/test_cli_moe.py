@@ -111,3 +111,18 @@ def test_search_names_the_expert_pin_that_no_plan_can_meet(pins, expected):
     assert p.returncode == 3, p.stderr
     first = p.stderr.splitlines()[0]
     assert first.startswith("error: no legal plan for 8 GPUs with these pins:") and expected in first, first
+
+
+def test_search_says_when_deepep_would_be_faster():
+    """DeepSeek-V3 on 1,024 H100s with NVIDIA's layout pinned (EP64 across 8 nodes): priced with plan3d's default
+    all-to-all, DeepEP would be much faster (one copy per destination node, node-limited routing); the search says
+    so on stderr with both step times. Not when the dispatcher is given, nor in --json or --quiet output."""
+    job = ["search", "--model", "deepseek-v3", "--hardware", "h100-sxm-80gb", "--gpus", "1024", "--global-batch",
+           "8192", "--seq-len", "4096", "--precision", "fp8", "--tp", "2", "--pp", "8", "--vpp", "4", "--ep", "64",
+           "--micro-batch-size", "1"]
+    p = plan3d(*job)
+    assert p.returncode == 0, p.stderr
+    (note,) = [ln for ln in p.stderr.splitlines() if "--moe-dispatcher deepep" in ln]
+    assert note.startswith("note: with --moe-dispatcher deepep") and "per step instead of" in note
+    assert "--moe-dispatcher deepep" not in plan3d(*job, "--moe-dispatcher", "alltoall").stderr
+    assert "--moe-dispatcher deepep" not in plan3d(*job, "--quiet").stderr

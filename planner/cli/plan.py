@@ -220,6 +220,41 @@ def search(
         render.print_search(console(), result)
         if out:
             console().print(f"Plan written to {out}")
+        if moe_dispatcher is None:
+            for line in dispatcher_notes(best):
+                typer.echo(line, err=True)
+
+
+#: How much faster DeepEP must make the plan for :func:`dispatcher_notes` to say so.
+DEEPEP_NOTE_GAIN = 0.05
+
+
+def dispatcher_notes(sc) -> list[str]:
+    """A note when the best plan of a MoE search, priced with the job's dispatcher (the all-to-all unless
+    ``--moe-dispatcher`` says otherwise), would be faster by ``DEEPEP_NOTE_GAIN`` or more with DeepEP (Megatron's
+    flex dispatcher, ``--moe-dispatcher deepep``), where the framework runs it, its EP group is one DeepEP has a
+    configuration for (``plan_problems``) and the plan still fits with DeepEP's buffer. The search does not choose
+    the dispatcher: DeepEP is a library of its own to install (NVIDIA's MoE tuning guide: the all-to-all "for safe
+    bring-up", DeepEP on H100/B200-style systems, HybridEP on NVL72; Megatron-Bridge docs
+    training/moe-optimization.md), so it is said, with the step time, and left to the user."""
+    from planner import frameworks
+    from planner.cost import estimate_time
+    from planner.memory import estimate_memory
+    from planner.specs import plan_problems
+
+    model, hw, training, plan = sc.model, sc.hardware, sc.training, sc.plan
+    if not model.is_moe or plan.ep <= 1 or training.moe_token_dispatcher == "deepep" or \
+            not frameworks.get(training.framework).runs_deepep:
+        return []
+    alt = training.model_copy(update={"moe_token_dispatcher": "deepep"})
+    if plan_problems(model, hw, alt, plan) or not estimate_memory(model, hw, alt, plan).fits:
+        return []
+    now, then = estimate_time(model, hw, training, plan).step_time_s, estimate_time(model, hw, alt, plan).step_time_s
+    if then > (1 - DEEPEP_NOTE_GAIN) * now:
+        return []
+    return [f"note: with --moe-dispatcher deepep (Megatron's flex dispatcher with DeepEP, which must be installed) "
+            f"this plan would take {then:.3f} s per step instead of {now:.3f} s ({then / now - 1:+.0%}); "
+            "search again with it to let the plan change too"]
 
 
 def own_format_notes(model, training) -> list[str]:
