@@ -93,23 +93,25 @@ def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: 
     ``d_qk = d_v = d_h``), halved when causal (Megatron HEAD; MLA head widths from DeepSeek-V2).
 
     ``window``: a sliding-window layer of that many keys; ``2 * a * (d_qk + d_v)`` FLOPs per attended
-    pair times :func:`attended_pairs` / s (equal to the causal count when ``window >= seq_len``). A window
-    applies to causal counting only: ``causal=False`` is the count of papers that ignore every mask.
+    pair times :func:`attended_pairs` / s (equal to the causal count when ``window >= seq_len``). ``chunk``: a
+    chunked layer (Llama 4), the same per pair times :func:`chunked_pairs` / s. A window or chunk applies to causal
+    counting only: ``causal=False`` is the count of papers that ignore every mask.
     """
     full = 2.0 * model.num_attention_heads * seq_len * (model.qk_head_dim + model.v_dim)
     if not causal:
         return full
+    per_pair = 2.0 * model.num_attention_heads * (model.qk_head_dim + model.v_dim)
     if chunk is not None and chunk < seq_len:  # a chunked layer (chunked_pairs)
-        return 2.0 * model.num_attention_heads * (model.qk_head_dim + model.v_dim) * chunked_pairs(seq_len, chunk) / seq_len
+        return per_pair * chunked_pairs(seq_len, chunk) / seq_len
     if window is None or window >= seq_len:
         return full / 2
-    return 2.0 * model.num_attention_heads * (model.qk_head_dim + model.v_dim) * attended_pairs(seq_len, window) / seq_len
+    return per_pair * attended_pairs(seq_len, window) / seq_len
 
 
 def mean_attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int, causal: bool = True) -> float:
     """:func:`attention_flops_per_token_per_layer` averaged over the model's layers: ``windowed_layers`` at
-    the sliding window, ``chunked`` layers in their chunks (Llama 4: 36 of 48 at 8,192), the rest full causal (GPT-OSS: 18 of 36 at 128 keys, ``layer_types``). Exact for
-    the whole model; for a pipeline stage it assumes the stage holds the model's mix (exact when it holds
+    the sliding window (GPT-OSS: 18 of 36 at 128 keys, ``layer_types``), ``chunked`` layers in their chunks (Llama 4:
+    36 of 48 at 8,192), the rest full causal. Exact for the whole model; for a pipeline stage it assumes the stage holds the model's mix (exact when it holds
     whole periods of the pattern, e.g. an even number of GPT-OSS layers)."""
     full = attention_flops_per_token_per_layer(model, seq_len, causal)
     n_w, n_c, L = model.windowed_layers, model.chunked, model.num_layers
