@@ -314,3 +314,24 @@ def test_the_miniature_keeps_the_experts_and_lists_what_it_changed():
     tiny = launch.miniature(_scenario(), max_ranks=8)
     assert (tiny.model.num_experts, tiny.model.top_k, tiny.model.first_k_dense, tiny.plan.ep) == (8, 2, 1, 4)
     assert not any(c.startswith("mixture of experts") for c in launch.changes(_scenario(), tiny))
+
+
+def test_the_miniature_keeps_experts_on_every_rank_that_has_them():
+    """Maverick at pp 4 x vpp 6 holds one dense and one MoE layer in every chunk; the miniature (one layer a chunk)
+    keeps a MoE layer in each, so every rank's expert gradients are checked. The start of the whole pattern
+    (0, 1, 0, 1, ...) would have left ranks 0 and 2 with dense layers only."""
+    m = load_model("llama4-maverick-17b-128e")
+    sc = Scenario.model_construct(model=m, hardware=load_hardware("h100-sxm-80gb"),
+                                  training=TrainingSpec(num_gpus=256, global_batch_size=256, seq_len=8192),
+                                  plan=Plan(tp=2, pp=4, dp=32, vpp=6, ep=64, etp=1, micro_batch_size=1,
+                                            sequence_parallel=True))
+    assert all(sc.plan.stage_moe_layers(m))
+    mini = launch.miniature(sc, max_ranks=8)
+    assert mini.model.moe_layer_pattern == (1,) * 24
+    assert all(mini.plan.stage_moe_layers(mini.model))
+    # tiny-moe (0, 1, 1, 0) at pp 2 x vpp 2, a layer a chunk: the miniature's two-layer chunks each start with their
+    # chunk's layer, so rank 0 keeps its MoE layer in chunk 1 and rank 1 in chunk 0, as the plan has them
+    tiny = load_model("tiny-moe").model_copy(update={"first_k_dense": 0, "moe_layer_pattern": (0, 1, 1, 0)})
+    small = launch.miniature(_scenario(tiny, pp=2, vpp=2), max_ranks=8)
+    assert small.model.moe_layer_pattern == (0, 0, 1, 0, 1, 0, 0, 0)
+    assert small.plan.stage_moe_layers(small.model) == (1, 1) == _scenario(tiny, pp=2, vpp=2).plan.stage_moe_layers(tiny)

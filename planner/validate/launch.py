@@ -212,7 +212,8 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
         position_embedding=m.position_embedding, embedding_norm=m.embedding_norm,
         linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=m.dropout)
     if m.is_moe:
-        model = model.model_copy(update=miniature_moe_fields(m, hidden, dp, tp, model.num_layers))
+        pattern = miniature_moe_pattern(m, p, stage_layers, model.num_layers)
+        model = model.model_copy(update=miniature_moe_fields(m, hidden, dp, tp) | {"moe_layer_pattern": pattern})
         model = ModelSpec.model_validate(model.model_dump())  # re-check (first_k_dense < num_layers)
     mbs = min(p.micro_batch_size, 2)
     micro = 2 * pp
@@ -231,16 +232,39 @@ MINIATURE_EXPERTS = 8
 not divide): 8 divides every dp and ep of an 8-rank run, so FSDP2 shards the router rows evenly."""
 
 
-def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int, layers: int | None = None) -> dict:
+def miniature_moe_pattern(m: ModelSpec, plan: Plan, stage_layers: tuple[int, ...] | None,
+                          layers: int) -> tuple[int, ...] | None:
+    """The miniature's ``moe_layer_pattern`` for a model with one (None otherwise): each virtual stage (rank r, chunk
+    c) of the miniature takes the start of the model's own chunk (r, c) and keeps at least one MoE layer where that
+    chunk has one, so every rank holds experts where the plan's rank does (Maverick at pp 4 x vpp 6: one dense and
+    one MoE layer per chunk; the start of the whole pattern would leave rank 0 with dense layers only and its expert
+    gradient check empty). At least one layer of the miniature has experts."""
+    if m.moe_layer_pattern is None:
+        return None
+    mini = Plan.model_construct(tp=1, pp=plan.pp, dp=1, cp=1, vpp=plan.vpp, micro_batch_size=1,
+                                layers_per_stage=stage_layers, pipeline_schedule=None)
+    real_chunks, real_starts = plan.chunk_layers(m.num_layers), plan.chunk_starts(m.num_layers)
+    mini_chunks, mini_starts = mini.chunk_layers(layers), mini.chunk_starts(layers)
+    flags = [0] * layers
+    for r in range(plan.pp):
+        for c in range(plan.vpp):
+            real = m.moe_layer_pattern[real_starts[r][c]:real_starts[r][c] + real_chunks[r][c]]
+            n, at = mini_chunks[r][c], mini_starts[r][c]
+            take = (list(real[:n]) + [0] * n)[:n]
+            if n and any(real) and not any(take):
+                take[-1] = 1
+            flags[at:at + n] = take
+    if not any(flags):
+        flags[-1] = 1
+    return tuple(flags)
+
+
+def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int) -> dict:
     """The MoE fields of the miniature: experts (:data:`MINIATURE_EXPERTS` unless the model's count
     already fits), top-k at most 2, expert and shared widths scaled with the hidden size, one
-    dense-first layer when the model has any; a model with a ``moe_layer_pattern`` gives the miniature's ``layers``
-    the start of its pattern (the last layer made MoE if that start has none); the gate, the router bias and the
-    routing (dropless, or drop and pad at the model's capacity factor) are kept."""
-    pattern = None
-    if m.moe_layer_pattern is not None and layers is not None:
-        pattern = tuple(m.moe_layer_pattern[i % m.num_layers] for i in range(layers))
-        pattern = pattern if any(pattern) else pattern[:-1] + (1,)
+    dense-first layer when the model has any (a model with a ``moe_layer_pattern`` gets one of its own,
+    :func:`miniature_moe_pattern`); the gate, the router bias and the routing (dropless, or drop and pad at the model's
+    capacity factor) are kept."""
     experts = m.num_experts if m.num_experts <= MINIATURE_EXPERTS and m.num_experts % dp == 0 else MINIATURE_EXPERTS
 
     def width(f: int | None) -> int | None:
@@ -249,7 +273,7 @@ def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int, layers: in
     return {"num_experts": experts, "top_k": min(m.top_k, 2), "moe_ffn_hidden_size": width(m.moe_ffn_size),
             "shared_expert_ffn_hidden_size": width(m.shared_expert_ffn_hidden_size),
             "shared_expert_gate": m.shared_expert_gate, "first_k_dense": min(m.first_k_dense, 1),
-            "moe_layer_pattern": pattern, "router_bias": m.router_bias, "router_dtype": m.router_dtype, "capacity_factor": m.capacity_factor}
+            "router_bias": m.router_bias, "router_dtype": m.router_dtype, "capacity_factor": m.capacity_factor}
 
 
 def changes(sc: Scenario, run: Scenario) -> list[str]:
