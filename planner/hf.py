@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from planner.presets import SpecError
+from planner.specs import moe_layer_fields
 
 MOE_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 MOE_MESSAGE = ("this mixture-of-experts architecture is not modelled; plan3d reads the MoE classes of Mixtral, "
@@ -287,10 +288,7 @@ def _moe_layers(data: dict, source: str, num_layers: Any) -> dict:
     if not any(pattern):
         raise SpecError(f"{source}: mlp_only_layers / decoder_sparse_step: every layer is dense; use the dense "
                         "architecture's config")
-    k = pattern.index(1)
-    if pattern == [0] * k + [1] * (num_layers - k):
-        return {"first_k_dense": k}
-    return {"moe_layer_pattern": tuple(pattern)}
+    return moe_layer_fields(pattern)
 
 
 def _mixtral(data: dict, source: str, default_name: str) -> dict:
@@ -568,18 +566,17 @@ def _llama4(data: dict, source: str, default_name: str) -> dict:
         moe = list(range(step - 1, layers, step))
     if not isinstance(moe, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in moe):
         raise SpecError(f"{source}: moe_layers: expected a list of layer indices, got {moe!r}")
-    pattern = tuple(int(i in moe) for i in range(layers))
+    pattern = [int(i in moe) for i in range(layers)]
     if not any(pattern):
         raise SpecError(f"{source}: moe_layers / interleave_moe_layer_step: no layer has experts")
-    k = pattern.index(1)
-    where = {"first_k_dense": k} if pattern == (0,) * k + (1,) * (layers - k) else {"moe_layer_pattern": pattern}
     moe_ffn = _count(data, source, "intermediate_size", default=8192, minimum=1)
     return fields | _llama4_chunks(data, source, layers) | {
                      "ffn_hidden_size": _count(data, source, "intermediate_size_mlp", default=16384, minimum=1),
                      "head_dim": _get(data, source, "head_dim", default=128), "mlp_bias": False,
                      "num_experts": experts,
                      "top_k": _count(data, source, "num_experts_per_tok", default=1, minimum=1),
-                     "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn_hidden_size": moe_ffn, **where}
+                     "moe_ffn_hidden_size": moe_ffn, "shared_expert_ffn_hidden_size": moe_ffn,
+                     **moe_layer_fields(pattern)}
 
 
 def _llama4_chunks(data: dict, source: str, layers: int) -> dict:

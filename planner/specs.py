@@ -1319,6 +1319,17 @@ class Plan(_Spec):
             (f"_offload{self.cpu_offload_layers}" if self.cpu_offload_layers else "")
 
 
+def moe_layer_fields(flags) -> dict:
+    """ModelSpec fields for a per-layer 0/1 list of which layers have experts (at least one 1): ``first_k_dense`` where
+    the dense layers all come first (DeepSeek's ``first_k_dense_replace``), else ``moe_layer_pattern``. The one rule
+    for the Hugging Face readers and the Megatron-LM reader (``--moe-layer-freq``)."""
+    flags = tuple(int(x) for x in flags)
+    k = flags.index(1)
+    if flags == (0,) * k + (1,) * (len(flags) - k):
+        return {"first_k_dense": k}
+    return {"first_k_dense": 0, "moe_layer_pattern": flags}
+
+
 @functools.lru_cache(maxsize=65536)
 def _stage_moe_layers(pp: int, vpp: int, stage_layers: tuple[int, ...], num_layers: int, moe_flags: tuple[int, ...],
                       schedule: str | None = None) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ import re
 
 from planner.presets import SpecError
 from planner.readers.args import Args
+from planner.specs import moe_layer_fields
 
 # The tokenizer's vocabulary (``tokenizer.vocab_size`` as Megatron builds it), per tokenizer and,
 # for Hugging Face tokenizers, per model family (matched in --tokenizer-model).
@@ -371,13 +372,10 @@ def moe_layers(a: Args, num_layers: int) -> dict:
                         "(Megatron asserts they match)")
     if any(x not in (0, 1) or isinstance(x, bool) for x in pattern):
         raise SpecError(f"{where}: --moe-layer-freq {raw[:40]}: a pattern marks each layer 0 (dense) or 1 (MoE)")
-    k = next((i for i, x in enumerate(pattern) if x), num_layers)
-    if k == num_layers:
+    if not any(pattern):
         raise SpecError(f"{where}: --moe-layer-freq {raw[:40]} puts experts on no layer; drop --num-experts for a "
                         "dense model")
-    if pattern == [0] * k + [1] * (num_layers - k):
-        return {"first_k_dense": k}
-    return {"first_k_dense": 0, "moe_layer_pattern": tuple(pattern)}
+    return moe_layer_fields(pattern)
 
 
 def unpadded_capacity(a: Args) -> bool:
