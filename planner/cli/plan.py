@@ -221,7 +221,7 @@ def search(
         if out:
             console().print(f"Plan written to {out}")
         if moe_dispatcher is None:
-            for line in dispatcher_notes(best):
+            for line in dispatcher_notes(result["best"]):
                 typer.echo(line, err=True)
 
 
@@ -229,9 +229,9 @@ def search(
 DEEPEP_NOTE_GAIN = 0.05
 
 
-def dispatcher_notes(sc) -> list[str]:
-    """A note when the best plan of a MoE search, priced with the job's dispatcher (the all-to-all unless
-    ``--moe-dispatcher`` says otherwise), would be faster by ``DEEPEP_NOTE_GAIN`` or more with DeepEP (Megatron's
+def dispatcher_notes(est) -> list[str]:
+    """A note when the best plan of a MoE search (``est``, its estimate), priced with the job's dispatcher (the
+    all-to-all unless ``--moe-dispatcher`` says otherwise), would be faster by ``DEEPEP_NOTE_GAIN`` or more with DeepEP (Megatron's
     flex dispatcher, ``--moe-dispatcher deepep``), where the framework runs it, its EP group is one DeepEP has a
     configuration for (``plan_problems``) and the plan still fits with DeepEP's buffer. The search does not choose
     the dispatcher: DeepEP is a library of its own to install (NVIDIA's MoE tuning guide: the all-to-all "for safe
@@ -242,6 +242,7 @@ def dispatcher_notes(sc) -> list[str]:
     from planner.memory import estimate_memory
     from planner.specs import plan_problems
 
+    sc = est.scenario
     model, hw, training, plan = sc.model, sc.hardware, sc.training, sc.plan
     if not model.is_moe or plan.ep <= 1 or training.moe_token_dispatcher == "deepep" or \
             not frameworks.get(training.framework).runs_deepep:
@@ -249,7 +250,7 @@ def dispatcher_notes(sc) -> list[str]:
     alt = training.model_copy(update={"moe_token_dispatcher": "deepep"})
     if plan_problems(model, hw, alt, plan) or not estimate_memory(model, hw, alt, plan).fits:
         return []
-    now, then = estimate_time(model, hw, training, plan).step_time_s, estimate_time(model, hw, alt, plan).step_time_s
+    now, then = est.time.step_time_s, estimate_time(model, hw, alt, plan).step_time_s  # the search priced ``now``
     if then > (1 - DEEPEP_NOTE_GAIN) * now:
         return []
     return [f"note: with --moe-dispatcher deepep (Megatron's flex dispatcher with DeepEP, which must be installed) "
