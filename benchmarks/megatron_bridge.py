@@ -142,6 +142,14 @@ def token_drop(model):
     return model.model_copy(update={"capacity_factor": TOKEN_DROP_CAPACITY_FACTOR}), "alltoall"
 
 
+def hybridep_of(r: dict) -> str:
+    """The row's dispatcher as plan3d names it: ``hybridep`` where the data file's ``deepep`` (the flex dispatcher) runs
+    with the recipe's ``moe_flex_dispatcher_backend: hybridep`` (every such row of the page), so its memory holds
+    HybridEP's buffer (``memory.hybridep_buffer_bytes``) rather than DeepEP's; the traffic is priced alike."""
+    backend = (r.get("recipe") or {}).get("moe_flex_dispatcher_backend")
+    return "hybridep" if r["dispatcher"] == "deepep" and backend == "hybridep" else r["dispatcher"]
+
+
 def not_modelled(r: dict, models: set[str]) -> str | None:
     if r.get("inconsistent"):
         return f"row inconsistent ({r['inconsistent']})"
@@ -170,7 +178,7 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
     if hardware_update:
         hw = hw.model_copy(update=hardware_update)
     out["family"] = "MoE" if model.is_moe else "dense"
-    dispatcher = r["dispatcher"]
+    dispatcher = hybridep_of(r)
     if r.get("model_note") == "tokendrop":
         model, dispatcher = token_drop(model)
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],

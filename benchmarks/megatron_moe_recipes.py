@@ -9,7 +9,7 @@ Data: benchmarks/data/megatron_moe_recipes.json: each recipe's Megatron-LM argum
 matching Megatron-Bridge recipes). The measured step time is ``gbs * seq * FLOPs per token / (TFLOP/s * GPUs)``, with
 the FLOPs per token Megatron counts for these models (``planner.flops.model_flops_per_token``, which reproduces the
 Megatron-MoE-ModelZoo page's TFLOP/s for Qwen3-235B within 1 %, tests/test_moe_specs.py). Each run is pinned to its
-recipe: layout, micro-batch, precision, HybridEP as plan3d's ``deepep`` dispatcher, the all-to-all overlap, the
+recipe: layout, micro-batch, precision, HybridEP (plan3d's ``hybridep`` dispatcher), the all-to-all overlap, the
 CUDA-graph scopes, selective recompute modules, fp8 weights and the precision-aware optimizer where the recipe sets
 them (Megatron-Core's semantics, ``--framework megatron``). Rows whose recipe plan3d cannot state are listed with the
 reason. Error = predicted / measured step time - 1 (negative: plan3d is optimistic). It asserts nothing.
@@ -43,7 +43,7 @@ def job(r: dict):
     """(model, hardware, training, plan) of one recipe, as module docstring says."""
     model, hw = load_model(r["model"]), load_hardware(r["hardware"])
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
-                            framework="megatron", moe_token_dispatcher="deepep", moe_a2a_overlap=r["a2a_overlap"],
+                            framework="megatron", moe_token_dispatcher="hybridep", moe_a2a_overlap=r["a2a_overlap"],
                             cuda_graph_modules=tuple(r["cuda_graph_modules"]),
                             recompute_modules=tuple(r["recompute_modules"]) or ("core_attn",),
                             fp8_params=r["fp8_params"], optimizer_dtype=r["optimizer_dtype"], cross_entropy_fusion="te")

@@ -31,7 +31,7 @@ from planner.presets import SpecError, build, load_scenario, read_document
 from planner.readers import megatron, torchtitan
 from planner.readers.args import parse_args
 from planner.readers.bash import World, evaluate, sbatch_env
-from planner.readers.launch import Launch, cublas_workspace_mib, find_launches, world_size
+from planner.readers.launch import Launch, cublas_workspace_mib, find_launches, hybridep_ranks_per_domain, world_size
 from planner.specs import HardwareSpec, Scenario
 
 NOTE = re.compile(r"^\s*#\s*plan3d:\s*(\w+)\s*=\s*(.*?)\s*$", re.M)
@@ -385,15 +385,20 @@ def _launch_result(path, w: World, launch: Launch, notes, sbatch, hardware, gpus
         result = _torchtitan_launch(path, launch, n, hardware, gpus or _note_gpus(notes, path))
     else:
         ds = _deepspeed_config(launch.args, path, w.files) if launch.args.has("--deepspeed") else None
-        result = _megatron_result(launch.args, n, path, hardware, vocab_size, ds, notes)
+        result = _megatron_result(launch.args, n, path, hardware, vocab_size, ds, notes, launch)
     if blas_note is not None:
         result.notes = [*result.notes, blas_note]
     return result
 
 
-def _megatron_result(args, n, path, hardware, vocab_size, ds, notes) -> CheckResult:
+def _megatron_result(args, n, path, hardware, vocab_size, ds, notes, launch: Launch | None = None) -> CheckResult:
     name = notes.get("name", path.name.split(".")[0])
     model, training, plan, msgs = megatron.scenario_dicts(args, n, vocab_size, ds, name, notes)
+    if launch is not None and training.get("moe_token_dispatcher") == "hybridep":
+        # the script's NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN sizes HybridEP's buffer (memory.hybridep_buffer_bytes)
+        ranks, note = hybridep_ranks_per_domain(launch, path)
+        training = {**training, "hybridep_ranks_per_domain": ranks}
+        msgs = [*msgs, note] if note else msgs
     line = args.line("--micro-batch-size", "--tensor-model-parallel-size")
     sc = build(Scenario, {"model": model, "hardware": hardware.model_dump(), "training": training, "plan": plan},
                f"{path}:{line}")

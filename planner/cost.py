@@ -65,7 +65,7 @@ from planner.frameworks import deepspeed as deepspeed_framework
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, partial_dp_spans, pp_hop_crosses_nodes
 from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             moe_routed_shares, moe_row_scale, router_dtype_bytes, stage_param_split)
-from planner.specs import (FLASH_ATTENTION, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size,
+from planner.specs import (FLASH_ATTENTION, FLEX_DISPATCHERS, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size,
                            plan_microbatches)
 
 ACT_BYTES = 2
@@ -890,11 +890,13 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
         pb = router_dtype_bytes(model)
         dispatch = comm.collective_time_s("all_gather", gathered * (h * e + E * (pb + 1)), group, hw)
         combine = comm.collective_time_s("reduce_scatter", gathered * h * pb, group, hw)
-    elif training.moe_token_dispatcher == "deepep":
+    elif training.moe_token_dispatcher in FLEX_DISPATCHERS:
         # in the activation dtype, also under FP8: Megatron-Core's flex dispatcher hands DeepEP the hidden states
         # unquantised (core_v0.16.1 moe/fused_a2a.py ``fused_dispatch``) and HybridEP refuses FP8 dispatch
         # (``assert not fp8_dispatch``; "Currently, we do not support fp8 dispatch"). DeepEP's own FP8 dispatch
-        # (DeepSeek-V3's framework) is not what Megatron runs.
+        # (DeepSeek-V3's framework) is not what Megatron runs. HybridEP moves the same copies (one per destination
+        # rank inside an NVLink domain, one per destination domain across them): deepep_time_s, which is checked
+        # against NVIDIA's measured HybridEP dispatch.
         dispatch = combine = deepep_time_s(imb * t_r * h * e, k, ep_group, hw, model)
     else:
         dispatch = combine = comm.all_to_all_time_s(imb * t_r * k * h * e, ep_group, hw)

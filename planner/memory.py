@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner import frameworks
+from planner.layout import expert_span
 from planner.specs import (DEEPEP_NVL_RECV_TOKENS, FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario,
                            TrainingSpec, a2a_overlap_problems, distributed_checkpoint_problems, padded_vocab_size,
                            plan_microbatches, stage_chunks, uneven_chunks)
@@ -1597,6 +1598,83 @@ def deepep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan) ->
     return float(nvl + rdma + DEEPEP_WORKSPACE_BYTES)
 
 
+#: HybridEP's floor on the tokens per rank it sizes its buffers for (deepseek-ai/DeepEP, hybrid-ep,
+#: ``deep_ep/hybrid_ep_buffer.py`` @ 098da2a6: ``max_num_of_tokens_per_rank = max(max_num_of_tokens_per_rank, 512)``)
+HYBRIDEP_MIN_TOKENS = 512
+#: ``num_sms_preprocessing_api`` HybridEP defaults to (ibid.: 108) and the bytes of one ``hybrid_ep::tmp_state_t`` (an
+#: enum and an int32): its preprocessing scratch is one per block and NVLink-domain rank (``csrc/hybrid_ep/hybrid_ep.cu``
+#: ``allocate_buffer_for_preprocessing``)
+HYBRIDEP_PREPROCESSING_BLOCKS, HYBRIDEP_TMP_STATE_BYTES = 108, 8
+#: Tokens per chunk of HybridEP's dispatch and combine kernels (``NUM_OF_TOKENS_PER_CHUNK_*_API``, default 128): one
+#: 8-byte RDMA flag per chunk and remote domain
+HYBRIDEP_TOKENS_PER_CHUNK = 128
+
+
+def hybridep_domain_ranks(training: TrainingSpec, plan: Plan, hardware: HardwareSpec | None) -> tuple[int, int]:
+    """(ranks of the expert group in one NVLink domain, domains it spans): HybridEP's ``num_of_ranks_per_node`` and
+    ``num_of_nodes``. The group is Megatron-Core's ``tp_ep_group`` (``etp x ep`` ranks, the flex dispatcher's,
+    core_v0.16.1 ``moe/token_dispatcher.py::MoEFlexTokenDispatcher``) as the layout places it on the profile's
+    NVLink domains as the job fills them (``HardwareSpec.job_nvlink_domain``: 64 of an NVL72 rack's 72 GPUs for a job of
+    64-GPU segments; 8 without a profile, HybridEP's own default
+    ``NUM_OF_RANKS_PER_NVLINK_DOMAIN``). HybridEP takes the ranks per domain from that variable (later versions:
+    ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN``, or the ranks it detects it can reach), which ``plan3d emit`` writes
+    as this count. A job that sets the variable (``TrainingSpec.hybridep_ranks_per_domain``) gets its value."""
+    size = plan.ep * plan.expert_tp
+    if training.hybridep_ranks_per_domain is not None:  # what the job tells HybridEP (specs: it divides the group)
+        ranks = min(training.hybridep_ranks_per_domain, size)
+        return ranks, -(-size // ranks)
+    domain = hardware.job_nvlink_domain(training.num_gpus) if hardware is not None else 8
+    group = expert_span(plan, "etp_ep", domain)
+    return group.per_node, -(-group.size // group.per_node)
+
+
+def hybridep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan,
+                          hardware: HardwareSpec | None = None) -> float:
+    """Device memory of HybridEP's buffers on one GPU (the flex dispatcher's ``hybridep`` backend), allocated outside
+    PyTorch's caching allocator at the first dispatch, so on every stage that holds a MoE layer; 0 for another
+    dispatcher.
+
+    Megatron-Core core_v0.16.1 ``moe/fused_a2a.py::init_hybrid_ep_buffer`` builds ``HybridEPBuffer(group, hidden_dim,
+    max_num_of_tokens_per_rank=seq_len, num_local_experts, ..., use_fp8=False)`` with ``seq_len, hidden_dim =
+    x.shape[-2:]``: the ``T`` tokens a rank dispatches per micro-batch (``mbs x seq / (cp x tp)``, as the all-to-all's
+    ``T_r``), ``L = E / ep`` local experts, over ``G = etp x ep`` ranks, ``R`` of them per NVLink domain and ``N = G /
+    R`` domains (:func:`hybridep_domain_ranks`). deepseek-ai/DeepEP hybrid-ep ``csrc/hybrid_ep/hybrid_ep.cu`` @ 098da2a6
+    sizes for the worst case, every token of the group routed to this rank ("all tokens are routed to the same
+    expert"): ``M = T' R N`` with ``T' = max(T, 512)``, and with ``use_shared_buffer`` (what ``hybrid_ep_buffer.py``
+    passes) dispatch and combine share one token and one probability buffer:
+
+    * token rows ``M h`` at 2 B (``expert_input_token``, ``uint16_t`` whatever the dtype; Megatron asserts no fp8
+      dispatch), probabilities ``M L R`` at 4 B (``expert_input_prob``), scaling factors ``M h/128`` at 4 B
+      (``expert_output_scaling_factor``, allocated in bf16 too), through the IPC (or, with ``R > 8``, fabric) allocator;
+    * preprocessing scratch ``108 R`` x 8 B;
+    * across domains (``N > 1``, ``D = N - 1``; ``csrc/hybrid_ep/internode.cu``, ``allocate_dispatch_rdma_buffers`` and
+      ``allocate_combine_rdma_buffers``): dispatch ``T' h 2 + T' L R N 4 + T' h/128 4`` (the local send copies) plus
+      ``T' D (2h + 4 L R + 4 h/128)`` (one receive slot per remote domain), combine ``2 T' D (2h + 4 L R)``, and
+      ``4 D T'/128`` 8-byte flags.
+
+    DeepSeek-V3 (h 7,168, 4 local experts) at 4,096 tokens over 64 ranks in one NVL72 domain: ``M = 262,144`` rows of
+    15,584 B, 3.80 GiB, where DeepEP's buffer is 0.88 GiB (:func:`deepep_buffer_bytes`); over 8 ranks 0.48 GiB. Not
+    counted: the fabric allocator's rounding to ``cuMemGetAllocationGranularity`` (a runtime query), the queue pairs
+    of the RDMA path, and the per-dispatch tensors PyTorch allocates (the all-gathered routing map ``T G x E`` bools,
+    the handle's maps), which are transient or small. Later HybridEP versions keep ``M`` and the shared token buffer
+    (``NVLCoordinator::init``); the sizes above are those of the version whose constructor matches Megatron's call."""
+    if training.moe_token_dispatcher != "hybridep" or not model.is_moe:
+        return 0.0
+    r, n = hybridep_domain_ranks(training, plan, hardware)
+    h, local = model.hidden_size, model.num_experts // plan.ep
+    tokens = max(plan.micro_batch_size * training.seq_len // (plan.cp * plan.tp), HYBRIDEP_MIN_TOKENS)
+    rows = tokens * r * n
+    scales = h // 128
+    total = rows * (2 * h + 4 * local * r + 4 * scales) + HYBRIDEP_PREPROCESSING_BLOCKS * r * HYBRIDEP_TMP_STATE_BYTES
+    if n > 1:
+        d = n - 1
+        total += tokens * (2 * h + 4 * local * r * n + 4 * scales)  # dispatch: the local send copies
+        total += tokens * d * (2 * h + 4 * local * r + 4 * scales)  # dispatch: a receive slot per remote domain
+        total += 2 * tokens * d * (2 * h + 4 * local * r)  # combine: reduction and receive slots
+        total += 4 * d * (tokens // HYBRIDEP_TOKENS_PER_CHUNK) * 8  # dispatch and combine flags, sent and received
+    return float(total)
+
+
 #: Transformer Engine's ``_NUM_MAX_UB_STREAMS`` (``pytorch/module/base.py``): the copies of its cuBLAS workspace
 #: ``initialize_ub`` keeps for the userbuffer overlap's concurrent GEMMs
 TE_UB_STREAMS = 3
@@ -1644,9 +1722,9 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
     Megatron's dataloader mask, :func:`dataloader_mask_bytes`), the output layer's on the last (and the deferred
     embedding wgrad, :func:`deferred_wgrad_bytes`), the pipeline's receive buffers (:func:`pipeline_buffer_bytes`,
     :func:`megatron_p2p_bytes`, :func:`deepspeed_pipe_bytes`);
-    Transformer Engine's TP-overlap userbuffers on every stage (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's buffer
-    or the allgather dispatcher's on every stage with a MoE layer (:func:`deepep_buffer_bytes`,
-    :func:`moe_allgather_buffer_bytes`); the GEMMs' cuBLAS workspaces
+    Transformer Engine's TP-overlap userbuffers on every stage (:func:`tp_comm_overlap_buffer_bytes`); DeepEP's,
+    HybridEP's or the allgather dispatcher's buffer on every stage with a MoE layer (:func:`deepep_buffer_bytes`,
+    :func:`hybridep_buffer_bytes`, :func:`moe_allgather_buffer_bytes`); the GEMMs' cuBLAS workspaces
     (:func:`gemm_workspace_bytes`, with ``hardware``)."""
     moe_stage = bool(plan.stage_moe_layers(model)[stage])
     userbuffers = tp_comm_overlap_buffer_bytes(training, plan, model.hidden_size)
@@ -1654,8 +1732,9 @@ def stage_other_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, num_
         megatron_p2p_bytes(model, training, plan, num_microbatches, stage) + \
         deepspeed_pipe_bytes(model, training, plan, num_microbatches, stage) + \
         gemm_workspace_bytes(training, hardware, stage == plan.loss_stage, moe_stage, userbuffers > 0)
-    if moe_stage:  # DeepEP's buffer or the allgather dispatcher's, where a MoE layer of this stage dispatches
-        other = other + deepep_buffer_bytes(model, training, plan) + moe_allgather_buffer_bytes(model, training, plan)
+    if moe_stage:  # DeepEP's, HybridEP's or the allgather dispatcher's buffer, where a MoE layer of this stage dispatches
+        other = other + deepep_buffer_bytes(model, training, plan) + moe_allgather_buffer_bytes(model, training, plan) + \
+            hybridep_buffer_bytes(model, training, plan, hardware)
     if stage == 0:
         mbs_in_flight = np.ceil(stage_in_flight_chunks(training, plan, num_microbatches, 0) / plan.vpp)
         other = other + mbs_in_flight * input_bytes_per_microbatch(model, training, plan)

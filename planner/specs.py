@@ -50,6 +50,9 @@ AttentionKernel = Literal["flash", "flash2", "materialized"]
 KeptOutputs = Literal["none", "last", "all"]
 #: the attention kernels that store no s x s scores (TrainingSpec.attention)
 FLASH_ATTENTION: tuple[str, ...] = ("flash", "flash2")
+#: the MoE token dispatchers that are Megatron-Core's flex dispatcher (``--moe-token-dispatcher-type flex``) with one of
+#: its two backends (``--moe-flex-dispatcher-backend``, core_v0.16.1 ``TransformerConfig.moe_flex_dispatcher_backend``)
+FLEX_DISPATCHERS: tuple[str, ...] = ("deepep", "hybridep")
 
 
 class _Spec(BaseModel):
@@ -964,14 +967,24 @@ class TrainingSpec(_Spec):
         default_factory=DeepSpeedZero,
         description="DeepSpeed's gradient-accumulation dtype and ZeRO bucket settings (DeepSpeedZero); the deepspeed "
                     "framework only.")
-    moe_token_dispatcher: Literal["alltoall", "allgather", "deepep"] = Field(
+    moe_token_dispatcher: Literal["alltoall", "allgather", "deepep", "hybridep"] = Field(
         default="alltoall",
         description="MoE token dispatch: alltoall (Megatron --moe-token-dispatcher-type alltoall, what plan3d "
                     "emits and searches with), allgather (Megatron-Core's own default when the flag is left out: "
                     "every token of the etp x ep group gathered to every rank of it, reduce-scattered back; "
-                    "cost.moe_layer_extra, memory.moe_allgather_buffer_bytes; Megatron and NeMo only) or deepep "
+                    "cost.moe_layer_extra, memory.moe_allgather_buffer_bytes; Megatron and NeMo only), deepep "
                     "(--moe-token-dispatcher-type flex with DeepEP: one copy per destination node across the "
-                    "network; its buffer in memory, memory.deepep_buffer_bytes; Megatron and NeMo only).")
+                    "network; its buffer in memory, memory.deepep_buffer_bytes; Megatron and NeMo only) or hybridep "
+                    "(the flex dispatcher with --moe-flex-dispatcher-backend hybridep, NVIDIA's HybridEP: the same "
+                    "traffic as deepep, its worst-case-sized buffer in memory, memory.hybridep_buffer_bytes; "
+                    "Megatron and NeMo only).")
+    hybridep_ranks_per_domain: int | None = Field(
+        default=None, ge=1, le=MAX_GPUS,
+        description="Ranks of the expert group HybridEP is told share one NVLink domain "
+                    "(NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN, formerly NUM_OF_RANKS_PER_NVLINK_DOMAIN; HybridEP's "
+                    "own default 8), which sets its buffers (memory.hybridep_buffer_bytes); it must divide etp x ep. "
+                    "None: the ranks the layout puts in one domain (memory.hybridep_domain_ranks), what plan3d emit "
+                    "writes. plan3d check reads it from the launch script's environment.")
     cuda_graph_modules: tuple[Literal["attn", "moe_router", "moe_preprocess", "moe"], ...] = Field(
         default=(),
         description="Per-layer parts captured in CUDA graphs (Megatron --cuda-graph-impl transformer_engine "
@@ -1479,12 +1492,13 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     if training.cross_entropy_fusion != "none" and training.framework not in ("megatron", "nemo"):
         errors.append(f"cross_entropy_fusion: {training.framework} has no Megatron loss fusion "
                       "(--cross-entropy-loss-fusion); use framework megatron or nemo, or none")
-    if training.moe_token_dispatcher == "deepep" and not framework_profile(training.framework).runs_deepep:
-        # plan3d's DeepEP (cost.deepep_time_s, memory.deepep_buffer_bytes) is Megatron-Core's flex dispatcher; torchtitan
-        # builds DeepEP v2's ElasticBuffer (torchtitan 0.3.0 models/common/config_utils.py), DeepSpeed has none, and
-        # neither emitter writes it
-        errors.append(f"moe_token_dispatcher: deepep is modelled as Megatron-Core's flex dispatcher, which "
-                      f"{training.framework} does not run; use framework megatron or nemo, or --moe-dispatcher alltoall")
+    if training.moe_token_dispatcher in FLEX_DISPATCHERS and not framework_profile(training.framework).runs_deepep:
+        # plan3d's DeepEP and HybridEP (cost.deepep_time_s, memory.deepep_buffer_bytes, memory.hybridep_buffer_bytes)
+        # are Megatron-Core's flex dispatcher; torchtitan builds DeepEP v2's ElasticBuffer (torchtitan 0.3.0
+        # models/common/config_utils.py), DeepSpeed has none, and neither emitter writes it
+        errors.append(f"moe_token_dispatcher: {training.moe_token_dispatcher} is modelled as Megatron-Core's flex "
+                      f"dispatcher, which {training.framework} does not run; use framework megatron or nemo, or "
+                      "--moe-dispatcher alltoall")
     if training.moe_token_dispatcher == "deepep" and model.is_moe and model.capacity_factor is not None:
         # core_v0.16.1 TransformerConfig.__post_init__ (plan3d's capacity_factor is always padded)
         errors.append("moe_token_dispatcher: Megatron's flex dispatcher with DeepEP takes no drop-and-pad routing "
@@ -1859,14 +1873,23 @@ def deepep_group_problems(model: ModelSpec, training: TrainingSpec, plan: Plan) 
 
 def deepep_group_problem(model: ModelSpec, training: TrainingSpec, ep: int, etp: int) -> str | None:
     """:func:`deepep_group_problems` for ``ep`` and the expert TP degree ``etp`` (the search's shapes ask it before
-    they build a plan, ``candidates.shapes``)."""
-    if training.moe_token_dispatcher != "deepep" or not model.is_moe:
+    they build a plan, ``candidates.shapes``). HybridEP, the flex dispatcher's other backend, shares the first rule
+    (and its own "The hybrid-ep kernel should be used with at least 2 ranks", deepseek-ai/DeepEP
+    ``deep_ep/hybrid_ep_buffer.py``); it sizes its buffer for any group, so it has no table of sizes."""
+    dispatcher = training.moe_token_dispatcher
+    if dispatcher not in FLEX_DISPATCHERS or not model.is_moe:
         return None
     n = ep * etp
     if n == 1:
-        return ("moe_token_dispatcher: deepep needs an expert group of more than one rank (etp x ep = 1; Megatron's "
-                "flex dispatcher requires TPxEP > 1); use --moe-dispatcher alltoall or ep > 1")
-    if n not in DEEPEP_GROUP_SIZES:
+        return (f"moe_token_dispatcher: {dispatcher} needs an expert group of more than one rank (etp x ep = 1; "
+                "Megatron's flex dispatcher requires TPxEP > 1); use --moe-dispatcher alltoall or ep > 1")
+    domain = training.hybridep_ranks_per_domain
+    if dispatcher == "hybridep" and domain is not None and n % domain:
+        # deep_ep/hybrid_ep_buffer.py: "The number of ranks should be divisible by the number of ranks per node."
+        return (f"hybridep_ranks_per_domain: HybridEP needs the expert group's {n} ranks (etp({etp}) x ep({ep})) to "
+                f"divide into NVLink domains of {domain}; set NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN to a divisor "
+                f"of {n}, or leave it to plan3d")
+    if dispatcher == "deepep" and n not in DEEPEP_GROUP_SIZES:
         sizes = ", ".join(map(str, DEEPEP_GROUP_SIZES))
         return (f"moe_token_dispatcher: DeepEP has no buffer config for an expert group of {n} ranks (etp({etp}) x "
                 f"ep({ep})); it supports {sizes}; use --moe-dispatcher alltoall or another ep")

@@ -86,7 +86,8 @@ def test_megatron_sweep(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [{}, {"moe_a2a_overlap": True}, {"cuda_graph_modules": ("attn", "moe_router")},
-                                   {"recompute_modules": ("moe_act",)}, {"moe_token_dispatcher": "deepep"}])
+                                   {"recompute_modules": ("moe_act",)}, {"moe_token_dispatcher": "deepep"},
+                                   {"moe_token_dispatcher": "hybridep"}])
 def test_megatron_moe_switches(tmp_path, extra):
     model = load_model("mixtral-8x7b")
     for layout in (dict(tp=1, pp=2, dp=8, vpp=2, ep=8, zero_stage=1, recompute="selective"),

@@ -53,6 +53,9 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
      Pins(), 2, 1),  # the all-to-all overlap's lone micro-batches: a share of each shape's micro-batches
     ("qwen3-30b-a3b", "gb200-nvl72", dict(num_gpus=128, global_batch_size=128, seq_len=2048),
      Pins(ep=8), 2, 1),  # 128 GPUs of 64-GPU rack segments: build_tables takes the job's NVLink domain as estimate does
+    ("qwen3-30b-a3b+padded", "h100-sxm-80gb", dict(num_gpus=32, global_batch_size=32, seq_len=2048, framework="nemo",
+                                                   moe_token_dispatcher="hybridep"),
+     Pins(ep=16), 2, 1),  # HybridEP across two nodes (its RDMA buffers), with drop-and-pad routing, which it takes
 ]
 
 

@@ -139,8 +139,8 @@ CUDA_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess", "moe")
 def moe_options(dispatcher: Optional[str], a2a_overlap: Optional[bool], load_imbalance: Optional[float],
                 cuda_graph_modules: Optional[str] = None) -> dict:
     """The MoE job options as TrainingSpec fields (the unset ones left out)."""
-    if dispatcher is not None and dispatcher not in ("alltoall", "allgather", "deepep"):
-        raise SpecError(f"--moe-dispatcher: '{dispatcher}' is not one of alltoall, allgather, deepep")
+    if dispatcher is not None and dispatcher not in ("alltoall", "allgather", "deepep", "hybridep"):
+        raise SpecError(f"--moe-dispatcher: '{dispatcher}' is not one of alltoall, allgather, deepep, hybridep")
     graphs = module_list(cuda_graph_modules, "--cuda-graph-modules", CUDA_GRAPH_MODULES)
     return given(moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap, moe_load_imbalance=load_imbalance,
                  cuda_graph_modules=graphs)

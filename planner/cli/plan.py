@@ -232,7 +232,8 @@ DEEPEP_NOTE_GAIN = 0.05
 def dispatcher_notes(est) -> list[str]:
     """A note when the best plan of a MoE search (``est``, its estimate), priced with the job's dispatcher (the
     all-to-all unless ``--moe-dispatcher`` says otherwise), would be faster by ``DEEPEP_NOTE_GAIN`` or more with DeepEP (Megatron's
-    flex dispatcher, ``--moe-dispatcher deepep``), where the framework runs it, its EP group is one DeepEP has a
+    flex dispatcher, ``--moe-dispatcher deepep``; not where the job already runs the flex dispatcher, with DeepEP or
+    HybridEP), where the framework runs it, its EP group is one DeepEP has a
     configuration for (``plan_problems``) and the plan still fits with DeepEP's buffer. The search does not choose
     the dispatcher: DeepEP is a library of its own to install (NVIDIA's MoE tuning guide: the all-to-all "for safe
     bring-up", DeepEP on H100/B200-style systems, HybridEP on NVL72; Megatron-Bridge docs
@@ -240,11 +241,11 @@ def dispatcher_notes(est) -> list[str]:
     from planner import frameworks
     from planner.cost import estimate_time
     from planner.memory import estimate_memory
-    from planner.specs import plan_problems
+    from planner.specs import FLEX_DISPATCHERS, plan_problems
 
     sc = est.scenario
     model, hw, training, plan = sc.model, sc.hardware, sc.training, sc.plan
-    if not model.is_moe or plan.ep <= 1 or training.moe_token_dispatcher == "deepep" or \
+    if not model.is_moe or plan.ep <= 1 or training.moe_token_dispatcher in FLEX_DISPATCHERS or \
             not frameworks.get(training.framework).runs_deepep:
         return []
     alt = training.model_copy(update={"moe_token_dispatcher": "deepep"})

@@ -13,7 +13,8 @@ import shlex
 
 from planner.names import slug
 from planner.presets import SpecError
-from planner.specs import Scenario, a2a_overlap_problems, chunk_split
+from planner.memory import hybridep_domain_ranks
+from planner.specs import FLEX_DISPATCHERS, Scenario, a2a_overlap_problems, chunk_split
 
 Flag = tuple[str, "str | tuple[str, ...] | None"]  # a tuple: one flag with several values (argparse nargs)
 
@@ -141,7 +142,8 @@ def moe_flags(sc: Scenario) -> list[Flag]:
     ``--moe-shared-expert-overlap`` is not written: it reorders the shared expert after the router to
     overlap it with dispatch, a schedule choice plan3d's cost model does not price. The job's
     ``moe_token_dispatcher`` deepep is ``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend
-    deepep`` (``TransformerConfig``: "DeepEP backend is only supported with flex token dispatcher"), allgather
+    deepep`` (``TransformerConfig``: "DeepEP backend is only supported with flex token dispatcher"), hybridep the same
+    with ``--moe-flex-dispatcher-backend hybridep`` (and its NVLink-domain variables, :func:`env_lines`), allgather
     ``--moe-token-dispatcher-type allgather``, and ``moe_a2a_overlap`` is ``--overlap-moe-expert-parallel-comm``.
     """
     m = sc.model
@@ -162,8 +164,10 @@ def moe_flags(sc: Scenario) -> list[Flag]:
             flags.append(("--moe-shared-expert-gate", None))
     if sc.training.moe_grouped_gemm:
         flags.append(("--moe-grouped-gemm", None))
-    if sc.training.moe_token_dispatcher == "deepep":  # transformer_config.py: DeepEP runs under the flex dispatcher
-        flags += [("--moe-token-dispatcher-type", "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
+    if sc.training.moe_token_dispatcher in FLEX_DISPATCHERS:  # transformer_config.py: DeepEP and HybridEP run under
+        # the flex dispatcher
+        flags += [("--moe-token-dispatcher-type", "flex"),
+                  ("--moe-flex-dispatcher-backend", sc.training.moe_token_dispatcher)]
     else:  # alltoall, or the allgather a job asks for (written out, although Megatron's default)
         flags.append(("--moe-token-dispatcher-type", sc.training.moe_token_dispatcher))
     flags += [("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", MOE_AUX_LOSS_COEFF)]
@@ -525,17 +529,36 @@ def header(sc: Scenario, what: str) -> str:
 
 def env_lines(sc: Scenario) -> str:
     """``CUDA_DEVICE_MAX_CONNECTIONS`` as Megatron-LM core_v0.16.1 ``validate_args`` demands it: 1 for
-    tensor/context parallelism (before Blackwell), anything but 1 with Megatron FSDP (ZeRO-2/3)."""
+    tensor/context parallelism (before Blackwell), anything but 1 with Megatron FSDP (ZeRO-2/3); and HybridEP's
+    NVLink-domain variables (:func:`hybridep_env`)."""
     if uses_megatron_fsdp(sc):
-        return ("# Megatron FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py)\n"
-                "unset CUDA_DEVICE_MAX_CONNECTIONS")
-    return "export CUDA_DEVICE_MAX_CONNECTIONS=1"
+        lines = ("# Megatron FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron/training/arguments.py)\n"
+                 "unset CUDA_DEVICE_MAX_CONNECTIONS")
+    else:
+        lines = "export CUDA_DEVICE_MAX_CONNECTIONS=1"
+    return "\n".join([lines] + [f"export {name}={value}" for name, value in hybridep_env(sc)])
+
+
+def hybridep_env(sc: Scenario) -> list[tuple[str, str]]:
+    """The variables HybridEP reads to place the expert group on NVLink domains, for a job that dispatches with it:
+    the group's ranks per domain (``memory.hybridep_domain_ranks``, what plan3d sizes its buffer with) under both
+    names HybridEP has used (``NUM_OF_RANKS_PER_NVLINK_DOMAIN``, deepseek-ai/DeepEP hybrid-ep
+    ``deep_ep/hybrid_ep_buffer.py`` @ 098da2a6, default 8; ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` later, as
+    NVIDIA's Megatron-Bridge recipes set it), and ``USE_MNNVL=1`` where a domain holds more than 8 of them (the
+    fabric memory an NVL72 rack shares; that version turns it on itself above 8)."""
+    if sc.training.moe_token_dispatcher != "hybridep" or not sc.model.is_moe:
+        return []
+    ranks, _ = hybridep_domain_ranks(sc.training, sc.plan, sc.hardware)
+    out = [("NUM_OF_RANKS_PER_NVLINK_DOMAIN", str(ranks)), ("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", str(ranks))]
+    return out + [("USE_MNNVL", "1")] if ranks > 8 else out
 
 
 def env_note(sc: Scenario) -> str:
+    extra = "".join(f"# Run with {name}={value} (HybridEP's NVLink domain).\n" for name, value in hybridep_env(sc))
     if uses_megatron_fsdp(sc):
-        return "# Run with CUDA_DEVICE_MAX_CONNECTIONS unset (Megatron FSDP refuses 1).\n"
-    return "# Run with CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM requires it for tensor/context parallelism).\n"
+        return "# Run with CUDA_DEVICE_MAX_CONNECTIONS unset (Megatron FSDP refuses 1).\n" + extra
+    return ("# Run with CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM requires it for tensor/context parallelism).\n"
+            + extra)
 
 
 def render_args(sc: Scenario) -> str:

@@ -151,9 +151,10 @@ class FrameworkProfile:
     # whose MoE layer the host issues (planner.cost.moe_host_ops): "megatron", experts one by one and a host sync
     # every layer (Megatron-Core's measured counts); "torchtitan", grouped experts, a host sync only with EP
     moe_host_issue: str = "megatron"
-    # DeepEP token dispatch (TrainingSpec.moe_token_dispatcher "deepep"), which plan3d models as Megatron-Core's flex
-    # dispatcher (planner.cost.deepep_time_s, planner.memory.deepep_buffer_bytes) and emits only for Megatron; elsewhere
-    # a job asking for it is refused (specs.job_problems) and validate predicts the all-to-all its run uses
+    # DeepEP and HybridEP token dispatch (TrainingSpec.moe_token_dispatcher "deepep", "hybridep"), which plan3d models
+    # as Megatron-Core's flex dispatcher (planner.cost.deepep_time_s, planner.memory.deepep_buffer_bytes and
+    # hybridep_buffer_bytes) and emits only for Megatron; elsewhere a job asking for it is refused
+    # (specs.job_problems) and validate predicts the all-to-all its run uses
     runs_deepep: bool = False
     # how the routed experts' GEMMs run (planner.cost.grouped_gemm_time_s): 0, one grouped kernel over the local
     # experts (torch._grouped_mm); n > 0, one cuBLAS GEMM per local expert, issued round-robin to n CUDA streams

@@ -144,6 +144,29 @@ def cublas_workspace_mib(launch: Launch, path: Path) -> tuple[float | None, str 
     return mib, f"CUBLAS_WORKSPACE_CONFIG={value}: PyTorch's cuBLAS workspace {mib:g} MiB per GEMM thread"
 
 
+#: The variables HybridEP reads for the expert group's ranks per NVLink domain: deepseek-ai/DeepEP hybrid-ep
+#: ``deep_ep/hybrid_ep_buffer.py`` (@ 098da2a6 ``NUM_OF_RANKS_PER_NVLINK_DOMAIN``; later
+#: ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN``, the name NVIDIA's Megatron-Bridge recipes export), the later first
+HYBRIDEP_DOMAIN_VARS = ("NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN", "NUM_OF_RANKS_PER_NVLINK_DOMAIN")
+
+
+def hybridep_ranks_per_domain(launch: Launch, path: Path) -> tuple[int | None, str | None]:
+    """(the expert group's ranks per NVLink domain HybridEP is told, a note) where the script exports one of
+    ``HYBRIDEP_DOMAIN_VARS`` before the launch (``TrainingSpec.hybridep_ranks_per_domain``); ``(None, note)`` where
+    the value is unknown, ``(None, None)`` where it is not set (plan3d then takes the layout's)."""
+    for name in HYBRIDEP_DOMAIN_VARS:
+        value = launch.env.get(name)
+        if value is None or not isinstance(value, str):
+            continue
+        if is_unknown(value):
+            return None, (f"{path}: {name} comes from {', '.join(unknown_sources(value))}: HybridEP's buffer is sized "
+                          "with the ranks the layout puts in one NVLink domain")
+        if not value.strip().isdigit() or int(value) < 1:
+            raise SpecError(f"{path}: {name}={value} is not a whole number of ranks; HybridEP reads it with int()")
+        return int(value), f"{name}={value}: HybridEP's buffer is sized for NVLink domains of {int(value)} ranks"
+    return None, None
+
+
 def _known_int(value, what: str) -> int | None:
     if value is None:
         return None

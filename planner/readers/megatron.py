@@ -605,9 +605,9 @@ def dispatcher(a: Args, notes: list[str]) -> str:
     flex`` with DeepEP (``--moe-flex-dispatcher-backend deepep``, Megatron's default backend, or the older
     ``--moe-enable-deepep``); ``allgather`` for ``--moe-token-dispatcher-type allgather`` or none
     (``TransformerConfig.moe_token_dispatcher_type`` defaults to "allgather", core_v0.16.1), which the notes say
-    when the flag is absent; else the all-to-all. HybridEP (``--moe-flex-dispatcher-backend hybridep``) is not
-    modelled: it is costed as the all-to-all and its buffers are not sized, which the notes say. Megatron-DeepSpeed
-    launches (``--deepspeed``) and dense models keep the default all-to-all."""
+    when the flag is absent; ``hybridep`` for the flex dispatcher with ``--moe-flex-dispatcher-backend hybridep``
+    (costed as DeepEP's traffic, its own buffer sized: ``memory.hybridep_buffer_bytes``); else the all-to-all.
+    Megatron-DeepSpeed launches (``--deepspeed``) and dense models keep the default all-to-all."""
     kind = a.get("--moe-token-dispatcher-type")
     if a.has("--deepspeed") or not a.int("--num-experts"):
         return "alltoall"
@@ -619,9 +619,7 @@ def dispatcher(a: Args, notes: list[str]) -> str:
     if kind != "flex":
         return "alltoall"
     if a.get("--moe-flex-dispatcher-backend") == "hybridep":
-        notes.append("--moe-flex-dispatcher-backend hybridep: not modelled; costed as the all-to-all dispatcher, "
-                     "without HybridEP's buffers")
-        return "alltoall"
+        return "hybridep"
     return "deepep"
 
 
@@ -925,7 +923,8 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 # (memory.a2a_overlap_extra_layers), where Megatron runs it (memory.a2a_overlap_active)
                 "moe_a2a_overlap": not a.has("--deepspeed") and a.has("--overlap-moe-expert-parallel-comm"),
                 # DeepEP: the flex dispatcher with its default backend (TransformerConfig core_v0.16.1:
-                # moe_flex_dispatcher_backend "deepep"), as plan3d emits it; its buffer and group rules follow
+                # moe_flex_dispatcher_backend "deepep"), as plan3d emits it, or HybridEP; their buffers and group
+                # rules follow
                 "moe_token_dispatcher": dispatcher(a, notes),
                 # TEGroupedMLP only with --moe-grouped-gemm (TransformerConfig.moe_grouped_gemm = False, core_v0.16.1);
                 # else SequentialMLP (frameworks.expert_gemm_streams)
