@@ -190,3 +190,25 @@ def test_megatron_accepts_the_emitted_hybridep_launch(megatron, monkeypatch, tmp
     padded = sc.model_copy(update={"model": sc.model.model_copy(update={"capacity_factor": 1.0})})
     _, config, _ = megatron_validate(megatron, monkeypatch, _args_file_argv(padded, tmp_path / "padded"), "1")
     assert config.moe_pad_expert_input_to_capacity and config.moe_flex_dispatcher_backend == "hybridep"
+
+
+@pytest.mark.parametrize("backend, code", [("deepep", 2), ("hybridep", 2), ("standard", 1)])
+def test_torchtitan_deepep_backends_are_refused_not_read_as_the_all_to_all(tmp_path, backend, code):
+    """torchtitan's parallelism.expert_parallel_comm_backend ("standard", "deepep", later "hybridep") builds DeepEP's
+    or HybridEP's own buffers, which plan3d sizes only as Megatron-Core builds them: with EP the TOML is refused in
+    one line rather than passed with the all-to-all's memory. DeepSeek-V3 671B's TOML (tests/data/launch/real), EP 8."""
+    from pathlib import Path
+
+    from planner.check import check_file_branches, exit_code
+
+    real = Path(__file__).parent / "data" / "launch" / "real" / "torchtitan_deepseek_v3_671b.toml"
+    text = real.read_text().replace("expert_parallel_degree = 1\n",
+                                    f'expert_parallel_degree = 8\nexpert_parallel_comm_backend = "{backend}"\n')
+    path = tmp_path / "dsv3.toml"
+    path.write_text(text)
+    results = check_file_branches(path, H100, None, 256, None)
+    assert exit_code(results) == code, [r.errors for r in results]
+    if code == 2:
+        (err,) = results[0].errors
+        assert f"parallelism.expert_parallel_comm_backend = {backend}: torchtitan's DeepEP/HybridEP buffers are not " \
+               "modelled" in err and "\n" not in err

@@ -270,6 +270,15 @@ def scenario_dicts(doc: dict, gpus: int | None, where: str) -> tuple[dict, dict,
     if (shard * cp * tp) % ep:
         raise SpecError(f"{where}: expert_parallel_degree {ep} does not divide data_parallel_shard_degree({shard}) x "
                         f"cp({cp}) x tp({tp}) = {shard * cp * tp}, the ranks torchtitan draws EP from")
+    backend = str(par.get("expert_parallel_comm_backend", "standard"))
+    if ep > 1 and backend != "standard":
+        # torchtitan's ParallelismConfig.expert_parallel_comm_backend ("standard": torch's all-to-all; "deepep" and,
+        # later, "hybridep": DeepEP's own buffers, torchtitan/distributed/deepep), "no effect ... when ep = 1". plan3d
+        # sizes DeepEP's and HybridEP's buffers as Megatron-Core builds them, not as torchtitan does: read as the
+        # all-to-all it would leave them out, a false "fits"
+        raise SpecError(f"{where}: parallelism.expert_parallel_comm_backend = {backend}: torchtitan's DeepEP/HybridEP "
+                        "buffers are not modelled (plan3d would count the all-to-all's memory and under-count them); "
+                        "check the job with 'standard', or as a Megatron-LM launch with the flex dispatcher")
     zero = _fsdp_zero_stage(par, shard, pp, where, notes, cp)
     compiled = _compile(doc, tr, notes, where)
     training = {"num_gpus": world, "global_batch_size": gbs, "seq_len": num("seq_len", tr.get("seq_len", 2048)),
