@@ -126,3 +126,18 @@ def test_search_says_when_deepep_would_be_faster():
     assert note.startswith("note: with --moe-dispatcher deepep") and "per step instead of" in note
     assert "--moe-dispatcher deepep" not in plan3d(*job, "--moe-dispatcher", "alltoall").stderr
     assert "--moe-dispatcher deepep" not in plan3d(*job, "--quiet").stderr
+
+
+def test_search_names_hybridep_on_nvl72():
+    """On GB200 NVL72 racks NVIDIA's MoE tuning guide puts HybridEP, not DeepEP: Qwen3-235B with EP 128 over two
+    racks' 64-GPU segments, priced with the all-to-all across the racks' network, would be about twice as fast with
+    one copy per destination rack; the note names --moe-dispatcher hybridep, and none is given when the job already
+    runs it."""
+    job = ["search", "--model", "qwen3-235b-a22b", "--hardware", "gb200-nvl72", "--gpus", "256", "--global-batch",
+           "4096", "--seq-len", "4096", "--precision", "mxfp8", "--tp", "1", "--pp", "2", "--ep", "128",
+           "--micro-batch-size", "1", "--recompute", "full"]
+    p = plan3d(*job)
+    assert p.returncode == 0, p.stderr
+    (note,) = [ln for ln in p.stderr.splitlines() if ln.startswith("note: with --moe-dispatcher")]
+    assert note.startswith("note: with --moe-dispatcher hybridep (Megatron's flex dispatcher with HybridEP")
+    assert "note: with --moe-dispatcher" not in plan3d(*job, "--moe-dispatcher", "hybridep").stderr

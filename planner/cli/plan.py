@@ -225,19 +225,22 @@ def search(
                 typer.echo(line, err=True)
 
 
-#: How much faster DeepEP must make the plan for :func:`dispatcher_notes` to say so.
+#: How much faster the flex dispatcher must make the plan for :func:`dispatcher_notes` to say so.
 DEEPEP_NOTE_GAIN = 0.05
+#: NVLink domains wider than a DGX node's 8 GPUs (GB200/GB300 NVL72): where NVIDIA's MoE tuning guide puts HybridEP
+FLEX_NOTE_HYBRIDEP_ABOVE = 8
+FLEX_NOTE_LIBRARY = {"deepep": "DeepEP", "hybridep": "HybridEP (DeepEP's hybrid-ep branch)"}
 
 
 def dispatcher_notes(est) -> list[str]:
     """A note when the best plan of a MoE search (``est``, its estimate), priced with the job's dispatcher (the
-    all-to-all unless ``--moe-dispatcher`` says otherwise), would be faster by ``DEEPEP_NOTE_GAIN`` or more with DeepEP (Megatron's
-    flex dispatcher, ``--moe-dispatcher deepep``; not where the job already runs the flex dispatcher, with DeepEP or
-    HybridEP), where the framework runs it, its EP group is one DeepEP has a
-    configuration for (``plan_problems``) and the plan still fits with DeepEP's buffer. The search does not choose
-    the dispatcher: DeepEP is a library of its own to install (NVIDIA's MoE tuning guide: the all-to-all "for safe
-    bring-up", DeepEP on H100/B200-style systems, HybridEP on NVL72; Megatron-Bridge docs
-    training/moe-optimization.md), so it is said, with the step time, and left to the user."""
+    all-to-all unless ``--moe-dispatcher`` says otherwise), would be faster by ``DEEPEP_NOTE_GAIN`` or more with
+    Megatron's flex dispatcher: with HybridEP on a GPU whose NVLink domain is wider than 8 (NVL72 racks), else with
+    DeepEP (``--moe-dispatcher hybridep`` / ``deepep``; not where the job already runs the flex dispatcher), where the
+    framework runs it, its EP group is one the library takes (``plan_problems``) and the plan still fits with that
+    library's buffer. The search does not choose the dispatcher: either is a library of its own to install (NVIDIA's
+    MoE tuning guide: the all-to-all "for safe bring-up", DeepEP on H100/B200-style systems, HybridEP on NVL72;
+    Megatron-Bridge docs training/moe-optimization.md), so it is said, with the step time, and left to the user."""
     from planner import frameworks
     from planner.cost import estimate_time
     from planner.memory import estimate_memory
@@ -248,15 +251,16 @@ def dispatcher_notes(est) -> list[str]:
     if not model.is_moe or plan.ep <= 1 or training.moe_token_dispatcher in FLEX_DISPATCHERS or \
             not frameworks.get(training.framework).runs_deepep:
         return []
-    alt = training.model_copy(update={"moe_token_dispatcher": "deepep"})
+    flex = "hybridep" if hw.job_nvlink_domain(training.num_gpus) > FLEX_NOTE_HYBRIDEP_ABOVE else "deepep"
+    alt = training.model_copy(update={"moe_token_dispatcher": flex})
     if plan_problems(model, hw, alt, plan) or not estimate_memory(model, hw, alt, plan).fits:
         return []
     now, then = est.time.step_time_s, estimate_time(model, hw, alt, plan).step_time_s  # the search priced ``now``
     if then > (1 - DEEPEP_NOTE_GAIN) * now:
         return []
-    return [f"note: with --moe-dispatcher deepep (Megatron's flex dispatcher with DeepEP, which must be installed) "
-            f"this plan would take {then:.3f} s per step instead of {now:.3f} s ({then / now - 1:+.0%}); "
-            "search again with it to let the plan change too"]
+    return [f"note: with --moe-dispatcher {flex} (Megatron's flex dispatcher with {FLEX_NOTE_LIBRARY[flex]}, which "
+            f"must be installed) this plan would take {then:.3f} s per step instead of {now:.3f} s "
+            f"({then / now - 1:+.0%}); search again with it to let the plan change too"]
 
 
 def own_format_notes(model, training) -> list[str]:
