@@ -955,7 +955,7 @@ def run_scenario(sc: Scenario, precision: str | None = None) -> Scenario:
         raise SpecError(f"--precision: '{precision}' is not one of fp32, bf16 (what the validate run can run)")
     run = precision or run_precision(sc.training.precision)
     # (Megatron's loss kernel is Megatron's: the torch run has its own loss, counted by the torch profile)
-    # (nor is DeepEP: the run dispatches with torch's all-to-all, planner.validate.moe)
+    # (nor are DeepEP and HybridEP: the run dispatches with torch's all-to-all, planner.validate.moe)
     training = sc.training.model_copy(update={"precision": run, "framework": "torch", "cross_entropy_fusion": "none",
                                               "moe_token_dispatcher": "alltoall"})
     plan = sc.plan.model_copy(update={"zero_stage": 2 if sc.plan.zero_stage == 1 else sc.plan.zero_stage})
