@@ -1661,8 +1661,15 @@ def hybridep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan,
     if training.moe_token_dispatcher != "hybridep" or not model.is_moe:
         return 0.0
     r, n = hybridep_domain_ranks(training, plan, hardware)
-    h, local = model.hidden_size, model.num_experts // plan.ep
-    tokens = max(plan.micro_batch_size * training.seq_len // (plan.cp * plan.tp), HYBRIDEP_MIN_TOKENS)
+    return hybridep_sized_bytes(model.hidden_size, model.num_experts // plan.ep, r, n,
+                                plan.micro_batch_size * training.seq_len // (plan.cp * plan.tp))
+
+
+def hybridep_sized_bytes(h: int, local: int, r: int, n: int, tokens: int) -> float:
+    """:func:`hybridep_buffer_bytes` for hidden size ``h``, ``local`` experts per rank, ``r`` ranks per NVLink domain
+    over ``n`` domains and ``tokens`` dispatched per rank and micro-batch (the search's tables ask it per micro-batch
+    size, the layout resolved once per shape)."""
+    tokens = max(tokens, HYBRIDEP_MIN_TOKENS)
     rows = tokens * r * n
     scales = h // 128
     total = rows * (2 * h + 4 * local * r + 4 * scales) + HYBRIDEP_PREPROCESSING_BLOCKS * r * HYBRIDEP_TMP_STATE_BYTES

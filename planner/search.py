@@ -56,8 +56,8 @@ from planner.frameworks.deepspeed import runs_pipeline_engine
 from planner.memory import (a2a_overlap_active, a2a_overlap_extra_layers, act_bytes, bf16_layer_delta_bytes,
                             bf16_layers_on_stage, chunk_peak_layers, dataloader_mask_bytes, deepep_buffer_bytes,
                             deepspeed_pipe_tensor_counts, deferred_wgrad_bytes_per_microbatch,
-                            deferred_wgrad_microbatches, gemm_workspace_bytes, hybridep_buffer_bytes, in_flight_chunks,
-                            KIB, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
+                            deferred_wgrad_microbatches, gemm_workspace_bytes, hybridep_domain_ranks,
+                            hybridep_sized_bytes, in_flight_chunks, KIB, input_bytes_per_microbatch, kept_output_bytes, kept_outputs_bytes_of,
                             layer_recompute_working_bytes, megatron_p2p_tensor_count, moe_allgather_buffer_bytes,
                             offload_resident_layers, output_bytes, param_bytes, pipeline_buffer_count,
                             saved_bytes_per_layer_kind, schedule_w_fraction, stage_moe_layer_count,
@@ -409,9 +409,10 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
             whole, sent, kept_out = deepspeed_pipe_tensor_counts(base, m[:, None], rows_r[None, :])
             other = other + (whole + sent / tp) * boundary_u[:, None] + kept_out * f["kept_output_bytes"][:, None]
         other = other + (n_moe > 0) * deepep_buffer_bytes(model, training, base)  # stages with a MoE layer
-        if training.moe_token_dispatcher == "hybridep":  # memory.hybridep_buffer_bytes: sized by the micro-batch
-            hybridep = [hybridep_buffer_bytes(model, training, base.model_copy(update={"micro_batch_size": int(b)}), hw)
-                        for b in mbs_u.tolist()]
+        if training.moe_token_dispatcher == "hybridep" and model.is_moe:  # memory.hybridep_buffer_bytes, by micro-batch
+            r_dom, n_dom = hybridep_domain_ranks(training, base, hw)
+            hybridep = [hybridep_sized_bytes(model.hidden_size, model.num_experts // base.ep, r_dom, n_dom,
+                                             b * training.seq_len // (cp * tp)) for b in mbs_u.tolist()]
             other = other + (n_moe > 0) * np.array(hybridep)[:, None]
         if training.moe_token_dispatcher == "allgather":
             # memory.moe_allgather_buffer_bytes: linear in the micro-batch, a GPU's share of the tokens set by SP
