@@ -133,6 +133,32 @@ def _qwen2(data: dict, source: str, default_name: str) -> dict:
     return fields | {"qkv_bias": True, "out_proj_bias": False, "mlp_bias": False}
 
 
+def _nemotron(data: dict, source: str, default_name: str) -> dict:
+    """NemotronForCausalLM (``modeling_nemotron.py``, NemotronConfig defaults; Nemotron-4, Minitron): q/k/v/o with
+    ``attention_bias`` (default off), a non-gated MLP ``up_proj`` / ``down_proj`` with ``mlp_bias`` (default off) and
+    ``hidden_act`` relu2 (squared ReLU, Megatron's ``--squared-relu``), ``NemotronLayerNorm1P`` before attention and
+    MLP and at the end (a LayerNorm with weight and bias; the "1p" zero-centres the weight, no parameter more), RoPE on
+    ``partial_rotary_factor`` of each head (default 0.5, ``NemotronConfig.__post_init__``; also read from
+    ``rope_parameters``), ``head_dim`` default ``h // a``, MHA when ``num_key_value_heads`` is absent, untied."""
+    act = str(_get(data, source, "hidden_act", default="relu2")).lower()
+    activation = {"relu2": "squared_relu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu"}.get(act)
+    if activation is None:
+        raise SpecError(f"{source}: hidden_act: '{act}' is not modelled for NemotronForCausalLM; plan3d reads relu2 "
+                        "(squared ReLU, Nemotron-4's) and gelu")
+    rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    attention_bias = _flag(data, "attention_bias", False)
+    return {**_core(data, source), "name": _name(data, default_name),
+            "num_kv_heads": _kv_heads(data, None),
+            "head_dim": _get(data, source, "head_dim", default=None),
+            "ffn_hidden_size": _get(data, source, "intermediate_size", default=24576),
+            "max_seq_len": _get(data, source, "max_position_embeddings", default=4096),
+            "activation": activation, "norm": "layernorm",
+            "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
+            "linear_bias": False, "qkv_bias": attention_bias, "out_proj_bias": attention_bias,
+            "mlp_bias": _flag(data, "mlp_bias", False), "dropout": _dropout(data, "attention_dropout"),
+            "rotary_percent": _get(data, source, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 0.5))}
+
+
 def _gemma2(data: dict, source: str, default_name: str) -> dict:
     """Gemma2ForCausalLM (``modeling_gemma2.py``): GeGLU MLP (``hidden_activation``), four RMSNorms per
     layer (input, post-attention, pre- and post-feedforward), ``head_dim`` default 256 (not ``h // a``),
@@ -644,7 +670,7 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "Qwen3ForCausalLM": _qwen3, "MixtralForCausalLM": _mixtral, "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe, "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3, "GptOssForCausalLM": _gpt_oss, "Glm4MoeForCausalLM": _glm4_moe,
-    "OlmoeForCausalLM": _olmoe, "Llama4ForCausalLM": _llama4,
+    "OlmoeForCausalLM": _olmoe, "Llama4ForCausalLM": _llama4, "NemotronForCausalLM": _nemotron,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
@@ -656,7 +682,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-               "olmoe": "OlmoeForCausalLM", "llama4_text": "Llama4ForCausalLM"}
+               "olmoe": "OlmoeForCausalLM", "llama4_text": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------

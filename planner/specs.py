@@ -34,7 +34,7 @@ from planner.errors import MAX_COUNT, MAX_GPUS
 
 GIB = 2**30
 
-Activation = Literal["gelu", "swiglu", "geglu"]
+Activation = Literal["gelu", "swiglu", "geglu", "squared_relu"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post", "sandwich"]
 QKNorm = Literal["none", "head", "full"]
@@ -86,7 +86,8 @@ class ModelSpec(_Spec):
         default=None, ge=1, description="Longest sequence the model supports; required for learned positions.")
     activation: Activation = Field(
         default="gelu",
-        description="MLP type: gelu (2 matrices, any non-gated activation) or a gated unit with 3 matrices: "
+        description="MLP type: gelu (2 matrices, any non-gated activation), squared_relu (2 matrices, ReLU squared: "
+                    "Nemotron-4, Megatron --squared-relu; saves as GeLU does) or a gated unit with 3 matrices: "
                     "swiglu (SiLU gate, Llama) or geglu (GeLU gate, Gemma).")
     norm: Norm = Field(default="layernorm", description="layernorm (weight + bias) or rmsnorm (weight only).")
     norm_placement: NormPlacement = Field(

@@ -330,6 +330,9 @@ STRUCTURES = {
                                               parallel_attention=True, shared_input_norm=True),
     "llama-attention-bias": dict(num_kv_heads=2, activation="swiglu", norm="rmsnorm", qkv_bias=True,
                                  out_proj_bias=True, mlp_bias=False),
+    # Nemotron-4: squared ReLU (relu then pow saves the ReLU output once, as GeLU saves its input), LayerNorm, GQA
+    "nemotron-squared-relu-layernorm-gqa": dict(num_kv_heads=2, activation="squared_relu", norm="layernorm",
+                                                linear_bias=False),
 }
 TORCH_CASES = [(n, tp, sp, attn) for n in STRUCTURES for tp, sp in ((1, False), (2, False), (2, True))
                for attn in ("flash", "materialized")]
@@ -365,7 +368,8 @@ def test_structure_saved_activations_match_torch_within_5_percent(name, tp, sp, 
 
 # --- cross-check with transformers itself, where it is installed ----------------------------------
 
-@pytest.mark.parametrize("name", [name for name, _ in EXACT] + ["falcon-40b.json", "pythia-160m.json"])
+@pytest.mark.parametrize("name", [name for name, _ in EXACT] + ["falcon-40b.json", "pythia-160m.json",
+                                                                 "nemotron-4-4b.json"])
 def test_transformers_builds_the_same_count_on_the_meta_device(name):
     """The real ``transformers`` modules of each config, built on the meta device (no memory):
     ``sum(p.numel())`` over distinct parameters (a tied head counted once) equals ``num_params``.

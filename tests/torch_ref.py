@@ -182,7 +182,12 @@ class RefLayer(nn.Module):
         if self.m.norm_placement != "post" and not normed:
             x = self._norm(x, self.norm2_w, self.norm2_b)
         y = self._column(x, self.fc1)
-        y = _SwiGLU.apply(y) if self.m.gated_mlp else F.gelu(y)
+        if self.m.gated_mlp:
+            y = _SwiGLU.apply(y)
+        elif self.m.activation == "squared_relu":  # Megatron-Core activations.squared_relu: pow(relu(x), 2)
+            y = torch.pow(F.relu(y), 2)
+        else:
+            y = F.gelu(y)
         y = self._row(y, self.fc2)
         if self.m.norm_placement == "post":
             y = self._norm(y, self.norm2_w, self.norm2_b)

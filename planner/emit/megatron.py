@@ -50,6 +50,8 @@ def model_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--rotary-percent", f"{m.rotary_percent:g}"))
     if m.activation == "swiglu":
         flags.append(("--swiglu", None))
+    elif m.activation == "squared_relu":  # arguments.py --squared-relu: activation_func = squared_relu
+        flags.append(("--squared-relu", None))
     if not m.tied_embeddings:
         flags.append(("--untie-embeddings-and-output-weights", None))
     if not m.all_linear_biases:  # --add-bias-linear is Megatron's default: biases on every linear layer

@@ -261,7 +261,7 @@ def model_dict(a: Args, tp: int, vocab_override: int | None, notes: list[str], n
         # there (core_v0.16.1 multi_latent_attention.py never reads config.kv_channels)
         "head_dim": kv if kv is not None and kv * heads != h and not mla else None,
         "ffn_hidden_size": ffn, "vocab_size": vocab(a, tp, vocab_override, notes), "max_seq_len": max_pos,
-        "activation": "swiglu" if swiglu else "gelu",
+        "activation": "swiglu" if swiglu else "squared_relu" if a.has("--squared-relu") else "gelu",
         "norm": "rmsnorm" if str(a.get("--normalization", "LayerNorm")).lower() == "rmsnorm" else "layernorm",
         "tied_embeddings": not a.has("--untie-embeddings-and-output-weights"),
         "position_embedding": pos, "linear_bias": not a.has("--disable-bias-linear"),

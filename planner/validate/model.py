@@ -84,6 +84,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f = model.hidden_size, ffn or model.ffn_size
         self.swiglu = model.activation == "swiglu"
+        self.squared_relu = model.activation == "squared_relu"
         self.w1 = nn.Linear(h, f, bias=model.has_mlp_bias)
         self.w3 = nn.Linear(h, f, bias=model.has_mlp_bias) if self.swiglu else None
         self.w2 = nn.Linear(f, h, bias=model.has_mlp_bias)
@@ -91,6 +92,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.swiglu:
             return self.w2(SwiGLUFn.apply(torch.cat([self.w1(x), self.w3(x)], dim=-1)))
+        if self.squared_relu:  # Megatron-Core activations.squared_relu: pow(relu(x), 2), saving the ReLU output
+            return self.w2(torch.pow(F.relu(self.w1(x)), 2))
         return self.w2(F.gelu(self.w1(x)))
 
 
