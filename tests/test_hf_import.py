@@ -397,7 +397,7 @@ def _structures():
             name="m", num_layers=draw(st.integers(2, 8)), hidden_size=64 * draw(st.integers(1, 4)),
             num_attention_heads=a, num_kv_heads=draw(st.sampled_from([x for x in (1, 2, 4, a) if a % x == 0])),
             head_dim=draw(st.sampled_from([None, 16, 32])), ffn_hidden_size=128 * draw(st.integers(1, 4)),
-            vocab_size=draw(st.integers(100, 2000)), activation=draw(st.sampled_from(["gelu", "swiglu", "geglu"])),
+            vocab_size=draw(st.integers(100, 2000)), activation=draw(st.sampled_from(["gelu", "swiglu", "geglu", "squared_relu"])),
             norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), parallel_attention=parallel,
             shared_input_norm=parallel and draw(st.booleans()),
             norm_placement="pre" if parallel else draw(st.sampled_from(["pre", "post", "sandwich"])),
