@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from planner import frameworks
-from planner.specs import (HardwareSpec, ModelSpec, Plan, TrainingSpec, deepep_group_problem, moe_plan_problems,
+from planner.specs import (HardwareSpec, ModelSpec, Plan, TrainingSpec, deepep_group_problem, hybridep_domain_problem, moe_plan_problems,
                            offload_problems, plan_problems)
 
 RECOMPUTE = ("none", "selective", "full")
@@ -255,7 +255,8 @@ def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
                     continue
                 experts = [(ep, etp) for ep, etp in valid_expert(model, hw, tp, cp, dp, pins)
                            if fw.allows_expert(ep, etp or tp, tp)  # what the framework runs
-                           and not deepep_group_problem(model, training, ep, etp or tp)]  # and DeepEP, if asked
+                           and not deepep_group_problem(model, training, ep, etp or tp)  # and DeepEP, if asked
+                           and not hybridep_domain_problem(model, training, ep, etp or tp, hw)]  # and HybridEP
                 for plain in valid_splits(model, pp, uneven, max(MAX_UNEVEN_VPP, pins.vpp or 0)):
                     if pins.ok(vpp=plain.vpp) and (plain.vpp == 1 or fw.allows_vpp) and \
                             fw.allows_stage_split(plain.pp, plain.vpp, plain.first, plain.middle, plain.last):

@@ -212,3 +212,26 @@ def test_torchtitan_deepep_backends_are_refused_not_read_as_the_all_to_all(tmp_p
         (err,) = results[0].errors
         assert f"parallelism.expert_parallel_comm_backend = {backend}: torchtitan's DeepEP/HybridEP buffers are not " \
                "modelled" in err and "\n" not in err
+
+
+def test_groups_that_straddle_nvlink_domains_unevenly_are_refused():
+    """HybridEP asserts that its group size divides by the ranks per NVLink domain, one count for the whole job: EP 32
+    on four full NVL72 racks (288 GPUs) puts 32, 8 + 24 and 16 + 16 ranks of its consecutive groups in a rack, so no
+    one count serves; on 256 GPUs (64-GPU rack segments) every group sits in one. Expert TP 3 x EP 4 on DGX nodes of
+    8: groups of 8 + 4. The search leaves such groups out (EP 16, 32, 64 on the 288 GPUs; EP 8 divides 72)."""
+    from planner.candidates import Pins, SearchSpace, shapes
+    from planner.specs import hybridep_domain_problem
+
+    model = DSV3.model_copy(update={"num_layers": 60, "first_k_dense": 2})
+    problems = plan_problems(model, GB200, _training(gpus=288), Plan(tp=1, pp=2, dp=144, ep=32, micro_batch_size=1))
+    assert any(p.startswith("moe_token_dispatcher: HybridEP needs every expert group of 32 ranks") and
+               "they have 8, 16, 24, 32" in p for p in problems), problems
+    assert not [p for p in plan_problems(model, GB200, _training(gpus=256),
+                                         Plan(tp=1, pp=2, dp=128, ep=32, micro_batch_size=1)) if "HybridEP" in p]
+    mixtral = load_model("mixtral-8x7b")
+    dgx = TrainingSpec(num_gpus=96, global_batch_size=96, seq_len=4096, moe_token_dispatcher="hybridep")
+    assert "they have 4, 8" in hybridep_domain_problem(mixtral, dgx, 4, 3, H100)
+    assert hybridep_domain_problem(mixtral, dgx, 8, 1, H100) is None
+    assert hybridep_domain_problem(mixtral, dgx.model_copy(update={"moe_token_dispatcher": "deepep"}), 4, 3, H100) is None
+    eps = {ep for *_, ep, _ in shapes(model, GB200, _training(gpus=288), SearchSpace(pins=Pins(tp=1, pp=2)))}
+    assert 8 in eps and not eps & {16, 32, 64}, eps
