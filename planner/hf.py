@@ -211,6 +211,16 @@ def _olmo2(data: dict, source: str, default_name: str) -> dict:
     return _llama(data, source, default_name) | {"norm_placement": "post", "qk_norm": "full"}
 
 
+def _olmo3(data: dict, source: str, default_name: str) -> dict:
+    """Olmo3ForCausalLM (``modeling_olmo3.py``, Olmo3Config defaults): OLMo 2's layer (:func:`_olmo2`: norms on the
+    attention and MLP outputs, RMSNorm ``q_norm`` / ``k_norm`` over the whole projections, biases per
+    ``attention_bias``, untied) with sliding-window attention on the ``"sliding_attention"`` entries of
+    ``layer_types`` (window ``sliding_window``, default 4096), by default three of every four layers
+    (``Olmo3Config.__post_init__``: layer ``i`` slides unless ``(i + 1) % 4 == 0``). YaRN on the full layers changes no
+    parameter."""
+    return _olmo2(data, source, default_name) | _layer_windows(data, source, 4096, lambda layers: layers - layers // 4)
+
+
 def _falcon(data: dict, source: str, default_name: str) -> dict:
     """FalconForCausalLM (``modeling_falcon.py``, FalconConfig defaults): fused ``query_key_value`` of
     ``(2g + a) d_h`` outputs with ``new_decoder_architecture`` (g = ``num_kv_heads``), ``h + 2 d_h`` with
@@ -671,6 +681,7 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "Qwen3MoeForCausalLM": _qwen3_moe, "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3, "GptOssForCausalLM": _gpt_oss, "Glm4MoeForCausalLM": _glm4_moe,
     "OlmoeForCausalLM": _olmoe, "Llama4ForCausalLM": _llama4, "NemotronForCausalLM": _nemotron,
+    "Olmo3ForCausalLM": _olmo3,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
@@ -682,7 +693,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-               "olmoe": "OlmoeForCausalLM", "llama4_text": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM"}
+               "olmoe": "OlmoeForCausalLM", "llama4_text": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM",
+               "olmo3": "Olmo3ForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------

@@ -369,7 +369,7 @@ def test_structure_saved_activations_match_torch_within_5_percent(name, tp, sp, 
 # --- cross-check with transformers itself, where it is installed ----------------------------------
 
 @pytest.mark.parametrize("name", [name for name, _ in EXACT] + ["falcon-40b.json", "pythia-160m.json",
-                                                                 "nemotron-4-4b.json"])
+                                                                 "nemotron-4-4b.json", "olmo-3-7b.json"])
 def test_transformers_builds_the_same_count_on_the_meta_device(name):
     """The real ``transformers`` modules of each config, built on the meta device (no memory):
     ``sum(p.numel())`` over distinct parameters (a tied head counted once) equals ``num_params``.
@@ -501,3 +501,18 @@ def test_gemma3_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
     with pytest.raises(SpecError, match=r"architectures: Gemma3ForConditionalGeneration carries a SigLIP vision "
                                         r"tower, which is not modelled; .*text_config"):
         load_model(str(path))
+
+
+def test_olmo3_windows():
+    """Olmo3ForCausalLM: OLMo 2's layer with a 4,096-token window on the sliding_attention entries of layer_types
+    (the 7B: 24 of 32), or, without layer_types, Olmo3Config's own pattern (every layer but each fourth)."""
+    path = HF / "olmo-3-7b.json"
+    m = load_model(str(path))
+    assert (m.norm_placement, m.qk_norm, m.sliding_window, m.sliding_window_layers) == ("post", "full", 4096, 24)
+    data = json.loads(path.read_text())
+    data.pop("layer_types")
+    data["num_hidden_layers"] = 10
+    from planner.hf import hf_fields
+
+    fields = hf_fields(data, "o", "config.json")
+    assert (fields["sliding_window"], fields["sliding_window_layers"]) == (4096, 8)  # layers 3 and 7 are full

@@ -66,3 +66,4 @@ def test_megatron_builds_it_from_the_emitted_flags(megatron, monkeypatch, tmp_pa
     (path,) = [p for p in (tmp_path / "args").iterdir()]
     (r,) = check_file_branches(path, None, None, None)
     assert r.scenario.model.activation == "squared_relu" and r.scenario.model.num_params == sc.model.num_params
+
