@@ -152,6 +152,20 @@ def expert_span(plan: Plan, axis: str, gpus_per_node: int) -> GroupSpan:
     return _progression_span(stride, n, plan.world_size // (stride * n), gpus_per_node)
 
 
+@functools.lru_cache(maxsize=1024)
+def block_domain_counts(size: int, world: int, domain: int) -> frozenset[int]:
+    """The numbers of ranks the consecutive blocks of ``size`` ranks of a ``world``-rank job put in each ``domain``-GPU
+    NVLink domain they touch: every placement of a stride-1 group, such as the ``etp_ep`` groups of
+    :func:`expert_span` (Megatron-Core's ``tp_ep_group``, expert TP then EP innermost). One value: every group sits the
+    same way on the domains it touches (HybridEP's rule, ``specs.hybridep_domain_problem``)."""
+    out = set()
+    for start in range(0, max(world, size), size):
+        first, last = start // domain, (start + size - 1) // domain
+        for d in range(first, last + 1):
+            out.add(min(start + size, (d + 1) * domain) - max(start, d * domain))
+    return frozenset(out)
+
+
 def _expert_progression(plan: Plan, axis: str) -> tuple[int, int]:
     """(stride, size) of the groups of ``axis`` ("etp", "ep", "edp" or "etp_ep") of the expert grid
     (:func:`expert_span`)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner import frameworks
-from planner.layout import expert_span
+from planner.layout import block_domain_counts
 from planner.specs import (DEEPEP_NVL_RECV_TOKENS, FLASH_ATTENTION, GIB, HardwareSpec, ModelSpec, Plan, Scenario,
                            TrainingSpec, a2a_overlap_problems, distributed_checkpoint_problems, padded_vocab_size,
                            plan_microbatches, stage_chunks, uneven_chunks)
@@ -1624,8 +1624,9 @@ def hybridep_domain_ranks(training: TrainingSpec, plan: Plan, hardware: Hardware
         ranks = min(training.hybridep_ranks_per_domain, size)
         return ranks, -(-size // ranks)
     domain = hardware.job_nvlink_domain(training.num_gpus) if hardware is not None else 8
-    group = expert_span(plan, "etp_ep", domain)
-    return group.per_node, -(-group.size // group.per_node)
+    # one count where HybridEP runs (specs.hybridep_domain_problem refuses the rest); the largest otherwise
+    ranks = max(block_domain_counts(size, training.num_gpus, domain))
+    return ranks, -(-size // ranks)
 
 
 def hybridep_buffer_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan,

@@ -1904,32 +1904,21 @@ def hybridep_domain_problem(model: ModelSpec, training: TrainingSpec, ep: int, e
     """HybridEP's own rule on how its group sits on the NVLink domains: ``group_size % ranks_per_nvlink_domain == 0``
     (deepseek-ai/DeepEP hybrid-ep ``deep_ep/hybrid_ep_buffer.py``, "The number of ranks should be divisible by the
     number of ranks per node"). The ``etp x ep`` group is ``etp x ep`` consecutive ranks (Megatron-Core's expert grid,
-    ``layout.expert_span``); where the layout puts a different number of them in each domain the job's launch cannot
+    ``layout.block_domain_counts``); where the layout puts a different number of them in each domain the job's launch cannot
     say one count (``plan3d emit`` writes the layout's; ``memory.hybridep_domain_ranks``), and HybridEP asserts. A job
     that states its count (``hybridep_ranks_per_domain``) is checked by :func:`deepep_group_problem` instead."""
     if training.moe_token_dispatcher != "hybridep" or not model.is_moe or training.hybridep_ranks_per_domain is not None:
         return None
+    from planner.layout import block_domain_counts  # layout imports this module
+
     domain, size = hardware.job_nvlink_domain(training.num_gpus), ep * etp
-    counts = _block_domain_counts(size, training.num_gpus, domain)
+    counts = block_domain_counts(size, training.num_gpus, domain)
     if len(counts) <= 1:
         return None
     return (f"moe_token_dispatcher: HybridEP needs every expert group of {size} ranks (etp({etp}) x ep({ep})) to have "
             f"the same number of ranks in each NVLink domain it touches, but on {domain}-GPU domains they have "
             f"{', '.join(map(str, sorted(counts)))}; choose an etp x ep that divides {domain} or is a multiple of it, "
             "or --moe-dispatcher deepep")
-
-
-@functools.lru_cache(maxsize=1024)
-def _block_domain_counts(size: int, world: int, domain: int) -> frozenset[int]:
-    """The numbers of ranks the consecutive blocks of ``size`` ranks of a ``world``-rank job (Megatron-Core's
-    ``tp_ep_group``s: expert TP then EP, innermost, ``layout.expert_span``) put in each ``domain``-GPU NVLink domain
-    they touch."""
-    out = set()
-    for start in range(0, max(world, size), size):
-        first, last = start // domain, (start + size - 1) // domain
-        for d in range(first, last + 1):
-            out.add(min(start + size, (d + 1) * domain) - max(start, d * domain))
-    return frozenset(out)
 
 
 class Scenario(_Spec):
