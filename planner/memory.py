@@ -1622,10 +1622,9 @@ def hybridep_domain_ranks(training: TrainingSpec, plan: Plan, hardware: Hardware
     size = plan.ep * plan.expert_tp
     if training.hybridep_ranks_per_domain is not None:  # what the job tells HybridEP (specs: it divides the group)
         ranks = min(training.hybridep_ranks_per_domain, size)
-        return ranks, -(-size // ranks)
-    domain = hardware.job_nvlink_domain(training.num_gpus) if hardware is not None else 8
-    # one count where HybridEP runs (specs.hybridep_domain_problem refuses the rest); the largest otherwise
-    ranks = max(block_domain_counts(size, training.num_gpus, domain))
+    else:  # one count where HybridEP runs (specs.hybridep_domain_problem refuses the rest); the largest otherwise
+        domain = hardware.job_nvlink_domain(training.num_gpus) if hardware is not None else 8
+        ranks = max(block_domain_counts(size, training.num_gpus, domain))
     return ranks, -(-size // ranks)
 
 
