@@ -14,7 +14,8 @@ when plan3d models its precision and model, and when ``plan_problems`` accepts i
 then mean |error| and worst signed error per system, precision, family and overall; it asserts nothing.
 
 Mapping (the brief of this benchmark; the table gives no ZeRO stage, recompute or SP): framework nemo;
-zero_stage 3 when FSDP is on, else 1 (Megatron distributed optimizer); sequence parallelism when TP > 1;
+zero_stage 3 when FSDP is on, else 1 (Megatron distributed optimizer), or 0 under the recipe's Muon (Kimi-K2:
+``TrainingSpec.optimizer`` dist_muon, which runs without the distributed optimizer); sequence parallelism when TP > 1;
 recompute: the recipe's full recompute (the two recipes with recompute_method block: Plan.recompute_num_layers),
 else its recompute_modules as Megatron's selective recompute of those modules, else none; the recipe's
 cpu_offloading_num_layers as ``Plan.cpu_offload_layers``; bf16 gradients (``grad_reduce_in_bf16``: every model's perf script sets
@@ -84,7 +85,7 @@ def plan_of(r: dict, moe: bool) -> Plan:
     experts = {"ep": r["ep"] or 1, "etp": 1} if moe else {}  # dense rows print EP 1 or n/a: no expert layers
     return Plan(tp=r["tp"], pp=r["pp"], dp=dp, cp=r["cp"], vpp=r["vp"] or 1, micro_batch_size=r["mbs"],
                 **recompute_of(r), sequence_parallel=r["tp"] > 1,
-                zero_stage=3 if r["fsdp"] else 1, layers_per_stage=lps,
+                zero_stage=3 if r["fsdp"] else (0 if "muon" in optimizer_of(r) else 1), layers_per_stage=lps,
                 cpu_offload_layers=(r.get("recipe") or {}).get("cpu_offloading_num_layers") or 0, **experts)
 
 
@@ -157,10 +158,15 @@ def not_modelled(r: dict, models: set[str]) -> str | None:
         return f"precision {r['precision']} not modelled ({r['precision_published'] or '25.09 parenthesised'})"
     if r["model"] not in models:
         return f"no plan3d preset {r['model']}"
-    optimizer = (r.get("recipe") or {}).get("optimizer")
-    if optimizer not in (None, "adam"):  # Kimi-K2's perf recipes train with Muon (the data file's notes)
-        return f"optimizer {optimizer} not modelled (plan3d costs AdamW)"
+    if optimizer_of(r) not in ("adam", "muon", "dist_muon"):
+        return f"optimizer {optimizer_of(r)} not modelled"
     return None
+
+
+def optimizer_of(r: dict) -> str:
+    """The recipe's optimizer: Kimi-K2's perf recipes train with Megatron-Core's dist_muon (the data file's notes:
+    no distributed optimizer, so ZeRO 0, and no fp8 parameter gather), the others with Adam."""
+    return (r.get("recipe") or {}).get("optimizer") or "adam"
 
 
 def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None = None) -> dict:
@@ -184,7 +190,8 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
     training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
                             framework="nemo", moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap(r),
                             cuda_graph_modules=graph_modules(r), recompute_modules=recompute_modules(r) or ("core_attn",),
-                            grad_reduce_in_bf16=True, fp8_params=r["precision"] in ("fp8", "mxfp8"),
+                            grad_reduce_in_bf16=True, optimizer=optimizer_of(r),
+                            fp8_params=r["precision"] in ("fp8", "mxfp8") and optimizer_of(r) == "adam",
                             cross_entropy_fusion="te",
                             fp8_recipe="tensorwise" if (r.get("precision_published") or "").startswith("FP8-CS")
                             else "delayed")

@@ -443,7 +443,7 @@ def enumerate_plans(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
             for rc, sp in micro_options(tp, space, model.is_moe):
                 for off in offload_options(model, hw, training, space, rc, split.pp):
                     for z in space.zero_stages:
-                        if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp, training.optimizer_dtype,
+                        if not space.pins.ok(zero_stage=z) or not fw.allows_zero(z, split.pp, training.optimizer_key,
                                                                                  ep, cp * tp, cp):
                             continue
                         plan = Plan(tp=tp, pp=split.pp, dp=dp, cp=cp, vpp=split.vpp, micro_batch_size=mbs,

@@ -2034,8 +2034,10 @@ def param_gather_overlapped(training: TrainingSpec) -> bool:
     step's first forward (Megatron ``--overlap-param-gather``, which the distributed optimizer takes with
     ``--overlap-grad-reduce``). DeepSpeed gathers inside the optimizer step, before it returns:
     ``DeepSpeedZeroOptimizer.step`` and ``BF16_Optimizer.update_lp_params`` call ``all_gather_dp_groups``
-    (0.19.8 ``runtime/zero/stage_1_and_2.py``, ``runtime/bf16_optimizer.py``), so there it is exposed."""
-    return training.framework != "deepspeed"
+    (0.19.8 ``runtime/zero/stage_1_and_2.py``, ``runtime/bf16_optimizer.py``), so there it is exposed. So is
+    dist_muon's (``LayerWiseDistributedOptimizer.step`` calls ``allgather_params`` before it returns; Megatron asserts
+    no ``--overlap-param-gather`` with Muon, core_v0.16.1 arguments.py)."""
+    return training.framework != "deepspeed" and training.optimizer == "adam"
 
 
 def first_stage_buckets_only(framework: str, pp: int) -> bool:
@@ -2066,7 +2068,10 @@ def overlap_grad_reduce_of(training: TrainingSpec) -> bool:
     ``overlap_grad_reduce`` (Megatron ``--overlap-grad-reduce``, DeepSpeed ``overlap_comm``), except under FSDP2
     (torchtitan, and the torch run of ``plan3d validate``), which always reduce-scatters on its own stream after each
     FSDP module's backward (torch ``fully_shard``: ``FSDPParamGroup.post_backward`` on the ``reduce_scatter_stream``)
-    and has no switch to do otherwise, so the flag cannot change what it runs."""
+    and has no switch to do otherwise, so the flag cannot change what it runs. Megatron runs Muon without the overlap
+    (core_v0.16.1 arguments.py: "Muon optimizer does not support overlap grad reduce for now")."""
+    if training.optimizer != "adam":
+        return False
     return True if training.framework in ("torchtitan", "torch") else training.overlap_grad_reduce
 
 
@@ -2120,6 +2125,11 @@ def _sync_s(params: float, shards: int, group, hw: HardwareSpec, training: Train
     g = params * grad_bytes(training)
     wrapper = deepspeed_framework.optimizer_wrapper(training, zero_stage, pp) \
         if training.framework == "deepspeed" else None
+    if zero_stage == 0 and training.optimizer == "dist_muon":
+        # Megatron's DDP all-reduces the gradients; LayerWiseDistributedOptimizer all-gathers the updated 16-bit
+        # parameters after the step (planner.muon)
+        return (comm.collective_time_s("all_reduce", g, group, hw),
+                comm.collective_time_s("all_gather", params * param_bytes(training)[0], group, hw))
     if zero_stage == 0 or wrapper == "bf16_optimizer":
         # DeepSpeed's BF16_Optimizer is its own ZeRO-1: the gradients all-reduced, each rank steps its 1/dp of the
         # fp32 master weights and all-gathers the bf16 ones (0.19.8 bf16_optimizer.py update_lp_params,
@@ -2271,9 +2281,13 @@ def stage_grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpe
 
 
 def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, params_per_stage,
-                expert_params_per_stage=None) -> float:
+                expert_params_per_stage=None, stage_rows=None) -> float:
     """Adam on the largest stage's local shard: ``ADAM_BYTES_PER_PARAM`` moved per parameter. MoE: the
-    expert parameters (``expert_params_per_stage``) are sharded over the expert-data-parallel group."""
+    expert parameters (``expert_params_per_stage``) are sharded over the expert-data-parallel group. Muon
+    (``training.optimizer``): :func:`muon_step_s` of the slowest of ``stage_rows`` ((stage, layers) of each stage
+    kind, in the order of ``params_per_stage``)."""
+    if training.optimizer != "adam":
+        return max(muon_step_s(model, hw, training, plan, r, n) for r, n in stage_rows)
     n = training.dist_optimizer_instances  # each instance steps its dp x cp / n shard (planner.frameworks.megatron)
     shards = plan.dp * plan.cp // n if plan.zero_stage >= 1 else 1
     local = np.asarray(params_per_stage, dtype=float) / shards
@@ -2282,6 +2296,23 @@ def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
         local = local + np.asarray(expert_params_per_stage, dtype=float) / expert_shards
         return float(local.max()) * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
     return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
+
+
+def muon_step_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int,
+                layers: int) -> float:
+    """Megatron-Core's Muon step on the busiest GPU of stage ``stage`` (:mod:`planner.muon`): the Newton-Schulz
+    GEMMs of the Muon weights it steps, at the bf16 GEMM rates (``--muon-fp32-matmul-prec medium`` casts to bf16,
+    Emerging-Optimizers ``newton_schulz``), plus the per-parameter updates of every parameter it steps, charged at
+    Adam's ``ADAM_BYTES_PER_PARAM`` (momentum lerp, weight decay, the update and the 16-bit copy move a like number of
+    bytes; not measured). dist_muon: the parameters dealt to that GPU (``LayerWiseDistributedOptimizer``)."""
+    from planner import muon
+
+    rates = Rates.of(hw, "bf16")
+    dense_ranks, expert_ranks = plan.dp * plan.cp, plan.expert_dp
+    ns = muon.ns_step_s(model, plan, stage, layers, training.optimizer, dense_ranks, expert_ranks,
+                        lambda m, k, n: gemm_time_s(m, k, n, rates))
+    owned = muon.owned_params(model, plan, stage, layers, training.optimizer, dense_ranks, expert_ranks)
+    return ns + owned * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
 
 
 def schedule_family(training: TrainingSpec) -> str:
@@ -2309,7 +2340,7 @@ def estimate_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pl
                                   for r, n in enumerate(layers)]).T
     split = [stage_param_split(model, plan, r, n) for r, n in enumerate(layers)]
     optimizer = optimizer_s(model, hw, training, plan, [x[0] for x in split],
-                            [x[1] for x in split] if model.is_moe else None)
+                            [x[1] for x in split] if model.is_moe else None, list(enumerate(layers)))
     accum = stage_grad_accum_s(model, hw, training, plan, split)
     grad = grad_reduction_args(training, plan.pp, plan.zero_stage, grad_reduce_trail_s(hw, training, plan, order))
     out = compose_step(terms, z3, dp_grad, dp_param, optimizer, m, p, v, counts, before,

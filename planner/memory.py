@@ -1767,7 +1767,8 @@ def stage_state_bytes(model: ModelSpec, training: TrainingSpec, plan: Plan, stag
     and the distributed optimizer shards each buffer over its own data-parallel group;
     torchtitan's FSDP2 shards the experts over its ``efsdp`` mesh (``dp_shard*cp*tp/ep``,
     ``distributed/parallel_dims.py``), its other parameters over ``fsdp`` (``dp_shard*cp``)."""
-    return stage_state_bytes_of(model, training, plan, layers, stage_param_inputs(model, plan, stage, layers), hardware)
+    return stage_state_bytes_of(model, training, plan, layers, stage_param_inputs(model, plan, stage, layers), hardware,
+                                stage)
 
 
 def stage_param_inputs(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple:
@@ -1784,10 +1785,15 @@ def stage_param_inputs(model: ModelSpec, plan: Plan, stage: int, layers: int) ->
 
 
 def stage_state_bytes_of(model: ModelSpec, training: TrainingSpec, plan: Plan, layers: int, inputs: tuple,
-                         hardware: HardwareSpec | None = None) -> frameworks.StateBytes:
-    """:func:`stage_state_bytes` from the stage's :func:`stage_param_inputs`."""
+                         hardware: HardwareSpec | None = None, stage: int = 0) -> frameworks.StateBytes:
+    """:func:`stage_state_bytes` from the stage's :func:`stage_param_inputs` (``stage``: its index, which Muon's
+    states read, ``planner.frameworks.megatron.muon_state``)."""
     profile = frameworks.get(training.framework)
     params, largest, expert, linear, embedding = inputs
+    if training.optimizer != "adam":  # Megatron-Core and NeMo only (specs.muon_problems)
+        return profile.state_bytes(model, training, plan, params, largest, layers, expert_params=expert,
+                                   linear_params=linear, hardware=hardware, embedding_params=embedding,
+                                   muon_stage=stage)
     if not model.is_moe:  # the dense path, unchanged
         return profile.state_bytes(model, training, plan, params, largest, layers, hardware=hardware,
                                    embedding_params=embedding)

@@ -246,6 +246,7 @@ def _plan_cell(est) -> str:
     extra += ["a2a overlap"] if est.scenario.training.moe_a2a_overlap else []
     extra += {"bf16": ["bf16 Adam states"], "bf16-apex": ["bf16 Apex Adam states"]}.get(
         est.scenario.training.optimizer_dtype, [])
+    extra += [est.scenario.training.optimizer] if est.scenario.training.optimizer != "adam" else []
     # a plan file keeps every split, even ones (a search writes [32] for pp 1): only an uneven one is news
     extra += ["uneven " + "/".join(map(str, p.layers_per_stage))] if p.layers_per_stage and \
         len(set(p.layers_per_stage)) > 1 else []

@@ -350,7 +350,7 @@ def _fill_tables_job(job) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
         ok = np.asarray(f["valid"], dtype=bool) & (B % (mbs_u * dp) == 0) & sched_ok & ((off_u == 0) | (p == 1))
         if pipeline_switch_problems(model, training, p):  # the job's switches need another pipeline depth
             continue
-        ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_dtype, ep, cp * tp, cp)
+        ok = ok[:, None] & np.array([fw.allows_zero(z, p, training.optimizer_key, ep, cp * tp, cp)
                                      # partial distributed optimizers: ZeRO 1, n dividing both DP groups
                                      and (training.dist_optimizer_instances == 1 or not dist_optimizer_problems(
                                          training, probe(tp, cp, dp, split, ep, etp, z=z)))
@@ -543,7 +543,8 @@ def _moe_step(model, hw, training, base: Plan, f, hop, m, zeros, gb, order, c, o
         dpg.append([x[0] for x in rows])
         dpp.append([x[1] for x in rows])
         z3.append([x[2] for x in rows])
-        opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows]))
+        opt.append(optimizer_s(model, hw, training, zp, [x[3] for x in rows], [x[4] for x in rows],
+                               [(first_of[key], layers[first_of[key]]) for key in kinds]))
         accum.append([grad_accum_s(model, hw, training, zp, x[3] + x[4], key[4]) for x, key in zip(rows, kinds)])
     return compose_step(terms, np.array(z3)[None], np.array(dpg)[None], np.array(dpp)[None], np.array(opt)[None],
                         m, p, v, counts, before, overlap_grad_reduce_of(training),
@@ -630,7 +631,7 @@ def _zero_terms(model, hw, training, plan: Plan, rows, zeros, gb, order, cache: 
     params = [c[0] for c in cols]
     terms = np.array([c[1] for c in cols], dtype=float)  # [R, Z, 3]: reduction, all-gather, ZeRO-3 gather
     by_zero = [plan.model_copy(update={"zero_stage": z}) for z in zeros]
-    opt_s = [optimizer_s(model, hw, training, zp, params) for zp in by_zero]
+    opt_s = [optimizer_s(model, hw, training, zp, params, stage_rows=rows) for zp in by_zero]
     last = [r == plan.pp - 1 for r, _ in rows]
     accum_s = np.array([[grad_accum_s(model, hw, training, zp, x, end) for x, end in zip(params, last)]
                         for zp in by_zero])  # [Z, R]
@@ -676,7 +677,7 @@ def _state_rows(model, hw, training, plan: Plan, rows, zeros, cache: dict | None
             inputs = stage_param_inputs(model, plan, r, n)  # the same for every ZeRO stage
             col = []
             for z in zeros:
-                st = stage_state_bytes_of(model, training, plan.model_copy(update={"zero_stage": z}), n, inputs, hw)
+                st = stage_state_bytes_of(model, training, plan.model_copy(update={"zero_stage": z}), n, inputs, hw, r)
                 col.append((st.weights_bytes + st.grads_bytes + st.optimizer_bytes,
                             st.working_weights_bytes + st.working_grads_bytes, st.released_at_last_backward_bytes,
                             st.step_extra_bytes))

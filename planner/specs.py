@@ -949,6 +949,16 @@ class TrainingSpec(_Spec):
                     "Apex DistributedFusedAdam, optim.name distributed_fused_adam with optim.dtype bf16 (NeMo "
                     "launcher YAMLs; m and v in bf16, a bf16 master copy only with fp8_params; "
                     "planner/frameworks/nemo.py). Other frameworks: fp32 only.")
+    optimizer: Literal["adam", "muon", "dist_muon"] = Field(
+        default="adam",
+        description="The optimizer: adam (AdamW, every framework's default) or Megatron-Core's Muon (megatron and nemo; "
+                    "--optimizer muon / dist_muon, core_v0.16.1 optimizer/muon.py): Newton-Schulz-orthogonalised "
+                    "momentum (one fp32 state) on every 2-D weight but the embedding and output layer, AdamW on the "
+                    "rest. Megatron runs it without the distributed optimizer and without gradient-reduce or "
+                    "param-gather overlap (arguments.py validate_args asserts all three), so ZeRO 0 only; dist_muon "
+                    "deals whole parameters over the data-parallel ranks (layer_wise_optimizer.py "
+                    "LayerWiseDistributedOptimizer) and all-gathers them after the step (planner/frameworks/megatron.py, "
+                    "planner/cost.py muon_step_s).")
     dist_optimizer_instances: int = Field(
         default=1, ge=1, le=MAX_GPUS,
         description="Copies of Megatron's distributed optimizer across the data-parallel domain "
@@ -994,6 +1004,12 @@ class TrainingSpec(_Spec):
                     "(planner.cost.moe_host_s). moe: the whole MoE layer (its pre-MLP norm, router, dispatch, "
                     "experts and combine), which Megatron captures only with drop-and-pad routing "
                     "(ModelSpec.capacity_factor), never together with moe_router. Megatron and NeMo only.")
+
+    @property
+    def optimizer_key(self) -> str:
+        """What decides the ZeRO stages the framework runs the optimizer with (``FrameworkProfile.optimizer_zero_stages``):
+        Muon's name, else Adam's state dtype."""
+        return self.optimizer_dtype if self.optimizer == "adam" else self.optimizer
 
     @property
     def compiled_blocks(self) -> bool:
@@ -1585,11 +1601,37 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     elif training.dist_optimizer_instances > 1 and training.optimizer_dtype == "bf16-apex":
         errors.append("dist_optimizer_instances: NeMo 1's Apex optimizer (optimizer_dtype bf16-apex) shards its own way; "
                       "partial distributed optimizers are Megatron-Core's, use optimizer_dtype fp32 or bf16, or 1")
+    errors += muon_problems(training)
     if training.compile and training.framework not in ("torchtitan", "torch"):  # torch: torchtitan's code, as read
         errors.append(f"compile: torch.compile of the blocks and the loss is modelled for torchtitan only "
                       f"(--compile.enable); {training.framework} runs eager here, drop compile")
     return errors + framework_profile(training.framework).job_problems(training.precision, training.fp8_params,
                                                                         training.optimizer_dtype)
+
+
+def muon_problems(training: TrainingSpec) -> list[str]:
+    """What Megatron-Core core_v0.16.1 refuses of a job with Muon (``training.optimizer``), one line each:
+    ``arguments.py`` validate_args asserts no distributed optimizer, no overlap of the gradient reduce or the
+    parameter gather, no Megatron-FSDP or torch FSDP2 (the ZeRO stage: ``FrameworkProfile.optimizer_zero_stages``);
+    ``optimizer/muon.py`` ``get_megatron_muon_optimizer`` raises for fp16 and has no precision-aware optimizer
+    ("TODO(boxiangw): support precision aware optimizer"); ``--fp8-param-gather`` needs the distributed optimizer or
+    Megatron-FSDP; partial distributed optimizers are the distributed optimizer's."""
+    if training.optimizer == "adam":
+        return []
+    name = f"optimizer: {training.optimizer} (Megatron-Core's Muon)"
+    if training.framework not in ("megatron", "nemo"):
+        return [f"{name} is modelled for frameworks megatron and nemo; {training.framework} runs AdamW here; use "
+                "framework megatron, or optimizer adam"]
+    errors = []
+    if training.optimizer_dtype != "fp32":
+        errors.append(f"{name} keeps fp32 states (muon.py: no precision-aware optimizer); use optimizer_dtype fp32")
+    if training.fp16:
+        errors.append(f"{name} trains bf16, not fp16 (muon.py: 'muon with fp16 is not supported'); drop fp16")
+    if training.fp8_params:
+        errors.append(f"{name} runs without the distributed optimizer, which --fp8-param-gather needs; drop fp8_params")
+    if training.dist_optimizer_instances > 1:
+        errors.append(f"{name} runs without the distributed optimizer (validate_args); use dist_optimizer_instances 1")
+    return errors
 
 
 def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, plan: Plan) -> list[str]:
@@ -1661,7 +1703,7 @@ def plan_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSp
         errors.append(f"zero_stage: DeepSpeed's pipeline engine (training.deepspeed.pipeline_engine) refuses ZeRO stage "
                       f"{plan.zero_stage} (deepspeed/runtime/pipe/engine.py); use stage 0/1, or a plain model "
                       "(Megatron-DeepSpeed --no-pipeline-parallel)")
-    errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_dtype)
+    errors += framework_profile(training.framework).plan_problems(plan, model, training.optimizer_key)
     errors += dist_optimizer_problems(training, plan)
     return errors + job_problems(model, hardware, training)
 

@@ -339,9 +339,25 @@ def test_gradient_dtype_is_read_as_megatron_sets_it(tmp_path, flags, fp16, grads
     assert (r.scenario.training.fp16, r.scenario.training.grad_reduce_in_bf16) == (fp16, grads_16bit)
 
 
+@pytest.mark.parametrize("flags, code, said", [
+    ("--optimizer dist_muon", 0, None),  # read (planner/muon.py), not refused
+    ("--optimizer muon --use-distributed-optimizer", 2, "zero_stage: Megatron runs muon without"),
+    ("--optimizer dist_muon --overlap-grad-reduce", 2, "Megatron refuses --overlap-grad-reduce with --optimizer"),
+])
+def test_muon_is_read_with_megatrons_own_rules(tmp_path, flags, code, said):
+    """core_v0.16.1 validate_args: Muon without the distributed optimizer and without either overlap; the rest read."""
+    text = (LAUNCH / "megatron_gqa_default.sh").read_text()
+    assert "--bf16 --use-distributed-optimizer\n" in text
+    script = tmp_path / "train.sh"
+    script.write_text(text.replace("--bf16 --use-distributed-optimizer\n", f"--bf16 {flags}\n"))
+    (r,) = check_paths([str(script)], load_hardware("h100-sxm-80gb"), None, None)
+    assert exit_code([r]) == code, r.errors
+    assert said is None or said in r.errors[0], r.errors
+    if said is None:
+        assert r.scenario.training.optimizer == "dist_muon" and r.scenario.plan.zero_stage == 0
+
+
 @pytest.mark.parametrize("flags, refused", [
-    ("--optimizer muon", "Muon"),  # core_v0.16.1 optimizer/muon.py: layer-wise sharding
-    ("--optimizer dist_muon", "Muon"),
     ("--fp32-residual-connection", "fp32 residual"),  # TransformerConfig.fp32_residual_connection
     ("--heterogeneous-layers-config-path blocks.json", "heterogeneous"),  # per-layer blocks from a file
     ("--transformer-impl local --fp8-format hybrid", "no FP8"),  # fp8 needs TE's modules (gpt_layer_specs.py)

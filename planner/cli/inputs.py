@@ -185,11 +185,13 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
                   torch_compile: Optional[bool] = None, cross_entropy_fusion: Optional[str] = None,
                   distribute_saved_activations: Optional[bool] = None,
                   pipeline_kept_outputs: Optional[str] = None,
-                  dist_optimizer_instances: Optional[int] = None) -> dict:
+                  dist_optimizer_instances: Optional[int] = None, optimizer: Optional[str] = None) -> dict:
     """How the framework holds gradients, weights and optimizer states (and scales fp8), as TrainingSpec fields
     (unset left out)."""
     if optimizer_dtype is not None and optimizer_dtype not in ("fp32", "bf16", "bf16-apex"):
         raise SpecError(f"--optimizer-dtype: '{optimizer_dtype}' is not one of fp32, bf16, bf16-apex")
+    if optimizer is not None and optimizer not in ("adam", "muon", "dist_muon"):
+        raise SpecError(f"--optimizer: '{optimizer}' is not one of adam, muon, dist_muon")
     if fp8_recipe is not None and fp8_recipe not in ("delayed", "tensorwise"):
         raise SpecError(f"--fp8-recipe: '{fp8_recipe}' is not one of delayed, tensorwise")
     if cross_entropy_fusion is not None and cross_entropy_fusion not in ("none", "native", "te"):
@@ -204,7 +206,8 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
     return given(grad_reduce_in_bf16=grad_reduce_in_bf16, fp8_params=fp8_params, optimizer_dtype=optimizer_dtype,
                  fp8_recipe=fp8_recipe, recompute_modules=modules, compile=torch_compile,
                  cross_entropy_fusion=cross_entropy_fusion, distribute_saved_activations=distribute_saved_activations,
-                 pipeline_kept_outputs=pipeline_kept_outputs, dist_optimizer_instances=dist_optimizer_instances)
+                 pipeline_kept_outputs=pipeline_kept_outputs, dist_optimizer_instances=dist_optimizer_instances,
+                 optimizer=optimizer)
 
 
 def job_from_options(model: str, hardware: str, gpus: int, global_batch: int, seq_len: int, precision: Optional[str],

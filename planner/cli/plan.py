@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.common import (
-    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, DistributeSavedOpt, DistOptInstancesOpt, KeptOutputsOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, CrossEntropyFusionOpt, Fp8RecipeOpt, OffloadOpt, RecomputeGroupOpt, RecomputeIntervalOpt, RecomputeLayersOpt, RecomputeModulesOpt,
+    EXIT_DOES_NOT_FIT, EXIT_INFEASIBLE, MAX_GPUS, AttentionOpt, GroupOpt, CpOpt, DistributeSavedOpt, DistOptInstancesOpt, OptimizerOpt, KeptOutputsOpt, EpOpt, EtpOpt, Fp8ParamsOpt, GradBf16Opt, MoeA2aOverlapOpt, MoeDispatcherOpt, MoeImbalanceOpt, CudaGraphOpt, CompileOpt, CrossEntropyFusionOpt, Fp8RecipeOpt, OffloadOpt, RecomputeGroupOpt, RecomputeIntervalOpt, RecomputeLayersOpt, RecomputeModulesOpt,
     OptimizerDtypeOpt, ScheduleOpt, ForceOpt, FrameworkOpt, GlobalBatchOpt,
     HardwareOpt, JsonOpt, LayersOpt, MbsOpt, ModelOpt, OptGlobalBatchOpt, OptGpusOpt, OptHardwareOpt, OptModelOpt,
     OptSeqLenOpt, OverlapOpt, P2pOverlapOpt, PpOpt, PrecisionOpt, QuietOpt, RecomputeOpt, SeqLenOpt, SpOpt, TpOpt, TpOverlapOpt, VppOpt, ZeroOpt,
@@ -39,6 +39,7 @@ def estimate(
     cross_entropy_fusion: CrossEntropyFusionOpt = None, pipeline_schedule: ScheduleOpt = None,
     distribute_saved_activations: DistributeSavedOpt = None,
     pipeline_kept_outputs: KeptOutputsOpt = None, dist_optimizer_instances: DistOptInstancesOpt = None,
+    optimizer: OptimizerOpt = None,
     json_out: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="One line: the plan's step time, peak memory and "
                                                               "whether it fits.")] = False,
@@ -63,7 +64,8 @@ def estimate(
                                | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
                                                                    torch_compile, cross_entropy_fusion,
                                                                    distribute_saved_activations,
-                                                                   pipeline_kept_outputs, dist_optimizer_instances))
+                                                                   pipeline_kept_outputs, dist_optimizer_instances,
+                                                                   optimizer))
     est = run_estimate(sc)
     if not (json_out or quiet):  # how the launch file was read (plan3d check's notes)
         for line in notes:
@@ -106,6 +108,7 @@ def search(
     cross_entropy_fusion: CrossEntropyFusionOpt = None, pipeline_schedule: ScheduleOpt = None,
     distribute_saved_activations: DistributeSavedOpt = None,
     pipeline_kept_outputs: KeptOutputsOpt = None, dist_optimizer_instances: DistOptInstancesOpt = None,
+    optimizer: OptimizerOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, max=50, help="Alternatives to show, each with another (tp, pp, cp).")] = 3,
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Brute-force enumeration instead of the CP-SAT solver.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the best plan to this plan file.")] = None,
@@ -142,14 +145,15 @@ def search(
                                                      | state_options(grad_reduce_in_bf16, fp8_params, optimizer_dtype, fp8_recipe, recompute_modules,
                                                                    torch_compile, cross_entropy_fusion,
                                                                    distribute_saved_activations,
-                                                                   pipeline_kept_outputs, dist_optimizer_instances))
+                                                                   pipeline_kept_outputs, dist_optimizer_instances,
+                                                                   optimizer))
     _check_pins(spec_hw, tp, counts)
     # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
     space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params))
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
     if schedule_problem:
         raise SpecError(schedule_problem)
-    pin_problems = pinned_problems(training.framework, pins, training.optimizer_dtype)
+    pin_problems = pinned_problems(training.framework, pins, training.optimizer_key)
     if training.dist_optimizer_instances > 1 and zero_stage is not None:  # the ZeRO rule of dist_optimizer_problems
         from planner.specs import Plan, dist_optimizer_problems
 

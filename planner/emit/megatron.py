@@ -353,7 +353,9 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
         flags.append(("--cross-entropy-loss-fusion", None))
         if tr.cross_entropy_fusion == "te":
             flags.append(("--cross-entropy-fusion-impl", "te"))
-    if tr.overlap_grad_reduce:
+    if tr.optimizer != "adam":  # Megatron-Core's Muon (planner.muon); validate_args refuses it with either overlap
+        flags.append(("--optimizer", tr.optimizer))
+    elif tr.overlap_grad_reduce:
         flags.append(("--overlap-grad-reduce", None))
         if p.zero_stage == 1:
             flags.append(("--overlap-param-gather", None))

@@ -263,6 +263,10 @@ class FrameworkProfile:
             errors.append(f"zero_stage: {self.name} runs ZeRO {allowed} with pp={plan.pp}, not {plan.zero_stage}")
         elif not self._optimizer_allows_zero(plan.zero_stage, optimizer_dtype):
             stages = dict(self.optimizer_zero_stages)[optimizer_dtype]
+            if "muon" in optimizer_dtype:  # TrainingSpec.optimizer_key: Muon's name
+                errors.append(f"zero_stage: Megatron runs {optimizer_dtype} without the distributed optimizer or "
+                              f"Megatron-FSDP (validate_args asserts it): use zero_stage 0 (plan has {plan.zero_stage})")
+                return errors
             what = ("(Megatron --use-precision-aware-optimizer) need the distributed optimizer" if optimizer_dtype == "bf16"
                     else "(NeMo 1's Apex distributed_fused_adam) run without Megatron-FSDP")
             errors.append(f"zero_stage: {self.name}'s {optimizer_dtype} optimizer states {what}: use zero_stage "

@@ -134,6 +134,11 @@ TE_FUSED_LOGITS_BYTES_PER_ELEMENT = 2  # bf16 logits, the gradient written in pl
 NATIVE_FUSED_LOGITS_BYTES_PER_ELEMENT = 10  # saved fp32 softmax + compiled backward's fp32 copy + bf16 gradient
 
 
+#: Muon runs at ZeRO 0 only: core_v0.16.1 arguments.py validate_args asserts no distributed optimizer, no
+#: Megatron-FSDP and no torch FSDP2 when 'muon' is in --optimizer (TrainingSpec.optimizer)
+MUON_ZERO_STAGES = (("muon", (0,)), ("dist_muon", (0,)))
+
+
 def precision_aware_optimizer_bytes(training) -> float:
     """Optimizer bytes per parameter under Megatron's precision-aware optimizer with bf16 moments (module
     docstring): TE keeps the master as an int16 remainder in bf16 training and fp8 delayed scaling with bf16
@@ -169,6 +174,37 @@ def step_grad_copy_bytes(training, plan, dense_params: float, expert_params: flo
     return FP32_GRAD_COPY_BYTES * (dense_params / dense_shards + expert_params / expert_shards)
 
 
+#: Bytes per element of the largest Muon weight that its Newton-Schulz step holds at once (Emerging-Optimizers
+#: muon_utils.newton_schulz, module planner.muon): the fp32 normalised copy (4) is freed once cast to bf16 (2); a step
+#: holds the old and new bf16 X (2 + 2) beside the m x m products; the fp32 result (4) and the two scaled products of
+#: TensorParallelMuon's ``orth_grad * scale_factor * extra_scale_factor`` (4 + 4) are the peak: 12
+MUON_NS_TRANSIENT_BYTES = 12
+
+
+def muon_state(model, training, plan, stage: int, layers: int, per_param: tuple) -> tuple[float, float]:
+    """(optimizer bytes, bytes the step holds beyond the states) of one GPU of stage ``stage`` under Megatron-Core's
+    Muon (``training.optimizer``; :mod:`planner.muon`): fp32 master copies (none in fp32 training) and one fp32
+    momentum per Muon weight, Adam's ``per_param[2]`` bytes per other parameter; dist_muon keeps those of the
+    parameters dealt to the rank (dp x cp ranks, the routed experts' over the expert-data-parallel group; Megatron
+    asserts no distributed optimizer, so ZeRO 0). At the step: the fp32 copies of a 16-bit gradient buffer
+    (:func:`step_grad_copy_bytes`: ``Float16OptimizerWithFloat16Params`` copies the grads of the parameters in its
+    groups, with dist_muon this rank's) and the Newton-Schulz transient of the largest Muon weight
+    (``MUON_NS_TRANSIENT_BYTES``)."""
+    from planner import muon
+    from planner.memory import grad_bytes
+
+    master = muon.FP32_MASTER_BYTES if per_param[2] > 8 else 0.0  # 2 + 4 + 12 mixed precision; fp32: 4 + 4 + 8
+    dense_ranks, expert_ranks = plan.dp * plan.cp, plan.expert_dp
+    optimizer = muon.optimizer_bytes(model, plan, stage, layers, training.optimizer, per_param[2], master,
+                                     dense_ranks, expert_ranks)
+    copies = 0.0
+    if grad_bytes(training) < FP32_GRAD_COPY_BYTES and per_param[2] > 8:
+        copies = FP32_GRAD_COPY_BYTES * muon.owned_params(model, plan, stage, layers, training.optimizer, dense_ranks,
+                                                          expert_ranks)
+    largest = max((r[0] for r in muon.stage_tensors(model, plan, stage, layers) if r[2]), default=0.0)
+    return optimizer, copies + MUON_NS_TRANSIENT_BYTES * largest
+
+
 def optimizer_shards(training, plan) -> tuple[int, int]:
     """(dense, expert) ranks the distributed optimizer shards its states over: dp x cp and the expert-data-parallel
     size, each divided by ``training.dist_optimizer_instances`` (core_v0.16.1 ``parallel_state.py``:
@@ -190,7 +226,7 @@ def linear_params_per_rank(model, tp: int, layers: int) -> float:
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
                 expert_params: float = 0.0, linear_params: float | None = None, hardware=None,
                 embedding_params: float = 0.0,
-                optimizer_bytes_per_param: float | None = None) -> StateBytes:
+                optimizer_bytes_per_param: float | None = None, muon_stage: int | None = None) -> StateBytes:
     """Weights, gradients and optimizer of one GPU of a stage under Megatron-Core (module docstring):
     ZeRO sharding as ``planner.memory.state_bytes_per_param`` with the ZeRO-2/3 working set of
     ``planner.memory.zero_working_set_bytes``, plus TE's fp8 weight cache.
@@ -203,7 +239,8 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     another optimizer's state bytes per parameter, sharded as Megatron's (NeMo's Apex optimizer); default Megatron's
     own (12, or the precision-aware optimizer's with ``optimizer_dtype`` bf16). ``embedding_params`` is not used:
     ``VocabParallelEmbedding`` computes its weight gradient on this rank's rows only (core_v0.16.1
-    ``tensor_parallel/layers.py``: the input masked to the local range, ``F.embedding`` on the local weight)."""
+    ``tensor_parallel/layers.py``: the input masked to the local range, ``F.embedding`` on the local weight).
+    ``muon_stage``: the stage's index, read with ``training.optimizer`` muon or dist_muon (:func:`muon_state`)."""
     from planner.memory import param_bytes, state_bytes_per_param, zero_working_set_bytes
 
     per_param = param_bytes(training)
@@ -242,6 +279,8 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
     # Megatron's own optimizers (NeMo 1's Apex optimizer, optimizer_dtype bf16-apex, steps on its own buckets)
     step_extra = 0.0 if training.optimizer_dtype == "bf16-apex" else \
         step_grad_copy_bytes(training, plan, dense, expert_params)
+    if training.optimizer != "adam":
+        optimizer, step_extra = muon_state(model, training, plan, muon_stage, layers, per_param)
     return StateBytes(weights_bytes=weights,
                       grads_bytes=min(dense * g + expert_params * ge + g_work, stage_params * per_param[1]),
                       optimizer_bytes=optimizer, step_extra_bytes=step_extra)
@@ -262,7 +301,7 @@ PROFILE = FrameworkProfile(name="megatron", state_bytes=state_bytes, logits_byte
                            # TP group is > 1 without sequence parallelism
                            moe_needs_sp=True, allows_fp8_params=True,
                            # fp32 Adam, or the precision-aware optimizer with bf16 moments (module docstring)
-                           optimizer_dtypes=("fp32", "bf16"), optimizer_zero_stages=(("bf16", (1,)),),
+                           optimizer_dtypes=("fp32", "bf16"), optimizer_zero_stages=(("bf16", (1,)), *MUON_ZERO_STAGES),
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
                            allows_grad_reduce_in_bf16=True,
                            # --cpu-offloading-num-layers (core_v0.16.1 transformer_block.py: TE get_cpu_offload_context)

@@ -45,7 +45,7 @@ its performance summary lists such runs ("FSDP = 1: use FSDP", docs/performance-
 from __future__ import annotations
 
 from planner.frameworks import FrameworkProfile
-from planner.frameworks.megatron import MEGATRON_FSDP_RS_QUEUE_ELEMENTS, logits_bytes_per_element
+from planner.frameworks.megatron import MEGATRON_FSDP_RS_QUEUE_ELEMENTS, MUON_ZERO_STAGES, logits_bytes_per_element
 from planner.frameworks.megatron import state_bytes as megatron_state_bytes
 
 #: Apex DistributedFusedAdam states per parameter with optim.dtype bf16 (module docstring): m, v.
@@ -56,20 +56,21 @@ BF16_ADAM_MASTER_BYTES = 2
 
 def state_bytes(model, training, plan, stage_params: float, layer_params: float, layers: int,
                 expert_params: float = 0.0, linear_params: float | None = None, hardware=None,
-                embedding_params: float = 0.0):
+                embedding_params: float = 0.0, muon_stage: int | None = None):
     """Megatron-Core's states (``planner.frameworks.megatron.state_bytes``, which also counts ``optimizer_dtype``
     bf16, the precision-aware optimizer); with ``optimizer_dtype="bf16-apex"`` the optimizer shards are Apex
     DistributedFusedAdam's bf16 states (module docstring), sharded over the same data-parallel groups as Megatron's."""
     apex = BF16_ADAM_MOMENTS_BYTES + (BF16_ADAM_MASTER_BYTES if training.fp8_params else 0) \
         if training.optimizer_dtype == "bf16-apex" else None
     return megatron_state_bytes(model, training, plan, stage_params, layer_params, layers, expert_params=expert_params,
-                                linear_params=linear_params, hardware=hardware, optimizer_bytes_per_param=apex)
+                                linear_params=linear_params, hardware=hardware, optimizer_bytes_per_param=apex,
+                                muon_stage=muon_stage)
 
 
 PROFILE = FrameworkProfile(name="nemo", state_bytes=state_bytes, logits_bytes_per_element=logits_bytes_per_element,
                            sp_gathers_inputs=False, quantized_sp_gather=True, zero_stages=(0, 1, 3), moe_needs_sp=True,
                            allows_fp8_params=True, optimizer_dtypes=("fp32", "bf16", "bf16-apex"),
-                           optimizer_zero_stages=(("bf16", (1,)), ("bf16-apex", (0, 1))),
+                           optimizer_zero_stages=(("bf16", (1,)), ("bf16-apex", (0, 1)), *MUON_ZERO_STAGES),
                            # Megatron --grad-reduce-in-bf16 (core_v0.16.1 arguments.py; planner/emit/megatron.py)
                            allows_grad_reduce_in_bf16=True,
                            # NeMo passes cpu_offloading_num_layers and recompute_method/num_layers to Megatron-Core

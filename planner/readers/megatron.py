@@ -82,8 +82,6 @@ UNMODELLED_VALUES = (
     # so every layer's normalisation inputs, kept in fp32 where plan3d counts 16-bit values
     ("--fp32-residual-connection", lambda v: True, "an fp32 residual stream (--fp32-residual-connection)",
      "plan3d counts 16-bit activations and would under-count them", True),
-    # core_v0.16.1 optimizer/muon.py: TensorParallelMuon under LayerWiseDistributedOptimizer, whole layers per
-    # DP rank, not Adam's flat shards
     # core_v0.16.1 arguments.py core_transformer_config_from_args: load_quantization_recipe(file), per-module
     # precision overrides of Transformer Engine's GEMMs (what each saves for backward with them)
     ("--te-precision-config-file", lambda v: True, "per-module precision overrides (--te-precision-config-file)",
@@ -91,9 +89,6 @@ UNMODELLED_VALUES = (
     # core_v0.16.1 arguments.py parse_args: the whole namespace is replaced by yaml_arguments.load_yaml(file)
     ("--yaml-cfg", lambda v: True, "arguments from a YAML file (--yaml-cfg)",
      "Megatron takes every setting from the file, plan3d reads the command line", False),
-    ("--optimizer", lambda v: str(v) in ("muon", "dist_muon"),
-     "the Muon optimizer (--optimizer muon/dist_muon: its states and layer-wise sharding)",
-     "plan3d counts Adam's flat shards, not what Muon holds per rank", False),
 )
 
 
@@ -124,6 +119,13 @@ def _refuse_unmodelled(a: Args) -> None:
         raise SpecError(f"{a.path}:{a.line(wgrad_flag)}: {wgrad_flag} is not modelled: the weight-gradient GEMMs run "
                         "in bf16 (Transformer Engine's override_linear_precision) and keep 16-bit inputs where plan3d "
                         "counts FP8 ones, so the file is refused")
+    if not a.has("--deepspeed") and a.get("--optimizer") in ("muon", "dist_muon"):
+        # core_v0.16.1 arguments.py validate_args: "Muon optimizer does not support overlap grad reduce / overlap
+        # param gather for now" (the distributed optimizer: specs.muon_problems, through the ZeRO stage read)
+        for flag in ("--overlap-grad-reduce", "--overlap-param-gather"):
+            if a.has(flag):
+                raise SpecError(f"{a.path}:{a.line(flag)}: Megatron refuses {flag} with --optimizer "
+                                f"{a.get('--optimizer')} (validate_args: Muon runs without it); drop {flag}")
     for flag, refused, what, why, deepspeed_too in UNMODELLED_VALUES:
         if a.has(flag) and refused(a.get(flag)) and (deepspeed_too or not a.has("--deepspeed")):
             raise SpecError(f"{a.path}:{a.line(flag)}: {what} is not modelled: {why}, so the file is refused")
@@ -908,6 +910,9 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                     and a.has("--partition-activations")),
                 # the precision-aware optimizer with bf16 moments (planner/frameworks/megatron.py); other moment or
                 # master dtypes are smaller than fp32 Adam's and are read as fp32, the larger
+                # Megatron-Core's Muon (TrainingSpec.optimizer; --optimizer sgd is read as adam: fewer states)
+                "optimizer": a.get("--optimizer") if not a.has("--deepspeed") and a.get("--optimizer") in (
+                    "muon", "dist_muon") else "adam",
                 "optimizer_dtype": "bf16" if (not a.has("--deepspeed") and a.has("--use-precision-aware-optimizer")
                                               and a.get("--exp-avg-dtype") == "bf16"
                                               and a.get("--exp-avg-sq-dtype") == "bf16") else "fp32",

@@ -163,6 +163,9 @@ def refusal(sc: Scenario, backend: str = "gloo") -> str | None:
     if sc.plan.recompute_group_layers is not None:
         return (f"plan: recompute_group_layers={sc.plan.recompute_group_layers}: the validate model checkpoints each "
                 "layer alone, not Megatron's uniform groups; validate the plan without it")
+    if sc.training.optimizer != "adam":
+        return (f"training: optimizer {sc.training.optimizer}: the validate model steps torch's AdamW, not Megatron-Core's "
+                "Muon, so its memory and step would not measure the plan's; validate the plan with optimizer adam")
     from planner.validate.moe import moe_refusal
 
     return moe_refusal(sc.model, sc.plan)
