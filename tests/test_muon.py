@@ -148,3 +148,14 @@ def test_validate_refuses_muon_plans():
                   plan=Plan(tp=2, pp=1, dp=4, micro_batch_size=1, zero_stage=0))
     assert "optimizer dist_muon" in refusal(sc)
     assert refusal(sc.model_copy(update={"training": sc.training.model_copy(update={"optimizer": "adam"})})) is None
+
+
+@pytest.mark.parametrize("fmt", ["torchtitan", "deepspeed"])
+def test_other_formats_refuse_a_muon_job(fmt):
+    """torchtitan's and DeepSpeed's files as plan3d writes them train with AdamW: a Muon job is refused there, not
+    written as an AdamW run the estimate did not cost."""
+    from planner.emit import job_problems
+
+    (line,) = job_problems(LLAMA8B, _training("dist_muon"), [fmt])
+    assert line.startswith(f"--format {fmt}: {fmt} as plan3d emits it trains with AdamW")
+    assert not job_problems(LLAMA8B, _training("dist_muon"), ["megatron"])

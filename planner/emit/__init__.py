@@ -129,8 +129,14 @@ def job_problems(model, training, formats: list[str]) -> list[str]:
 
 def partial_optimizer_refusal(fmt: str, training) -> str | None:
     """Why ``fmt`` cannot launch a job with Megatron-Core's partial distributed optimizers
-    (``TrainingSpec.dist_optimizer_instances`` > 1): no other framework has one; None where it can."""
-    if training.dist_optimizer_instances == 1 or fmt not in ("deepspeed", "torchtitan"):
+    (``TrainingSpec.dist_optimizer_instances`` > 1) or its Muon (``TrainingSpec.optimizer``): no other framework
+    plan3d emits for has them (torchtitan's and DeepSpeed's files here train with AdamW); None where it can."""
+    if fmt not in ("deepspeed", "torchtitan"):
+        return None
+    if training.optimizer != "adam":
+        return (f"{fmt} as plan3d emits it trains with AdamW, not Megatron-Core's Muon (the job has optimizer "
+                f"{training.optimizer}); use --format megatron")
+    if training.dist_optimizer_instances == 1:
         return None
     return (f"{fmt} has no partial distributed optimizer (the job has dist_optimizer_instances="
             f"{training.dist_optimizer_instances}); use --format megatron or 1")
