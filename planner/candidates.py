@@ -212,7 +212,8 @@ def fp8_params_options(training: TrainingSpec, given: bool | None) -> tuple[bool
     ``--fp8-param-gather``) as well as Megatron-LM's default bf16 ones: where the user set neither ``--fp8-params``
     nor ``--no-fp8-params``, the precision is fp8 or mxfp8, the framework runs it (Megatron, NeMo) and the optimizer
     keeps fp32 states (NeMo's bf16 Apex optimizer adds a bf16 master copy with fp8 weights,
-    ``planner/frameworks/nemo.py``, so there they are not lighter). Else only the job's own (None).
+    ``planner/frameworks/nemo.py``, so there they are not lighter) and is Adam (``--fp8-param-gather`` needs the
+    distributed optimizer, which Megatron runs Muon without: ``specs.muon_problems``). Else only the job's own (None).
 
     NVIDIA's recipes set it: every fp8 and mxfp8 precision recipe of Megatron-Bridge sets ``fp8_param_gather = True``
     (src/megatron/bridge/training/mixed_precision.py, see benchmarks/megatron_bridge.py) and NVIDIA's Nemotron-4 340B
@@ -220,7 +221,7 @@ def fp8_params_options(training: TrainingSpec, given: bool | None) -> tuple[bool
     (the ties go to bf16 weights, ``search.search``)."""
     fw = frameworks.get(training.framework)
     if given is None and fw.allows_fp8_params and training.precision in frameworks.FP8_PARAM_PRECISIONS \
-            and training.optimizer_dtype == "fp32":
+            and training.optimizer_dtype == "fp32" and training.optimizer == "adam":
         return (False, True)
     return None
 

@@ -159,3 +159,16 @@ def test_other_formats_refuse_a_muon_job(fmt):
     (line,) = job_problems(LLAMA8B, _training("dist_muon"), [fmt])
     assert line.startswith(f"--format {fmt}: {fmt} as plan3d emits it trains with AdamW")
     assert not job_problems(LLAMA8B, _training("dist_muon"), ["megatron"])
+
+
+def test_search_does_not_offer_fp8_weights_to_muon():
+    """--fp8-param-gather needs the distributed optimizer, which Megatron runs Muon without: the search must not
+    offer fp8 weights to a Muon job (a job it would then refuse whole: 'no legal plan'), and with fp8 it finds one."""
+    from planner.candidates import SearchSpace, fp8_params_options, switch_options
+    from planner.search import search
+
+    tr = TrainingSpec(num_gpus=64, global_batch_size=256, seq_len=4096, precision="fp8", optimizer="dist_muon")
+    assert fp8_params_options(tr, None) is None
+    assert fp8_params_options(tr.model_copy(update={"optimizer": "adam"}), None) == (False, True)
+    best = search(LLAMA8B, H100, tr, SearchSpace(**switch_options(tr))).best
+    assert best is not None and best.zero_stage == 0
