@@ -172,3 +172,30 @@ def test_search_does_not_offer_fp8_weights_to_muon():
     assert fp8_params_options(tr.model_copy(update={"optimizer": "adam"}), None) == (False, True)
     best = search(LLAMA8B, H100, tr, SearchSpace(**switch_options(tr))).best
     assert best is not None and best.zero_stage == 0
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt3-175b", "mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b",
+                                  "gpt-oss-20b", "kimi-k2", "tiny-moe", "bloom-176b", "llama4-scout-17b-16e"])
+def test_stage_tensors_add_up_to_the_stage_count(name):
+    """planner.muon.stage_tensors splits exactly memory.stage_param_split's parameters (dense and expert) of every
+    stage: its Muon weights never exceed them (the 1-D rest is what remains, never clamped)."""
+    from planner.memory import stage_param_split
+    from planner.muon import stage_tensors
+
+    model = load_model(name)
+    ep = min(model.num_experts, 8) if model.is_moe else 1
+    for tp in (1, 2, 4):
+        if model.num_attention_heads % tp or model.kv_heads % tp and tp % model.kv_heads:
+            continue
+        plan = Plan(tp=tp, pp=4, dp=8 * ep // tp if model.is_moe else 8, micro_batch_size=1, ep=ep,
+                    etp=1 if model.is_moe else None)
+        for stage, layers in enumerate(plan.stage_layers(model.num_layers)):
+            rows = stage_tensors(model, plan, stage, layers)
+            dense, expert = stage_param_split(model, plan, stage, layers)
+            got = [sum(n * k for n, k, _, e, _ in rows if e == want) for want in (False, True)]
+            assert got == pytest.approx([dense, expert], rel=1e-12), (name, tp, stage)
+            adam_big = [n for n, k, muon, e, _ in rows if not muon and not e and n > model.hidden_size]
+            assert len(adam_big) <= 3  # the embedding's rows, a position table, the output layer's rows
+            # the rest is 1-D (norms, biases, sinks, router biases): no 2-D weight left out of the Muon list
+            small = sum(n * k for n, k, muon, _, _ in rows if not muon and n <= model.hidden_size)
+            assert small <= (layers + 2) * (16 * model.hidden_size + (model.num_experts or 0)), (name, tp, stage, small)
