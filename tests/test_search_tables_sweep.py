@@ -56,6 +56,13 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
     ("qwen3-30b-a3b+padded", "h100-sxm-80gb", dict(num_gpus=32, global_batch_size=32, seq_len=2048, framework="nemo",
                                                    moe_token_dispatcher="hybridep"),
      Pins(ep=16), 2, 1),  # HybridEP across two nodes (its RDMA buffers), with drop-and-pad routing, which it takes
+    ("llama3-70b", "h100-sxm-80gb", dict(num_gpus=32, global_batch_size=32, seq_len=2048, optimizer="muon",
+                                         grad_reduce_in_bf16=True), Pins(), 2, 2),  # Muon: ZeRO 0, its step copies
+    ("qwen3-30b-a3b", "gb200-nvl72", dict(num_gpus=32, global_batch_size=32, seq_len=2048, framework="nemo",
+                                          precision="mxfp8", optimizer="dist_muon"),
+     Pins(ep=8), 2, 1),  # dist_muon: whole parameters dealt over dp x cp and the expert-data-parallel group
+    ("gpt-oss-20b", "h100-sxm-80gb", dict(num_gpus=16, global_batch_size=16, seq_len=2048, optimizer="dist_muon"),
+     Pins(ep=8), 1, 1),  # expert biases and attention sinks: Adam's, in their groups
 ]
 
 
