@@ -343,6 +343,8 @@ def test_gradient_dtype_is_read_as_megatron_sets_it(tmp_path, flags, fp16, grads
     ("--optimizer dist_muon", 0, None),  # read (planner/muon.py), not refused
     ("--optimizer muon --use-distributed-optimizer", 2, "zero_stage: Megatron runs muon without"),
     ("--optimizer dist_muon --overlap-grad-reduce", 2, "Megatron refuses --overlap-grad-reduce with --optimizer"),
+    ("--optimizer dist_muon --muon-tp-mode duplicated", 2, "--muon-tp-mode duplicated is not modelled"),
+    ("--optimizer dist_muon --muon-tp-mode blockwise --muon-num-ns-steps 5", 0, None),
 ])
 def test_muon_is_read_with_megatrons_own_rules(tmp_path, flags, code, said):
     """core_v0.16.1 validate_args: Muon without the distributed optimizer and without either overlap; the rest read."""
@@ -355,6 +357,20 @@ def test_muon_is_read_with_megatrons_own_rules(tmp_path, flags, code, said):
     assert said is None or said in r.errors[0], r.errors
     if said is None:
         assert r.scenario.training.optimizer == "dist_muon" and r.scenario.plan.zero_stage == 0
+
+
+def test_dist_muon_with_legacy_grouped_experts_is_refused(tmp_path):
+    """GroupedMLP (--moe-use-legacy-grouped-gemm) keeps a rank's experts in one weight per linear, which dist_muon
+    deals whole: not what planner.muon deals (one weight per expert), so refused; TEGroupedMLP's is read (and judged:
+    Mixtral at ZeRO 0 on 8 GPUs does not fit, exit 1), and so is plain muon, which keeps every weight on every rank."""
+    text = (LAUNCH / "megatron_moe.sh").read_text()
+    assert "    --moe-grouped-gemm\n" in text
+    script = tmp_path / "moe.sh"
+    for extra, code in (("--moe-use-legacy-grouped-gemm --optimizer dist_muon", 2), ("--optimizer dist_muon", 1),
+                        ("--moe-use-legacy-grouped-gemm --optimizer muon", 1)):
+        script.write_text(text.replace("    --moe-grouped-gemm\n", f"    --moe-grouped-gemm {extra}\n"))
+        (r,) = check_paths([str(script)], load_hardware("h100-sxm-80gb"), None, None)
+        assert exit_code([r]) == code, (extra, r.errors)
 
 
 @pytest.mark.parametrize("flags, refused", [

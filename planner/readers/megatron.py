@@ -126,6 +126,19 @@ def _refuse_unmodelled(a: Args) -> None:
             if a.has(flag):
                 raise SpecError(f"{a.path}:{a.line(flag)}: Megatron refuses {flag} with --optimizer "
                                 f"{a.get('--optimizer')} (validate_args: Muon runs without it); drop {flag}")
+        # planner.muon models --muon-tp-mode blockwise (the default): each TP rank orthogonalises its own shard. The
+        # duplicated and distributed modes gather the whole matrix, or reduce X X^T across the ranks, at the step
+        # (Emerging-Optimizers newton_schulz_tp), more memory than counted
+        if a.get("--muon-tp-mode", "blockwise") != "blockwise":
+            raise SpecError(f"{a.path}:{a.line('--muon-tp-mode')}: --muon-tp-mode {a.get('--muon-tp-mode')} is not "
+                            "modelled: Newton-Schulz on the gathered matrix holds more at the step than plan3d counts "
+                            "(blockwise, the default, is), so the file is refused")
+        # with --moe-use-legacy-grouped-gemm (GroupedMLP) a rank's experts are one weight per linear, dealt whole by
+        # dist_muon (layer_wise_optimizer.py shard_params), where planner.muon deals one weight per expert (TEGroupedMLP)
+        if a.get("--optimizer") == "dist_muon" and a.has("--moe-use-legacy-grouped-gemm") and a.has("--num-experts"):
+            raise SpecError(f"{a.path}:{a.line('--moe-use-legacy-grouped-gemm')}: --moe-use-legacy-grouped-gemm with "
+                            "dist_muon is not modelled: the local experts form one weight per linear, dealt whole to "
+                            "one rank, where plan3d deals one weight per expert, so the file is refused")
     for flag, refused, what, why, deepspeed_too in UNMODELLED_VALUES:
         if a.has(flag) and refused(a.get(flag)) and (deepspeed_too or not a.has("--deepspeed")):
             raise SpecError(f"{a.path}:{a.line(flag)}: {what} is not modelled: {why}, so the file is refused")
