@@ -24,16 +24,16 @@ Sources (Megatron-LM core_v0.16.1 unless named):
   parameters over each group (one ``all_gather`` of the flattened tensors). Gradients stay whole: Megatron's DDP
   all-reduces them (no distributed optimizer).
 
-Which rank a parameter lands on depends only on the sizes, so :func:`dealt_max` deals the stage's parameters as
-Megatron does and takes the fullest rank (of the dense group, plus the fullest of the expert group: an upper bound,
-since the two fullest need not be one GPU). The small 1-D parameters (norms, biases) are counted in their total, as
-tensors of ``h`` values each (their exact sizes move which rank is fullest by a few KiB).
+Which rank a parameter lands on depends on the sizes and the number of parameters before it, so
+:func:`stage_tensors` lists every parameter of a stage as Megatron builds it, the 1-D ones too, and :func:`dealt_max`
+deals them as Megatron does and takes the fullest rank (of the dense group, plus the fullest of the expert group: an
+upper bound, since the two fullest need not be one GPU). Checked against Megatron's own ``shard_params`` on the
+parameters Megatron builds for 16 plans (tests/test_megatron_params.py): equal to the byte.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
@@ -83,69 +83,119 @@ def layer_matrices(model: ModelSpec, tp: int, moe: bool, ep: int = 1, etp: int |
     return tuple(out + mlp(model.moe_ffn_size, etp or tp, model.num_experts / ep, True))
 
 
+def layer_small_tensors(model: ModelSpec, tp: int, moe: bool, ep: int = 1, etp: int | None = None
+                        ) -> tuple[tuple[float, float, bool], ...]:
+    """The 1-D parameters of one layer on one GPU (Adam's), as ``(numel, count, expert)``: each norm's weight (and
+    bias under LayerNorm), the Q/K norms (per head: ``d_h`` each; full width: this rank's heads), MLA's two latent
+    norms, the biases (QKV, output projection, FC1, FC2; a routed expert's in the expert group), the attention sinks
+    and the router's bias. Their number matters, not only their sum: ``shard_params`` deals by position."""
+    from planner.memory import kv_heads_per_rank
+
+    h, n = model.hidden_size, model.norm_weights_per_channel
+    out: list = [(h, model.norms_per_layer * n, False)]
+    if model.is_mla:
+        out += [(r, n, False) for r in (model.q_lora_rank, model.kv_lora_rank) if r]
+    else:
+        q, kv = model.q_size / tp, model.kv_channels * kv_heads_per_rank(model, tp)
+        if model.qk_norm == "head":
+            out.append((model.kv_channels, 2 * n, False))
+        elif model.qk_norm == "full":
+            out += [(q, n, False), (kv, n, False)]
+        if model.has_qkv_bias:
+            out.append((q + 2 * kv, 1, False))
+        if model.has_out_proj_bias:
+            out.append((h, 1, False))
+    if model.attention_sinks:
+        out.append((model.num_attention_heads / tp, 1, False))
+    g = 2 if model.gated_mlp else 1
+
+    def biases(ffn: float, split: int, count: float, expert: bool) -> list:
+        return [(g * ffn / split, count, expert), (h, count, expert)] if model.has_mlp_bias else []
+
+    if not (moe and model.is_moe):
+        return tuple(out + biases(model.ffn_size, tp, 1, False))
+    if model.router_bias:
+        out.append((model.num_experts, 1, False))
+    if model.shared_expert_ffn_hidden_size is not None:
+        out += biases(model.shared_expert_ffn_hidden_size, tp, 1, False)
+    return tuple(out + biases(model.moe_ffn_size, etp or tp, model.num_experts / ep, True))
+
+
 @functools.lru_cache(maxsize=16384)
 def stage_tensors(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tuple:
-    """One GPU's parameters of stage ``stage`` as ``(numel, count, muon, expert, ns_shapes)`` rows: Muon's 2-D weights
-    of its layers (:func:`layer_matrices`; on the loss stage also the MTP modules' layers and ``eh_proj``), the word
-    embedding's and output layer's rows and the position table (Adam), and the rest of
-    :func:`planner.memory.stage_param_split`'s count (norms, biases: Adam) as tensors of ``h`` values."""
-    from planner.memory import mtp_param_split, stage_moe_layer_count, stage_param_split, vocab_rows_params
+    """One GPU's parameters of stage ``stage`` as ``(numel, count, muon, expert, ns_shapes)`` rows, each parameter as
+    Megatron-Core builds it (the sum is :func:`planner.memory.stage_param_split`'s, tests/test_muon.py; the dealing
+    Megatron's own, tests/test_megatron_params.py): Muon's 2-D weights of its layers (:func:`layer_matrices`; on the
+    loss stage also the MTP modules' layers and ``eh_proj``) and of a learned position table; Adam's 1-D ones
+    (:func:`layer_small_tensors`, the final and embedding norms) and the word embedding's and output layer's rows."""
+    from planner.memory import stage_moe_layer_count, vocab_rows_params
 
     t, h = plan.tp, model.hidden_size
     n_moe = stage_moe_layer_count(model, plan, stage, layers)
     kinds = [(False, layers - n_moe), (True, n_moe)]
-    extra = []
-    if stage == plan.loss_stage and model.mtp_num_layers:  # mtp_param_split: a layer and eh_proj (2h -> h / t) each
-        kinds.append((model.mtp_is_moe(), model.mtp_num_layers))
-        extra.append((h / t, 2 * h, model.mtp_num_layers, (h / t,), False))
+    mtp = model.mtp_num_layers if stage == plan.loss_stage else 0
+    if mtp:  # mtp_param_split: per module a layer of the last layer's kind, eh_proj (2h -> h / t) and three norms
+        kinds.append((model.mtp_is_moe(), mtp))
     rows = []
     for moe, n in kinds:
         if n:
             rows += [(r * c, k * n, True, e, (r, c, pieces))
                      for r, c, k, pieces, e in layer_matrices(model, t, moe, plan.ep, plan.expert_tp)]
-    rows += [(r * c, k, True, e, (r, c, pieces)) for r, c, k, pieces, e in extra]
-    dense, expert = stage_param_split(model, plan, stage, layers)
-    big = []  # Adam's large tensors: the embedding's rows (and a learned position table) and the output layer's
+            rows += [(size, k * n, False, e, None) for size, k, e in layer_small_tensors(model, t, moe, plan.ep,
+                                                                                         plan.expert_tp)]
+    if mtp:
+        rows += [(h / t * 2 * h, mtp, True, False, (h / t, 2 * h, (h / t,))),
+                 (h, 3 * model.norm_weights_per_channel * mtp, False, False, None)]
     vocab = vocab_rows_params(model, t)
-    if stage == 0:
-        big.append(vocab)
-        if model.embedding_params() > model.vocab_size * h:
-            big.append(model.embedding_params() - model.vocab_size * h)
+    if stage == 0:  # the word embedding's rows (Adam: is_embedding_or_output_parameter), a learned position table
+        # (2-D and not so marked: Muon's, language_module.py sets the attribute on the word embedding only), BLOOM's
+        # embedding norm
+        rows.append((vocab, 1, False, False, None))
+        if model.position_embedding == "learned":
+            rows.append((model.max_seq_len * h, 1, True, False, (model.max_seq_len, h, (model.max_seq_len,))))
+        if model.embedding_norm:
+            rows.append((h, model.norm_weights_per_channel, False, False, None))
     if stage == plan.loss_stage:
-        if not model.tied_embeddings or (plan.pp > 1 and not plan.v_shaped):
-            big.append(vocab)
-        if model.mtp_num_layers and mtp_param_split(model, plan, stage)[0] and stage != 0 and not model.tied_embeddings:
-            big.append(vocab)
-    muon_dense = sum(n * k for n, k, _, e, _ in rows if not e)
-    muon_expert = sum(n * k for n, k, _, e, _ in rows if e)
-    rest = max(dense - muon_dense - sum(big), 0.0)
-    rows += [(b, 1, False, False, None) for b in big]
-    if rest:
-        rows.append((rest / math.ceil(rest / h), math.ceil(rest / h), False, False, None))
-    if expert > muon_expert:  # expert biases (GPT-OSS): Adam, in the expert group
-        left = expert - muon_expert
-        rows.append((left / math.ceil(left / h), math.ceil(left / h), False, True, None))
+        rows.append((h, model.norm_weights_per_channel, False, False, None))  # the final norm
+        if not model.tied_embeddings or (plan.pp > 1 and not plan.v_shaped):  # the output layer (or the tied copy)
+            rows.append((vocab, 1, False, False, None))
+        if mtp and stage != 0 and not model.tied_embeddings:
+            # the MTP modules' own word embedding: language_module.py marks is_embedding_or_output_parameter on the
+            # first stage's only, so Muon steps this 2-D copy (found against Megatron's build, tests/test_megatron_params)
+            rows.append((vocab, 1, True, False, (vocab, h, (vocab,))))
     return tuple(rows)
 
 
-def dealt_max(values: np.ndarray, numel: np.ndarray, ranks: int) -> float:
+def dealt_max(values: np.ndarray, numel: np.ndarray, ranks: int, after: np.ndarray | None = None) -> float:
     """The largest per-rank sum of ``values`` when the parameters of sizes ``numel`` are dealt to ``ranks`` ranks as
-    ``LayerWiseDistributedOptimizer.shard_params`` deals them: sorted by size (stable), then ranks ``0 .. n-1,
-    n-1 .. 0`` over and over."""
+    ``LayerWiseDistributedOptimizer.shard_params`` deals them: sorted by size (a stable sort of its list, which holds
+    Muon's parameter groups before Adam's, ``get_megatron_muon_optimizer``: among equal sizes ``after`` True, Adam's,
+    come last), then ranks ``0 .. n-1, n-1 .. 0`` over and over."""
     if ranks <= 1 or values.size == 0:
         return float(values.sum())
-    order = np.argsort(numel, kind="stable")
+    order = np.lexsort((np.zeros(numel.size) if after is None else after, numel))
     pos = np.arange(values.size) % (2 * ranks)
     rank = np.where(pos < ranks, pos, 2 * ranks - 1 - pos)
     return float(np.bincount(rank, weights=values[order], minlength=ranks).max())
 
 
-def _expanded(rows: tuple, expert: bool, value) -> tuple[np.ndarray, np.ndarray]:
+def dealt_groups(optimizer: str, dense_ranks: int, expert_ranks: int) -> tuple[tuple[bool, int], ...]:
+    """(expert, ranks its parameters are dealt over) of the dense and the expert group: none dealt with muon;
+    with dist_muon dp x cp and the expert-data-parallel ranks, except that a dp x cp group of one deals nothing, the
+    experts neither (``shard_params`` returns before it lists either group)."""
+    if optimizer != "dist_muon" or dense_ranks <= 1:
+        return ((False, 1), (True, 1))
+    return ((False, dense_ranks), (True, expert_ranks))
+
+
+def _dealt(rows: tuple, expert: bool, ranks: int, value) -> float:
+    """:func:`dealt_max` of ``value(row)`` over the ``expert`` group's parameters of ``rows`` (:func:`stage_tensors`)."""
     sel = [r for r in rows if r[3] == expert]
     counts = np.rint([r[1] for r in sel]).astype(np.int64)
     numel = np.repeat(np.array([r[0] for r in sel], dtype=float), counts)
     values = np.repeat(np.array([value(r) for r in sel], dtype=float), counts)
-    return numel, values
+    adam = np.repeat(np.array([not r[2] for r in sel], dtype=bool), counts)
+    return dealt_max(values, numel, ranks, adam)
 
 
 def optimizer_bytes(model: ModelSpec, plan: Plan, stage: int, layers: int, optimizer: str, adam_bytes: float,
@@ -160,9 +210,8 @@ def optimizer_bytes(model: ModelSpec, plan: Plan, stage: int, layers: int, optim
         return r[0] * (master_bytes + MOMENTUM_BYTES if r[2] else adam_bytes)
 
     total = 0.0
-    for expert, ranks in ((False, dense_ranks), (True, expert_ranks)):
-        numel, values = _expanded(rows, expert, per_tensor)
-        total += dealt_max(values, numel, ranks if optimizer == "dist_muon" else 1)
+    for expert, ranks in dealt_groups(optimizer, dense_ranks, expert_ranks):
+        total += _dealt(rows, expert, ranks, per_tensor)
     return total
 
 
@@ -171,9 +220,8 @@ def owned_params(model: ModelSpec, plan: Plan, stage: int, layers: int, optimize
     """Parameters the fullest GPU of the stage steps (all of them, or with dist_muon those dealt to it)."""
     rows = stage_tensors(model, plan, stage, layers)
     total = 0.0
-    for expert, ranks in ((False, dense_ranks), (True, expert_ranks)):
-        numel, values = _expanded(rows, expert, lambda r: r[0])
-        total += dealt_max(values, numel, ranks if optimizer == "dist_muon" else 1)
+    for expert, ranks in dealt_groups(optimizer, dense_ranks, expert_ranks):
+        total += _dealt(rows, expert, ranks, lambda r: r[0])
     return total
 
 
@@ -194,7 +242,6 @@ def ns_step_s(model: ModelSpec, plan: Plan, stage: int, layers: int, optimizer: 
         return s
 
     total = 0.0
-    for expert, ranks in ((False, dense_ranks), (True, expert_ranks)):
-        numel, values = _expanded(rows, expert, one)
-        total += dealt_max(values, numel, ranks if optimizer == "dist_muon" else 1)
+    for expert, ranks in dealt_groups(optimizer, dense_ranks, expert_ranks):
+        total += _dealt(rows, expert, ranks, one)
     return total

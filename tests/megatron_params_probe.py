@@ -12,8 +12,10 @@ rank of (tp, cp, ep, dp) = 0 on that pipeline rank (Megatron's default order tp-
 (``get_gpt_decoder_block_spec``, the MTP block spec from the last layer's spec), ``GPTModel`` with
 ``padded_vocab_size`` as Megatron's ``build_tokenizer`` sets it from the emitted tokenizer arguments, pre/post-process
 per virtual stage. It reports per rank the parameters (``nelement``, as get_model prints them) and those of the routed
-experts (``allreduce`` False, which DDP puts in the expert-parallel buffers), and the model FLOPs of a step as
-Megatron logs them (``megatron/training/training.py::num_floating_point_operations`` on the same arguments).
+experts (``allreduce`` False, which DDP puts in the expert-parallel buffers), the optimizer bytes of dist_muon's
+fullest rank as Megatron's own ``LayerWiseDistributedOptimizer.shard_params`` deals those parameters (``_muon_dealt``),
+and the model FLOPs of a step as Megatron logs them (``megatron/training/training.py::num_floating_point_operations``
+on the same arguments).
 
 Stand-ins, beyond ``megatron_validate``'s; none changes a parameter except the first, whose difference the test
 takes out by its formula:
@@ -98,7 +100,46 @@ def _build_chunk(args, config, pre_process: bool, post_process: bool, vp_stage):
                     vp_stage=vp_stage)
 
 
-def _rank_params(torch, ps, args, config, pp_rank: int) -> tuple[int, int]:
+def _muon_dealt(ps, chunks) -> tuple[float, float]:
+    """(fullest dense rank, fullest expert rank) of dist_muon's optimizer bytes on this pipeline rank: Megatron's own
+    ``LayerWiseDistributedOptimizer.shard_params`` (core_v0.16.1 ``optimizer/layer_wise_optimizer.py``) deals the
+    chunks' parameters over this rank's dp x cp and expert-data-parallel groups (it lists every rank's share), in
+    parameter groups as ``get_megatron_muon_optimizer`` makes them (Muon's: 2-D and not the embedding or output layer,
+    ``muon.py``; Adam's: the rest; each split by ``allreduce`` as ``_get_param_groups`` does); then 8 B per Muon
+    parameter (fp32 master and momentum) and 12 B per Adam one. Nothing is stepped: only the dealing is Megatron's."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+
+    def muon(p) -> bool:
+        return p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+
+    def groups(keep) -> list[dict]:
+        return [{"params": [p for p in params if keep(p) and getattr(p, "allreduce", True) == dense],
+                 "is_expert_parallel": not dense} for dense in (True, False)]
+
+    optimizers = [SimpleNamespace(param_groups=groups(muon)), SimpleNamespace(param_groups=groups(lambda p: not muon(p)))]
+    layer_wise = LayerWiseDistributedOptimizer.__new__(LayerWiseDistributedOptimizer)
+    layer_wise.pg_collection = SimpleNamespace(dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+                                               expt_dp=ps.get_expert_data_parallel_group())
+    LayerWiseDistributedOptimizer.shard_params(layer_wise, optimizers)
+
+    def bytes_of(ps_list) -> float:
+        return float(sum(p.nelement() * (8 if muon(p) else 12) for p in ps_list))
+
+    expert = [p for p in params if not getattr(p, "allreduce", True)]
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    if layer_wise.dp_cp_params_list is None:  # a dp x cp group of one: nothing dealt, the experts neither
+        return bytes_of(dense), bytes_of(expert)
+    dense_max = max(bytes_of([p for p in r if getattr(p, "allreduce", True)]) for r in layer_wise.dp_cp_params_list)
+    if layer_wise.expt_dp_params_list is None:  # one expert-data-parallel rank, or no experts
+        return dense_max, bytes_of(expert)
+    return dense_max, max(bytes_of(r) for r in layer_wise.expt_dp_params_list)
+
+
+def _rank_params(torch, ps, args, config, pp_rank: int) -> tuple[int, int, tuple[float, float]]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -121,9 +162,10 @@ def _rank_params(torch, ps, args, config, pp_rank: int) -> tuple[int, int]:
     params = [p for c in chunks for p in c.parameters()]
     total = sum(p.nelement() for p in params)
     expert = sum(p.nelement() for p in params if not getattr(p, "allreduce", True))
+    muon = _muon_dealt(ps, chunks)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    return total, expert
+    return total, expert, muon
 
 
 def main(megatron_root: str, cases_path: str) -> dict:
@@ -171,7 +213,8 @@ def main(megatron_root: str, cases_path: str) -> dict:
             ranks = [_rank_params(torch, ps, args, config, r) for r in range(args.pipeline_model_parallel_size)]
         from megatron.training.training import num_floating_point_operations
 
-        out.append({"name": case["name"], "ranks": ranks, "padded_vocab_size": args.padded_vocab_size,
+        out.append({"name": case["name"], "ranks": [r[:2] for r in ranks], "muon": [r[2] for r in ranks],
+                    "padded_vocab_size": args.padded_vocab_size,
                     "flops_per_step": num_floating_point_operations(args, args.global_batch_size)})
     return {"cases": out}
 

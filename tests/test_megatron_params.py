@@ -198,3 +198,21 @@ def test_check_counts_the_parameters_megatron_builds_from_real_launches(megatron
         assert [tuple(r) for r in megatron_core[name]["ranks"]] == [(d + e - n * extra, e if plan.ep > 1 else 0)
                                                                     for (d, e), n in zip(want, layers)], name
     assert replicated == 1  # megatron_gqa_default.sh
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_dist_muon_deals_as_megatron_does(megatron_core, name):
+    """dist_muon's optimizer bytes on the fullest GPU of each stage (planner.muon: fp32 master + momentum on the Muon
+    weights, Adam's 12 B on the rest, whole parameters dealt by size over dp x cp and the expert-data-parallel ranks)
+    against Megatron's own ``LayerWiseDistributedOptimizer.shard_params`` dealing the parameters Megatron builds on
+    that pipeline rank (tests/megatron_params_probe.py ``_muon_dealt``): the fullest dense rank plus the fullest expert
+    rank. Equal to the byte (before 2026-12-07 it found three differences: a learned position table and the MTP
+    modules' word embedding are Muon's, not Adam's, and Muon's groups come before Adam's among equal sizes)."""
+    from planner.muon import optimizer_bytes
+
+    sc = CASES[name]
+    plan = sc.resolved_plan()
+    got = megatron_core[name]["muon"]
+    for stage, layers in enumerate(plan.stage_layers(sc.model.num_layers)):
+        mine = optimizer_bytes(sc.model, plan, stage, layers, "dist_muon", 12, 4, plan.dp * plan.cp, plan.expert_dp)
+        assert mine == sum(got[stage]), (name, stage, mine, got[stage])
