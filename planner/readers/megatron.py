@@ -921,11 +921,11 @@ def scenario_dicts(a: Args, gpus: int, vocab_override: int | None, ds_config: di
                 "distribute_saved_activations": (a.has("--distribute-saved-activations") and not a.has("--deepspeed"))
                 or (a.has("--deepspeed") and a.has("--deepspeed-activation-checkpointing")
                     and a.has("--partition-activations")),
-                # the precision-aware optimizer with bf16 moments (planner/frameworks/megatron.py); other moment or
-                # master dtypes are smaller than fp32 Adam's and are read as fp32, the larger
                 # Megatron-Core's Muon (TrainingSpec.optimizer; --optimizer sgd is read as adam: fewer states)
                 "optimizer": a.get("--optimizer") if not a.has("--deepspeed") and a.get("--optimizer") in (
                     "muon", "dist_muon") else "adam",
+                # the precision-aware optimizer with bf16 moments (planner/frameworks/megatron.py); other moment or
+                # master dtypes are smaller than fp32 Adam's and are read as fp32, the larger
                 "optimizer_dtype": "bf16" if (not a.has("--deepspeed") and a.has("--use-precision-aware-optimizer")
                                               and a.get("--exp-avg-dtype") == "bf16"
                                               and a.get("--exp-avg-sq-dtype") == "bf16") else "fp32",
