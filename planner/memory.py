@@ -1790,15 +1790,13 @@ def stage_state_bytes_of(model: ModelSpec, training: TrainingSpec, plan: Plan, l
     states read, ``planner.frameworks.megatron.muon_state``)."""
     profile = frameworks.get(training.framework)
     params, largest, expert, linear, embedding = inputs
-    if training.optimizer != "adam":  # Megatron-Core and NeMo only (specs.muon_problems)
-        return profile.state_bytes(model, training, plan, params, largest, layers, expert_params=expert,
-                                   linear_params=linear, hardware=hardware, embedding_params=embedding,
-                                   muon_stage=stage)
+    # Megatron-Core's and NeMo's profiles take the stage's index for Muon (specs.muon_problems); the others never see it
+    muon = {"muon_stage": stage} if training.optimizer != "adam" else {}
     if not model.is_moe:  # the dense path, unchanged
         return profile.state_bytes(model, training, plan, params, largest, layers, hardware=hardware,
-                                   embedding_params=embedding)
+                                   embedding_params=embedding, **muon)
     return profile.state_bytes(model, training, plan, params, largest, layers, expert_params=expert,
-                               linear_params=linear, hardware=hardware, embedding_params=embedding)
+                               linear_params=linear, hardware=hardware, embedding_params=embedding, **muon)
 
 
 def stage_linear_params_per_rank(model: ModelSpec, plan: Plan, stage: int, layers: int) -> float:

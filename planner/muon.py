@@ -188,14 +188,20 @@ def dealt_groups(optimizer: str, dense_ranks: int, expert_ranks: int) -> tuple[t
     return ((False, dense_ranks), (True, expert_ranks))
 
 
-def _dealt(rows: tuple, expert: bool, ranks: int, value) -> float:
-    """:func:`dealt_max` of ``value(row)`` over the ``expert`` group's parameters of ``rows`` (:func:`stage_tensors`)."""
-    sel = [r for r in rows if r[3] == expert]
-    counts = np.rint([r[1] for r in sel]).astype(np.int64)
-    numel = np.repeat(np.array([r[0] for r in sel], dtype=float), counts)
-    values = np.repeat(np.array([value(r) for r in sel], dtype=float), counts)
-    adam = np.repeat(np.array([not r[2] for r in sel], dtype=bool), counts)
-    return dealt_max(values, numel, ranks, adam)
+def _fullest(model: ModelSpec, plan: Plan, stage: int, layers: int, optimizer: str, dense_ranks: int,
+             expert_ranks: int, value) -> float:
+    """:func:`dealt_max` of ``value(row)`` over the stage's parameters (:func:`stage_tensors`), the dense group's
+    fullest rank plus the expert group's (:func:`dealt_groups`)."""
+    rows = stage_tensors(model, plan, stage, layers)
+    total = 0.0
+    for expert, ranks in dealt_groups(optimizer, dense_ranks, expert_ranks):
+        sel = [r for r in rows if r[3] == expert]
+        counts = np.rint([r[1] for r in sel]).astype(np.int64)
+        numel = np.repeat(np.array([r[0] for r in sel], dtype=float), counts)
+        values = np.repeat(np.array([value(r) for r in sel], dtype=float), counts)
+        adam = np.repeat(np.array([not r[2] for r in sel], dtype=bool), counts)
+        total += dealt_max(values, numel, ranks, adam)
+    return total
 
 
 def optimizer_bytes(model: ModelSpec, plan: Plan, stage: int, layers: int, optimizer: str, adam_bytes: float,
@@ -204,44 +210,28 @@ def optimizer_bytes(model: ModelSpec, plan: Plan, stage: int, layers: int, optim
     MOMENTUM_BYTES`` per Muon parameter, ``adam_bytes`` per other one; with dist_muon those of the parameters dealt to
     the fullest rank of the dense group (``dense_ranks``: dp x cp) plus the fullest of the expert group
     (``expert_ranks``)."""
-    rows = stage_tensors(model, plan, stage, layers)
-
-    def per_tensor(r) -> float:
-        return r[0] * (master_bytes + MOMENTUM_BYTES if r[2] else adam_bytes)
-
-    total = 0.0
-    for expert, ranks in dealt_groups(optimizer, dense_ranks, expert_ranks):
-        total += _dealt(rows, expert, ranks, per_tensor)
-    return total
+    return _fullest(model, plan, stage, layers, optimizer, dense_ranks, expert_ranks,
+                    lambda r: r[0] * (master_bytes + MOMENTUM_BYTES if r[2] else adam_bytes))
 
 
 def owned_params(model: ModelSpec, plan: Plan, stage: int, layers: int, optimizer: str, dense_ranks: int,
                  expert_ranks: int) -> float:
     """Parameters the fullest GPU of the stage steps (all of them, or with dist_muon those dealt to it)."""
-    rows = stage_tensors(model, plan, stage, layers)
-    total = 0.0
-    for expert, ranks in dealt_groups(optimizer, dense_ranks, expert_ranks):
-        total += _dealt(rows, expert, ranks, lambda r: r[0])
-    return total
+    return _fullest(model, plan, stage, layers, optimizer, dense_ranks, expert_ranks, lambda r: r[0])
 
 
 def ns_step_s(model: ModelSpec, plan: Plan, stage: int, layers: int, optimizer: str, dense_ranks: int,
               expert_ranks: int, gemm_s) -> float:
     """Seconds of Newton-Schulz GEMMs on the busiest GPU of the stage: each Muon weight's three GEMMs per step
     (``gemm_s(m, k, n)``, :func:`planner.cost.gemm_time_s` at bf16), over the weights dealt to that GPU."""
-    rows = stage_tensors(model, plan, stage, layers)
-
     def one(r) -> float:
         if not r[2]:
             return 0.0
-        rr, cc, pieces = r[4]
+        _, cols, pieces = r[4]
         s = 0.0
         for p in pieces:
-            m, n = min(p, cc), max(p, cc)
+            m, n = min(p, cols), max(p, cols)
             s += NS_STEPS * (gemm_s(m, n, m) + gemm_s(m, m, m) + gemm_s(m, m, n))
         return s
 
-    total = 0.0
-    for expert, ranks in dealt_groups(optimizer, dense_ranks, expert_ranks):
-        total += _dealt(rows, expert, ranks, one)
-    return total
+    return _fullest(model, plan, stage, layers, optimizer, dense_ranks, expert_ranks, one)
