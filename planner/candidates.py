@@ -387,6 +387,49 @@ def pinned_layout_problems(model: ModelSpec, hardware: HardwareSpec, training: T
     return lines + _pinned_expert_problems(model, hardware, training, pins)
 
 
+def pinned_split_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, pins: Pins,
+                          shown: int = 1) -> list[str]:
+    """Why no split is legal where the pins leave several and each breaks a different rule, which
+    :func:`pinned_layout_problems` (one rule that binds them all) cannot name: every tp x pp x cp x dp of the GPUs
+    the pins leave, probed with ``plan_problems`` (the pinned micro-batch, vpp, recompute, SP, ep and etp, else their
+    lightest values; a pp that does not divide the layers with the first uneven split the search would try,
+    :func:`valid_splits`), grouped by the rule each first breaks: one line per rule, in ``plan_problems``' words for
+    its first split, with the split and how many more break it. Empty when some split passes ``plan_problems`` (then
+    the reason lies in what the framework runs or in the micro-batch options, not in the layout) or when the pins
+    leave no split at all (:func:`pinned_layout_problems` says so)."""
+    g = training.num_gpus
+    vpp = pins.vpp or 1
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for t in ([pins.tp] if pins.tp else divisors(g)):
+        for p in ([pins.pp] if pins.pp else divisors(g // t) if g % t == 0 else []):
+            for c in ([pins.cp] if pins.cp else divisors(g // (t * p)) if g % (t * p) == 0 else []):
+                if g % (t * p * c) or (pins.dp is not None and g // (t * p * c) != pins.dp):
+                    continue
+                d = g // (t * p * c)
+                layers = None
+                if p > 1 and model.num_layers % (p * vpp):
+                    split = next((s for s in valid_splits(model, p, True, max(MAX_UNEVEN_VPP, vpp)) if s.vpp == vpp),
+                                 None)
+                    layers = split.layers if split is not None else None
+                probe = Plan.model_construct(tp=t, pp=p, dp=d, cp=c, vpp=vpp, micro_batch_size=pins.micro_batch_size or 1,
+                                             recompute=pins.recompute or "none",
+                                             sequence_parallel=bool(pins.sequence_parallel) and t > 1,
+                                             zero_stage=pins.zero_stage or 0, ep=pins.ep or 1, etp=pins.etp,
+                                             layers_per_stage=layers)
+                lines = plan_problems(model, hardware, training, probe)
+                if not lines:
+                    return []
+                groups.setdefault(lines[0].split(":", 1)[0], []).append((f"tp {t} x pp {p} x cp {c} x dp {d}",
+                                                                          lines[0]))
+    out = []
+    for found in groups.values():
+        more = len(found) - shown
+        where = ", ".join(label for label, _ in found[:shown]) + (f", and {more} more split{'s' * (more > 1)}"
+                                                                  if more > 0 else "")
+        out.append(f"{found[0][1]} ({where})")
+    return out
+
+
 def _pinned_expert_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, pins: Pins) -> list[str]:
     """The expert-parallel rules (``specs.moe_plan_problems``) where the pins alone decide them: a pinned ep against
     the experts, a pinned etp against the expert width and the NVLink domain, and etp x ep against the ranks the

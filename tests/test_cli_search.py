@@ -237,6 +237,12 @@ def test_no_legal_plan_without_pins_does_not_blame_pins(runner, monkeypatch):
      "global_batch_size: 1538 is not divisible by micro_batch_size(4) * dp for any dp these pins leave "
      "(12, 6, 4, 3, 2, 1)"),
     (["--tp", "2", "--pp", "5"], "96", "1536", "plan: tp(2) * pp(5) = 10 does not divide num_gpus(96)"),
+    # cp searched, and no one rule binds: cp 1, 2 and 4 leave dp 124, 62 and 31, none of which divides 1000; cp 31, 62
+    # and 124 leave dp 4, 2 and 1, which do, but split no 4,096-token sequence into 2 x cp chunks (pinned_split_problems)
+    (["--tp", "8", "--pp", "1"], "992", "1000",
+     "global_batch_size: 1000 is not divisible by micro_batch_size(1) * dp(124) = 124 (tp 8 x pp 1 x cp 1 x dp 124, "
+     "and 2 more splits); cp: seq_len(4096) is not divisible by 2 * cp(31) = 62 (load-balanced causal split) "
+     "(tp 8 x pp 1 x cp 31 x dp 4, and 2 more splits)"),
     # a tp that divides neither the GPUs nor the heads: both said, the heads being what no GPU count rescues
     (["--tp", "3"], "8", "8", "plan: tp(3) = 3 does not divide num_gpus(8); tp: num_attention_heads(32) is not "
      "divisible by tp(3)"),
@@ -253,6 +259,20 @@ def test_no_legal_plan_names_the_pin_that_binds(runner, pins, gpus, batch, why):
     assert res.exit_code == 3, res.output
     assert f"no legal plan for {gpus} GPUs with these pins: {why}" in res.output, res.output
     assert "has a legal plan that fits" in res.output and "check --tp" not in res.output
+
+
+def test_pinned_split_problems_is_empty_where_a_split_passes():
+    """Where some split the pins leave breaks no layout rule, the reason the search found none lies elsewhere (what the
+    framework runs, the micro-batch options): no rule is named, and the CLI keeps its generic line."""
+    from planner.candidates import Pins, pinned_split_problems
+    from planner.presets import load_hardware, load_model
+    from planner.specs import TrainingSpec
+
+    model, hw = load_model("llama3-8b"), load_hardware("h100-sxm-80gb")
+    job = TrainingSpec(num_gpus=992, global_batch_size=992, seq_len=4096)  # tp 8 x cp 1 leaves dp 124, which divides it
+    assert pinned_split_problems(model, hw, job, Pins(tp=8, pp=1)) == []
+    assert len(pinned_split_problems(model, hw, job.model_copy(update={"global_batch_size": 1000}),
+                                     Pins(tp=8, pp=1))) == 2
 
 
 def test_no_legal_plan_names_dist_optimizer_instances_that_divide_no_dp(runner):

@@ -322,10 +322,12 @@ def _run_search(model, hw, training, space, top: int, exhaustive: bool, quiet: b
                 out["closest"] = {"plan": res.closest.model_dump(mode="json"), "stage": peak.stage,
                                   "peak_gib": mem.peak_gib, "usable_gib": mem.usable_gib}
             elif res.candidates == 0:
-                from planner.candidates import pinned_layout_problems
+                from planner.candidates import pinned_layout_problems, pinned_split_problems
 
                 pinned = any(v is not None for v in vars(space.pins).values())
                 why = pinned_layout_problems(model, hw, training, space.pins) if pinned else []
+                if pinned and not why:  # each split the pins leave may break a rule of its own
+                    why = pinned_split_problems(model, hw, training, space.pins)
                 n = training.dist_optimizer_instances
                 if n > 1 and training.num_gpus % n:  # dp x cp divides the GPUs: no split can hold n copies
                     why.append(f"--dist-optimizer-instances {n} must divide dp x cp (Megatron-Core asserts it, "
