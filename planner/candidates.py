@@ -406,11 +406,15 @@ def pinned_split_problems(model: ModelSpec, hardware: HardwareSpec, training: Tr
                 if g % (t * p * c) or (pins.dp is not None and g // (t * p * c) != pins.dp):
                     continue
                 d = g // (t * p * c)
+                if vpp > 1 and p == 1:  # Plan's own rule, which a constructed probe skips
+                    groups.setdefault("vpp", []).append((f"tp {t} x pp 1 x cp {c} x dp {d}",
+                                                         f"vpp: vpp({vpp}) > 1 needs pp > 1 (pp is 1)"))
+                    continue
                 layers = None
                 if p > 1 and model.num_layers % (p * vpp):
                     split = next((s for s in valid_splits(model, p, True, max(MAX_UNEVEN_VPP, vpp)) if s.vpp == vpp),
                                  None)
-                    layers = split.layers if split is not None else None
+                    layers = split.layers() if split is not None else None
                 probe = Plan.model_construct(tp=t, pp=p, dp=d, cp=c, vpp=vpp, micro_batch_size=pins.micro_batch_size or 1,
                                              recompute=pins.recompute or "none",
                                              sequence_parallel=bool(pins.sequence_parallel) and t > 1,

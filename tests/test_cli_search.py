@@ -273,6 +273,13 @@ def test_pinned_split_problems_is_empty_where_a_split_passes():
     assert pinned_split_problems(model, hw, job, Pins(tp=8, pp=1)) == []
     assert len(pinned_split_problems(model, hw, job.model_copy(update={"global_batch_size": 1000}),
                                      Pins(tp=8, pp=1))) == 2
+    # a pp that does not divide the 32 layers is probed with the uneven split the search would try (15 + 16 + 1 would
+    # not do: valid_splits keeps the ends within MAX_UNEVEN_SHIFT of the middle), so it breaks no layout rule here
+    assert pinned_split_problems(model, hw, job.model_copy(update={"num_gpus": 24, "global_batch_size": 24}),
+                                 Pins(pp=3)) == []
+    # Plan's own rule (vpp > 1 needs pp > 1), which a constructed probe would not check
+    assert pinned_split_problems(model, hw, job.model_copy(update={"num_gpus": 1, "global_batch_size": 8}),
+                                 Pins(vpp=2)) == ["vpp: vpp(2) > 1 needs pp > 1 (pp is 1) (tp 1 x pp 1 x cp 1 x dp 1)"]
 
 
 def test_no_legal_plan_names_dist_optimizer_instances_that_divide_no_dp(runner):
