@@ -63,20 +63,38 @@ def refuse_replacing(option: str, clash: list[Path]) -> None:
                         "pass --force to overwrite")
 
 
-def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, option: str = "--out-dir") -> list[Path]:
+def holds(path: Path, text: str) -> bool:
+    """Whether the file at ``path`` holds exactly ``text`` (False where it cannot be read as UTF-8)."""
+    try:
+        return path.is_file() and path.read_text(encoding="utf-8") == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def write_all(out_dir: str | Path, files: dict[str, str], force: bool = False, option: str = "--out-dir",
+              unchanged: list[Path] | None = None) -> list[Path]:
     """Write several files; check first that none would be replaced without ``force``, so it is all or nothing.
 
     Every name must be a plain file name (no folder part, not hidden): nothing is written outside ``out_dir``.
+    A file that already holds exactly the text to write is no clash and is left as it is (nothing of the user's
+    would be lost: one format after another into one folder writes the plan file that several of them carry,
+    ``plan3d emit --format slurm`` then ``--format deepspeed``); it is listed in the return value and, where
+    ``unchanged`` is given, appended to it.
     """
     bad = [n for n in files if not n or n != Path(n).name or n.startswith(".") or "\\" in n or "\n" in n]
     if bad:  # file names come from planner.names.slug; this guards the folder whatever a caller passes
         raise SpecError(f"{option}: refusing to write {bad[0]!r}: not a plain file name inside {out_dir}")
     folder = make_folder(out_dir, option)
+    same = {name for name, text in files.items() if holds(folder / name, text)}
     if not force:
-        refuse_replacing(option, [folder / name for name in files if (folder / name).exists()])
+        refuse_replacing(option, [folder / name for name in files if (folder / name).exists() and name not in same])
     written = []
     for name, text in files.items():
-        write_atomic(folder / name, text, force=True, option=option,
-                     mode=0o777 & ~_umask() if name.endswith((".sh", ".slurm")) else None)
+        if name in same:
+            if unchanged is not None:
+                unchanged.append(folder / name)
+        else:
+            write_atomic(folder / name, text, force=True, option=option,
+                         mode=0o777 & ~_umask() if name.endswith((".sh", ".slurm")) else None)
         written.append(folder / name)
     return written

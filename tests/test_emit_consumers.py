@@ -154,6 +154,40 @@ def test_write_all_names_what_it_would_replace_and_writes_nothing(tmp_path):
     assert (out / "a.sh").read_text() == "echo a\n" and not (out / "c.sh").exists()
 
 
+def test_write_all_leaves_a_file_that_holds_the_same_text(tmp_path):
+    """One format after another into one folder writes the plan file several formats carry: the same text again is
+    no clash (nothing would be lost) and is not rewritten; another text still is refused without --force."""
+    out = tmp_path / "out"
+    write_all(out, {"p.plan.json": "{}\n", "a.slurm": "echo a\n"})
+    before = (out / "p.plan.json").stat().st_mtime_ns
+    unchanged = []
+    written = write_all(out, {"p.plan.json": "{}\n", "b.json": "{}\n"}, unchanged=unchanged)
+    assert written == [out / "p.plan.json", out / "b.json"] and unchanged == [out / "p.plan.json"]
+    assert (out / "p.plan.json").stat().st_mtime_ns == before and (out / "b.json").read_text() == "{}\n"
+    with pytest.raises(SpecError, match=r"p.plan.json exists; pass --force"):
+        write_all(out, {"p.plan.json": "{\"other\": 1}\n", "c.json": "{}\n"})
+    assert (out / "p.plan.json").read_text() == "{}\n" and not (out / "c.json").exists()
+
+
+def test_emit_one_format_after_another_into_one_folder(tmp_path):
+    """`plan3d emit --format slurm` then `--format deepspeed` into one folder: both carry the plan file, which the
+    second finds holding what it would write (before, it refused: "plan.json exists; pass --force")."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+    from planner.io import write_atomic
+
+    sc = scenario("llama3-8b", 16, 64, 4096, tp=1, pp=1, dp=16)
+    plan = tmp_path / "p.json"
+    write_atomic(plan, sc.model_dump_json())
+    runner = CliRunner()
+    first = runner.invoke(app, ["emit", str(plan), "--format", "slurm", "--out-dir", str(tmp_path / "out")])
+    assert first.exit_code == 0, first.output
+    second = runner.invoke(app, ["emit", str(plan), "--format", "deepspeed", "--out-dir", str(tmp_path / "out")])
+    assert second.exit_code == 0, second.output
+    assert "unchanged (same content)" in second.output and "deepspeed.json" in second.output
+
+
 def test_torchtitan_refusals_are_one_line_naming_the_slug():
     sc = scenario("gpt3-175b", 64, 64, 2048, name="evil\n$(touch PWNED)", tp=8, pp=8, dp=1)
     with pytest.raises(SpecError) as err:

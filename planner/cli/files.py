@@ -36,9 +36,10 @@ def emit_files(sc, formats: str, out_dir: str, force: bool, quiet: bool = False)
     from planner.io import write_all
 
     wanted = parse_formats(formats)
-    for path in write_all(out_dir, render_all(sc, wanted), force):
+    unchanged: list = []
+    for path in write_all(out_dir, render_all(sc, wanted), force, unchanged=unchanged):
         if not quiet:
-            console().print(f"wrote {path}", highlight=False)
+            console().print(f"{'unchanged (same content)' if path in unchanged else 'wrote'} {path}", highlight=False)
     for line in framework_notes(sc.training.framework, wanted):
         console(stderr=True).print(line, highlight=False)
 
