@@ -9,7 +9,12 @@ same way. Model FLOPs over the dense peak of that precision, each figure with it
 from __future__ import annotations
 
 BEST_PUBLISHED_MFU: dict[tuple[str, str], tuple[float, str]] = {
-    ("a100-80gb", "bf16"): (0.542, "Korthikanti et al. 2022 (arXiv:2205.05198) abstract: 530B GPT on 2,240 A100"),
+    # llm-foundry's MPT benchmarks (benchmarks/data/llm_foundry_mpt.json): MPT-3B at 512 tokens on 8 GPUs, 12,127
+    # (80 GB) and 11,324 (40 GB) tokens/s per GPU, by plan3d's count of its model FLOPs (the README's own count, with
+    # full s x s attention, gives 63.7 and 59.5 %); above Korthikanti et al. 2022's 54.2 % (530B GPT on 2,240 A100),
+    # the figure here before 2026-12-07 (tests/test_llm_foundry_data.py)
+    ("a100-80gb", "bf16"): (0.627, "llm-foundry MPT benchmarks: 3B at 512 tokens, 12,127 tokens/s per GPU on 8 A100 80GB"),
+    ("a100-40gb", "bf16"): (0.585, "llm-foundry MPT benchmarks: 3B at 512 tokens, 11,324 tokens/s per GPU on 8 A100 40GB"),
     ("h100-sxm-80gb", "bf16"): (0.47, "Megatron-LM README: up to 47 % MFU on H100 clusters; Llama 3 Table 4: 38-43 %"),
     ("h100-sxm-80gb", "fp8"): (842 / 1978.9, "NeMo 24.07 performance summary: 842 TFLOP/s, GPT-3 175B FP8 on 512 H100"),
     # Blackwell: the best dense (Llama 3 / 3.1) row of NVIDIA's Megatron-Bridge performance summary, model
