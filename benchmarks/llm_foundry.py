@@ -1,6 +1,6 @@
 """MosaicML's published MPT training throughput (llm-foundry, Composer + PyTorch FSDP) against plan3d's prediction.
 
-Run: python benchmarks/llm_foundry.py [--rows]
+Run: python benchmarks/llm_foundry.py [--rows] [--scorer]
 
 Data: benchmarks/data/llm_foundry_mpt.json (mosaicml/llm-foundry scripts/train/benchmarking/README.md, "MPT Training
 Benchmarks": 191 measured runs on H100 80GB, A100 80GB and A100 40GB, 125M to 70B parameters, 512 to 65,536 tokens,
@@ -14,7 +14,10 @@ Each run is pinned as it ran (``mapping_note``): ``--framework torchtitan`` (FSD
 profile to Composer's FSDP FULL_SHARD), tp 1, pp 1, dp = the GPUs, the row's micro-batch, global batch and sequence,
 full recompute where the row checkpoints activations, bf16, FlashAttention-2's speed, no compile; its model is MPT's
 (``models`` and ``model_note``: plan3d's parameter count equals the row's NumParams). Error = predicted tokens/s per
-GPU / published - 1 (positive: plan3d is optimistic). Prints, per table and overall, the mean |error| and the worst signed error, by
+GPU / published - 1 (positive: plan3d is optimistic). ``--scorer`` also predicts each run as
+``../shared/tools/score_runs.py`` scores a run (a few minutes): the stated knobs pinned (tp 1, pp 1, cp 1, the
+micro-batch, the recompute), plan3d's defaults for the rest (``--framework megatron``, its default attention kernel)
+and the search's pick, a run it finds no plan for counted as a miss. Prints, per table and overall, the mean |error| and the worst signed error, by
 run size (one 8-GPU node or more) and by activation checkpointing; asserts nothing.
 """
 
@@ -32,6 +35,8 @@ from planner.cost import estimate_time  # noqa: E402
 from planner.memory import estimate_memory  # noqa: E402
 from planner.presets import load_hardware  # noqa: E402
 from planner.specs import ModelSpec, Plan, TrainingSpec, plan_problems  # noqa: E402
+from planner.candidates import Pins, SearchSpace, switch_options  # noqa: E402
+from planner.search import search  # noqa: E402
 
 DATA = ROOT / "benchmarks/data/llm_foundry_mpt.json"
 VOCAB = 50368  # every MPT yaml's vocab_size (model_note)
@@ -80,6 +85,18 @@ def predict(row: dict, arch: dict, hw) -> dict:
                   "peak_gib": mem.peak_gib, "usable_gib": mem.usable_gib, "fits": mem.fits, "mfu": est.mfu}
 
 
+def scorer_error(row: dict, arch: dict, hw) -> float | None:
+    """Predicted / published tokens/s per GPU - 1 as the scorer predicts the run (module docstring), None for a miss."""
+    model = mpt_model(row["model"], arch, row["seq"])
+    training = TrainingSpec(num_gpus=row["gpus"], global_batch_size=row["gbs"], seq_len=row["seq"], precision="bf16")
+    pins = Pins(tp=1, pp=1, cp=1, micro_batch_size=row["mbs"], recompute="full" if row["act_ckpt"] else "none")
+    res = search(model, hw, training, SearchSpace(pins=pins, **switch_options(training)))
+    if res.best is None:
+        return None
+    est = estimate_time(model, hw, res.training, res.best)
+    return est.tokens_per_s / row["gpus"] / row["tokens_per_s_per_gpu"] - 1
+
+
 def summary(label: str, errors: list[float]) -> str:
     if not errors:
         return f"{label:<40} no runs"
@@ -91,9 +108,12 @@ def summary(label: str, errors: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", action="store_true", help="print every run")
+    parser.add_argument("--scorer", action="store_true", help="also predict each run as the scorer does (minutes)")
     args = parser.parse_args()
     data = json.loads(DATA.read_text())
     everything: list[float] = []
+    scored: dict[str, list[float]] = {}
+    misses: list[str] = []
     refused = not_fitting = 0
     for name, table in data["tables"].items():
         hw = load_hardware(table["hardware"])
@@ -118,10 +138,23 @@ def main() -> None:
                 print(f"  {tag} published {row['tokens_per_s_per_gpu']:>7} tokens/s/GPU, predicted "
                       f"{res['predicted']:>9.0f} ({100 * err:+6.1f} %), peak {res['peak_gib']:5.1f} of "
                       f"{res['usable_gib']:.1f} GiB{'' if res['fits'] else ' (does NOT fit: it ran)'}")
+            if args.scorer:
+                e = scorer_error(row, data["models"][row["model"]], hw)
+                if e is None:
+                    misses.append(f"{table['title'][:10]} {tag}")
+                else:
+                    scored.setdefault(name, []).append(e)
         for label, errs in groups.items():
             print("  " + summary(label, errs))
+        if args.scorer:
+            print("  " + summary("as the scorer predicts it", scored.get(name, [])))
         everything += groups["all"]
     print(summary("overall", everything))
+    if args.scorer:
+        print(summary("overall, as the scorer predicts it", [e for errs in scored.values() for e in errs]))
+        print(f"{len(misses)} runs the scorer's way finds no plan for (misses):")
+        for line in misses:
+            print(f"  {line}")
     print(f"{refused} runs refused; {not_fitting} runs that ran predicted not to fit under the torchtitan profile, whose "
           "memory is torchtitan's code, not Composer's (its fp32 loss path, where Composer's MPT uses flash-attn's fused "
           "cross-entropy, among it): not a test of the memory model (docs/cost-model.md, \"llm-foundry's MPT runs\")")
