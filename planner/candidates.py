@@ -189,6 +189,7 @@ class SearchSpace:
     # CLI offers both values where the user set neither (switch_options)
     grad_reduce_in_bf16: tuple[bool, ...] | None = None
     fp8_params: tuple[bool, ...] | None = None
+    cross_entropy_fusion: tuple[str, ...] | None = None
 
 
 def grad_dtype_options(training: TrainingSpec, given: bool | None) -> tuple[bool, ...] | None:
@@ -226,13 +227,32 @@ def fp8_params_options(training: TrainingSpec, given: bool | None) -> tuple[bool
     return None
 
 
+def cross_entropy_fusion_options(training: TrainingSpec, given: str | None) -> tuple[str, ...] | None:
+    """The loss kernels a search offers (``SearchSpace.cross_entropy_fusion``): Megatron's default unfused loss and
+    Transformer Engine's fused cross entropy (``--cross-entropy-loss-fusion --cross-entropy-fusion-impl te``: 2 B per
+    logit where the unfused loss keeps 6, ``frameworks.megatron``), where the user did not give
+    ``--cross-entropy-fusion`` and the framework runs it (megatron, nemo: ``specs.job_problems``); else only the
+    job's own (None).
+
+    NVIDIA's recipes set it: Megatron-Bridge's performance scripts set ``cross_entropy_fusion_impl = "te"`` for every
+    model, over ``GPTModelProvider.cross_entropy_loss_fusion``'s default True (benchmarks/megatron_bridge.py). No time
+    is modelled for either kernel, so the search keeps the unfused default wherever a plan fits with it
+    (``search._prefer_defaults``) and takes the fused one only where a plan needs its memory, and says so."""
+    if given is None and training.framework in ("megatron", "nemo") and training.cross_entropy_fusion == "none":
+        return ("none", "te")
+    return None
+
+
 def switch_options(training: TrainingSpec, grad_reduce_in_bf16: bool | None = None,
-                   fp8_params: bool | None = None) -> dict[str, tuple[bool, ...] | None]:
+                   fp8_params: bool | None = None, cross_entropy_fusion: str | None = None
+                   ) -> dict[str, tuple | None]:
     """The ``SearchSpace`` keywords of the job switches a search offers (:func:`grad_dtype_options`,
-    :func:`fp8_params_options`), given what the user set of each (None: neither ``--x`` nor ``--no-x``), as
-    `plan3d search` builds them: ``SearchSpace(pins=..., **switch_options(training, ...))``."""
+    :func:`fp8_params_options`, :func:`cross_entropy_fusion_options`), given what the user set of each (None:
+    neither ``--x`` nor ``--no-x``; no ``--cross-entropy-fusion``), as `plan3d search` builds them:
+    ``SearchSpace(pins=..., **switch_options(training, ...))``."""
     return {"grad_reduce_in_bf16": grad_dtype_options(training, grad_reduce_in_bf16),
-            "fp8_params": fp8_params_options(training, fp8_params)}
+            "fp8_params": fp8_params_options(training, fp8_params),
+            "cross_entropy_fusion": cross_entropy_fusion_options(training, cross_entropy_fusion)}
 
 
 def shapes(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace

@@ -243,6 +243,7 @@ def _plan_cell(est) -> str:
     extra += [f"pipeline keeps {kept} stage outputs" if kept == "all" else "pipeline keeps the loss stage's outputs"] \
         if kept else []
     extra += ["fp8 params"] if est.scenario.training.fp8_params else []
+    extra += ["TE fused loss"] if est.scenario.training.cross_entropy_fusion == "te" else []
     extra += ["a2a overlap"] if est.scenario.training.moe_a2a_overlap else []
     extra += {"bf16": ["bf16 Adam states"], "bf16-apex": ["bf16 Apex Adam states"]}.get(
         est.scenario.training.optimizer_dtype, [])

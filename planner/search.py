@@ -867,7 +867,7 @@ class SearchResult:
     solver_s: float = 0.0  # of it, CP-SAT's own solves
     candidates: int = 0
     closest: Plan | None = None  # when infeasible: the legal plan with the smallest memory overshoot
-    # the job as each plan runs it: the input, with the switches the search picked (LIGHTER_WHEN_TRUE); None
+    # the job as each plan runs it: the input, with the switches the search picked (SWITCHES); None
     # where no plan was found
     training: TrainingSpec | None = None
     alternative_trainings: list[TrainingSpec] = field(default_factory=list)
@@ -891,32 +891,45 @@ def reference_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     return estimate_memory(model, hw, training, plan).fits
 
 
-#: Job switches the search may choose (``SearchSpace`` fields of the same name). Each makes no plan slower and
-#: none larger when True (bf16 gradients: a smaller gradient buffer and fewer bytes to reduce; fp8 weights: no
-#: bf16 copy or fp8 cache and fewer bytes to gather), and changes no plan's legality; tests/test_search_grad_dtype.py
-#: checks it on the tables. False is the framework's default (Megatron-LM's). One exception, listed in
-#: ``LARGER_AT_STEP_WHEN_TRUE``: Megatron's optimizer step makes fp32 copies of a bf16 gradient buffer
-#: (``frameworks.megatron.step_grad_copy_bytes``: 4 B per parameter without the distributed optimizer, 4 / (dp x cp)
-#: with it), so where a stage's activations are smaller than what the bf16 buffer saves (2 B per parameter), bf16
-#: gradients need more memory at the step. :func:`search` then searches again with the default where the bf16
-#: search finds no plan.
-LIGHTER_WHEN_TRUE = ("grad_reduce_in_bf16", "fp8_params")
+#: Job switches the search may choose (``SearchSpace`` fields of the same name), each as (the framework's default,
+#: the lighter value). Each makes no plan slower and none larger at its lighter value (bf16 gradients: a smaller
+#: gradient buffer and fewer bytes to reduce; fp8 weights: no bf16 copy or fp8 cache and fewer bytes to gather;
+#: Transformer Engine's fused cross entropy, Megatron ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl te``:
+#: 2 B per logit where Megatron's unfused loss keeps 6, ``frameworks.megatron``, and no time modelled either way),
+#: and changes no plan's legality; tests/test_search_grad_dtype.py checks it on the tables. The default is
+#: Megatron-LM's. One exception, listed in ``LARGER_AT_STEP_WHEN_TRUE``: Megatron's optimizer step makes fp32 copies
+#: of a bf16 gradient buffer (``frameworks.megatron.step_grad_copy_bytes``: 4 B per parameter without the distributed
+#: optimizer, 4 / (dp x cp) with it), so where a stage's activations are smaller than what the bf16 buffer saves (2 B
+#: per parameter), bf16 gradients need more memory at the step. :func:`search` then searches again with the default
+#: where the bf16 search finds no plan.
+SWITCHES: dict[str, tuple] = {"grad_reduce_in_bf16": (False, True), "fp8_params": (False, True),
+                              "cross_entropy_fusion": ("none", "te")}
 LARGER_AT_STEP_WHEN_TRUE = ("grad_reduce_in_bf16",)
 
 
+def _light(fields) -> dict:
+    """Each switch of ``fields`` at its lighter value (``SWITCHES``)."""
+    return {f: SWITCHES[f][1] for f in fields}
+
+
+def _default(fields) -> dict:
+    """Each switch of ``fields`` at the framework's default (``SWITCHES``)."""
+    return {f: SWITCHES[f][0] for f in fields}
+
+
 def switch_values(space: SearchSpace, training: TrainingSpec) -> dict[str, tuple[bool, ...]]:
-    """The values of each ``LIGHTER_WHEN_TRUE`` switch a search covers: ``space``'s, else the job's own."""
-    return {f: getattr(space, f) or (getattr(training, f),) for f in LIGHTER_WHEN_TRUE}
+    """The values of each ``SWITCHES`` switch a search covers: ``space``'s, else the job's own."""
+    return {f: getattr(space, f) or (getattr(training, f),) for f in SWITCHES}
 
 
 def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
            top_k: int = 0, order: str = DEFAULT_ORDER) -> SearchResult:
     """The fastest plan that fits, and up to ``top_k`` alternatives, each with another (tp, pp, cp).
 
-    Switches offered both ways (``LIGHTER_WHEN_TRUE``: ``SearchSpace.grad_reduce_in_bf16``, ``.fp8_params``) are
-    set True for the tables: no plan is slower or larger with them on, so the fastest plan over both values is
-    the fastest with True. Each plan found then gets the default (False) of each back, in that order, where it
-    is as fast and still fits (:func:`_prefer_defaults`)."""
+    Switches offered both ways (``SWITCHES``: ``SearchSpace.grad_reduce_in_bf16``, ``.fp8_params``,
+    ``.cross_entropy_fusion``) are set to their lighter value for the tables: no plan is slower or larger with it,
+    so the fastest plan over both values is the fastest with the lighter one. Each plan found then gets the default
+    of each back, in that order, where it is as fast and still fits (:func:`_prefer_defaults`)."""
     space = space or SearchSpace()
     offered = {f: set(v) for f, v in switch_values(space, training).items()}
     training = training.model_copy(update={f: next(iter(v)) for f, v in offered.items() if len(v) == 1})
@@ -924,11 +937,11 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
     if not searched:
         return _search(model, hw, training, space, top_k, order)
     t0 = time.perf_counter()
-    light = training.model_copy(update=dict.fromkeys(searched, True))
+    light = training.model_copy(update=_light(searched))
     result = _search(model, hw, light, replace(space, **dict.fromkeys(searched, None)), top_k, order)
     heavier = [f for f in searched if f in LARGER_AT_STEP_WHEN_TRUE]
     if result.best is None and heavier:  # those switches' default may fit where True does not (LARGER_AT_STEP_...)
-        light = light.model_copy(update=dict.fromkeys(heavier, False))
+        light = light.model_copy(update=_default(heavier))
         searched = [f for f in searched if f not in heavier]
         first_solver_s = result.solver_s
         result = _search(model, hw, light, replace(space, **dict.fromkeys(searched + heavier, None)), top_k, order)
@@ -943,14 +956,14 @@ def search(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: Se
 
 def _prefer_defaults(model: ModelSpec, hw: HardwareSpec, light: TrainingSpec, plan: Plan, searched: list[str],
                      order: str = DEFAULT_ORDER) -> TrainingSpec:
-    """``light`` (the job with every switch of ``searched`` True), with each switch in turn set back to False
-    where ``plan`` is as fast without it (to the tables' nanosecond) and still fits."""
+    """``light`` (the job with every switch of ``searched`` at its lighter value), with each switch in turn set back
+    to its default where ``plan`` is as fast without it (to the tables' nanosecond) and still fits."""
     from planner.cost import estimate_time
 
     t_light = estimate_time(model, hw, light, plan, order).step_time_s
     run = light
     for f in searched:
-        back = run.model_copy(update={f: False})
+        back = run.model_copy(update=_default([f]))
         if estimate_time(model, hw, back, plan, order).step_time_s <= t_light + 0.5 / NS \
                 and reference_fits(model, hw, back, plan):
             run = back
@@ -1006,7 +1019,7 @@ def exhaustive(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space
 def exhaustive_with_training(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec,
                              space: SearchSpace | None = None, order: str = DEFAULT_ORDER
                              ) -> tuple[Plan | None, float, int, TrainingSpec]:
-    """:func:`exhaustive` over every value of the switches ``SearchSpace`` offers (``LIGHTER_WHEN_TRUE``; by
+    """:func:`exhaustive` over every value of the switches ``SearchSpace`` offers (``SWITCHES``; by
     default the job's own), and the job as its best plan runs it (the first listed among equally fast)."""
     import itertools
 
@@ -1016,7 +1029,7 @@ def exhaustive_with_training(model: ModelSpec, hw: HardwareSpec, training: Train
     space = space or SearchSpace()
     best, best_t, n, best_tr = None, float("inf"), 0, training
     for combo in itertools.product(*switch_values(space, training).values()):
-        tr = training.model_copy(update=dict(zip(LIGHTER_WHEN_TRUE, combo)))
+        tr = training.model_copy(update=dict(zip(SWITCHES, combo)))
         for plan in enumerate_plans(model, hw, tr, space):
             n += 1
             if not estimate_memory(model, hw, tr, plan).fits:
@@ -1030,7 +1043,7 @@ def exhaustive_with_training(model: ModelSpec, hw: HardwareSpec, training: Train
 def any_plan_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, space: SearchSpace | None = None,
                   order: str = DEFAULT_ORDER) -> bool:
     """Whether :func:`search` would find a plan that fits, without costing any: the same tables (memory only,
-    ``build_tables(memory_only=True)``), the same job switches (``LIGHTER_WHEN_TRUE`` on, then the
+    ``build_tables(memory_only=True)``), the same job switches (``SWITCHES`` at their lighter values, then the
     ``LARGER_AT_STEP_WHEN_TRUE`` ones back off), the same pins (the tables hold only what the pins allow: the
     shapes, micro-batch options and ZeRO stages are built from them) and the same reference memory check
     (:func:`reference_fits`) of up to ``MAX_REFERENCE_REJECTIONS`` fitting entries, the smallest peaks first.
@@ -1038,11 +1051,12 @@ def any_plan_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, sp
     space = space or SearchSpace()
     offered = {f: set(v) for f, v in switch_values(space, training).items()}
     searched = [f for f, v in offered.items() if len(v) > 1]
-    light = training.model_copy(update={f: True if f in searched else next(iter(v)) for f, v in offered.items()})
+    light = training.model_copy(update={f: SWITCHES[f][1] if f in searched else next(iter(v))
+                                        for f, v in offered.items()})
     jobs = [light]
     heavier = [f for f in searched if f in LARGER_AT_STEP_WHEN_TRUE]
     if heavier:
-        jobs.append(light.model_copy(update=dict.fromkeys(heavier, False)))
+        jobs.append(light.model_copy(update=_default(heavier)))
     space = replace(space, **dict.fromkeys(searched, None))
     for tr in jobs:
         tables = build_tables(model, hw.for_job(tr.num_gpus), tr, space, order, memory_only=True)

@@ -1,5 +1,6 @@
-"""Job switches the search chooses (search.LIGHTER_WHEN_TRUE): the gradient dtype (candidates.grad_dtype_options)
-and fp8 weights (candidates.fp8_params_options).
+"""Job switches the search chooses (search.SWITCHES): the gradient dtype (candidates.grad_dtype_options), fp8
+weights (candidates.fp8_params_options) and Transformer Engine's fused cross entropy
+(candidates.cross_entropy_fusion_options).
 
 Megatron-LM keeps fp32 main gradients unless told ``--grad-reduce-in-bf16`` and bf16 weights unless told
 ``--fp8-param-gather``; NVIDIA's published runs set both (NeMo-Framework-Launcher
@@ -12,7 +13,8 @@ import json
 import numpy as np
 import pytest
 
-from planner.candidates import Pins, SearchSpace, fp8_params_options, grad_dtype_options, switch_options
+from planner.candidates import (Pins, SearchSpace, cross_entropy_fusion_options, fp8_params_options,
+                                grad_dtype_options, switch_options)
 from planner.cli import app
 from planner.memory import estimate_memory
 from planner.presets import load_hardware, load_model
@@ -46,9 +48,65 @@ def test_options_only_where_unset_mixed_precision_and_emitted():
 
 def test_switch_options_are_the_search_space_keywords_of_both_switches():
     tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096, precision="fp8")
-    assert switch_options(tr) == {"grad_reduce_in_bf16": BOTH, "fp8_params": BOTH}
-    assert switch_options(tr, False, True) == {"grad_reduce_in_bf16": None, "fp8_params": None}
+    assert switch_options(tr) == {"grad_reduce_in_bf16": BOTH, "fp8_params": BOTH,
+                                  "cross_entropy_fusion": ("none", "te")}
+    assert switch_options(tr, False, True, "none") == {"grad_reduce_in_bf16": None, "fp8_params": None,
+                                                       "cross_entropy_fusion": None}
     assert SearchSpace(**switch_options(tr)).fp8_params == BOTH
+
+
+def test_fused_loss_offered_only_where_unset_and_run():
+    """Megatron's and NeMo's jobs without --cross-entropy-fusion; not where the user gave one, nor in frameworks
+    without Megatron's loss kernels (specs.job_problems refuses them there)."""
+    tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096)
+    assert cross_entropy_fusion_options(tr, None) == ("none", "te")
+    assert cross_entropy_fusion_options(tr.model_copy(update={"framework": "nemo"}), None) == ("none", "te")
+    for given in ("none", "native", "te"):
+        assert cross_entropy_fusion_options(tr, given) is None
+    for framework in ("torchtitan", "deepspeed"):
+        assert cross_entropy_fusion_options(tr.model_copy(update={"framework": framework}), None) is None
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_fused_loss_is_never_slower_nor_larger(pp):
+    """What search.search relies on for the loss kernel (search.SWITCHES): no combination is slower, needs more memory
+    on any stage or changes legality with Transformer Engine's fused cross entropy, and the loss stage's are smaller
+    (2 B per logit, not 6)."""
+    model = load_model("llama3-8b")
+    off = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096)
+    on = off.model_copy(update={"cross_entropy_fusion": "te"})
+    space = SearchSpace(max_micro_batch_size=2, max_cp=2, pins=Pins(pp=pp))
+    t0, t1 = build_tables(model, H100, off, space), build_tables(model, H100, on, space)
+    legal = t0.legal
+    assert (legal == t1.legal).all()
+    assert (t1.time_ns[legal] <= t0.time_ns[legal]).all()
+    assert (t1.mem_kib[legal] <= t0.mem_kib[legal]).all()
+    assert (t1.mem_kib[legal] < t0.mem_kib[legal]).any()
+
+
+def test_search_takes_the_fused_loss_only_where_a_plan_needs_it():
+    """MosaicML's MPT-760M at 12 x 2,048 tokens on 8 A100 40GB without recompute (llm-foundry's benchmark README,
+    benchmarks/data/llm_foundry_mpt.json: it ran) fits only with the fused loss under Megatron's semantics (37.7 GiB
+    of 36.0 unfused at ZeRO 3, 33.0 fused): the search finds it with --cross-entropy-fusion te, which brute force
+    over both kernels agrees with and the plan file carries; where the unfused loss fits (micro-batch 4), the search
+    keeps Megatron's default."""
+    model = ModelSpec(name="mpt-760m", num_layers=24, hidden_size=1536, num_attention_heads=12, ffn_hidden_size=6144,
+                      vocab_size=50368, max_seq_len=2048, activation="gelu", norm="layernorm", tied_embeddings=True,
+                      position_embedding="learned", linear_bias=True)
+    a100 = load_hardware("a100-40gb")
+    tr = TrainingSpec(num_gpus=8, global_batch_size=384, seq_len=2048)
+    pins = Pins(tp=1, pp=1, cp=1, micro_batch_size=12, recompute="none")
+    assert search(model, a100, tr, SearchSpace(pins=pins)).best is None  # the job's own (unfused) loss only
+    space = SearchSpace(pins=pins, **switch_options(tr))
+    res = search(model, a100, tr, space)
+    assert res.best is not None and res.training.cross_entropy_fusion == "te"
+    assert estimate_memory(model, a100, res.training, res.best).fits
+    assert not estimate_memory(model, a100, tr, res.best).fits
+    _, _, _, brute_tr = exhaustive_with_training(model, a100, tr, space)
+    assert brute_tr.cross_entropy_fusion == "te"
+    lighter = search(model, a100, tr, SearchSpace(pins=Pins(tp=1, pp=1, cp=1, micro_batch_size=4, recompute="none"),
+                                                  **switch_options(tr)))
+    assert lighter.best is not None and lighter.training.cross_entropy_fusion == "none"
 
 
 def test_fp8_params_offered_only_where_lighter_and_emitted():
@@ -66,7 +124,7 @@ def test_fp8_params_offered_only_where_lighter_and_emitted():
     ("llama3-8b", "h100-sxm-80gb", "fp8", "megatron", 1), ("llama3-8b", "h100-sxm-80gb", "fp8", "nemo", 2),
     ("llama3-8b", "b200-180gb", "mxfp8", "megatron", 2), ("mixtral-8x7b", "h100-sxm-80gb", "fp8", "megatron", 2)])
 def test_fp8_params_are_never_slower_nor_larger(model_name, hw_name, precision, framework, pp):
-    """What search.search relies on for fp8 weights (search.LIGHTER_WHEN_TRUE): no combination is slower, needs
+    """What search.search relies on for fp8 weights (search.SWITCHES): no combination is slower, needs
     more memory on any stage or changes legality with them, and some are smaller."""
     model = load_model(model_name)
     hw = load_hardware(hw_name).model_copy(update={"inter_node_bandwidth_gbps": 5.0})

@@ -149,7 +149,7 @@ def search(
                                                                    optimizer))
     _check_pins(spec_hw, tp, counts)
     # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
-    space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params))
+    space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params, cross_entropy_fusion))
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
     if schedule_problem:
         raise SpecError(schedule_problem)
