@@ -35,6 +35,18 @@ NEMO_175B_JOB = TrainingSpec(num_gpus=512, global_batch_size=2048, seq_len=2048,
 NEMO_175B_PINS = Pins(tp=4, pp=8, vpp=6, cp=1, micro_batch_size=2)
 
 
+def assert_lighter_switch(model, hw, off: TrainingSpec, on: TrainingSpec, pp: int) -> None:
+    """The tables of ``on`` (a switch at its lighter value) against ``off`` (at its default): the same legal entries,
+    none slower, none larger on any stage, and some smaller."""
+    space = SearchSpace(max_micro_batch_size=2, max_cp=2, pins=Pins(pp=pp))
+    t0, t1 = build_tables(model, hw, off, space), build_tables(model, hw, on, space)
+    legal = t0.legal
+    assert (legal == t1.legal).all()
+    assert (t1.time_ns[legal] <= t0.time_ns[legal]).all()
+    assert (t1.mem_kib[legal] <= t0.mem_kib[legal]).all()
+    assert (t1.mem_kib[legal] < t0.mem_kib[legal]).any()
+
+
 def test_options_only_where_unset_mixed_precision_and_emitted():
     tr = TrainingSpec(num_gpus=8, global_batch_size=64, seq_len=4096)
     assert grad_dtype_options(tr, None) == BOTH
@@ -75,13 +87,7 @@ def test_the_fused_loss_is_never_slower_nor_larger(pp):
     model = load_model("llama3-8b")
     off = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096)
     on = off.model_copy(update={"cross_entropy_fusion": "te"})
-    space = SearchSpace(max_micro_batch_size=2, max_cp=2, pins=Pins(pp=pp))
-    t0, t1 = build_tables(model, H100, off, space), build_tables(model, H100, on, space)
-    legal = t0.legal
-    assert (legal == t1.legal).all()
-    assert (t1.time_ns[legal] <= t0.time_ns[legal]).all()
-    assert (t1.mem_kib[legal] <= t0.mem_kib[legal]).all()
-    assert (t1.mem_kib[legal] < t0.mem_kib[legal]).any()
+    assert_lighter_switch(model, H100, off, on, pp)
 
 
 def test_search_takes_the_fused_loss_only_where_a_plan_needs_it():
@@ -130,13 +136,7 @@ def test_fp8_params_are_never_slower_nor_larger(model_name, hw_name, precision, 
     hw = load_hardware(hw_name).model_copy(update={"inter_node_bandwidth_gbps": 5.0})
     off = TrainingSpec(num_gpus=16, global_batch_size=64, seq_len=4096, precision=precision, framework=framework)
     on = off.model_copy(update={"fp8_params": True})
-    space = SearchSpace(max_micro_batch_size=2, max_cp=2, pins=Pins(pp=pp))
-    t0, t1 = build_tables(model, hw, off, space), build_tables(model, hw, on, space)
-    legal = t0.legal
-    assert (legal == t1.legal).all()
-    assert (t1.time_ns[legal] <= t0.time_ns[legal]).all()
-    assert (t1.mem_kib[legal] <= t0.mem_kib[legal]).all()
-    assert (t1.mem_kib[legal] < t0.mem_kib[legal]).any()
+    assert_lighter_switch(model, hw, off, on, pp)
 
 
 def test_search_takes_fp8_params_only_where_they_help():
