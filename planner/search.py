@@ -917,7 +917,7 @@ def _default(fields) -> dict:
     return {f: SWITCHES[f][0] for f in fields}
 
 
-def switch_values(space: SearchSpace, training: TrainingSpec) -> dict[str, tuple[bool, ...]]:
+def switch_values(space: SearchSpace, training: TrainingSpec) -> dict[str, tuple]:
     """The values of each ``SWITCHES`` switch a search covers: ``space``'s, else the job's own."""
     return {f: getattr(space, f) or (getattr(training, f),) for f in SWITCHES}
 

@@ -148,7 +148,8 @@ def search(
                                                                    pipeline_kept_outputs, dist_optimizer_instances,
                                                                    optimizer))
     _check_pins(spec_hw, tp, counts)
-    # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms) is searched
+    # a switch the user set neither way (--grad-reduce-in-bf16, --fp8-params or their --no- forms; no
+    # --cross-entropy-fusion) is searched
     space = SearchSpace(pins=pins, **switch_options(training, grad_reduce_in_bf16, fp8_params, cross_entropy_fusion))
     schedule_problem = schedule_pin_problems(training.framework, pipeline_schedule)
     if schedule_problem:
