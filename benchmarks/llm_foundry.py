@@ -3,7 +3,7 @@
 Run: python benchmarks/llm_foundry.py [--rows] [--scorer]
 
 Data: benchmarks/data/llm_foundry_mpt.json (mosaicml/llm-foundry scripts/train/benchmarking/README.md, "MPT Training
-Benchmarks": 191 measured runs on H100 80GB, A100 80GB and A100 40GB, 125M to 70B parameters, 512 to 65,536 tokens,
+Benchmarks": 201 measured runs on H100 80GB (BF16 and FP8), A100 80GB and A100 40GB, 125M to 70B parameters, 512 to 65,536 tokens,
 8 to 128 GPUs, rows copied verbatim; the file's ``source``, ``model_note`` and ``mapping_note`` say what each field is
 and what is not modelled). None of these runs was used to set any figure of plan3d: they are a held-out family
 (another framework, GPT-style models with LayerNorm, GELU, biases and learned positions, long sequences). Step time
@@ -12,7 +12,8 @@ uses flash-attn's fused cross-entropy, ``mapping_note``), so a run called out of
 
 Each run is pinned as it ran (``mapping_note``): ``--framework torchtitan`` (FSDP ZeRO 3, the nearest plan3d
 profile to Composer's FSDP FULL_SHARD), tp 1, pp 1, dp = the GPUs, the row's micro-batch, global batch and sequence,
-full recompute where the row checkpoints activations, bf16, FlashAttention-2's speed, no compile; its model is MPT's
+full recompute where the row checkpoints activations, bf16 (fp8 for the FP8 rows), FlashAttention-2's speed, no
+compile; its model is MPT's
 (``models`` and ``model_note``: plan3d's parameter count equals the row's NumParams). Error = predicted tokens/s per
 GPU / published - 1 (positive: plan3d is optimistic). ``--scorer`` also predicts each run as
 ``../shared/tools/score_runs.py`` scores a run (a few minutes): the stated knobs pinned (tp 1, pp 1, cp 1, the
@@ -62,11 +63,16 @@ def mpt_model(size: str, arch: dict, seq: int) -> ModelSpec:
                      tied_embeddings=True, position_embedding="learned", linear_bias=True)
 
 
+def precision_of(row: dict) -> str:
+    """plan3d's precision for the row's: fp8 for Composer's amp_fp8 (Transformer Engine's FP8 linears), else bf16."""
+    return "fp8" if row["precision"] == "amp_fp8" else "bf16"
+
+
 def job(row: dict, arch: dict) -> tuple[ModelSpec, TrainingSpec, Plan]:
     """The run pinned as it ran (module docstring)."""
     model = mpt_model(row["model"], arch, row["seq"])
-    training = TrainingSpec(num_gpus=row["gpus"], global_batch_size=row["gbs"], seq_len=row["seq"], precision="bf16",
-                            framework="torchtitan", attention="flash2", compile=False)
+    training = TrainingSpec(num_gpus=row["gpus"], global_batch_size=row["gbs"], seq_len=row["seq"],
+                            precision=precision_of(row), framework="torchtitan", attention="flash2", compile=False)
     plan = Plan(tp=1, pp=1, dp=row["gpus"], cp=1, micro_batch_size=row["mbs"],
                 recompute="full" if row["act_ckpt"] else "none", zero_stage=3)
     return model, training, plan
@@ -88,7 +94,8 @@ def predict(row: dict, arch: dict, hw) -> dict:
 def scorer_error(row: dict, arch: dict, hw) -> float | None:
     """Predicted / published tokens/s per GPU - 1 as the scorer predicts the run (module docstring), None for a miss."""
     model = mpt_model(row["model"], arch, row["seq"])
-    training = TrainingSpec(num_gpus=row["gpus"], global_batch_size=row["gbs"], seq_len=row["seq"], precision="bf16")
+    training = TrainingSpec(num_gpus=row["gpus"], global_batch_size=row["gbs"], seq_len=row["seq"],
+                            precision=precision_of(row))
     pins = Pins(tp=1, pp=1, cp=1, micro_batch_size=row["mbs"], recompute="full" if row["act_ckpt"] else "none")
     res = search(model, hw, training, SearchSpace(pins=pins, **switch_options(training)))
     if res.best is None:

@@ -2,7 +2,7 @@
 and plan3d builds the model those runs trained.
 
 Each row carries its throughput and its MFU; the README's own formula (``mfu_formula``: 2 x NumParams FLOPs per token
-and a layer's full s x s attention, forward and backward 3x, over 312 TFLOP/s on A100 and 989 on H100) turns the one
+and a layer's full s x s attention, forward and backward 3x, over 312 TFLOP/s on A100 and 989 on H100, 1,979 for its FP8 rows) turns the one
 into the other, so a row copied wrong in either, or in its NumParams, breaks the match. Every row's global batch is its
 micro-batch x gradient accumulation x GPUs. plan3d's parameter count of the MPT it builds for a row
 (benchmarks/llm_foundry.py ``mpt_model``) equals the row's published NumParams, which checks the architecture the
@@ -23,8 +23,9 @@ import llm_foundry  # noqa: E402
 
 DATA = json.loads((ROOT / "benchmarks/data/llm_foundry_mpt.json").read_text())
 ROWS = [(name, line) for name, table in DATA["tables"].items() for line in table["rows_markdown"]]
-#: the README's GPU_AVAILABLE_FLOPS for bf16 (its MFU column is reproduced with these, below)
-PEAK_FLOPS = {"a100_80gb": 312e12, "a100_40gb": 312e12, "h100_80gb": 989e12}
+#: the README's GPU_AVAILABLE_FLOPS by GPU and precision (its MFU column is reproduced with these, below)
+PEAK_FLOPS = {("a100_80gb", "bf16"): 312e12, ("a100_40gb", "bf16"): 312e12, ("h100_80gb", "bf16"): 989e12,
+              ("h100_80gb", "fp8"): 1979e12}
 #: the MFU column has two decimals and the throughput is a whole number of tokens/s: 0.15 points covers both roundings
 #: (the 70B rows, at 276-410 tokens/s per GPU, are the furthest: 0.11)
 MFU_POINTS = 0.15
@@ -32,7 +33,7 @@ MFU_POINTS = 0.15
 
 def test_all_three_tables_are_there():
     assert {name: len(t["rows_markdown"]) for name, t in DATA["tables"].items()} == \
-        {"h100_80gb_bf16": 52, "a100_80gb": 61, "a100_40gb": 78}
+        {"h100_80gb_bf16": 52, "h100_80gb_fp8": 10, "a100_80gb": 61, "a100_40gb": 78}
 
 
 @pytest.mark.parametrize("table,line", ROWS)
@@ -42,7 +43,8 @@ def test_a_row_reproduces_its_published_mfu(table, line):
     s = row["seq"]
     flops_per_seq = 2 * row["num_params"] * s
     attn_flops_per_seq = arch["n_layers"] * 2 * 2 * arch["d_model"] * s * s
-    mfu = 100 * 3 * (flops_per_seq + attn_flops_per_seq) * (row["tokens_per_s_per_gpu"] / s) / PEAK_FLOPS[row["gpu"]]
+    peak = PEAK_FLOPS[(row["gpu"], llm_foundry.precision_of(row))]
+    mfu = 100 * 3 * (flops_per_seq + attn_flops_per_seq) * (row["tokens_per_s_per_gpu"] / s) / peak
     assert mfu == pytest.approx(row["mfu"], abs=MFU_POINTS)
     assert row["gbs"] == row["mbs"] * row["ga"] * row["gpus"]
 
