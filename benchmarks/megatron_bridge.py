@@ -35,7 +35,8 @@ vpp = VP or 1; EP from
 the row, ETP 1 (the recipes' expert_tensor_parallel_size=1); dispatcher (hybridep/deepep backends ->
 plan3d 'deepep'), MoE all-to-all overlap (where Megatron-Core accepts it for the row's layout, ``a2a_overlap``),
 CUDA-graph scopes (``graph_modules``) and pipeline layout from the run's ``recipe``. FP8-CS (per-tensor current
-scaling) is ``fp8_recipe='tensorwise'``; the 25.09 table names no precision and is read as delayed, TE's default.
+scaling) is ``fp8_recipe='tensorwise'``; the 25.09 table names no precision and is read as delayed, TE's default;
+its parenthesised H100 DeepSeek-V3 "FP8 blockwise" row is ``fp8_recipe='blockwise'`` (``recipe_of``).
 The 25.09 rows marked (tokendrop) train with expert capacity 1.0, padded, over the alltoall dispatcher, as
 Megatron-Bridge's ``apply_moe_token_drop`` sets them (``token_drop``).
 """
@@ -59,7 +60,15 @@ from planner.specs import Plan, TrainingSpec, plan_problems  # noqa: E402
 
 DATA = ROOT / "benchmarks/data/megatron_bridge_perf.json"
 CONSISTENCY = 0.10  # benchmarks/data/moe_published.json's consistency_rule
-MODELLED_PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")  # planner.specs.Precision, less fp32
+MODELLED_PRECISIONS = ("bf16", "fp8", "fp8_blockwise", "mxfp8", "nvfp4")  # planner.specs.Precision, less fp32
+
+
+def recipe_of(r: dict) -> tuple[str, str]:
+    """(``TrainingSpec.precision``, ``fp8_recipe``) of a row: FP8 block scaling is fp8 with the blockwise recipe
+    (Transformer Engine Float8BlockScaling, Megatron --fp8-recipe blockwise), FP8-CS the tensorwise one."""
+    if r["precision"] == "fp8_blockwise":
+        return "fp8", "blockwise"
+    return r["precision"], "tensorwise" if (r.get("precision_published") or "").startswith("FP8-CS") else "delayed"
 
 
 def run_label(r: dict) -> str:
@@ -187,14 +196,15 @@ def score(r: dict, models: set[str], memory: bool, hardware_update: dict | None 
     dispatcher = hybridep_of(r)
     if r.get("model_note") == "tokendrop":
         model, dispatcher = token_drop(model)
-    training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=r["precision"],
+    precision, fp8_recipe = recipe_of(r)
+    training = TrainingSpec(num_gpus=r["gpus"], global_batch_size=r["gbs"], seq_len=r["seq"], precision=precision,
                             framework="nemo", moe_token_dispatcher=dispatcher, moe_a2a_overlap=a2a_overlap(r),
                             cuda_graph_modules=graph_modules(r), recompute_modules=recompute_modules(r) or ("core_attn",),
                             grad_reduce_in_bf16=True, optimizer=optimizer_of(r),
-                            fp8_params=r["precision"] in ("fp8", "mxfp8") and optimizer_of(r) == "adam",
-                            cross_entropy_fusion="te",
-                            fp8_recipe="tensorwise" if (r.get("precision_published") or "").startswith("FP8-CS")
-                            else "delayed")
+                            # Megatron-Bridge's bf16_with_fp8_subchannel_scaling_mixed sets fp8_param_gather False
+                            fp8_params=precision in ("fp8", "mxfp8") and optimizer_of(r) == "adam"
+                            and fp8_recipe != "blockwise",
+                            cross_entropy_fusion="te", fp8_recipe=fp8_recipe)
     plan = plan_of(r, model.is_moe)
     problems = plan_problems(model, hw, training, plan)
     if problems:

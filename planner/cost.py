@@ -63,7 +63,7 @@ import numpy as np
 from planner import comm, flops, frameworks
 from planner.frameworks import deepspeed as deepspeed_framework
 from planner.layout import DEFAULT_ORDER, axis_span, expert_span, partial_dp_spans, pp_hop_crosses_nodes
-from planner.memory import (LINEAR_INPUT_BYTES, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
+from planner.memory import (LINEAR_INPUT_BYTES, linear_input_key, a2a_overlap_active, act_bytes, grad_bytes, kv_heads_per_rank, layer_param_split, param_bytes,  # noqa: F401
                             moe_routed_shares, moe_row_scale, router_dtype_bytes, stage_param_split)
 from planner.specs import (FLASH_ATTENTION, FLEX_DISPATCHERS, HardwareSpec, ModelSpec, Plan, Scenario, TrainingSpec, padded_vocab_size,
                            plan_microbatches)
@@ -677,11 +677,15 @@ def unfused_rope(model: ModelSpec, training: TrainingSpec, plan: Plan
 #: 4 linears, 12 GEMMs: fprop, dgrad, wgrad), per-layer ms as (kernels only, ``--pre-quantize``; autocast, i.e.
 #: with the quantisation TE does in training), on one B300 SXM6 and one H200 NVL. DelayedScaling cannot be
 #: pre-quantised; its kernels are the per-tensor FP8 GEMMs of CurrentScaling (``tensorwise``), so the
-#: tensorwise kernel time stands for both.
+#: tensorwise kernel time stands for both. FP8 block scaling (``Float8BlockScaling``, ``fp8_blockwise``) is measured
+#: on the H200 in autocast only ("Hopper's cuBLAS does not support" its pre-quantised 2D-by-2D inputs, the same
+#: page): 22.882 ms per layer. Its kernel time is taken as the per-tensor FP8 kernels' (16.785 ms) and the rest as
+#: its quantisation, so the layer's total is the measured one at this shape, whichever of the two the gap belongs to.
 TE_GEMM_BENCH_MS = {
     "b300": {"bf16": (13.102, 12.758), "fp8_tensorwise": (6.812, 9.147), "fp8_delayed": (6.812, 7.802),
              "mxfp8": (7.161, 8.984), "nvfp4": (3.764, 6.453)},
-    "h200": {"bf16": (31.968, 32.014), "fp8_tensorwise": (16.785, 20.285), "fp8_delayed": (16.785, 18.978)},
+    "h200": {"bf16": (31.968, 32.014), "fp8_tensorwise": (16.785, 20.285), "fp8_delayed": (16.785, 18.978),
+             "fp8_blockwise": (16.785, 22.882)},
 }
 #: The benchmark GPUs' HBM bandwidth, GB/s (B300: 8 TB/s, hardware_profiles/b300-288gb.yaml; H200 NVL: 4.8 TB/s,
 #: NVIDIA H200 datasheet), at the profiles' hbm_efficiency 0.8 (NVIDIA Deep Learning Performance Guide).
@@ -696,7 +700,8 @@ def _quantisation_bytes(key: str) -> float:
     """HBM-equivalent bytes per element (both copies) of TE's quantisation in one recipe: the benchmark's
     autocast minus kernel-only time, at the GPU's HBM rate, over the elements it quantises; the mean over the
     GPUs measured. B300 and H200 agree within 12 % for tensorwise FP8 (12.0 and 10.8 B), which is why a
-    bandwidth-scaled figure is used on other GPUs; delayed scaling 5.1 and 6.8 B."""
+    bandwidth-scaled figure is used on other GPUs; delayed scaling 5.1 and 6.8 B; block scaling 18.9 B (H200 only,
+    Hopper being where it runs natively)."""
     got = [(bench[key][1] - bench[key][0]) * 1e-3 * TE_GEMM_BENCH_HBM_GBPS[gpu] * 1e9 / TE_GEMM_BENCH_ELEMENTS
            for gpu, bench in TE_GEMM_BENCH_MS.items() if key in bench]
     return sum(got) / len(got)
@@ -706,7 +711,8 @@ def _quantisation_bytes(key: str) -> float:
 #: bare data movement is less (read 2 B, write 1 + 1 B for fp8; plus block scales for mxfp8 and nvfp4): the
 #: measurement also holds the amax passes of current scaling, the block-scale computation, NVFP4's random
 #: Hadamard transform and stochastic rounding, and the launches.
-LOW_PRECISION_CAST_BYTES = {k: _quantisation_bytes(k) for k in ("fp8_delayed", "fp8_tensorwise", "mxfp8", "nvfp4")}
+LOW_PRECISION_CAST_BYTES = {k: _quantisation_bytes(k)
+                            for k in ("fp8_delayed", "fp8_tensorwise", "fp8_blockwise", "mxfp8", "nvfp4")}
 LOW_PRECISIONS = ("fp8", "mxfp8", "nvfp4")
 #: Block-scaled GEMM kernels against per-tensor FP8 on the same GPU (the benchmark's kernel-only B300 totals):
 #: MXFP8 6.812 / 7.161 = 0.95x, NVFP4 6.812 / 3.764 = 1.81x (the datasheet's FP4/FP8 ratio on B300 is 2.9x).
@@ -1243,13 +1249,13 @@ def sp_gather_bytes_per_element(training: TrainingSpec) -> float:
     output gradient's gather (``module/base.py`` ``grad_output_preprocess``, "FP8 with all-gather": the gradient
     quantizer is passed to ``gather_along_first_dim``). Megatron-Core's TE layers ask for no high-precision norm
     output (``return_layernorm_output=False``), so no 16-bit copy is gathered. The bytes are those of the saved
-    GEMM input (``planner.memory.LINEAR_INPUT_BYTES``: 1 B fp8, 1 + 1/32 B MXFP8, 0.5 + 1/16 B NVFP4). The
-    reduce-scatters carry the 16-bit GEMM outputs. Frameworks that gather the 16-bit tensor (torch's DTensor SP)
-    and 16-bit training: ``act_bytes``."""
+    GEMM input (``planner.memory.LINEAR_INPUT_BYTES``: 1 B fp8, 1 + 4/128 B fp8 block scaling, 1 + 1/32 B MXFP8,
+    0.5 + 1/16 B NVFP4). The reduce-scatters carry the 16-bit GEMM outputs. Frameworks that gather the 16-bit tensor
+    (torch's DTensor SP) and 16-bit training: ``act_bytes``."""
     e = act_bytes(training)
     if not frameworks.get(training.framework).quantized_sp_gather:
         return e
-    return LINEAR_INPUT_BYTES.get(training.precision, e)
+    return LINEAR_INPUT_BYTES.get(linear_input_key(training), e)
 
 
 def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,

@@ -396,10 +396,21 @@ def apply_recompute_modules(terms: list[ActTerm], training: TrainingSpec) -> lis
 
 
 #: Bytes per element of a GEMM input saved for the weight gradient (Transformer Engine keeps the quantised
-#: column-wise copy, not the bf16 tensor): fp8 1 B; mxfp8 1 B + one E8M0 scale per 32 values; nvfp4
-#: 0.5 B + one E4M3 scale per 16 values (TE MXFP8BlockScaling / NVFP4BlockScaling; OCP MX spec v1.0;
-#: NVIDIA, arXiv:2509.25149).
-LINEAR_INPUT_BYTES = {"fp8": 1.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+#: column-wise copy, not the bf16 tensor): fp8 1 B; fp8 block scaling 1 B + one FP32 scale per 1 x 128 tile
+#: (TE Float8BlockScaling: activations and gradients in 1 x 128 tiles, weights in 128 x 128 blocks, DeepSeek-V3
+#: report arXiv:2412.19437 section 3.3, "FP8 Training"; Megatron-Bridge ``bf16_with_fp8_subchannel_scaling_mixed``: "128x128
+#: blockwise quantization for weight and 1x128 blockwise quantization for activation"); mxfp8 1 B + one E8M0
+#: scale per 32 values; nvfp4 0.5 B + one E4M3 scale per 16 values (TE MXFP8BlockScaling / NVFP4BlockScaling;
+#: OCP MX spec v1.0; NVIDIA, arXiv:2509.25149). Keyed by :func:`linear_input_key`.
+LINEAR_INPUT_BYTES = {"fp8": 1.0, "fp8_blockwise": 1 + 4 / 128, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+
+
+def linear_input_key(training: TrainingSpec) -> str:
+    """The ``LINEAR_INPUT_BYTES`` key of a job: its precision, and for fp8 block scaling ``fp8_blockwise`` (the
+    per-tensor recipes keep one scale per tensor: nothing per value)."""
+    if training.precision == "fp8" and training.fp8_recipe == "blockwise":
+        return "fp8_blockwise"
+    return training.precision
 
 
 def linear_input_bytes(training: TrainingSpec) -> float:
@@ -411,7 +422,7 @@ def linear_input_bytes(training: TrainingSpec) -> float:
     e = act_bytes(training)
     if not frameworks.get(training.framework).saves_quantized_gemm_inputs:
         return e
-    return LINEAR_INPUT_BYTES.get(training.precision, e)
+    return LINEAR_INPUT_BYTES.get(linear_input_key(training), e)
 
 
 def torchao_fp8_recomputes_inputs(training: TrainingSpec) -> bool:

@@ -925,12 +925,16 @@ class TrainingSpec(_Spec):
                     "fp8_params / transformer_engine.pytorch.fp8_model_init); needs precision fp8 or mxfp8 (MXFP8Tensor "
                     "weights, with --reuse-grad-buf-for-mxfp8-param-ag) and the megatron or nemo framework "
                     "(planner/frameworks/megatron.py).")
-    fp8_recipe: Literal["delayed", "tensorwise"] = Field(
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = Field(
         default="delayed",
-        description="Scaling of per-tensor fp8: delayed (Transformer Engine DelayedScaling, an amax history; "
-                    "Megatron's default --fp8-recipe delayed) or tensorwise (Float8CurrentScaling, the amax of each "
-                    "tensor itself: Megatron --fp8-recipe tensorwise, NVIDIA's FP8-CS recipes). Only the cast "
-                    "cost differs (planner.cost.LOW_PRECISION_CAST_BYTES).")
+        description="Scaling of fp8: delayed (Transformer Engine DelayedScaling, an amax history; "
+                    "Megatron's default --fp8-recipe delayed), tensorwise (Float8CurrentScaling, the amax of each "
+                    "tensor itself: Megatron --fp8-recipe tensorwise, NVIDIA's FP8-CS recipes) or blockwise "
+                    "(Float8BlockScaling: a scale per 1x128 tile of activations and gradients and per 128x128 block "
+                    "of weights, DeepSeek-V3's recipe: Megatron --fp8-recipe blockwise, Megatron-Bridge's "
+                    "bf16_with_fp8_subchannel_scaling_mixed; Hopper, megatron and nemo only). The cast cost differs "
+                    "(planner.cost.LOW_PRECISION_CAST_BYTES), and blockwise saves a 4-byte scale per 128 values "
+                    "of each GEMM input (planner.memory.LINEAR_INPUT_BYTES).")
     cross_entropy_fusion: Literal["none", "native", "te"] = Field(
         default="none",
         description="Megatron's loss kernel: none (vocab_parallel_cross_entropy, Megatron-LM's default), native "
@@ -1472,6 +1476,26 @@ def empty_chunks(layers: int, vpp: int, first: bool) -> int:
     return stage_chunks(layers, vpp, first).count(0) if vpp > 1 else 0
 
 
+def fp8_blockwise_problems(hardware: HardwareSpec, training: TrainingSpec) -> list[str]:
+    """Where ``fp8_recipe: blockwise`` cannot be costed as written. Megatron-Core builds Transformer Engine's
+    ``Float8BlockScaling`` for ``--fp8-recipe blockwise`` (core_v0.16.1 ``fp8_utils.py`` ``get_fp8_recipe``); no other
+    framework plan3d emits for has that recipe (torchtitan's float8 converters are torchao's tensorwise and rowwise).
+    On Blackwell Transformer Engine runs FP8 block scaling emulated through MXFP8 ("On Blackwell (SM100+), FP8 Block
+    is emulated via MXFP8 for backward compatibility -- prefer MXFP8 or NVFP4", TE docs/examples/gemm_profiling/
+    gemm_profiling.rst, commit 8f2e635), which plan3d costs as precision mxfp8, so such a job is pointed there."""
+    if training.precision != "fp8" or training.fp8_recipe != "blockwise":
+        return []
+    errors = []
+    if training.framework not in ("megatron", "nemo"):
+        errors.append(f"fp8_recipe: blockwise is Transformer Engine's Float8BlockScaling (Megatron --fp8-recipe "
+                      f"blockwise), which {training.framework} does not run; use framework megatron or nemo, or "
+                      "fp8_recipe tensorwise")
+    if hardware.peak_fp4_tflops is not None:
+        errors.append(f"fp8_recipe: blockwise on {hardware.name} runs as MXFP8 emulation (Transformer Engine on "
+                      "Blackwell); use --precision mxfp8")
+    return errors
+
+
 def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec) -> list[str]:
     """What is wrong with the job whatever the plan: sequence too long, fp8 without fp8 units."""
     errors = whole_moe_graph_problems(model, training)
@@ -1501,6 +1525,7 @@ def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
             hardware.peak_flops(training.precision)
         except ValueError as err:
             errors.append(str(err))
+    errors += fp8_blockwise_problems(hardware, training)
     from planner.frameworks import get as framework_profile
 
     if model.mtp_num_layers and training.framework not in ("megatron", "nemo"):

@@ -42,7 +42,8 @@ def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: 
              hardware: str = "h100-sxm-80gb", name: str | None = None, tp_comm_overlap: bool | None = None,
              overlap_p2p_comm: bool | None = None, fp8_params: bool = False, cross_entropy_fusion: str = "none",
              optimizer_dtype: str = "fp32", fp16: bool = False, grad_reduce_in_bf16: bool = False,
-             distribute_saved_activations: bool = False, dist_optimizer_instances: int = 1, **plan) -> Scenario:
+             distribute_saved_activations: bool = False, dist_optimizer_instances: int = 1,
+             fp8_recipe: str = "delayed", **plan) -> Scenario:
     m = load_model(model)
     if name is not None:
         m = m.model_copy(update={"name": name})
@@ -53,7 +54,7 @@ def scenario(model: str, gpus: int, global_batch: int, seq_len: int, precision: 
                                           cross_entropy_fusion=cross_entropy_fusion, optimizer_dtype=optimizer_dtype,
                                           fp16=fp16, grad_reduce_in_bf16=grad_reduce_in_bf16,
                                           distribute_saved_activations=distribute_saved_activations,
-                                          dist_optimizer_instances=dist_optimizer_instances),
+                                          dist_optimizer_instances=dist_optimizer_instances, fp8_recipe=fp8_recipe),
                     plan=Plan(**({"micro_batch_size": 1} | plan)))
 
 
@@ -227,6 +228,9 @@ MEGATRON_PLANS = {
                    dict(tp=2, pp=1, dp=8, zero_stage=2, sequence_parallel=True)),
     "zero3-fsdp-pp2": (L70, dict(tp=8, pp=2, dp=4, zero_stage=3, layers_per_stage=(40, 40))),
     "fp8": (L70 | {"precision": "fp8"}, dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
+    # Megatron-Bridge's bf16_with_fp8_subchannel_scaling_mixed: --fp8-format hybrid --fp8-recipe blockwise
+    "fp8-blockwise": (L70 | {"precision": "fp8", "fp8_recipe": "blockwise"},
+                      dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     "mxfp8-gb200": (L70 | {"precision": "mxfp8", "hardware": "gb200-nvl72"},
                     dict(tp=8, pp=4, dp=2, sequence_parallel=True, zero_stage=1)),
     # --fp8-param-gather (Megatron-Bridge's fp8 and mxfp8 recipes set fp8_param_gather; mxfp8 also
@@ -456,7 +460,8 @@ def check_with_megatron(megatron, monkeypatch, tmp_path, sc: Scenario) -> None:
         fp8_format = {"fp8": "hybrid", "mxfp8": "e4m3"}.get(sc.training.precision)
         assert config.fp8 == fp8_format
         if fp8_format:
-            assert config.fp8_recipe == ("mxfp8" if sc.training.precision == "mxfp8" else "delayed")  # core_v0.16.1 default
+            # delayed: core_v0.16.1's default
+            assert config.fp8_recipe == ("mxfp8" if sc.training.precision == "mxfp8" else sc.training.fp8_recipe)
         assert bool(config.cross_entropy_loss_fusion) == (sc.training.cross_entropy_fusion != "none")
         if config.cross_entropy_loss_fusion:
             assert config.cross_entropy_fusion_impl == sc.training.cross_entropy_fusion

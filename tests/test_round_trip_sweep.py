@@ -98,11 +98,12 @@ def test_megatron_moe_switches(tmp_path, extra):
             _round_trip(tmp_path, sc, fmt)
 
 
-@pytest.mark.parametrize("extra", [{"precision": "fp8", "fp8_recipe": "tensorwise"}, {"attention": "flash2"},
+@pytest.mark.parametrize("extra", [{"precision": "fp8", "fp8_recipe": "tensorwise"},
+                                   {"precision": "fp8", "fp8_recipe": "blockwise"}, {"attention": "flash2"},
                                    {"attention": "materialized"}])
 def test_megatron_job_switches_read_back(tmp_path, extra):
     """The fp8 recipe and the attention kernel as Megatron's flags carry them (--fp8-recipe tensorwise, which the
-    reader ignored until 2026-12-05; --attention-backend auto / flash / unfused for the fastest kernel,
+    reader ignored until 2026-12-05, and blockwise, read as tensorwise until 2026-12-07; --attention-backend auto / flash / unfused for the fastest kernel,
     FlashAttention-2 and materialised scores, where both flash kinds were written as flash)."""
     model = load_model("llama3-8b")
     sc = _scenario(model, dict(num_gpus=8, global_batch_size=16, seq_len=4096, **extra),
@@ -113,17 +114,17 @@ def test_megatron_job_switches_read_back(tmp_path, extra):
 
 
 def test_an_fp8_recipe_plan3d_does_not_model_is_read_as_current_scaling_with_a_note(tmp_path):
-    """Megatron's blockwise recipe keeps no amax history, like current scaling; read as delayed scaling it was
-    refused where Megatron refuses only delayed scaling (moe_act/layernorm recompute, core_v0.16.1
-    transformer_config)."""
+    """Megatron's custom recipe (a user's quantizer factory) keeps no amax history, like current scaling; read as
+    delayed scaling it was refused where Megatron refuses only delayed scaling (moe_act/layernorm recompute,
+    core_v0.16.1 transformer_config)."""
     sc = _scenario(load_model("llama3-8b"), dict(num_gpus=8, global_batch_size=16, seq_len=4096, precision="fp8",
                                                  fp8_recipe="tensorwise"),
                    dict(tp=2, pp=1, dp=4, zero_stage=1, recompute="selective", sequence_parallel=True))
     (path,) = [p for p in write_all(tmp_path, render_all(sc, ["megatron"]), force=True) if p.name.endswith(".args")]
-    path.write_text(path.read_text().replace("--fp8-recipe tensorwise", "--fp8-recipe blockwise"))
+    path.write_text(path.read_text().replace("--fp8-recipe tensorwise", "--fp8-recipe custom"))
     (r,) = check_file_branches(path, None, None, None)
     assert r.scenario.training.fp8_recipe == "tensorwise"
-    assert any(n.startswith("--fp8-recipe blockwise: not modelled") for n in r.notes), r.notes
+    assert any(n.startswith("--fp8-recipe custom: not modelled") for n in r.notes), r.notes
 
 
 @pytest.mark.parametrize("attention", ["flash2", "materialized"])

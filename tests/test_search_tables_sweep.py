@@ -28,6 +28,8 @@ JOBS = [  # (model, hardware, job, pins, largest micro-batch, largest cp)
     ("llama3-8b", "h100-sxm-80gb", dict(num_gpus=16, global_batch_size=32, seq_len=4096, framework="torchtitan",
                                         compile=True, tp_comm_overlap=True), Pins(), 2, 2),
     ("llama3-70b", "a100-80gb", dict(num_gpus=32, global_batch_size=64, seq_len=2048, framework="deepspeed"), Pins(), 2, 1),
+    ("mixtral-8x7b", "h100-sxm-80gb", dict(num_gpus=16, global_batch_size=16, seq_len=2048, precision="fp8",
+                                           fp8_recipe="blockwise"), Pins(ep=8), 1, 1),  # FP8 block scaling's scales
     ("qwen3-30b-a3b", "gb200-nvl72", dict(num_gpus=32, global_batch_size=32, seq_len=2048, moe_a2a_overlap=True,
                                           moe_token_dispatcher="deepep", moe_load_imbalance=1.2,
                                           cuda_graph_modules=("attn", "moe_router")), Pins(ep=8), 4, 1),

@@ -192,8 +192,8 @@ def state_options(grad_reduce_in_bf16: Optional[bool], fp8_params: Optional[bool
         raise SpecError(f"--optimizer-dtype: '{optimizer_dtype}' is not one of fp32, bf16, bf16-apex")
     if optimizer is not None and optimizer not in ("adam", "muon", "dist_muon"):
         raise SpecError(f"--optimizer: '{optimizer}' is not one of adam, muon, dist_muon")
-    if fp8_recipe is not None and fp8_recipe not in ("delayed", "tensorwise"):
-        raise SpecError(f"--fp8-recipe: '{fp8_recipe}' is not one of delayed, tensorwise")
+    if fp8_recipe is not None and fp8_recipe not in ("delayed", "tensorwise", "blockwise"):
+        raise SpecError(f"--fp8-recipe: '{fp8_recipe}' is not one of delayed, tensorwise, blockwise")
     if cross_entropy_fusion is not None and cross_entropy_fusion not in ("none", "native", "te"):
         raise SpecError(f"--cross-entropy-fusion: '{cross_entropy_fusion}' is not one of none, native, te")
     from planner.specs import RECOMPUTE_MODULES, KeptOutputs

@@ -346,8 +346,8 @@ def parallel_flags(sc: Scenario) -> list[Flag]:
     flags += [("--micro-batch-size", str(p.micro_batch_size)), ("--global-batch-size", str(tr.global_batch_size)),
               ("--seq-length", str(tr.seq_len)), ("--fp16" if tr.fp16 else "--bf16", None)]
     flags += PRECISION_FLAGS.get(tr.precision, [])
-    if tr.precision == "fp8" and tr.fp8_recipe == "tensorwise":
-        flags.append(("--fp8-recipe", "tensorwise"))
+    if tr.precision == "fp8" and tr.fp8_recipe != "delayed":  # delayed: core_v0.16.1's default
+        flags.append(("--fp8-recipe", tr.fp8_recipe))
     flags.append(("--attention-backend", ATTENTION_BACKENDS[tr.attention]))
     if tr.cross_entropy_fusion != "none":  # the loss kernel the memory estimate assumed (frameworks/megatron.py)
         flags.append(("--cross-entropy-loss-fusion", None))
@@ -414,7 +414,8 @@ ATTENTION_BACKENDS = {"flash": "auto", "flash2": "flash", "materialized": "unfus
 
 #: Transformer Engine recipes as Megatron-LM core_v0.16.1 names them (``TransformerConfig.fp8``/``fp8_recipe``,
 #: ``fp4``/``fp4_recipe``): fp8 per-tensor "hybrid" (E4M3 forward, E5M2 gradients) with the default
-#: recipe (delayed scaling in core_v0.16.1; ``fp8_recipe: tensorwise`` adds ``--fp8-recipe tensorwise``); MXFP8 is E4M3 throughout (TE ``MXFP8BlockScaling``); NVFP4 is E2M1 (TE
+#: recipe (delayed scaling in core_v0.16.1; ``fp8_recipe: tensorwise`` or ``blockwise`` adds ``--fp8-recipe`` with it:
+#: Float8CurrentScaling, Float8BlockScaling, core_v0.16.1 ``fp8_utils.py`` ``get_fp8_recipe``); MXFP8 is E4M3 throughout (TE ``MXFP8BlockScaling``); NVFP4 is E2M1 (TE
 #: ``NVFP4BlockScaling``, Transformer Engine >= 2.7).
 PRECISION_FLAGS: dict[str, list[Flag]] = {
     "fp8": [("--fp8-format", "hybrid")],

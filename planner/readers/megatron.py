@@ -639,17 +639,18 @@ def dispatcher(a: Args, notes: list[str]) -> str:
 
 
 def fp8_recipe(a: Args, precision: str, notes: list[str]) -> str:
-    """``TrainingSpec.fp8_recipe`` of a per-tensor fp8 launch: ``--fp8-recipe tensorwise`` (Transformer Engine's
-    Float8CurrentScaling) or delayed scaling (``--fp8-recipe delayed``, Megatron-LM core_v0.16.1's default). Megatron's
-    ``blockwise`` and ``custom`` recipes are not modelled: read as current scaling (``tensorwise``), with a note.
-    Like it, neither keeps delayed scaling's amax history, and Megatron's checks that single out delayed scaling
-    (core_v0.16.1 ``TransformerConfig.__post_init__``: "Delayed scaling does not support moe_act and layernorm
-    recompute") do not apply to them; read as delayed, such a launch was refused for a rule it does not break."""
+    """``TrainingSpec.fp8_recipe`` of an fp8 launch: ``--fp8-recipe tensorwise`` (Transformer Engine's
+    Float8CurrentScaling), ``blockwise`` (Float8BlockScaling) or delayed scaling (``--fp8-recipe delayed``, Megatron-LM
+    core_v0.16.1's default). Megatron's ``custom`` recipe (a user's quantizer factory) is not modelled: read as
+    current scaling (``tensorwise``), with a note. Like it, it keeps no delayed scaling's amax history, and Megatron's
+    checks that single out delayed scaling (core_v0.16.1 ``TransformerConfig.__post_init__``: "Delayed scaling does
+    not support moe_act and layernorm recompute") do not apply to it; read as delayed, such a launch was refused for
+    a rule it does not break."""
     recipe = a.get("--fp8-recipe")
     if precision != "fp8" or a.has("--deepspeed"):
         return "delayed"
-    if recipe == "tensorwise":
-        return "tensorwise"
+    if recipe in ("tensorwise", "blockwise"):
+        return recipe
     if recipe not in (None, "delayed"):
         notes.append(f"--fp8-recipe {recipe}: not modelled; its casts are costed as current scaling's (tensorwise)")
         return "tensorwise"
