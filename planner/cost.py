@@ -531,7 +531,7 @@ def ring_attention(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, p
     ``("a2a", "all_gather")`` for sliding-window attention, ``pytorch/attention/dot_product_attention/
     context_parallel.py``), and those CP variants are not modelled.
     """
-    rates = Rates.of(hw, training.precision, training.attention)
+    rates = Rates.of(hw, gemm_precision(training, hw), training.attention)
     cp, t, b = plan.cp, plan.tp, plan.micro_batch_size
     s_c = training.seq_len / cp
     a_r = model.num_attention_heads / t
@@ -720,6 +720,17 @@ BLOCK_SCALED_OVER_FP8 = {p: TE_GEMM_BENCH_MS["b300"]["fp8_tensorwise"][0] / TE_G
                          for p in ("mxfp8", "nvfp4")}
 
 
+def gemm_precision(training: TrainingSpec, hw: HardwareSpec) -> str:
+    """The precision whose GEMM rate a job's GEMMs run at (:meth:`Rates.of`): the job's, except FP8 block scaling on
+    a GPU with block-scaled tensor cores, which Transformer Engine runs as MXFP8 ("On Blackwell (SM100+), FP8 Block
+    is emulated via MXFP8 for backward compatibility", TE docs/examples/gemm_profiling/gemm_profiling.rst, commit
+    8f2e635): MXFP8's kernels (``BLOCK_SCALED_OVER_FP8``). Its casts stay block scaling's measured bytes
+    (``LOW_PRECISION_CAST_BYTES["fp8_blockwise"]``, Hopper's: TE publishes no figure for the emulation)."""
+    if training.precision == "fp8" and training.fp8_recipe == "blockwise" and hw.peak_fp4_tflops is not None:
+        return "mxfp8"
+    return training.precision
+
+
 def quantisation_key(precision: str, fp8_recipe: str = "delayed") -> str:
     """The ``LOW_PRECISION_CAST_BYTES`` key of a training precision (fp8 by its scaling recipe)."""
     return f"fp8_{fp8_recipe}" if precision == "fp8" else precision
@@ -837,7 +848,7 @@ def moe_layer_extra(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, 
     probabilities' dtype (``token_combine``); backward reduce-scatters and all-gathers the same sizes. No all-to-all
     and no separate expert-TP collectives (the gather spans expert TP).
     """
-    rates = Rates.of(hw, training.precision)
+    rates = Rates.of(hw, gemm_precision(training, hw))
     h, e = model.hidden_size, act_bytes(training)
     E, k, f = model.num_experts, model.top_k, model.moe_ffn_size
     ep, etp = plan.ep, plan.expert_tp
@@ -1262,7 +1273,7 @@ def layer_time(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan:
                order: str = DEFAULT_ORDER, moe: bool = False) -> LayerTime:
     """Compute and communication of one transformer layer for one micro-batch on one GPU; ``moe``: a
     MoE layer (attention, shared experts, router and routed experts: :func:`moe_layer_extra`)."""
-    rates = Rates.of(hw, training.precision, training.attention)
+    rates = Rates.of(hw, gemm_precision(training, hw), training.attention)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     overlap = resolved_overlap(training)
     imbalance = moe_row_scale(model, training, plan) if moe else 1.0
@@ -1472,7 +1483,7 @@ def offload_exposed_s(copy_s: float, layer_s: float, num_layers: int, offload_la
 
 def _head_time_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, order: str) -> tuple[float, float]:
     """(compute, tp comm) of the output layer and cross entropy on the last stage, per micro-batch."""
-    rates = Rates.of(hw, training.precision)
+    rates = Rates.of(hw, gemm_precision(training, hw))
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     v_r = padded_vocab_size(model.vocab_size, plan.tp) / plan.tp
     f, dg, wg = gemm_fwd_bwd_s(tokens, model.hidden_size, v_r, rates)
@@ -1589,7 +1600,7 @@ def _with_mtp_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     layer and loss once more (the head's own terms). The norms are left out (three ``h``-wide passes beside the
     layer's)."""
     n = model.mtp_num_layers
-    rates = Rates.of(hw, training.precision, training.attention)
+    rates = Rates.of(hw, gemm_precision(training, hw), training.attention)
     tokens = plan.micro_batch_size * training.seq_len / plan.cp
     eh = sum(gemm_fwd_bwd_s(tokens, 2 * model.hidden_size, model.hidden_size / plan.tp, rates))
     layer_s = layer.fwd_compute + layer.bwd_compute + layer.recompute + layer.cp + layer.ep
@@ -2274,7 +2285,7 @@ def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     if per_param is None:
         return 0.0
     b = per_param(training, plan, last_stage)
-    return b * params / Rates.of(hw, training.precision).hbm_bytes_per_s if b else 0.0
+    return b * params / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s if b else 0.0
 
 
 def stage_grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
@@ -2300,8 +2311,8 @@ def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     if expert_params_per_stage is not None:
         expert_shards = plan.expert_dp // n if plan.zero_stage >= 1 else 1
         local = local + np.asarray(expert_params_per_stage, dtype=float) / expert_shards
-        return float(local.max()) * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
-    return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
+        return float(local.max()) * ADAM_BYTES_PER_PARAM / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s
+    return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s
 
 
 def muon_step_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int,
@@ -2318,7 +2329,7 @@ def muon_step_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     ns = muon.ns_step_s(model, plan, stage, layers, training.optimizer, dense_ranks, expert_ranks,
                         lambda m, k, n: gemm_time_s(m, k, n, rates))
     owned = muon.owned_params(model, plan, stage, layers, training.optimizer, dense_ranks, expert_ranks)
-    return ns + owned * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
+    return ns + owned * ADAM_BYTES_PER_PARAM / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s
 
 
 def schedule_family(training: TrainingSpec) -> str:

@@ -932,9 +932,10 @@ class TrainingSpec(_Spec):
                     "tensor itself: Megatron --fp8-recipe tensorwise, NVIDIA's FP8-CS recipes) or blockwise "
                     "(Float8BlockScaling: a scale per 1x128 tile of activations and gradients and per 128x128 block "
                     "of weights, DeepSeek-V3's recipe: Megatron --fp8-recipe blockwise, Megatron-Bridge's "
-                    "bf16_with_fp8_subchannel_scaling_mixed; Hopper, megatron and nemo only). The cast cost differs "
+                    "bf16_with_fp8_subchannel_scaling_mixed; megatron and nemo only). The cast cost differs "
                     "(planner.cost.LOW_PRECISION_CAST_BYTES), and blockwise saves a 4-byte scale per 128 values "
-                    "of each GEMM input (planner.memory.LINEAR_INPUT_BYTES).")
+                    "of each GEMM input (planner.memory.LINEAR_INPUT_BYTES); on Blackwell Transformer Engine runs "
+                    "it through MXFP8's kernels (planner.cost.gemm_precision) and keeps both weight directions.")
     cross_entropy_fusion: Literal["none", "native", "te"] = Field(
         default="none",
         description="Megatron's loss kernel: none (vocab_parallel_cross_entropy, Megatron-LM's default), native "
@@ -1477,23 +1478,18 @@ def empty_chunks(layers: int, vpp: int, first: bool) -> int:
 
 
 def fp8_blockwise_problems(hardware: HardwareSpec, training: TrainingSpec) -> list[str]:
-    """Where ``fp8_recipe: blockwise`` cannot be costed as written. Megatron-Core builds Transformer Engine's
+    """Where ``fp8_recipe: blockwise`` cannot run as written. Megatron-Core builds Transformer Engine's
     ``Float8BlockScaling`` for ``--fp8-recipe blockwise`` (core_v0.16.1 ``fp8_utils.py`` ``get_fp8_recipe``); no other
     framework plan3d emits for has that recipe (torchtitan's float8 converters are torchao's tensorwise and rowwise).
-    On Blackwell Transformer Engine runs FP8 block scaling emulated through MXFP8 ("On Blackwell (SM100+), FP8 Block
-    is emulated via MXFP8 for backward compatibility -- prefer MXFP8 or NVFP4", TE docs/examples/gemm_profiling/
-    gemm_profiling.rst, commit 8f2e635), which plan3d costs as precision mxfp8, so such a job is pointed there."""
+    On Blackwell it runs, emulated through MXFP8 (``planner.cost.gemm_precision``; Megatron-LM's own functional test
+    ``gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph`` trains with it on GB200)."""
     if training.precision != "fp8" or training.fp8_recipe != "blockwise":
         return []
-    errors = []
     if training.framework not in ("megatron", "nemo"):
-        errors.append(f"fp8_recipe: blockwise is Transformer Engine's Float8BlockScaling (Megatron --fp8-recipe "
-                      f"blockwise), which {training.framework} does not run; use framework megatron or nemo, or "
-                      "fp8_recipe tensorwise")
-    if hardware.peak_fp4_tflops is not None:
-        errors.append(f"fp8_recipe: blockwise on {hardware.name} runs as MXFP8 emulation (Transformer Engine on "
-                      "Blackwell); use --precision mxfp8")
-    return errors
+        return [f"fp8_recipe: blockwise is Transformer Engine's Float8BlockScaling (Megatron --fp8-recipe "
+                f"blockwise), which {training.framework} does not run; use framework megatron or nemo, or "
+                "fp8_recipe tensorwise"]
+    return []
 
 
 def job_problems(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec) -> list[str]:

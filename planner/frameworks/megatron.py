@@ -112,6 +112,10 @@ FP8_PARAM_TRANSPOSE_BYTES = 1
 #: MXFP8 and NVFP4 keep both directions there too: their column-wise data is its own block-scaled quantisation.
 #: ``fp8_params`` under mxfp8: the ``MXFP8Tensor`` weight, both directions with their scales (module docstring).
 #: The per-tensor fp8 entry is Hopper's 1 + 1 B; :func:`state_bytes` takes the transpose off on Blackwell (above).
+#: BLOCKWISE_BOTH_DIRECTIONS: FP8 block scaling (``fp8_recipe: blockwise``, TE ``Float8BlockScaling``) quantises the
+#: column-wise copy on its own blocks (1 x 128 tiles run along the other dimension; DeepSeek-V3 report section 3.3), so
+#: it is no transpose of the row-wise data and is kept on Blackwell too: 1 + 1 B, as on Hopper. The 128 x 128 weight
+#: blocks' FP32 scales (4 B per 16,384 values) are left out.
 QUANTISED_PARAM_BYTES = {"fp8": FP8_PARAM_BYTES + FP8_PARAM_TRANSPOSE_BYTES, "mxfp8": 2 + 2 / 32}
 #: Megatron-FSDP (ZeRO 3) with fp8 parameters, per-tensor fp8: core_v0.16.1
 #: ``core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py`` (``ParamAndGradBuffer``, lines 1941-1962)
@@ -262,9 +266,10 @@ def state_bytes(model, training, plan, stage_params: float, layer_params: float,
         # "This option will cause (number of parameter x 1 Byte) of memory overhead", core_v0.16.1
         # core/distributed/fsdp/src/README.md; param_and_grad_buffer.py discards the transpose caches)
         linear = linear_params_per_rank(model, plan.tp, layers) if linear_params is None else linear_params
-        # per-tensor fp8 on a GPU whose fp8 GEMMs take any operand layout keeps no fp8 transpose (FP8_TRANSPOSE_FREE)
-        no_transpose = FP8_PARAM_TRANSPOSE_BYTES if (training.precision == "fp8" and hardware is not None
-                                                     and hardware.fp8_any_layout_gemm) else 0
+        # per-tensor fp8 on a GPU whose fp8 GEMMs take any operand layout keeps no fp8 transpose (FP8_TRANSPOSE_FREE);
+        # block scaling keeps both directions everywhere (BLOCKWISE_BOTH_DIRECTIONS)
+        no_transpose = FP8_PARAM_TRANSPOSE_BYTES if (training.precision == "fp8" and training.fp8_recipe != "blockwise"
+                                                     and hardware is not None and hardware.fp8_any_layout_gemm) else 0
         if training.fp8_params and plan.zero_stage == 1:
             # the GEMM weights are TE Float8Tensors in a uint8 param buffer (1 B in place of the bf16 2 B) with
             # their fp8 transpose (1 B), or MXFP8Tensors (both directions): no bf16 copy (module docstring)
