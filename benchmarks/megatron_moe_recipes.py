@@ -46,7 +46,8 @@ def job(r: dict):
                             framework="megatron", moe_token_dispatcher="hybridep", moe_a2a_overlap=r["a2a_overlap"],
                             cuda_graph_modules=tuple(r["cuda_graph_modules"]),
                             recompute_modules=tuple(r["recompute_modules"]) or ("core_attn",),
-                            fp8_params=r["fp8_params"], optimizer_dtype=r["optimizer_dtype"], cross_entropy_fusion="te")
+                            fp8_params=r["fp8_params"], optimizer_dtype=r["optimizer_dtype"], cross_entropy_fusion="te",
+                            fp8_recipe=r.get("fp8_recipe", "delayed"))
     dp = r["gpus"] // (r["tp"] * r["pp"] * r["cp"])
     plan = Plan(tp=r["tp"], pp=r["pp"], vpp=r["vpp"], dp=dp, cp=r["cp"], ep=r["ep"], etp=1,
                 micro_batch_size=r["mbs"], sequence_parallel=r["tp"] > 1, zero_stage=1,
