@@ -103,8 +103,9 @@ def test_megatron_moe_switches(tmp_path, extra):
                                    {"attention": "materialized"}])
 def test_megatron_job_switches_read_back(tmp_path, extra):
     """The fp8 recipe and the attention kernel as Megatron's flags carry them (--fp8-recipe tensorwise, which the
-    reader ignored until 2026-12-05, and blockwise, read as tensorwise until 2026-12-07; --attention-backend auto / flash / unfused for the fastest kernel,
-    FlashAttention-2 and materialised scores, where both flash kinds were written as flash)."""
+    reader ignored until 2026-12-05, and blockwise, read as tensorwise until 2026-12-07; --attention-backend auto /
+    flash / unfused for the fastest kernel, FlashAttention-2 and materialised scores, where both flash kinds were
+    written as flash)."""
     model = load_model("llama3-8b")
     sc = _scenario(model, dict(num_gpus=8, global_batch_size=16, seq_len=4096, **extra),
                    dict(tp=2, pp=2, dp=2, vpp=2, zero_stage=1, recompute="selective", sequence_parallel=True))
