@@ -2319,17 +2319,19 @@ def muon_step_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                 layers: int) -> float:
     """Megatron-Core's Muon step on the busiest GPU of stage ``stage`` (:mod:`planner.muon`): the Newton-Schulz
     GEMMs of the Muon weights it steps, at the bf16 GEMM rates (``--muon-fp32-matmul-prec medium`` casts to bf16,
-    Emerging-Optimizers ``newton_schulz``), plus the per-parameter updates of every parameter it steps, charged at
-    Adam's ``ADAM_BYTES_PER_PARAM`` (momentum lerp, weight decay, the update and the 16-bit copy move a like number of
-    bytes; not measured). dist_muon: the parameters dealt to that GPU (``LayerWiseDistributedOptimizer``)."""
+    Emerging-Optimizers ``newton_schulz``), plus the per-parameter updates of every parameter it steps: the Muon
+    weights' ``muon.MUON_UPDATE_BYTES`` (counted from the optimizer's eager ops; until 2026-12-07 charged at Adam's),
+    the others' ``ADAM_BYTES_PER_PARAM``. dist_muon: the parameters dealt to that GPU
+    (``LayerWiseDistributedOptimizer``)."""
     from planner import muon
 
     rates = Rates.of(hw, "bf16")
     dense_ranks, expert_ranks = plan.dp * plan.cp, plan.expert_dp
     ns = muon.ns_step_s(model, plan, stage, layers, training.optimizer, dense_ranks, expert_ranks,
                         lambda m, k, n: gemm_time_s(m, k, n, rates))
-    owned = muon.owned_params(model, plan, stage, layers, training.optimizer, dense_ranks, expert_ranks)
-    return ns + owned * ADAM_BYTES_PER_PARAM / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s
+    moved = muon.update_bytes(model, plan, stage, layers, training.optimizer, dense_ranks, expert_ranks,
+                              ADAM_BYTES_PER_PARAM)
+    return ns + moved / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s
 
 
 def schedule_family(training: TrainingSpec) -> str:

@@ -220,6 +220,25 @@ def owned_params(model: ModelSpec, plan: Plan, stage: int, layers: int, optimize
     return _fullest(model, plan, stage, layers, optimizer, dense_ranks, expert_ranks, lambda r: r[0])
 
 
+#: HBM bytes per Muon parameter of one step outside the Newton-Schulz GEMMs, fp32 master, gradient and momentum
+#: (Emerging-Optimizers ``OrthogonalizedOptimizer.step``, each op eager): the gradient-norm read of Megatron's clipping
+#: (4), decoupled weight decay ``p.add_(p, ...)`` (read 4, write 4), the momentum ``exp_avg.lerp_(grad, ...)`` (read 8,
+#: write 4), TensorParallelMuon's ``orth_grad * scale_factor * extra_scale_factor`` (two new tensors: 2 x (4 + 4),
+#: core_v0.16.1 ``optimizer/muon.py``), the update ``p.add_(grad, ...)`` (read 8, write 4), the copy of the fp32 master
+#: into the bf16 weight (6) and the zeroing of the gradient buffer (4): 62. Nesterov momentum (``--muon-use-nesterov``,
+#: off by default) and the Newton-Schulz normalisation and casts are left out, so this is a floor. Adam's parameters
+#: keep ``planner.cost.ADAM_BYTES_PER_PARAM``.
+MUON_UPDATE_BYTES = 4 + 8 + 12 + 16 + 12 + 6 + 4
+
+
+def update_bytes(model: ModelSpec, plan: Plan, stage: int, layers: int, optimizer: str, dense_ranks: int,
+                 expert_ranks: int, adam_bytes: float) -> float:
+    """HBM bytes of the per-parameter updates on the fullest GPU of the stage: ``MUON_UPDATE_BYTES`` per Muon
+    parameter, ``adam_bytes`` per other one (all of them, or with dist_muon those dealt to that GPU)."""
+    return _fullest(model, plan, stage, layers, optimizer, dense_ranks, expert_ranks,
+                    lambda r: r[0] * (MUON_UPDATE_BYTES if r[2] else adam_bytes))
+
+
 def ns_step_s(model: ModelSpec, plan: Plan, stage: int, layers: int, optimizer: str, dense_ranks: int,
               expert_ranks: int, gemm_s) -> float:
     """Seconds of Newton-Schulz GEMMs on the busiest GPU of the stage: each Muon weight's three GEMMs per step

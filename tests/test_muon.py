@@ -75,6 +75,19 @@ def test_newton_schulz_flops_of_a_layer():
     assert got == 16 * layer
 
 
+def test_muon_update_bytes_per_muon_weight():
+    """A Muon weight's step moves 62 B per parameter outside the Newton-Schulz GEMMs (planner.muon.MUON_UPDATE_BYTES:
+    4 + 8 + 12 + 16 + 12 + 6 + 4, each op of Emerging-Optimizers' step counted), Adam's parameters 42 B. Stage 1 of
+    Llama-3-8B at TP 2 (16 layers, the output layer's rows Adam's): the two differ by 20 B per Muon weight, each layer's
+    being Q, K, V, O and the three MLP weights: 4096 x (4096 + 2 x 1024) + 4096 x 4096 + 3 x 4096 x 14336, over TP 2."""
+    from planner.muon import MUON_UPDATE_BYTES, owned_params, update_bytes
+
+    assert MUON_UPDATE_BYTES == 62
+    muon_weights = 16 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336) / 2
+    owned = owned_params(LLAMA8B, PLAN, 1, 16, "muon", 16, 16)
+    assert update_bytes(LLAMA8B, PLAN, 1, 16, "muon", 16, 16, 42) == pytest.approx(42 * owned + 20 * muon_weights)
+
+
 def test_muon_step_and_exposed_gradient_reduce():
     """Muon adds its Newton-Schulz step; Megatron runs it without gradient-reduce overlap, so the all-reduce is
     exposed; dist_muon steps a sixteenth and all-gathers the updated weights."""
