@@ -2285,7 +2285,7 @@ def grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, pla
     if per_param is None:
         return 0.0
     b = per_param(training, plan, last_stage)
-    return b * params / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s if b else 0.0
+    return b * params / Rates.of(hw, training.precision).hbm_bytes_per_s if b else 0.0
 
 
 def stage_grad_accum_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan,
@@ -2311,8 +2311,8 @@ def optimizer_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
     if expert_params_per_stage is not None:
         expert_shards = plan.expert_dp // n if plan.zero_stage >= 1 else 1
         local = local + np.asarray(expert_params_per_stage, dtype=float) / expert_shards
-        return float(local.max()) * ADAM_BYTES_PER_PARAM / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s
-    return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s
+        return float(local.max()) * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
+    return max(params_per_stage) / shards * ADAM_BYTES_PER_PARAM / Rates.of(hw, training.precision).hbm_bytes_per_s
 
 
 def muon_step_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan: Plan, stage: int,
@@ -2331,7 +2331,7 @@ def muon_step_s(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, plan
                         lambda m, k, n: gemm_time_s(m, k, n, rates))
     moved = muon.update_bytes(model, plan, stage, layers, training.optimizer, dense_ranks, expert_ranks,
                               ADAM_BYTES_PER_PARAM)
-    return ns + moved / Rates.of(hw, gemm_precision(training, hw)).hbm_bytes_per_s
+    return ns + moved / Rates.of(hw, training.precision).hbm_bytes_per_s
 
 
 def schedule_family(training: TrainingSpec) -> str:

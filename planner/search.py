@@ -1051,8 +1051,8 @@ def any_plan_fits(model: ModelSpec, hw: HardwareSpec, training: TrainingSpec, sp
     space = space or SearchSpace()
     offered = {f: set(v) for f, v in switch_values(space, training).items()}
     searched = [f for f, v in offered.items() if len(v) > 1]
-    light = training.model_copy(update={f: SWITCHES[f][1] if f in searched else next(iter(v))
-                                        for f, v in offered.items()})
+    light = training.model_copy(update={f: next(iter(v)) for f, v in offered.items() if f not in searched}
+                                | _light(searched))
     jobs = [light]
     heavier = [f for f in searched if f in LARGER_AT_STEP_WHEN_TRUE]
     if heavier:
