@@ -287,6 +287,118 @@ def _gpt_neox(data: dict, source: str, default_name: str) -> dict:
             "rotary_percent": _get(data, source, "rotary_pct", "partial_rotary_factor", default=0.25)}
 
 
+
+def _gemma(data: dict, source: str, default_name: str) -> dict:
+    """GemmaForCausalLM (``modeling_gemma.py``, GemmaConfig defaults, "similar ... to google/gemma-7b"): the Llama
+    layer with a GeGLU MLP (``hidden_act``: the released configs' legacy ``gelu`` is read as the tanh GeLU,
+    ``GemmaConfig.__post_init__``; either is a GeLU gate), q/k/v/o with ``attention_bias`` (default off), no MLP
+    biases, two RMSNorms per layer (Gemma's ``1 + w`` scaling: no parameter more), ``head_dim`` default 256 (not
+    ``h // a``), tied by default; the embedding is scaled by sqrt(h), no parameter (Gemma report,
+    arXiv:2403.08295 section 2)."""
+    attention_bias = _flag(data, "attention_bias", False)
+    return {**_core(data, source), "name": _name(data, default_name),
+            "num_kv_heads": _kv_heads(data, 16),
+            "head_dim": _get(data, source, "head_dim", default=256),
+            "ffn_hidden_size": _get(data, source, "intermediate_size", default=24576),
+            "max_seq_len": _get(data, source, "max_position_embeddings", default=8192),
+            "activation": _gate(data, source, "hidden_act", "gelu_pytorch_tanh"), "norm": "rmsnorm",
+            "tied_embeddings": _flag(data, "tie_word_embeddings", True), "position_embedding": "rope",
+            "linear_bias": False, "qkv_bias": attention_bias, "out_proj_bias": attention_bias, "mlp_bias": False,
+            "dropout": _dropout(data, "attention_dropout")}
+
+
+def _granite(data: dict, source: str, default_name: str) -> dict:
+    """GraniteForCausalLM (``modeling_granite.py``, GraniteConfig defaults, "similar ... to
+    ibm-granite/granite-3.0-8b-base"): the Llama layer (:func:`_llama`: ``attention_bias`` on q/k/v/o, ``mlp_bias``
+    on gate/up/down, both default off); its ``embedding_multiplier``, ``residual_multiplier``,
+    ``attention_multiplier`` and ``logits_scaling`` are scalars, no parameters; untied by default (the 3.x checkpoints
+    set ``tie_word_embeddings`` true)."""
+    return _llama(data, source, default_name, ffn_default=11008)
+
+
+def _smollm3(data: dict, source: str, default_name: str) -> dict:
+    """SmolLM3ForCausalLM (``modeling_smollm3.py``, SmolLM3Config defaults, "similar ... to HuggingFaceTB/SmolLM3-3B"):
+    the Llama layer (``attention_bias`` on q/k/v/o, ``mlp_bias`` on gate/up/down, both default off), 4 KV heads,
+    ``intermediate_size`` default 11008, tied by default. Its ``no_rope_layers`` leave RoPE out of every fourth layer
+    (NoPE): no parameters; the estimator applies RoPE's elementwise cost to every layer, a slight over-estimate."""
+    fields = _llama(data, source, default_name, ffn_default=11008, kv_default=4)
+    return fields | {"tied_embeddings": _flag(data, "tie_word_embeddings", True)}
+
+
+def _gelu_mlp(data: dict, source: str, key: str, default: str, arch: str) -> str:
+    """The activation of a non-gated MLP (``c_fc`` -> act -> ``c_proj``): any GeLU; others are refused."""
+    act = str(_get(data, source, key, default=default)).lower()
+    if not act.startswith("gelu"):
+        raise SpecError(f"{source}: {key}: '{act}' is not modelled for {arch}'s MLP; plan3d reads the GeLU ones")
+    return "gelu"
+
+
+def _starcoder2(data: dict, source: str, default_name: str) -> dict:
+    """Starcoder2ForCausalLM (``modeling_starcoder2.py``, Starcoder2Config defaults, "similar ... to
+    bigcode/starcoder2-7b"): q/k/v/o and a non-gated GeLU MLP (``c_fc``/``c_proj``, ``hidden_act`` default the tanh
+    GeLU), every linear with ``use_bias`` (default true), two LayerNorms with bias per layer and one at the end,
+    GQA (default 2 KV heads), ``head_dim`` ``h // a``, RoPE, tied by default (StarCoder2 report, arXiv:2402.19173
+    section 5). A ``sliding_window`` is read and ignored, as Mistral's (module docstring)."""
+    bias = _flag(data, "use_bias", True)
+    return {**_core(data, source), "name": _name(data, default_name),
+            "num_kv_heads": _kv_heads(data, 2),
+            "ffn_hidden_size": _get(data, source, "intermediate_size", default=12288),
+            "max_seq_len": _get(data, source, "max_position_embeddings", default=4096),
+            "activation": _gelu_mlp(data, source, "hidden_act", "gelu_pytorch_tanh", "Starcoder2ForCausalLM"),
+            "norm": "layernorm", "tied_embeddings": _flag(data, "tie_word_embeddings", True),
+            "position_embedding": "rope", "linear_bias": bias,
+            "dropout": _dropout(data, "attention_dropout", "residual_dropout", "embedding_dropout")}
+
+
+def _stablelm(data: dict, source: str, default_name: str) -> dict:
+    """StableLmForCausalLM (``modeling_stablelm.py``, StableLmConfig defaults, "similar ... to
+    stabilityai/stablelm-3b-4e1t"): q/k/v with ``use_qkv_bias`` (default off), ``o_proj`` and the SwiGLU MLP without
+    biases, LayerNorms with bias, RoPE on ``partial_rotary_factor`` of each head (default 0.25, top level or in
+    ``rope_parameters``), untied by default; ``use_parallel_residual`` (StableLM 2 12B) runs attention and MLP on one
+    shared norm (``post_attention_layernorm`` is None): parallel attention with one input norm. ``qk_layernorm``
+    (one bias-free LayerNorm per head, each with its own weights) is refused: plan3d's query/key norms are one norm
+    shared by the heads or one over all of them."""
+    if _flag(data, "qk_layernorm", False):
+        raise SpecError(f"{source}: qk_layernorm: StableLM's per-head LayerNorms (one per head, each with its own "
+                        "weights) are not modelled; plan3d models a query/key norm shared by the heads or over all "
+                        "of them (qk_norm in a model spec YAML, docs/specs.md)")
+    parallel = _flag(data, "use_parallel_residual", False)
+    rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    qkv_bias = _flag(data, "use_qkv_bias", False)
+    return {**_core(data, source), "name": _name(data, default_name),
+            "num_kv_heads": _kv_heads(data, 32),
+            "ffn_hidden_size": _get(data, source, "intermediate_size", default=6912),
+            "max_seq_len": _get(data, source, "max_position_embeddings", default=4096),
+            "activation": _gate(data, source, "hidden_act", "silu"), "norm": "layernorm",
+            "parallel_attention": parallel, "shared_input_norm": parallel,
+            "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
+            "linear_bias": False, "qkv_bias": qkv_bias, "out_proj_bias": False, "mlp_bias": False,
+            "dropout": _dropout(data, "attention_dropout", "hidden_dropout"),
+            "rotary_percent": _get(data, source, "partial_rotary_factor",
+                                   default=rope.get("partial_rotary_factor", 0.25))}
+
+
+def _gpt_bigcode(data: dict, source: str, default_name: str) -> dict:
+    """GPTBigCodeForCausalLM (``modeling_gpt_bigcode.py``, GPTBigCodeConfig defaults, "similar ... to
+    bigcode/gpt_bigcode-santacoder"; SantaCoder, StarCoder): GPT-2's layer (learned positions ``n_positions``,
+    biases on every linear, LayerNorm, GeLU MLP of ``n_inner``, default 4h, tied) with one fused ``c_attn`` of
+    ``h + 2 d_h`` outputs under ``multi_query`` (default true: one KV head), else ``3h``."""
+    if _flag(data, "add_cross_attention", False):
+        raise SpecError(f"{source}: add_cross_attention: cross-attention layers are not modelled; "
+                        "decoder-only models only")
+    h = _get(data, source, "n_embd", "hidden_size")
+    a = _get(data, source, "n_head", "num_attention_heads")
+    return {"name": _name(data, default_name), "num_layers": _get(data, source, "n_layer", "num_hidden_layers"),
+            "hidden_size": h, "num_attention_heads": a,
+            "num_kv_heads": 1 if _flag(data, "multi_query", True) else a,
+            "ffn_hidden_size": _get(data, source, "n_inner", default=4 * h if isinstance(h, int) else None),
+            "vocab_size": _get(data, source, "vocab_size"),
+            "max_seq_len": _get(data, source, "n_positions", "max_position_embeddings", default=1024),
+            "activation": _gelu_mlp(data, source, "activation_function", "gelu_pytorch_tanh", "GPTBigCodeForCausalLM"),
+            "norm": "layernorm", "tied_embeddings": _flag(data, "tie_word_embeddings", True),
+            "position_embedding": "learned", "linear_bias": True,
+            "dropout": _dropout(data, "resid_pdrop", "embd_pdrop", "attn_pdrop", default=0.1)}
+
 # --- mixture-of-experts and Qwen3 readers --------------------------------------------------------
 
 def _count(data: dict, source: str, *keys: str, default: Any = ..., minimum: int = 0) -> int:
@@ -682,6 +794,8 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "DeepseekV3ForCausalLM": _deepseek_v3, "GptOssForCausalLM": _gpt_oss, "Glm4MoeForCausalLM": _glm4_moe,
     "OlmoeForCausalLM": _olmoe, "Llama4ForCausalLM": _llama4, "NemotronForCausalLM": _nemotron,
     "Olmo3ForCausalLM": _olmo3,
+    "GemmaForCausalLM": _gemma, "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3,
+    "Starcoder2ForCausalLM": _starcoder2, "StableLmForCausalLM": _stablelm, "GPTBigCodeForCausalLM": _gpt_bigcode,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
@@ -694,7 +808,9 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                "olmoe": "OlmoeForCausalLM", "llama4_text": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM",
-               "olmo3": "Olmo3ForCausalLM"}
+               "olmo3": "Olmo3ForCausalLM",
+               "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+               "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Hugging Face import of the dense architectures added on 2026-12-08: Gemma (1), Granite, SmolLM3, StarCoder2,
+StableLM and GPTBigCode (SantaCoder, StarCoder). Each is read exactly or refused (``planner.hf``).
+
+References, never recomputed here from the formula under test:
+
+* the Gemma report (arXiv:2403.08295) Table 2, non-embedding parameters of Gemma 2B and 7B (its embedding figures
+  count 256,128 vocabulary rows, the Hub checkpoints 256,000; tests/data/README.md);
+* ``transformers`` itself (a dev dependency, 5.24.0 in CI): each configuration built with
+  ``AutoModelForCausalLM.from_config`` on the meta device, ``sum(p.numel())`` over its distinct parameters (a tied
+  head counted once), for the bundled configs and for each class's own defaults with the structural switches
+  flipped (biases, tying, GQA, parallel residual, multi-query).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.presets import SpecError, load_model
+
+HF = Path(__file__).resolve().parent / "data" / "hf"
+
+
+def _write(tmp_path, data: dict) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("name,non_embedding", [("gemma-2b.json", 1_981_884_416), ("gemma-7b.json", 7_751_248_896)])
+def test_gemma_non_embedding_counts_from_the_report(name, non_embedding):
+    spec = load_model(str(HF / name))
+    assert spec.tied_embeddings and spec.activation == "geglu" and spec.norm == "rmsnorm"
+    assert spec.kv_channels == 256  # head_dim 256 on both, not h / a (Gemma report Table 1: head size 256)
+    assert spec.num_params - spec.vocab_size * spec.hidden_size == non_embedding
+
+
+def test_gemma_2b_is_multi_query_and_7b_multi_head():
+    # Gemma report Table 1: "Num KV heads" 1 (2B) and 16 (7B)
+    assert load_model(str(HF / "gemma-2b.json")).kv_heads == 1
+    assert load_model(str(HF / "gemma-7b.json")).kv_heads == 16
+
+
+def test_starcoder2_structure():
+    """StarCoder2's layer (Starcoder2ForCausalLM: q/k/v/o and c_fc/c_proj all with ``use_bias``, LayerNorm with bias,
+    a non-gated GeLU MLP, GQA), tied by the class default; its 4,096-token window is ignored (over-estimate)."""
+    spec = load_model(str(HF / "starcoder2-3b.json"))
+    assert (spec.activation, spec.norm, spec.linear_bias, spec.tied_embeddings) == ("gelu", "layernorm", True, True)
+    assert spec.kv_heads == 2 and spec.ffn_size == 12288 and spec.sliding_window is None
+    assert spec.dropout  # attention, residual and embedding dropout 0.1 in the config
+
+
+# --- against transformers itself ----------------------------------------------------------------------------
+
+ARCH = {"gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+        "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"}
+CONFIG_CLASS = {"gemma": "GemmaConfig", "granite": "GraniteConfig", "smollm3": "SmolLM3Config",
+                "starcoder2": "Starcoder2Config", "stablelm": "StableLmConfig", "gpt_bigcode": "GPTBigCodeConfig"}
+STRUCTURAL = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
+              "n_inner")
+VARIANTS = [
+    ("gemma", {}), ("gemma", {"attention_bias": True}), ("gemma", {"tie_word_embeddings": False}),
+    ("gemma", {"num_key_value_heads": 1, "head_dim": 128}),
+    ("granite", {}), ("granite", {"attention_bias": True, "mlp_bias": True}),
+    ("granite", {"tie_word_embeddings": True, "num_key_value_heads": 8}),
+    ("smollm3", {}), ("smollm3", {"attention_bias": True}), ("smollm3", {"mlp_bias": True, "tie_word_embeddings": False}),
+    ("starcoder2", {}), ("starcoder2", {"use_bias": False}), ("starcoder2", {"tie_word_embeddings": False}),
+    ("stablelm", {}), ("stablelm", {"use_qkv_bias": True}), ("stablelm", {"use_parallel_residual": True}),
+    ("stablelm", {"num_key_value_heads": 8, "tie_word_embeddings": True}),
+    ("gpt_bigcode", {}), ("gpt_bigcode", {"multi_query": False}),
+    ("gpt_bigcode", {"n_inner": 1000, "tie_word_embeddings": False}),
+]
+
+
+def _meta_count(model_type: str, data: dict) -> int:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(model_type, **data)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["gemma-2b.json", "gemma-7b.json", "starcoder2-3b.json"])
+def test_bundled_configs_match_transformers_on_the_meta_device(name):
+    data = json.loads((HF / name).read_text())
+    data.pop("architectures")
+    assert _meta_count(data.pop("model_type"), data) == load_model(str(HF / name)).num_params
+
+
+@pytest.mark.parametrize("model_type,switches", VARIANTS)
+def test_class_defaults_and_switches_match_transformers_on_the_meta_device(tmp_path, model_type, switches):
+    """The configuration class's own defaults (each documents the checkpoint they resemble: google/gemma-7b,
+    ibm-granite/granite-3.0-8b-base, HuggingFaceTB/SmolLM3-3B, bigcode/starcoder2-7b, stabilityai/stablelm-3b-4e1t,
+    bigcode/gpt_bigcode-santacoder) with a structural switch flipped; plan3d reads the same keys, absent ones from
+    its own copy of the class defaults."""
+    transformers = pytest.importorskip("transformers")
+    defaults = getattr(transformers, CONFIG_CLASS[model_type])().to_dict()
+    data = {k: defaults[k] for k in STRUCTURAL if defaults.get(k) is not None} | switches
+    expected = _meta_count(model_type, dict(data))
+    assert load_model(_write(tmp_path, {"architectures": [ARCH[model_type]], **data})).num_params == expected
+    # the same file without its class-default keys: plan3d's defaults are the class's
+    minimal = {k: v for k, v in data.items() if k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                        "num_attention_heads", "n_embd", "n_layer", "n_head")}
+    assert load_model(_write(tmp_path, {"architectures": [ARCH[model_type]], **minimal, **switches})).num_params \
+        == expected
+
+
+# --- what each reader keeps and refuses -----------------------------------------------------------------------
+
+def test_stablelm_rotary_share_and_parallel_residual(tmp_path):
+    """StableLM applies RoPE to ``partial_rotary_factor`` of each head (class default 0.25; older configs at the top
+    level, transformers 5 in ``rope_parameters``) and, with ``use_parallel_residual``, runs attention and MLP on one
+    shared input norm (``post_attention_layernorm`` is None in modeling_stablelm.py)."""
+    core = {"architectures": ["StableLmForCausalLM"], "vocab_size": 50304, "hidden_size": 2560,
+            "num_hidden_layers": 32, "num_attention_heads": 32}
+    assert load_model(_write(tmp_path, core)).rotary_percent == 0.25
+    assert load_model(_write(tmp_path, core | {"partial_rotary_factor": 0.5})).rotary_percent == 0.5
+    assert load_model(_write(tmp_path, core | {"rope_parameters": {"partial_rotary_factor": 0.75}})).rotary_percent \
+        == 0.75
+    spec = load_model(_write(tmp_path, core | {"use_parallel_residual": True}))
+    assert spec.parallel_attention and spec.shared_input_norm and spec.norms_per_layer == 1
+
+
+def test_starcoder_15b_rounds_to_its_published_size(tmp_path):
+    """StarCoder (Li et al. 2023, arXiv:2305.06161, abstract: "15.5B parameter models with 8K context length ...
+    multi-query attention"; its model section: 40 layers, 48 heads, hidden 6,144, a 49,152-token vocabulary) as a
+    GPTBigCode config: the published figure to its last digit."""
+    data = {"architectures": ["GPTBigCodeForCausalLM"], "n_embd": 6144, "n_layer": 40, "n_head": 48,
+            "n_positions": 8192, "vocab_size": 49152, "multi_query": True}
+    assert abs(load_model(_write(tmp_path, data)).num_params - 15.5e9) < 0.1e9
+
+
+def test_gpt_bigcode_multi_query_and_learned_positions(tmp_path):
+    data = {"architectures": ["GPTBigCodeForCausalLM"], "n_embd": 2048, "n_layer": 24, "n_head": 16,
+            "n_positions": 2048, "vocab_size": 49280}
+    spec = load_model(_write(tmp_path, data))
+    assert spec.kv_heads == 1 and spec.position_embedding == "learned" and spec.max_seq_len == 2048
+    assert load_model(_write(tmp_path, data | {"multi_query": False})).kv_heads == 16
+
+
+@pytest.mark.parametrize("data,line", [
+    ({"architectures": ["StableLmForCausalLM"], "qk_layernorm": True},
+     "qk_layernorm: StableLM's per-head LayerNorms"),
+    ({"architectures": ["Starcoder2ForCausalLM"], "hidden_act": "relu"},
+     "hidden_act: 'relu' is not modelled for Starcoder2ForCausalLM's MLP"),
+    ({"architectures": ["GPTBigCodeForCausalLM"], "activation_function": "relu"},
+     "activation_function: 'relu' is not modelled for GPTBigCodeForCausalLM's MLP"),
+    ({"architectures": ["GPTBigCodeForCausalLM"], "add_cross_attention": True},
+     "add_cross_attention: cross-attention layers are not modelled"),
+    ({"architectures": ["GemmaForCausalLM"], "hidden_act": "relu"}, "hidden_act: 'relu' gate is not modelled"),
+])
+def test_refusals_name_the_field(tmp_path, data, line):
+    core = {"vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "n_embd": 256, "n_layer": 2, "n_head": 4}
+    with pytest.raises(SpecError, match=line.replace("(", r"\(").replace(")", r"\)")):
+        load_model(_write(tmp_path, core | data))
+
+
+@pytest.mark.parametrize("model_type,arch", sorted(ARCH.items()))
+def test_model_type_alone_names_the_class(tmp_path, model_type, arch):
+    """A config without ``architectures`` is read by its ``model_type`` (planner.hf.MODEL_TYPES)."""
+    core = {"model_type": model_type, "vocab_size": 1000, "hidden_size": 1024, "num_hidden_layers": 2,
+            "num_attention_heads": 32, "n_embd": 1024, "n_layer": 2, "n_head": 32}  # 32 heads: every class's KV default divides it
+    with_arch = load_model(_write(tmp_path, core | {"architectures": [arch]})).num_params
+    assert load_model(_write(tmp_path, core)).num_params == with_arch
