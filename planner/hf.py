@@ -399,6 +399,25 @@ def _gpt_bigcode(data: dict, source: str, default_name: str) -> dict:
             "position_embedding": "learned", "linear_bias": True,
             "dropout": _dropout(data, "resid_pdrop", "embd_pdrop", "attn_pdrop", default=0.1)}
 
+
+def _bloom(data: dict, source: str, default_name: str) -> dict:
+    """BloomForCausalLM (``modeling_bloom.py``, BloomConfig defaults; BLOOM, arXiv:2211.05100 section 3.2): fused
+    ``query_key_value`` (3h) and ``dense`` with biases, a GeLU MLP of 4h with biases, two LayerNorms per layer, a
+    LayerNorm on the word embedding (``word_embeddings_layernorm``), ALiBi (no position parameters), tied.
+    ``apply_residual_connection_post_layernorm`` (the residual taken after the norm; no released BLOOM sets it) is
+    refused: plan3d's layers add the residual before the norm."""
+    if _flag(data, "apply_residual_connection_post_layernorm", False):
+        raise SpecError(f"{source}: apply_residual_connection_post_layernorm: a residual taken after the norm is not "
+                        "modelled; plan3d's pre-norm layers add it before")
+    h = _get(data, source, "hidden_size", "n_embed")
+    return {"name": _name(data, default_name), "num_layers": _get(data, source, "n_layer", "num_hidden_layers"),
+            "hidden_size": h, "num_attention_heads": _get(data, source, "n_head", "num_attention_heads"),
+            "ffn_hidden_size": 4 * h if isinstance(h, int) else None, "vocab_size": _get(data, source, "vocab_size"),
+            "max_seq_len": _get(data, source, "seq_length", default=None),
+            "activation": "gelu", "norm": "layernorm", "tied_embeddings": _flag(data, "tie_word_embeddings", True),
+            "position_embedding": "alibi", "linear_bias": True, "embedding_norm": True,
+            "dropout": _dropout(data, "hidden_dropout", "attention_dropout")}
+
 # --- mixture-of-experts and Qwen3 readers --------------------------------------------------------
 
 def _count(data: dict, source: str, *keys: str, default: Any = ..., minimum: int = 0) -> int:
@@ -796,6 +815,7 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "Olmo3ForCausalLM": _olmo3,
     "GemmaForCausalLM": _gemma, "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3,
     "Starcoder2ForCausalLM": _starcoder2, "StableLmForCausalLM": _stablelm, "GPTBigCodeForCausalLM": _gpt_bigcode,
+    "BloomForCausalLM": _bloom,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
@@ -810,7 +830,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "olmoe": "OlmoeForCausalLM", "llama4_text": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM",
                "olmo3": "Olmo3ForCausalLM",
                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-               "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"}
+               "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM",
+               "bloom": "BloomForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------

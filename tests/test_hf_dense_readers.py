@@ -1,5 +1,5 @@
 """Hugging Face import of the dense architectures added on 2026-12-08: Gemma (1), Granite, SmolLM3, StarCoder2,
-StableLM and GPTBigCode (SantaCoder, StarCoder). Each is read exactly or refused (``planner.hf``).
+StableLM, GPTBigCode (SantaCoder, StarCoder) and BLOOM. Each is read exactly or refused (``planner.hf``).
 
 References, never recomputed here from the formula under test:
 
@@ -41,6 +41,19 @@ def test_gemma_2b_is_multi_query_and_7b_multi_head():
     assert load_model(str(HF / "gemma-7b.json")).kv_heads == 16
 
 
+def test_bloom_176b_count_from_the_model_card():
+    """bigscience/bloom model card: "176,247,271,424 parameters: 3,596,615,680 embedding parameters, 70 layers, 112
+    attention heads, hidden layers are 14336-dimensional"; the import reads what the bundled preset states."""
+    spec = load_model(str(HF / "bloom-176b.json"))
+    assert spec.num_params == 176_247_271_424 and spec.vocab_size * spec.hidden_size == 3_596_615_680
+    assert (spec.position_embedding, spec.embedding_norm, spec.linear_bias) == ("alibi", True, True)
+    preset = load_model("bloom-176b")
+    differ = {k for k, v in spec.model_dump().items() if preset.model_dump()[k] != v}
+    # the config's dropout is 0.0 and it states no sequence length (ALiBi has no position table); the preset keeps
+    # the paper's training dropout and its 2,048 tokens
+    assert differ == {"dropout", "max_seq_len"}
+
+
 def test_starcoder2_structure():
     """StarCoder2's layer (Starcoder2ForCausalLM: q/k/v/o and c_fc/c_proj all with ``use_bias``, LayerNorm with bias,
     a non-gated GeLU MLP, GQA), tied by the class default; its 4,096-token window is ignored (over-estimate)."""
@@ -53,10 +66,12 @@ def test_starcoder2_structure():
 # --- against transformers itself ----------------------------------------------------------------------------
 
 ARCH = {"gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-        "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM"}
+        "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM",
+        "bloom": "BloomForCausalLM"}
 CONFIG_CLASS = {"gemma": "GemmaConfig", "granite": "GraniteConfig", "smollm3": "SmolLM3Config",
-                "starcoder2": "Starcoder2Config", "stablelm": "StableLmConfig", "gpt_bigcode": "GPTBigCodeConfig"}
-STRUCTURAL = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "starcoder2": "Starcoder2Config", "stablelm": "StableLmConfig", "gpt_bigcode": "GPTBigCodeConfig",
+                "bloom": "BloomConfig"}
+STRUCTURAL = ("vocab_size", "hidden_size", "n_embed", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
               "n_inner")
 VARIANTS = [
@@ -70,6 +85,7 @@ VARIANTS = [
     ("stablelm", {"num_key_value_heads": 8, "tie_word_embeddings": True}),
     ("gpt_bigcode", {}), ("gpt_bigcode", {"multi_query": False}),
     ("gpt_bigcode", {"n_inner": 1000, "tie_word_embeddings": False}),
+    ("bloom", {}), ("bloom", {"tie_word_embeddings": False}),
 ]
 
 
@@ -82,7 +98,7 @@ def _meta_count(model_type: str, data: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["gemma-2b.json", "gemma-7b.json", "starcoder2-3b.json"])
+@pytest.mark.parametrize("name", ["gemma-2b.json", "gemma-7b.json", "starcoder2-3b.json", "bloom-176b.json"])
 def test_bundled_configs_match_transformers_on_the_meta_device(name):
     data = json.loads((HF / name).read_text())
     data.pop("architectures")
@@ -150,6 +166,8 @@ def test_gpt_bigcode_multi_query_and_learned_positions(tmp_path):
     ({"architectures": ["GPTBigCodeForCausalLM"], "add_cross_attention": True},
      "add_cross_attention: cross-attention layers are not modelled"),
     ({"architectures": ["GemmaForCausalLM"], "hidden_act": "relu"}, "hidden_act: 'relu' gate is not modelled"),
+    ({"architectures": ["BloomForCausalLM"], "apply_residual_connection_post_layernorm": True},
+     "apply_residual_connection_post_layernorm: a residual taken after the norm is not modelled"),
 ])
 def test_refusals_name_the_field(tmp_path, data, line):
     core = {"vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -244,8 +244,8 @@ def test_state_space_and_hybrid_refused(tmp_path, data, field):
 
 
 def test_unknown_architecture_refused_with_the_supported_list(tmp_path):
-    line = _refusal(tmp_path, {"architectures": ["BloomForCausalLM"], "hidden_size": 64})
-    assert "architectures: BloomForCausalLM is not modelled; plan3d reads LlamaForCausalLM" in line
+    line = _refusal(tmp_path, {"architectures": ["OPTForCausalLM"], "hidden_size": 64})
+    assert "architectures: OPTForCausalLM is not modelled; plan3d reads LlamaForCausalLM" in line
 
 
 def test_falcon_remote_code_config_refused(tmp_path):
