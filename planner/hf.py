@@ -418,6 +418,103 @@ def _bloom(data: dict, source: str, default_name: str) -> dict:
             "position_embedding": "alibi", "linear_bias": True, "embedding_norm": True,
             "dropout": _dropout(data, "hidden_dropout", "attention_dropout")}
 
+
+def _phi(data: dict, source: str, default_name: str) -> dict:
+    """PhiForCausalLM (``modeling_phi.py``, PhiConfig defaults; Phi-1, Phi-1.5, Phi-2): one LayerNorm (with bias)
+    feeding attention and MLP in parallel, q/k/v and ``dense`` with biases, a GeLU MLP (``fc1``/``fc2``, biases) of
+    ``intermediate_size``, RoPE on ``partial_rotary_factor`` of each head (default 0.5), a final LayerNorm and an
+    ``lm_head`` with a bias (``output_bias``), untied by default. ``qk_layernorm``: one LayerNorm (weight and bias) of
+    a head's width for the queries and one for the keys, shared by the heads (qk_norm "head")."""
+    rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    return {**_core(data, source), "name": _name(data, default_name),
+            "num_kv_heads": _kv_heads(data, None),
+            "ffn_hidden_size": _get(data, source, "intermediate_size", default=8192),
+            "max_seq_len": _get(data, source, "max_position_embeddings", default=2048),
+            "activation": _gelu_mlp(data, source, "hidden_act", "gelu_new", "PhiForCausalLM"), "norm": "layernorm",
+            "parallel_attention": True, "shared_input_norm": True,
+            "qk_norm": "head" if _flag(data, "qk_layernorm", False) else "none",
+            "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
+            "linear_bias": True, "output_bias": True,
+            "dropout": _dropout(data, "resid_pdrop", "embd_pdrop", "attention_dropout"),
+            "rotary_percent": _get(data, source, "partial_rotary_factor",
+                                   default=rope.get("partial_rotary_factor", 0.5))}
+
+
+def _gptj(data: dict, source: str, default_name: str) -> dict:
+    """GPTJForCausalLM (``modeling_gptj.py``, GPTJConfig defaults; GPT-J-6B): ``n_embd``/``n_layer``/``n_head``, one
+    LayerNorm (``ln_1``, with bias) feeding attention and MLP in parallel, q/k/v/out without biases, a GeLU MLP
+    (``fc_in``/``fc_out``, biases) of ``n_inner`` (default 4h), RoPE on ``rotary_dim`` channels of each head (default
+    64; none: the whole head), a final LayerNorm and an ``lm_head`` with a bias (``output_bias``), untied by
+    default."""
+    h = _get(data, source, "n_embd", "hidden_size")
+    a = _get(data, source, "n_head", "num_attention_heads")
+    rotary = data.get("rotary_dim", 64)
+    head = h // a if isinstance(h, int) and isinstance(a, int) and a else None
+    return {"name": _name(data, default_name), "num_layers": _get(data, source, "n_layer", "num_hidden_layers"),
+            "hidden_size": h, "num_attention_heads": a,
+            "ffn_hidden_size": _get(data, source, "n_inner", default=4 * h if isinstance(h, int) else None),
+            "vocab_size": _get(data, source, "vocab_size"),
+            "max_seq_len": _get(data, source, "n_positions", "max_position_embeddings", default=2048),
+            "activation": _gelu_mlp(data, source, "activation_function", "gelu_new", "GPTJForCausalLM"),
+            "norm": "layernorm", "parallel_attention": True, "shared_input_norm": True,
+            "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
+            "linear_bias": False, "qkv_bias": False, "out_proj_bias": False, "mlp_bias": True, "output_bias": True,
+            "dropout": _dropout(data, "resid_pdrop", "embd_pdrop", "attn_pdrop"),
+            "rotary_percent": min(1.0, rotary / head) if rotary and head else 1.0}  # a slice past the head: all of it
+
+
+def _cohere(data: dict, source: str, default_name: str) -> dict:
+    """CohereForCausalLM (``modeling_cohere.py``, CohereConfig defaults; Command R): one ``CohereLayerNorm`` (a
+    LayerNorm with weight only: ``norm_bias`` False) feeding attention and a SwiGLU MLP in parallel, q/k/v/o with
+    ``attention_bias`` (default off), no MLP biases, MHA without ``num_key_value_heads``, tied by default; its
+    ``logit_scale`` is a scalar. ``use_qk_norm`` (Command R+: a weight per head and channel, normalised per head)
+    is refused: plan3d's query/key norms are one norm shared by the heads or one over all of them."""
+    if _flag(data, "use_qk_norm", False):
+        raise SpecError(f"{source}: use_qk_norm: Cohere's per-head query/key LayerNorms (a weight for each head and "
+                        "channel) are not modelled; plan3d models a norm shared by the heads or over all of them "
+                        "(qk_norm in a model spec YAML, docs/specs.md)")
+    attention_bias = _flag(data, "attention_bias", False)
+    return {**_core(data, source), "name": _name(data, default_name),
+            "num_kv_heads": _kv_heads(data, None),
+            "ffn_hidden_size": _get(data, source, "intermediate_size", default=22528),
+            "max_seq_len": _get(data, source, "max_position_embeddings", default=None),
+            "activation": _gate(data, source, "hidden_act", "silu"), "norm": "layernorm", "norm_bias": False,
+            "parallel_attention": True, "shared_input_norm": True,
+            "tied_embeddings": _flag(data, "tie_word_embeddings", True), "position_embedding": "rope",
+            "linear_bias": False, "qkv_bias": attention_bias, "out_proj_bias": attention_bias, "mlp_bias": False,
+            "dropout": _dropout(data, "attention_dropout")}
+
+
+def _mpt(data: dict, source: str, default_name: str) -> dict:
+    """MptForCausalLM (``modeling_mpt.py``, MptConfig defaults; MosaicML's MPT, llm-foundry): ``d_model``,
+    ``n_heads``, ``n_layers``; fused ``Wqkv`` (3h) and ``out_proj``, a GeLU MLP of 4h, all without biases, two
+    LayerNorms per layer and a final one, all without bias (``norm_bias`` False), ALiBi, tied. The transformers class
+    builds exactly that whatever the config says, so a config it would misread is refused: ``no_bias`` false,
+    ``expansion_ratio`` other than 4, ``attn_config.qk_ln`` (Q/K LayerNorms) or ``attn_config.alibi`` false (learned
+    positions). ``clip_qkv`` and ``alibi_bias_max`` change no parameter."""
+    attn = data.get("attn_config") if isinstance(data.get("attn_config"), dict) else {}
+    if not _flag(data, "no_bias", True):
+        raise SpecError(f"{source}: no_bias: false (biases on the linears and norms) is not what transformers' "
+                        "MptForCausalLM builds; plan3d reads MPT without biases (write a model spec YAML for others)")
+    if data.get("expansion_ratio", 4) != 4:
+        raise SpecError(f"{source}: expansion_ratio: {data['expansion_ratio']} is not modelled; transformers' "
+                        "MptForCausalLM builds an MLP of 4 x d_model (write a model spec YAML with ffn_hidden_size)")
+    if _flag(attn, "qk_ln", False):
+        raise SpecError(f"{source}: attn_config.qk_ln: MPT's query/key LayerNorms are not in transformers' "
+                        "MptForCausalLM and not modelled; write a model spec YAML (qk_norm, docs/specs.md)")
+    if not _flag(attn, "alibi", True):
+        raise SpecError(f"{source}: attn_config.alibi: false (learned positions) is not what transformers' "
+                        "MptForCausalLM builds; plan3d reads MPT with ALiBi")
+    pdrop = [float(attn.get("attn_pdrop") or 0), float(data.get("resid_pdrop") or 0), float(data.get("emb_pdrop") or 0)]
+    return {"name": _name(data, default_name), "num_layers": _get(data, source, "n_layers", "num_hidden_layers"),
+            "hidden_size": (h := _get(data, source, "d_model", "hidden_size")),
+            "num_attention_heads": _get(data, source, "n_heads", "num_attention_heads"),
+            "ffn_hidden_size": 4 * h if isinstance(h, int) else None, "vocab_size": _get(data, source, "vocab_size"),
+            "max_seq_len": _get(data, source, "max_seq_len", default=2048),
+            "activation": "gelu", "norm": "layernorm", "norm_bias": False,
+            "tied_embeddings": _flag(data, "tie_word_embeddings", True), "position_embedding": "alibi",
+            "linear_bias": False, "dropout": any(x > 0 for x in pdrop)}
+
 # --- mixture-of-experts and Qwen3 readers --------------------------------------------------------
 
 def _count(data: dict, source: str, *keys: str, default: Any = ..., minimum: int = 0) -> int:
@@ -815,7 +912,8 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "Olmo3ForCausalLM": _olmo3,
     "GemmaForCausalLM": _gemma, "GraniteForCausalLM": _granite, "SmolLM3ForCausalLM": _smollm3,
     "Starcoder2ForCausalLM": _starcoder2, "StableLmForCausalLM": _stablelm, "GPTBigCodeForCausalLM": _gpt_bigcode,
-    "BloomForCausalLM": _bloom,
+    "BloomForCausalLM": _bloom, "PhiForCausalLM": _phi, "GPTJForCausalLM": _gptj, "CohereForCausalLM": _cohere,
+    "MptForCausalLM": _mpt, "MPTForCausalLM": _mpt,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
@@ -831,7 +929,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "olmo3": "Olmo3ForCausalLM",
                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM",
-               "bloom": "BloomForCausalLM"}
+               "bloom": "BloomForCausalLM", "phi": "PhiForCausalLM", "gptj": "GPTJForCausalLM",
+               "cohere": "CohereForCausalLM", "mpt": "MptForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------

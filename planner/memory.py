@@ -251,6 +251,8 @@ def stage_param_split(model: ModelSpec, plan: Plan, stage: int, layers: int) -> 
         dense += model.norm_params
         if not model.tied_embeddings or (p > 1 and not plan.v_shaped):  # V: tied copy on the same rank
             dense += rows
+        if model.output_bias:  # its own parameter, split over TP with the (padded) vocabulary rows
+            dense += padded_vocab_size(model.vocab_size, t) / t
         mtp_dense, mtp_expert = mtp_param_split(model, plan, stage)
         dense, expert = dense + mtp_dense, expert + mtp_expert
     return dense, expert

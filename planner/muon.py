@@ -159,6 +159,8 @@ def stage_tensors(model: ModelSpec, plan: Plan, stage: int, layers: int) -> tupl
         rows.append((h, model.norm_weights_per_channel, False, False, None))  # the final norm
         if not model.tied_embeddings or (plan.pp > 1 and not plan.v_shaped):  # the output layer (or the tied copy)
             rows.append((vocab, 1, False, False, None))
+        if model.output_bias:  # a 1-D parameter (Adam's), this rank's share of the padded vocabulary
+            rows.append((vocab / h, 1, False, False, None))
         if mtp and stage != 0 and not model.tied_embeddings:
             # the MTP modules' own word embedding: language_module.py marks is_embedding_or_output_parameter on the
             # first stage's only, so Muon steps this 2-D copy (found against Megatron's build, tests/test_megatron_params)

@@ -134,6 +134,15 @@ class ModelSpec(_Spec):
     mlp_bias: bool | None = Field(
         default=None, description="Biases on the MLP matrices. Default: same as linear_bias.")
     embedding_norm: bool = Field(default=False, description="A norm right after the word embedding (BLOOM).")
+    norm_bias: bool | None = Field(
+        default=None,
+        description="With norm 'layernorm': whether each LayerNorm has a bias (beta). Default: it has (GPT-2, BLOOM, "
+                    "Megatron's LayerNorm). False: weight only (MPT's no_bias, Cohere); the norm still centres, so "
+                    "it saves the mean as LayerNorm does. RMSNorm has none either way.")
+    output_bias: bool = Field(
+        default=False,
+        description="The output layer (LM head) has a bias of vocab_size, split over TP with its rows (Phi-1/1.5/2, "
+                    "GPT-J). Tied or not, the bias is its own parameter.")
     dropout: bool = Field(
         default=False,
         description="Dropout active in training (stores 1-byte masks). Not given: on for learned-position (GPT-2/3 "
@@ -314,6 +323,8 @@ class ModelSpec(_Spec):
             errors.append("max_seq_len: required when position_embedding is 'learned'")
         if self.shared_input_norm and not self.parallel_attention:
             errors.append("shared_input_norm: needs parallel_attention (one norm can feed both only in parallel)")
+        if self.norm_bias and self.norm == "rmsnorm":
+            errors.append("norm_bias: RMSNorm has no bias; remove norm_bias or use norm 'layernorm'")
         if self.parallel_attention and self.norm_placement != "pre":
             errors.append(f"parallel_attention: modelled with norm_placement 'pre' only, got '{self.norm_placement}'")
         _problems(errors)
@@ -439,12 +450,12 @@ class ModelSpec(_Spec):
 
     @property
     def norm_weights_per_channel(self) -> int:
-        """2 for LayerNorm (gamma, beta), 1 for RMSNorm (gamma)."""
-        return 2 if self.norm == "layernorm" else 1
+        """2 for LayerNorm (gamma, beta), 1 for RMSNorm (gamma) and a LayerNorm without bias (``norm_bias`` False)."""
+        return 2 if self.norm == "layernorm" and self.norm_bias is not False else 1
 
     @property
     def norm_params(self) -> int:
-        """Parameters of one norm: 2h for LayerNorm (gamma, beta), h for RMSNorm."""
+        """Parameters of one norm: 2h for LayerNorm (gamma, beta), h for RMSNorm or a bias-free LayerNorm."""
         return self.norm_weights_per_channel * self.hidden_size
 
     @property
@@ -542,9 +553,10 @@ class ModelSpec(_Spec):
         return v * h + positions + (self.norm_params if self.embedding_norm else 0)
 
     def output_params(self, vocab_size: int | None = None) -> int:
-        """Output-side parameters: final norm and (untied) LM head."""
+        """Output-side parameters: final norm, (untied) LM head and its bias (``output_bias``, Phi and GPT-J's
+        ``lm_head.bias``)."""
         v = vocab_size or self.vocab_size
-        return self.norm_params + (0 if self.tied_embeddings else v * self.hidden_size)
+        return self.norm_params + (0 if self.tied_embeddings else v * self.hidden_size) + (v if self.output_bias else 0)
 
     @property
     def num_params(self) -> int:
@@ -586,6 +598,10 @@ class ModelSpec(_Spec):
                         "or on none (--disable-bias-linear, optionally --add-qkv-bias)")
         if self.position_embedding == "alibi":
             gaps.append("position_embedding: alibi is not a Megatron-LM --position-embedding-type")
+        if self.norm == "layernorm" and self.norm_bias is False:
+            gaps.append("norm_bias: Megatron-LM's LayerNorm has a bias; no flag removes it")
+        if self.output_bias:
+            gaps.append("output_bias: Megatron-LM's output layer has no bias (ColumnParallelLinear, bias=False)")
         if self.rope_scaling == "yarn" and not self.is_mla:
             # GPTModel takes position_embedding_type 'yarn' only from code (Megatron-Bridge's GPT-OSS provider)
             gaps.append("rope_scaling: yarn is not a Megatron-LM --position-embedding-type (core_v0.16.1 choices: "

@@ -333,6 +333,12 @@ STRUCTURES = {
     # Nemotron-4: squared ReLU (relu then pow saves the ReLU output once, as GeLU saves its input), LayerNorm, GQA
     "nemotron-squared-relu-layernorm-gqa": dict(num_kv_heads=2, activation="squared_relu", norm="layernorm",
                                                 linear_bias=False),
+    # Cohere: one bias-free LayerNorm (norm_bias False) feeding attention and a SwiGLU MLP in parallel; MPT: bias-free
+    # LayerNorms and linears, ALiBi
+    "cohere-parallel-biasfree-layernorm": dict(activation="swiglu", norm="layernorm", norm_bias=False,
+                                               parallel_attention=True, shared_input_norm=True, tied_embeddings=True),
+    "mpt-biasfree-layernorm-alibi": dict(activation="gelu", norm="layernorm", norm_bias=False, linear_bias=False,
+                                         position_embedding="alibi", tied_embeddings=True),
 }
 TORCH_CASES = [(n, tp, sp, attn) for n in STRUCTURES for tp, sp in ((1, False), (2, False), (2, True))
                for attn in ("flash", "materialized")]
@@ -404,7 +410,8 @@ def _structures():
             qk_norm=draw(st.sampled_from(["none", "head", "full"])), tied_embeddings=draw(st.booleans()),
             linear_bias=draw(st.booleans()), qkv_bias=draw(st.sampled_from([None, True, False])),
             out_proj_bias=draw(st.sampled_from([None, True, False])),
-            mlp_bias=draw(st.sampled_from([None, True, False])))
+            mlp_bias=draw(st.sampled_from([None, True, False])), output_bias=draw(st.booleans()),
+            norm_bias=draw(st.sampled_from([None, False])))
     return build()
 
 
@@ -423,13 +430,15 @@ def test_stage_counts_add_up_to_num_params_for_every_structure():
                     layers_per_stage=tuple(layers // pp + (r < layers % pp) for r in range(pp)))
         total = sum(stage_params_per_rank(model, plan, r, n) for r, n in enumerate(plan.layers_per_stage))
         v, h = model.vocab_size, model.hidden_size
-        padding = (-(-v // 128) * 128 - v) * h  # Megatron pads the vocabulary to a multiple of 128
+        pad_rows = -(-v // 128) * 128 - v  # Megatron pads the vocabulary to a multiple of 128
+        padding = pad_rows * h
+        bias_padding = pad_rows if model.output_bias else 0  # the output bias is padded with the rows, once
         if model.tied_embeddings and pp == 1:
-            assert total == model.num_params + padding
+            assert total == model.num_params + padding + bias_padding
         elif model.tied_embeddings:  # the last stage keeps a duplicate of the tied embedding
-            assert total == model.num_params + v * h + 2 * padding
+            assert total == model.num_params + v * h + 2 * padding + bias_padding
         else:
-            assert total == model.num_params + 2 * padding
+            assert total == model.num_params + 2 * padding + bias_padding
 
     check()
 

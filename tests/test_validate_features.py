@@ -1,5 +1,6 @@
 """Nothing is silently changed by validate: the features the miniature used to drop are run and
-measured (tied embeddings, dropout, learned positions, the embedding norm; context parallelism on gloo:
+measured (tied embeddings, dropout, learned positions, the embedding norm, weight-only LayerNorms, the output
+layer's bias; context parallelism on gloo:
 tests/test_validate_cp.py), and what the run cannot represent (ALiBi; context parallelism on NCCL) is
 refused with a one-line reason.
 
@@ -29,7 +30,8 @@ def _scenario(model, tp=2, pp=1, **plan):
                     training=TrainingSpec(num_gpus=64, global_batch_size=64, seq_len=2048), plan=Plan(**(base | plan)))
 
 
-FEATURES = dict(tied_embeddings=True, position_embedding="learned", embedding_norm=True, dropout=True)
+FEATURES = dict(tied_embeddings=True, position_embedding="learned", embedding_norm=True, dropout=True,
+                norm="layernorm", norm_bias=False, output_bias=True)  # weight-only LayerNorms (MPT), Phi's head bias
 
 
 def _validate(sc):
@@ -96,6 +98,23 @@ def test_learned_positions_with_sequence_parallelism(tp_sp_run):
     first = [row for row in _rows(report, "weights_bytes") if row["stage"] == 0]
     assert first and all(row["rel_error"] == 0.0 for row in first)  # the table, replicated on each TP rank
     assert abs(report["reference"]["rel_error"]) <= launch.LOSS_TOLERANCE
+
+
+def test_output_bias_and_bias_free_norms_are_held_as_counted(tp_sp_run, pp_run):
+    """The output layer's bias (``output_bias``, DTensor ColwiseParallel splits it with the vocabulary rows) and the
+    weight-only LayerNorms (``norm_bias`` False) are in the measured weights exactly as predicted, and the prediction
+    differs from one without them."""
+    for mini, report in (tp_sp_run, pp_run):
+        rows = _rows(report, "weights_bytes")
+        assert rows and all(row["rel_error"] == 0.0 for row in rows)
+        last = max(row["stage"] for row in rows)
+        measured = next(row["measured"] for row in rows if row["stage"] == last)
+
+        def predicted(**update):
+            other = mini.model_copy(update={"model": mini.model.model_copy(update=update)})
+            return launch.predicted_rank_memory(other, last)["weights_bytes"]
+        assert predicted(output_bias=False) < measured < predicted(norm_bias=None)
+        assert abs(report["reference"]["rel_error"]) <= launch.LOSS_TOLERANCE
 
 
 def test_embedding_norm(tp_sp_run):

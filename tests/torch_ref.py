@@ -85,10 +85,11 @@ class RefLayer(nn.Module):
         f = model.ffn_size // tp
         fc1 = 2 * f if model.gated_mlp else f
         kw = dict(dtype=dtype, device=device)
-        ln = model.norm == "layernorm"
+        self.layernorm = model.norm == "layernorm"
+        biased = model.norm_weights_per_channel == 2  # a LayerNorm with bias (not norm_bias False, not RMSNorm)
 
         def norm(width):  # (weight, bias or None), registered as parameters
-            return (nn.Parameter(torch.ones(width, **kw)), nn.Parameter(torch.zeros(width, **kw)) if ln else None)
+            return (nn.Parameter(torch.ones(width, **kw)), nn.Parameter(torch.zeros(width, **kw)) if biased else None)
 
         # pre/post: norm1 (attention), norm2 (MLP); sandwich: both before and after; shared: norm1 only
         self.norm1_w, self.norm1_b = norm(h)
@@ -112,7 +113,7 @@ class RefLayer(nn.Module):
 
     # -- pieces ----------------------------------------------------------------------------------
     def _norm(self, x, w, b):
-        if b is not None:
+        if self.layernorm:  # with or without its bias
             return F.layer_norm(x, (x.shape[-1],), w, b)
         return _RMSNorm.apply(x, w, 1e-5)
 

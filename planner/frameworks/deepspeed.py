@@ -236,8 +236,9 @@ def zero3_shape(model, tp: int, recompute: tuple[bool, ...] | str = "none") -> t
     (word, learned positions, embedding norm), per layer kind the norms, the attention's input and output
     projections (weight, bias), the MLP's two linears (weight, bias) or a MoE layer's router and experts (DeepSpeed-MoE
     ``TopKGate.wg`` and ``Experts``, all experts local: ``PROFILE.allows_ep`` is False) and shared experts, the final
-    norm and the output layer (0 when tied: the embedding's weight again). TP splits as Megatron (column-parallel
-    inputs and output layer, row-parallel outputs with whole biases, norms whole; :func:`layer_params_per_rank`'s rule).
+    norm and the output layer as (weight, bias) (weight 0 when tied: the embedding's again; bias 0 without one,
+    ``ModelSpec.output_bias``). TP splits as Megatron (column-parallel inputs and output layer, row-parallel outputs
+    with whole biases, norms whole; :func:`layer_params_per_rank`'s rule).
     ``recompute``: per layer whether Megatron-DeepSpeed checkpoints it whole (``--checkpoint-activations``,
     ``_checkpointed_forward`` through ``deepspeed.checkpointing.checkpoint``, reentrant), or "selective" (its
     ``CoreAttention`` checkpointed, ``--recompute-granularity selective``).
@@ -245,7 +246,7 @@ def zero3_shape(model, tp: int, recompute: tuple[bool, ...] | str = "none") -> t
     from planner.specs import padded_vocab_size
 
     h, t = model.hidden_size, tp
-    norm = (h, h) if model.norm == "layernorm" else (h,)
+    norm = (h,) * model.norm_weights_per_channel
     attention = model.attention_params() - (model.qk_norm_params() if not model.is_mla else 0)
     out_w = (model.num_attention_heads * model.v_dim if model.is_mla else model.q_size) * h
     out_b = h if model.has_out_proj_bias else 0
@@ -273,7 +274,8 @@ def zero3_shape(model, tp: int, recompute: tuple[bool, ...] | str = "none") -> t
     embedding = (round(v_pad * h / t),) + ((model.max_seq_len * h,) if model.position_embedding == "learned" else ()) \
         + (norm if model.embedding_norm else ())
     output = 0 if model.tied_embeddings else round(v_pad * h / t)
-    return embedding, dense, moe, kinds, norm, output, recompute == "selective"
+    output_bias = round(v_pad / t) if model.output_bias else 0  # split with the vocabulary rows
+    return embedding, dense, moe, kinds, norm, (output, output_bias), recompute == "selective"
 
 
 def zero3_tree(shape: tuple):
@@ -306,7 +308,8 @@ def zero3_tree(shape: tuple):
     word = params(embedding[:1])
     embed = Module((), (Module(word), *(Module(params((n,))) for n in embedding[1:]), Module(())))
     body = tuple(layer(dense if k in "Dd" else moe, k.islower()) for k in kinds)
-    head = Module(word if output == 0 else params((output,)))
+    weight, bias = output
+    head = Module((word if weight == 0 else params((weight,))) + (params((bias,)) if bias else ()))
     language_model = Module((), (embed, Module((), body + (Module(params(final_norm)),)), head))
     return Module((), (language_model,))
 

@@ -47,7 +47,9 @@ class LayerNormFn(torch.autograd.Function):
         mean = xf.mean(-1, keepdim=True)
         rstd = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, mean, rstd, weight)
-        return ((xf - mean) * rstd).to(x.dtype) * weight + bias
+        ctx.has_bias = bias is not None  # a LayerNorm without bias (ModelSpec.norm_bias False) saves the same
+        y = ((xf - mean) * rstd).to(x.dtype) * weight
+        return y + bias if bias is not None else y
 
     @staticmethod
     def backward(ctx, grad):
@@ -56,7 +58,7 @@ class LayerNormFn(torch.autograd.Function):
         xhat = (x.float() - mean) * rstd
         h = x.shape[-1]
         gw = (gf * xhat).reshape(-1, h).sum(0).to(weight.dtype)
-        gb = gf.reshape(-1, h).sum(0).to(weight.dtype)
+        gb = gf.reshape(-1, h).sum(0).to(weight.dtype) if ctx.has_bias else None
         gx_hat = gf * weight.float()
         gx = rstd * (gx_hat - gx_hat.mean(-1, keepdim=True) - xhat * (gx_hat * xhat).mean(-1, keepdim=True))
         return gx.to(x.dtype), gw, gb, None

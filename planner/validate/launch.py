@@ -212,8 +212,8 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
         hidden_size=hidden, num_attention_heads=heads,
         num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=_round_to(512, 128 * tp * dp), max_seq_len=seq,
         activation=m.activation, norm=m.norm, tied_embeddings=m.tied_embeddings,
-        position_embedding=m.position_embedding, embedding_norm=m.embedding_norm,
-        linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=m.dropout)
+        position_embedding=m.position_embedding, embedding_norm=m.embedding_norm, norm_bias=m.norm_bias,
+        output_bias=m.output_bias, linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=m.dropout)
     if m.is_moe:
         pattern = miniature_moe_pattern(m, p, stage_layers, model.num_layers)
         model = model.model_copy(update=miniature_moe_fields(m, hidden, dp, tp) | {"moe_layer_pattern": pattern})

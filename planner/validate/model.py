@@ -29,10 +29,11 @@ class Norm(nn.Module):
         super().__init__()
         h = model.hidden_size
         self.weight = nn.Parameter(torch.ones(h))
-        self.bias = nn.Parameter(torch.zeros(h)) if model.norm == "layernorm" else None
+        self.layernorm = model.norm == "layernorm"
+        self.bias = nn.Parameter(torch.zeros(h)) if model.norm_weights_per_channel == 2 else None  # norm_bias
 
     def forward(self, x):
-        if self.bias is not None:
+        if self.layernorm:
             return LayerNormFn.apply(x, self.weight, self.bias, 1e-5)
         return RMSNormFn.apply(x, self.weight, 1e-5)
 
@@ -150,7 +151,7 @@ class Chunk(nn.Module):
         self.embedding_norm = Norm(model) if first and model.embedding_norm else None
         self.layers = nn.ModuleList(layers)
         self.norm = Norm(model) if last else None
-        self.output = nn.Linear(model.hidden_size, model.vocab_size, bias=False) if last else None
+        self.output = nn.Linear(model.hidden_size, model.vocab_size, bias=model.output_bias) if last else None
         self.sp_mesh = None  # set by tensor_parallelize when positions are added before the SP split
         self.positions = None  # with cp: the global positions of this rank's tokens (set by the worker)
 
