@@ -505,15 +505,16 @@ def _mpt(data: dict, source: str, default_name: str) -> dict:
     if not _flag(attn, "alibi", True):
         raise SpecError(f"{source}: attn_config.alibi: false (learned positions) is not what transformers' "
                         "MptForCausalLM builds; plan3d reads MPT with ALiBi")
-    pdrop = [float(attn.get("attn_pdrop") or 0), float(data.get("resid_pdrop") or 0), float(data.get("emb_pdrop") or 0)]
+    pdrop = (attn.get("attn_pdrop"), data.get("resid_pdrop"), data.get("emb_pdrop"))
+    h = _get(data, source, "d_model", "hidden_size")
     return {"name": _name(data, default_name), "num_layers": _get(data, source, "n_layers", "num_hidden_layers"),
-            "hidden_size": (h := _get(data, source, "d_model", "hidden_size")),
+            "hidden_size": h,
             "num_attention_heads": _get(data, source, "n_heads", "num_attention_heads"),
             "ffn_hidden_size": 4 * h if isinstance(h, int) else None, "vocab_size": _get(data, source, "vocab_size"),
             "max_seq_len": _get(data, source, "max_seq_len", default=2048),
             "activation": "gelu", "norm": "layernorm", "norm_bias": False,
             "tied_embeddings": _flag(data, "tie_word_embeddings", True), "position_embedding": "alibi",
-            "linear_bias": False, "dropout": any(x > 0 for x in pdrop)}
+            "linear_bias": False, "dropout": any(float(x or 0) > 0 for x in pdrop)}
 
 # --- mixture-of-experts and Qwen3 readers --------------------------------------------------------
 
@@ -928,7 +929,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "olmoe": "OlmoeForCausalLM", "llama4_text": "Llama4ForCausalLM", "nemotron": "NemotronForCausalLM",
                "olmo3": "Olmo3ForCausalLM",
                "gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-               "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM",
+               "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM",
+               "gpt_bigcode": "GPTBigCodeForCausalLM",
                "bloom": "BloomForCausalLM", "phi": "PhiForCausalLM", "gptj": "GPTJForCausalLM",
                "cohere": "CohereForCausalLM", "mpt": "MptForCausalLM"}
 

@@ -556,7 +556,8 @@ class ModelSpec(_Spec):
         """Output-side parameters: final norm, (untied) LM head and its bias (``output_bias``, Phi and GPT-J's
         ``lm_head.bias``)."""
         v = vocab_size or self.vocab_size
-        return self.norm_params + (0 if self.tied_embeddings else v * self.hidden_size) + (v if self.output_bias else 0)
+        head = 0 if self.tied_embeddings else v * self.hidden_size
+        return self.norm_params + head + (v if self.output_bias else 0)
 
     @property
     def num_params(self) -> int:
