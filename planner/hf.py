@@ -382,22 +382,12 @@ def _gpt_bigcode(data: dict, source: str, default_name: str) -> dict:
     """GPTBigCodeForCausalLM (``modeling_gpt_bigcode.py``, GPTBigCodeConfig defaults, "similar ... to
     bigcode/gpt_bigcode-santacoder"; SantaCoder, StarCoder): GPT-2's layer (learned positions ``n_positions``,
     biases on every linear, LayerNorm, GeLU MLP of ``n_inner``, default 4h, tied) with one fused ``c_attn`` of
-    ``h + 2 d_h`` outputs under ``multi_query`` (default true: one KV head), else ``3h``."""
-    if _flag(data, "add_cross_attention", False):
-        raise SpecError(f"{source}: add_cross_attention: cross-attention layers are not modelled; "
-                        "decoder-only models only")
-    h = _get(data, source, "n_embd", "hidden_size")
+    ``h + 2 d_h`` outputs under ``multi_query`` (default true: one KV head), else ``3h``: :func:`_gpt2`'s fields with
+    its KV heads and its MLP's activation (``activation_function``, a GeLU)."""
     a = _get(data, source, "n_head", "num_attention_heads")
-    return {"name": _name(data, default_name), "num_layers": _get(data, source, "n_layer", "num_hidden_layers"),
-            "hidden_size": h, "num_attention_heads": a,
-            "num_kv_heads": 1 if _flag(data, "multi_query", True) else a,
-            "ffn_hidden_size": _get(data, source, "n_inner", default=4 * h if isinstance(h, int) else None),
-            "vocab_size": _get(data, source, "vocab_size"),
-            "max_seq_len": _get(data, source, "n_positions", "max_position_embeddings", default=1024),
-            "activation": _gelu_mlp(data, source, "activation_function", "gelu_pytorch_tanh", "GPTBigCodeForCausalLM"),
-            "norm": "layernorm", "tied_embeddings": _flag(data, "tie_word_embeddings", True),
-            "position_embedding": "learned", "linear_bias": True,
-            "dropout": _dropout(data, "resid_pdrop", "embd_pdrop", "attn_pdrop", default=0.1)}
+    return _gpt2(data, source, default_name) | {
+        "num_kv_heads": 1 if _flag(data, "multi_query", True) else a,
+        "activation": _gelu_mlp(data, source, "activation_function", "gelu_pytorch_tanh", "GPTBigCodeForCausalLM")}
 
 
 def _bloom(data: dict, source: str, default_name: str) -> dict:
