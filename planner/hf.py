@@ -145,7 +145,6 @@ def _nemotron(data: dict, source: str, default_name: str) -> dict:
     if activation is None:
         raise SpecError(f"{source}: hidden_act: '{act}' is not modelled for NemotronForCausalLM; plan3d reads relu2 "
                         "(squared ReLU, Nemotron-4's) and gelu")
-    rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
     attention_bias = _flag(data, "attention_bias", False)
     return {**_core(data, source), "name": _name(data, default_name),
             "num_kv_heads": _kv_heads(data, None),
@@ -156,7 +155,7 @@ def _nemotron(data: dict, source: str, default_name: str) -> dict:
             "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
             "linear_bias": False, "qkv_bias": attention_bias, "out_proj_bias": attention_bias,
             "mlp_bias": _flag(data, "mlp_bias", False), "dropout": _dropout(data, "attention_dropout"),
-            "rotary_percent": _get(data, source, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 0.5))}
+            "rotary_percent": _partial_rotary(data, source, 0.5)}
 
 
 def _gemma2(data: dict, source: str, default_name: str) -> dict:
@@ -363,7 +362,6 @@ def _stablelm(data: dict, source: str, default_name: str) -> dict:
                         "weights) are not modelled; plan3d models a query/key norm shared by the heads or over all "
                         "of them (qk_norm in a model spec YAML, docs/specs.md)")
     parallel = _flag(data, "use_parallel_residual", False)
-    rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
     qkv_bias = _flag(data, "use_qkv_bias", False)
     return {**_core(data, source), "name": _name(data, default_name),
             "num_kv_heads": _kv_heads(data, 32),
@@ -374,8 +372,7 @@ def _stablelm(data: dict, source: str, default_name: str) -> dict:
             "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
             "linear_bias": False, "qkv_bias": qkv_bias, "out_proj_bias": False, "mlp_bias": False,
             "dropout": _dropout(data, "attention_dropout", "hidden_dropout"),
-            "rotary_percent": _get(data, source, "partial_rotary_factor",
-                                   default=rope.get("partial_rotary_factor", 0.25))}
+            "rotary_percent": _partial_rotary(data, source, 0.25)}
 
 
 def _gpt_bigcode(data: dict, source: str, default_name: str) -> dict:
@@ -415,7 +412,6 @@ def _phi(data: dict, source: str, default_name: str) -> dict:
     ``intermediate_size``, RoPE on ``partial_rotary_factor`` of each head (default 0.5), a final LayerNorm and an
     ``lm_head`` with a bias (``output_bias``), untied by default. ``qk_layernorm``: one LayerNorm (weight and bias) of
     a head's width for the queries and one for the keys, shared by the heads (qk_norm "head")."""
-    rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
     return {**_core(data, source), "name": _name(data, default_name),
             "num_kv_heads": _kv_heads(data, None),
             "ffn_hidden_size": _get(data, source, "intermediate_size", default=8192),
@@ -426,8 +422,7 @@ def _phi(data: dict, source: str, default_name: str) -> dict:
             "tied_embeddings": _flag(data, "tie_word_embeddings", False), "position_embedding": "rope",
             "linear_bias": True, "output_bias": True,
             "dropout": _dropout(data, "resid_pdrop", "embd_pdrop", "attention_dropout"),
-            "rotary_percent": _get(data, source, "partial_rotary_factor",
-                                   default=rope.get("partial_rotary_factor", 0.5))}
+            "rotary_percent": _partial_rotary(data, source, 0.5)}
 
 
 def _gptj(data: dict, source: str, default_name: str) -> dict:
@@ -505,6 +500,65 @@ def _mpt(data: dict, source: str, default_name: str) -> dict:
             "activation": "gelu", "norm": "layernorm", "norm_bias": False,
             "tied_embeddings": _flag(data, "tie_word_embeddings", True), "position_embedding": "alibi",
             "linear_bias": False, "dropout": any(float(x or 0) > 0 for x in pdrop)}
+
+
+def _partial_rotary(data: dict, source: str, default: float) -> float:
+    """``partial_rotary_factor`` at the top level (the released configs) or in ``rope_parameters`` (transformers 5)."""
+    rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    return _get(data, source, "partial_rotary_factor", default=rope.get("partial_rotary_factor", default))
+
+
+def _glm(data: dict, source: str, default_name: str) -> dict:
+    """GlmForCausalLM (``modeling_glm.py``, GlmConfig defaults; GLM-4-9B): the Llama layer with ``attention_bias`` on
+    q/k/v only (default true; ``o_proj`` has none), a fused ``gate_up_proj`` (the same count as two matrices), no MLP
+    biases, ``head_dim`` default 128, 2 KV heads, RoPE on ``partial_rotary_factor`` of each head (default 0.5),
+    untied."""
+    fields = _llama(data, source, default_name, ffn_default=13696, kv_default=2)
+    return fields | {"head_dim": _get(data, source, "head_dim", default=128),
+                     "qkv_bias": _flag(data, "attention_bias", True), "out_proj_bias": False, "mlp_bias": False,
+                     "rotary_percent": _partial_rotary(data, source, 0.5)}
+
+
+def _glm4(data: dict, source: str, default_name: str) -> dict:
+    """Glm4ForCausalLM (``modeling_glm4.py``, Glm4Config defaults; GLM-4-0414): :func:`_glm`'s layer with two more
+    RMSNorms, on the attention and MLP outputs (``post_self_attn_layernorm``, ``post_mlp_layernorm``): four per
+    layer, norm_placement "sandwich"."""
+    return _glm(data, source, default_name) | {"norm_placement": "sandwich"}
+
+
+def _seed_oss(data: dict, source: str, default_name: str) -> dict:
+    """SeedOssForCausalLM (``modeling_seed_oss.py``, SeedOssConfig defaults; ByteDance Seed-OSS-36B): the Llama
+    layer with ``attention_bias`` on q/k/v (default true), ``attention_out_bias`` on ``o_proj`` (default false),
+    ``mlp_bias`` (default false), ``head_dim`` default 128, 8 KV heads, untied."""
+    fields = _llama(data, source, default_name, ffn_default=27648, kv_default=8)
+    return fields | {"head_dim": _get(data, source, "head_dim", default=128),
+                     "qkv_bias": _flag(data, "attention_bias", True),
+                     "out_proj_bias": _flag(data, "attention_out_bias", False), "mlp_bias": _flag(data, "mlp_bias", False)}
+
+
+def _exaone4(data: dict, source: str, default_name: str) -> dict:
+    """Exaone4ForCausalLM (``modeling_exaone4.py``, Exaone4Config defaults; EXAONE 4.0): no biases, RMSNorm on the
+    attention and MLP outputs (``post_attention_layernorm``, ``post_feedforward_layernorm``: norm_placement
+    "post", as OLMo 2), an RMSNorm of a head's width on queries and keys shared by the heads (qk_norm "head"),
+    untied; local layers with ``sliding_window`` (default 4096) per ``layer_types``, else per
+    ``sliding_window_pattern``: a number n (default 4: layer i is local where (i + 1) % n != 0) or a string of L
+    (local) and G (global) repeated over the layers ("LLLG" in the 32B config); none when ``sliding_window`` is
+    null."""
+    fields = _llama(data, source, default_name, ffn_default=16384, kv_default=32)
+    fields |= {"norm_placement": "post", "qk_norm": "head", "qkv_bias": False, "out_proj_bias": False,
+               "mlp_bias": False}
+    if data.get("sliding_window", 4096) is None:
+        return fields
+    pattern = data.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        def local(layers: int) -> int:
+            return sum(pattern[i % len(pattern)] == "L" for i in range(layers))
+    else:
+        n = _count(data, source, "sliding_window_pattern", default=4, minimum=1)
+
+        def local(layers: int) -> int:
+            return layers - layers // n
+    return fields | _layer_windows(data, source, 4096, local)
 
 # --- mixture-of-experts and Qwen3 readers --------------------------------------------------------
 
@@ -905,6 +959,8 @@ READERS: dict[str, Callable[[dict, str, str], dict]] = {
     "Starcoder2ForCausalLM": _starcoder2, "StableLmForCausalLM": _stablelm, "GPTBigCodeForCausalLM": _gpt_bigcode,
     "BloomForCausalLM": _bloom, "PhiForCausalLM": _phi, "GPTJForCausalLM": _gptj, "CohereForCausalLM": _cohere,
     "MptForCausalLM": _mpt, "MPTForCausalLM": _mpt,
+    "GlmForCausalLM": _glm, "Glm4ForCausalLM": _glm4, "SeedOssForCausalLM": _seed_oss,
+    "Exaone4ForCausalLM": _exaone4,
 }
 #: Readers of mixture-of-experts classes: expert-count keys are theirs to read, not a reason to refuse.
 MOE_READERS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
@@ -922,7 +978,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM",
                "gpt_bigcode": "GPTBigCodeForCausalLM",
                "bloom": "BloomForCausalLM", "phi": "PhiForCausalLM", "gptj": "GPTJForCausalLM",
-               "cohere": "CohereForCausalLM", "mpt": "MptForCausalLM"}
+               "cohere": "CohereForCausalLM", "mpt": "MptForCausalLM", "glm": "GlmForCausalLM",
+               "glm4": "Glm4ForCausalLM", "seed_oss": "SeedOssForCausalLM", "exaone4": "Exaone4ForCausalLM"}
 
 
 # --- dispatch and refusals ----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Hugging Face import of the dense architectures added on 2026-12-08: Gemma (1), Granite, SmolLM3, StarCoder2,
-StableLM, GPTBigCode (SantaCoder, StarCoder), BLOOM, Phi (1, 1.5, 2), GPT-J, Cohere (Command R) and MPT, and the two
-fields the last four need (``ModelSpec.norm_bias``, ``ModelSpec.output_bias``). Each is read exactly or refused (``planner.hf``).
+StableLM, GPTBigCode (SantaCoder, StarCoder), BLOOM, Phi (1, 1.5, 2), GPT-J, Cohere (Command R), MPT, GLM-4 (both
+classes), Seed-OSS and EXAONE 4, and the two fields Phi, GPT-J, Cohere and MPT need (``ModelSpec.norm_bias``,
+``ModelSpec.output_bias``). Each is read exactly or refused (``planner.hf``).
 
 References, never recomputed here from the formula under test:
 
@@ -69,11 +70,13 @@ def test_starcoder2_structure():
 ARCH = {"gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
         "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM",
         "bloom": "BloomForCausalLM", "phi": "PhiForCausalLM", "gptj": "GPTJForCausalLM", "cohere": "CohereForCausalLM",
-        "mpt": "MptForCausalLM"}
+        "mpt": "MptForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+        "exaone4": "Exaone4ForCausalLM"}
 CONFIG_CLASS = {"gemma": "GemmaConfig", "granite": "GraniteConfig", "smollm3": "SmolLM3Config",
                 "starcoder2": "Starcoder2Config", "stablelm": "StableLmConfig", "gpt_bigcode": "GPTBigCodeConfig",
                 "bloom": "BloomConfig", "phi": "PhiConfig", "gptj": "GPTJConfig", "cohere": "CohereConfig",
-                "mpt": "MptConfig"}
+                "mpt": "MptConfig", "glm": "GlmConfig", "glm4": "Glm4Config", "seed_oss": "SeedOssConfig",
+                "exaone4": "Exaone4Config"}
 STRUCTURAL = ("vocab_size", "hidden_size", "n_embed", "d_model", "n_heads", "n_layers", "max_seq_len", "rotary_dim", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
               "n_inner")
@@ -94,6 +97,10 @@ VARIANTS = [
     ("gptj", {}), ("gptj", {"n_inner": 1000}), ("gptj", {"tie_word_embeddings": True}),
     ("cohere", {}), ("cohere", {"attention_bias": True}), ("cohere", {"num_key_value_heads": 8, "tie_word_embeddings": False}),
     ("mpt", {}), ("mpt", {"tie_word_embeddings": False}),
+    ("glm", {}), ("glm", {"attention_bias": False}), ("glm", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    ("glm4", {}), ("glm4", {"attention_bias": False, "head_dim": 64}),
+    ("seed_oss", {}), ("seed_oss", {"attention_out_bias": True, "mlp_bias": True}), ("seed_oss", {"attention_bias": False}),
+    ("exaone4", {}), ("exaone4", {"tie_word_embeddings": True}), ("exaone4", {"num_key_value_heads": 8}),
 ]
 
 
@@ -192,6 +199,30 @@ def test_phi_gptj_cohere_mpt_structure(tmp_path):
     mpt = load_model(_write(tmp_path, {"architectures": ["MPTForCausalLM"], "d_model": 1024, "n_heads": 8,
                                        "n_layers": 2, "vocab_size": 1000, "attn_config": {"clip_qkv": 8}}))
     assert (mpt.norm_bias, mpt.position_embedding, mpt.linear_bias, mpt.ffn_size) == (False, "alibi", False, 4096)
+
+
+@pytest.mark.parametrize("pattern,layer_types", [(4, None), ("LLLG", None), (3, None), (None, "explicit")])
+def test_exaone4_windowed_layers_as_transformers_lays_them(tmp_path, pattern, layer_types):
+    """EXAONE 4's local layers: ``sliding_window_pattern`` (a number, default 4, or a string of L and G as the 32B
+    config writes it) or ``layer_types``; the count plan3d reads equals the ``"sliding_attention"`` entries of the
+    ``layer_types`` transformers builds (Exaone4Config.__post_init__), where it builds them from a number."""
+    transformers = pytest.importorskip("transformers")
+    core = {"architectures": ["Exaone4ForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
+            "num_hidden_layers": 10, "num_attention_heads": 8, "num_key_value_heads": 8}
+    data = dict(core)
+    if layer_types:
+        data["layer_types"] = ["sliding_attention", "full_attention"] * 5
+    elif pattern is not None:
+        data["sliding_window_pattern"] = pattern
+    spec = load_model(_write(tmp_path, data))
+    if isinstance(pattern, str):
+        expected = sum("LLLG"[i % 4] == "L" for i in range(10))
+    else:
+        types = data.get("layer_types") or transformers.Exaone4Config(
+            **{k: v for k, v in data.items() if k != "architectures"}).layer_types
+        expected = types.count("sliding_attention")
+    assert (spec.sliding_window, spec.sliding_window_layers) == (4096, expected)
+    assert load_model(_write(tmp_path, core | {"sliding_window": None})).sliding_window is None
 
 
 def test_gpt_bigcode_multi_query_and_learned_positions(tmp_path):
