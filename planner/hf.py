@@ -286,7 +286,6 @@ def _gpt_neox(data: dict, source: str, default_name: str) -> dict:
             "rotary_percent": _get(data, source, "rotary_pct", "partial_rotary_factor", default=0.25)}
 
 
-
 def _gemma(data: dict, source: str, default_name: str) -> dict:
     """GemmaForCausalLM (``modeling_gemma.py``, GemmaConfig defaults, "similar ... to google/gemma-7b"): the Llama
     layer with a GeGLU MLP (``hidden_act``: the released configs' legacy ``gelu`` is read as the tanh GeLU,
@@ -533,7 +532,8 @@ def _seed_oss(data: dict, source: str, default_name: str) -> dict:
     fields = _llama(data, source, default_name, ffn_default=27648, kv_default=8)
     return fields | {"head_dim": _get(data, source, "head_dim", default=128),
                      "qkv_bias": _flag(data, "attention_bias", True),
-                     "out_proj_bias": _flag(data, "attention_out_bias", False), "mlp_bias": _flag(data, "mlp_bias", False)}
+                     "out_proj_bias": _flag(data, "attention_out_bias", False),
+                     "mlp_bias": _flag(data, "mlp_bias", False)}
 
 
 def _exaone4(data: dict, source: str, default_name: str) -> dict:
@@ -559,6 +559,7 @@ def _exaone4(data: dict, source: str, default_name: str) -> dict:
         def local(layers: int) -> int:
             return layers - layers // n
     return fields | _layer_windows(data, source, 4096, local)
+
 
 # --- mixture-of-experts and Qwen3 readers --------------------------------------------------------
 
