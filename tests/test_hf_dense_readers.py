@@ -51,8 +51,8 @@ def test_bloom_176b_count_from_the_model_card():
     assert (spec.position_embedding, spec.embedding_norm, spec.linear_bias) == ("alibi", True, True)
     preset = load_model("bloom-176b")
     differ = {k for k, v in spec.model_dump().items() if preset.model_dump()[k] != v}
-    # the config's dropout is 0.0 and it states no sequence length (ALiBi has no position table); the preset keeps
-    # the paper's training dropout and its 2,048 tokens
+    # the config's dropouts are 0.0 and it states no sequence length (ALiBi has no position table); the preset sets
+    # dropout and its 2,048 tokens itself
     assert differ == {"dropout", "max_seq_len"}
 
 
@@ -68,7 +68,8 @@ def test_starcoder2_structure():
 # --- against transformers itself ----------------------------------------------------------------------------
 
 ARCH = {"gemma": "GemmaForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-        "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM", "gpt_bigcode": "GPTBigCodeForCausalLM",
+        "starcoder2": "Starcoder2ForCausalLM", "stablelm": "StableLmForCausalLM",
+        "gpt_bigcode": "GPTBigCodeForCausalLM",
         "bloom": "BloomForCausalLM", "phi": "PhiForCausalLM", "gptj": "GPTJForCausalLM", "cohere": "CohereForCausalLM",
         "mpt": "MptForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
         "exaone4": "Exaone4ForCausalLM"}
@@ -77,15 +78,16 @@ CONFIG_CLASS = {"gemma": "GemmaConfig", "granite": "GraniteConfig", "smollm3": "
                 "bloom": "BloomConfig", "phi": "PhiConfig", "gptj": "GPTJConfig", "cohere": "CohereConfig",
                 "mpt": "MptConfig", "glm": "GlmConfig", "glm4": "Glm4Config", "seed_oss": "SeedOssConfig",
                 "exaone4": "Exaone4Config"}
-STRUCTURAL = ("vocab_size", "hidden_size", "n_embed", "d_model", "n_heads", "n_layers", "max_seq_len", "rotary_dim", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
-              "n_inner")
+STRUCTURAL = ("vocab_size", "hidden_size", "n_embed", "d_model", "n_heads", "n_layers", "max_seq_len", "rotary_dim",
+              "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions", "n_inner")
 VARIANTS = [
     ("gemma", {}), ("gemma", {"attention_bias": True}), ("gemma", {"tie_word_embeddings": False}),
     ("gemma", {"num_key_value_heads": 1, "head_dim": 128}),
     ("granite", {}), ("granite", {"attention_bias": True, "mlp_bias": True}),
     ("granite", {"tie_word_embeddings": True, "num_key_value_heads": 8}),
-    ("smollm3", {}), ("smollm3", {"attention_bias": True}), ("smollm3", {"mlp_bias": True, "tie_word_embeddings": False}),
+    ("smollm3", {}), ("smollm3", {"attention_bias": True}),
+    ("smollm3", {"mlp_bias": True, "tie_word_embeddings": False}),
     ("starcoder2", {}), ("starcoder2", {"use_bias": False}), ("starcoder2", {"tie_word_embeddings": False}),
     ("stablelm", {}), ("stablelm", {"use_qkv_bias": True}), ("stablelm", {"use_parallel_residual": True}),
     ("stablelm", {"num_key_value_heads": 8, "tie_word_embeddings": True}),
@@ -95,11 +97,13 @@ VARIANTS = [
     ("phi", {}), ("phi", {"qk_layernorm": True}), ("phi", {"tie_word_embeddings": True}),
     ("phi", {"num_key_value_heads": 8}),
     ("gptj", {}), ("gptj", {"n_inner": 1000}), ("gptj", {"tie_word_embeddings": True}),
-    ("cohere", {}), ("cohere", {"attention_bias": True}), ("cohere", {"num_key_value_heads": 8, "tie_word_embeddings": False}),
+    ("cohere", {}), ("cohere", {"attention_bias": True}),
+    ("cohere", {"num_key_value_heads": 8, "tie_word_embeddings": False}),
     ("mpt", {}), ("mpt", {"tie_word_embeddings": False}),
     ("glm", {}), ("glm", {"attention_bias": False}), ("glm", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
     ("glm4", {}), ("glm4", {"attention_bias": False, "head_dim": 64}),
-    ("seed_oss", {}), ("seed_oss", {"attention_out_bias": True, "mlp_bias": True}), ("seed_oss", {"attention_bias": False}),
+    ("seed_oss", {}), ("seed_oss", {"attention_out_bias": True, "mlp_bias": True}),
+    ("seed_oss", {"attention_bias": False}),
     ("exaone4", {}), ("exaone4", {"tie_word_embeddings": True}), ("exaone4", {"num_key_value_heads": 8}),
 ]
 
@@ -250,7 +254,8 @@ def test_gpt_bigcode_multi_query_and_learned_positions(tmp_path):
     ({"architectures": ["MptForCausalLM"], "expansion_ratio": 2}, "expansion_ratio: 2 is not modelled"),
     ({"architectures": ["MptForCausalLM"], "attn_config": {"qk_ln": True}}, "attn_config.qk_ln: MPT's query/key"),
     ({"architectures": ["MptForCausalLM"], "attn_config": {"alibi": False}}, "attn_config.alibi: false"),
-    ({"architectures": ["PhiForCausalLM"], "hidden_act": "relu"}, "hidden_act: 'relu' is not modelled for PhiForCausalLM"),
+    ({"architectures": ["PhiForCausalLM"], "hidden_act": "relu"},
+     "hidden_act: 'relu' is not modelled for PhiForCausalLM"),
     ({"architectures": ["GPTJForCausalLM"], "activation_function": "relu"},
      "activation_function: 'relu' is not modelled for GPTJForCausalLM"),
 ])
