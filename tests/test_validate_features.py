@@ -175,3 +175,43 @@ def test_the_cp_refusal_is_still_true_for_this_torch():
     res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
     assert "CP-REFUSED" in res.stdout, res.stdout + res.stderr[-2000:]
     assert "_scaled_dot_product_flash_attention_for_cpu" in res.stdout
+
+
+def test_geglu_runs_gated_and_measures_as_predicted():
+    """A GeGLU model (Gemma) runs its gated MLP (planner.validate.kernels.GeGLUFn, saving the FC1 output as the fused
+    GLU kernels do): weights and saved activations equal the prediction exactly; before, the validate MLP ran a
+    non-gated GeLU of half the FC1 width for it."""
+    mini, report = _validate(_scenario(_model(activation="geglu"), sequence_parallel=True))
+    assert mini.model.activation == "geglu"
+    for metric in ("weights_bytes", "saved_activation_peak_bytes"):
+        rows = _rows(report, metric)
+        assert rows and all(row["rel_error"] == 0.0 for row in rows), metric
+    assert abs(report["reference"]["rel_error"]) <= launch.LOSS_TOLERANCE
+
+
+def test_the_miniature_keeps_each_bias():
+    """GPT-J's pattern (no attention biases, MLP biases) and Seed-OSS's (Q/K/V biases, none on the output
+    projection): the miniature keeps each bias as the plan's model sets it."""
+    for biases in (dict(linear_bias=False, qkv_bias=False, out_proj_bias=False, mlp_bias=True),
+                   dict(linear_bias=False, qkv_bias=True, out_proj_bias=False, mlp_bias=False)):
+        mini = launch.miniature(_scenario(_model(**biases)), max_ranks=2).model
+        assert (mini.has_qkv_bias, mini.has_out_proj_bias, mini.has_mlp_bias) == \
+            (biases["qkv_bias"], biases["out_proj_bias"], biases["mlp_bias"])
+
+
+def test_layer_structure_the_validate_model_does_not_build_is_listed_not_dropped_silently():
+    """What planner/validate/model.py does not build (launch.UNBUILT_STRUCTURE) is named in the report's changes,
+    for the miniature and for the full-size run (whose prediction is of the layer it builds, launch.buildable_model);
+    a plain Llama layer lists none."""
+    phi_like = _model(parallel_attention=True, shared_input_norm=True, rotary_percent=0.5)
+    gemma_like = _model(norm_placement="sandwich", attn_logit_softcap=50.0, sliding_window=4096,
+                        sliding_window_layers=16)
+    for model, names in ((phi_like, ("parallel_attention", "shared_input_norm", "rotary_percent")),
+                         (gemma_like, ("norm_placement", "attn_logit_softcap", "sliding_window"))):
+        sc = _scenario(model)
+        for run in (launch.miniature(sc, max_ranks=2), launch.run_scenario(sc)):
+            line = [c for c in launch.changes(sc, run) if c.startswith("layer structure")]
+            assert len(line) == 1 and all(f"{name} " in line[0] for name in names), line
+            assert all(getattr(run.model, n) == getattr(_model(), n) for n in launch.UNBUILT_STRUCTURE)
+    plain = _scenario(_model())
+    assert not [c for c in launch.changes(plain, launch.run_scenario(plain)) if c.startswith("layer structure")]

@@ -84,6 +84,28 @@ class SwiGLUFn(torch.autograd.Function):
         return torch.cat([d_gate, d_up], dim=-1).to(y.dtype)
 
 
+class GeGLUFn(torch.autograd.Function):
+    """gelu(gate) * up (the tanh GeLU, Gemma's ``gelu_pytorch_tanh``), saving only the FC1 output, as
+    :class:`SwiGLUFn` and the fused GLU kernels (``planner.memory``: the activation input is the FC1 output)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        gate, up = y.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        gate, up = y.float().chunk(2, dim=-1)
+        with torch.enable_grad():  # the GeLU's derivative from autograd on the fp32 gate (a local graph)
+            g = gate.detach().requires_grad_(True)
+            act = F.gelu(g, approximate="tanh")
+            (d_act,) = torch.autograd.grad(act, g, grad.float() * up)
+        d_up = grad.float() * act.detach()
+        return torch.cat([d_act, d_up], dim=-1).to(y.dtype)
+
+
 class DropoutFn(torch.autograd.Function):
     """Dropout that saves a 1-byte bool mask."""
 

@@ -176,7 +176,10 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
     """A small copy of the plan that runs on ``max_ranks`` local processes (module docstring).
 
     Kept from the plan: tp, pp, cp, vpp, recompute (with its block K), SP, the ZeRO stage (1 runs as 2), GQA,
-    activation, norm, biases, tied embeddings, learned/rotary positions, the embedding norm and dropout; for a
+    activation, norm (with or without its bias), every bias (QKV, output projection, MLP, output layer), tied
+    embeddings, learned/rotary positions, the embedding norm and dropout; the layer structure it does not build
+    (:data:`UNBUILT_STRUCTURE`: parallel attention, post or sandwich norms, Q/K norms, soft-caps, windows, ...)
+    is left out and listed by :func:`changes`; for a
     MoE model the experts, shared experts, gate and router bias (:func:`miniature_moe_fields`).
     Changed, and listed by :func:`changes`: sizes, dp (capped), micro-batches, the precision (``precision``:
     fp32 by default, where the loss check against one process is exact; or bf16 with FSDP2's mixed
@@ -213,7 +216,8 @@ def miniature(sc: Scenario, max_ranks: int = 8, scale: float = 1.0, hardware: Ha
         num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=_round_to(512, 128 * tp * dp), max_seq_len=seq,
         activation=m.activation, norm=m.norm, tied_embeddings=m.tied_embeddings,
         position_embedding=m.position_embedding, embedding_norm=m.embedding_norm, norm_bias=m.norm_bias,
-        output_bias=m.output_bias, linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, dropout=m.dropout)
+        output_bias=m.output_bias, linear_bias=m.linear_bias, qkv_bias=m.qkv_bias, out_proj_bias=m.out_proj_bias,
+        mlp_bias=m.mlp_bias, dropout=m.dropout)
     if m.is_moe:
         pattern = miniature_moe_pattern(m, p, stage_layers, model.num_layers)
         model = model.model_copy(update=miniature_moe_fields(m, hidden, dp, tp) | {"moe_layer_pattern": pattern})
@@ -279,10 +283,32 @@ def miniature_moe_fields(m: ModelSpec, hidden: int, dp: int, tp: int) -> dict:
             "router_bias": m.router_bias, "router_dtype": m.router_dtype, "capacity_factor": m.capacity_factor}
 
 
+#: ModelSpec fields of the layer's structure that the validate model (planner/validate/model.py: one pre-norm layer,
+#: attention then MLP, full causal attention over every position) does not build; :func:`changes` names each one the
+#: plan's model sets, as it names the sizes it scales down.
+UNBUILT_STRUCTURE = ("parallel_attention", "shared_input_norm", "norm_placement", "qk_norm", "attn_logit_softcap",
+                     "final_logit_softcap", "sliding_window", "attention_chunk", "rotary_percent", "attention_sinks",
+                     "swiglu_limit", "rope_scaling")
+
+
+def buildable_model(model: ModelSpec) -> ModelSpec:
+    """``model`` as the validate model builds it: each :data:`UNBUILT_STRUCTURE` field at ModelSpec's default (with
+    the layer counts that go with a window or a chunk), so that the prediction a run is judged against is of the
+    layer it runs. :func:`changes` lists what this drops."""
+    fields = ModelSpec.model_fields
+    update = {name: fields[name].default for name in (*UNBUILT_STRUCTURE, "sliding_window_layers", "chunked_layers")}
+    return ModelSpec.model_validate(model.model_dump() | update)
+
+
 def changes(sc: Scenario, run: Scenario) -> list[str]:
     """Every way the run differs from the plan, one line each (printed and in the report)."""
     p, q, m, n = sc.plan, run.plan, sc.model, run.model
     out = []
+    unbuilt = [f"{name} {getattr(m, name)} -> {getattr(n, name)}" for name in UNBUILT_STRUCTURE
+               if getattr(m, name) != getattr(n, name)]
+    if unbuilt:
+        out.append("layer structure the validate model does not build (it runs a sequential pre-norm layer with full "
+                   "causal attention; the prediction it is judged against is the miniature's): " + ", ".join(unbuilt))
     if (n.num_layers, n.hidden_size, n.num_attention_heads, n.vocab_size) != \
             (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size):
         out.append(f"model scaled down: {m.num_layers} -> {n.num_layers} layers, hidden {m.hidden_size} -> "
@@ -953,7 +979,8 @@ def inside_torchrun() -> bool:
 def run_scenario(sc: Scenario, precision: str | None = None) -> Scenario:
     """What the full-size validate run executes for a plan: the plan's precision as :func:`run_precision` maps
     it (bf16 for bf16 and the fp8 family, with FSDP2's mixed precision; fp32 for fp32) unless ``precision``
-    says otherwise, torch's DTensor SP, FSDP2 (ZeRO-1 runs as ZeRO-2). :func:`changes` lists what differs."""
+    says otherwise, torch's DTensor SP, FSDP2 (ZeRO-1 runs as ZeRO-2), the layer the validate model builds
+    (:func:`buildable_model`). :func:`changes` lists what differs."""
     if precision not in (None, "fp32", "bf16"):
         raise SpecError(f"--precision: '{precision}' is not one of fp32, bf16 (what the validate run can run)")
     run = precision or run_precision(sc.training.precision)
@@ -962,4 +989,4 @@ def run_scenario(sc: Scenario, precision: str | None = None) -> Scenario:
     training = sc.training.model_copy(update={"precision": run, "framework": "torch", "cross_entropy_fusion": "none",
                                               "moe_token_dispatcher": "alltoall"})
     plan = sc.plan.model_copy(update={"zero_stage": 2 if sc.plan.zero_stage == 1 else sc.plan.zero_stage})
-    return sc.model_copy(update={"training": training, "plan": plan})
+    return sc.model_copy(update={"model": buildable_model(sc.model), "training": training, "plan": plan})

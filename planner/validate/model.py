@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.specs import ModelSpec
-from planner.validate.kernels import DropoutFn, KeepFn, LayerNormFn, RMSNormFn, RopeFn, SwiGLUFn, rope_tables
+from planner.validate.kernels import (DropoutFn, GeGLUFn, KeepFn, LayerNormFn, RMSNormFn, RopeFn, SwiGLUFn,
+                                      rope_tables)
 
 
 class Norm(nn.Module):
@@ -85,14 +86,17 @@ class MLP(nn.Module):
         super().__init__()
         h, f = model.hidden_size, ffn or model.ffn_size
         self.swiglu = model.activation == "swiglu"
+        self.geglu = model.activation == "geglu"
         self.squared_relu = model.activation == "squared_relu"
         self.w1 = nn.Linear(h, f, bias=model.has_mlp_bias)
-        self.w3 = nn.Linear(h, f, bias=model.has_mlp_bias) if self.swiglu else None
+        self.w3 = nn.Linear(h, f, bias=model.has_mlp_bias) if model.gated_mlp else None
         self.w2 = nn.Linear(f, h, bias=model.has_mlp_bias)
 
     def forward(self, x):
         if self.swiglu:
             return self.w2(SwiGLUFn.apply(torch.cat([self.w1(x), self.w3(x)], dim=-1)))
+        if self.geglu:
+            return self.w2(GeGLUFn.apply(torch.cat([self.w1(x), self.w3(x)], dim=-1)))
         if self.squared_relu:  # Megatron-Core activations.squared_relu: pow(relu(x), 2), saving the ReLU output
             return self.w2(torch.pow(F.relu(self.w1(x)), 2))
         return self.w2(F.gelu(self.w1(x)))
