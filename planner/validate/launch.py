@@ -308,7 +308,7 @@ def changes(sc: Scenario, run: Scenario) -> list[str]:
                if getattr(m, name) != getattr(n, name)]
     if unbuilt:
         out.append("layer structure the validate model does not build (it runs a sequential pre-norm layer with full "
-                   "causal attention; the prediction it is judged against is the miniature's): " + ", ".join(unbuilt))
+                   "causal attention, judged against the prediction for that layer): " + ", ".join(unbuilt))
     if (n.num_layers, n.hidden_size, n.num_attention_heads, n.vocab_size) != \
             (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size):
         out.append(f"model scaled down: {m.num_layers} -> {n.num_layers} layers, hidden {m.hidden_size} -> "
