@@ -474,8 +474,10 @@ def _mpt(data: dict, source: str, default_name: str) -> dict:
     ``n_heads``, ``n_layers``; fused ``Wqkv`` (3h) and ``out_proj``, a GeLU MLP of 4h, all without biases, two
     LayerNorms per layer and a final one, all without bias (``norm_bias`` False), ALiBi, tied. The transformers class
     builds exactly that whatever the config says, so a config it would misread is refused: ``no_bias`` false,
-    ``expansion_ratio`` other than 4, ``attn_config.qk_ln`` (Q/K LayerNorms) or ``attn_config.alibi`` false (learned
-    positions). ``clip_qkv`` and ``alibi_bias_max`` change no parameter."""
+    ``expansion_ratio`` other than 4, ``attn_config.qk_ln`` (Q/K LayerNorms), ``attn_config.alibi`` false (learned
+    positions), an ``attn_config.attn_type`` other than multi-head (llm-foundry's grouped-query attention) or an
+    ``ffn_config.ffn_type`` other than ``mptmlp`` (llm-foundry's GLU and MoE MLPs). ``clip_qkv`` and
+    ``alibi_bias_max`` change no parameter."""
     attn = data.get("attn_config") if isinstance(data.get("attn_config"), dict) else {}
     if not _flag(data, "no_bias", True):
         raise SpecError(f"{source}: no_bias: false (biases on the linears and norms) is not what transformers' "
@@ -489,6 +491,13 @@ def _mpt(data: dict, source: str, default_name: str) -> dict:
     if not _flag(attn, "alibi", True):
         raise SpecError(f"{source}: attn_config.alibi: false (learned positions) is not what transformers' "
                         "MptForCausalLM builds; plan3d reads MPT with ALiBi")
+    if attn.get("attn_type", "multihead_attention") != "multihead_attention":
+        raise SpecError(f"{source}: attn_config.attn_type: {attn['attn_type']!r} is not what transformers' "
+                        "MptForCausalLM builds (multihead_attention); write a model spec YAML (num_kv_heads)")
+    ffn = data.get("ffn_config") if isinstance(data.get("ffn_config"), dict) else {}
+    if ffn.get("ffn_type", "mptmlp") != "mptmlp":
+        raise SpecError(f"{source}: ffn_config.ffn_type: {ffn['ffn_type']!r} is not what transformers' "
+                        "MptForCausalLM builds (mptmlp, a GeLU MLP); write a model spec YAML (activation)")
     pdrop = (attn.get("attn_pdrop"), data.get("resid_pdrop"), data.get("emb_pdrop"))
     h = _get(data, source, "d_model", "hidden_size")
     return {"name": _name(data, default_name), "num_layers": _get(data, source, "n_layers", "num_hidden_layers"),
